@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -- create .venv, install, and run the main job on the embedded default
+#   make test   -- create .venv, install, lint, type-check and run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean install
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch 2.13.0 CPU wheel lies on this machine's disk; the package itself only needs torch>=2.4
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/vramplan estimate llama-3.1-8b --task train --precision bf16-mixed --optimizer adamw \
+	    --batch 4 --seq 2048 --checkpointing full --gpu h100-sxm
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest -n 2 -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/estimate_speed.py
+	$(BIN)/python bench/replay_speed.py
+	$(BIN)/python bench/trace_speed.py
+	$(BIN)/python bench/plan_speed.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

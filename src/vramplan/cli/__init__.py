@@ -1,0 +1,1 @@
+"""Command line: argument parsing and wiring only (no formulas here)."""

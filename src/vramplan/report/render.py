@@ -1,0 +1,104 @@
+"""Render a :class:`~vramplan.report.doc.Doc` as a rich terminal table or as markdown."""
+
+from __future__ import annotations
+
+import io
+from typing import IO
+
+from rich import box
+from rich.console import Console
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from .doc import Doc, KeyValues, Notes, Table
+
+FORMATS = ("table", "json", "markdown")
+
+
+def _align(t: Table, i: int) -> str:
+    if t.align and i < len(t.align):
+        return "left" if t.align[i] == "l" else "right"
+    return "left" if i == 0 else "right"
+
+
+def render_console(doc: Doc, console: Console) -> None:
+    console.print(Text(doc.title, style="bold"))
+    if doc.subtitle:
+        console.print(Text(doc.subtitle, style="dim"))
+    for s in doc.sections:
+        if isinstance(s, Table):
+            rt = RichTable(title=s.title or None, box=box.SIMPLE_HEAVY, title_justify="left",
+                           show_footer=False)
+            for i, c in enumerate(s.columns):
+                rt.add_column(c, justify=_align(s, i))  # type: ignore[arg-type]
+            for r in s.rows:
+                rt.add_row(*r)
+            if s.footer:
+                rt.add_section()
+                rt.add_row(*[Text(x, style="bold") for x in s.footer])
+            console.print(rt)
+        elif isinstance(s, KeyValues):
+            rt = RichTable(title=s.title or None, box=None, show_header=False, title_justify="left",
+                           padding=(0, 2, 0, 0))
+            rt.add_column(style="bold")
+            rt.add_column()
+            for k, v in s.items:
+                rt.add_row(k, v)
+            console.print(rt)
+            console.print()
+        elif isinstance(s, Notes) and s.lines:
+            console.print(Text(s.title, style="bold"))
+            for line in s.lines:
+                console.print(Text(f"  • {line}", style="dim"))
+
+
+def to_text(doc: Doc, width: int = 110) -> str:
+    """Plain text (no colour) — what tests compare."""
+    buf = io.StringIO()
+    render_console(doc, Console(file=buf, width=width, color_system=None, force_terminal=False,
+                                 highlight=False, soft_wrap=False))
+    return buf.getvalue()
+
+
+def _md_escape(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def to_markdown(doc: Doc) -> str:
+    out: list[str] = [f"### {doc.title}", ""]
+    if doc.subtitle:
+        out += [f"_{doc.subtitle}_", ""]
+    for s in doc.sections:
+        if isinstance(s, Table):
+            if s.title:
+                out += [f"**{s.title}**", ""]
+            out.append("| " + " | ".join(_md_escape(c) for c in s.columns) + " |")
+            out.append("|" + "|".join(":--" if _align(s, i) == "left" else "--:" for i in range(len(s.columns))) + "|")
+            for r in s.rows:
+                out.append("| " + " | ".join(_md_escape(x) for x in r) + " |")
+            if s.footer:
+                out.append("| " + " | ".join(f"**{_md_escape(x)}**" if x else "" for x in s.footer) + " |")
+            out.append("")
+        elif isinstance(s, KeyValues):
+            if s.title:
+                out += [f"**{s.title}**", ""]
+            for k, v in s.items:
+                out.append(f"- **{_md_escape(k)}**: {_md_escape(v)}")
+            out.append("")
+        elif isinstance(s, Notes) and s.lines:
+            out += [f"**{s.title}**", ""]
+            out += [f"- {line}" for line in s.lines]
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) -> None:
+    """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``."""
+    if fmt == "json":
+        import json
+
+        stream.write(json.dumps(json_obj, indent=2, sort_keys=False) + "\n")
+    elif fmt == "markdown":
+        stream.write(to_markdown(doc))
+    else:
+        render_console(doc, Console(file=stream, highlight=False))

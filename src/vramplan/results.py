@@ -1,0 +1,237 @@
+"""Typed results that cross module boundaries. Plain data; rendering lives in ``report``.
+
+Invariants (tested): the breakdown's categories sum to ``peak.allocated``;
+``peak.reserved >= peak.allocated``; ``peak.device_used = peak.reserved + overhead``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .workload import Method, Phase, Workload
+
+BREAKDOWN_KEYS: tuple[str, ...] = (
+    "weights", "gradients", "optimizer", "activations", "temporaries", "kv_cache",
+)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes allocated at one instant, by category. Sums to the allocated total."""
+
+    weights: int = 0
+    """Parameters and buffers (incl. quantised storage and its scales)."""
+    gradients: int = 0
+    optimizer: int = 0
+    """Optimizer states (and fp32 master copies where they are separate from the weights)."""
+    activations: int = 0
+    """Tensors saved for backward, inputs, and live forward outputs."""
+    temporaries: int = 0
+    """Short-lived buffers: op workspaces, foreach temporaries, autocast weight copies, logits upcasts."""
+    kv_cache: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in BREAKDOWN_KEYS)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in BREAKDOWN_KEYS}
+
+    def __add__(self, other: Breakdown) -> Breakdown:
+        return Breakdown(**{k: getattr(self, k) + getattr(other, k) for k in BREAKDOWN_KEYS})
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, int]) -> Breakdown:
+        unknown = set(m) - set(BREAKDOWN_KEYS)
+        if unknown:
+            raise ValueError(f"unknown breakdown categories {sorted(unknown)}")
+        return cls(**{k: int(v) for k, v in m.items()})
+
+
+@dataclass(frozen=True)
+class OverheadItem:
+    """Memory outside PyTorch's allocator (CUDA context, kernels, NCCL, ...)."""
+
+    name: str
+    bytes: int
+    source: str
+    """Where the figure comes from (measurement, document, or formula)."""
+
+
+@dataclass(frozen=True)
+class Peak:
+    allocated: int
+    """Predicted ``torch.cuda.max_memory_allocated()``."""
+    reserved: int
+    """Predicted ``torch.cuda.max_memory_reserved()``."""
+    device_used: int
+    """Predicted nvidia-smi / NVML used memory at the peak (reserved + overhead)."""
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    phase: Phase
+    allocated: int
+    breakdown: Breakdown
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gpu: str
+    """Catalog key of the GPU."""
+    gpu_name: str
+    capacity: int
+    usable: int
+    """Capacity minus the driver/firmware reserve (what a process can get)."""
+    fits: bool
+    headroom: int
+    """usable − predicted device_used (negative: short by that much)."""
+    max_batch: int | None
+    """Largest micro-batch that fits (None when not searched / not batch-dependent)."""
+    num_gpus: int = 1
+    capacity_source: str = ""
+
+
+@dataclass(frozen=True)
+class AllocatorSummary:
+    """What the caching-allocator simulation adds on top of allocated bytes."""
+
+    backend: str
+    """``native`` or ``cudaMallocAsync (approximation)`` or ``none (allocated + estimate)``."""
+    conf: str
+    segments: int
+    fragmentation_at_peak: float
+    """1 − allocated/reserved at the reserved peak."""
+    alloc_retries: int = 0
+    ooms: int = 0
+
+
+@dataclass(frozen=True)
+class ModuleStat:
+    module: str
+    peak: int
+    """Bytes allocated while this module was running, at its highest."""
+    own: int = 0
+    """Bytes allocated by this module's own ops that are live at the global peak."""
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    nbytes: int
+    category: str
+    module: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class IterationPeak:
+    iteration: int
+    allocated: int
+    phase: Phase
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Allocated bytes by category after each event (or a decimated subset of events)."""
+
+    index: tuple[int, ...]
+    series: Mapping[str, tuple[int, ...]]
+    phases: tuple[tuple[int, int, str], ...] = ()
+    """(first index, last index, phase name) spans."""
+    reserved: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """A prediction of one workload's GPU memory, per GPU (per rank)."""
+
+    model: str
+    params: int
+    trainable_params: int
+    workload: Workload
+    method: Method
+    breakdown: Breakdown
+    """By category at the allocated peak."""
+    overhead: tuple[OverheadItem, ...]
+    peak: Peak
+    peak_phase: Phase
+    phases: tuple[PhasePeak, ...] = ()
+    verdict: Verdict | None = None
+    allocator: AllocatorSummary | None = None
+    notes: tuple[str, ...] = ()
+    """Assumptions, fallbacks and caveats, one sentence each."""
+    top_modules: tuple[ModuleStat, ...] = ()
+    top_tensors: tuple[TensorStat, ...] = ()
+    iterations: tuple[IterationPeak, ...] = ()
+    timeline: Timeline | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Method-specific data (e.g. the trace's event log under ``events``); not rendered by default."""
+
+    @property
+    def overhead_total(self) -> int:
+        return sum(o.bytes for o in self.overhead)
+
+    @property
+    def predicts(self) -> str:
+        return (
+            f"method={self.method}: allocated = torch.cuda.max_memory_allocated(), "
+            "reserved = torch.cuda.max_memory_reserved(), device_used = nvidia-smi used"
+        )
+
+    def replace(self, **changes: Any) -> MemoryReport:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; all sizes are integer bytes."""
+        d: dict[str, Any] = {
+            "model": self.model,
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            "method": str(self.method),
+            "predicts": self.predicts,
+            "workload": self.workload.to_dict(),
+            "breakdown": {**self.breakdown.as_dict(), "overhead": self.overhead_total},
+            "overhead": [dataclasses.asdict(o) for o in self.overhead],
+            "peak": dataclasses.asdict(self.peak),
+            "peak_phase": str(self.peak_phase),
+            "phases": [
+                {"phase": str(p.phase), "allocated": p.allocated, "breakdown": p.breakdown.as_dict()}
+                for p in self.phases
+            ],
+            "notes": list(self.notes),
+        }
+        if self.allocator is not None:
+            d["allocator"] = dataclasses.asdict(self.allocator)
+        if self.verdict is not None:
+            v = self.verdict
+            d["gpu"] = {"name": v.gpu, "full_name": v.gpu_name, "capacity": v.capacity,
+                        "usable": v.usable, "count": v.num_gpus, "source": v.capacity_source}
+            d["fits"] = v.fits
+            d["headroom"] = v.headroom
+            d["max_batch"] = v.max_batch
+        if self.top_modules:
+            d["top_modules"] = [dataclasses.asdict(m) for m in self.top_modules]
+        if self.top_tensors:
+            d["top_tensors"] = [dataclasses.asdict(t) for t in self.top_tensors]
+        if self.iterations:
+            d["iterations"] = [
+                {"iteration": i.iteration, "allocated": i.allocated, "phase": str(i.phase)}
+                for i in self.iterations
+            ]
+        return _jsonable(d)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Enum):
+        return x.value
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x

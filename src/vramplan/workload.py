@@ -1,0 +1,303 @@
+"""The typed description of a job, validated up front.
+
+A :class:`Workload` says *what* runs (task, shapes, precision, optimizer, memory savings,
+quantisation, parallelism); it knows nothing of how memory is estimated. Checks that need
+the model's shape (heads divisible by TP, layers by PP) live in :func:`check_against_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, TypeVar
+
+from .errors import WorkloadError
+
+
+class _StrEnum(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class Task(_StrEnum):
+    TRAIN = "train"
+    INFER = "infer"
+    GENERATE = "generate"
+
+
+class Precision(_StrEnum):
+    FP32 = "fp32"
+    FP16_MIXED = "fp16-mixed"  # fp32 master weights + autocast fp16
+    BF16_MIXED = "bf16-mixed"  # fp32 master weights + autocast bf16
+    BF16 = "bf16"  # pure bf16 weights, grads, optimizer states
+    FP16 = "fp16"  # pure fp16
+
+
+class Optimizer(_StrEnum):
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd-momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw-8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+    ADAFACTOR = "adafactor"
+    LION = "lion"
+
+
+class OptimizerImpl(_StrEnum):
+    FOREACH = "foreach"  # the default on CUDA: whole-list temporaries
+    FUSED = "fused"
+    FOR_LOOP = "for-loop"
+
+
+class Checkpointing(_StrEnum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+class Peft(_StrEnum):
+    NONE = "none"
+    LORA = "lora"
+    QLORA = "qlora"  # NF4 base weights with double quantisation + LoRA adapters
+
+
+class Quant(_StrEnum):
+    NONE = "none"
+    INT8 = "int8"  # bitsandbytes LLM.int8 storage
+    INT4 = "int4"  # bitsandbytes FP4 / generic 4-bit
+    NF4 = "nf4"
+    FP8 = "fp8"
+
+
+class Attention(_StrEnum):
+    EAGER = "eager"
+    SDPA = "sdpa"
+    FLASH = "flash"
+
+
+class KVDtype(_StrEnum):
+    AUTO = "auto"  # the compute dtype
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class Method(_StrEnum):
+    AUTO = "auto"
+    ANALYTIC = "analytic"
+    TRACE = "trace"
+
+
+class Phase(_StrEnum):
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    OPTIMIZER = "optimizer"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = "all-linear"
+
+E = TypeVar("E", bound=Enum)
+
+
+def as_enum(cls: type[E], value: Any, what: str) -> E:
+    """Turn a user string into an enum member, or raise a one-line error listing choices."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).strip().lower())
+    except ValueError:
+        choices = " | ".join(str(m.value) for m in cls)  # type: ignore[attr-defined]
+        raise WorkloadError(f"invalid {what} {value!r}", hint=f"choose one of {choices}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How the job is spread over GPUs. All sizes are counts of GPUs (ranks)."""
+
+    dp: int = 1
+    """Data-parallel size (number of model replicas / FSDP shards)."""
+    zero: int = 0
+    """ZeRO stage 0-3 (= FSDP NO_SHARD / SHARD_GRAD_OP(2) / FULL_SHARD(3); stage 1 shards optimizer states)."""
+    tp: int = 1
+    """Tensor-parallel size (Megatron-style column/row splits of attention and MLP)."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    microbatches: int = 0
+    """Micro-batches in flight on the first pipeline stage (0 = pp, as in 1F1B)."""
+    sp: bool = False
+    """Megatron sequence parallelism (shards norm/dropout activations over the TP group)."""
+    cp: int = 1
+    """Context-parallel size (sequence split across ranks, ring attention)."""
+    ep: int = 1
+    """Expert-parallel size for MoE models."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and fp32 master weights) in CPU memory."""
+    offload_params: bool = False
+    """Keep parameters in CPU memory, gathered per layer (ZeRO-3 / FSDP offload)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise WorkloadError(f"--{name} must be a positive integer, got {v!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise WorkloadError(f"invalid ZeRO stage {self.zero!r}", hint="use 0, 1, 2 or 3")
+        if self.microbatches < 0:
+            raise WorkloadError("--microbatches must be >= 0 (0 means one per pipeline stage)")
+        if self.sp and self.tp == 1:
+            raise WorkloadError("sequence parallelism needs tensor parallelism", hint="add --tp 2 or more, or drop --sp")
+        if self.offload_params and self.zero != 3:
+            raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="add --zero 3")
+        if self.ep > 1 and self.dp % self.ep:
+            raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations are alive at once on the first stage."""
+        if self.pp == 1:
+            return 1
+        return self.microbatches or self.pp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Everything that decides a job's GPU memory, apart from the model and the GPU."""
+
+    task: Task = Task.TRAIN
+    """train | infer | generate."""
+    batch: int = 1
+    """Micro-batch size per GPU (per data-parallel rank)."""
+    seq: int = 2048
+    """Sequence length in tokens (for generate: the prompt length). Ignored for CNNs."""
+    new_tokens: int = 0
+    """Tokens generated after the prompt (task=generate)."""
+    grad_accum: int = 1
+    """Gradient accumulation steps (memory of one micro-batch; gradients kept across steps)."""
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: Optimizer = Optimizer.ADAMW
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    checkpointing: Checkpointing = Checkpointing.NONE
+    checkpoint_fraction: float = 1.0
+    """Fraction of layers checkpointed when checkpointing is on (1.0 = all)."""
+    peft: Peft = Peft.NONE
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    """Module names LoRA wraps; ("all-linear",) for every linear layer but the head."""
+    quant: Quant = Quant.NONE
+    """Weight quantisation of the base model (inference, or the frozen base under PEFT)."""
+    kv_dtype: KVDtype = KVDtype.AUTO
+    attention: Attention = Attention.SDPA
+    parallel: Parallel = field(default_factory=Parallel)
+    image_size: int = 224
+    """Input resolution for vision models."""
+
+    def __post_init__(self) -> None:
+        # Coerce strings to enums so that Workload(task="train") works.
+        for name, cls in (
+            ("task", Task), ("precision", Precision), ("optimizer", Optimizer),
+            ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
+            ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention),
+        ):
+            object.__setattr__(self, name, as_enum(cls, getattr(self, name), name.replace("_", " ")))
+        if isinstance(self.lora_targets, str):
+            object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
+        for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise WorkloadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
+            raise WorkloadError(f"--new-tokens must be >= 0, got {self.new_tokens!r}")
+        if not (0.0 < self.checkpoint_fraction <= 1.0):
+            raise WorkloadError(f"checkpoint fraction must be in (0, 1], got {self.checkpoint_fraction!r}")
+        if self.task is Task.GENERATE and self.new_tokens == 0:
+            object.__setattr__(self, "new_tokens", 128)
+        if self.peft is Peft.QLORA:
+            if self.precision is Precision.FP32:
+                raise WorkloadError(
+                    "QLoRA computes in 16-bit; fp32 is not a QLoRA setting",
+                    hint="use --precision bf16-mixed (or bf16)",
+                )
+            if self.quant not in (Quant.NONE, Quant.NF4):
+                raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop --quant")
+            object.__setattr__(self, "quant", Quant.NF4)
+        if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
+            raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use --task train, or drop --peft")
+        if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
+            raise WorkloadError(
+                f"full training of {self.quant}-quantised weights is not supported",
+                hint="add --peft lora (QLoRA-style) or drop --quant",
+            )
+        if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
+            Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM
+        ):
+            raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use --optimizer-impl foreach")
+        if self.task is not Task.TRAIN:
+            p = self.parallel
+            if p.zero or p.offload_optimizer:
+                raise WorkloadError("ZeRO stages and optimizer offload apply to training", hint="drop --zero/--offload")
+        if self.precision in (Precision.FP16, Precision.BF16) and self.optimizer in (
+            Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
+        ):
+            pass  # bitsandbytes supports 8-bit states on 16-bit params
+
+    # --- convenience ---------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        return self.task is Task.TRAIN
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision in (Precision.FP16_MIXED, Precision.BF16_MIXED)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per stored (unquantised) parameter."""
+        return 4 if self.precision in (Precision.FP32, Precision.FP16_MIXED, Precision.BF16_MIXED) else 2
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations."""
+        return 4 if self.precision is Precision.FP32 else 2
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def replace(self, **changes: Any) -> Workload:
+        """A copy with some fields changed (validated again)."""
+        if "parallel" not in changes:
+            pchanges = {k: changes.pop(k) for k in list(changes) if k in _PARALLEL_FIELDS}
+            if pchanges:
+                changes["parallel"] = dataclasses.replace(self.parallel, **pchanges)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return _plain(d)
+
+
+_PARALLEL_FIELDS = {f.name for f in dataclasses.fields(Parallel)}
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Enum):
+        return x.value
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
