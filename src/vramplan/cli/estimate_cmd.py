@@ -1,0 +1,57 @@
+"""``vramplan estimate MODEL``: predict a catalog (or config.json / Hub) model's GPU memory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import add_output_args, add_workload_args, hint, workload_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate", help="predict the GPU memory of a model's training/inference step",
+        description="Predict allocated / reserved / device-used memory per GPU for a catalog "
+        "model (see `vramplan models`), a local config.json or a Hub id.",
+    )
+    p.add_argument("model", help="catalog alias (llama-3.1-8b), Hub id, or path to a config.json")
+    add_workload_args(p)
+    p.add_argument("--snapshot", metavar="FILE.pickle",
+                   help="write the predicted trace in PyTorch's memory-snapshot format (needs --method trace)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner.estimate import estimate
+    from ..report.estimate import to_doc
+    from ..report.render import emit
+
+    w = workload_from_args(args)
+    report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
+    if report.method.value == "analytic" and args.method == "auto":
+        fell_back = any("analytic estimate instead" in n for n in report.notes)
+        if fell_back:
+            hint("note: the model could not be traced; showing the analytic estimate")
+    emit(to_doc(report), args.format, sys.stdout, report.to_dict())
+    write_extras(report, args)
+    return 0
+
+
+def write_extras(report, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    """--plot and --snapshot, shared with `vramplan trace`."""
+    from ..errors import VramplanError
+
+    if getattr(args, "plot", None):
+        from ..report.plot import plot_report
+
+        plot_report(report, args.plot)
+        hint(f"plot written to {args.plot}")
+    if getattr(args, "snapshot", None):
+        events = report.extra.get("events")
+        if events is None:
+            raise VramplanError("--snapshot needs an event trace", hint="add --method trace")
+        from ..snapshot.export import write_predicted_snapshot
+
+        write_predicted_snapshot(events, args.snapshot, conf=args.alloc_conf, report=report)
+        hint(f"predicted snapshot written to {args.snapshot} (open it at pytorch.org/memory_viz)")

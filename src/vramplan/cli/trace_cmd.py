@@ -1,0 +1,83 @@
+"""``vramplan trace FILE.py:FUNC``: trace a user's own model factory on fake tensors.
+
+``FUNC()`` returns ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``;
+``example_inputs`` is a tensor, a tuple of positional tensors or a dict of keyword tensors,
+built for the batch you want to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import TraceError, VramplanError
+from .common import add_output_args, add_workload_args, workload_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trace", help="trace your own model factory (file.py:make) on fake tensors",
+        description="Run your model's real step on fake tensors (no GPU) and replay it through "
+        "the caching-allocator simulation. FILE.py:FUNC must return (model, example_inputs) "
+        "or (model, example_inputs, loss_fn).",
+    )
+    p.add_argument("target", metavar="FILE.py:FUNC", help="python file and factory function")
+    add_workload_args(p)
+    p.add_argument("--iterations", type=int, default=2, help="steps to trace (default 2: first and steady state)")
+    p.add_argument("--snapshot", metavar="FILE.pickle", help="write the predicted trace in PyTorch's snapshot format")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def load_factory(target: str) -> Any:
+    path, sep, func = target.rpartition(":")
+    if not sep or not path or not func:
+        raise VramplanError(f"expected FILE.py:FUNC, got {target!r}", hint="e.g. vramplan trace model.py:make")
+    file = Path(path)
+    if not file.is_file():
+        raise VramplanError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(f"vramplan_user_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise VramplanError(f"cannot import {path} as a python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # user code: report in one line
+        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.path.pop(0)
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise VramplanError(f"{path} has no function {func!r}")
+    return fn
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner.estimate import trace
+    from ..report.estimate import to_doc
+    from ..report.render import emit
+    from .estimate_cmd import write_extras
+
+    if args.iterations < 1:
+        raise VramplanError("--iterations must be >= 1")
+    factory = load_factory(args.target)
+    try:
+        made = factory()
+    except VramplanError:
+        raise
+    except Exception as e:
+        raise TraceError(f"{args.target}() raised {type(e).__name__}: {e}") from None
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
+    model, inputs, *rest = made
+    w = workload_from_args(args)
+    fields = {k: v for k, v in w.__dict__.items() if k != "task"}
+    report = trace(model, inputs, task=w.task.value, loss_fn=rest[0] if rest else None, gpu=args.gpu,
+                   alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target, **fields)
+    emit(to_doc(report), args.format, sys.stdout, report.to_dict())
+    write_extras(report, args)
+    return 0

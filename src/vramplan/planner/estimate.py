@@ -1,0 +1,322 @@
+"""The estimate pipeline: model + workload (+ GPU) → :class:`~vramplan.results.MemoryReport`.
+
+method=analytic  closed-form formulas (milliseconds; transformer families only)
+method=trace     the real model run on fake tensors → event log → caching-allocator replay
+method=auto      trace when the model can be built and traced, else analytic (the report says so)
+
+Whatever the method, the report carries all three predicted numbers: allocated
+(``max_memory_allocated``), reserved (``max_memory_reserved``) and device_used (nvidia-smi),
+plus the verdict against a GPU and the largest batch that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import TraceError, VramplanError, WorkloadError
+from ..hardware.gpu import GPU
+from ..models.spec import Family, ModelSpec
+from ..results import (
+    AllocatorSummary, Breakdown, IterationPeak, MemoryReport, OverheadItem, Peak, PhasePeak,
+    Verdict,
+)
+from ..workload import Method, Phase, Workload, as_enum
+
+if TYPE_CHECKING:
+    from ..events import EventLog
+    from ..trace.result import TraceResult
+
+ANALYTIC_RESERVE_SLACK = 0.05
+"""Analytic method only: reserved is taken as allocated × (1 + this), the caching allocator's
+typical slack (rounding to 2 MiB segments, cached free blocks). The trace method simulates it."""
+
+MAX_BATCH_LIMIT = 1 << 16
+
+
+def resolve_model(model: str | ModelSpec) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    from ..models.catalog import resolve
+
+    return resolve(model)
+
+
+def resolve_gpu(gpu: str | GPU | None) -> GPU | None:
+    if gpu is None or isinstance(gpu, GPU):
+        return gpu
+    from ..hardware.catalog import get_gpu
+
+    return get_gpu(gpu)
+
+
+def overhead_items(gpu: GPU | None, w: Workload) -> tuple[OverheadItem, ...]:
+    """Memory outside the caching allocator (CUDA context, kernels, NCCL), per GPU."""
+    from ..hardware.overhead import device_overhead
+
+    return tuple(device_overhead(gpu, world_size=w.parallel.world_size))
+
+
+# --------------------------------------------------------------------------- analytic
+@dataclass(frozen=True)
+class _Core:
+    """What a method produces before the GPU-dependent parts are added."""
+
+    breakdown: Breakdown
+    allocated: int
+    reserved: int
+    peak_phase: Phase
+    phases: tuple[PhasePeak, ...]
+    params: int
+    trainable_params: int
+    method: Method
+    allocator: AllocatorSummary | None
+    notes: tuple[str, ...]
+    extra: Mapping[str, Any]
+    iterations: tuple[IterationPeak, ...] = ()
+    trace: TraceResult | None = None
+
+
+def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
+    from .. import analytic
+
+    est = analytic.estimate(spec, w)
+    allocated = est.peak.allocated
+    reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
+    notes = tuple(est.notes) + (
+        f"analytic method: reserved assumed = allocated × {1 + ANALYTIC_RESERVE_SLACK:.2f} "
+        "(use --method trace to simulate the caching allocator)",
+    )
+    summary = AllocatorSummary(
+        backend="none (analytic: allocated + assumed slack)", conf="", segments=0,
+        fragmentation_at_peak=1 - allocated / reserved if reserved else 0.0,
+    )
+    return _Core(
+        breakdown=est.peak.breakdown, allocated=allocated, reserved=reserved,
+        peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
+        trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
+        notes=notes, extra={"flops_per_step": est.flops_per_step},
+    )
+
+
+# --------------------------------------------------------------------------- trace
+def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None) -> tuple[int, int, AllocatorSummary, Any]:
+    """Replay a trace's events through the allocator simulation: (allocated, reserved, summary, result)."""
+    from ..allocator import parse_conf, replay
+
+    conf = parse_conf(alloc_conf or "")
+    res = replay(tr.events, conf, capacity=capacity)
+    backend = getattr(conf, "backend", "native")
+    label = "native" if backend == "native" else f"{backend} (approximation)"
+    summary = AllocatorSummary(
+        backend=label, conf=alloc_conf or "", segments=res.segments,
+        fragmentation_at_peak=float(res.fragmentation_at_peak),
+        alloc_retries=res.alloc_retries, ooms=res.ooms,
+    )
+    return int(res.max_allocated), int(res.max_reserved), summary, res
+
+
+def _breakdown_to_total(b: Breakdown, total: int) -> Breakdown:
+    """The trace counts requested bytes; the allocator counts whole blocks (512-byte rounding,
+    unsplit remainders). Keep the traced categories and put the difference under temporaries
+    (the caller says so in the notes), so that the categories sum to ``allocated``."""
+    diff = total - b.total
+    if diff == 0:
+        return b
+    d = b.as_dict()
+    d["temporaries"] = d["temporaries"] + diff
+    return Breakdown.from_mapping(d)
+
+
+def _trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, capacity: int | None) -> _Core:
+    allocated, reserved, summary, _res = replay_trace(tr, alloc_conf, capacity)
+    notes = list(tr.notes)
+    traced = tr.breakdown_at_peak.total
+    breakdown = tr.breakdown_at_peak
+    if allocated != traced:
+        diff = allocated - traced
+        notes.append(
+            f"allocator block rounding adds {diff:,} B at the allocated peak over the traced tensor "
+            "bytes; counted under temporaries"
+        )
+        breakdown = _breakdown_to_total(breakdown, allocated)
+    return _Core(
+        breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
+        peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
+        trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
+        notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
+        iterations=tuple(tr.iterations), trace=tr,
+    )
+
+
+# --------------------------------------------------------------------------- verdict
+def _usable(gpu: GPU) -> tuple[int, str]:
+    from ..hardware.catalog import usable_capacity
+
+    return usable_capacity(gpu)
+
+
+def _analytic_device_used(spec: ModelSpec, w: Workload, overhead: int) -> int | None:
+    try:
+        core = _analytic_core(spec, w)
+    except VramplanError:
+        return None
+    return core.reserved + overhead
+
+
+def max_batch_analytic(spec: ModelSpec, w: Workload, usable: int, overhead: int, *, scale: float = 1.0,
+                       offset: int = 0) -> int | None:
+    """Largest micro-batch whose analytic device_used (× ``scale`` + ``offset``, a calibration
+    from a trace) fits in ``usable``. Doubling then bisection: O(log batch) evaluations."""
+
+    def fits(b: int) -> bool:
+        used = _analytic_device_used(spec, w.replace(batch=b), overhead)
+        return used is not None and used * scale + offset <= usable
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_BATCH_LIMIT and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_BATCH_LIMIT:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# --------------------------------------------------------------------------- public API
+def estimate(
+    model: str | ModelSpec,
+    workload: Workload | None = None,
+    *,
+    gpu: str | GPU | None = None,
+    method: str | Method = Method.AUTO,
+    alloc_conf: str | None = None,
+    num_gpus: int = 1,
+    search_max_batch: bool = True,
+    **workload_fields: Any,
+) -> MemoryReport:
+    """Predict one workload's per-GPU memory.
+
+    ``workload`` fields may also be given as keywords: ``estimate("llama-3.1-8b", batch=4)``.
+    """
+    w = workload.replace(**workload_fields) if workload is not None else Workload(**workload_fields)
+    spec = resolve_model(model)
+    g = resolve_gpu(gpu)
+    m = as_enum(Method, method, "method")
+    if alloc_conf:
+        from ..allocator import parse_conf
+
+        parse_conf(alloc_conf)  # fail early on a bad string
+    _check(spec, w)
+
+    notes: list[str] = []
+    core: _Core
+    capacity = _usable(g)[0] if g is not None else None
+    if m is Method.ANALYTIC:
+        core = _analytic_core(spec, w)
+    else:
+        try:
+            core = _trace_core(_trace_spec(spec, w, g), w, alloc_conf, capacity)
+        except TraceError as e:
+            if m is Method.TRACE or not _has_analytic(spec):
+                raise
+            notes.append(f"trace failed ({e}); analytic estimate instead")
+            core = _analytic_core(spec, w)
+    return _finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
+                   num_gpus=num_gpus)
+
+
+def _has_analytic(spec: ModelSpec) -> bool:
+    return spec.family is not Family.OTHER
+
+
+def _check(spec: ModelSpec, w: Workload) -> None:
+    if spec.family is Family.OTHER:
+        return
+    from ..analytic import check_against_model
+
+    check_against_model(spec, w)
+
+
+def _trace_spec(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
+    from ..trace.run import trace_workload
+
+    return trace_workload(spec, w, gpu=g)
+
+
+def _finish(core: _Core, name: str, w: Workload, g: GPU | None, *, notes: list[str],
+            spec: ModelSpec | None, search_max_batch: bool, num_gpus: int = 1) -> MemoryReport:
+    overhead = overhead_items(g, w)
+    oh = sum(o.bytes for o in overhead)
+    peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + oh)
+    verdict = None
+    if g is not None:
+        usable, usable_src = _usable(g)
+        mb: int | None = None
+        if search_max_batch and spec is not None and _has_analytic(spec):
+            scale, offset = 1.0, 0
+            if core.method is Method.TRACE:
+                # Calibrate the analytic curve to the traced point: same slope, traced level.
+                ana = _analytic_device_used(spec, w, oh) if spec is not None else None
+                if ana:
+                    offset = peak.device_used - ana
+            mb = max_batch_analytic(spec, w, usable, oh, scale=scale, offset=offset)
+            if core.method is Method.TRACE:
+                notes.append("max_batch: analytic batch curve calibrated to the traced peak")
+        verdict = Verdict(
+            gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=usable,
+            fits=peak.device_used <= usable, headroom=usable - peak.device_used, max_batch=mb,
+            num_gpus=num_gpus, capacity_source=usable_src,
+        )
+    timeline = core.trace.timeline if core.trace is not None else None
+    return MemoryReport(
+        model=name, params=core.params, trainable_params=core.trainable_params, workload=w,
+        method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
+        peak_phase=core.peak_phase, phases=core.phases, verdict=verdict, allocator=core.allocator,
+        notes=tuple(notes) + core.notes,
+        top_modules=core.trace.top_modules if core.trace is not None else (),
+        top_tensors=core.trace.top_tensors if core.trace is not None else (),
+        iterations=core.iterations, timeline=timeline, extra=dict(core.extra),
+    )
+
+
+def trace(
+    build_model: Callable[[], Any] | Any,
+    inputs: Any = None,
+    *,
+    task: str = "train",
+    optimizer: Callable[[Any], Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    gpu: str | GPU | None = None,
+    alloc_conf: str | None = None,
+    iterations: int = 2,
+    name: str | None = None,
+    **workload_fields: Any,
+) -> MemoryReport:
+    """Trace a user's own model (an ``nn.Module`` or a factory returning one) on fake tensors.
+
+    ``inputs``: a tensor, tuple of tensors or dict of keyword tensors for ``model(...)``.
+    ``optimizer``: ``lambda params: torch.optim.AdamW(params, lr=1e-4)``; default: the
+    workload's optimizer. Other keywords are :class:`~vramplan.workload.Workload` fields
+    (precision, checkpointing, batch, ...).
+    """
+    from ..trace.run import trace_model
+
+    w = Workload(task=task, **workload_fields)
+    g = resolve_gpu(gpu)
+    capacity = _usable(g)[0] if g is not None else None
+    tr = trace_model(build_model, inputs, workload=w, optimizer=optimizer, loss_fn=loss_fn, gpu=g,
+                     iterations=iterations)
+    core = _trace_core(tr, w, alloc_conf, capacity)
+    label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
+    return _finish(core, label, w, g, notes=[], spec=None, search_max_batch=False)
+
+
+__all__ = ["estimate", "trace", "max_batch_analytic", "replay_trace", "WorkloadError"]

@@ -1,0 +1,121 @@
+"""Doc builder for a :class:`~vramplan.results.MemoryReport` (estimate and trace)."""
+
+from __future__ import annotations
+
+from ..results import BREAKDOWN_KEYS, MemoryReport
+from ..units import GiB
+from .doc import Doc, KeyValues, Notes, Table
+
+_LABELS = {
+    "weights": "weights (params + buffers)",
+    "gradients": "gradients",
+    "optimizer": "optimizer states",
+    "activations": "activations (saved for backward, inputs)",
+    "temporaries": "temporaries at the peak",
+    "kv_cache": "KV cache",
+}
+
+
+def g(n: int | float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def pct(n: int | float, total: int | float) -> str:
+    return f"{100 * n / total:.1f} %" if total else "–"
+
+
+def workload_line(r: MemoryReport) -> str:
+    w = r.workload
+    parts = [f"task {w.task}", f"batch {w.batch}", f"seq {w.seq}"]
+    if w.task.value == "generate":
+        parts.append(f"+{w.new_tokens} new tokens")
+    parts.append(str(w.precision))
+    if w.training:
+        parts.append(f"{w.optimizer} ({w.optimizer_impl})")
+        if w.grad_accum > 1:
+            parts.append(f"grad-accum {w.grad_accum}")
+        parts.append(f"checkpointing {w.checkpointing}")
+    if w.peft.value != "none":
+        parts.append(f"{w.peft} r={w.lora_rank}")
+    if w.quant.value != "none":
+        parts.append(f"{w.quant} weights")
+    parts.append(f"attention {w.attention}")
+    p = w.parallel
+    par = []
+    if p.dp > 1 or p.zero:
+        par.append(f"dp {p.dp} ZeRO-{p.zero}")
+    for k in ("tp", "pp", "cp", "ep"):
+        if getattr(p, k) > 1:
+            par.append(f"{k} {getattr(p, k)}")
+    if p.sp:
+        par.append("sp")
+    if p.offload_optimizer:
+        par.append("optimizer offload")
+    if p.offload_params:
+        par.append("param offload")
+    if par:
+        parts.append(", ".join(par))
+    return " · ".join(parts)
+
+
+def to_doc(r: MemoryReport) -> Doc:
+    doc = Doc(
+        title=f"vramplan estimate: {r.model} — {r.params / 1e9:,.3f} B params"
+        + (f" ({r.trainable_params:,} trainable)" if r.trainable_params != r.params else ""),
+        subtitle=f"{workload_line(r)}\nmethod: {r.method} · sizes in GiB (2^30 bytes), per GPU",
+    )
+    pk = r.peak
+    b = r.breakdown
+    rows = [[_LABELS[k], g(getattr(b, k)), pct(getattr(b, k), pk.device_used)]
+            for k in BREAKDOWN_KEYS if getattr(b, k)]
+    rows.append(["= allocated (max_memory_allocated)", g(pk.allocated), pct(pk.allocated, pk.device_used)])
+    slack = pk.reserved - pk.allocated
+    alloc_label = "allocator cache / fragmentation"
+    if r.allocator is not None and r.allocator.backend.startswith("none"):
+        alloc_label += " (assumed)"
+    rows.append([alloc_label, g(slack), pct(slack, pk.device_used)])
+    rows.append(["= reserved (max_memory_reserved)", g(pk.reserved), pct(pk.reserved, pk.device_used)])
+    for o in r.overhead:
+        rows.append([f"{o.name} (outside the allocator)", g(o.bytes), pct(o.bytes, pk.device_used)])
+    doc.add(Table(["where the memory goes (at the peak)", "GiB", "share"], rows,
+                  footer=["= device used (nvidia-smi)", g(pk.device_used), "100.0 %"]))
+
+    kv: list[tuple[str, str]] = [("peak phase", str(r.peak_phase))]
+    if r.iterations:
+        kv.append(("per iteration", ", ".join(
+            f"#{i.iteration}: {g(i.allocated)} GiB ({i.phase})" for i in r.iterations)))
+    if r.allocator is not None and not r.allocator.backend.startswith("none"):
+        a = r.allocator
+        kv.append(("allocator", f"{a.backend}{' ' + a.conf if a.conf else ''}: {a.segments} segments, "
+                   f"fragmentation at peak {a.fragmentation_at_peak:.1%}, retries {a.alloc_retries}, OOMs {a.ooms}"))
+    v = r.verdict
+    if v is not None:
+        verdict = "FITS" if v.fits else "DOES NOT FIT"
+        head = f"{g(abs(v.headroom))} GiB {'headroom' if v.headroom >= 0 else 'short'}"
+        kv.append(("GPU", f"{v.gpu_name} ({v.gpu}): {g(v.capacity)} GiB, usable {g(v.usable)} GiB"
+                   + (f" [{v.capacity_source}]" if v.capacity_source else "")))
+        kv.append(("verdict", f"{verdict} — {head}"))
+        if v.max_batch is not None:
+            kv.append(("largest batch that fits", str(v.max_batch) if v.max_batch else "none (batch 1 does not fit)"))
+    doc.add(KeyValues(kv))
+
+    if r.phases:
+        doc.add(Table(
+            ["phase", "allocated GiB", *[k for k in BREAKDOWN_KEYS]],
+            [[str(p.phase), g(p.allocated), *[g(getattr(p.breakdown, k)) for k in BREAKDOWN_KEYS]]
+             for p in r.phases],
+            title="Peak of each phase (GiB)",
+        ))
+    if r.top_modules:
+        doc.add(Table(["module", "peak GiB"], [[m.module or "(root)", g(m.peak)] for m in r.top_modules[:8]],
+                      title="Modules with the highest memory while running"))
+    if r.top_tensors:
+        doc.add(Table(
+            ["tensor", "category", "module", "op", "MiB"],
+            [[f"{t.dtype}{list(t.shape)}", t.category, t.module or "–", t.op or "–", f"{t.nbytes / 2**20:,.1f}"]
+             for t in r.top_tensors[:8]],
+            title="Largest live tensors at the peak", align=["l", "l", "l", "l", "r"],
+        ))
+    sources = [f"{o.name}: {o.source}" for o in r.overhead]
+    doc.add(Notes(list(r.notes) + sources))
+    return doc
