@@ -43,6 +43,22 @@ class GPU:
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field name → source citation (URL or document) for each figure."""
     notes: str = ""
+    # --- added by the hardware module (all optional, backwards compatible) ---
+    sm_count: int | None = None
+    """Streaming multiprocessors (NVIDIA)."""
+    nvenc_engines: int | None = None
+    """NVENC video encoder engines on the chip (0: none, e.g. A100/H100)."""
+    av1_encode: bool | None = None
+    ecc_gddr: bool = False
+    """ECC is on by default on this GDDR card and takes 1/16 of the capacity."""
+    cuda_total: int | None = None
+    """Measured total that CUDA reports (``torch.cuda.mem_get_info()[1]``), bytes."""
+    smi_total: int | None = None
+    """Measured total that nvidia-smi shows, bytes."""
+    epoch_row: str | None = None
+    """Row name in Epoch AI's ML hardware data, where the card has one."""
+    spec_url: str | None = None
+    """The vendor's specification page or datasheet."""
 
     @property
     def derived_bandwidth(self) -> float | None:

@@ -30,7 +30,7 @@ def render_console(doc: Doc, console: Console) -> None:
             rt = RichTable(title=s.title or None, box=box.SIMPLE_HEAVY, title_justify="left",
                            show_footer=False)
             for i, c in enumerate(s.columns):
-                rt.add_column(c, justify=_align(s, i))  # type: ignore[arg-type]
+                rt.add_column(c, justify=_align(s, i), overflow="fold")  # type: ignore[arg-type]
             for r in s.rows:
                 rt.add_row(*r)
             if s.footer:
@@ -101,4 +101,6 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
     elif fmt == "markdown":
         stream.write(to_markdown(doc))
     else:
-        render_console(doc, Console(file=stream, highlight=False))
+        isatty = getattr(stream, "isatty", lambda: False)()
+        # Piped output: rich would assume 80 columns and cut long cells; use a wide page.
+        render_console(doc, Console(file=stream, highlight=False, width=None if isatty else 140))

@@ -1,0 +1,71 @@
+"""Planner speed against its targets:
+
+1. traces that ``vramplan fit llama-3.1-8b --gpu rtx-4090 --task train --peft lora`` needs
+   (target ≤ 4);
+2. wall time of ``vramplan plan`` over ≥ 200 candidate configurations, end to end through
+   the CLI (target ≤ 30 s) — screen only (``--method analytic``) and with the default
+   method, whose finalists are confirmed by traces.
+
+    .venv/bin/python bench/plan_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+TRACE_TARGET = 4
+PLAN_TARGET_S = 30.0
+MIN_CANDIDATES = 200
+PLAN_ARGS = ["plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--task", "train", "--json"]
+
+
+def fit_traces() -> None:
+    from vramplan.planner.fit import fit
+    from vramplan.workload import Workload
+
+    t = time.perf_counter()
+    r = fit("llama-3.1-8b", Workload(task="train", peft="lora"), gpu="rtx-4090", method="auto")
+    wall = time.perf_counter() - t
+    e = r.evaluations
+    print(f"fit llama-3.1-8b --gpu rtx-4090 --task train --peft lora: max_batch {r.max_batch}, "
+          f"max_seq {r.max_seq}; {e.total} estimates, {e.traces} traces, {e.analytic} analytic, {wall:.1f} s")
+    print(f"  traces: {e.traces} vs target ≤ {TRACE_TARGET}  -> ratio {e.traces / TRACE_TARGET:.2f} "
+          f"({'OK' if e.traces <= TRACE_TARGET else 'MISSED'})")
+    if e.traces == 0:
+        print("  note: no trace ran (the model could not be traced here: auto fell back to analytic)")
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("vramplan")
+    return [exe] if exe else [sys.executable, "-m", "vramplan.cli.main"]
+
+
+def plan_wall(extra: list[str], label: str) -> None:
+    t = time.perf_counter()
+    out = subprocess.run(_cli() + PLAN_ARGS + extra, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if out.returncode != 0:
+        print(f"plan ({label}): failed: {out.stderr.strip()}")
+        return
+    d = json.loads(out.stdout)
+    n, e = d["candidates"], d["evaluations"]
+    ok = wall <= PLAN_TARGET_S and n >= MIN_CANDIDATES
+    print(f"plan ({label}) `vramplan {' '.join(PLAN_ARGS + extra)}`: {n} candidates, {len(d['plans'])} on the "
+          f"Pareto front, {e['total']} estimates ({e['traces']} traces), {wall:.1f} s")
+    print(f"  wall: {wall:.1f} s vs target ≤ {PLAN_TARGET_S:.0f} s over ≥ {MIN_CANDIDATES} candidates -> "
+          f"ratio {wall / PLAN_TARGET_S:.2f} ({'OK' if ok else 'MISSED'})")
+
+
+def main() -> int:
+    fit_traces()
+    plan_wall(["--method", "analytic"], "screen only")
+    plan_wall([], "default method, 3 finalists confirmed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Decoder-only transformers: dense (Llama, Mistral, Qwen, Gemma, Phi, GPT-2), MoE
+(Mixtral, Qwen-MoE) and MLA (DeepSeek-V2/V3) — as :class:`~.arch.Arch`.
+
+Module names follow transformers 5 (what PEFT targets match): ``q_proj … down_proj`` for
+Llama-style models, ``c_attn/c_proj/c_fc`` for GPT-2, ``qkv_proj/gate_up_proj`` for Phi-3.
+MoE experts are 3-D parameters (``experts.gate_up_proj``, ``experts.down_proj``) in
+transformers 5, so PEFT's ``all-linear`` does not wrap them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vramplan.models.spec import Family, ModelSpec
+
+from ._config import act_saves, get_bool, get_float, get_int
+from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
+
+_ALWAYS_QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl"})
+_QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"})
+_SANDWICH = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
+def build(spec: ModelSpec) -> Arch:
+    cfg = spec.config
+    h, heads = spec.hidden, spec.heads
+    head_dim = spec.head_dim or h // heads
+    kv_heads = spec.kv_heads or heads
+    mt = spec.model_type
+    gpt2 = mt == "gpt2"
+    norm = "layernorm" if gpt2 else spec.norm_kind
+    if norm == "rmsnorm" and mt.startswith("gemma"):
+        norm = "gemma_rmsnorm"
+    norm_p = (2 if norm == "layernorm" else 1) * h
+    sandwich = mt in _SANDWICH
+    layer_norms = norm_p * (4 if sandwich else 2)
+    attn_drop = get_float(cfg, "attn_pdrop", "attention_dropout")
+    resid_drop = get_float(cfg, "resid_pdrop") if gpt2 else 0.0
+
+    if spec.family is Family.MLA:
+        attn = Attn(
+            kind="mla", heads=heads, kv_heads=heads,
+            head_dim=spec.qk_nope_head_dim + spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim, softmax_fp32=True, dropout=attn_drop,
+            q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+            rope_dim=spec.qk_rope_head_dim, nope_dim=spec.qk_nope_head_dim,
+        )
+        attn_lins = _mla_linears(spec, attn)
+        attn_small = spec.kv_lora_rank + spec.q_lora_rank  # q_a / kv_a RMSNorm weights
+    else:
+        attn = Attn(
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+            rope=not gpt2, softmax_fp32=not gpt2, dropout=attn_drop, qk_norm=mt in _QK_NORM,
+        )
+        attn_lins = _mha_linears(mt, h, attn)
+        attn_small = 0
+        if gpt2 or get_bool(cfg, "attention_bias"):
+            attn_small = sum(lin.d_out for lin in attn_lins)
+        elif mt in _ALWAYS_QKV_BIAS:
+            attn_small = attn.q_dim + 2 * attn.kv_dim  # Qwen2: q, k, v biases, none on o
+        if attn.qk_norm:
+            attn_small += 2 * head_dim  # q_norm, k_norm weights shared across heads
+
+    act = act_saves(cfg, "gelu_new" if gpt2 else "silu")
+    mlp_bias = gpt2 or get_bool(cfg, "mlp_bias")
+    dense_ffn = Ffn(kind="plain" if spec.mlp_kind == "plain" or gpt2 else "gated",
+                    intermediate=spec.intermediate or 4 * h, act_saves=act, dropout=resid_drop)
+    dense_lins = _mlp_linears(mt, h, dense_ffn)
+    dense_small = layer_norms + attn_small + (sum(lin.d_out for lin in dense_lins) if mlp_bias else 0)
+    groups: list[LayerGroup] = []
+    n_dense = spec.layers
+    if spec.is_moe:
+        n_dense = min(spec.dense_layers, spec.layers)
+        moe_i = spec.moe_intermediate or spec.intermediate
+        shared_i = get_int(cfg, "shared_expert_intermediate_size") or spec.shared_experts * moe_i
+        moe_ffn = Ffn(kind="moe", intermediate=moe_i, act_saves=act, experts=spec.n_experts,
+                      top_k=spec.experts_per_token or 1, shared_intermediate=shared_i,
+                      router_fp32=spec.family is Family.MLA)
+        moe_lins = _moe_linears(h, moe_ffn)
+        groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
+            name="moe", count=spec.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
+            ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=layer_norms + attn_small,
+        ))
+    if n_dense:
+        groups.insert(0, LayerGroup(
+            name="dense", count=n_dense, linears=attn_lins + dense_lins, attn=attn,
+            ffn=dense_ffn, norm=norm, post_norms=sandwich, small_params=dense_small,
+        ))
+    groups = _split_sliding(spec, groups)
+    tied = spec.tie_embeddings
+    head = Head(
+        kind="lm", classes=spec.vocab, tied=tied,
+        linears=() if tied else (Linear("lm_head", "head", h, spec.vocab, lora=False),),
+        softcap=bool(cfg.get("final_logit_softcapping")),
+    )
+    embed = spec.vocab * h + (spec.max_positions * h if gpt2 else 0)
+    arch = Arch(
+        family=spec.family, name=spec.name, hidden=h, vocab=spec.vocab, groups=tuple(groups),
+        head=head, embed_params=embed, norm=norm, final_norm_params=norm_p,
+        embed_dropout=get_float(cfg, "embd_pdrop") if gpt2 else 0.0,
+    )
+    return replace(arch, extra_params=max(0, spec.params - arch.structured_params))
+
+
+def _mha_linears(mt: str, h: int, a: Attn) -> tuple[Linear, ...]:
+    if mt == "gpt2":
+        return (Linear("c_attn", "qkv", h, a.q_dim + 2 * a.kv_dim, attn=True),
+                Linear("c_proj", "o", a.q_dim, h, attn=True))
+    if mt == "phi3":
+        return (Linear("qkv_proj", "qkv", h, a.q_dim + 2 * a.kv_dim, attn=True),
+                Linear("o_proj", "o", a.q_dim, h, attn=True))
+    return (
+        Linear("q_proj", "q", h, a.q_dim, attn=True),
+        Linear("k_proj", "k", h, a.kv_dim, attn=True),
+        Linear("v_proj", "v", h, a.kv_dim, attn=True),
+        Linear("o_proj", "o", a.q_dim, h, attn=True),
+    )
+
+
+def _mla_linears(spec: ModelSpec, a: Attn) -> tuple[Linear, ...]:
+    h, n = spec.hidden, a.heads
+    q: tuple[Linear, ...]
+    if a.q_lora_rank:
+        q = (Linear("q_a_proj", "q_a", h, a.q_lora_rank, tp=False, attn=True),
+             Linear("q_b_proj", "q_b", a.q_lora_rank, n * a.head_dim, attn=True))
+    else:
+        q = (Linear("q_proj", "q", h, n * a.head_dim, attn=True),)
+    return q + (
+        Linear("kv_a_proj_with_mqa", "kv_a", h, a.kv_lora_rank + a.rope_dim, tp=False, attn=True),
+        Linear("kv_b_proj", "kv_b", a.kv_lora_rank, n * (a.nope_dim + a.v_head_dim), attn=True),
+        Linear("o_proj", "o", n * a.v_head_dim, h, attn=True),
+    )
+
+
+def _mlp_linears(mt: str, h: int, f: Ffn) -> tuple[Linear, ...]:
+    i = f.intermediate
+    if f.kind == "plain":
+        if mt == "gpt2":
+            return (Linear("c_fc", "fc1", h, i), Linear("c_proj", "fc2", i, h))
+        return (Linear("fc1", "fc1", h, i), Linear("fc2", "fc2", i, h))
+    if mt == "phi3":
+        return (Linear("gate_up_proj", "gate_up", h, 2 * i), Linear("down_proj", "down", i, h))
+    return (Linear("gate_proj", "gate", h, i), Linear("up_proj", "up", h, i),
+            Linear("down_proj", "down", i, h))
+
+
+def _moe_linears(h: int, f: Ffn) -> tuple[Linear, ...]:
+    i, e = f.intermediate, f.experts
+    lins = [
+        Linear("gate", "router", h, e, tp=False, lora=False),
+        Linear("experts.gate_up_proj", "experts_gate_up", h, 2 * i, count=e, expert=True, lora=False),
+        Linear("experts.down_proj", "experts_down", i, h, count=e, expert=True, lora=False),
+    ]
+    if f.shared_intermediate:
+        s = f.shared_intermediate
+        lins += [Linear("gate_proj", "shared_gate", h, s), Linear("up_proj", "shared_up", h, s),
+                 Linear("down_proj", "shared_down", s, h)]
+    return tuple(lins)
+
+
+def _split_sliding(spec: ModelSpec, groups: list[LayerGroup]) -> list[LayerGroup]:
+    """Mark sliding-window layers (Mistral v0.1: all; Gemma 2/3: the local ones)."""
+    win = spec.sliding_window
+    if not win or spec.sliding_layers <= 0:
+        return groups
+    local_left = min(spec.sliding_layers, spec.layers)
+    out: list[LayerGroup] = []
+    for g in groups:
+        n_local = min(local_left, g.count)
+        local_left -= n_local
+        if n_local:
+            out.append(replace(g, name=f"{g.name}-local", count=n_local, attn=replace(g.attn, window=win)))
+        if g.count - n_local:
+            out.append(replace(g, count=g.count - n_local))
+    return out

@@ -1,0 +1,93 @@
+"""``estimate(spec, workload)``: the closed-form prediction of one rank's peak allocated memory."""
+
+from __future__ import annotations
+
+from vramplan.errors import WorkloadError
+from vramplan.models.spec import Family, ModelSpec
+from vramplan.results import PhasePeak
+from vramplan.workload import Attention, Task, Workload
+
+from . import decoder, encoder, kv, vit
+from .activations import Shape, size, stage_acts
+from .arch import Arch
+from .blocks import Ctx, block_saved
+from .flops import step_flops
+from .notes import notes
+from .parallel import Stage, check_against_model, stages, tokens_per_rank
+from .phases import inference, training
+from .regime import regime, trainable
+from .result import AnalyticEstimate, ModelStates
+from .states import stage_states
+
+CUBLAS_WORKSPACE = 8_519_680
+"""cuBLAS workspace before Hopper (PyTorch's default ``:4096:2:16:8`` = 2 × 4 MiB + 8 × 16 KiB); 32 MiB on sm90."""
+
+
+def build_arch(spec: ModelSpec) -> Arch:
+    if spec.family in (Family.DENSE, Family.MOE, Family.MLA):
+        return decoder.build(spec)
+    if spec.family is Family.ENCODER:
+        return encoder.build(spec)
+    if spec.family is Family.VIT:
+        return vit.build(spec)
+    raise WorkloadError(f"{spec.name} is not a transformer the analytic method knows", hint="use --method trace")
+
+
+def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None) -> AnalyticEstimate:
+    """Per-rank peak allocated bytes of ``w`` on ``spec``, by phase and category.
+
+    ``workspace_bytes``: the cuBLAS workspace the caching allocator holds (one per thread
+    that runs matmuls: the forward's and autograd's backward thread); default 8,519,680 B
+    (before Hopper) — pass ``hardware.overhead.cublas_workspace_bytes(gpu)`` for a GPU.
+    """
+    check_against_model(spec, w)
+    arch = build_arch(spec)
+    rg, tr = regime(w), trainable(arch, w)
+    ctx = Ctx(rg, tr, w.attention, training=w.training)
+    workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
+    if workspace < 0:
+        raise WorkloadError(f"workspace bytes must be >= 0, got {workspace}")
+    seq = vit.tokens(w.image_size, spec.patch_size or 16) if spec.family is Family.VIT else w.seq
+    tokens = tokens_per_rank(w, seq) if spec.family is not Family.VIT else w.batch * seq
+    positions = w.batch if arch.head.kind == "cls" else tokens
+
+    best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int] | None = None
+    for stage in stages(arch, w):
+        st = stage_states(arch, stage, w, rg, tr)
+        if w.training:
+            acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
+            cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
+            phases = training(st, acts, stage, w, ctx, workspace, cache)
+        else:
+            gen_tokens = tokens if w.task is Task.INFER else tokens_per_rank(w, seq)
+            phases = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,
+                               mask=_infer_mask(arch, w, seq))
+        peak = max(p.allocated for p in phases)
+        if best is None or peak > best[3]:
+            best = (stage, phases, ModelStates(st.weights, st.gradients, st.optimizer), peak)
+    assert best is not None  # stages() always yields one
+    stage, phases, states, _ = best
+    total_params = spec.params or arch.params
+    trainable_params = total_params if tr.full else sum(
+        tr.adapter_params(lin) * g.count for g in arch.groups for lin in g.linears)
+    if w.task is not Task.TRAIN:
+        trainable_params = 0
+    shape = Shape(tokens, seq, w.parallel.tp, w.parallel.sp)
+    per_layer = max(size(block_saved(g, ctx, arch.hidden), shape) for g in arch.groups) if w.training else 0
+    cache = 0
+    if spec.is_decoder and not w.training:
+        cache = kv.cache(stage, w, rg.compute, seq + (w.new_tokens if w.task is Task.GENERATE else 0))
+    return AnalyticEstimate(
+        phases=phases, peak=max(phases, key=lambda p: p.allocated), params=total_params,
+        trainable_params=trainable_params, flops_per_step=step_flops(arch, w, tr, seq),
+        notes=notes(arch, w, rg, tr, stage.index, workspace), states=states,
+        activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
+    )
+
+
+def _infer_mask(arch: Arch, w: Workload, seq: int) -> int:
+    """HF builds a 4-D additive float mask for eager attention (b × 1 × s × s)."""
+    if w.attention is not Attention.EAGER or arch.head.kind != "lm":
+        return 0
+    return w.batch * seq * seq * regime(w).stream // w.parallel.cp
+

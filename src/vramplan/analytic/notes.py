@@ -1,0 +1,136 @@
+"""The assumptions behind an analytic estimate, one sentence each."""
+
+from __future__ import annotations
+
+from vramplan.units import fmt_bytes
+from vramplan.workload import (
+    Attention,
+    Checkpointing,
+    Optimizer,
+    OptimizerImpl,
+    Peft,
+    Quant,
+    Task,
+    Workload,
+)
+
+from .arch import Arch
+from .regime import Regime, Trainable
+
+
+def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, workspace: int) -> tuple[str, ...]:
+    out = ["Analytic estimate of torch.cuda.max_memory_allocated() per GPU (rank); "
+           "CUDA context and allocator caching/fragmentation are not included."]
+    p = w.parallel
+    out.append(f"Precision {w.precision}: {rg.label}.")
+    if w.training:
+        out += _training(arch, w, rg, tr)
+    else:
+        out += _inference(arch, w)
+    if w.attention is Attention.EAGER:
+        out.append("Eager attention materialises the b·heads·s·s scores (softmax kept in fp32) and HF's 4-D mask.")
+    else:
+        out.append(f"Attention {w.attention}: fused kernel saving q, k, v, output and an fp32 logsumexp; "
+                   "GQA runs natively without repeating k/v.")
+    if w.quant is not Quant.NONE:
+        dq = "with double quantisation" if w.peft is Peft.QLORA else "without double quantisation"
+        out.append(f"{w.quant} storage (bitsandbytes-style, {dq} for 4-bit) for the layers' linear weights; "
+                   "embeddings, lm_head and norms stay 16-bit (a dequantised 16-bit copy of one matrix is transient).")
+    if any(g.ffn.kind == "moe" for g in arch.groups):
+        out.append("MoE: tokens spread evenly over experts; each expert-parallel rank holds experts/ep "
+                   "and processes top_k × its tokens.")
+    if p.pp > 1:
+        out.append(f"Pipeline: reporting stage {stage}, the highest of the first (embeddings, "
+                   f"{p.in_flight} micro-batches in flight under 1F1B) and the last (head and logits).")
+    if p.tp > 1:
+        sp = " with sequence parallelism sharding norm/dropout activations" if p.sp else ""
+        out.append(f"Tensor parallel {p.tp}: Megatron column/row splits, vocab-parallel embeddings and logits{sp}.")
+    if p.cp > 1:
+        out.append(f"Context parallel {p.cp}: each rank holds seq/{p.cp} tokens of activations.")
+    out.append(f"Includes the cuBLAS workspace ({fmt_bytes(workspace, 'MiB')}), one per thread "
+               "(the backward runs on autograd's thread with its own handle).")
+    return tuple(out)
+
+
+def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
+    p = w.parallel
+    out = ["Steady state: optimizer states exist from the first step on (iteration 1's forward has none), "
+           "and zero_grad(set_to_none=True) frees gradients before each forward."]
+    if p.zero:
+        out.append(f"ZeRO-{p.zero} over dp={p.dp}: DeepSpeed accounting — 16-bit weights and gradients, "
+                   "fp32 master weights + states in the optimizer category (16Ψ in all, "
+                   "ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N).")
+        if p.zero == 3:
+            out.append("ZeRO-3 / FSDP: the largest unit (layer or embeddings) is gathered in 16-bit, "
+                       "plus the prefetched next one.")
+    elif p.dp > 1:
+        out.append("DDP keeps gradient buckets the size of all gradients (gradient_as_bucket_view=False).")
+    if p.offload_optimizer:
+        out.append("Optimizer states (and master weights / gradient partitions under ZeRO) live in CPU memory.")
+    if p.offload_params:
+        out.append("Parameters live in CPU memory; only gathered layers are on the GPU.")
+    if rg.autocast and rg.weight == 4:
+        out.append("Autocast caches a 16-bit copy of every weight until the forward's autocast region exits; "
+                   "without checkpointing the linears keep them saved until their backward.")
+    out.append("Loss: 16-bit logits, their fp32 upcast and the fp32 log-softmax for every position "
+               "(HF ForCausalLMLoss); its backward holds two more fp32 logit-sized gradients.")
+    if w.grad_accum > 1:
+        out.append(f"Gradient accumulation ({w.grad_accum}): gradients stay allocated through the forward and backward.")
+    out.append(_optimizer(w, rg))
+    if w.checkpointing is Checkpointing.FULL:
+        out.append(f"Full checkpointing of {w.checkpoint_fraction:.0%} of layers: each keeps its input; "
+                   "one layer is recomputed at a time in backward.")
+    elif w.checkpointing is Checkpointing.SELECTIVE:
+        out.append("Selective checkpointing (Korthikanti et al.): the attention core (s² terms) is recomputed.")
+    if not tr.full:
+        out.append(f"{w.peft}: frozen base in {'NF4' if w.peft is Peft.QLORA else '16-bit'}, rank-{tr.rank} adapters "
+                   "in fp32 (PEFT autocast_adapter_dtype); gradients and states for adapters only; frozen "
+                   "linears save no input.")
+        if w.peft is Peft.QLORA:
+            out.append("prepare_model_for_kbit_training would upcast embeddings, lm_head and norms to fp32 "
+                       "(+2 B/param for them); not modelled.")
+    return out
+
+
+def _optimizer(w: Workload, rg: Regime) -> str:
+    o, impl = w.optimizer, w.optimizer_impl
+    if w.parallel.offload_optimizer:
+        return "The optimizer step runs on the CPU."
+    if rg.master:
+        return ("DeepSpeed's fused optimizer updates the fp32 master partition in place; the step holds an "
+                "fp32 copy of the gradient partition.")
+    if o in (Optimizer.ADAM, Optimizer.ADAMW):
+        if impl is OptimizerImpl.FOREACH:
+            return ("foreach Adam(W) (torch's CUDA default) allocates exp_avg_sq_sqrt for the whole "
+                    "parameter group at once: one state-sized temporary per parameter at the step.")
+        if impl is OptimizerImpl.FUSED:
+            return "Fused Adam(W): no list-wide temporaries at the step."
+        return "For-loop Adam(W): one denominator of the largest parameter at a time."
+    if o in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        paged = (" Paged states live in unified memory and can page out to CPU under pressure; counted on the GPU."
+                 if o is Optimizer.PAGED_ADAMW_8BIT else "")
+        return "bitsandbytes 8-bit Adam: 2 B/param + fp32 absmax per 2048-block, 32-bit for tensors < 4096." + paged
+    if o is Optimizer.ADAFACTOR:
+        return "Adafactor (transformers defaults): factored fp32 second moment, no first moment."
+    if o is Optimizer.LION:
+        return "Lion: one momentum state per parameter."
+    if o is Optimizer.SGD_MOMENTUM:
+        return "SGD with momentum: one buffer per parameter."
+    return "Plain SGD keeps no optimizer state."
+
+
+def _inference(arch: Arch, w: Workload) -> list[str]:
+    out = []
+    if w.task is Task.GENERATE:
+        out.append("Generate: prefill computes logits for the last position only (logits_to_keep=1); "
+                   f"the KV cache holds prompt + {w.new_tokens} new tokens.")
+    elif arch.head.kind == "lm":
+        out.append("Forward without labels: logits for every position; HF builds a KV cache by default (use_cache).")
+    if any(g.attn.kind == "mla" for g in arch.groups):
+        out.append("MLA: the KV cache holds the compressed latent (kv_lora_rank + rope dims per token per layer) "
+                   "as transformers 5 does; each decode step re-expands one layer's cache (a transient).")
+    if any(g.attn.window for g in arch.groups):
+        out.append("Sliding-window layers cache only their window of tokens.")
+    if w.mixed:
+        out.append("Mixed precision inference keeps fp32 weights and autocast's 16-bit copies of them.")
+    return out

@@ -1,0 +1,135 @@
+"""Per-rank view of a model under TP/PP/EP/CP/SP, and the checks that sizes divide.
+
+Pipeline stages get ``layers / pp`` consecutive layers; the first stage holds the input
+embeddings and, under 1F1B, ``in_flight`` micro-batches of activations; the last stage holds
+the final norm, the output head and the logits (a tied head is a copy of the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.errors import WorkloadError
+from vramplan.models.spec import Family, ModelSpec
+from vramplan.workload import Task, Workload
+
+from .arch import Arch, LayerGroup, Linear
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    groups: tuple[tuple[LayerGroup, int], ...]
+    """(layer group, layers of it on this stage)."""
+    embed: bool
+    head: bool
+    in_flight: int
+
+    @property
+    def layers(self) -> int:
+        return sum(n for _, n in self.groups)
+
+    @property
+    def label(self) -> str:
+        return f"pipeline stage {self.index}"
+
+
+def stages(arch: Arch, w: Workload) -> tuple[Stage, ...]:
+    """The first and the last pipeline stage (one stage when pp = 1)."""
+    p = w.parallel
+    per = arch.layers // p.pp
+    in_flight = p.in_flight if w.training else 1
+    if p.pp == 1:
+        return (Stage(0, tuple((g, g.count) for g in arch.groups), True, True, 1),)
+    return (
+        Stage(0, _slice(arch, 0, per), True, False, in_flight),
+        Stage(p.pp - 1, _slice(arch, arch.layers - per, arch.layers), False, True, 1),
+    )
+
+
+def _slice(arch: Arch, start: int, stop: int) -> tuple[tuple[LayerGroup, int], ...]:
+    out: list[tuple[LayerGroup, int]] = []
+    pos = 0
+    for g in arch.groups:
+        lo, hi = max(start, pos), min(stop, pos + g.count)
+        if hi > lo:
+            out.append((g, hi - lo))
+        pos += g.count
+    return tuple(out)
+
+
+def local(lin: Linear, w: Workload) -> int:
+    """Elements of this linear (stack) held by one rank."""
+    n = lin.params
+    if lin.tp:
+        n //= w.parallel.tp
+    if lin.expert:
+        n //= w.parallel.ep
+    return n
+
+
+def tokens_per_rank(w: Workload, seq: int | None = None) -> int:
+    """Tokens of one micro-batch on one rank (context parallel splits the sequence)."""
+    return w.batch * (seq if seq is not None else w.seq) // w.parallel.cp
+
+
+def _divisors(n: int, limit: int = 8) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0][:limit]
+    return ", ".join(str(d) for d in ds) + ("…" if len(ds) == limit else "")
+
+
+def check_against_model(spec: ModelSpec, w: Workload) -> None:
+    """Raise WorkloadError when the workload's parallel sizes or shapes do not fit the model."""
+    name, p = spec.name, w.parallel
+    if spec.family is Family.OTHER or spec.hidden <= 0 or spec.layers <= 0 or spec.heads <= 0:
+        raise WorkloadError(
+            f"{name} is not a transformer the analytic method knows",
+            hint="use --method trace",
+        )
+    if w.task is Task.GENERATE and not spec.is_decoder:
+        raise WorkloadError(f"{name} is an {spec.family} model and does not generate text",
+                            hint="use --task infer or --task train")
+    if p.tp > 1:
+        if spec.heads % p.tp:
+            raise WorkloadError(f"--tp {p.tp} does not divide {spec.heads} attention heads of {name}",
+                                hint=f"use {_divisors(spec.heads)}")
+        if spec.family is not Family.MLA and spec.kv_heads and spec.kv_heads % p.tp:
+            raise WorkloadError(f"--tp {p.tp} does not divide {spec.kv_heads} key/value heads of {name}",
+                                hint=f"use {_divisors(spec.kv_heads)}")
+        for what, size in (("intermediate size", spec.intermediate), ("expert intermediate size", spec.moe_intermediate)):
+            if size and size % p.tp:
+                raise WorkloadError(f"--tp {p.tp} does not divide the {what} {size} of {name}",
+                                    hint=f"use {_divisors(size)}")
+    if spec.layers % p.pp:
+        raise WorkloadError(f"--pp {p.pp} does not divide {spec.layers} layers of {name}",
+                            hint=f"use {_divisors(spec.layers)}")
+    if p.ep > 1:
+        if not spec.is_moe:
+            raise WorkloadError(f"--ep {p.ep} needs a mixture-of-experts model; {name} is dense", hint="drop --ep")
+        if spec.n_experts % p.ep:
+            raise WorkloadError(f"--ep {p.ep} does not divide {spec.n_experts} experts of {name}",
+                                hint=f"use {_divisors(spec.n_experts)}")
+    seq = w.seq if spec.family is not Family.VIT else 0
+    if seq and p.cp > 1 and seq % p.cp:
+        raise WorkloadError(f"--cp {p.cp} does not divide the sequence length {seq}",
+                            hint=f"use a --seq that is a multiple of {p.cp}")
+    if seq and p.sp and (seq // p.cp) % p.tp:
+        raise WorkloadError(f"sequence parallelism splits {seq // p.cp} tokens over --tp {p.tp}, which does not divide them",
+                            hint=f"use a --seq that is a multiple of {p.tp * p.cp}")
+    if w.training and p.pp > 1 and w.grad_accum < p.in_flight:
+        raise WorkloadError(
+            f"--pp {p.pp} keeps {p.in_flight} micro-batches in flight but a step has only --grad-accum {w.grad_accum}",
+            hint=f"use --grad-accum {p.in_flight} or more",
+        )
+    length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
+    learned = spec.family is Family.ENCODER or spec.model_type == "gpt2"
+    if learned and spec.max_positions and length > spec.max_positions:
+        raise WorkloadError(
+            f"{name} has {spec.max_positions} learned positions; {length} tokens do not fit",
+            hint=f"use --seq {spec.max_positions} or less",
+        )
+    if spec.family is Family.VIT:
+        patch = spec.patch_size or 16
+        if w.image_size % patch:
+            raise WorkloadError(f"--image-size {w.image_size} is not a multiple of the patch size {patch} of {name}",
+                                hint=f"use e.g. {max(patch, w.image_size // patch * patch)}")

@@ -1,0 +1,117 @@
+"""Peak instants of each phase of a step, for one rank.
+
+Training (steady state: optimizer states exist; ``zero_grad(set_to_none=True)`` leaves no
+gradients at the start of the forward unless gradient accumulation keeps them):
+
+- forward — the end of the forward: all saved activations, autocast's 16-bit weight copies
+  (cached until the autocast region exits), and the loss: 16-bit logits, their fp32 upcast
+  (HF ``ForCausalLMLoss`` does ``logits.float()``) and the fp32 log-softmax output.
+- backward — the highest of: the loss backward (log-softmax output + the fp32 gradients of
+  the log-softmax output and of the logits: 12 bytes per logit), the last layer's backward
+  (all activations + one layer recomputed + the first gradients), and the first layer's
+  backward (all gradients + one layer's activations). Memory moves linearly between the
+  last two, so the maximum is at one of them.
+- optimizer — weights + gradients + states + the step's transients (foreach temporaries).
+
+Inference: weights (+ HF's KV cache, built by default) + one layer's working set or the
+logits. Generate: prefill (prompt KV cache, logits of the last position only — transformers
+passes ``logits_to_keep=1``), decode (the full KV cache, ``torch.cat`` growth of one layer).
+"""
+
+from __future__ import annotations
+
+from vramplan.results import Breakdown, PhasePeak
+from vramplan.workload import Checkpointing, Phase, Task, Workload
+
+from . import kv
+from .activations import StageActs, infer_layer
+from .arch import Arch
+from .blocks import Ctx
+from .parallel import Stage
+from .states import States
+
+
+def _peak(phase: Phase, *instants: Breakdown) -> PhasePeak:
+    bd = max(instants, key=lambda b: b.total)
+    return PhasePeak(phase=phase, allocated=bd.total, breakdown=bd)
+
+
+def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
+             cache: int = 0) -> tuple[PhasePeak, ...]:
+    """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs)."""
+    c = ctx.rg.compute
+    e = a.logits
+    logits = e * c
+    capped = e * c if a.softcap else 0  # tanh(logits / cap) saved for backward
+    upcast = e * 4 if c != 4 else 0
+    lsm = e * 4
+    held = st.gradients if w.grad_accum > 1 else 0
+    w_live = st.weights + st.gathered
+    acts = a.layers * stage.in_flight + a.embed
+    # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
+    # copies survive into backward only where its linears saved them (layers not fully
+    # checkpointed), plus the one layer being recomputed.
+    casts_bwd = st.casts_all
+    if w.checkpointing is Checkpointing.FULL and a.checkpointed:
+        kept = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
+        casts_bwd = kept + st.casts_layer
+    temps = st.dequant + workspace
+
+    forward = Breakdown(
+        weights=w_live, gradients=held + st.ddp_buckets, optimizer=st.optimizer,
+        activations=acts + a.head + logits + capped + lsm + a.mask,
+        temporaries=st.casts_all + upcast + temps, kv_cache=cache * stage.in_flight,
+    )
+    instants = [
+        Breakdown(  # the last layer's backward (after the loss and head)
+            weights=w_live, optimizer=st.optimizer,
+            gradients=max(held, st.head_grads + st.layer_grads) + st.unsharded_grads + st.ddp_buckets,
+            activations=acts + a.recompute, temporaries=casts_bwd + a.transient + temps + workspace,
+        ),
+        Breakdown(  # the first layer's backward
+            weights=w_live, optimizer=st.optimizer,
+            gradients=st.gradients + st.unsharded_grads + st.ddp_buckets,
+            activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full,
+            temporaries=st.casts_layer + a.transient + temps + workspace,
+        ),
+    ]
+    if stage.head:
+        instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
+            weights=w_live, optimizer=st.optimizer, gradients=held + st.ddp_buckets,
+            activations=acts + a.head + capped + lsm, temporaries=casts_bwd + 8 * e + temps + workspace,
+        ))
+    optimizer = Breakdown(
+        weights=st.weights, gradients=st.gradients + st.ddp_buckets, optimizer=st.optimizer,
+        temporaries=st.opt_temp + 2 * workspace,
+    )
+    return (
+        _peak(Phase.FORWARD, forward),
+        _peak(Phase.BACKWARD, *instants),
+        _peak(Phase.OPTIMIZER, optimizer),
+    )
+
+
+def inference(arch: Arch, st: States, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
+              tokens: int, seq: int, positions: int, *, mask: int = 0) -> tuple[PhasePeak, ...]:
+    c, r, h, p = ctx.rg.compute, ctx.rg.stream, arch.hidden, w.parallel
+    temps = st.casts_all + st.dequant + workspace
+    classes = arch.head.classes // (p.tp if arch.head.kind != "cls" else 1)
+    head_ws = tokens * h * r + (positions * classes * c if stage.head else 0)
+    if w.task is Task.INFER:
+        cache = kv.cache(stage, w, c, seq) if arch.family.value in ("dense", "moe", "mla") else 0
+        ws = infer_layer(stage, w, ctx, h, tokens, seq)
+        return (_peak(Phase.FORWARD, Breakdown(
+            weights=st.weights, kv_cache=cache, activations=max(ws, head_ws) + mask, temporaries=temps)),)
+    total = seq + w.new_tokens
+    last = w.batch * classes * (c + 4) if stage.head else 0  # last-position logits + fp32 copy
+    prefill = Breakdown(
+        weights=st.weights, kv_cache=kv.cache(stage, w, c, seq),
+        activations=max(infer_layer(stage, w, ctx, h, tokens, seq), tokens * h * r + last) + mask,
+        temporaries=temps,
+    )
+    decode = Breakdown(
+        weights=st.weights, kv_cache=kv.cache(stage, w, c, total),
+        activations=max(infer_layer(stage, w, ctx, h, w.batch, total), w.batch * h * r + last),
+        temporaries=temps + kv.grow_transient(stage, w, c, total) + kv.mla_expansion(stage, w, c, total),
+    )
+    return _peak(Phase.PREFILL, prefill), _peak(Phase.DECODE, decode)

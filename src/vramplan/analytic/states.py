@@ -1,0 +1,209 @@
+"""Weights, gradients and optimizer states of one rank (one pipeline stage), in bytes.
+
+Quantised storage (bitsandbytes / fp8), for the linears inside the layers only — token
+embeddings, the output head, norms and biases stay 16-bit (bnb skips ``lm_head``):
+
+- int8 (LLM.int8): 1 B/param + an fp32 scale per output row (``SCB``).
+- nf4 / int4: 0.5 B/param + an fp32 absmax per 64-element block (0.5 bit/param); with
+  QLoRA's double quantisation the absmax is 8-bit with an fp32 scale per 256 blocks
+  (0.127 bit/param, Dettmers et al. 2023).
+- fp8: 1 B/param + an fp32 scale per output row.
+
+Optimizer states per trainable element: sgd 0; sgd-momentum, lion 1 state; adam/adamw 2;
+adamw-8bit (bitsandbytes) 2 × 1 B + an fp32 absmax per 2048-element block for tensors of
+at least 4096 elements (smaller ones keep 32-bit states); adafactor (transformers'
+defaults: no first moment) factored fp32 row + column second moments per matrix, full fp32
+for vectors. Under DeepSpeed/FSDP mixed precision (ZeRO ≥ 1) the fp32 master weights are
+optimizer state too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vramplan.workload import Optimizer, OptimizerImpl, Peft, Quant, Workload
+
+from .arch import Arch, Linear
+from .blocks import head_linear
+from .parallel import Stage, local
+from .regime import Regime, Trainable
+
+BNB_MIN_8BIT = 4096
+BNB_BLOCK = 2048
+
+
+def quantised_bytes(elems: int, rows: int, q: Quant, *, double: bool = False) -> int:
+    """Bytes of a quantised weight of ``elems`` elements and ``rows`` output rows."""
+    if q in (Quant.INT8, Quant.FP8):
+        return elems + 4 * rows
+    blocks = math.ceil(elems / 64)
+    absmax = blocks + 4 * math.ceil(blocks / 256) if double else 4 * blocks
+    return math.ceil(elems / 2) + absmax
+
+
+@dataclass(frozen=True)
+class States:
+    """What one rank holds for the model, and the model-sized transients around it."""
+
+    params: int
+    """Parameters on this rank (elements; before ZeRO sharding)."""
+    trainable: int
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int = 0
+    """ZeRO-3 / FSDP: 16-bit parameters gathered at once (current + prefetched unit)."""
+    head_grads: int = 0
+    layer_grads: int = 0
+    """Gradients of the largest layer, as held (sharded under ZeRO ≥ 2)."""
+    unsharded_grads: int = 0
+    """ZeRO ≥ 2: one layer's full gradients before the reduce-scatter."""
+    ddp_buckets: int = 0
+    opt_temp: int = 0
+    casts_all: int = 0
+    """Autocast's 16-bit copies of every linear weight used in the forward."""
+    casts_layer: int = 0
+    dequant: int = 0
+    """16-bit copy of the largest quantised matrix while it multiplies."""
+
+
+def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
+    return max((local(lin, w) for lin, _ in lins), default=0)
+
+
+def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> States:
+    p, h = w.parallel, arch.hidden
+    lins = [(lin, n) for g, n in stage.groups for lin in g.linears]
+    linear = sum(n * local(lin, w) for lin, n in lins)
+    small = sum(n * g.small_params for g, n in stage.groups)
+    layer = max((sum(local(lin, w) for lin in g.linears) + g.small_params for g, _ in stage.groups), default=0)
+    embed = arch.embed_params // p.tp if stage.embed else 0
+    head_lin = head_linear(arch.head, h)
+    head_mats = list(arch.head.linears) if stage.head else []
+    if stage.head and arch.head.tied and not stage.embed:  # a tied head on a later stage is a copy
+        head_mats.append(head_lin)
+    head = sum(local(lin, w) for lin in head_mats)
+    head_used = head + (local(head_lin, w) if stage.head and arch.head.tied and stage.embed else 0)
+    head_small = arch.head.small_params + arch.final_norm_params if stage.head else 0
+    extra = arch.extra_params if stage.index == 0 else 0
+    adapters = sum(n * tr.adapter_params(lin) for lin, n in lins)
+    layer_adapters = max((sum(tr.adapter_params(lin) for lin in g.linears) for g, _ in stage.groups), default=0)
+    params = linear + small + embed + head + head_small + extra
+
+    # --- weights -----------------------------------------------------------------------
+    if w.quant is Quant.NONE:
+        linear_b = linear * rg.weight
+    else:
+        double = w.peft is Peft.QLORA
+        linear_b = sum(
+            n * quantised_bytes(local(lin, w), local(lin, w) // max(1, lin.d_in), w.quant, double=double)
+            for lin, n in lins
+        )
+    weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
+    gathered = 0
+    if p.zero == 3 and w.training:
+        gathered = 2 * max(layer, embed, head) * rg.weight
+        weights = 0 if p.offload_params else weights // p.dp
+
+    # --- gradients and optimizer states -----------------------------------------------
+    trainable = params if tr.full else adapters
+    g_shard = p.dp if p.zero >= 2 else 1
+    o_shard = p.dp if p.zero >= 1 else 1
+    gradients = trainable * rg.grad // g_shard
+    if p.offload_optimizer and p.zero >= 1:
+        gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
+    if tr.full:
+        matrices = [(lin.d_in, lin.d_out, n * lin.count, lin.tp, lin.expert) for lin, n in lins]
+        if embed:
+            matrices.append((arch.vocab, h, 1, True, False))
+        matrices += [(lin.d_in, lin.d_out, 1, lin.tp, False) for lin in head_mats]
+        vectors = small + head_small + extra + max(0, embed - (arch.vocab * h // p.tp if embed else 0))
+    else:
+        matrices = [(d, tr.rank, n * lin.count, False, False) for lin, n in lins if tr.lora_on(lin)
+                    for d in (lin.d_in, lin.d_out)]
+        vectors = 0
+    optimizer = _optimizer_bytes(w, rg, trainable, matrices, vectors) // o_shard
+    if p.offload_optimizer:
+        optimizer = 0
+    largest = _largest(lins, w) if tr.full else max(
+        (tr.rank * max(lin.d_in, lin.d_out) for lin, _ in lins if tr.lora_on(lin)), default=0)
+    if tr.full:
+        largest = max(largest, embed, head)
+    opt_temp = 0 if p.offload_optimizer else _optimizer_temp(w, rg, trainable // o_shard, largest)
+
+    casts_all = casts_layer = 0
+    if rg.autocast and rg.weight == 4:  # fp32 weights: autocast caches a 16-bit copy of each
+        casts_all = rg.compute * (linear + head_used)
+        casts_layer = rg.compute * max((sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)
+    elif rg.autocast and adapters:
+        casts_all, casts_layer = rg.compute * adapters, rg.compute * layer_adapters
+    dequant = rg.compute * _largest(lins, w) if w.quant is not Quant.NONE else 0
+
+    per_layer = layer if tr.full else layer_adapters
+    return States(
+        params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
+        optimizer=optimizer, gathered=gathered,
+        head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
+        layer_grads=per_layer * rg.grad // g_shard,
+        unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
+        ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
+        opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
+    )
+
+
+def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
+                     matrices: list[tuple[int, int, int, bool, bool]], vectors: int) -> int:
+    o, s = w.optimizer, rg.state
+    master = 4 * trainable if rg.master else 0
+    if o is Optimizer.SGD:
+        return master
+    if o in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
+        return master + trainable * s
+    if o in (Optimizer.ADAM, Optimizer.ADAMW):
+        return master + 2 * trainable * s
+    p = w.parallel
+    if o is Optimizer.ADAFACTOR:
+        total = 4 * vectors
+        for d_in, d_out, count, tp, expert in matrices:
+            div = (p.tp if tp else 1) * (p.ep if expert else 1)
+            total += 4 * count * (d_in + d_out) // div
+        return master + total
+    # adamw-8bit / paged-adamw-8bit
+    total = 8 * vectors
+    for d_in, d_out, count, tp, expert in matrices:
+        div = (p.tp if tp else 1) * (p.ep if expert else 1)
+        elems = count * d_in * d_out // div
+        if d_in * d_out >= BNB_MIN_8BIT:
+            total += 2 * elems + 2 * 4 * math.ceil(elems / BNB_BLOCK)
+        else:
+            total += 8 * elems
+    return master + total
+
+
+def _optimizer_temp(w: Workload, rg: Regime, shard: int, largest: int) -> int:
+    """Transients of ``optimizer.step()``.
+
+    torch's ``_multi_tensor_adam`` (foreach, the CUDA default) computes
+    ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`` for the whole parameter group at
+    once: one state-sized tensor per parameter, alive together (bias corrections are Python
+    floats unless ``capturable``). The for-loop path holds one such ``denom`` per parameter
+    at a time; fused kernels hold none. transformers' Adafactor builds ``grad**2`` and the
+    factored estimate for one parameter at a time (plus fp32 copies of 16-bit grad/param).
+    DeepSpeed (ZeRO ≥ 1 under mixed precision) converts the averaged 16-bit gradient
+    partition to fp32 for its fused optimizer.
+    """
+    o, impl = w.optimizer, w.optimizer_impl
+    if rg.master:  # DeepSpeed's FusedAdam works in place on the fp32 gradient partition it builds
+        return 4 * shard
+    temp = 0
+    if o in (Optimizer.ADAM, Optimizer.ADAMW):
+        if impl is OptimizerImpl.FOREACH:
+            temp = shard * rg.state
+        elif impl is OptimizerImpl.FOR_LOOP:
+            temp = largest * rg.state
+    elif o is Optimizer.LION:
+        temp = largest * rg.state
+    elif o is Optimizer.ADAFACTOR:
+        temp = largest * 4 * (2 if rg.grad == 4 else 4)
+    return temp

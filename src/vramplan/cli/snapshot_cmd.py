@@ -1,0 +1,48 @@
+"""``vramplan snapshot FILE.pickle``: analyse a recorded PyTorch memory snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vramplan.cli.common import add_output_args, hint
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "snapshot", help="analyse a PyTorch memory snapshot (peaks, fragmentation, largest blocks, OOMs)",
+        description="Read a snapshot written by torch.cuda.memory._dump_snapshot() (without running "
+        "any code it contains) and report its peaks, fragmentation over time, the largest "
+        "allocations with their stack frames, the segments at the peak, OOM events and a "
+        "best-effort category for every allocation.",
+    )
+    p.add_argument("file", metavar="FILE.pickle", help="the snapshot pickle")
+    p.add_argument("--device", type=int, default=None,
+                   help="CUDA device index in the snapshot (default: the one with the most entries)")
+    p.add_argument("--top", type=int, default=10, help="rows in the largest-allocation tables (default 10)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vramplan.errors import VramplanError
+    from vramplan.report.render import emit
+    from vramplan.report.snapshot import to_doc
+    from vramplan.snapshot.analyze import analyze
+    from vramplan.snapshot.reader import load_snapshot
+
+    if args.top < 1:
+        raise VramplanError(f"--top must be a positive integer, got {args.top}")
+    if args.plot:
+        from vramplan.report.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    snap = load_snapshot(args.file)
+    analysis = analyze(snap, device=args.device, top=args.top)
+    emit(to_doc(analysis, args.file), args.format, sys.stdout, {"file": args.file, **analysis.to_dict()})
+    if args.plot:
+        from vramplan.report.plot import plot_snapshot
+
+        plot_snapshot(analysis, args.plot)
+        hint(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,153 @@
+"""What vramplan knows about each architecture: family, layout rules and the task heads.
+
+One :class:`Arch` per ``model_type`` (or diffusers ``_class_name``). The parameter formulas
+(:mod:`.params`), the ModelSpec normaliser (:mod:`.normalize`) and the meta builder
+(:mod:`.build`) all read this table, so a new architecture is added in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramplan.errors import ConfigError
+
+from .spec import Family
+
+# Task heads a catalog model can be built with (``build_model(head=...)``).
+CAUSAL_LM = "causal-lm"
+MASKED_LM = "masked-lm"
+SEQ_CLS = "sequence-classification"
+IMAGE_CLS = "image-classification"
+BASE = "base"
+"""The bare backbone (HF ``*Model``; BERT/ViT with their pooler)."""
+DENOISE = "denoise"
+"""A diffusion UNet predicting noise."""
+HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOISE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arch:
+    family: Family
+    kind: str
+    """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet."""
+    heads: tuple[str, ...]
+    """Heads this architecture supports; the first is the default."""
+    tie_default: bool = False
+    """``tie_word_embeddings`` when the config does not say."""
+    qkv_bias: str = ""
+    """Whether q/k/v carry a bias: '' never, 'always' (Qwen2), or the config key that says."""
+    o_bias: str = ""
+    """Whether the output projection carries a bias: '' never, or the config key that says."""
+    mlp_bias: bool = False
+    """The dense MLP honours the config's ``mlp_bias`` (Llama)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (Qwen3, Gemma 3)."""
+    norms_per_layer: int = 2
+    """RMSNorms per decoder layer (Gemma 2/3 add pre/post-feedforward norms: 4)."""
+    moe: str = ""
+    """MoE layout: mixtral | qwen2_moe | qwen3_moe | deepseek ('' = dense)."""
+    sliding: str = "none"
+    """Which layers use ``sliding_window``: all | qwen | alternate | pattern | none."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """HF class defaults for keys a config may omit (where they differ from the generic ones)."""
+
+
+_DEC = (CAUSAL_LM, SEQ_CLS, BASE)
+_AB: dict[str, Any] = {"qkv_bias": "attention_bias", "o_bias": "attention_bias"}
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, mlp_bias=True, **_AB),
+    "mistral": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all",
+                    defaults={"num_key_value_heads": 8}),
+    "qwen2": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, qkv_bias="always",
+                   sliding="qwen"),
+    "qwen3": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, qk_norm=True, sliding="qwen",
+                   **_AB),
+    "phi3": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all"),
+    "gemma": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True, **_AB),
+    "gemma2": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
+                   norms_per_layer=4, sliding="alternate", defaults={"num_key_value_heads": 4},
+                   **_AB),
+    "gemma3_text": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
+                        norms_per_layer=4, qk_norm=True, sliding="pattern",
+                        defaults={"num_key_value_heads": 4}, **_AB),
+    "mixtral": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="mixtral", sliding="all",
+                    defaults={"num_key_value_heads": 8}),
+    "qwen2_moe": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen2_moe",
+                      qkv_bias="qkv_bias", sliding="qwen", defaults={"qkv_bias": True}),
+    "qwen3_moe": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen3_moe",
+                      qk_norm=True, sliding="qwen", defaults={"num_key_value_heads": 4}, **_AB),
+    "deepseek_v2": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
+    "deepseek_v3": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
+    "gpt2": Arch(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
+    "bert": Arch(family=Family.ENCODER, kind="bert", heads=(MASKED_LM, SEQ_CLS, BASE),
+                 tie_default=True),
+    "vit": Arch(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),
+    "resnet": Arch(family=Family.OTHER, kind="resnet", heads=(IMAGE_CLS, BASE)),
+    "UNet2DConditionModel": Arch(family=Family.OTHER, kind="unet", heads=(DENOISE,)),
+}
+
+
+def arch_key(config: Mapping[str, Any]) -> str:
+    """``model_type``, or the diffusers ``_class_name`` for diffusers configs."""
+    key = config.get("model_type") or config.get("_class_name") or ""
+    return str(key)
+
+
+def arch_of(config: Mapping[str, Any]) -> Arch | None:
+    """The architecture entry for a config, or None when vramplan has no formula for it."""
+    return ARCHS.get(arch_key(config))
+
+
+def require_arch(config: Mapping[str, Any], origin: str = "config") -> Arch:
+    arch = arch_of(config)
+    if arch is None:
+        key = arch_key(config)
+        what = f"model_type '{key}'" if key else "a config without 'model_type'"
+        raise ConfigError(
+            f"{origin}: no parameter formula for {what}",
+            hint=f"known: {', '.join(sorted(ARCHS))}; other models can still be traced",
+        )
+    return arch
+
+
+def head_from_architectures(config: Mapping[str, Any]) -> str | None:
+    """The head the config's ``architectures[0]`` (or diffusers class) names, if recognisable."""
+    if config.get("_class_name") == "UNet2DConditionModel":
+        return DENOISE
+    names = config.get("architectures") or []
+    name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else ""
+    for suffix, head in (
+        ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM), ("ForMaskedLM", MASKED_LM),
+        ("ForSequenceClassification", SEQ_CLS), ("ForImageClassification", IMAGE_CLS),
+        ("Model", BASE),
+    ):
+        if name.endswith(suffix):
+            return head
+    return None
+
+
+def default_head(config: Mapping[str, Any], arch: Arch) -> str:
+    """The head ``architectures`` names when this architecture supports it, else its first."""
+    head = head_from_architectures(config)
+    return head if head in arch.heads else arch.heads[0]
+
+
+def check_head(head: str, arch: Arch, origin: str) -> str:
+    if head not in arch.heads:
+        raise ConfigError(
+            f"{origin}: head '{head}' is not available for this architecture",
+            hint=f"choose one of {', '.join(arch.heads)}",
+        )
+    return head
+
+
+def num_labels(config: Mapping[str, Any]) -> int:
+    """Classifier width as transformers computes it: ``id2label`` size, else ``num_labels``, else 2."""
+    id2label = config.get("id2label")
+    if isinstance(id2label, Mapping) and id2label:
+        return len(id2label)
+    n = config.get("num_labels")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 2

@@ -1,0 +1,283 @@
+"""Build a catalog model as a real ``nn.Module`` (on ``meta`` by default) and make its inputs.
+
+``build_model`` instantiates the transformers / diffusers class from the spec's config with
+``from_config`` — never a download — under ``torch.device(device)``. Use it to trace the real
+forward/backward on fake tensors, or to count parameters exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.errors import ConfigError, TraceError, WorkloadError
+from vramplan.workload import Task, as_enum
+
+from .arch import (
+    BASE,
+    CAUSAL_LM,
+    DENOISE,
+    HEADS,
+    IMAGE_CLS,
+    MASKED_LM,
+    SEQ_CLS,
+    arch_of,
+    check_head,
+    default_head,
+    head_from_architectures,
+)
+from .spec import ModelSpec
+
+_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+# Keys of a published config.json that must not reach ``from_config``: remote code we never
+# run, and the checkpoint's weight quantisation (vramplan models quantisation itself).
+_DROP_KEYS = ("auto_map", "quantization_config")
+_UNET_TEXT_TOKENS = 77
+"""CLIP text encoder length that Stable Diffusion's cross-attention attends to."""
+
+
+def resolve_head(spec: ModelSpec, head: str | None) -> str:
+    arch = arch_of(spec.config)
+    if arch is None:
+        if head is not None and head not in HEADS:
+            raise TraceError(f"unknown head '{head}'", hint=f"choose one of {', '.join(HEADS)}")
+        return head or head_from_architectures(spec.config) or BASE
+    if head is None:
+        return default_head(spec.config, arch)
+    try:
+        return check_head(head, arch, spec.name)
+    except ConfigError as e:  # at build time an unsupported head is a trace error
+        raise TraceError(e.message, hint=e.hint) from None
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    task: Task | str = Task.TRAIN,
+    attention: str = "sdpa",
+    device: str | torch.device = "meta",
+    dtype: torch.dtype | str | None = None,
+    head: str | None = None,
+) -> nn.Module:
+    """The spec's model with ``head`` on top, built from its config under ``torch.device(device)``.
+
+    ``dtype=None`` keeps the checkpoint's dtype (``spec.dtype``), as transformers 5 does; pass
+    ``torch.float32`` for fp32 master weights. ``attention`` is eager | sdpa | flash (or any
+    transformers ``attn_implementation``); an architecture without an SDPA path in this
+    transformers (Gemma 2) is built eager when sdpa is asked, as transformers does —
+    :func:`attention_used` tells. The module is in train mode for task=train, else eval.
+    """
+    task = as_enum(Task, task, "task")
+    chosen = resolve_head(spec, head)
+    torch_dtype = _torch_dtype(dtype if dtype is not None else spec.dtype)
+    with torch.device(device):
+        if chosen == DENOISE:
+            model = _build_unet(spec, attention, torch_dtype)
+        else:
+            model = _build_transformers(spec, chosen, attention, torch_dtype)
+    model.train(task is Task.TRAIN)
+    return model
+
+
+def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    cfg = {k: v for k, v in spec.config.items() if k not in _DROP_KEYS}
+    model_type = cfg.pop("model_type", None)
+    try:
+        with _quiet():
+            config = transformers.AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise TraceError(
+            f"{spec.name}: transformers {transformers.__version__} cannot build model_type "
+            f"'{model_type}' ({_first_line(e)})",
+            hint="pass your own nn.Module to `vramplan trace`",
+        ) from None
+    if head == SEQ_CLS and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # decoders refuse batch > 1 without one; no effect on memory
+    auto = {
+        CAUSAL_LM: transformers.AutoModelForCausalLM,
+        MASKED_LM: transformers.AutoModelForMaskedLM,
+        SEQ_CLS: transformers.AutoModelForSequenceClassification,
+        IMAGE_CLS: transformers.AutoModelForImageClassification,
+        BASE: transformers.AutoModel,
+    }[head]
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if _has_attention(spec):
+        kwargs["attn_implementation"] = _ATTENTION.get(attention, attention)
+    try:
+        return _from_config(auto, config, kwargs)
+    except (ValueError, ImportError, AssertionError, TypeError) as e:
+        unsupported = "does not support" in str(e)
+        if kwargs.get("attn_implementation") == "sdpa" and unsupported:
+            # No SDPA path for this architecture (Gemma 2): transformers itself runs eager.
+            # attention_used(model) reports it.
+            return _from_config(auto, config, {**kwargs, "attn_implementation": "eager"})
+        if "attn_implementation" in kwargs and (unsupported or "flash" in str(e).lower()):
+            raise TraceError(
+                f"{spec.name}: attention '{attention}' is not available here ({_first_line(e)})",
+                hint="use --attention sdpa (vramplan emulates the flash kernels' memory)",
+            ) from None
+        raise TraceError(f"{spec.name}: cannot build {head} model ({_first_line(e)})") from None
+
+
+def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
+    with _quiet():
+        model: nn.Module = auto.from_config(config, **kwargs)
+    return model
+
+
+def attention_used(model: nn.Module) -> str:
+    """The attention implementation a built model runs (eager | sdpa | flash_attention_2 | …)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl:
+        return str(impl)
+    processors = getattr(model, "attn_processors", None)  # diffusers
+    if isinstance(processors, dict) and processors:
+        names = {type(p).__name__ for p in processors.values()}
+        return "eager" if names == {"AttnProcessor"} else "sdpa"
+    return "none"
+
+
+def _build_unet(spec: ModelSpec, attention: str, dtype: torch.dtype) -> nn.Module:
+    try:
+        from diffusers import UNet2DConditionModel
+        from diffusers.models.attention_processor import AttnProcessor
+    except ImportError:  # pragma: no cover - diffusers is in the models extra
+        raise TraceError(f"{spec.name}: building a UNet needs diffusers",
+                         hint="pip install 'vramplan[models]'") from None
+    if attention not in ("eager", "sdpa"):
+        raise TraceError(f"{spec.name}: the diffusers UNet supports attention eager or sdpa, not {attention!r}")
+    with _quiet():
+        model: nn.Module = UNet2DConditionModel.from_config(dict(spec.config))
+        if dtype != torch.float32:
+            model.to(dtype)
+        if attention == "eager":
+            model.set_attn_processor(AttnProcessor())  # type: ignore[operator]
+    return model
+
+
+def example_inputs(
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq: int = 2048,
+    image_size: int | None = None,
+    device: str | torch.device = "meta",
+    head: str | None = None,
+    labels: bool = True,
+    dtype: torch.dtype | str | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for the model's forward: token ids (+ labels) for language models,
+    ``pixel_values`` (+ labels) for vision models, noisy latents, timestep and text states for a
+    UNet (``image_size`` is the pixel size; latents are 8x smaller). Floats use ``dtype``
+    (default float32)."""
+    if batch < 1 or seq < 1:
+        raise WorkloadError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    chosen = resolve_head(spec, head)
+    float_dtype = _torch_dtype(dtype) if dtype is not None else torch.float32
+    dev = torch.device(device)
+    if chosen == DENOISE:
+        return _unet_inputs(spec, batch, image_size, dev, float_dtype)
+    if spec.patch_size or spec.model_type == "resnet":
+        return _image_inputs(spec, chosen, batch, image_size, dev, float_dtype, labels)
+    return _token_inputs(spec, chosen, batch, seq, dev, labels)
+
+
+def _token_inputs(spec: ModelSpec, head: str, batch: int, seq: int, dev: torch.device,
+                  labels: bool) -> dict[str, Any]:
+    if not spec.vocab:
+        raise TraceError(f"{spec.name}: no example inputs for this model", hint="pass your own inputs")
+    learned = spec.model_type in ("gpt2", "bert")
+    if learned and spec.max_positions and seq > spec.max_positions:
+        raise WorkloadError(
+            f"--seq {seq} exceeds {spec.name}'s {spec.max_positions} learned positions",
+            hint=f"use --seq {spec.max_positions} or less",
+        )
+    ids = torch.randint(0, spec.vocab, (batch, seq), dtype=torch.long, device=dev)
+    out: dict[str, Any] = {"input_ids": ids}
+    if labels and head in (CAUSAL_LM, MASKED_LM):
+        out["labels"] = torch.randint(0, spec.vocab, (batch, seq), dtype=torch.long, device=dev)
+    elif labels and head == SEQ_CLS:
+        out["labels"] = torch.zeros(batch, dtype=torch.long, device=dev)
+    return out
+
+
+def _image_inputs(spec: ModelSpec, head: str, batch: int, image_size: int | None, dev: torch.device,
+                  dtype: torch.dtype, labels: bool) -> dict[str, Any]:
+    size = image_size or spec.image_size or 224
+    if spec.patch_size and size % spec.patch_size:
+        raise WorkloadError(
+            f"--image-size {size} is not a multiple of {spec.name}'s patch size {spec.patch_size}",
+        )
+    out: dict[str, Any] = {
+        "pixel_values": torch.randn(batch, spec.num_channels, size, size, dtype=dtype, device=dev),
+    }
+    if spec.patch_size and size != spec.image_size:
+        out["interpolate_pos_encoding"] = True
+    if labels and head == IMAGE_CLS:
+        out["labels"] = torch.zeros(batch, dtype=torch.long, device=dev)
+    return out
+
+
+def _unet_inputs(spec: ModelSpec, batch: int, image_size: int | None, dev: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    size = image_size or spec.image_size or 512
+    if size % 8:
+        raise WorkloadError(f"--image-size {size} must be a multiple of 8 for a latent-diffusion UNet")
+    latent = size // 8
+    cross = int(spec.config.get("cross_attention_dim") or 768)
+    return {
+        "sample": torch.randn(batch, spec.num_channels, latent, latent, dtype=dtype, device=dev),
+        "timestep": torch.zeros(batch, dtype=torch.long, device=dev),
+        "encoder_hidden_states": torch.randn(batch, _UNET_TEXT_TOKENS, cross, dtype=dtype, device=dev),
+    }
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise WorkloadError(f"unknown dtype {dtype!r}", hint="use float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+def _has_attention(spec: ModelSpec) -> bool:
+    return spec.model_type not in ("resnet",)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else e.__class__.__name__
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers/diffusers warnings while building: the core never prints.
+
+    Enter it after importing them: importing resets their library logger's level."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("transformers", "diffusers")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

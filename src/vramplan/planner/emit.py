@@ -1,0 +1,337 @@
+"""What a user pastes to run a plan: DeepSpeed JSON, Accelerate YAML, an FSDP2 snippet,
+HF ``TrainingArguments``, or the ``PYTORCH_CUDA_ALLOC_CONF`` line.
+
+Pure text generation from a :class:`Plan`; nothing here imports the libraries named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vramplan.errors import PlanError
+from vramplan.units import GiB
+from vramplan.workload import Checkpointing, Optimizer, OptimizerImpl, Peft, Precision, Workload
+
+from .results import Plan
+
+FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+FRAGMENTATION_ADVICE = 0.05
+"""Recommend expandable segments above this predicted fragmentation (1 − allocated/reserved)."""
+TIGHT_FIT = 0.10
+"""…or when the headroom is below this share of the usable memory."""
+
+
+@dataclass(frozen=True)
+class Emitted:
+    format: str
+    text: str
+    filename: str
+    """A suggested file name (``ds_config.json``)."""
+    notes: tuple[str, ...] = ()
+    """Things the text itself cannot say (JSON has no comments)."""
+
+
+def emit(plan: Plan, fmt: str) -> Emitted:
+    """Runnable configuration for ``plan`` in ``fmt`` (one of :data:`FORMATS`)."""
+    makers = {"deepspeed": deepspeed, "accelerate": accelerate, "fsdp": fsdp, "trainer": trainer,
+              "alloc-conf": alloc_conf}
+    if fmt not in makers:
+        raise PlanError(f"unknown --emit format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
+    return makers[fmt](plan)
+
+
+def backend(w: Workload) -> str:
+    """none | ddp | deepspeed | fsdp: the framework that runs this sharding best."""
+    p = w.parallel
+    if p.zero == 0:
+        return "ddp" if p.dp > 1 else "none"
+    if p.zero in (1, 2) or (p.offload_optimizer and not p.offload_params):
+        return "deepspeed"
+    return "fsdp"
+
+
+def _header(plan: Plan) -> str:
+    return (f"vramplan plan: {plan.label} on {plan.num_gpus}× {plan.gpu} "
+            f"({plan.memory / GiB:.1f} GiB per GPU predicted)")
+
+
+# ------------------------------------------------------------------------------ DeepSpeed
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
+    w = plan.workload
+    p = w.parallel
+    cfg: dict[str, Any] = {
+        "train_batch_size": w.batch * w.grad_accum * p.dp,
+        "train_micro_batch_size_per_gpu": w.batch,
+        "gradient_accumulation_steps": w.grad_accum,
+        "gradient_clipping": 1.0,
+    }
+    if w.precision in (Precision.BF16_MIXED, Precision.BF16):
+        cfg["bf16"] = {"enabled": True}
+    elif w.precision in (Precision.FP16_MIXED, Precision.FP16):
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    zero: dict[str, Any] = {"stage": p.zero, "overlap_comm": True, "contiguous_gradients": True}
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if p.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if p.zero == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    cfg["zero_optimization"] = zero
+    ds_opt = {Optimizer.ADAMW: "AdamW", Optimizer.ADAM: "Adam"}.get(w.optimizer)
+    if ds_opt:
+        cfg["optimizer"] = {"type": ds_opt, "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                       "weight_decay": 0.01 if ds_opt == "AdamW" else 0.0}}
+    cfg["wall_clock_breakdown"] = False
+    return cfg
+
+
+def deepspeed(plan: Plan) -> Emitted:
+    w = plan.workload
+    notes = [_header(plan)]
+    if w.optimizer not in (Optimizer.ADAMW, Optimizer.ADAM):
+        notes.append(f"DeepSpeed has no built-in {w.optimizer}: create it in your script and pass "
+                     "optimizer=... to deepspeed.initialize (the JSON has no optimizer block)")
+    if w.checkpointing is not Checkpointing.NONE:
+        notes.append("activation checkpointing is set on the model, not in this JSON: "
+                     "model.gradient_checkpointing_enable() (HF) or torch.utils.checkpoint")
+    if w.parallel.zero == 0 and w.parallel.dp > 1:
+        notes.append("ZeRO stage 0 is plain data parallelism (DDP)")
+    text = json.dumps(deepspeed_config(plan), indent=2) + "\n"
+    return Emitted("deepspeed", text, "ds_config.json", tuple(notes))
+
+
+# ------------------------------------------------------------------------------ Accelerate
+def accelerate_config(plan: Plan) -> dict[str, Any]:
+    w = plan.workload
+    p = w.parallel
+    kind = backend(w)
+    n = plan.num_gpus
+    machines = max(1, math.ceil(n / 8))
+    mixed = {Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP16_MIXED: "fp16",
+             Precision.FP16: "fp16"}.get(w.precision, "no")
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False,
+        "distributed_type": {"none": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}[kind],
+        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
+        "mixed_precision": mixed, "num_machines": machines, "num_processes": n,
+        "rdzv_backend": "static", "same_network": True, "use_cpu": False,
+    }
+    if kind == "deepspeed":
+        cfg["deepspeed_config"] = {
+            "gradient_accumulation_steps": w.grad_accum, "gradient_clipping": 1.0,
+            "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
+            "offload_param_device": "cpu" if p.offload_params else "none",
+            "zero3_init_flag": p.zero == 3, "zero3_save_16bit_model": p.zero == 3, "zero_stage": p.zero,
+        }
+    elif kind == "fsdp":
+        cfg["fsdp_config"] = {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_activation_checkpointing": w.checkpointing is not Checkpointing.NONE,
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": p.offload_params,
+            "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
+    return cfg
+
+
+def accelerate(plan: Plan) -> Emitted:
+    text = f"# {_header(plan)}\n# accelerate launch --config_file accelerate.yaml train.py\n"
+    text += to_yaml(accelerate_config(plan))
+    notes = [f"micro-batch {plan.workload.batch} per GPU, gradient accumulation {plan.workload.grad_accum}: "
+             "set them in your script / TrainingArguments"]
+    return Emitted("accelerate", text, "accelerate.yaml", tuple(notes))
+
+
+def to_yaml(d: Mapping[str, Any], indent: int = 0) -> str:
+    """Block YAML for nested mappings of scalars (what Accelerate configs use)."""
+    out = []
+    pad = "  " * indent
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.append(f"{pad}{k}:\n" + to_yaml(v, indent + 1).rstrip("\n"))
+        else:
+            out.append(f"{pad}{k}: {_scalar(v)}")
+    return "\n".join(out) + "\n"
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v)
+    plain = s and s.replace("_", "").replace("-", "").replace(".", "").isalnum() and s.lower() not in (
+        "true", "false", "yes", "no", "null", "on", "off")
+    return s if plain else json.dumps(s)
+
+
+# ------------------------------------------------------------------------------ FSDP2
+_DTYPE = {Precision.BF16_MIXED: "torch.bfloat16", Precision.BF16: "torch.bfloat16",
+          Precision.FP16_MIXED: "torch.float16", Precision.FP16: "torch.float16"}
+
+
+def _optimizer_line(w: Workload) -> tuple[list[str], str]:
+    fused = ", fused=True" if w.optimizer_impl is OptimizerImpl.FUSED else ""
+    lines = {
+        Optimizer.ADAMW: ([], f"torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01{fused})"),
+        Optimizer.ADAM: ([], f"torch.optim.Adam(params, lr=1e-4{fused})"),
+        Optimizer.SGD: ([], f"torch.optim.SGD(params, lr=1e-2{fused})"),
+        Optimizer.SGD_MOMENTUM: ([], f"torch.optim.SGD(params, lr=1e-2, momentum=0.9{fused})"),
+        Optimizer.ADAFACTOR: ([], "torch.optim.Adafactor(params, lr=1e-2)"),
+        Optimizer.ADAMW_8BIT: (["import bitsandbytes as bnb"], "bnb.optim.AdamW8bit(params, lr=1e-4)"),
+        Optimizer.PAGED_ADAMW_8BIT: (["import bitsandbytes as bnb"], "bnb.optim.PagedAdamW8bit(params, lr=1e-4)"),
+        Optimizer.LION: (["import bitsandbytes as bnb"], "bnb.optim.Lion(params, lr=1e-4)"),
+    }
+    return lines[w.optimizer]
+
+
+def fsdp(plan: Plan) -> Emitted:
+    w = plan.workload
+    p = w.parallel
+    imports, opt = _optimizer_line(w)
+    dtype = _DTYPE.get(w.precision)
+    reduce = "torch.float32" if w.mixed else (dtype or "torch.float32")
+    every = max(1, round(1 / w.checkpoint_fraction)) if w.checkpointing is not Checkpointing.NONE else 0
+    notes = [_header(plan)]
+    if p.zero in (1, 2):
+        notes.append("FSDP2 has no ZeRO-1; reshard_after_forward=False is its ZeRO-2 (SHARD_GRAD_OP)")
+    if p.offload_optimizer and not p.offload_params:
+        notes.append("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together; "
+                     "DeepSpeed (--emit deepspeed) offloads the optimizer alone")
+    src = [
+        f'"""{_header(plan)}',
+        "",
+        f"Launch: torchrun --nproc_per_node {min(plan.num_gpus, 8)} train.py  (micro-batch {w.batch}, "
+        f"gradient accumulation {w.grad_accum})",
+        '"""',
+        "from functools import partial",
+        "",
+        "import torch",
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper",
+        "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
+        "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+        *imports,
+        "",
+        f"MICRO_BATCH = {w.batch}",
+        f"GRAD_ACCUM = {w.grad_accum}",
+        "",
+        "",
+        "def _save_matmuls(ctx, op, *args, **kwargs):",
+        "    # selective checkpointing: keep matmul outputs, recompute the cheap elementwise ops",
+        "    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):",
+        "        return CheckpointPolicy.MUST_SAVE",
+        "    return CheckpointPolicy.PREFER_RECOMPUTE",
+        "",
+        "",
+        "def shard(model: torch.nn.Module, layers: torch.nn.ModuleList) -> torch.nn.Module:",
+        '    """Checkpoint and shard each transformer block, then the root (e.g. layers = model.model.layers)."""',
+        f"    mp = MixedPrecisionPolicy(param_dtype={dtype or 'None'}, reduce_dtype={reduce})",
+        "    kwargs = dict(mp_policy=mp, reshard_after_forward=" + ("True" if p.zero == 3 or p.zero == 0 else "False") + ")",
+    ]
+    if p.offload_params or p.offload_optimizer:
+        src.append("    kwargs['offload_policy'] = CPUOffloadPolicy(pin_memory=True)")
+    src += ["    for i, block in enumerate(layers):"]
+    if every:
+        wrap = ("checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))"
+                if w.checkpointing is Checkpointing.SELECTIVE else "checkpoint_wrapper(block)")
+        if every == 1:
+            src += [f"        block = {wrap}", "        layers[i] = block"]
+        else:
+            src += [f"        if i % {every} == 0:  # checkpoint 1 block in {every}",
+                    f"            block = {wrap}", "            layers[i] = block"]
+    src += [
+        "        fully_shard(block, **kwargs)",
+        "    fully_shard(model, **kwargs)",
+        "    return model",
+        "",
+        "",
+        "def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:",
+        "    params = [p for p in model.parameters() if p.requires_grad]",
+        f"    return {opt}",
+    ]
+    if w.peft is not Peft.NONE:
+        notes.append(f"{w.peft}: wrap the model with peft.get_peft_model before shard() "
+                     "(see --emit trainer for the LoraConfig)")
+    return Emitted("fsdp", "\n".join(src) + "\n", "fsdp_setup.py", tuple(notes))
+
+
+# ------------------------------------------------------------------------------ HF Trainer
+_HF_OPTIM = {
+    (Optimizer.ADAMW, OptimizerImpl.FUSED): "adamw_torch_fused", (Optimizer.ADAM, OptimizerImpl.FUSED): "adamw_torch_fused",
+    Optimizer.ADAMW: "adamw_torch", Optimizer.ADAM: "adamw_torch", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit",
+    Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit", Optimizer.ADAFACTOR: "adafactor", Optimizer.SGD: "sgd",
+    Optimizer.SGD_MOMENTUM: "sgd", Optimizer.LION: "lion_32bit",
+}
+
+
+def trainer(plan: Plan) -> Emitted:
+    w = plan.workload
+    p = w.parallel
+    kind = backend(w)
+    optim = _HF_OPTIM.get((w.optimizer, w.optimizer_impl)) or _HF_OPTIM[w.optimizer]
+    src = [f"# {_header(plan)}"]
+    if plan.num_gpus > 1:
+        src.append(f"# launch: torchrun --nproc_per_node {min(plan.num_gpus, 8)} train.py")
+    src += ["import torch", "from transformers import TrainingArguments"]
+    if w.peft is not Peft.NONE:
+        src.append("from peft import LoraConfig")
+    if w.peft is Peft.QLORA:
+        src.append("from transformers import BitsAndBytesConfig")
+    src.append("")
+    if w.peft is Peft.QLORA:
+        src += [
+            "bnb_config = BitsAndBytesConfig(",
+            "    load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True,",
+            f"    bnb_4bit_compute_dtype={_DTYPE.get(w.precision, 'torch.bfloat16')},",
+            ")  # AutoModelForCausalLM.from_pretrained(..., quantization_config=bnb_config)",
+        ]
+    if w.peft is not Peft.NONE:
+        targets = "\"all-linear\"" if "all-linear" in w.lora_targets else repr(list(w.lora_targets))
+        src += [f"lora_config = LoraConfig(r={w.lora_rank}, lora_alpha={2 * w.lora_rank}, "
+                f"target_modules={targets}, task_type=\"CAUSAL_LM\")", ""]
+    if w.precision in (Precision.BF16, Precision.FP16):
+        src.append(f"# pure {w.precision}: load the model with torch_dtype={_DTYPE[w.precision]}")
+    args = [
+        "    output_dir=\"out\",",
+        f"    per_device_train_batch_size={w.batch},",
+        f"    gradient_accumulation_steps={w.grad_accum},",
+    ]
+    if w.precision in (Precision.BF16_MIXED, Precision.BF16):
+        args.append("    bf16=True,")
+    elif w.precision in (Precision.FP16_MIXED, Precision.FP16):
+        args.append("    fp16=True,")
+    if w.checkpointing is not Checkpointing.NONE:
+        args += ["    gradient_checkpointing=True,", "    gradient_checkpointing_kwargs={\"use_reentrant\": False},"]
+        if w.checkpointing is Checkpointing.SELECTIVE or w.checkpoint_fraction < 1:
+            src.append("# the Trainer checkpoints every layer; for selective or partial checkpointing "
+                       "see --emit fsdp")
+    args.append(f"    optim=\"{optim}\",")
+    if kind == "deepspeed" or (kind == "fsdp" and p.offload_optimizer and not p.offload_params):
+        args.append("    deepspeed=\"ds_config.json\",  # vramplan plan ... --emit deepspeed > ds_config.json")
+    elif kind == "fsdp":
+        opts = "full_shard auto_wrap" + (" offload" if p.offload_params else "")
+        args += [f"    fsdp=\"{opts}\",", "    fsdp_config={\"fsdp_version\": 2},"]
+    src += ["args = TrainingArguments(", *args, ")"]
+    return Emitted("trainer", "\n".join(src) + "\n", "training_args.py", (_header(plan),))
+
+
+# ------------------------------------------------------------------------------ allocator
+def alloc_conf(plan: Plan) -> Emitted:
+    tight = plan.headroom < TIGHT_FIT * plan.usable
+    fragmented = plan.confirmed and plan.method.value == "trace" and plan.fragmentation >= FRAGMENTATION_ADVICE
+    if tight or fragmented:
+        why = []
+        if fragmented:
+            why.append(f"predicted fragmentation {plan.fragmentation:.0%} at the peak")
+        if tight:
+            why.append(f"tight fit: {plan.headroom / GiB:.1f} GiB headroom")
+        text = (f"# {'; '.join(why)}: expandable segments let freed blocks be reused across sizes\n"
+                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n")
+    else:
+        text = (f"# default allocator settings are fine: {plan.headroom / GiB:.1f} GiB headroom, "
+                f"predicted fragmentation {plan.fragmentation:.0%}\n"
+                "# export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # harmless if shapes vary\n")
+    return Emitted("alloc-conf", text, "alloc_conf.sh", (_header(plan),))

@@ -1,0 +1,134 @@
+"""Find the largest x on a grid whose memory fits, with few (expensive) evaluations.
+
+Memory is monotone in batch and sequence length. The caller supplies a predictor (from
+the analytic curve calibrated to the evaluations so far, or a secant/quadratic through
+them); we evaluate the predicted boundary, then one step above it, and keep a bracket so
+that a wrong prediction costs one more evaluation, and a run of wrong ones falls back to
+bisection (never more than O(log range) evaluations).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+Predictor = Callable[[Mapping[int, int]], float | None]
+"""Given {x: memory} so far, the predicted largest fitting x (None: no idea)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    value: int
+    """Largest grid point that fits; ``lo - step`` (normally 0) when none does."""
+    above: int | None
+    """The grid point above ``value`` that was evaluated and does not fit (None at ``hi``)."""
+    samples: Mapping[int, int]
+    """Evaluations with an exact memory figure: x → memory."""
+
+
+def boundary_search(
+    evaluate: Callable[[int], tuple[int | None, bool]], *, first: int, lo: int, hi: int, step: int = 1,
+    predict: Predictor | None = None, max_evals: int = 64,
+) -> SearchResult:
+    """Largest ``x`` in ``{lo, lo+step, …} ∩ [lo, hi]`` with ``evaluate(x)`` fitting.
+
+    ``evaluate(x)`` returns (memory, fits); memory is None when it is only a lower bound
+    (e.g. the allocator simulation ran out of memory), and is then not used to predict.
+    Stops when ``x`` fits and ``x + step`` does not (both evaluated), when ``lo`` does not
+    fit, or when ``hi`` fits. Predictions are followed while they move; a run of
+    evaluations on one side gallops (each move at least twice the last), and a bracket that
+    predictions fail to close twice is bisected, so the count stays O(log range).
+    """
+    if step < 1 or lo < 1 or hi < lo:
+        raise ValueError(f"bad search range lo={lo} hi={hi} step={step}")
+
+    def snap(x: float) -> int:
+        k = math.floor((x - lo) / step + 1e-9)
+        return min(max(lo + k * step, lo), lo + (hi - lo) // step * step)
+
+    top = snap(hi)
+    samples: dict[int, int] = {}
+    seen: set[int] = set()
+    fit_x: int | None = None
+    over_x: int | None = None
+    misses = run = 0
+    last_ok: bool | None = None
+    x = snap(first)
+    for _ in range(max_evals):
+        used, ok = evaluate(x)
+        seen.add(x)
+        if used is not None:
+            samples[x] = used
+        run = run + 1 if ok == last_ok else 1
+        last_ok = ok
+        if ok:
+            fit_x = x if fit_x is None else max(fit_x, x)
+        else:
+            over_x = x if over_x is None else min(over_x, x)
+        if over_x == lo:
+            return SearchResult(lo - step, lo, samples)
+        if fit_x == top:
+            return SearchResult(top, None, samples)
+        if fit_x is not None and over_x is not None and over_x - fit_x <= step:
+            return SearchResult(fit_x, over_x, samples)
+        low = fit_x + step if fit_x is not None else lo
+        high = over_x - step if over_x is not None else top
+        bracketed = fit_x is not None and over_x is not None
+        misses += 1 if bracketed else 0
+        guess = predict(samples) if predict is not None else None
+        if bracketed and (misses > 2 or guess is None or not math.isfinite(guess)):
+            cand = snap((fit_x + over_x) / 2)  # type: ignore[operator]
+        elif guess is None or not math.isfinite(guess):
+            cand = snap(x * 2) if ok else snap(x / 2)
+        else:
+            cand = snap(guess)
+            if not bracketed and run >= 2:  # gallop: move at least 2^(run-1) steps
+                reach = step * 2 ** (run - 1)
+                cand = max(cand, x + reach) if ok else min(cand, x - reach)
+        x = min(max(cand, low), high)
+        if x in seen:  # clamping can land on a known point only when the bracket is closed
+            break
+    return SearchResult(fit_x if fit_x is not None else lo - step, over_x, samples)
+
+
+def secant_predictor(limit: int, *, quadratic: bool = False) -> Predictor:
+    """Predict where memory crosses ``limit`` from the evaluations closest to it.
+
+    Affine through two points (batch, or sequence with flash/SDPA attention); with
+    ``quadratic`` and three points, a parabola (eager attention's s² scores).
+    """
+
+    def predict(samples: Mapping[int, int]) -> float | None:
+        if len(samples) < 2:
+            return None
+        pts = sorted(samples.items(), key=lambda kv: abs(kv[1] - limit))
+        if quadratic and len(pts) >= 3:
+            q = _parabola_root(pts[:3], limit)
+            if q is not None:
+                return q
+        (x1, y1), (x2, y2) = pts[0], pts[1]
+        if x1 == x2 or y1 == y2:
+            return None
+        slope = (y2 - y1) / (x2 - x1)
+        if slope <= 0:
+            return None
+        return x1 + (limit - y1) / slope
+
+    return predict
+
+
+def _parabola_root(pts: list[tuple[int, int]], limit: int) -> float | None:
+    (x1, y1), (x2, y2), (x3, y3) = pts
+    den = (x1 - x2) * (x1 - x3) * (x2 - x3)
+    if den == 0:
+        return None
+    a = (x3 * (y2 - y1) + x2 * (y1 - y3) + x1 * (y3 - y2)) / den
+    b = (x3 * x3 * (y1 - y2) + x2 * x2 * (y3 - y1) + x1 * x1 * (y2 - y3)) / den
+    c = (x2 * x3 * (x2 - x3) * y1 + x3 * x1 * (x3 - x1) * y2 + x1 * x2 * (x1 - x2) * y3) / den
+    if a <= 0:
+        return None
+    disc = b * b - 4 * a * (c - limit)
+    if disc < 0:
+        return None
+    return (-b + math.sqrt(disc)) / (2 * a)

@@ -1,0 +1,265 @@
+"""The space of workload variants the planner searches, and their names in words.
+
+Training: precision × checkpointing (none / selective / half / full) × optimizer (as given,
+fused, 8-bit, Adafactor) × PEFT (only with ``allow_peft``) × sharding over the GPU count
+(DDP, ZeRO-1/2/3, optimizer and parameter offload) × micro-batch / accumulation (the
+per-rank samples per step, or ``global_batch``, stay fixed). Inference: weight
+quantisation × KV-cache dtype × tensor parallelism. Every variant is a validated
+:class:`Workload`; invalid combinations are skipped, not guessed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from vramplan.errors import PlanError, VramplanError
+from vramplan.hardware.gpu import GPU
+from vramplan.workload import (
+    Attention,
+    Checkpointing,
+    KVDtype,
+    Optimizer,
+    OptimizerImpl,
+    Parallel,
+    Peft,
+    Precision,
+    Quant,
+    Task,
+    Workload,
+)
+
+NO_BF16_ARCHS = ("volta", "turing", "pascal")
+FP8_ARCHS = ("hopper", "blackwell", "ada", "cdna3")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    workload: Workload
+    num_gpus: int
+
+
+def supports_bf16(gpu: GPU) -> bool:
+    return gpu.arch.lower() not in NO_BF16_ARCHS
+
+
+def for_gpu(w: Workload, gpu: GPU) -> Workload:
+    """The workload as it can run on ``gpu``: bf16 becomes fp16 where there is no bf16."""
+    if supports_bf16(gpu):
+        return w
+    swap = {Precision.BF16_MIXED: Precision.FP16_MIXED, Precision.BF16: Precision.FP16_MIXED}
+    if w.precision in swap:
+        return w.replace(precision=swap[w.precision])
+    return w
+
+
+def gpu_counts(max_gpus: int) -> list[int]:
+    counts, n = [], 1
+    while n < max_gpus:
+        counts.append(n)
+        n *= 2
+    counts.append(max_gpus)
+    return counts
+
+
+def micro_batches(per_rank: int) -> list[int]:
+    """Micro-batch sizes to try for ``per_rank`` samples per step: it, halves, and 1."""
+    opts = {per_rank, 1}
+    m = per_rank
+    for _ in range(2):
+        if m % 2:
+            break
+        m //= 2
+        opts.add(m)
+    return sorted((d for d in opts if per_rank % d == 0), reverse=True)
+
+
+def _precisions(w: Workload, gpu: GPU) -> list[Precision]:
+    p = for_gpu(w, gpu).precision
+    alt = {Precision.BF16_MIXED: Precision.BF16, Precision.BF16: Precision.BF16_MIXED,
+           Precision.FP32: Precision.BF16_MIXED if supports_bf16(gpu) else Precision.FP16_MIXED}.get(p)
+    return [p] if alt is None else [p, alt]
+
+
+def _checkpointing(w: Workload) -> list[tuple[Checkpointing, float]]:
+    opts = [(Checkpointing.NONE, 1.0), (Checkpointing.SELECTIVE, 1.0), (Checkpointing.FULL, 0.5),
+            (Checkpointing.FULL, 1.0)]
+    mine = (w.checkpointing, w.checkpoint_fraction if w.checkpointing is not Checkpointing.NONE else 1.0)
+    return opts if mine in opts else [mine, *opts]
+
+
+def _optimizers(w: Workload) -> list[tuple[Optimizer, OptimizerImpl]]:
+    opts = [(w.optimizer, w.optimizer_impl)]
+    if w.optimizer in (Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM):
+        opts.append((w.optimizer, OptimizerImpl.FUSED))
+    if w.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
+        opts += [(Optimizer.ADAMW_8BIT, OptimizerImpl.FOREACH), (Optimizer.ADAFACTOR, OptimizerImpl.FOREACH)]
+    return list(dict.fromkeys(opts))
+
+
+def _pefts(w: Workload, allow_peft: bool) -> list[Peft]:
+    if w.peft is not Peft.NONE or not allow_peft:
+        return [w.peft]
+    return [Peft.NONE, Peft.LORA, Peft.QLORA]
+
+
+def _shardings(w: Workload, n: int) -> Iterator[dict[str, object]]:
+    """Parallel settings for ``n`` GPUs, keeping the user's TP/PP/CP."""
+    p = w.parallel
+    model_par = p.tp * p.pp * p.cp
+    if n % model_par:
+        return
+    dp = n // model_par
+    base = {"dp": dp, "offload_optimizer": False, "offload_params": False}
+    if w.task is not Task.TRAIN:
+        yield {**base, "zero": 0}
+        return
+    stages = [0] if dp == 1 else [0, 1, 2, 3]
+    for z in stages:
+        yield {**base, "zero": z}
+    yield {**base, "zero": 2, "offload_optimizer": True}
+    yield {**base, "zero": 3, "offload_optimizer": True}
+    yield {**base, "zero": 3, "offload_optimizer": True, "offload_params": True}
+
+
+def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
+    if global_batch is None:
+        return w.batch * w.grad_accum
+    return global_batch // dp if global_batch % dp == 0 else None
+
+
+def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool,
+                   global_batch: int | None) -> Iterator[Candidate]:
+    for n in counts:
+        for sh in _shardings(w, n):
+            dp = int(sh["dp"])  # type: ignore[call-overload]
+            per_rank = _per_rank(w, dp, global_batch)
+            if per_rank is None:
+                continue
+            for prec, (ck, frac), (opt, impl), peft, mb in itertools.product(
+                _precisions(w, gpu), _checkpointing(w), _optimizers(w), _pefts(w, allow_peft),
+                micro_batches(per_rank),
+            ):
+                if peft is not Peft.NONE and opt in (Optimizer.ADAFACTOR,):
+                    continue  # adapters are tiny: optimizer choice does not matter, keep the space small
+                changes: dict[str, object] = dict(
+                    precision=prec, checkpointing=ck, checkpoint_fraction=frac, optimizer=opt,
+                    optimizer_impl=impl, peft=peft, batch=mb, grad_accum=per_rank // mb,
+                )
+                if peft is Peft.QLORA:
+                    changes["quant"] = Quant.NF4
+                    if prec is Precision.FP32 or sh["offload_params"]:
+                        continue  # 4-bit base weights are not offloaded by ZeRO-3/FSDP
+                if peft is not Peft.NONE and sh["offload_optimizer"] and not sh["offload_params"]:
+                    continue  # adapters' optimizer states are tiny: nothing to offload
+                yield from _make(w, n, changes, sh)
+
+
+def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candidate]:
+    quants = [w.quant] + [q for q in (Quant.NONE, Quant.INT8, Quant.NF4) if q is not w.quant]
+    if gpu.arch.lower() in FP8_ARCHS and Quant.FP8 not in quants:
+        quants.append(Quant.FP8)
+    kvs = [w.kv_dtype] if w.task is Task.INFER else list(dict.fromkeys([w.kv_dtype, KVDtype.AUTO, KVDtype.FP8]))
+    attns = [w.attention] if w.attention is not Attention.EAGER else [Attention.EAGER, Attention.SDPA]
+    for n in counts:
+        if w.parallel.pp * w.parallel.cp > 1 or w.parallel.dp > 1:
+            shards = list(_shardings(w, n))
+        else:
+            shards = [{"tp": n, "dp": 1, "zero": 0, "offload_optimizer": False, "offload_params": False}]
+        for sh, q, kv, at in itertools.product(shards, quants, kvs, attns):
+            yield from _make(w, n, {"quant": q, "kv_dtype": kv, "attention": at}, sh)
+
+
+def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, object]) -> Iterator[Candidate]:
+    try:
+        par = Parallel(**{**_parallel_fields(w.parallel), **sharding})  # type: ignore[arg-type]
+        yield Candidate(w.replace(parallel=par, **changes), n)
+    except VramplanError:
+        return
+
+
+def _parallel_fields(p: Parallel) -> dict[str, object]:
+    from dataclasses import fields
+
+    return {f.name: getattr(p, f.name) for f in fields(p)}
+
+
+def candidates(w: Workload, gpu: GPU, *, max_gpus: int = 1, allow_peft: bool = False,
+               global_batch: int | None = None, counts: list[int] | None = None) -> list[Candidate]:
+    """Every valid variant of ``w`` on 1…``max_gpus`` GPUs (or exactly ``counts``)."""
+    if max_gpus < 1:
+        raise PlanError(f"--gpus must be at least 1, got {max_gpus}")
+    if global_batch is not None and global_batch < 1:
+        raise PlanError(f"--global-batch must be a positive integer, got {global_batch}")
+    cs = counts or gpu_counts(max_gpus)
+    space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch) \
+        if w.task is Task.TRAIN else inference_space(w, gpu, cs)
+    out = list(dict.fromkeys(space))
+    if not out and global_batch is not None:
+        raise PlanError(f"global batch {global_batch} cannot be split over {cs} GPU(s)",
+                        hint="choose a global batch divisible by the GPU count")
+    return out
+
+
+# ---------------------------------------------------------------------------------- words
+def describe(w: Workload, n: int) -> str:
+    """The configuration in one phrase: ``bf16-mixed + full checkpointing + ZeRO-3 ×8, batch 4 × 2``."""
+    parts = [str(w.precision)]
+    if w.checkpointing is Checkpointing.FULL:
+        frac = "" if w.checkpoint_fraction >= 1.0 else f"{w.checkpoint_fraction:.0%} "
+        parts.append(f"{frac}full checkpointing")
+    elif w.checkpointing is Checkpointing.SELECTIVE:
+        parts.append("selective checkpointing")
+    if w.training:
+        opt = str(w.optimizer)
+        if w.optimizer_impl is OptimizerImpl.FUSED:
+            opt = f"fused {opt}"
+        if w.optimizer is not Optimizer.ADAMW or w.optimizer_impl is not OptimizerImpl.FOREACH:
+            parts.append(opt)
+    if w.peft is Peft.LORA:
+        parts.append(f"LoRA r{w.lora_rank}")
+    elif w.peft is Peft.QLORA:
+        parts.append(f"QLoRA r{w.lora_rank}")
+    elif w.quant is not Quant.NONE:
+        parts.append(f"{w.quant} weights")
+    if w.kv_dtype is not KVDtype.AUTO and w.task is Task.GENERATE:
+        parts.append(f"{w.kv_dtype} KV cache")
+    if w.attention is not Attention.SDPA:
+        parts.append(f"{w.attention} attention")
+    parts += _parallel_words(w, n)
+    batch = f"batch {w.batch}" + (f" × {w.grad_accum} accum" if w.grad_accum > 1 else "")
+    return " + ".join(parts) + f", {batch}"
+
+
+def _parallel_words(w: Workload, n: int) -> list[str]:
+    p = w.parallel
+    words = []
+    if p.dp > 1:
+        kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
+        words.append(f"{kind} ×{p.dp}")
+    elif p.zero:
+        words.append(f"ZeRO-{p.zero}")
+    if p.tp > 1:
+        words.append(f"TP {p.tp}")
+    if p.pp > 1:
+        words.append(f"PP {p.pp}")
+    if p.offload_params:
+        words.append("param + optimizer offload")
+    elif p.offload_optimizer:
+        words.append("optimizer offload")
+    return words
+
+
+def changes_from(base: Workload, w: Workload) -> tuple[str, ...]:
+    """Field-level differences from the user's workload, as ``field: old → new``."""
+    a, b = base.to_dict(), w.to_dict()
+    out = []
+    for k in b:
+        if k == "parallel":
+            for pk in b[k]:
+                if a[k][pk] != b[k][pk]:
+                    out.append(f"{pk}: {a[k][pk]} → {b[k][pk]}")
+        elif a.get(k) != b[k]:
+            out.append(f"{k}: {a.get(k)} → {b[k]}")
+    return tuple(out)

@@ -1,0 +1,315 @@
+"""Step time: FLOPs and bytes against a GPU's rates, plus communication and offload.
+
+Roofline per phase: a micro-batch takes ``max(flops / (peak · e_mm), bytes / (bw · e_bw))``
+(as ``torch.distributed._tools.RuntimeEstimator`` does per op); the optimizer step is
+memory-bound; communication and offload add what overlap does not hide; a pipeline adds
+its bubble ``(p − 1)/(m + p − 1)`` of the step. Returns a frozen :class:`StepTime`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from vramplan.errors import WorkloadError
+from vramplan.hardware.gpu import GPU
+from vramplan.models.spec import ModelSpec
+from vramplan.workload import KVDtype, Peft, Task, Workload
+
+from .comm import communication
+from .flops import StepFlops, decode_flops, forward_flops, train_flops
+from .offload import offload_time
+from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
+from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
+from .traffic import (
+    activation_bytes,
+    decode_bytes,
+    optimizer_bytes_per_param,
+    touched_params,
+    train_bytes,
+    weight_pass_bytes,
+    weight_storage_bytes,
+)
+
+
+class Bound(str, Enum):
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    COMMUNICATION = "communication"
+    OFFLOAD = "offload"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Predicted time of one step on one GPU, and what bounds it.
+
+    A step is one optimizer step (all micro-batches) for training, one forward for
+    inference, and prefill + all decode steps of one request batch for generation.
+    """
+
+    total: float
+    """Seconds per step."""
+    compute: float
+    """Seconds the matmul work needs at the efficient rate."""
+    memory: float
+    """Seconds the memory traffic needs (forward/backward traffic + optimizer step)."""
+    comm: float
+    """Exposed (not overlapped) communication seconds."""
+    offload: float
+    """Exposed host-device transfer and CPU-optimizer seconds."""
+    bubble: float
+    """Pipeline-parallel idle seconds."""
+    bound: Bound
+    flops: float
+    """FLOPs per GPU per step."""
+    flops_source: str
+    bytes_moved: float
+    """GPU-memory bytes read + written per GPU per step."""
+    comm_total: float
+    """Communication seconds before overlap."""
+    offload_total: float
+    tokens_per_step: int
+    """Tokens per step over all data-parallel ranks (generation: generated tokens); 0 for non-sequence models."""
+    samples_per_step: int
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+    """Model FLOPs per second ÷ (GPU count × peak)."""
+    peak_flops: float
+    rate_name: str
+    bandwidth: float
+    num_gpus: int
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bound"] = str(self.bound)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def step_time(
+    spec: ModelSpec | None, w: Workload, gpu: GPU, *, flops: float | None = None,
+    params: int | None = None, trainable_params: int | None = None,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> StepTime:
+    """Predict the step time of ``w`` on ``gpu`` (``w.parallel`` says how many).
+
+    ``flops``: FLOPs of one micro-batch on one rank as counted by a trace
+    (``FlopCounterMode``); without it they come from the formulas in :mod:`.flops`, which
+    need a transformer ``spec``. ``params`` / ``trainable_params`` override the spec's.
+    """
+    if spec is None or spec.family not in SEQUENCE_FAMILIES:
+        if flops is None or not (params or (spec and spec.params)):
+            name = spec.name if spec else "this model"
+            raise WorkloadError(
+                f"no FLOP count for {name}: step time of non-transformer models needs a trace",
+                hint="use --method trace",
+            )
+    s = shape_of(spec) if spec is not None else _opaque_shape(params or 0)
+    if params:
+        s = _with_params(s, params)
+    return _StepModel(spec, s, w, gpu, flops, trainable_params, eff).run()
+
+
+def _opaque_shape(params: int) -> Shape:
+    return Shape(params, params, params, 0, 0, 0, 1, 1, 0, 0, 0, 0, False, None, 0, 0, 0, 0)
+
+
+def _with_params(s: Shape, params: int) -> Shape:
+    if params == s.params:
+        return s
+    from dataclasses import replace
+
+    return replace(s, params=params, active_params=min(s.active_params, params) or params)
+
+
+class _StepModel:
+    """One evaluation; split into methods per task so each stays short."""
+
+    def __init__(self, spec: ModelSpec | None, s: Shape, w: Workload, gpu: GPU,
+                 flops: float | None, trainable: int | None, eff: Efficiency) -> None:
+        self.spec, self.s, self.w, self.gpu, self.eff = spec, s, w, gpu, eff
+        self.traced_flops = flops
+        self.rate = compute_rate(gpu, w, eff)
+        self.bw = memory_bandwidth(gpu) * eff.bandwidth
+        p = w.parallel
+        self.split = p.tp * p.pp * p.cp
+        self.notes: list[str] = [n for n in (self.rate.note,) if n]
+        self.seq = tokens_per_sample(spec, w) if spec is not None else w.seq
+        self.sequence_model = spec is not None and spec.family in SEQUENCE_FAMILIES
+        self.adapters = 0
+        if w.peft is not Peft.NONE:
+            self.adapters = adapter_params(spec, w) if spec is not None and spec.hidden else (trainable or 0)
+        if trainable is None:
+            trainable = self.adapters if w.peft is not Peft.NONE else s.params
+        self.trainable = trainable
+
+    # -- helpers -------------------------------------------------------------------
+    def _efficient_rate(self, tokens: float) -> float:
+        width = max(self.s.hidden // self.w.parallel.tp, 1) if self.s.hidden else 4096
+        return self.rate.flops * matmul_efficiency(int(tokens), width, self.eff)
+
+    def _flops_source(self) -> str:
+        return "trace (FlopCounterMode)" if self.traced_flops is not None else "analytic (6·N·tokens + attention)"
+
+    # -- tasks ---------------------------------------------------------------------
+    def run(self) -> StepTime:
+        if self.w.task is Task.TRAIN:
+            return self._train()
+        if self.w.task is Task.INFER:
+            return self._infer()
+        return self._generate()
+
+    def _train(self) -> StepTime:
+        w, s, p, eff = self.w, self.s, self.w.parallel, self.eff
+        b, seq = w.batch, self.seq
+        if self.traced_flops is not None:
+            f = StepFlops(self.traced_flops * self.split / 3, self.traced_flops * self.split * 2 / 3)
+        else:
+            f = train_flops(s, w, b, seq, self.adapters)
+        fwd_b, bwd_b, rec_b = train_bytes(s, w, b, seq, self.trainable)
+        flops_mb = f.total / self.split
+        bytes_mb = (fwd_b + bwd_b + rec_b) / self.split
+        rate = self._efficient_rate(b * seq / p.cp)
+        t_c, t_m = flops_mb / rate, bytes_mb / self.bw
+        t_mb = max(t_c, t_m)
+        t_bwd = t_mb * f.backward / max(f.total, 1.0)
+        m = w.grad_accum
+        bubble = (p.pp - 1) * t_mb if p.pp > 1 else 0.0
+
+        local_trainable = self.trainable / (p.tp * p.pp) / (p.dp if p.zero >= 1 else 1)
+        if p.offload_optimizer:
+            t_opt = 0.0
+            opt_bytes = 0.0
+        else:
+            opt_bytes = local_trainable * optimizer_bytes_per_param(w)
+            t_opt = opt_bytes / self.bw
+        comm = communication(
+            s, w, self.gpu, trainable=self.trainable, base_bytes_per_param=self._base_storage(),
+            t_microbatch=t_mb, t_backward=t_bwd, eff=eff,
+        )
+        local_params = s.params / (p.tp * p.pp * p.dp) if p.zero == 3 else s.params / (p.tp * p.pp)
+        off = offload_time(
+            self.gpu, optimizer=p.offload_optimizer, params=p.offload_params,
+            local_trainable=local_trainable, local_params=local_params,
+            grad_bytes=float(w.compute_bytes), param_bytes=float(w.compute_bytes),
+            microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
+            ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
+        )
+        total = m * t_mb + bubble + t_opt + comm.exposed + off.exposed
+        contrib = {
+            "compute": (m * t_mb + bubble) if t_c >= t_m else 0.0,
+            "memory": ((m * t_mb + bubble) if t_c < t_m else 0.0) + t_opt,
+            "communication": comm.exposed,
+            "offload": off.exposed,
+        }
+        self.notes += list(comm.notes) + list(off.notes)
+        if w.peft is not Peft.NONE:
+            self.notes.append("frozen base: backward skips its weight gradients (~4·N·tokens instead of 6)")
+        if p.pp > 1:
+            self.notes.append(
+                f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
+            )
+        tokens = b * seq * m * p.dp if self.sequence_model else 0
+        return self._result(
+            total=total, compute=m * t_c, memory=m * t_m + t_opt, comm=comm, off=off, bubble=bubble,
+            contrib=contrib, flops=m * flops_mb, bytes_moved=m * bytes_mb + opt_bytes,
+            tokens=tokens, samples=b * m * p.dp,
+        )
+
+    def _infer(self) -> StepTime:
+        w, s, p = self.w, self.s, self.w.parallel
+        b, seq = w.batch, self.seq
+        flops = self.traced_flops if self.traced_flops is not None else forward_flops(s, w, b, seq) / self.split
+        weights = touched_params(s, b * seq) * (weight_pass_bytes(w) if w.quant.value != "none" else w.compute_bytes)
+        bytes_ = (weights + activation_bytes(s, w, b, seq, training=False)) / self.split
+        t_c = flops / self._efficient_rate(b * seq / p.cp)
+        t_m = bytes_ / self.bw
+        t_f = max(t_c, t_m)
+        comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._base_storage(),
+                             t_microbatch=t_f, t_backward=0.0, eff=self.eff)
+        bubble = (p.pp - 1) / p.pp * t_f if p.pp > 1 else 0.0
+        total = t_f + bubble + comm.exposed
+        contrib = {"compute": t_f if t_c >= t_m else 0.0, "memory": t_f if t_c < t_m else 0.0,
+                   "communication": comm.exposed, "offload": 0.0}
+        self.notes += list(comm.notes)
+        tokens = b * seq * p.dp if self.sequence_model else 0
+        return self._result(total=total, compute=t_c, memory=t_m, comm=comm, off=None, bubble=bubble,
+                            contrib=contrib, flops=flops, bytes_moved=bytes_, tokens=tokens, samples=b * p.dp)
+
+    def _generate(self) -> StepTime:
+        w, s, p = self.w, self.s, self.w.parallel
+        b, seq, n = w.batch, self.seq, w.new_tokens
+        pre_flops = forward_flops(s, w, b, seq) / self.split
+        pre_bytes = (touched_params(s, b * seq) * weight_pass_bytes(w) + activation_bytes(s, w, b, seq, training=False)) / self.split
+        t_pre_c = pre_flops / self._efficient_rate(b * seq / p.cp)
+        t_pre_m = pre_bytes / self.bw
+        ctx = seq + (n + 1) / 2  # mean context over the decode steps
+        kvb = _kv_bytes(w)
+        dec_flops = decode_flops(s, w, b, ctx) / self.split
+        dec_bytes = decode_bytes(s, w, b, ctx, kvb) / self.split
+        t_dec_c = dec_flops / self._efficient_rate(b)
+        t_dec_m = dec_bytes / self.bw
+        t_dec = max(t_dec_c, t_dec_m)
+        t_pre = max(t_pre_c, t_pre_m)
+        comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._base_storage(),
+                             t_microbatch=t_pre, t_backward=0.0, decode_tokens=n, eff=self.eff)
+        total = t_pre + n * t_dec + comm.exposed
+        compute = t_pre_c + n * t_dec_c
+        memory = t_pre_m + n * t_dec_m
+        contrib = {
+            "compute": (t_pre if t_pre_c >= t_pre_m else 0.0) + (n * t_dec if t_dec_c >= t_dec_m else 0.0),
+            "memory": (t_pre if t_pre_c < t_pre_m else 0.0) + (n * t_dec if t_dec_c < t_dec_m else 0.0),
+            "communication": comm.exposed, "offload": 0.0,
+        }
+        self.notes += list(comm.notes)
+        self.notes.append(
+            f"prefill {t_pre * 1e3:.1f} ms, then {n} decode steps of {t_dec * 1e3:.2f} ms "
+            f"({'memory' if t_dec_m > t_dec_c else 'compute'}-bound: weights + KV cache read per token)"
+        )
+        self.notes.append("excludes kernel-launch and Python overhead (eager decode adds ~5 µs per kernel; CUDA graphs remove most)")
+        return self._result(total=total, compute=compute, memory=memory, comm=comm, off=None, bubble=0.0,
+                            contrib=contrib, flops=pre_flops + n * dec_flops,
+                            bytes_moved=pre_bytes + n * dec_bytes, tokens=b * n * p.dp, samples=b * p.dp)
+
+    # -- assembly ------------------------------------------------------------------
+    def _base_storage(self) -> float:
+        return weight_storage_bytes(self.w) if self.w.quant.value != "none" else float(self.w.compute_bytes)
+
+    def _result(self, *, total: float, compute: float, memory: float, comm: Any, off: Any,
+                bubble: float, contrib: dict[str, float], flops: float, bytes_moved: float,
+                tokens: int, samples: int) -> StepTime:
+        p = self.w.parallel
+        bound = Bound(max(contrib, key=lambda k: contrib[k]))
+        n_gpus = p.world_size
+        total = max(total, 1e-12)
+        mfu = flops * n_gpus / total / (n_gpus * self.rate.flops)
+        self.notes.insert(0, f"FLOPs: {self._flops_source()}; peak {self.rate.flops / 1e12:.0f} TFLOP/s "
+                             f"({self.rate.name}), bandwidth {self.bw / self.eff.bandwidth / 1e9:.0f} GB/s "
+                             f"× {self.eff.bandwidth:.0%} efficiency")
+        if self.traced_flops is not None and self.w.attention.value != "eager":
+            self.notes.append("FlopCounterMode counts causal attention as full s² work; flash kernels do ~half")
+        return StepTime(
+            total=total, compute=compute, memory=memory, comm=comm.exposed, offload=off.exposed if off else 0.0,
+            bubble=bubble, bound=bound, flops=flops, flops_source=self._flops_source(),
+            bytes_moved=bytes_moved, comm_total=comm.total, offload_total=off.total if off else 0.0,
+            tokens_per_step=tokens, samples_per_step=samples, tokens_per_s=tokens / total,
+            samples_per_s=samples / total, mfu=mfu, peak_flops=self.rate.flops,
+            rate_name=self.rate.name, bandwidth=self.bw / self.eff.bandwidth, num_gpus=n_gpus,
+            notes=tuple(self.notes),
+        )
+
+
+def _kv_bytes(w: Workload) -> float:
+    return {
+        KVDtype.AUTO: float(w.compute_bytes), KVDtype.FP32: 4.0, KVDtype.BF16: 2.0, KVDtype.FP16: 2.0,
+        KVDtype.FP8: 1.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5,
+    }[w.kv_dtype]
+
+
+__all__ = ["Bound", "StepTime", "step_time"]

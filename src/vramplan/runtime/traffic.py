@@ -1,0 +1,111 @@
+"""Bytes moved through GPU memory (HBM/GDDR) by one micro-batch and one optimizer step.
+
+Coarse by design: enough to tell a memory-bound phase (decode, optimizer step, small
+batches) from a compute-bound one. Per-element costs are stated next to each term.
+"""
+
+from __future__ import annotations
+
+from vramplan.workload import Attention, Checkpointing, Optimizer, OptimizerImpl, Quant, Workload
+
+from .shape import Shape
+
+_QUANT_STORAGE = {Quant.INT8: 1.0, Quant.INT4: 0.5625, Quant.NF4: 0.5625, Quant.FP8: 1.0}
+"""Stored bytes per quantised weight (4-bit: 0.5 + blockwise absmax, bitsandbytes)."""
+
+# Elementwise traffic per token per layer in a forward pass, in elements: norms, residual
+# adds, rotary, attention input/output and activation-function reads and writes.
+_PER_HIDDEN = 20
+_PER_FFN = 6
+
+
+def weight_storage_bytes(w: Workload) -> float:
+    """Bytes per base weight as stored on the GPU."""
+    if w.quant in _QUANT_STORAGE:
+        return _QUANT_STORAGE[w.quant]
+    return float(w.param_bytes) if w.training else float(w.compute_bytes)
+
+
+def weight_pass_bytes(w: Workload) -> float:
+    """Bytes per weight moved by one pass (forward, or backward) through the layers.
+
+    Autocast reads the fp32 master (4 B), writes a 16-bit copy (2 B) that the matmul reads
+    (2 B); quantised weights are dequantised to 16-bit before each matmul.
+    """
+    if w.quant in _QUANT_STORAGE:
+        return _QUANT_STORAGE[w.quant] + 4.0
+    if w.mixed:
+        return 8.0
+    return float(w.param_bytes)
+
+
+def touched_params(s: Shape, tokens: int) -> float:
+    """Parameters whose weights a micro-batch of ``tokens`` reads (MoE: experts hit)."""
+    if not s.n_experts or not s.experts_per_token or s.params <= s.active_params:
+        return float(s.active_params)
+    k_over_e = s.experts_per_token / s.n_experts
+    experts = (s.params - s.active_params) / (1.0 - k_over_e)
+    dense = s.params - experts
+    hit = 1.0 - (1.0 - k_over_e) ** max(tokens, 1)
+    return dense + experts * hit
+
+
+def activation_bytes(s: Shape, w: Workload, batch: int, seq: int, *, training: bool) -> float:
+    """Forward activation traffic of one micro-batch (elementwise ops, eager scores, logits)."""
+    tokens = batch * seq
+    cb = w.compute_bytes
+    total = float(tokens) * s.layers * (_PER_HIDDEN * s.hidden + _PER_FFN * s.ffn) * cb
+    if w.attention is Attention.EAGER:  # scores written, softmax (fp32) read/written, read
+        total += float(s.layers) * batch * s.heads * seq * seq * (3 * cb + 4)
+    if s.vocab:
+        total += float(tokens) * s.vocab * (cb + 8 if training else cb)  # fp32 CE upcast
+    return total
+
+
+def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float]:
+    """(forward, backward, recompute) bytes of one training micro-batch on one replica."""
+    tokens = batch * seq
+    weights = touched_params(s, tokens) * weight_pass_bytes(w)
+    act = activation_bytes(s, w, batch, seq, training=True)
+    grads = 2.0 * trainable * w.param_bytes  # gradient accumulate: read + write
+    fwd = weights + act
+    bwd = weights + 2.0 * act + grads
+    if w.checkpointing is Checkpointing.FULL:
+        rec = w.checkpoint_fraction * (weights + act)
+    elif w.checkpointing is Checkpointing.SELECTIVE:
+        rec = w.checkpoint_fraction * 0.1 * act
+    else:
+        rec = 0.0
+    return fwd, bwd, rec
+
+
+def decode_bytes(s: Shape, w: Workload, batch: int, context: float, kv_bytes: float) -> float:
+    """Bytes read to generate one token: the weights once, plus every sequence's KV cache."""
+    weights = touched_params(s, batch) * weight_storage_bytes(w)
+    sliding = s.sliding_layers if s.sliding_window else 0
+    kv = 0.0
+    for n_layers, window in ((s.layers - sliding, None), (sliding, s.sliding_window)):
+        if n_layers > 0:
+            keys = min(context, window) if window else context
+            kv += n_layers * keys * s.kv_elems * kv_bytes * batch
+    return weights + kv
+
+
+def optimizer_bytes_per_param(w: Workload) -> float:
+    """Bytes read and written per (local) trainable parameter by one optimizer step.
+
+    Minimal traffic is read(param, grad, states) + write(param, states); mixed-precision
+    AdamW: (4+4+8) + (4+8) = 28 B. The foreach implementation materialises whole-list
+    temporaries (~2× the minimal traffic); fused and 8-bit kernels are single-pass.
+    """
+    pb = float(w.param_bytes)
+    states = {
+        Optimizer.ADAM: 2 * pb, Optimizer.ADAMW: 2 * pb, Optimizer.ADAMW_8BIT: 2.0,
+        Optimizer.PAGED_ADAMW_8BIT: 2.0, Optimizer.ADAFACTOR: 0.0, Optimizer.SGD: 0.0,
+        Optimizer.SGD_MOMENTUM: pb, Optimizer.LION: pb,
+    }[w.optimizer]
+    minimal = (pb + pb + states) + (pb + states)
+    single_pass = w.optimizer_impl is OptimizerImpl.FUSED or w.optimizer in (
+        Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
+    )
+    return minimal * (1.0 if single_pass else 2.0)

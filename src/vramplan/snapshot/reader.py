@@ -1,0 +1,459 @@
+"""Read PyTorch memory snapshots safely, turn their traces into events, check the simulator.
+
+A snapshot (``torch.cuda.memory._dump_snapshot``) is a pickle of plain containers:
+``segments`` (the final state), ``device_traces`` (one list of trace entries per device, a ring
+buffer of ``max_entries``), ``allocator_settings`` and ``external_annotations``. Unpickling an
+untrusted file runs code, so :func:`load_snapshot` uses an unpickler that refuses every global
+(dicts, lists, tuples, strings, numbers, bools and None are all it can build).
+
+Trace entry fields (``TraceEntry`` in CUDACachingAllocator.h, ``_memory_viz.py``): ``alloc``,
+``free_requested`` and ``free_completed`` carry the *requested* size of the tensor (not the
+rounded block size); ``segment_alloc``/``segment_free`` the cudaMalloc'd segment size;
+``segment_map``/``segment_unmap`` the mapped range of an expandable segment; ``oom`` the rounded
+request and ``device_free`` instead of ``addr``.
+
+Conversion (:func:`snapshot_to_events`): ``alloc`` → ALLOC; ``free_requested`` directly
+followed by its ``free_completed`` → FREE (PyTorch records both in one call); otherwise the
+block had cross-stream uses → FREE_DEFERRED, and the later ``free_completed`` → FREE (which
+completes just that block). A run of ``segment_free``/``segment_unmap`` entries → EMPTY_CACHE
+(empty_cache() itself leaves no entry). Streams are renumbered 0, 1, … in the order of their
+handles, which keeps PyTorch's (stream, size, address) ordering. ``oom`` entries produce no
+event (the caller never got the tensor).
+
+Traces that do not start at process start: the ring buffer keeps the *last* ``max_entries``
+entries, and the state before the first one is unknown (the final ``segments`` only describe the
+end). :func:`trace_completeness` detects this — an ``alloc`` inside a segment the trace never
+allocated, a free of an allocation it never saw, or final segments that do not add up to the
+trace's own reserved bytes — and :func:`compare_with_recorded` then reports the trace as
+incomplete instead of claiming a match or a mismatch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from vramplan.allocator.compare import EventsComparison, compare_segment_events, peak_reserved
+from vramplan.allocator.config import AllocatorConfig, as_config, parse_conf
+from vramplan.allocator.constants import NO_LIMIT, MiB
+from vramplan.allocator.replay import final_segments, replay
+from vramplan.allocator.result import ReplayResult, SegmentEvent
+from vramplan.errors import ConfigError, SnapshotError
+from vramplan.events import Action, Category, EventLog
+
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                 "segment_map", "segment_unmap", "oom", "snapshot", "user_defined")
+_SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
+_RELEASES = ("segment_free", "segment_unmap")
+MAX_BYTES = 4 * 1024**3
+"""Refuse (decompressed) snapshots larger than this."""
+
+
+# ---------------------------------------------------------------------------- loading
+class _Refused(pickle.UnpicklingError):
+    """The pickle asked for something other than plain data."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Builds plain containers only: every global lookup and persistent id is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _Refused(f"refusing to load global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("refusing a persistent id")
+
+
+def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
+    """Unpickle snapshot bytes (gzip or not) with the restricted unpickler, then validate."""
+    if data[:2] == b"\x1f\x8b":
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+                data = f.read(MAX_BYTES + 1)
+        except (OSError, EOFError) as e:
+            raise SnapshotError(f"{where}: not a valid gzip file ({e})") from None
+    if len(data) > MAX_BYTES:
+        raise SnapshotError(f"{where}: larger than {MAX_BYTES >> 30} GiB uncompressed; refusing")
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise SnapshotError(f"{where}: not a plain memory snapshot ({e})",
+                            hint="only pickles of dicts/lists/numbers/strings are read") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as e:
+        raise SnapshotError(f"{where}: not a readable pickle ({type(e).__name__}: {e})") from None
+    return validate_snapshot(obj, where)
+
+
+def load_snapshot(path: str | Path) -> dict[str, Any]:
+    """Read ``torch.cuda.memory._dump_snapshot`` output (``.pickle`` or gzip ``.pickle.gz``).
+
+    Never executes code from the file: a pickle that needs any global raises
+    :class:`SnapshotError`, as does a structure that is not a memory snapshot.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"cannot read {p}: {e.strerror or e}") from None
+    return loads_snapshot(data, str(p))
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise SnapshotError(f"{where}: {msg}", hint="expected torch.cuda.memory._snapshot() output")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_snapshot(obj: Any, where: str = "snapshot") -> dict[str, Any]:
+    """Check the structure; a bare list of segments (old ``memory_snapshot()``) is wrapped."""
+    if isinstance(obj, list):
+        obj = {"segments": obj, "device_traces": []}
+    _need(isinstance(obj, dict), where, f"top level is a {type(obj).__name__}, not a dict")
+    _need("segments" in obj, where, "no 'segments' key")
+    segs = obj["segments"]
+    _need(isinstance(segs, list), where, "'segments' is not a list")
+    for i, s in enumerate(segs):
+        at = f"{where}: segments[{i}]"
+        _need(isinstance(s, dict), at, "not a dict")
+        for key in ("total_size", "blocks"):
+            _need(key in s, at, f"missing '{key}'")
+        _need(_is_int(s["total_size"]) and s["total_size"] >= 0, at, "'total_size' is not a size")
+        _need(isinstance(s["blocks"], list), at, "'blocks' is not a list")
+        for j, b in enumerate(s["blocks"]):
+            _need(isinstance(b, dict) and _is_int(b.get("size")) and isinstance(b.get("state"), str),
+                  f"{at}.blocks[{j}]", "needs an integer 'size' and a string 'state'")
+    traces = obj.setdefault("device_traces", [])
+    _need(isinstance(traces, list), where, "'device_traces' is not a list")
+    for d, trace in enumerate(traces):
+        _need(isinstance(trace, list), f"{where}: device_traces[{d}]", "not a list")
+        for k, e in enumerate(trace):
+            at = f"{where}: device_traces[{d}][{k}]"
+            _need(isinstance(e, dict), at, "not a dict")
+            act = e.get("action")
+            _need(act in TRACE_ACTIONS, at, f"unknown action {act!r}")
+            _need(_is_int(e.get("size", 0)), at, "'size' is not an integer")
+            if act not in ("oom", "snapshot", "user_defined"):
+                _need(_is_int(e.get("addr")), at, "'addr' is not an integer")
+            _need(_is_int(e.get("stream", 0)), at, "'stream' is not an integer")
+    settings = obj.get("allocator_settings", {})
+    _need(isinstance(settings, dict), where, "'allocator_settings' is not a dict")
+    return obj
+
+
+# ---------------------------------------------------------------------------- conf
+def snapshot_conf(snap: Mapping[str, Any]) -> tuple[AllocatorConfig, str]:
+    """The allocator configuration the snapshot was recorded with, and where it came from."""
+    s = snap.get("allocator_settings") or {}
+    text = s.get("PYTORCH_CUDA_ALLOC_CONF") or s.get("PYTORCH_ALLOC_CONF")
+    if isinstance(text, str) and text.strip():
+        try:
+            conf = parse_conf(text)
+        except ConfigError:
+            conf = None  # a key this reader does not know: fall back to the individual fields
+        if conf is not None:
+            if conf.expandable_segments and s.get("expandable_segments") is False:
+                # asked for, but the platform did not support it (PyTorch warns and ignores it)
+                return replace(conf, expandable_segments=False), "allocator_settings (conf string; " \
+                    "expandable segments unsupported on the recording platform)"
+            return conf, "allocator_settings (conf string)"
+    if not s:
+        return parse_conf(""), "defaults (the snapshot has no allocator_settings)"
+    parts: list[str] = []
+    msplit = s.get("max_split_size")
+    if isinstance(msplit, int) and 0 < msplit < NO_LIMIT and msplit // MiB >= 20:
+        parts.append(f"max_split_size_mb:{msplit // MiB}")
+    gc = s.get("garbage_collection_threshold")
+    if isinstance(gc, (int, float)) and 0 < gc < 1:
+        parts.append(f"garbage_collection_threshold:{gc:g}")
+    if s.get("expandable_segments") is True:
+        parts.append("expandable_segments:True")
+    div = s.get("roundup_power2_divisions")
+    if isinstance(div, dict) and any(v for v in div.values() if _is_int(v) and v > 1):
+        pairs = sorted((int(k), v) for k, v in div.items() if str(k).isdigit() and _is_int(v))
+        parts.append("roundup_power2_divisions:[" + ",".join(f"{k}:{v}" for k, v in pairs) + "]")
+    return parse_conf(",".join(parts)), "allocator_settings (fields)"
+
+
+# ---------------------------------------------------------------------------- conversion
+@dataclass(frozen=True)
+class TraceEvents:
+    """A device trace converted: the event log and the recorded segment events, stamped with
+    the index of the log event they belong to."""
+
+    log: EventLog
+    segment_events: tuple[SegmentEvent, ...]
+    stream_ids: tuple[int, ...]
+    """Recorded stream handles; position = stream number in the log."""
+    ooms: int
+    notes: tuple[str, ...]
+
+
+def _trace(snap: Mapping[str, Any], device: int) -> list[dict[str, Any]]:
+    traces = snap.get("device_traces") or []
+    if device < 0 or device >= len(traces):
+        return []
+    return traces[device]
+
+
+def convert_trace(snap: Mapping[str, Any], device: int = 0, *,
+                  releases_as_empty_cache: bool = True) -> TraceEvents:
+    """Convert one device's trace. ``releases_as_empty_cache=False`` leaves a release run that
+    is followed by an allocation to the simulator (the OOM path; needs a capacity)."""
+    trace = _trace(snap, device)
+    streams = sorted({int(e.get("stream", 0)) for e in trace})
+    rank = {s: i for i, s in enumerate(streams)}
+    log = EventLog()
+    seg_events: list[SegmentEvent] = []
+    live: dict[int, int] = {}      # address -> id of the live allocation
+    pending: dict[int, int] = {}   # address -> id awaiting free_completed
+    next_id = 0
+    ooms = 0
+    notes: list[str] = []
+    burst = -1  # log index of the EMPTY_CACHE standing for the current release run
+    skip = False
+    n = len(trace)
+    for k, e in enumerate(trace):
+        if skip:
+            skip = False
+            continue
+        act = e["action"]
+        addr = e.get("addr", 0)
+        size = e.get("size", 0)
+        stream = rank[int(e.get("stream", 0))]
+        if act in _RELEASES:
+            if burst < 0:
+                if releases_as_empty_cache or not _allocation_follows(trace, k):
+                    burst = len(log)
+                    log.append(Action.EMPTY_CACHE, stream=stream, op="empty_cache")
+            seg_events.append(SegmentEvent(act, addr, size, stream, burst if burst >= 0 else len(log)))
+            continue
+        if act != "free_completed":
+            burst = -1
+        if act in ("segment_alloc", "segment_map"):
+            seg_events.append(SegmentEvent(act, addr, size, stream, len(log)))
+        elif act == "alloc":
+            live[addr] = next_id
+            log.alloc(next_id, size, stream=stream, category=Category.OTHER, op="alloc")
+            next_id += 1
+        elif act == "free_requested":
+            ident = live.pop(addr, None)
+            if ident is None:
+                continue  # allocated before the trace began
+            nxt = trace[k + 1] if k + 1 < n else None
+            if nxt is not None and nxt["action"] == "free_completed" and nxt.get("addr") == addr:
+                log.free(ident, stream=stream)
+                skip = True
+            else:
+                log.append(Action.FREE_DEFERRED, ident, stream=stream)
+                pending[addr] = ident
+        elif act == "free_completed":
+            ident = pending.pop(addr, None)
+            if ident is not None:
+                log.free(ident, stream=stream)
+        elif act == "oom":
+            ooms += 1
+    if ooms:
+        notes.append(f"the trace has {ooms} OOM(s); those requests have no alloc entry")
+    if any(s.get("segment_pool_id") not in (None, (0, 0), [0, 0]) for s in snap.get("segments", [])):
+        notes.append("private pools (CUDA graphs / MemPool) are not simulated")
+    return TraceEvents(log, tuple(seg_events), tuple(streams), ooms, tuple(notes))
+
+
+def _allocation_follows(trace: Sequence[dict[str, Any]], k: int) -> bool:
+    for e in trace[k + 1:]:
+        act = e["action"]
+        if act in _RELEASES or act == "free_completed":
+            continue
+        return act in ("segment_alloc", "segment_map", "alloc", "oom")
+    return False
+
+
+def snapshot_to_events(snap: Mapping[str, Any], device: int = 0) -> EventLog:
+    """The device trace of ``snap`` as an :class:`EventLog` (see the module notes)."""
+    return convert_trace(snap, device).log
+
+
+# ---------------------------------------------------------------------------- completeness
+class _Ranges:
+    """Disjoint address ranges, adjacent ones merged (reserved memory seen in a trace)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.end: dict[int, int] = {}
+        self.total = 0
+
+    def _find(self, addr: int) -> int:
+        i = bisect_right(self.starts, addr) - 1
+        return i if i >= 0 and addr < self.end[self.starts[i]] else -1
+
+    def contains(self, addr: int) -> bool:
+        return self._find(addr) >= 0
+
+    def add(self, addr: int, size: int) -> None:
+        end = addr + size
+        i = bisect_right(self.starts, addr)
+        if i < len(self.starts) and self.starts[i] == end:  # merge with the next range
+            end = self.end.pop(self.starts.pop(i))
+        if i > 0 and self.end[self.starts[i - 1]] == addr:  # and with the previous one
+            self.end[self.starts[i - 1]] = end
+        else:
+            self.starts.insert(i, addr)
+            self.end[addr] = end
+        self.total += size
+
+    def remove(self, addr: int, size: int) -> bool:
+        i = self._find(addr)
+        if i < 0 or addr + size > self.end[self.starts[i]]:
+            return False
+        start = self.starts[i]
+        end = self.end.pop(start)
+        del self.starts[i]
+        if addr + size < end:
+            self.starts.insert(i, addr + size)
+            self.end[addr + size] = end
+        if start < addr:
+            self.starts.insert(i, start)
+            self.end[start] = addr
+        self.total -= size
+        return True
+
+
+def trace_completeness(snap: Mapping[str, Any], device: int = 0) -> tuple[bool, str]:
+    """Whether the trace covers the allocator's whole life (so a replay starts from the same,
+    empty, state): (complete, reason when not)."""
+    trace = _trace(snap, device)
+    segs = [s for s in snap.get("segments", []) if s.get("device", device) == device]
+    final = sum(s["total_size"] for s in segs)
+    if not trace:
+        return (final == 0, "" if final == 0 else "no trace was recorded "
+                "(torch.cuda.memory._record_memory_history was not on)")
+    ranges = _Ranges()
+    live: set[int] = set()
+    freeing: set[int] = set()
+    for k, e in enumerate(trace):
+        act, addr, size = e["action"], e.get("addr", 0), e.get("size", 0)
+        if act in ("segment_alloc", "segment_map"):
+            ranges.add(addr, size)
+        elif act in _RELEASES:
+            if not ranges.remove(addr, size):
+                return False, (f"entry {k}: {act} of memory reserved before the trace began "
+                               "(the ring buffer dropped the start; raise max_entries)")
+        elif act == "alloc":
+            if not ranges.contains(addr):
+                return False, (f"entry {k}: alloc in a segment reserved before the trace began "
+                               "(start recording before the first CUDA allocation)")
+            live.add(addr)
+        elif act == "free_requested":
+            if addr not in live:
+                return False, f"entry {k}: free of an allocation made before the trace began"
+            live.discard(addr)
+            freeing.add(addr)
+        elif act == "free_completed":
+            if addr not in freeing:
+                return False, f"entry {k}: free_completed without its free_requested"
+            freeing.discard(addr)
+    traced = ranges.total
+    if traced != final:
+        return False, (f"the trace accounts for {traced:,} B reserved but the final segments hold "
+                       f"{final:,} B")
+    return True, ""
+
+
+# ---------------------------------------------------------------------------- comparison
+@dataclass(frozen=True)
+class SnapshotComparison:
+    """A recorded snapshot replayed through the simulator."""
+
+    complete: bool
+    reason: str
+    """Why the trace cannot be compared ('' when complete)."""
+    conf: str
+    conf_source: str
+    events: int
+    recorded_segment_events: int
+    simulated_segment_events: int
+    matching: int
+    first_mismatch_index: int
+    first_mismatch: str
+    recorded_peak_reserved: int
+    simulated_peak_reserved: int
+    recorded_final_reserved: int
+    simulated_final_reserved: int
+    layout_match: bool
+    """The final segments have the same block layout (sizes and states, segment by segment;
+    addresses aside) as the snapshot's ``segments``."""
+    result: ReplayResult
+    notes: tuple[str, ...] = ()
+
+    @property
+    def match(self) -> bool:
+        """Complete, every segment event identical and the reserved peak equal."""
+        return (self.complete and self.first_mismatch_index < 0
+                and self.matching == self.recorded_segment_events == self.simulated_segment_events
+                and self.recorded_peak_reserved == self.simulated_peak_reserved)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "complete": self.complete, "reason": self.reason, "match": self.match,
+            "conf": self.conf, "conf_source": self.conf_source, "events": self.events,
+            "recorded_segment_events": self.recorded_segment_events,
+            "simulated_segment_events": self.simulated_segment_events,
+            "matching": self.matching, "first_mismatch_index": self.first_mismatch_index,
+            "first_mismatch": self.first_mismatch,
+            "recorded_peak_reserved": self.recorded_peak_reserved,
+            "simulated_peak_reserved": self.simulated_peak_reserved,
+            "recorded_final_reserved": self.recorded_final_reserved,
+            "simulated_final_reserved": self.simulated_final_reserved,
+            "layout_match": self.layout_match,
+            "notes": list(self.notes),
+        }
+
+
+def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str | None = None, *,
+                          device: int = 0, capacity: int | None = None) -> SnapshotComparison:
+    """Replay the snapshot's trace and compare the segment events and the reserved peak.
+
+    ``conf`` None: the snapshot's own ``allocator_settings``. ``capacity``: the device memory the
+    allocator could use when recording; with it, release runs that precede an allocation are
+    left to the simulated OOM path instead of being read as ``empty_cache()``.
+    """
+    if conf is None:
+        cfg, source = snapshot_conf(snap)
+    else:
+        cfg, source = as_config(conf), "given"
+    complete, reason = trace_completeness(snap, device)
+    tr = convert_trace(snap, device, releases_as_empty_cache=capacity is None)
+    result = replay(tr.log, cfg, capacity=capacity, record_segments=True)
+    sim = result.segment_events or ()
+    cmp: EventsComparison = compare_segment_events(tr.segment_events, sim)
+    recorded_segs = [s for s in snap.get("segments", []) if s.get("device", device) == device]
+    final = sum(s["total_size"] for s in recorded_segs)
+    simulated_segs = final_segments(tr.log, cfg, capacity=capacity)
+    layout = Counter((s["total_size"], tuple((b["size"], b["state"]) for b in s["blocks"]))
+                     for s in recorded_segs)
+    sim_layout = Counter((s.size, tuple((b.size, b.state) for b in s.blocks)) for s in simulated_segs)
+    notes = list(tr.notes) + list(result.notes)
+    if not complete:
+        notes.append("incomplete trace: the replay starts from an empty allocator, the recording "
+                     "did not, so differences are expected")
+    return SnapshotComparison(
+        complete=complete, reason=reason, conf=cfg.text, conf_source=source,
+        events=len(tr.log), recorded_segment_events=cmp.recorded,
+        simulated_segment_events=cmp.simulated, matching=cmp.matching,
+        first_mismatch_index=cmp.first_mismatch_index, first_mismatch=cmp.first_mismatch,
+        recorded_peak_reserved=peak_reserved(tr.segment_events),
+        simulated_peak_reserved=result.max_reserved,
+        recorded_final_reserved=final, simulated_final_reserved=result.final_reserved,
+        layout_match=layout == sim_layout, result=result, notes=tuple(notes),
+    )

@@ -1,0 +1,175 @@
+"""Deterministic answers for ops whose output size depends on tensor values.
+
+On ``meta`` tensors these ops have no kernel (FakeTensorMode raises
+``DynamicOutputShapeException`` / ``DataDependentOutputException`` for the same reason).
+When every input has a known value (a shadow, see :mod:`.values`) the answer is exact.
+Otherwise the documented rule below is used, and the trace's notes say so:
+
+========================  ======================================================================
+op                        answer without values
+========================  ======================================================================
+nonzero / argwhere /      every element counts as non-zero (the no-padding, all-valid case;
+``torch.where(mask)``     an upper bound), except masks derived from ``one_hot`` over ``n``
+                          classes: a fraction ``1/n`` — uniform MoE routing, each expert gets
+                          ``tokens·top_k/n`` tokens
+x[bool_mask],             as nonzero of the mask
+masked_select
+unique (all variants)     every element distinct
+repeat_interleave(r)      every repeat is 1
+bincount                  ``max(minlength, index bound or numel)`` bins
+.item(), bool(t), .cpu()  no answer: raises :class:`~vramplan.errors.TraceError` (control flow on
+                          model data cannot be traced without values)
+========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .values import SHADOW_LIMIT, Values
+
+aten = torch.ops.aten
+
+Rule = Callable[[Values, Any, tuple[Any, ...], dict[str, Any]], Any]
+
+RULE_TEXT: dict[str, str] = {
+    "nonzero": "assumed every element non-zero (masks from one_hot over n classes: 1/n, i.e. uniform expert load)",
+    "masked_select": "assumed every mask element true (one_hot-derived masks: 1/n)",
+    "index_bool": "boolean-mask indexing assumed every element selected (one_hot-derived masks: 1/n)",
+    "unique": "assumed every element distinct",
+    "repeat_interleave": "assumed every repeat count is 1",
+    "bincount": "assumed max(minlength, index bound) bins",
+    "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
+}
+
+
+def _meta(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _count(values: Values, mask: torch.Tensor, numel: int | None = None) -> int:
+    n = mask.numel() if numel is None else numel
+    d = values.get_density(mask)
+    return n if d >= 1.0 else max(1, min(n, math.ceil(n * d)))
+
+
+def nonzero(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    x = args[0]
+    count = _count(values, x)
+    out = _meta((count, x.dim()), torch.int64)
+    return out
+
+
+def nonzero_numpy(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    x = args[0]
+    count = _count(values, x)
+    return tuple(_meta((count,), torch.int64) for _ in range(max(x.dim(), 1)))
+
+
+def full_grid_values(x: torch.Tensor, out: Any) -> Any:
+    """Values of ``out`` when the rule answered "every element non-zero": the full index
+    grid (known exactly), or None when the answer was a fraction or is too large."""
+    if x.numel() > SHADOW_LIMIT:
+        return None
+    grid = torch.nonzero(torch.ones(tuple(x.shape), dtype=torch.bool))
+    if isinstance(out, torch.Tensor):
+        return grid if out.shape == grid.shape else None
+    cols = tuple(grid.unbind(1)) if x.dim() else (grid.reshape(-1),)
+    return cols if all(o.shape == c.shape for o, c in zip(out, cols)) else None
+
+
+def masked_select(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    x, mask = args[0], args[1]
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    return _meta((_count(values, mask, math.prod(shape)),), x.dtype)
+
+
+def index_bool(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    x, indices = args[0], list(args[1])
+    new: list[Any] = []
+    for idx in indices:
+        if isinstance(idx, torch.Tensor) and idx.dtype in (torch.bool, torch.uint8):
+            count = _count(values, idx)
+            new.extend(_meta((count,), torch.int64) for _ in range(idx.dim()))
+        else:
+            new.append(idx)
+    return func(x, new)
+
+
+def unique(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    name = func.__name__
+    n = x.numel()
+    if name.startswith("unique_dim"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        shape = list(x.shape)
+        uniq = _meta(shape, x.dtype)
+        return uniq, _meta((x.shape[dim],), torch.int64), _meta((x.shape[dim],), torch.int64)
+    uniq = _meta((n,), x.dtype)
+    if name.startswith("_unique2") or name.startswith("unique_consecutive"):
+        return uniq, _meta(tuple(x.shape), torch.int64), _meta((n,), torch.int64)
+    return uniq, _meta(tuple(x.shape), torch.int64)
+
+
+def repeat_interleave(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    repeats = args[0]
+    size = kwargs.get("output_size")
+    if size is None:
+        size = repeats.numel()
+    return _meta((int(size),), torch.int64)
+
+
+def bincount(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    x = args[0]
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+    bins = max(int(minlength), values.get_bound(x) or x.numel())
+    dtype = torch.int64 if weights is None else (weights.dtype if weights.is_floating_point() else torch.float64)
+    return _meta((bins,), dtype)
+
+
+def _has_bool_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+
+
+RULES: dict[Any, tuple[str, Rule]] = {
+    aten.nonzero.default: ("nonzero", nonzero),
+    aten.argwhere.default: ("nonzero", nonzero),
+    aten.nonzero_numpy.default: ("nonzero", nonzero_numpy),
+    aten.where.default: ("nonzero", nonzero_numpy),
+    aten.masked_select.default: ("masked_select", masked_select),
+    aten._unique2.default: ("unique", unique),
+    aten._unique.default: ("unique", unique),
+    aten.unique_dim.default: ("unique", unique),
+    aten.unique_consecutive.default: ("unique", unique),
+    aten.repeat_interleave.Tensor: ("repeat_interleave", repeat_interleave),
+    aten.bincount.default: ("bincount", bincount),
+}
+INDEX_OPS = frozenset({aten.index.Tensor, aten._unsafe_index.Tensor})
+"""Ops that become data-dependent only with boolean indices (checked per call)."""
+
+
+def needs_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Rule] | None:
+    rule = RULES.get(func)
+    if rule is not None:
+        return rule
+    if func in INDEX_OPS and _has_bool_index(args, kwargs):
+        return ("index_bool", index_bool)
+    return None
+
+
+NO_VALUE_OPS = frozenset({
+    aten._local_scalar_dense.default, aten.equal.default, aten.item.default, aten.is_nonzero.default,
+    aten.allclose.default,
+})
+"""Ops that return a Python value computed from tensor data."""
+SKIP_OPS = frozenset({
+    aten._assert_async.default, aten._assert_async.msg, aten._assert_scalar.default,
+    aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default,
+    aten._assert_tensor_metadata.default,
+})
+"""Runtime checks on values: skipped in a trace (they allocate nothing)."""

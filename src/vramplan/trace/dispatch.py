@@ -1,0 +1,341 @@
+"""The TorchDispatchMode that records every op's memory on ``meta`` tensors.
+
+Per op (below autograd, so backward ops and autograd's own buffers are seen too):
+
+1. phase and module: forward phase/module come from the step runner and module hooks; in
+   backward an op with grad mode on is a checkpoint *recompute*, otherwise backward, and
+   its module is found from the running autograd node (:mod:`.modules`);
+2. values: data-dependent ops get exact answers from shadows or the documented rules
+   (:mod:`.datadep`); ``.item()`` without a value raises :class:`TraceError`;
+3. the op runs on meta; new output storages become ALLOC events;
+4. CUDA emulation: the cuBLAS workspace on the first GEMM per (thread, stream), a cuDNN
+   workspace around each convolution, flash-attention backward's internal buffers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import TraceError
+from ..events import Category
+from .cuda import DeviceProfile, conv_workspace_bytes
+from .datadep import NO_VALUE_OPS, RULE_TEXT, SKIP_OPS, full_grid_values, needs_rule
+from .modules import ModuleTracker
+from .recorder import PHASE_INDEX, Recorder
+from .values import SHADOW_LIMIT, Values, to_cpu_args
+from ..workload import Phase
+
+aten = torch.ops.aten
+
+BLAS_OPS = frozenset(
+    getattr(aten, n).default for n in (
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
+        "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm", "_scaled_grouped_mm",
+        # composite ops that reach the mode themselves under inference_mode
+        "linear", "matmul", "bilinear", "tensordot", "chain_matmul",
+    ) if hasattr(aten, n)
+) | {aten.einsum.default}
+CONV_OPS = frozenset({
+    aten.convolution.default, aten.convolution_backward.default, aten._convolution.default,
+    aten._convolution.deprecated, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding, aten.conv_transpose1d.default,
+    aten.conv_transpose2d.input, aten.conv_transpose3d.input,
+})
+FLASH_BWD = aten._scaled_dot_product_flash_attention_backward.default
+INDEX_BOUND_OPS: dict[Any, tuple[int, int, int | None]] = {
+    aten.topk.default: (1, 2, -1), aten.sort.default: (1, 1, -1), aten.sort.stable: (1, 99, -1),
+    aten.max.dim: (1, 1, -1), aten.min.dim: (1, 1, -1), aten.argmax.default: (0, 1, None),
+    aten.argmin.default: (0, 1, None), aten.argsort.default: (0, 1, -1), aten.argsort.stable: (0, 99, -1),
+}
+"""Ops whose output holds indices into a dimension: (output position, dim argument
+position, default dim; None = all elements)."""
+HINT_COPY_OPS = frozenset({
+    aten._to_copy.default, aten.clone.default, aten.index.Tensor, aten.index_select.default,
+    aten.gather.default, aten._unsafe_view.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
+})
+"""Ops that carry their first input's density/bound hint to their output."""
+EMPTY_OPS = frozenset({
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.empty_permuted.default,
+})
+NO_META_KERNEL_INPLACE = frozenset(
+    getattr(aten, n).default for n in ("_fused_sgd_", "_fused_adagrad_") if hasattr(aten, n)
+)
+"""Fused optimizer kernels without a meta kernel: in-place, they allocate nothing."""
+_RANDOM = torch.Tag.nondeterministic_seeded
+_BACKWARD = PHASE_INDEX[Phase.BACKWARD]
+_RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
+_OPTIMIZER = PHASE_INDEX[Phase.OPTIMIZER]
+
+
+def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
+    """flash-attn 2 ``mha_bwd`` internals: softmax_d, dq_accum (fp32), and for GQA the
+    expanded dk/dv (q dtype) that are summed into dk/dv afterwards."""
+    grad_out, q, k = args[0], args[1], args[2]
+    b, h, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    tq_r = -(-tq // 128) * 128
+    d_r = -(-d // 32) * 32 if d <= 192 else 256
+    out = [(4 * b * h * tq_r, f"f32[{b},{h},{tq_r}]"), (4 * b * tq_r * h * d_r, f"f32[{b},{tq_r},{h},{d_r}]")]
+    if hk != h:
+        e = q.element_size()
+        out += [(e * b * tk * h * d, f"dk_expanded[{b},{tk},{h},{d}]"), (e * b * tk * h * d, f"dv_expanded[{b},{tk},{h},{d}]")]
+    return out
+
+
+class TraceMode(TorchDispatchMode):
+    """Records allocations of ``meta`` tensors into a :class:`Recorder`."""
+
+    def __init__(self, rec: Recorder, modules: ModuleTracker, values: Values, profile: DeviceProfile) -> None:
+        super().__init__()
+        self.rec = rec
+        self.modules = modules
+        self.values = values
+        self.profile = profile
+        self.in_backward = False
+        """Set by the step runner around ``loss.backward()``."""
+        self.count_flops = False
+        self.flops = 0
+        self.rules_used: Counter[str] = Counter()
+        self._blas_seen: set[tuple[int, int]] = set()
+        self._op_ids: dict[Any, int] = {}
+        self._mutated: dict[Any, tuple[int, ...]] = {}
+        from torch.utils.flop_counter import flop_registry
+
+        self._flop_registry = flop_registry
+
+    # ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        rec = self.rec
+        op = self._op_ids.get(func)
+        if op is None:
+            op = self._op_ids[func] = rec.intern(str(func))
+        rec.op = op
+        if self.in_backward:
+            if torch.is_grad_enabled():
+                rec.phase = _RECOMPUTE
+                rec.module = self.modules.current
+            else:
+                rec.phase = _BACKWARD
+                rec.module = self.modules.backward_owner()
+        else:
+            rec.module = self.modules.current
+
+        if func in SKIP_OPS:
+            return None
+        if func in NO_META_KERNEL_INPLACE:
+            return None
+        values = self.values
+        cpu_args: Any = None
+        if values.shadow or not _any_meta(args):
+            cpu_args = self._shadow_args(func, args, kwargs)
+
+        if func in NO_VALUE_OPS or (func is aten._to_copy.default and _to_host(args, kwargs)):
+            return self._value_op(func, args, kwargs, cpu_args)
+
+        rule = needs_rule(func, args, kwargs)
+        cpu_out: Any = None
+        if rule is not None and cpu_args is not None:
+            cpu_out = func(*cpu_args[0], **cpu_args[1])
+            out = _mirror(cpu_out)
+        elif rule is not None:
+            self.rules_used[rule[0]] += 1
+            out = rule[1](values, func, args, kwargs)
+            if rule[0] == "nonzero":
+                cpu_out = full_grid_values(args[0], out)
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except NotImplementedError as e:
+                raise self._no_kernel(func, e) from None
+            if cpu_args is not None and _meta_and_small(out):
+                cpu_out = func(*cpu_args[0], **cpu_args[1])
+
+        self._track(out)
+        if cpu_out is not None:
+            _attach(values, out, cpu_out)
+        elif values.shadow:
+            self._drop_mutated(func, args)
+        if func in INDEX_BOUND_OPS:
+            self._set_bound(func, args, kwargs, out)
+        elif func in HINT_COPY_OPS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            _copy_hints(values, args[0], out)
+
+        if func in BLAS_OPS:
+            self._blas_workspace()
+        elif func in CONV_OPS and self.profile.cudnn_conv_workspace:
+            self._conv_workspace(func, args, out)
+        elif func is FLASH_BWD:
+            self._flash_bwd(args)
+        if self.count_flops:
+            fn = self._flop_registry.get(func._overloadpacket)
+            if fn is not None:
+                self.flops += int(fn(*args, **kwargs, out_val=out))
+        return out
+
+    # --- tracking ------------------------------------------------------------------
+    def _track(self, out: Any) -> None:
+        rec = self.rec
+        if isinstance(out, torch.Tensor):
+            rec.track(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    rec.track(t)
+                elif isinstance(t, (tuple, list)):
+                    rec.track_many(t)
+
+    # --- values --------------------------------------------------------------------
+    def _shadow_args(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """(cpu args, cpu kwargs) when every meta tensor argument has a shadow, else None."""
+        if _RANDOM in func.tags or func in EMPTY_OPS:
+            return None
+        cargs, ok = to_cpu_args(self.values, args)
+        if not ok:
+            return None
+        ckw, ok = to_cpu_args(self.values, kwargs)
+        if not ok:
+            return None
+        if "device" in ckw and isinstance(ckw["device"], (str, torch.device)) and torch.device(ckw["device"]).type == "meta":
+            ckw["device"] = torch.device("cpu")
+        return cargs, ckw
+
+    def _value_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cpu_args: Any) -> Any:
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            return func(*args, **kwargs)  # a host tensor: real values
+        if cpu_args is not None:
+            return func(*cpu_args[0], **cpu_args[1])
+        if self.rec.phase == _OPTIMIZER and func is aten._local_scalar_dense.default:
+            # Optimizers read norms/steps (Adafactor, clipping): values scale the update, never memory.
+            self.rules_used["optimizer_value"] += 1
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func is aten._to_copy.default \
+            else "reading a tensor's value (.item(), bool(tensor), if tensor: ...)"
+        raise TraceError(
+            f"data-dependent control flow in {self._where()}: {what} needs data, "
+            "which a trace on fake tensors does not have",
+            hint="make the branch depend on shapes or configuration, not on tensor values",
+        )
+
+    def _drop_mutated(self, func: Any, args: tuple[Any, ...]) -> None:
+        idx = self._mutated.get(func)
+        if idx is None:
+            idx = tuple(i for i, a in enumerate(func._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write)
+            self._mutated[func] = idx
+        for i in idx:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                self.values.drop_shadow(args[i])
+
+    def _set_bound(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        pos, dim_pos, default = INDEX_BOUND_OPS[func]
+        x = args[0]
+        dim = args[dim_pos] if dim_pos < len(args) else kwargs.get("dim", default)
+        size = x.numel() if dim is None or x.dim() == 0 else x.shape[dim]
+        t = out[pos] if isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor):
+            self.values.set_bound(t, size)
+
+    # --- CUDA emulation ------------------------------------------------------------
+    def _blas_workspace(self) -> None:
+        size = self.profile.cublas_workspace
+        if size <= 0:
+            return
+        key = (1 if self.in_backward else 0, self.rec.stream)
+        if key in self._blas_seen:
+            return
+        self._blas_seen.add(key)
+        thread = "autograd thread" if key[0] else "main thread"
+        self.rec.synthetic_alloc(size, Category.WORKSPACE, f"cublas workspace ({thread})", op="cublas.workspace")
+
+    def _conv_workspace(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
+        x = args[1] if func is aten.convolution_backward.default else args[0]
+        if not isinstance(x, torch.Tensor):
+            return
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        out_bytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+        size = conv_workspace_bytes(x.numel() * x.element_size(), out_bytes)
+        if size > 0:
+            eid = self.rec.synthetic_alloc(size, Category.WORKSPACE, "cudnn conv workspace", op="cudnn.workspace")
+            self.rec.synthetic_free(eid, Category.WORKSPACE)
+
+    def _flash_bwd(self, args: tuple[Any, ...]) -> None:
+        ids = [self.rec.synthetic_alloc(n, Category.WORKSPACE, d, op="flash_attn.bwd_buffers")
+               for n, d in _flash_bwd_buffers(args)]
+        for eid in ids:
+            self.rec.synthetic_free(eid, Category.WORKSPACE)
+
+    # --- errors --------------------------------------------------------------------
+    def _where(self) -> str:
+        rec = self.rec
+        mod = rec.log.strings[rec.module] or "<top level>"
+        return f"module {mod} (op {rec.log.strings[rec.op]})"
+
+    def _no_kernel(self, func: Any, e: Exception) -> TraceError:
+        return TraceError(
+            f"op {func} has no meta kernel, so {self._where()} cannot run on fake tensors",
+            hint="register one with @torch.library.register_fake for custom ops "
+                 "(a CUDA-only extension cannot be traced otherwise)",
+        )
+
+
+def _any_meta(args: tuple[Any, ...]) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                return True
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    return True
+    return False
+
+
+def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    dev = kwargs.get("device")
+    return isinstance(args[0], torch.Tensor) and args[0].device.type == "meta" and dev is not None \
+        and torch.device(dev).type != "meta"
+
+
+def _meta_and_small(out: Any) -> bool:
+    """The op made device tensors, none too large to shadow (so computing values is worth it)."""
+    if isinstance(out, torch.Tensor):
+        return out.device.type == "meta" and out.numel() <= SHADOW_LIMIT
+    if isinstance(out, (tuple, list)):
+        ts = [o for o in out if isinstance(o, torch.Tensor)]
+        return bool(ts) and all(_meta_and_small(o) for o in ts)
+    return False
+
+
+def _mirror(cpu_out: Any) -> Any:
+    """Meta tensors shaped like a CPU result (for data-dependent ops computed exactly)."""
+    if isinstance(cpu_out, torch.Tensor):
+        return torch.empty_strided(cpu_out.shape, cpu_out.stride(), dtype=cpu_out.dtype, device="meta")
+    if isinstance(cpu_out, (tuple, list)):
+        return type(cpu_out)(_mirror(o) for o in cpu_out)
+    return cpu_out
+
+
+def _attach(values: Values, out: Any, cpu_out: Any) -> None:
+    if isinstance(out, torch.Tensor) and isinstance(cpu_out, torch.Tensor):
+        if out.device.type == "meta" and not values.has_shadow(out) and out.shape == cpu_out.shape:
+            values.set_shadow(out, cpu_out)
+    elif isinstance(out, (tuple, list)) and isinstance(cpu_out, (tuple, list)):
+        for o, c in zip(out, cpu_out):
+            _attach(values, o, c)
+
+
+def _copy_hints(values: Values, src: torch.Tensor, dst: torch.Tensor) -> None:
+    d = values.get_density(src)
+    if d < 1.0:
+        values.set_density(dst, d)
+    b = values.get_bound(src)
+    if b is not None:
+        values.set_bound(dst, b)
+

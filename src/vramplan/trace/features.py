@@ -1,0 +1,194 @@
+"""Workload features applied to a meta model before tracing.
+
+Order (each step sees the previous one's model): precision → LoRA (peft) → quantised base
+weights → adapters onto the trace device → gradient checkpointing.
+
+- precision: ``fp32`` and ``*-mixed`` keep fp32 weights (mixed adds emulated CUDA autocast);
+  ``bf16``/``fp16`` convert the model (pure low precision).
+- LoRA: ``peft.get_peft_model`` with ``LoraConfig(r, alpha=2r, dropout=0)``; peft keeps the
+  adapters in fp32 over 16-bit bases (``autocast_adapter_dtype``), as it does on a GPU.
+- QLoRA / int8 / int4 / nf4 / fp8: base ``nn.Linear`` layers (not the LM head) become
+  :class:`~vramplan.trace.quant.QuantLinear` (QLoRA: NF4 with double quantisation).
+- checkpointing: transformers models through ``gradient_checkpointing_enable`` (non-reentrant),
+  other models by wrapping each block of their largest ``ModuleList``; ``selective`` saves
+  matmul and attention outputs and recomputes the rest
+  (``create_selective_checkpoint_contexts``); ``checkpoint_fraction`` < 1 checkpoints the
+  first layers only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import TraceError
+from ..workload import ALL_LINEAR, Checkpointing, Peft, Precision, Quant, Workload
+from .quant import quantize_linears
+
+aten = torch.ops.aten
+_SAVE_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_mm.default,
+})
+
+
+def param_dtype(w: Workload) -> torch.dtype:
+    return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(w.precision, torch.float32)
+
+
+def compute_dtype(w: Workload) -> torch.dtype:
+    if w.precision in (Precision.BF16, Precision.BF16_MIXED):
+        return torch.bfloat16
+    if w.precision in (Precision.FP16, Precision.FP16_MIXED):
+        return torch.float16
+    return torch.float32
+
+
+def autocast_dtype(w: Workload) -> torch.dtype | None:
+    return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(w.precision)
+
+
+def apply_precision(model: nn.Module, w: Workload) -> list[str]:
+    model.to(param_dtype(w))
+    if w.mixed:
+        return [f"{w.precision}: fp32 weights, CUDA autocast to {str(compute_dtype(w)).removeprefix('torch.')} emulated"]
+    return []
+
+
+def lora_targets(model: nn.Module, w: Workload) -> list[str]:
+    if tuple(w.lora_targets) != (ALL_LINEAR,):
+        return list(w.lora_targets)
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and m is not out_emb}
+    return sorted(names - {"lm_head", "score", "classifier"})
+
+
+def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
+    if w.peft is Peft.NONE:
+        return model, []
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:  # pragma: no cover - peft is in the models extra
+        raise TraceError("LoRA tracing needs peft", hint="pip install 'vramplan[models]'") from None
+    targets = lora_targets(model, w)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not set(targets) & present:
+        raise TraceError(f"none of the LoRA target modules {targets} exist in the model",
+                         hint="set lora_targets to module names of the model, or all-linear")
+    cfg = LoraConfig(r=w.lora_rank, lora_alpha=2 * w.lora_rank, lora_dropout=0.0,
+                     target_modules=targets, bias="none")
+    peft_model = get_peft_model(model, cfg)
+    return peft_model, [f"LoRA r={w.lora_rank} on {', '.join(targets)} (peft {_peft_version()})"]
+
+
+def _peft_version() -> str:
+    import peft
+
+    return str(peft.__version__)
+
+
+def apply_quant(model: nn.Module, w: Workload) -> list[str]:
+    if w.quant is Quant.NONE:
+        return []
+    double = w.peft is Peft.QLORA
+    n = quantize_linears(model, w.quant, compute_dtype(w), double_quant=double)
+    what = f"{w.quant}{' with double quantisation' if double else ''}"
+    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept)"]
+
+
+def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:
+    """transformers MoE experts: ``grouped_mm`` (its default) needs bf16 weights on sm80+;
+    otherwise the eager per-expert loop runs (as it would have to on that GPU)."""
+    setter = getattr(model, "set_experts_implementation", None)
+    config = getattr(model, "config", None)
+    current = getattr(config, "_experts_implementation", None)
+    if setter is None or current is None:
+        return []
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    if not experts:
+        return []
+    ok = sm >= (8, 0) and all(p.dtype == torch.bfloat16 for p in experts)
+    impl = "grouped_mm" if ok else "eager"
+    if impl != current:
+        setter(impl)
+    why = "" if ok else " (grouped_mm needs bf16 expert weights on sm80+)"
+    return [f"MoE experts run '{impl}'{why}"]
+
+
+def to_trace_device(model: nn.Module) -> None:
+    """Move anything a feature created off the trace device (peft builds adapters on CPU)."""
+    if any(p.device.type != "meta" for p in model.parameters()) or any(b.device.type != "meta" for b in model.buffers()):
+        model.to("meta")
+
+
+def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save matmul and attention outputs, recompute everything else (torchtitan's op-level SAC)."""
+    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_checkpointing(model: nn.Module, w: Workload) -> list[str]:
+    if w.checkpointing is Checkpointing.NONE or not w.training:
+        return []
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if w.checkpointing is Checkpointing.SELECTIVE:
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    hf = _hf_model(model)
+    if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
+        if hasattr(hf, "activation_checkpointing_enable"):
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        layers = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", None) is True and m is not hf]
+        keep = _fraction(len(layers), w.checkpoint_fraction)
+        for m in layers[keep:]:
+            m.gradient_checkpointing = False
+        how = "transformers gradient_checkpointing_enable"
+        count = keep
+    else:
+        blocks = _largest_module_list(model)
+        if blocks is None:
+            return [f"checkpointing {w.checkpointing} requested but the model has no block list; traced as written"]
+        keep = _fraction(len(blocks), w.checkpoint_fraction)
+        for block in list(blocks)[:keep]:
+            _wrap_checkpoint(block, kwargs)
+        how = "torch.utils.checkpoint around each block"
+        count = keep
+    return [f"{w.checkpointing} activation checkpointing of {count} layers ({how}, use_reentrant=False)"]
+
+
+def _fraction(n: int, frac: float) -> int:
+    return n if frac >= 1.0 else max(0, min(n, round(n * frac)))
+
+
+def _hf_model(model: nn.Module) -> Any:
+    for m in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
+        if m is not None and hasattr(m, "gradient_checkpointing_enable"):
+            return m
+    return None
+
+
+def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    best, best_n = None, 0
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_n = m, n
+    return best
+
+
+def _wrap_checkpoint(block: nn.Module, kwargs: dict[str, Any]) -> None:
+    inner = block.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kw)
+        return checkpoint(inner, *args, **kwargs, **kw)
+
+    block.forward = forward  # type: ignore[method-assign]

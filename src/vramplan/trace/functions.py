@@ -1,0 +1,104 @@
+"""The TorchFunctionMode of a trace: CUDA behaviour that must act *above* autograd.
+
+- ``F.scaled_dot_product_attention`` → the fused kernel the target GPU picks (:mod:`.sdpa`);
+- autocast casts and the weight-cast cache (:mod:`.autocast`) while an emulated
+  ``torch.autocast("cuda")`` region is active, and during checkpoint recompute of a forward
+  that ran under autocast;
+- ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` in user code → the trace device (meta);
+- ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
+  that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import TraceError
+from .autocast import Autocast, handles
+from .cuda import DeviceProfile
+from .dispatch import TraceMode
+from .sdpa import run_sdpa
+
+_META = torch.device("meta")
+_SDPA = "scaled_dot_product_attention"
+
+
+def _is_cuda(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.split(":")[0] == "cuda"
+    return False
+
+
+class CudaFunctionMode(TorchFunctionMode):
+    """Emulates CUDA-only Python-level behaviour for a trace on meta tensors."""
+
+    def __init__(self, trace: TraceMode, profile: DeviceProfile, autocast: Autocast | None) -> None:
+        super().__init__()
+        self.trace = trace
+        self.profile = profile
+        self.autocast = autocast
+        self.forward_autocast = False
+        """The forward ran under autocast (so recompute does too)."""
+        self.backends: Counter[str] = Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _META}
+        if name == "to" or name == "cuda":
+            return self._to(func, name, args, kwargs)
+        ac = self.autocast
+        if ac is not None and handles(name):
+            if ac.enabled:
+                args, kwargs = ac.apply(name, args, kwargs, cache=True)
+            elif self.forward_autocast and self.trace.in_backward and torch.is_grad_enabled():
+                args, kwargs = ac.apply(name, args, kwargs, cache=False)
+        if name == _SDPA and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            out, backend = run_sdpa(self.profile, func, *args, **kwargs)
+            self.backends[backend] += 1
+            return out
+        if name == "one_hot":
+            return self._one_hot(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if name == "cuda":
+            return args[0].to(_META) if isinstance(args[0], torch.Tensor) else func(*args, **kwargs)
+        args = tuple(_META if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+    def _one_hot(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0]
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        if not isinstance(x, torch.Tensor) or x.device.type != "meta":
+            return func(*args, **kwargs)
+        values = self.trace.values
+        cpu = values.cpu_view(x)
+        if classes is None or classes < 0:
+            if cpu is not None:
+                classes = int(cpu.max()) + 1
+            else:
+                bound = values.get_bound(x)
+                if bound is None:
+                    raise TraceError(
+                        "F.one_hot without num_classes needs the largest index, which a trace on fake "
+                        "tensors does not know",
+                        hint="pass num_classes=",
+                    )
+                classes = bound
+        out = torch.zeros((*x.shape, classes), dtype=torch.int64, device=_META)
+        values.drop_shadow(out)
+        if cpu is not None:
+            values.set_shadow(out, F.one_hot(cpu, classes))
+        else:
+            bound = values.get_bound(x)
+            values.set_density(out, 1.0 / min(classes, bound) if bound else 1.0 / classes)
+        return out

@@ -1,0 +1,145 @@
+"""Optimizers as CUDA runs them.
+
+- ``torch.optim`` optimizers get ``foreach=True`` (CUDA's default: whole-list temporaries
+  such as AdamW's ``exp_avg_sq.sqrt()`` for every parameter at once), ``fused=True``
+  (in-place kernels, device ``step`` counters; fused kernels without a meta kernel are
+  skipped as in-place no-ops) or the for-loop, as the workload says.
+- Lion (not in ``torch.optim``): one momentum state, foreach update (lucidrains/lion-pytorch).
+- bitsandbytes 8-bit AdamW: emulated storage — parameters of at least 4,096 elements keep
+  two ``uint8`` states plus one fp32 ``absmax`` per 2,048-element block each; smaller ones
+  keep fp32 states; the update is one fused in-place kernel (no temporaries). The *paged*
+  variant allocates its states in CUDA unified memory, outside the caching allocator: they
+  are left out of the events and stated in the notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..workload import Optimizer, OptimizerImpl, Workload
+
+BNB_BLOCK = 2048
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def _impl_kwargs(impl: OptimizerImpl) -> dict[str, Any]:
+    if impl is OptimizerImpl.FUSED:
+        return {"fused": True}
+    if impl is OptimizerImpl.FOR_LOOP:
+        return {"foreach": False}
+    return {"foreach": True}
+
+
+def make_optimizer(w: Workload, params: list[nn.Parameter]) -> tuple[Any, list[str]]:
+    """The workload's optimizer over ``params``; returns (optimizer, notes)."""
+    notes: list[str] = []
+    if not params:
+        return None, ["no trainable parameters: no optimizer step"]
+    kw = _impl_kwargs(w.optimizer_impl)
+    opt = w.optimizer
+    if opt is Optimizer.ADAMW:
+        return torch.optim.AdamW(params, lr=1e-4, **kw), notes
+    if opt is Optimizer.ADAM:
+        return torch.optim.Adam(params, lr=1e-4, **kw), notes
+    if opt is Optimizer.SGD:
+        return torch.optim.SGD(params, lr=1e-3, **kw), notes
+    if opt is Optimizer.SGD_MOMENTUM:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw), notes
+    if opt is Optimizer.ADAFACTOR:
+        ada = getattr(torch.optim, "Adafactor", None)
+        if ada is None:
+            raise ImportError("torch.optim.Adafactor needs torch >= 2.5")
+        return ada(params, lr=1e-2, foreach=kw.get("foreach", False) or None), notes
+    if opt is Optimizer.LION:
+        return Lion(params, foreach=kw.get("foreach", True)), notes
+    if opt in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        paged = opt is Optimizer.PAGED_ADAMW_8BIT
+        o = AdamW8bit(params, paged=paged)
+        notes.append("8-bit AdamW emulated (bitsandbytes storage: uint8 states + fp32 absmax per 2048-block)")
+        if paged:
+            notes.append(f"paged optimizer states ({o.paged_bytes():,} B) live in CUDA unified memory, "
+                         "outside the caching allocator; they page to host memory under pressure")
+        return o, notes
+    raise ValueError(f"unsupported optimizer {opt}")
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): ``update = sign(β1·m + (1−β1)·g)``; ``m ← β2·m + (1−β2)·g``."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, foreach: bool = True) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": foreach})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            grads = [p.grad for p in ps]
+            for p in ps:
+                if "exp_avg" not in self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+            ms = [self.state[p]["exp_avg"] for p in ps]
+            b1, b2 = group["betas"]
+            if group["foreach"]:
+                upd = torch._foreach_mul(ms, b1)
+                torch._foreach_add_(upd, grads, alpha=1 - b1)
+                torch._foreach_sign_(upd)
+                torch._foreach_add_(ps, upd, alpha=-group["lr"])
+                del upd
+                torch._foreach_mul_(ms, b2)
+                torch._foreach_add_(ms, grads, alpha=1 - b2)
+            else:
+                for p, g, m in zip(ps, grads, ms):
+                    u = (m * b1).add_(g, alpha=1 - b1).sign_()
+                    p.add_(u, alpha=-group["lr"])
+                    m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+def _bnb_state_bytes(n: int) -> int:
+    if n < BNB_MIN_8BIT_SIZE:
+        return 2 * 4 * n
+    blocks = -(-n // BNB_BLOCK)
+    return 2 * n + 2 * 4 * blocks
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """Storage-faithful stand-in for ``bitsandbytes.optim.AdamW8bit`` / ``PagedAdamW8bit``."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, paged: bool = False) -> None:
+        super().__init__(params, {"lr": lr})
+        self.paged = paged
+
+    def paged_bytes(self) -> int:
+        return sum(_bnb_state_bytes(p.numel()) for g in self.param_groups for p in g["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = 0
+                    if not self.paged:
+                        self._init_state(st, p)
+                st["step"] += 1
+
+    @staticmethod
+    def _init_state(st: dict[str, Any], p: torch.Tensor) -> None:
+        n = p.numel()
+        if n < BNB_MIN_8BIT_SIZE:
+            st["state1"] = torch.zeros_like(p, dtype=torch.float32)
+            st["state2"] = torch.zeros_like(p, dtype=torch.float32)
+            return
+        blocks = -(-n // BNB_BLOCK)
+        st["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+        st["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+        st["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        st["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)

@@ -1,0 +1,149 @@
+"""Quantised linear layers, storage-faithful (bitsandbytes cannot run here).
+
+:class:`QuantLinear` keeps what the real layer keeps on the GPU and allocates what its
+forward/backward allocate:
+
+- ``nf4`` / ``int4`` (bnb ``Linear4bit``): packed ``uint8[out·in/2, 1]``, fp32 ``absmax`` per
+  64-element block and a 16-entry fp32 code; with double quantisation (QLoRA) ``absmax`` is
+  ``uint8`` plus fp32 second-level absmax per 256 blocks, a 256-entry code and an offset.
+  Forward/backward dequantise the whole weight into a compute-dtype temporary
+  ``[out, in]`` (``MatMul4Bit``); a single-token inference row uses the gemv kernel instead.
+  Nothing but the packed weight is saved for backward.
+- ``int8`` (bnb ``Linear8bitLt``, LLM.int8): ``int8[out, in]`` + fp32 row scales ``SCB[out]``.
+  Forward: int8 activations ``[T, in]`` + fp32 row scales, an int32 ``[T, out]`` product,
+  fp16 output. Backward (LoRA training): a dequantised weight temporary.
+- ``fp8``: ``float8_e4m3fn[out, in]`` + fp32 per-row scale; forward quantises the input
+  (fp8 ``[T, in]`` + fp32 row scales) for ``_scaled_mm``; backward dequantises the weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..workload import Quant
+
+BLOCK_4BIT = 64
+DQ_BLOCK = 256
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+class _Dequant(torch.autograd.Function):
+    """``y = x @ dequant(W).T + b`` saving only the quantised weight (as bnb's matmuls do)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:  # type: ignore[override]
+        ctx.layer = layer
+        return layer._forward_kernel(x, gemv=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        layer: QuantLinear = ctx.layer
+        w = layer._dequantize(grad.dtype)
+        return grad @ w, None
+
+
+class QuantLinear(nn.Module):
+    """A frozen quantised ``nn.Linear`` (storage and temporaries as bitsandbytes / fp8)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, kind: Quant,
+                 compute_dtype: torch.dtype, double_quant: bool = False, device: Any = "meta") -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.kind = kind
+        self.compute_dtype = compute_dtype
+        self.double_quant = double_quant
+        n = in_features * out_features
+        dev = torch.device(device)
+        if kind in (Quant.NF4, Quant.INT4):
+            self.register_buffer("weight", torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=dev))
+            blocks = -(-n // BLOCK_4BIT)
+            if double_quant:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=dev))
+                self.register_buffer("absmax2", torch.empty(-(-blocks // DQ_BLOCK), dtype=torch.float32, device=dev))
+                self.register_buffer("code2", torch.empty(256, dtype=torch.float32, device=dev))
+                self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=dev))
+            else:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=dev))
+            self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=dev))
+        elif kind is Quant.INT8:
+            self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, device=dev))
+            self.register_buffer("SCB", torch.empty(out_features, dtype=torch.float32, device=dev))
+        elif kind is Quant.FP8:
+            self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.float8_e4m3fn, device=dev))
+            self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32, device=dev))
+        else:
+            raise ValueError(f"no quantised storage for {kind}")
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=dev),
+                                 requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, kind: Quant, compute_dtype: torch.dtype, double_quant: bool) -> QuantLinear:
+        return cls(lin.in_features, lin.out_features, bias=lin.bias is not None, kind=kind,
+                   compute_dtype=compute_dtype, double_quant=double_quant, device=lin.weight.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, kind={self.kind}"
+
+    # --- kernels --------------------------------------------------------------------
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.weight
+        if self.kind in (Quant.NF4, Quant.INT4) and self.double_quant:
+            absmax = _empty((self.absmax.numel(),), torch.float32, w)  # dequantised absmax
+            out = _empty((self.out_features, self.in_features), dtype, w)
+            del absmax
+            return out
+        return _empty((self.out_features, self.in_features), dtype, w)
+
+    def _forward_kernel(self, x: torch.Tensor, gemv: bool) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        out_shape = (*x.shape[:-1], self.out_features)
+        if self.kind in (Quant.NF4, Quant.INT4):
+            if rows == 1 and gemv:
+                return _empty(out_shape, x.dtype, x)  # gemv_4bit: no dequantised copy
+            w = self._dequantize(x.dtype)
+            return F.linear(x, w)
+        if self.kind is Quant.INT8:
+            ca = _empty(tuple(x.shape), torch.int8, x)
+            sca = _empty((rows,), torch.float32, x)
+            acc = _empty((*x.shape[:-1], self.out_features), torch.int32, x)
+            out = _empty(out_shape, torch.float16, x)
+            del ca, sca, acc
+            return out if x.dtype == torch.float16 else out.to(x.dtype)
+        xq = _empty(tuple(x.shape), torch.float8_e4m3fn, x)
+        xs = _empty((rows,), torch.float32, x)
+        out = _empty(out_shape, x.dtype, x)
+        del xq, xs
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inp_dtype = x.dtype
+        x = x.to(self.compute_dtype)
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = _Dequant.apply(x, self)
+        else:
+            out = self._forward_kernel(x, gemv=True)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(inp_dtype)
+
+
+def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, *, double_quant: bool,
+                     skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every ``nn.Linear`` (except ``skip`` names and LoRA adapters) by
+    :class:`QuantLinear`; returns the count."""
+    count = 0
+    for name, mod in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1].startswith("lora_"):
+            continue
+        for child_name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and child_name not in skip:
+                setattr(mod, child_name, QuantLinear.from_linear(child, kind, compute_dtype, double_quant))
+                count += 1
+    return count

@@ -1,0 +1,196 @@
+"""The event recorder: storages of ``meta`` tensors become ALLOC/FREE events.
+
+A storage is allocated when an op first returns a tensor on it and freed when its last
+reference dies (a weakref finalizer on the untyped storage, as PyTorch's MemTracker does).
+Views and in-place results share a known storage and cost nothing. Only ``meta`` tensors
+stand for GPU memory; CPU tensors (e.g. the optimizer's ``step`` counters) are ignored.
+
+Categories: explicit ones (parameter, buffer, input, gradient, optimizer state, KV cache,
+autocast cache, workspace) are set when known — at allocation or later via :meth:`relabel`.
+Everything else is recorded as ``OTHER`` ("undecided") and resolved after the run by
+:func:`resolve_categories`: allocated in a forward-like phase and still alive when that
+phase span ends → activation (saved for backward, or an output); otherwise temporary.
+"""
+
+from __future__ import annotations
+
+import weakref
+from array import array
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..events import PHASES, Action, Category, EventLog
+from ..workload import Phase
+
+PHASE_INDEX: dict[Phase, int] = {Phase(p): i for i, p in enumerate(PHASES)}
+FORWARD_LIKE = frozenset(PHASE_INDEX[p] for p in (Phase.FORWARD, Phase.RECOMPUTE, Phase.PREFILL, Phase.DECODE))
+UNDECIDED = int(Category.OTHER)
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool", torch.uint64: "u64",
+    torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2",
+}
+
+
+def describe(t: torch.Tensor) -> str:
+    """``bf16[4,2048,4096]``."""
+    name = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+    return f"{name}[{','.join(str(s) for s in t.shape)}]"
+
+
+class Recorder:
+    """Turns storage lifetimes into an :class:`EventLog` (columnar, interned strings)."""
+
+    def __init__(self) -> None:
+        self.log = EventLog()
+        self.phase = 0
+        self.iteration = 0
+        self.stream = 0
+        self.module = 0
+        """Interned id of the module path the current op belongs to."""
+        self.op = 0
+        """Interned id of the current op name."""
+        self.live: dict[int, list[Any]] = {}
+        """storage key → [event id, alloc event index, nbytes, weakref]."""
+        self._next_id = 1
+        self.active = True
+        self.on_free: list[Callable[[int], None]] = []
+        """Callbacks told the storage key of every freed storage (value trackers)."""
+        self.spans_closed: list[int] = []
+        # columnar aliases (hot path)
+        log = self.log
+        self._a, self._id, self._sz, self._st = log.action, log.id, log.size, log.stream
+        self._cat, self._ph, self._mod, self._opc = log.category, log.phase, log.module, log.op
+        self._desc, self._it = log.desc, log.iteration
+
+    # --- strings ---------------------------------------------------------------------
+    def intern(self, s: str) -> int:
+        return self.log.intern(s)
+
+    # --- low level -------------------------------------------------------------------
+    def _emit(self, action: int, eid: int, size: int, cat: int, desc: int = 0) -> int:
+        idx = len(self._a)
+        self._a.append(action)
+        self._id.append(eid)
+        self._sz.append(size)
+        self._st.append(self.stream)
+        self._cat.append(cat)
+        self._ph.append(self.phase)
+        self._mod.append(self.module)
+        self._opc.append(self.op)
+        self._desc.append(desc)
+        self._it.append(self.iteration)
+        return idx
+
+    def mark(self, label: str) -> None:
+        """A MARK event (phase or iteration boundary)."""
+        saved = self.op
+        self.op = self.intern(label)
+        self._emit(int(Action.MARK), 0, 0, UNDECIDED)
+        self.op = saved
+
+    def synthetic_alloc(self, size: int, cat: Category, desc: str, op: str | None = None) -> int:
+        """Allocate memory that no tensor stands for (a kernel workspace); returns its id."""
+        eid = self._next_id
+        self._next_id += 1
+        saved = self.op
+        if op is not None:
+            self.op = self.intern(op)
+        self._emit(int(Action.ALLOC), eid, int(size), int(cat), self.intern(desc))
+        self.op = saved
+        return eid
+
+    def synthetic_free(self, eid: int, cat: Category) -> None:
+        self._emit(int(Action.FREE), eid, 0, int(cat))
+
+    # --- storages --------------------------------------------------------------------
+    def track(self, t: torch.Tensor, cat: int = UNDECIDED) -> int | None:
+        """Record ``t``'s storage if new; returns its storage key (None if not a device tensor)."""
+        if t.device.type != "meta":
+            return None
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return key
+        nbytes = st.nbytes()
+        eid = self._next_id
+        self._next_id += 1
+        idx = self._emit(0, eid, nbytes, cat, self.intern(describe(t)))
+        self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
+        return key
+
+    def track_many(self, ts: Iterable[Any], cat: int = UNDECIDED) -> None:
+        for t in ts:
+            if isinstance(t, torch.Tensor):
+                self.track(t, cat)
+
+    def _freed(self, key: int, _ref: object) -> None:
+        rec = self.live.pop(key, None)
+        if rec is None or not self.active:
+            return
+        self._emit(1, rec[0], 0, self._cat[rec[1]])
+        for cb in self.on_free:
+            cb(key)
+
+    def relabel(self, t: torch.Tensor, cat: Category) -> None:
+        """Give ``t``'s storage a category (tracks it first if unseen)."""
+        key = self.track(t, int(cat))
+        if key is not None:
+            self._cat[self.live[key][1]] = int(cat)
+
+    def category_of(self, t: torch.Tensor) -> int | None:
+        if t.device.type != "meta":
+            return None
+        rec = self.live.get(t.untyped_storage()._cdata)
+        return None if rec is None else self._cat[rec[1]]
+
+    def close(self) -> None:
+        """Stop recording (finalizers of storages still alive become no-ops)."""
+        self.active = False
+        self.on_free.clear()
+        self.live.clear()
+
+
+def resolve_categories(log: EventLog) -> None:
+    """Decide undecided categories by lifetime and copy each ALLOC's category to its FREE.
+
+    Undecided storages allocated in a forward-like phase (forward, recompute, prefill,
+    decode) that outlive the contiguous span of that phase are activations; the rest are
+    temporaries.
+    """
+    n = len(log)
+    if n == 0:
+        return
+    action, ids, cat, phase, it = log.action, log.id, log.category, log.phase, log.iteration
+    span = array("i", bytes(4 * n))
+    s = 0
+    for k in range(1, n):
+        if phase[k] != phase[k - 1] or it[k] != it[k - 1]:
+            s += 1
+        span[k] = s
+    alloc_at: dict[int, int] = {}
+    free_at: dict[int, int] = {}
+    for k in range(n):
+        a = action[k]
+        if a == 0:
+            alloc_at[ids[k]] = k
+        elif a == 1:
+            free_at[ids[k]] = k
+    activation, temporary = int(Category.ACTIVATION), int(Category.TEMPORARY)
+    for eid, k in alloc_at.items():
+        if cat[k] != UNDECIDED:
+            continue
+        f = free_at.get(eid)
+        if phase[k] in FORWARD_LIKE and (f is None or span[f] != span[k]):
+            cat[k] = activation
+        else:
+            cat[k] = temporary
+    for eid, f in free_at.items():
+        k2 = alloc_at.get(eid)
+        if k2 is not None:
+            cat[f] = cat[k2]

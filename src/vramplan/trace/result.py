@@ -1,0 +1,42 @@
+"""What a trace returns: the event log plus the figures read from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..events import EventLog
+from ..results import Breakdown, IterationPeak, ModuleStat, PhasePeak, TensorStat, Timeline
+from ..workload import Phase
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceResult:
+    """One traced workload. Sizes are requested bytes (before the allocator's rounding)."""
+
+    events: EventLog
+    """Every allocation and free, in order (replay it with :func:`vramplan.allocator.replay`)."""
+    peak_allocated: int
+    """Highest sum of live tensor bytes (requested sizes)."""
+    peak_index: int
+    """Event index at which the peak is reached."""
+    breakdown_at_peak: Breakdown
+    peak_phase: Phase
+    peak_module: str
+    """Module whose op made the peak allocation ("" when outside any module)."""
+    phases: tuple[PhasePeak, ...]
+    iterations: tuple[IterationPeak, ...]
+    """Peak of each traced iteration (the first builds optimizer states; later ones are the steady state)."""
+    top_tensors: tuple[TensorStat, ...]
+    """Largest storages live at the peak."""
+    top_modules: tuple[ModuleStat, ...]
+    params: int
+    trainable_params: int
+    flops: int | None
+    """FLOPs of one step (forward + backward of all micro-batches), counted as FlopCounterMode does."""
+    timeline: Timeline
+    """Allocated bytes by breakdown category, decimated to at most 5,000 points (peaks kept)."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def steady_peak(self) -> int:
+        return self.iterations[-1].allocated if self.iterations else self.peak_allocated

@@ -1,0 +1,334 @@
+"""Entry points: trace a user's model, or a catalog model under a workload.
+
+Both build (or copy) the model on ``meta``, apply the workload's features, run
+``iterations`` steps under a :class:`~vramplan.trace.session.TraceSession` and read the
+figures from the event log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TraceError, VramplanError, WorkloadError
+from ..hardware.gpu import GPU
+from ..models.spec import ModelSpec
+from ..workload import Attention, Task, Workload
+from . import analysis, features
+from .cuda import profile_for
+from .optim import make_optimizer
+from .recorder import resolve_categories
+from .result import TraceResult
+from .session import TraceSession
+from .steps import RUNNERS, Batch, LossFn, StepPlan
+from .values import SHADOW_LIMIT
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """Knobs of the CUDA emulation (defaults follow a stock PyTorch on the target GPU)."""
+
+    workspaces: bool = True
+    """cuBLAS / cuDNN workspaces and flash-attention backward buffers."""
+    cache: str = "dynamic"
+    """KV cache class for generation: ``dynamic`` (transformers' default) or ``static``."""
+    count_flops: bool = True
+    replay_layers: bool = True
+    """Trace one run of provably identical decoder layers and replay it for the others (catalog models)."""
+
+
+@dataclass
+class Prepared:
+    model: nn.Module
+    batch: Batch
+    params: int
+    trainable: int
+    notes: list[str]
+    root: str
+
+
+# --------------------------------------------------------------------------- public
+def trace_model(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    inputs: Any,
+    *,
+    workload: Workload,
+    optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
+    loss_fn: LossFn | None = None,
+    gpu: GPU | None = None,
+    iterations: int = 2,
+    options: TraceOptions | None = None,
+) -> TraceResult:
+    """Trace one step (``iterations`` times) of any ``nn.Module`` on fake tensors.
+
+    ``model_or_factory``: a module (copied onto ``meta``; its weights are never touched) or
+    a function building one (called under ``torch.device("meta")``). ``inputs``: a tensor, a
+    tuple of positional arguments, a dict of keyword arguments, or a function returning one
+    of these. ``optimizer``: ``params -> torch.optim.Optimizer`` (default: the workload's).
+    ``loss_fn(output[, *inputs])``: default the output's ``.loss``, else ``output.sum()``.
+    """
+    _check_iterations(iterations)
+    opts = options or TraceOptions()
+    model, notes = _materialize(model_or_factory)
+    if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
+        inputs = inputs()
+    batch, shadows = _to_batch(inputs)
+    root = type(model).__name__
+    prepared = _prepare(model, batch, workload, notes, root, gpu)
+    return _trace(prepared, workload, gpu, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
+
+
+def trace_workload(
+    spec: ModelSpec, w: Workload, *, gpu: GPU | None = None, iterations: int = 2,
+    options: TraceOptions | None = None,
+) -> TraceResult:
+    """Trace a catalog model under workload ``w``: build on meta, synthetic inputs,
+    the workload's checkpointing, PEFT, quantisation, precision and optimizer."""
+    _check_iterations(iterations)
+    opts = options or TraceOptions()
+    from ..models.build import attention_used, build_model, example_inputs
+
+    attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
+    notes: list[str] = []
+    if w.attention is Attention.FLASH:
+        notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
+    model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+    used = attention_used(model)
+    if used not in ("none", attention):
+        notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    labels = w.task is Task.TRAIN
+    batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
+                                  labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, gpu)
+    return _trace(prepared, w, gpu, iterations, opts)
+
+
+# --------------------------------------------------------------------------- internals
+def _check_iterations(iterations: int) -> None:
+    if not isinstance(iterations, int) or iterations < 1:
+        raise WorkloadError(f"iterations must be a positive integer, got {iterations!r}")
+
+
+def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
+    notes: list[str] = []
+    if isinstance(model_or_factory, nn.Module):
+        model = model_or_factory
+    elif callable(model_or_factory):
+        try:
+            with torch.device("meta"):
+                model = model_or_factory()
+        except VramplanError:
+            raise
+        except Exception as e:
+            raise TraceError(f"building the model failed: {type(e).__name__}: {_line(e)}") from e
+    else:
+        raise TraceError(f"expected an nn.Module or a function returning one, got {type(model_or_factory).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    orig = getattr(model, "_orig_mod", None)
+    if isinstance(orig, nn.Module):
+        notes.append("torch.compile ignored: the eager step is traced (compiled graphs may fuse away temporaries)")
+        model = orig
+    return _meta_copy(model), notes
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose tensors are ``meta`` (the original is untouched)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = torch.empty_like(v, device="meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:
+        raise TraceError(f"cannot copy {type(model).__name__} onto fake tensors ({type(e).__name__}: {_line(e)})",
+                         hint="pass a function that builds the model instead of the model") from e
+
+
+def _to_batch(inputs: Any) -> tuple[Batch, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(args, kwargs) on meta, plus (meta tensor, real values) for small host tensors."""
+    shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            m = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            if x.requires_grad:
+                m.requires_grad_(True)
+            if x.device.type == "cpu" and x.numel() <= SHADOW_LIMIT:
+                shadows.append((m, x.detach()))
+            return m
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(v) for v in x)
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    if isinstance(inputs, dict):
+        return ((), conv(inputs)), shadows
+    if isinstance(inputs, (list, tuple)):
+        return (tuple(conv(list(inputs))), {}), shadows
+    if inputs is None:
+        return ((), {}), shadows
+    return ((conv(inputs),), {}), shadows
+
+
+def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str, gpu: GPU | None) -> Prepared:
+    with _quiet():
+        return _prepare_quietly(model, batch, w, notes, root, gpu)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The core never prints: silence library warnings and loggers while preparing/tracing."""
+    loggers = [logging.getLogger(n) for n in ("transformers", "peft", "diffusers")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
+                     gpu: GPU | None) -> Prepared:
+    try:
+        notes += features.apply_precision(model, w)
+        model, peft_notes = features.apply_peft(model, w)
+        notes += peft_notes
+        features.to_trace_device(model)
+        params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        notes += features.apply_quant(model, w)
+        features.to_trace_device(model)
+        notes += features.apply_checkpointing(model, w)
+        notes += features.apply_experts_impl(model, profile_for(gpu).sm)
+    except VramplanError:
+        raise
+    except Exception as e:
+        raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
+    model.train(w.training)
+    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root)
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _flat_tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _flat_tensors(x)]
+    return []
+
+
+def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: TraceOptions, *,
+           optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
+           shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TraceResult:
+    profile = profile_for(gpu, workspaces=opts.workspaces)
+    sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
+    notes = list(p.notes)
+    trainable = [q for q in p.model.parameters() if q.requires_grad]
+    with _quiet(), sess:
+        sess.add_model(p.model, p.root)
+        sess.add_inputs(_flat_tensors(p.batch))
+        for meta, real in shadows or ():
+            sess.values.set_shadow(meta, real)
+        opt: Any = None
+        if w.training:
+            if optimizer is not None:
+                opt = optimizer(trainable)
+            else:
+                opt, opt_notes = make_optimizer(w, trainable)
+                notes += opt_notes
+        plan = StepPlan(
+            model=p.model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
+            grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
+            new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable,
+        )
+        runner = RUNNERS[str(w.task)]
+        for it in range(1, iterations + 1):
+            sess.start_iteration(it)
+            sess.dispatch.count_flops = opts.count_flops and it == 1
+            try:
+                runner(sess, plan)
+                gc.collect()  # storages kept only by reference cycles die at the iteration's end
+            except VramplanError:
+                raise
+            except Exception as e:
+                raise TraceError(f"tracing failed in {_where(sess)}: {type(e).__name__}: {_line(e)}",
+                                 hint="the model's step must run on fake (meta) tensors") from e
+    notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
+    return summarize(sess, params=p.params, trainable=p.trainable,
+                     flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+
+
+def _where(sess: TraceSession) -> str:
+    s = sess.rec.log.strings
+    mod = s[sess.rec.module] or "<top level>"
+    return f"module {mod} (last op {s[sess.rec.op] or '-'})"
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
+    from .datadep import RULE_TEXT
+
+    out = [f"CUDA emulation for {device}"]
+    if sess.functions.backends:
+        used = ", ".join(f"{k} ×{v}" for k, v in sorted(sess.functions.backends.items()))
+        out.append(f"SDPA kernels: {used}")
+    if cublas:
+        out.append(f"cuBLAS workspace {cublas:,} B per (thread, stream), forward and backward threads")
+    for rule, n in sorted(sess.dispatch.rules_used.items()):
+        out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
+    return out
+
+
+def summarize(sess: TraceSession, *, params: int, trainable: int, flops: int | None, notes: list[str]) -> TraceResult:
+    """Resolve categories and read every figure from the session's event log."""
+    log = sess.rec.log
+    resolve_categories(log)
+    a = analysis.arrays(log)
+    if len(log) == 0:
+        raise TraceError("the trace recorded no memory at all", hint="does the model have parameters or inputs?")
+    k = analysis.peak_of(a)
+    from ..events import PHASES
+    from ..workload import Phase
+
+    return TraceResult(
+        events=log,
+        peak_allocated=int(a.total[k]),
+        peak_index=k,
+        breakdown_at_peak=analysis.breakdown_at(a, k),
+        peak_phase=Phase(PHASES[int(a.phase[k])]),
+        peak_module=log.strings[log.module[k]],
+        phases=analysis.phase_peaks(a),
+        iterations=analysis.iteration_peaks(a),
+        top_tensors=analysis.top_tensors(log, a, k),
+        top_modules=analysis.top_modules(log, a, k, sess.modules.paths),
+        params=params,
+        trainable_params=trainable,
+        flops=flops,
+        timeline=analysis.timeline(a),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,190 @@
+"""One trace in progress: recorder, modes, hooks and the phase controls step runners use."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..events import Category
+from ..workload import Phase
+from .autocast import Autocast
+from .cuda import DeviceProfile
+from .dispatch import TraceMode
+from .functions import CudaFunctionMode
+from .modules import ModuleTracker
+from .recorder import PHASE_INDEX, Recorder
+from .values import Values
+
+
+class TraceSession:
+    """Owns the recording state of one trace; a context manager around the traced steps."""
+
+    def __init__(self, profile: DeviceProfile, *, autocast_dtype: torch.dtype | None = None) -> None:
+        self.profile = profile
+        self.rec = Recorder()
+        self.modules = ModuleTracker(self.rec.intern)
+        self.values = Values()
+        self.rec.on_free.append(self.values.forget)
+        self.dispatch = TraceMode(self.rec, self.modules, self.values, profile)
+        self.autocast = Autocast(self.rec, autocast_dtype) if autocast_dtype is not None else None
+        self.functions = CudaFunctionMode(self.dispatch, profile, self.autocast)
+        self.notes: list[str] = []
+        self._stack = contextlib.ExitStack()
+
+    # --- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> TraceSession:
+        st = self._stack
+        self.modules.install()
+        st.callback(self.modules.remove)
+        st.enter_context(_patched_fused_devices())
+        st.enter_context(_patched_compile(self.notes))
+        st.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
+        st.enter_context(self.functions)
+        st.enter_context(self.dispatch)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        self.rec.close()
+
+    # --- setup -----------------------------------------------------------------------
+    def add_model(self, model: nn.Module, name: str | None = None) -> None:
+        """Name the model's modules and record its parameters and buffers (phase setup)."""
+        self.modules.add_root(model, name)
+        rec = self.rec
+        rec.phase = PHASE_INDEX[Phase.SETUP]
+        for mod in model.modules():
+            rec.module = self.modules.name_of(mod)
+            for p in mod.parameters(recurse=False):
+                rec.track(p, int(Category.PARAMETER))
+            for b in mod.buffers(recurse=False):
+                rec.track(b, int(Category.BUFFER))
+        rec.module = 0
+
+    def add_inputs(self, tensors: Iterable[Any]) -> None:
+        self.rec.phase = PHASE_INDEX[Phase.SETUP]
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.rec.track(t, int(Category.INPUT))
+
+    # --- phases ----------------------------------------------------------------------
+    def start_iteration(self, it: int) -> None:
+        self.rec.iteration = it
+        self.rec.mark(f"iteration {it}")
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        rec = self.rec
+        rec.phase = PHASE_INDEX[phase]
+        rec.module = 0
+        rec.mark(str(phase))
+        yield
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around ``loss.backward()``: ops with grad mode on are checkpoint recompute."""
+        self.rec.phase = PHASE_INDEX[Phase.BACKWARD]
+        self.rec.mark("backward")
+        self.dispatch.in_backward = True
+        try:
+            yield
+        finally:
+            self.dispatch.in_backward = False
+
+    @contextlib.contextmanager
+    def autocast_region(self, enabled: bool = True) -> Iterator[None]:
+        """An emulated ``torch.autocast("cuda", dtype)`` region (the weight-cast cache dies at exit)."""
+        ac = self.autocast
+        if ac is None or not enabled:
+            yield
+            return
+        ac.enter()
+        self.functions.forward_autocast = True
+        try:
+            yield
+        finally:
+            ac.exit()
+
+    # --- categories known after the fact ----------------------------------------------
+    def label_tensors(self, tensors: Iterable[Any], cat: Category) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.rec.relabel(t, cat)
+
+    def label_grads(self, params: Iterable[nn.Parameter]) -> None:
+        self.label_tensors((p.grad for p in params if p.grad is not None), Category.GRADIENT)
+
+    def label_optimizer(self, opt: Any) -> None:
+        state = getattr(opt, "state", {})
+        for s in state.values():
+            if isinstance(s, dict):
+                self.label_tensors(s.values(), Category.OPTIMIZER_STATE)
+
+    def label_cache(self, cache: Any) -> None:
+        self.label_tensors(cache_tensors(cache), Category.KV_CACHE)
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """Tensors held by a transformers cache object (any layer layout)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                walk(x, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+            for x in vars(obj).values():
+                walk(x, depth + 1)
+
+    walk(cache, 0)
+    return out
+
+
+@contextlib.contextmanager
+def _patched_fused_devices() -> Iterator[None]:
+    """Meta parameters count as CUDA ones for optimizers: ``fused=True`` is accepted and an
+    optimizer built without ``foreach=`` defaults to foreach, as on CUDA."""
+    import torch.optim.optimizer as oo
+
+    fused, foreach = oo._get_fused_kernels_supported_devices, oo._get_foreach_kernels_supported_devices
+    oo._get_fused_kernels_supported_devices = lambda: [*fused(), "meta"]  # type: ignore[attr-defined]
+    oo._get_foreach_kernels_supported_devices = lambda: [*foreach(), "meta"]  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        oo._get_fused_kernels_supported_devices = fused  # type: ignore[attr-defined]
+        oo._get_foreach_kernels_supported_devices = foreach  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _patched_compile(notes: list[str]) -> Iterator[None]:
+    """``torch.compile`` is ignored (eager memory is traced) — with a note."""
+    orig = torch.compile
+
+    def no_compile(model: Any = None, **kwargs: Any) -> Any:
+        if not any("torch.compile" in n for n in notes):
+            notes.append("torch.compile ignored: the eager step is traced (compiled graphs may fuse away temporaries)")
+        if model is None:
+            return lambda m: m
+        return model
+
+    torch.compile = no_compile  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = orig

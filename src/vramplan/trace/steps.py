@@ -1,0 +1,177 @@
+"""Step runners: what one traced iteration does, phase by phase.
+
+- training: ``grad_accum`` × (forward + loss under autocast, backward), then the optimizer
+  step and ``zero_grad(set_to_none=True)``; the model outputs are dropped before backward
+  (as a training loop that keeps only the loss does);
+- inference: one forward under ``torch.inference_mode()``;
+- generation: prefill + ``new_tokens − 1`` decode steps with a real transformers cache
+  (``DynamicCache`` by default, ``StaticCache`` on request), logits of the last position
+  only (``logits_to_keep=1``, as ``generate`` does), greedy next token.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TraceError
+from ..workload import Phase
+from .session import TraceSession
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class StepPlan:
+    """Everything a runner needs besides the session."""
+
+    model: nn.Module
+    batch: Batch
+    task: str = "train"
+    loss_fn: LossFn | None = None
+    optimizer: Any = None
+    grad_accum: int = 1
+    autocast: bool = False
+    grad_scaler: bool = False
+    """fp16 mixed precision: scale the loss, unscale gradients in place before the step."""
+    new_tokens: int = 0
+    cache: str = "dynamic"
+    trainable: list[nn.Parameter] = field(default_factory=list)
+
+
+def call_model(model: nn.Module, batch: Batch) -> Any:
+    args, kwargs = batch
+    return model(*args, **kwargs)
+
+
+def loss_of(out: Any, batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
+    """The user's loss, else the model's ``.loss``, else ``output.sum()`` (a stand-in whose
+    gradient is output-shaped, like any loss's)."""
+    if loss_fn is not None:
+        args, kwargs = batch
+        try:
+            return loss_fn(out, *args, **kwargs) if len(inspect.signature(loss_fn).parameters) > 1 else loss_fn(out)
+        except (TypeError, ValueError):
+            return loss_fn(out)
+    loss = getattr(out, "loss", None)
+    if isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    t = _first_tensor(out)
+    if t is None:
+        raise TraceError("the model returned no tensor to take a loss of", hint="pass loss_fn=")
+    return t.float().sum() if t.is_floating_point() else t.sum()
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        vals = list(out.values())
+    elif isinstance(out, (list, tuple)):
+        vals = list(out)
+    elif hasattr(out, "to_tuple"):
+        vals = list(out.to_tuple())
+    else:
+        return None
+    for v in vals:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def train_step(sess: TraceSession, plan: StepPlan) -> None:
+    scale = None
+    for _ in range(plan.grad_accum):
+        with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
+            out = call_model(plan.model, plan.batch)
+            loss = loss_of(out, plan.batch, plan.loss_fn)
+            del out
+            if plan.grad_scaler:
+                if scale is None:
+                    scale = torch.full((), 65536.0, dtype=torch.float32, device="meta")
+                loss = loss.float() * scale
+        if not loss.requires_grad:
+            raise TraceError("the loss does not require grad: no trainable parameter takes part in it",
+                             hint="check requires_grad / the PEFT target modules")
+        with sess.backward():
+            loss.backward()
+        del loss
+        sess.label_grads(plan.trainable)
+    with sess.phase(Phase.OPTIMIZER):
+        if plan.grad_scaler:
+            grads = [p.grad for p in plan.trainable if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / 65536.0)
+        if plan.optimizer is not None:
+            plan.optimizer.step()
+            sess.label_optimizer(plan.optimizer)
+            plan.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in plan.trainable:
+                p.grad = None
+
+
+def infer_step(sess: TraceSession, plan: StepPlan) -> None:
+    with torch.inference_mode(), sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
+        out = call_model(plan.model, plan.batch)
+        del out
+
+
+def make_cache(model: nn.Module, kind: str, max_len: int) -> Any:
+    from transformers import DynamicCache, StaticCache
+
+    config = getattr(model, "config", None)
+    if kind == "static":
+        return StaticCache(config=config, max_cache_len=max_len)
+    try:
+        return DynamicCache(config=config)
+    except TypeError:
+        return DynamicCache()
+
+
+def generate_step(sess: TraceSession, plan: StepPlan) -> None:
+    args, kwargs = plan.batch
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        raise TraceError("generation needs input_ids", hint="pass inputs={'input_ids': ...}")
+    extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "labels", "attention_mask")}
+    prompt = ids.shape[1]
+    keep = _accepts(plan.model, "logits_to_keep")
+    with torch.inference_mode():
+        cache = make_cache(plan.model, plan.cache, prompt + plan.new_tokens)
+        with sess.phase(Phase.PREFILL), sess.autocast_region(plan.autocast):
+            pos = torch.arange(prompt, device=ids.device)
+            kw = {"logits_to_keep": 1} if keep else {}
+            out = plan.model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos, **kw, **extra)
+            nxt = out.logits[:, -1:].argmax(-1)
+            del out
+            sess.label_cache(cache)
+        for step in range(1, plan.new_tokens):
+            with sess.phase(Phase.DECODE), sess.autocast_region(plan.autocast):
+                pos = torch.arange(prompt + step - 1, prompt + step, device=ids.device)
+                out = plan.model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=pos, **extra)
+                nxt = out.logits[:, -1:].argmax(-1)
+                del out
+                sess.label_cache(cache)
+        del cache, nxt
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+RUNNERS: dict[str, Callable[[TraceSession, StepPlan], None]] = {
+    "train": train_step, "infer": infer_step, "generate": generate_step,
+}

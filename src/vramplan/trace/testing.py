@@ -1,0 +1,81 @@
+"""Tiny versions of catalog models (2 layers, hidden 64) for tests and benchmarks.
+
+``tiny_spec("llama-3.1-8b")`` keeps the architecture (GQA, MoE routing, MLA, sliding
+windows, the head) and shrinks every size, so a trace takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.spec import ModelSpec
+
+_DECODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "vocab_size": 256, "max_position_embeddings": 512,
+}
+_MOE = {
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+_MLA = {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
+
+
+def tiny_config(config: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+    """A shrunken copy of a catalog ``config.json``."""
+    c = dict(config)
+    mt = c.get("model_type") or c.get("_class_name")
+    if mt == "UNet2DConditionModel":
+        c.update(block_out_channels=[32, 64], down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"],
+                 up_block_types=["UpBlock2D", "CrossAttnUpBlock2D"], layers_per_block=1, attention_head_dim=8,
+                 cross_attention_dim=32, norm_num_groups=8, sample_size=8)
+        return c
+    if mt == "resnet":
+        c.update(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1])
+        return c
+    if mt == "vit":
+        c.update(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                 image_size=32, patch_size=8)
+        return c
+    if mt == "bert":
+        c.update(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                 vocab_size=256, max_position_embeddings=128)
+        return c
+    if mt == "gpt2":
+        c.update(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=256, n_ctx=256)
+        c.pop("n_inner", None)
+        return c
+    heads = c.get("num_attention_heads", 4) or 4
+    kv = c.get("num_key_value_heads") or heads
+    c.update(_DECODER, num_hidden_layers=layers)
+    c["num_key_value_heads"] = 4 if kv == heads else 2
+    if "head_dim" in c and c["head_dim"]:
+        c["head_dim"] = 16
+    if "query_pre_attn_scalar" in c:
+        c["query_pre_attn_scalar"] = 16
+    if c.get("sliding_window"):
+        c["sliding_window"] = 16
+    if "layer_types" in c:
+        c.pop("layer_types")
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(c.get(k), int) and c[k] >= c["vocab_size"]:
+            c[k] = 0
+    for k, v in _MOE.items():
+        if k in c and c[k] is not None:
+            c[k] = v
+    if c.get("kv_lora_rank"):
+        c.update(_MLA)
+        if c.get("q_lora_rank"):
+            c["q_lora_rank"] = 32
+    return c
+
+
+def tiny_spec(name: str, layers: int = 2) -> ModelSpec:
+    """The catalog model ``name`` shrunk to ``layers`` layers of width 64."""
+    from ..models.catalog import resolve
+    from ..models.normalize import spec_from_config
+
+    spec = resolve(name)
+    cfg = tiny_config(dict(spec.config), layers)
+    return spec_from_config(cfg, name=f"tiny-{spec.name}", source=f"tiny copy of {spec.source}")
