@@ -9,8 +9,18 @@ from typing import Any
 from ..errors import VramplanError
 from ..units import parse_bytes
 from ..workload import (
-    Attention, Checkpointing, KVDtype, Method, Optimizer, OptimizerImpl, Parallel, Peft,
-    Precision, Quant, Task, Workload,
+    Attention,
+    Checkpointing,
+    KVDtype,
+    Method,
+    Optimizer,
+    OptimizerImpl,
+    Parallel,
+    Peft,
+    Precision,
+    Quant,
+    Task,
+    Workload,
 )
 
 

@@ -19,13 +19,18 @@ from ..errors import TraceError, VramplanError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..results import (
-    AllocatorSummary, Breakdown, IterationPeak, MemoryReport, OverheadItem, Peak, PhasePeak,
+    AllocatorSummary,
+    Breakdown,
+    IterationPeak,
+    MemoryReport,
+    OverheadItem,
+    Peak,
+    PhasePeak,
     Verdict,
 )
-from ..workload import Method, Phase, Workload, as_enum
+from ..workload import Method, Phase, Task, Workload, as_enum
 
 if TYPE_CHECKING:
-    from ..events import EventLog
     from ..trace.result import TraceResult
 
 ANALYTIC_RESERVE_SLACK = 0.05
@@ -309,7 +314,7 @@ def trace(
     """
     from ..trace.run import trace_model
 
-    w = Workload(task=task, **workload_fields)
+    w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
     g = resolve_gpu(gpu)
     capacity = _usable(g)[0] if g is not None else None
     tr = trace_model(build_model, inputs, workload=w, optimizer=optimizer, loss_fn=loss_fn, gpu=g,

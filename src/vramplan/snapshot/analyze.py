@@ -30,18 +30,18 @@ from typing import Any
 
 from vramplan.errors import SnapshotError
 
-from .categorize import CATEGORIES, UNKNOWN, Frame, categorize, user_frames
+from .categorize import CATEGORIES, UNKNOWN, categorize, user_frames
+from .history import (
+    SegmentState,
+    add_preexisting,
+    blocks_of,
+    frames_of,
+    int_field,
+    rounded,
+    segments_at,
+    walk_trace,
+)
 from .reader import compare_with_recorded, validate_snapshot
-
-ROUND = 512
-"""The allocator's minimum block size and rounding step."""
-
-_ALLOC_DELTA = {"alloc": 1, "free_requested": -1, "free": -1}
-_SEG_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-
-
-def _round(n: int) -> int:
-    return max(ROUND, -(-int(n) // ROUND) * ROUND)
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,6 @@ class Allocation:
 
     def live_at(self, index: int) -> bool:
         return self.alloc_index <= index and (self.free_index is None or self.free_index > index)
-
-
-@dataclass(frozen=True)
-class SegmentState:
-    """A segment (cudaMalloc'd range) at the reserved peak."""
-
-    address: int
-    size: int
-    stream: int
-    allocated: int
-    """Bytes of live blocks in it (requested sizes rounded to 512 B)."""
-    blocks: int
-    largest_free: int
-    """The largest contiguous free range in it."""
 
 
 @dataclass(frozen=True)
@@ -217,27 +203,18 @@ def _pick_device(snap: Mapping[str, Any], device: int | None) -> int:
                                              sum(1 for s in snap["segments"] if int(s.get("device", 0)) == d)))
 
 
-def _int(e: Mapping[str, Any], key: str, where: str) -> int:
-    try:
-        return int(e[key])
-    except (KeyError, TypeError, ValueError):
-        raise SnapshotError(f"malformed snapshot: {where} has no integer '{key}'") from None
-
-
-def _frames(x: Any) -> list[Frame]:
-    return [f for f in x if isinstance(f, Mapping)] if isinstance(x, list) else []
-
-
 # --------------------------------------------------------------------------- analysis
-@dataclass
-class _Rec:
-    addr: int
-    size: int
-    stream: int
-    alloc_index: int
-    free_index: int | None = None
-    alloc_frames: list[Frame] = field(default_factory=list)
-    free_frames: list[Frame] | None = None
+def _end_state(segs: Sequence[Mapping[str, Any]]) -> EndState:
+    alloc = req = active = 0
+    for _, b, _s in blocks_of(segs):
+        state = b.get("state")
+        if state == "active_allocated":
+            alloc += int(b["size"])
+            req += int(b.get("requested_size", b["size"]))
+        if state in ("active_allocated", "active_awaiting_free", "active_pending_free"):
+            active += int(b["size"])
+    reserved = sum(int_field(s, "total_size", "a segment") for s in segs)
+    return EndState(allocated=alloc, requested=req, active=active, reserved=reserved, segments=len(segs))
 
 
 def analyze(
@@ -253,9 +230,9 @@ def analyze(
     n = len(entries)
     notes: list[str] = []
 
-    recs, seg_delta, oom_idx = _walk(entries)
+    recs, seg_delta, oom_idx = walk_trace(entries)
     end = _end_state(segs)
-    _add_preexisting(recs, segs)
+    add_preexisting(recs, segs)
 
     verdicts = []
     rules: dict[str, int] = defaultdict(int)
@@ -268,7 +245,7 @@ def analyze(
     alloc_delta = [0] * n
     start_alloc = 0
     for r in recs:
-        sz = _round(r.size)
+        sz = rounded(r.size)
         if r.alloc_index >= 0:
             alloc_delta[r.alloc_index] += sz
         else:
@@ -313,13 +290,14 @@ def analyze(
     at_peak = [a for a in allocs if a.live_at(pa - 1)]
     breakdown = {c: 0 for c in CATEGORIES}
     for a in at_peak:
-        breakdown[a.category] += _round(a.size)
-    segments_at_peak = _segments_at(segs, entries, pr - 1, [a for a in allocs if a.live_at(pr - 1)])
+        breakdown[a.category] += rounded(a.size)
+    segments_at_peak = segments_at(segs, entries, pr - 1,
+                                   [(a.addr, rounded(a.size)) for a in allocs if a.live_at(pr - 1)])
     ooms = tuple(
-        OomEvent(index=i, size=_int(entries[i], "size", f"trace entry {i}"),
+        OomEvent(index=i, size=int_field(entries[i], "size", f"trace entry {i}"),
                  device_free=int(entries[i].get("device_free", 0) or 0),
                  allocated=allocated[i + 1], reserved=reserved[i + 1],
-                 where=user_frames(_frames(entries[i].get("frames"))))
+                 where=user_frames(frames_of(entries[i].get("frames"))))
         for i in oom_idx
     )
     if ooms:
@@ -339,75 +317,6 @@ def analyze(
         ooms=ooms, rules=dict(sorted(rules.items())), timeline=timeline, simulated=sim,
         notes=tuple(notes), allocator_settings=dict(snap.get("allocator_settings") or {}),
     )
-
-
-def _walk(entries: Sequence[Mapping[str, Any]]) -> tuple[list[_Rec], list[int], list[int]]:
-    """Forward pass: block lifetimes, segment deltas per entry, OOM entries."""
-    live: dict[int, _Rec] = {}
-    recs: list[_Rec] = []
-    seg_delta = [0] * len(entries)
-    ooms: list[int] = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, Mapping):
-            raise SnapshotError(f"malformed snapshot: trace entry {i} is not a dict")
-        action = e.get("action")
-        if action in _SEG_DELTA:
-            seg_delta[i] = _SEG_DELTA[action] * _int(e, "size", f"trace entry {i}")
-        elif action == "alloc":
-            addr = _int(e, "addr", f"trace entry {i}")
-            old = live.pop(addr, None)
-            if old is not None:  # an alloc at a live address: its free was not recorded
-                old.free_index = i
-                old.free_frames = []
-            r = _Rec(addr, _int(e, "size", f"trace entry {i}"), int(e.get("stream", 0) or 0), i,
-                     alloc_frames=_frames(e.get("frames")))
-            live[addr] = r
-            recs.append(r)
-        elif action in ("free_requested", "free"):
-            addr = _int(e, "addr", f"trace entry {i}")
-            found = live.pop(addr, None)
-            if found is None:  # allocated before the trace started
-                r = _Rec(addr, _int(e, "size", f"trace entry {i}"), int(e.get("stream", 0) or 0), -1)
-                recs.append(r)
-            else:
-                r = found
-            r.free_index = i
-            r.free_frames = _frames(e.get("frames"))
-        elif action == "oom":
-            ooms.append(i)
-    return recs, seg_delta, ooms
-
-
-def _blocks(segs: Sequence[Mapping[str, Any]]) -> list[tuple[int, Mapping[str, Any], Mapping[str, Any]]]:
-    out = []
-    for s in segs:
-        addr = _int(s, "address", "a segment")
-        for b in s.get("blocks", []):
-            out.append((int(b.get("address", addr)), b, s))
-            addr += _int(b, "size", "a block")
-    return out
-
-
-def _end_state(segs: Sequence[Mapping[str, Any]]) -> EndState:
-    alloc = req = active = 0
-    for _, b, _s in _blocks(segs):
-        state = b.get("state")
-        if state == "active_allocated":
-            alloc += int(b["size"])
-            req += int(b.get("requested_size", b["size"]))
-        if state in ("active_allocated", "active_awaiting_free", "active_pending_free"):
-            active += int(b["size"])
-    reserved = sum(_int(s, "total_size", "a segment") for s in segs)
-    return EndState(allocated=alloc, requested=req, active=active, reserved=reserved, segments=len(segs))
-
-
-def _add_preexisting(recs: list[_Rec], segs: Sequence[Mapping[str, Any]]) -> None:
-    """Blocks alive in the end state that the trace never allocated."""
-    alive = {r.addr for r in recs if r.free_index is None}
-    for addr, b, s in _blocks(segs):
-        if b.get("state") == "active_allocated" and addr not in alive:
-            recs.append(_Rec(addr, int(b.get("requested_size", b["size"])), int(s.get("stream", 0) or 0),
-                             -1, alloc_frames=_frames(b.get("frames"))))
 
 
 def _cumsum(start: int, deltas: Sequence[int]) -> list[int]:
@@ -448,7 +357,7 @@ def _category_series(allocs: Sequence[Allocation], keep: Sequence[int]) -> dict[
     changes: list[tuple[int, str, int]] = []
     cur = {c: 0 for c in CATEGORIES}
     for a in allocs:
-        sz = _round(a.size)
+        sz = rounded(a.size)
         if a.alloc_index < 0:
             cur[a.category] += sz
         else:
@@ -471,57 +380,10 @@ def _sites(live: Sequence[Allocation]) -> tuple[Site, ...]:
     acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for a in live:
         key = (a.where[0] if a.where else "<no frames>", a.category)
-        acc[key][0] += _round(a.size)
+        acc[key][0] += rounded(a.size)
         acc[key][1] += 1
     sites = [Site(where=w, category=c, bytes=b, count=k) for (w, c), (b, k) in acc.items()]
     return tuple(sorted(sites, key=lambda s: (-s.bytes, s.where)))
-
-
-def _segments_at(
-    segs: Sequence[Mapping[str, Any]], entries: Sequence[Mapping[str, Any]], index: int,
-    live: Sequence[Allocation],
-) -> tuple[SegmentState, ...]:
-    """Segments after trace entry ``index``: the end state with later segment events undone."""
-    ranges = [[_int(s, "address", "a segment"), int(s["total_size"]), int(s.get("stream", 0) or 0)]
-              for s in segs]
-    for e in reversed(entries[index + 1:]):
-        act = e.get("action")
-        if act in ("segment_alloc", "segment_map"):
-            _remove(ranges, int(e["addr"]), int(e["size"]))
-        elif act in ("segment_free", "segment_unmap"):
-            ranges.append([int(e["addr"]), int(e["size"]), int(e.get("stream", 0) or 0)])
-    ranges.sort()
-    blocks = sorted((a.addr, _round(a.size)) for a in live)
-    out = []
-    j = 0
-    for addr, size, stream in ranges:
-        while j < len(blocks) and blocks[j][0] < addr:
-            j += 1
-        inside = []
-        while j < len(blocks) and blocks[j][0] < addr + size:
-            inside.append(blocks[j])
-            j += 1
-        cursor, largest, used = addr, 0, 0
-        for b_addr, b_size in inside:
-            largest = max(largest, b_addr - cursor)
-            cursor = max(cursor, b_addr + b_size)
-            used += b_size
-        largest = max(largest, addr + size - cursor)
-        out.append(SegmentState(address=addr, size=size, stream=stream, allocated=used,
-                                blocks=len(inside), largest_free=max(largest, 0)))
-    return tuple(sorted(out, key=lambda s: (-s.size, s.address)))
-
-
-def _remove(ranges: list[list[int]], addr: int, size: int) -> None:
-    """Take [addr, addr+size) out of whichever range holds it (splitting it if needed)."""
-    for k, (a, s, st) in enumerate(ranges):
-        if a <= addr and addr + size <= a + s:
-            del ranges[k]
-            if addr > a:
-                ranges.append([a, addr - a, st])
-            if addr + size < a + s:
-                ranges.append([addr + size, a + s - addr - size, st])
-            return
 
 
 def _simulate(snap: Mapping[str, Any], dev: int) -> Simulated:

@@ -3,7 +3,8 @@
 - ``F.scaled_dot_product_attention`` → the fused kernel the target GPU picks (:mod:`.sdpa`);
 - autocast casts and the weight-cast cache (:mod:`.autocast`) while an emulated
   ``torch.autocast("cuda")`` region is active, and during checkpoint recompute of a forward
-  that ran under autocast;
+  that ran under autocast (function modes do not follow autograd into its device thread, so
+  :mod:`.session` enters a recompute instance around each recomputed region);
 - ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` in user code → the trace device (meta);
 - ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
   that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
@@ -39,14 +40,21 @@ def _is_cuda(d: Any) -> bool:
 class CudaFunctionMode(TorchFunctionMode):
     """Emulates CUDA-only Python-level behaviour for a trace on meta tensors."""
 
-    def __init__(self, trace: TraceMode, profile: DeviceProfile, autocast: Autocast | None) -> None:
+    def __init__(self, trace: TraceMode, profile: DeviceProfile, autocast: Autocast | None,
+                 *, recompute_autocast: bool = False, backends: Counter[str] | None = None) -> None:
         super().__init__()
         self.trace = trace
         self.profile = profile
         self.autocast = autocast
-        self.forward_autocast = False
-        """The forward ran under autocast (so recompute does too)."""
-        self.backends: Counter[str] = Counter()
+        self.recompute_autocast = recompute_autocast
+        """This instance runs a checkpoint recompute whose forward ran under autocast."""
+        self.backends: Counter[str] = backends if backends is not None else Counter()
+
+    def for_recompute(self, autocast_in_forward: bool) -> CudaFunctionMode:
+        """The mode to enter in the autograd thread while a checkpointed region is recomputed
+        (function modes do not follow autograd into its device thread)."""
+        return CudaFunctionMode(self.trace, self.profile, self.autocast, recompute_autocast=autocast_in_forward,
+                                backends=self.backends)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -59,7 +67,7 @@ class CudaFunctionMode(TorchFunctionMode):
         if ac is not None and handles(name):
             if ac.enabled:
                 args, kwargs = ac.apply(name, args, kwargs, cache=True)
-            elif self.forward_autocast and self.trace.in_backward and torch.is_grad_enabled():
+            elif self.recompute_autocast and torch.is_grad_enabled():
                 args, kwargs = ac.apply(name, args, kwargs, cache=False)
         if name == _SDPA and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
             out, backend = run_sdpa(self.profile, func, *args, **kwargs)

@@ -43,6 +43,7 @@ class TraceSession:
         st.callback(self.modules.remove)
         st.enter_context(_patched_fused_devices())
         st.enter_context(_patched_compile(self.notes))
+        st.enter_context(_patched_checkpoint(self))
         st.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
         st.enter_context(self.functions)
@@ -105,7 +106,6 @@ class TraceSession:
             yield
             return
         ac.enter()
-        self.functions.forward_autocast = True
         try:
             yield
         finally:
@@ -169,6 +169,47 @@ def _patched_fused_devices() -> Iterator[None]:
     finally:
         oo._get_fused_kernels_supported_devices = fused  # type: ignore[attr-defined]
         oo._get_foreach_kernels_supported_devices = foreach  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _patched_checkpoint(sess: TraceSession) -> Iterator[None]:
+    """Enter the trace's function mode around checkpoint recompute, which autograd runs in
+    its own thread (where the main thread's TorchFunctionMode is not active).
+
+    Non-reentrant: the ``context_fn`` recompute context is composed with the mode (autocast on
+    iff the region's forward ran under autocast). Reentrant: ``CheckpointFunction.backward``
+    runs under the mode."""
+    import torch.utils.checkpoint as ckpt
+
+    gen = ckpt._checkpoint_without_reentrant_generator
+    reentrant_bwd = ckpt.CheckpointFunction.backward
+
+    def generator(fn: Any, preserve_rng_state: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def composed() -> tuple[Any, Any]:
+            fwd_ctx, rec_ctx = context_fn()
+            ac = sess.autocast
+            mode = sess.functions.for_recompute(ac is not None and ac.enabled)
+            return fwd_ctx, _both(rec_ctx, mode)
+
+        return gen(fn, preserve_rng_state, composed, *args, **kwargs)
+
+    def backward(ctx: Any, *args: Any) -> Any:
+        with sess.functions.for_recompute(sess.autocast is not None):
+            return reentrant_bwd(ctx, *args)
+
+    ckpt._checkpoint_without_reentrant_generator = generator  # type: ignore[assignment]
+    ckpt.CheckpointFunction.backward = staticmethod(backward)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = gen  # type: ignore[assignment]
+        ckpt.CheckpointFunction.backward = staticmethod(reentrant_bwd)  # type: ignore[method-assign, assignment]
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 @contextlib.contextmanager
