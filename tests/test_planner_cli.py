@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_planner_fakes import GPUS, INSTANCES, LLAMA, SMALL, screen_for
 
+from test_planner_fakes import GPUS, INSTANCES, LLAMA, SMALL, screen_for
 from vramplan.cli.main import main
 from vramplan.planner.fit import fit
 from vramplan.planner.plan import plan
@@ -55,7 +55,7 @@ def test_plan_json_and_table(capsys):
     assert all(p["usd_per_hour"] is not None and p["price_source"] for p in d["plans"])
     code, out, _ = _run(capsys, "plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--method", "analytic",
                         "--format", "markdown")
-    assert code == 0 and "| # | plan |" in out and "price:" in out
+    assert code == 0 and "| # | plan |" in out and "price from runpod" in out
 
 
 def test_plan_emit_deepspeed_prints_only_json_on_stdout(capsys):
@@ -98,7 +98,7 @@ def test_rank_gpus_json(capsys):
 
 # ---------------------------------------------------------------------------- docs on fakes
 def test_docs_render_in_every_format():
-    from test_planner_fakes import FakeEstimator, H100
+    from test_planner_fakes import H100, FakeEstimator
 
     f = fit(SMALL, Workload(), gpu=H100, method="trace", estimator=FakeEstimator())
     p = plan(SMALL, Workload(batch=2), gpu=H100, screen=screen_for(SMALL), instances=INSTANCES, max_gpus=8)

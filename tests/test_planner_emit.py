@@ -8,8 +8,8 @@ import sys
 from dataclasses import replace
 
 import pytest
-from test_planner_fakes import INSTANCES, SMALL, screen_for
 
+from test_planner_fakes import INSTANCES, SMALL, screen_for
 from vramplan.errors import PlanError
 from vramplan.planner.emit import FORMATS, accelerate_config, backend, emit, to_yaml
 from vramplan.planner.plan import plan

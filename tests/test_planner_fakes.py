@@ -46,7 +46,10 @@ OVERHEAD = 500 * MiB
 
 
 def usable(g: GPU) -> int:
-    return int(g.capacity * 0.97)
+    """The catalog's rule (the searches re-derive verdicts with it)."""
+    from vramplan.hardware.catalog import usable_capacity
+
+    return usable_capacity(g)[0]
 
 
 def formula(spec: ModelSpec, w: Workload) -> Breakdown:

@@ -7,8 +7,18 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_planner_fakes import CNN, H100, LLAMA, RTX4060, RTX4090, SMALL, FakeEstimator, device_used, usable
 
+from test_planner_fakes import (
+    CNN,
+    H100,
+    LLAMA,
+    RTX4060,
+    RTX4090,
+    SMALL,
+    FakeEstimator,
+    device_used,
+    usable,
+)
 from vramplan.errors import PlanError
 from vramplan.planner.fit import fit
 from vramplan.planner.search import boundary_search, secant_predictor

@@ -7,10 +7,20 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_planner_fakes import (
-    A100, GPUS, H100, INSTANCES, LLAMA, RTX4060, RTX4090, SMALL, FakeEstimator, gpu, screen_for,
-)
 
+from test_planner_fakes import (
+    A100,
+    GPUS,
+    H100,
+    INSTANCES,
+    LLAMA,
+    RTX4060,
+    RTX4090,
+    SMALL,
+    FakeEstimator,
+    gpu,
+    screen_for,
+)
 from vramplan.errors import PlanError
 from vramplan.planner.pareto import objectives, pareto_front
 from vramplan.planner.plan import plan
@@ -27,9 +37,10 @@ def _plan(spec=SMALL, w=None, g=RTX4090, **kw):
 
 
 def test_every_plan_fits_and_the_front_is_non_dominated():
-    r, _ = _plan(method="analytic")
+    w = Workload(batch=2, seq=2048)
+    r, _ = _plan(w=w, method="analytic")
     assert r.plans and all(p.fits for p in r.plans)
-    keys = [objectives(p) for p in r.plans]
+    keys = [objectives(p, w) for p in r.plans]
     for i, a in enumerate(keys):
         for j, b in enumerate(keys):
             if i != j:
@@ -56,6 +67,13 @@ def test_confirmation_traces_finalists_only():
     assert est.traces == r.evaluations.traces <= 4
     assert sum(p.confirmed for p in r.plans) >= 1
     assert all(p.method is Method.TRACE for p in r.plans if p.confirmed)
+
+
+def test_front_keeps_the_users_precision_next_to_faster_pure_bf16():
+    r, _ = _plan(SMALL, Workload(batch=2, seq=2048), g=RTX4090, method="analytic")
+    precisions = {p.workload.precision for p in r.plans}
+    assert Precision.BF16_MIXED in precisions and Precision.BF16 in precisions
+    assert any("fp32 master weights" in n for n in r.notes)
 
 
 def test_no_peft_unless_allowed():
@@ -148,9 +166,10 @@ def test_pareto_front_is_exactly_the_non_dominated_set(points):
 
 def test_prices_exact_instance_or_per_gpu_share():
     exact = plan_price(H100, 8, INSTANCES)
-    assert exact.usd_per_hour == 20.0 and "h100x8" in exact.source and "read 2026-01" in exact.source
+    assert exact.usd_per_hour == 20.0 and "h100x8" in exact.source and "read 2026-01" in exact.basis
     share = plan_price(H100, 4, INSTANCES)
     assert share.usd_per_hour == pytest.approx(4 * 20.0 / 8) and "per-GPU share" in share.source
+    assert "cloud h100x8" in share.basis and "test price list" in share.basis
     assert plan_price(RTX4060, 1, INSTANCES) is None
 
 
@@ -172,6 +191,8 @@ def test_rank_gpus_orders_by_cost_and_lists_what_does_not_fit():
     assert all(x.plan.fits and x.plan.num_gpus == x.offer.count for x in r.ranked)
     assert any(label.startswith("rtx-4060") for label, _, _ in r.not_fitting)
     assert r.price_sources and "read 2026-01" in r.price_sources[0]
+    eight = [x.plan for x in r.ranked if x.offer.count == 8]
+    assert eight and all(p.workload.precision is Precision.BF16_MIXED for p in eight)  # the job as given
     assert r.to_dict()["ranked"][0]["usd_per_mtok"] == pytest.approx(costs[0])
 
 

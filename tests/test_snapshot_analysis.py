@@ -163,3 +163,33 @@ def test_allocator_replay_cross_check():
     sim = analyze(snap).simulated
     assert sim is not None and not sim.complete and "before the trace began" in sim.reason
     assert analyze(recorded_snapshot(), simulate=False).simulated is None
+
+
+def test_profiler_frames_are_understood():
+    prof = [{"filename": "none", "line": 0, "name": "torch/optim/adamw.py(500): _multi_tensor_adamw"},
+            {"filename": "none", "line": 0, "name": "train.py(12): main"}]
+    assert categorize(prof, None, alive_at_end=True) == categorize(OPT, None, alive_at_end=True)
+    assert user_frames(prof) == ("train.py(12): main",)
+    assert categorize([], None, alive_at_end=True, label="optimizer_state").category == "optimizer"
+
+
+def test_snapshot_made_by_pytorch_memory_profiler():
+    """torch.cuda._memory_viz turns a CPU memory profile into a snapshot: PyTorch's own output,
+    with its categories on every entry and its frames in the profiler's form."""
+    import torch
+    from torch.cuda._memory_viz import _profile_to_snapshot
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    a = analyze(_profile_to_snapshot(p), simulate=False)
+    assert a.entries > 0 and a.rules.get("entry", 0) > a.rules.get("none", 0)
+    assert {"gradients", "optimizer", "activations"} <= {c for c, v in a.breakdown_at_peak.items() if v}
+    assert sum(a.breakdown_at_peak.values()) == a.peak_allocated
+    assert any(s.where.startswith("test_snapshot_analysis.py(") for s in a.sites_at_peak)

@@ -19,8 +19,8 @@ from .regime import Regime, Trainable
 
 
 def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, workspace: int) -> tuple[str, ...]:
-    out = ["Analytic estimate of torch.cuda.max_memory_allocated() per GPU (rank); "
-           "CUDA context and allocator caching/fragmentation are not included."]
+    out = ["Analytic estimate of torch.cuda.max_memory_allocated() per GPU (rank); the allocator's "
+           "caching and the memory outside it (CUDA context) are separate figures."]
     p = w.parallel
     out.append(f"Precision {w.precision}: {rg.label}.")
     if w.training:

@@ -11,6 +11,8 @@ plus the verdict against a GPU and the largest batch that fits.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ from ..results import (
     OverheadItem,
     Peak,
     PhasePeak,
+    Timeline,
     Verdict,
 )
 from ..workload import Method, Phase, Task, Workload, as_enum
@@ -38,6 +41,7 @@ ANALYTIC_RESERVE_SLACK = 0.05
 typical slack (rounding to 2 MiB segments, cached free blocks). The trace method simulates it."""
 
 MAX_BATCH_LIMIT = 1 << 16
+FULL_TIMELINE_EVENTS = 2_000_000
 
 
 def resolve_model(model: str | ModelSpec) -> ModelSpec:
@@ -81,6 +85,7 @@ class _Core:
     extra: Mapping[str, Any]
     iterations: tuple[IterationPeak, ...] = ()
     trace: TraceResult | None = None
+    timeline: Timeline | None = None
 
 
 def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
@@ -106,20 +111,23 @@ def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
 
 
 # --------------------------------------------------------------------------- trace
-def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None) -> tuple[int, int, AllocatorSummary, Any]:
-    """Replay a trace's events through the allocator simulation: (allocated, reserved, summary, result)."""
+def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
+    """Replay a trace's events through the allocator simulation (a ``ReplayResult``)."""
     from ..allocator import parse_conf, replay
 
     conf = parse_conf(alloc_conf or "")
-    res = replay(tr.events, conf, capacity=capacity)
-    backend = getattr(conf, "backend", "native")
-    label = "native" if backend == "native" else f"{backend} (approximation)"
-    summary = AllocatorSummary(
+    return replay(tr.events, conf, capacity=capacity, record_timeline=tr.timeline is not None,
+                  full_timeline=len(tr.events) <= FULL_TIMELINE_EVENTS)
+
+
+def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
+    backend = str(getattr(res, "backend", "native"))
+    label = backend if backend == "native" or "approx" in backend else f"{backend} (approximation)"
+    return AllocatorSummary(
         backend=label, conf=alloc_conf or "", segments=res.segments,
         fragmentation_at_peak=float(res.fragmentation_at_peak),
         alloc_retries=res.alloc_retries, ooms=res.ooms,
     )
-    return int(res.max_allocated), int(res.max_reserved), summary, res
 
 
 def _breakdown_to_total(b: Breakdown, total: int) -> Breakdown:
@@ -134,20 +142,58 @@ def _breakdown_to_total(b: Breakdown, total: int) -> Breakdown:
     return Breakdown.from_mapping(d)
 
 
-def _trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, capacity: int | None) -> _Core:
-    allocated, reserved, summary, _res = replay_trace(tr, alloc_conf, capacity)
+def _with_reserved(tl: Timeline | None, rt: Any) -> Timeline | None:
+    """Add the simulated reserved bytes to the trace's (decimated) timeline."""
+    if tl is None or rt is None or not len(rt.index):
+        return tl
+    idx = list(rt.index)
+    res = rt.reserved
+    reserved = []
+    for i in tl.index:  # last replay point at or before trace event i
+        k = bisect.bisect_right(idx, i) - 1
+        reserved.append(int(res[k]) if k >= 0 else 0)
+    return dataclasses.replace(tl, reserved=tuple(reserved))
+
+
+def _trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> _Core:
+    """Replay uncapped (what the step needs); where that exceeds the GPU's allocator capacity,
+    replay again within it, as PyTorch would run: freeing cached blocks and retrying may make
+    it fit (then those figures are reported), or it runs out of memory (then the uncapped
+    figures say how much it would need)."""
+    res = replay_trace(tr, alloc_conf)
     notes = list(tr.notes)
+    summary: AllocatorSummary | None = None
+    if pool_capacity is not None and res.max_reserved > pool_capacity:
+        capped = replay_trace(tr, alloc_conf, pool_capacity)
+        if capped.ooms == 0:
+            notes.append(
+                f"the step would reserve {res.max_reserved:,} B with unlimited memory; within the GPU's "
+                f"{pool_capacity:,} B the allocator frees its cache and retries ({capped.alloc_retries}×) "
+                "and the step fits (cudaMalloc retries cost time)"
+            )
+            res = capped
+        else:
+            notes.append(
+                f"replayed within the GPU's {pool_capacity:,} B for the allocator: {capped.ooms} "
+                f"out-of-memory error(s) after {capped.alloc_retries} retries; figures show what the "
+                "step needs without a limit"
+            )
+            summary = dataclasses.replace(_summary(res, alloc_conf), ooms=capped.ooms,
+                                          alloc_retries=capped.alloc_retries)
+    if summary is None:
+        summary = _summary(res, alloc_conf)
+    allocated, reserved = int(res.max_allocated), int(res.max_reserved)
     traced = tr.breakdown_at_peak.total
     breakdown = tr.breakdown_at_peak
     if allocated != traced:
-        diff = allocated - traced
         notes.append(
-            f"allocator block rounding adds {diff:,} B at the allocated peak over the traced tensor "
-            "bytes; counted under temporaries"
+            f"allocator rounding (512-byte multiples, unsplit block remainders) adds {allocated - traced:,} B "
+            "at the allocated peak over the traced tensor bytes; counted under temporaries"
         )
         breakdown = _breakdown_to_total(breakdown, allocated)
     return _Core(
         breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
+        timeline=_with_reserved(tr.timeline, res.timeline),
         peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
         notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
@@ -160,6 +206,13 @@ def _usable(gpu: GPU) -> tuple[int, str]:
     from ..hardware.catalog import usable_capacity
 
     return usable_capacity(gpu)
+
+
+def _pool_capacity(g: GPU | None, w: Workload) -> int | None:
+    """What PyTorch's allocator can get: usable capacity minus the memory outside it."""
+    if g is None:
+        return None
+    return _usable(g)[0] - sum(o.bytes for o in overhead_items(g, w))
 
 
 def _analytic_device_used(spec: ModelSpec, w: Workload, overhead: int) -> int | None:
@@ -223,7 +276,7 @@ def estimate(
 
     notes: list[str] = []
     core: _Core
-    capacity = _usable(g)[0] if g is not None else None
+    capacity = _pool_capacity(g, w)
     if m is Method.ANALYTIC:
         core = _analytic_core(spec, w)
     else:
@@ -280,7 +333,7 @@ def _finish(core: _Core, name: str, w: Workload, g: GPU | None, *, notes: list[s
             fits=peak.device_used <= usable, headroom=usable - peak.device_used, max_batch=mb,
             num_gpus=num_gpus, capacity_source=usable_src,
         )
-    timeline = core.trace.timeline if core.trace is not None else None
+    timeline = core.timeline
     return MemoryReport(
         model=name, params=core.params, trainable_params=core.trainable_params, workload=w,
         method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
@@ -316,7 +369,7 @@ def trace(
 
     w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
     g = resolve_gpu(gpu)
-    capacity = _usable(g)[0] if g is not None else None
+    capacity = _pool_capacity(g, w)
     tr = trace_model(build_model, inputs, workload=w, optimizer=optimizer, loss_fn=loss_fn, gpu=g,
                      iterations=iterations)
     core = _trace_core(tr, w, alloc_conf, capacity)

@@ -65,13 +65,25 @@ class _Calibration:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.pairs: list[tuple[int, int]] = []
+        self.min_offset: float | None = None
+        """From saturated evaluations: confirmed − analytic is at least this."""
 
     def add(self, analytic: int, confirmed: int) -> None:
         if (analytic, confirmed) not in self.pairs:
             self.pairs.append((analytic, confirmed))
 
+    def add_bound(self, analytic: int, confirmed_at_least: int) -> None:
+        off = float(confirmed_at_least - analytic)
+        self.min_offset = off if self.min_offset is None else max(self.min_offset, off)
+
     def threshold(self) -> float:
         """The analytic device_used that corresponds to the limit."""
+        est = self._estimate()
+        if self.min_offset is not None:
+            est = min(est, self.limit - self.min_offset)
+        return est
+
+    def _estimate(self) -> float:
         if not self.pairs:
             return float(self.limit)
         near = sorted(self.pairs, key=lambda p: abs(p[1] - self.limit))
@@ -106,7 +118,11 @@ class _Fit:
         return self.ev.report(w, gpu=self.g, method=Method.ANALYTIC).peak.device_used
 
     def _pair(self, w: Workload, r: MemoryReport) -> None:
-        if r.method is not Method.ANALYTIC and not saturated(r):
+        if r.method is Method.ANALYTIC:
+            return
+        if saturated(r):
+            self.cal.add_bound(self._analytic(w), r.peak.device_used)
+        else:
             self.cal.add(self._analytic(w), r.peak.device_used)
 
     def _evaluator(self, make: Callable[[int], Workload]) -> Callable[[int], tuple[int | None, bool]]:

@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from vramplan.workload import Peft, Precision, Workload
+
 from .results import Plan
 
 T = TypeVar("T")
@@ -45,10 +47,21 @@ def cost_metric(p: Plan) -> float:
     return c if c is not None else p.gpu_seconds_per_mtok
 
 
-def objectives(p: Plan) -> tuple[float, float, float]:
+def objectives(p: Plan, base: Workload | None = None) -> tuple[float, ...]:
     """Memory per GPU (to 1/4 GiB), time per token and cost per token (to 1 %): differences
-    below the resolution of the models are not worth a more complex plan."""
-    return (round(p.memory / 2**28), _pct_bucket(time_per_work(p)), _pct_bucket(cost_metric(p)))
+    below the resolution of the models are not worth a more complex plan. With ``base``,
+    also how much the plan changes the job itself (:func:`job_changes`), so that a plan
+    that keeps the user's precision is not hidden by a faster pure-bf16 one."""
+    core = (round(p.memory / 2**28), _pct_bucket(time_per_work(p)), _pct_bucket(cost_metric(p)))
+    return core if base is None else (*core, float(job_changes(base, p.workload)))
+
+
+def job_changes(base: Workload, w: Workload) -> int:
+    """Changes that alter what is trained, not only how: dropping fp32 master weights
+    (pure 16-bit), and training adapters instead of the model (PEFT)."""
+    pure = (Precision.BF16, Precision.FP16)
+    n = int(w.training and base.precision not in pure and w.precision in pure)
+    return n + int(base.peft is Peft.NONE and w.peft is not Peft.NONE)
 
 
 def complexity(p: Plan) -> float:

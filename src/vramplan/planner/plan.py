@@ -69,7 +69,8 @@ def plan(
     insts = list(instances) if instances is not None else load_instances()
     ev = screen.ev if screen is not None else Evaluator(spec, alloc_conf=alloc_conf, estimator=estimator)
     sc = screen or Screen(ev, screen_method(ev, w, m))
-    cands = candidates(w, g, max_gpus=max_gpus, allow_peft=allow_peft, global_batch=global_batch)
+    cands = candidates(w, g, max_gpus=max_gpus, allow_peft=allow_peft, global_batch=global_batch,
+                       compact=sc.method is not Method.ANALYTIC)
     if budget is not None and plan_price(g, 1, insts) is None:
         raise PlanError(
             f"no on-demand price is listed for {g.key}, so --budget cannot be checked",
@@ -81,8 +82,29 @@ def plan(
     fitting = [p for p in screened if p.fits]
     if not fitting:
         raise _nothing_fits(spec, g, max_gpus, screened, allow_peft)
-    affordable = [p for p in fitting if budget is None or (p.price is not None and p.price.usd_per_hour <= budget)]
-    if not affordable:
+    affordable = _within_budget(fitting, budget, g)
+    front = sorted(pareto_front(affordable, lambda p: objectives(p, w), complexity), key=sort_key(sort))
+    finals = search.confirm(front, confirm)
+    if not finals:
+        raise PlanError(f"every plan that fit by the analytic screen is too large when traced on {g.key}",
+                        hint="use --method analytic to see the screened plans, or --gpus more")
+    finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
+    notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals)
+    counts = sorted({c.num_gpus for c in cands})
+    if global_batch is not None and max(counts) < max_gpus:
+        notes.append(f"global batch {global_batch} splits evenly over {counts} GPU(s) only")
+    return PlanResult(
+        model=spec.name, gpu=g.key, baseline=explain(baseline, baseline), plans=tuple(finals),
+        candidates=len(cands), evaluations=ev.counts(), sort=sort, global_batch=global_batch,
+        budget=budget, notes=tuple(notes),
+    )
+
+
+def _within_budget(fitting: list[Plan], budget: float | None, g: GPU) -> list[Plan]:
+    if budget is None:
+        return fitting
+    ok = [p for p in fitting if p.price is not None and p.price.usd_per_hour <= budget]
+    if not ok:
         cheapest = min(fitting, key=lambda p: p.price.usd_per_hour if p.price else float("inf"))
         price = f"${cheapest.price.usd_per_hour:.2f}/h" if cheapest.price else "an unknown price"
         raise PlanError(
@@ -90,23 +112,7 @@ def plan(
             f"on {cheapest.num_gpus}× {g.key} at {price}",
             hint="raise --budget, or try --rank-gpus for cheaper GPUs",
         )
-    front = sorted(pareto_front(affordable, objectives, complexity), key=sort_key(sort))
-    finals = search.confirm(front, confirm)
-    if not finals:
-        raise PlanError(f"every plan that fit by the analytic screen is too large when traced on {g.key}",
-                        hint="use --method analytic to see the screened plans, or --gpus more")
-    finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
-    notes = list(_notes(w, m, sc, global_batch, len(cands), len(fitting)))
-    notes += caveats(w, finals)
-    if global_batch is not None:
-        counts = sorted({c.num_gpus for c in cands})
-        if max(counts) < max_gpus:
-            notes.append(f"global batch {global_batch} splits evenly over {counts} GPU(s) only")
-    return PlanResult(
-        model=spec.name, gpu=g.key, baseline=explain(baseline, baseline), plans=tuple(finals),
-        candidates=len(cands), evaluations=ev.counts(), sort=sort, global_batch=global_batch,
-        budget=budget, notes=tuple(notes),
-    )
+    return ok
 
 
 def screen_method(ev: Evaluator, w: Workload, m: Method) -> Method:
@@ -243,7 +249,7 @@ def caveats(w: Workload, plans: Sequence[Plan]) -> list[str]:
     pure = {Precision.BF16, Precision.FP16}
     if w.precision not in pure and any(p.workload.precision in pure for p in plans):
         out.append("pure bf16/fp16 plans keep no fp32 master weights: updates below 16-bit resolution are "
-                   "lost; prefer the mixed-precision rows when convergence matters")
+                   f"lost; the {w.precision} rows keep them (prefer those when convergence matters)")
     if w.peft is Peft.NONE and any(p.workload.peft is not Peft.NONE for p in plans):
         out.append("LoRA/QLoRA plans train adapters only: a different job from full fine-tuning")
     return out
@@ -251,6 +257,9 @@ def caveats(w: Workload, plans: Sequence[Plan]) -> list[str]:
 
 def _notes(w: Workload, m: Method, sc: Screen, global_batch: int | None, n: int, fit: int) -> list[str]:
     notes = [f"{n} candidate configurations screened with the {sc.method} method; {fit} fit"]
+    if sc.method is not Method.ANALYTIC:
+        notes.append("no analytic formulas for this model: every candidate was traced, so the space was "
+                     "kept compact (no selective/partial checkpointing, fused/Adafactor optimizers, ZeRO-1/2)")
     if m is not Method.ANALYTIC and sc.method is Method.ANALYTIC:
         notes.append(f"finalists re-estimated with the {m} method on the target GPU (confirmed = yes)")
     if global_batch is not None:

@@ -32,10 +32,12 @@ def plan_price(gpu: GPU, n: int, instances: Sequence[Any]) -> Price | None:
     exact = [i for i in rows if i.count == n]
     if exact:
         best = min(exact, key=lambda i: i.usd_per_hour)
-        return Price(float(best.usd_per_hour), f"${best.usd_per_hour:g}/h: {_source(best)}")
+        return Price(float(best.usd_per_hour), f"{best.provider} {best.name} at ${best.usd_per_hour:g}/h",
+                     _source(best))
     best = min(rows, key=lambda i: i.usd_per_hour / i.count)
     per = best.usd_per_hour / best.count
-    return Price(per * n, f"{n} × ${per:.3g}/GPU-h, the per-GPU share of {_source(best)}")
+    return Price(per * n, f"{n} × ${per:.3g}/GPU-h, the per-GPU share of {best.provider} {best.name}",
+                 _source(best))
 
 
 def priced_gpus(instances: Sequence[Any]) -> list[str]:
@@ -47,7 +49,7 @@ def offers(gpus: Sequence[GPU], instances: Sequence[Any]) -> list[Offer]:
     by_key = {g.key: g for g in gpus}
     out = [
         Offer(label=f"{i.provider} {i.name}", gpu=i.gpu, count=int(i.count),
-              price=Price(float(i.usd_per_hour), f"${i.usd_per_hour:g}/h: {_source(i)}"),
+              price=Price(float(i.usd_per_hour), f"{i.provider} {i.name} at ${i.usd_per_hour:g}/h", _source(i)),
               provider=i.provider, region=i.region)
         for i in instances if i.gpu in by_key
     ]

@@ -20,7 +20,7 @@ from vramplan.units import GiB
 from vramplan.workload import Method, Workload, as_enum
 
 from .evaluator import Estimator, Evaluator, Screen
-from .pareto import SORTS, complexity, sort_key
+from .pareto import SORTS, complexity, job_changes, sort_key
 from .plan import PlanBuilder, Progress, caveats, screen_method
 from .pricing import load_instances, offers, source_lines
 from .results import Offer, Plan, RankedOffer, Ranking
@@ -69,7 +69,8 @@ def rank_gpus(
         g = by_key[o.gpu]
         builder = PlanBuilder(spec, w, g, m, sc, insts, None)
         try:
-            cands = candidates(w, g, counts=[o.count], allow_peft=allow_peft, global_batch=global_batch)
+            cands = candidates(w, g, counts=[o.count], allow_peft=allow_peft, global_batch=global_batch,
+                               compact=sc.method is not Method.ANALYTIC)
         except PlanError:
             continue
         n_cands += len(cands)
@@ -105,7 +106,8 @@ def _catalog() -> list[GPU]:
 
 
 def _best(builder: PlanBuilder, cands: list[Candidate], o: Offer, sort: str) -> tuple[Plan | None, tuple[int, int] | None]:
-    """The best fitting plan on one offer, or the least memory needed when none fits."""
+    """The best fitting plan on one offer (one that keeps the job as given when any does),
+    or the least memory needed when none fits."""
     sc, g = builder.screen, builder.gpu
     usable = sc.usable(g)
     fitting: list[Candidate] = []
@@ -122,7 +124,8 @@ def _best(builder: PlanBuilder, cands: list[Candidate], o: Offer, sort: str) -> 
         return None, (least, usable) if least is not None else None
     plans = [builder.make(c, sc.report(c.workload), price=o.price) for c in fitting]
     key = sort_key(sort)
-    return min(plans, key=lambda p: (key(p), complexity(p))), None
+    # the user's own job where it fits (mixed precision stays mixed, no PEFT unless given)
+    return min(plans, key=lambda p: (job_changes(builder.w, p.workload), key(p), complexity(p))), None
 
 
 def _confirm(ranked: list[RankedOffer], by_key: dict[str, GPU], spec: ModelSpec, w: Workload, m: Method, sc: Screen,

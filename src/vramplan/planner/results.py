@@ -100,7 +100,9 @@ class Price:
     usd_per_hour: float
     """For all the GPUs of the plan."""
     source: str
-    """Where the price comes from: instance, provider, region, source and date read."""
+    """How the price is made: the instance, or ``n × per-GPU share of`` an instance."""
+    basis: str = ""
+    """The listing it rests on: provider, instance, region, source and date read."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +174,7 @@ class Plan:
             "samples_per_s": self.step.samples_per_s, "bound": str(self.step.bound),
             "usd_per_hour": self.price.usd_per_hour if self.price else None,
             "price_source": self.price.source if self.price else None,
+            "price_basis": self.price.basis if self.price else None,
             "usd_per_step": self.usd_per_step, "usd_per_mtok": self.usd_per_mtok,
             "workload": self.workload.to_dict(), "runtime": self.step.to_dict(),
         }

@@ -82,19 +82,21 @@ def _precisions(w: Workload, gpu: GPU) -> list[Precision]:
     return [p] if alt is None else [p, alt]
 
 
-def _checkpointing(w: Workload) -> list[tuple[Checkpointing, float]]:
-    opts = [(Checkpointing.NONE, 1.0), (Checkpointing.SELECTIVE, 1.0), (Checkpointing.FULL, 0.5),
-            (Checkpointing.FULL, 1.0)]
+def _checkpointing(w: Workload, compact: bool = False) -> list[tuple[Checkpointing, float]]:
+    opts = [(Checkpointing.NONE, 1.0), (Checkpointing.FULL, 1.0)] if compact else [
+        (Checkpointing.NONE, 1.0), (Checkpointing.SELECTIVE, 1.0), (Checkpointing.FULL, 0.5), (Checkpointing.FULL, 1.0)]
     mine = (w.checkpointing, w.checkpoint_fraction if w.checkpointing is not Checkpointing.NONE else 1.0)
     return opts if mine in opts else [mine, *opts]
 
 
-def _optimizers(w: Workload) -> list[tuple[Optimizer, OptimizerImpl]]:
+def _optimizers(w: Workload, compact: bool = False) -> list[tuple[Optimizer, OptimizerImpl]]:
     opts = [(w.optimizer, w.optimizer_impl)]
-    if w.optimizer in (Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM):
+    if w.optimizer in (Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM) and not compact:
         opts.append((w.optimizer, OptimizerImpl.FUSED))
     if w.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
-        opts += [(Optimizer.ADAMW_8BIT, OptimizerImpl.FOREACH), (Optimizer.ADAFACTOR, OptimizerImpl.FOREACH)]
+        opts.append((Optimizer.ADAMW_8BIT, OptimizerImpl.FOREACH))
+        if not compact:
+            opts.append((Optimizer.ADAFACTOR, OptimizerImpl.FOREACH))
     return list(dict.fromkeys(opts))
 
 
@@ -104,7 +106,7 @@ def _pefts(w: Workload, allow_peft: bool) -> list[Peft]:
     return [Peft.NONE, Peft.LORA, Peft.QLORA]
 
 
-def _shardings(w: Workload, n: int) -> Iterator[dict[str, object]]:
+def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str, object]]:
     """Parallel settings for ``n`` GPUs, keeping the user's TP/PP/CP."""
     p = w.parallel
     model_par = p.tp * p.pp * p.cp
@@ -115,12 +117,13 @@ def _shardings(w: Workload, n: int) -> Iterator[dict[str, object]]:
     if w.task is not Task.TRAIN:
         yield {**base, "zero": 0}
         return
-    stages = [0] if dp == 1 else [0, 1, 2, 3]
+    stages = [0] if dp == 1 else ([0, 3] if compact else [0, 1, 2, 3])
     for z in stages:
         yield {**base, "zero": z}
     yield {**base, "zero": 2, "offload_optimizer": True}
-    yield {**base, "zero": 3, "offload_optimizer": True}
-    yield {**base, "zero": 3, "offload_optimizer": True, "offload_params": True}
+    if not compact:
+        yield {**base, "zero": 3, "offload_optimizer": True}
+        yield {**base, "zero": 3, "offload_optimizer": True, "offload_params": True}
 
 
 def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
@@ -130,16 +133,16 @@ def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
 
 
 def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool,
-                   global_batch: int | None) -> Iterator[Candidate]:
+                   global_batch: int | None, compact: bool = False) -> Iterator[Candidate]:
     for n in counts:
-        for sh in _shardings(w, n):
+        for sh in _shardings(w, n, compact):
             dp = int(sh["dp"])  # type: ignore[call-overload]
             per_rank = _per_rank(w, dp, global_batch)
             if per_rank is None:
                 continue
             for prec, (ck, frac), (opt, impl), peft, mb in itertools.product(
-                _precisions(w, gpu), _checkpointing(w), _optimizers(w), _pefts(w, allow_peft),
-                micro_batches(per_rank),
+                _precisions(w, gpu), _checkpointing(w, compact), _optimizers(w, compact),
+                _pefts(w, allow_peft), micro_batches(per_rank)[:2 if compact else None],
             ):
                 if peft is not Peft.NONE and opt in (Optimizer.ADAFACTOR,):
                     continue  # adapters are tiny: optimizer choice does not matter, keep the space small
@@ -162,13 +165,15 @@ def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candid
         quants.append(Quant.FP8)
     kvs = [w.kv_dtype] if w.task is Task.INFER else list(dict.fromkeys([w.kv_dtype, KVDtype.AUTO, KVDtype.FP8]))
     attns = [w.attention] if w.attention is not Attention.EAGER else [Attention.EAGER, Attention.SDPA]
+    half = Precision.BF16 if supports_bf16(gpu) else Precision.FP16
+    precs = list(dict.fromkeys([for_gpu(w, gpu).precision, half]))  # serve in 16-bit, not fp32 weights
     for n in counts:
         if w.parallel.pp * w.parallel.cp > 1 or w.parallel.dp > 1:
             shards = list(_shardings(w, n))
         else:
             shards = [{"tp": n, "dp": 1, "zero": 0, "offload_optimizer": False, "offload_params": False}]
-        for sh, q, kv, at in itertools.product(shards, quants, kvs, attns):
-            yield from _make(w, n, {"quant": q, "kv_dtype": kv, "attention": at}, sh)
+        for sh, q, kv, at, pr in itertools.product(shards, quants, kvs, attns, precs):
+            yield from _make(w, n, {"quant": q, "kv_dtype": kv, "attention": at, "precision": pr}, sh)
 
 
 def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, object]) -> Iterator[Candidate]:
@@ -186,14 +191,19 @@ def _parallel_fields(p: Parallel) -> dict[str, object]:
 
 
 def candidates(w: Workload, gpu: GPU, *, max_gpus: int = 1, allow_peft: bool = False,
-               global_batch: int | None = None, counts: list[int] | None = None) -> list[Candidate]:
-    """Every valid variant of ``w`` on 1…``max_gpus`` GPUs (or exactly ``counts``)."""
+               global_batch: int | None = None, counts: list[int] | None = None,
+               compact: bool = False) -> list[Candidate]:
+    """Every valid variant of ``w`` on 1…``max_gpus`` GPUs (or exactly ``counts``).
+
+    ``compact``: a smaller space (no selective/partial checkpointing, fused or Adafactor
+    optimizers, ZeRO-1/2 or ZeRO-3 offload) for models that must be screened by tracing.
+    """
     if max_gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {max_gpus}")
     if global_batch is not None and global_batch < 1:
         raise PlanError(f"--global-batch must be a positive integer, got {global_batch}")
     cs = counts or gpu_counts(max_gpus)
-    space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch) \
+    space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch, compact=compact) \
         if w.task is Task.TRAIN else inference_space(w, gpu, cs)
     out = list(dict.fromkeys(space))
     if not out and global_batch is not None:

@@ -28,9 +28,15 @@ def _secs(s: float) -> str:
 
 
 def _rate(p: Plan) -> str:
-    v = p.step.tokens_per_s if p.step.tokens_per_step else p.step.samples_per_s
-    unit = "" if p.step.tokens_per_step else " samp"
-    return f"{v:,.0f}{unit}" if v >= 10 else f"{v:.2f}{unit}"
+    v = p.work_per_s
+    return f"{v:,.0f}" if v >= 10 else f"{v:.2f}"
+
+
+def _columns(plans: tuple[Plan, ...] | list[Plan], cols: list[str]) -> list[str]:
+    """Samples instead of tokens for models without a token axis (CNNs, ViTs)."""
+    if plans and not plans[0].step.tokens_per_step:
+        return [c.replace("tokens/s", "samples/s").replace("$/M tok", "$/M samples") for c in cols]
+    return list(cols)
 
 
 def _usd(x: float | None, digits: int = 2) -> str:
@@ -86,14 +92,18 @@ def plan_doc(r: PlanResult, top: int = 10) -> Doc:
     title = f"Pareto front: {len(r.plans)} plan(s) of {r.candidates} candidates"
     if len(r.plans) > top:
         title += f" (top {top} shown; --top N for more)"
-    doc.add(Table(PLAN_COLUMNS, rows, title=title, align=["r", "l"] + ["r"] * 9))
+    doc.add(Table(_columns(r.plans, PLAN_COLUMNS), rows, title=title, align=["r", "l"] + ["r"] * 9))
     e = r.evaluations
     kv = [("evaluations", f"{e.total} ({e.traces} traces, {e.analytic} analytic)")]
     if r.budget is not None:
         kv.append(("budget", f"${r.budget:,.2f}/h"))
-    prices = {p.price.source for p in r.plans[:top] if p.price}
+    bases = {p.price.basis for p in r.plans[:top] if p.price}
+    shared = any(p.price and "per-GPU share" in p.price.source for p in r.plans[:top])
     doc.add(KeyValues(kv))
-    notes = list(r.notes) + [f"price: {s}" for s in sorted(prices)]
+    notes = list(r.notes) + [f"price from {s}" for s in sorted(bases)]
+    if shared:
+        notes.append("where no instance has exactly that many GPUs, $/h is that many × the listed per-GPU share")
+    prices = bases
     if not prices:
         notes.append(f"no on-demand price listed for {r.gpu}: cost columns are blank")
     doc.add(Notes(notes))
@@ -115,7 +125,8 @@ def ranking_doc(r: Ranking, top: int = 15) -> Doc:
     title = "Offers on which the workload fits"
     if len(r.ranked) > top:
         title += f" (top {top} of {len(r.ranked)}; --top N for more)"
-    doc.add(Table(cols, rows, title=title, align=["r", "l", "r", "l"] + ["r"] * 6))
+    plans = [ro.plan for ro in r.ranked]
+    doc.add(Table(_columns(plans, cols), rows, title=title, align=["r", "l", "r", "l"] + ["r"] * 6))
     if r.not_fitting:
         near = sorted(r.not_fitting, key=lambda x: x[1] - x[2])[:5]
         doc.add(Notes([f"{o}: needs {_gib(n)} GiB per GPU, usable {_gib(u)}" for o, n, u in near],

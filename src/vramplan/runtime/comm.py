@@ -9,6 +9,7 @@ node, PCIe when the GPU has no NVLink, InfiniBand between nodes (``Efficiency.in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from vramplan.hardware.gpu import GPU
@@ -28,7 +29,17 @@ class Link:
     name: str
 
 
+_PCIE_RE = re.compile(r"pcie\s*(\d)(?:\.0)?\s*x(\d+)", re.IGNORECASE)
+_BRIDGE_RE = re.compile(r"bridge\s*\((\d+)(?:\s*or\s*(\d+))?\s*gpus?\)", re.IGNORECASE)
+
+
 def _pcie_nominal(gpu: GPU) -> tuple[float, str]:
+    """Per-direction PCIe bandwidth from the catalog's link string (``PCIe 4.0 x8``), else
+    from ``pcie_gen`` at x16."""
+    m = _PCIE_RE.search(gpu.interconnect or "")
+    if m:
+        gen, lanes = int(m.group(1)), int(m.group(2))
+        return _PCIE_X16.get(gen, _PCIE_X16[4]) * lanes / 16, f"PCIe {gen}.0 x{lanes}"
     gen = gpu.pcie_gen or 4
     label = f"PCIe {gen}.0 x16" + ("" if gpu.pcie_gen else " (generation assumed)")
     return _PCIE_X16.get(gen, _PCIE_X16[4]), label
@@ -41,9 +52,19 @@ def pcie_link(gpu: GPU, eff: Efficiency) -> Link:
 
 
 def link_for(gpu: GPU, group: int, spans_nodes: bool, eff: Efficiency) -> Link:
-    """The bottleneck link of a ring over ``group`` ranks."""
-    if gpu.interconnect_bw and "pcie" not in (gpu.interconnect or "").lower():
-        intra = Link(gpu.interconnect_bw / 2 * eff.link, gpu.interconnect or "NVLink")
+    """The bottleneck link of a ring over ``group`` ranks.
+
+    NVLink / Infinity Fabric when the catalog lists a GPU-to-GPU link; an NVLink *bridge*
+    joins only 2 (or 4) cards, so larger groups fall back to PCIe; InfiniBand between nodes.
+    """
+    ic = gpu.interconnect or ""
+    bridge = _BRIDGE_RE.search(ic)
+    direct = bool(gpu.interconnect_bw) and not ic.strip().lower().startswith("pcie")
+    if bridge and group > max(int(g) for g in bridge.groups() if g):
+        direct = False
+    if direct and gpu.interconnect_bw:
+        name = ic.split("/")[0].strip() or "NVLink"
+        intra = Link(gpu.interconnect_bw / 2 * eff.link, name)
     else:
         nominal, label = _pcie_nominal(gpu)
         intra = Link(nominal * eff.link, label)

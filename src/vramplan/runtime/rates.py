@@ -28,7 +28,7 @@ class Efficiency:
 
     mfu_large: float = 0.5
     """Fraction of dense peak reached by a large, matmul-dominated step (see class doc)."""
-    tokens_half: int = 64
+    tokens_half: int = 32
     """Tokens per micro-batch at which GEMM efficiency is half its large-matrix value."""
     width_half: int = 1024
     """Layer width (hidden ÷ TP) at which GEMM efficiency is half its large-matrix value."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
-from vramplan.models.spec import ModelSpec
+from vramplan.models.spec import Family, ModelSpec
 from vramplan.workload import KVDtype, Peft, Task, Workload
 
 from .comm import communication
@@ -24,11 +24,12 @@ from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficien
 from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
 from .traffic import (
     activation_bytes,
+    cast_bytes,
     decode_bytes,
+    matmul_weight_bytes,
     optimizer_bytes_per_param,
     touched_params,
     train_bytes,
-    weight_pass_bytes,
     weight_storage_bytes,
 )
 
@@ -99,9 +100,11 @@ def step_time(
 ) -> StepTime:
     """Predict the step time of ``w`` on ``gpu`` (``w.parallel`` says how many).
 
-    ``flops``: FLOPs of one micro-batch on one rank as counted by a trace
-    (``FlopCounterMode``); without it they come from the formulas in :mod:`.flops`, which
-    need a transformer ``spec``. ``params`` / ``trainable_params`` override the spec's.
+    ``flops``: FLOPs of one step on one rank (all micro-batches) as a trace counts them
+    (``TraceResult.flops``, ``FlopCounterMode``); without it they come from the formulas in
+    :mod:`.flops`, which need a transformer ``spec``. ``params`` / ``trainable_params``
+    override the spec's. Non-transformer models (CNNs, UNets) need ``flops``; their memory
+    traffic counts weights, gradients and optimizer only (activation traffic unknown).
     """
     if spec is None or spec.family not in SEQUENCE_FAMILIES:
         if flops is None or not (params or (spec and spec.params)):
@@ -110,14 +113,22 @@ def step_time(
                 f"no FLOP count for {name}: step time of non-transformer models needs a trace",
                 hint="use --method trace",
             )
-    s = shape_of(spec) if spec is not None else _opaque_shape(params or 0)
+    if spec is not None and spec.family in SEQUENCE_FAMILIES:
+        s = shape_of(spec)
+    else:
+        s = _opaque_shape(params or (spec.params if spec else 0))
     if params:
         s = _with_params(s, params)
     return _StepModel(spec, s, w, gpu, flops, trainable_params, eff).run()
 
 
 def _opaque_shape(params: int) -> Shape:
-    return Shape(params, params, params, 0, 0, 0, 1, 1, 0, 0, 0, 0, False, None, 0, 0, 0, 0)
+    """A model known only by its parameter count (FLOPs come from a trace)."""
+    return Shape(
+        params=params, active_params=params, matmul_params=params, head_params=0, layers=0, hidden=0,
+        heads=1, kv_heads=1, qk_dim=0, v_dim=0, ffn=0, vocab=0, causal=False, sliding_window=None,
+        sliding_layers=0, kv_elems=0, n_experts=0, experts_per_token=0,
+    )
 
 
 def _with_params(s: Shape, params: int) -> Shape:
@@ -142,6 +153,8 @@ class _StepModel:
         self.notes: list[str] = [n for n in (self.rate.note,) if n]
         self.seq = tokens_per_sample(spec, w) if spec is not None else w.seq
         self.sequence_model = spec is not None and spec.family in SEQUENCE_FAMILIES
+        self.text_model = self.sequence_model and spec is not None and spec.family is not Family.VIT
+        """Reports tokens per second (ViTs and CNNs report samples)."""
         self.adapters = 0
         if w.peft is not Peft.NONE:
             self.adapters = adapter_params(spec, w) if spec is not None and spec.hidden else (trainable or 0)
@@ -165,32 +178,34 @@ class _StepModel:
             return self._infer()
         return self._generate()
 
+    def _phase(self, flops: float, overlap_bytes: float, serial_bytes: float, tokens: float) -> _Phase:
+        """Roofline of one phase on one GPU: max(compute, streaming) + serial cast kernels."""
+        t_c = flops / self._efficient_rate(tokens)
+        t_m = overlap_bytes / self.bw
+        t_s = serial_bytes / self.bw
+        return _Phase(t_c, t_m, t_s)
+
     def _train(self) -> StepTime:
         w, s, p, eff = self.w, self.s, self.w.parallel, self.eff
         b, seq = w.batch, self.seq
-        if self.traced_flops is not None:
-            f = StepFlops(self.traced_flops * self.split / 3, self.traced_flops * self.split * 2 / 3)
+        if self.traced_flops is not None:  # per step on this rank → per micro-batch per replica
+            per_mb = self.traced_flops / w.grad_accum * self.split
+            f = StepFlops(per_mb / 3, per_mb * 2 / 3)
         else:
             f = train_flops(s, w, b, seq, self.adapters)
-        fwd_b, bwd_b, rec_b = train_bytes(s, w, b, seq, self.trainable)
-        flops_mb = f.total / self.split
-        bytes_mb = (fwd_b + bwd_b + rec_b) / self.split
-        rate = self._efficient_rate(b * seq / p.cp)
-        t_c, t_m = flops_mb / rate, bytes_mb / self.bw
-        t_mb = max(t_c, t_m)
+        fwd_b, bwd_b, rec_b, cast_b = train_bytes(s, w, b, seq, self.trainable)
+        mb = self._phase(f.total / self.split, (fwd_b + bwd_b + rec_b) / self.split, cast_b / self.split,
+                         b * seq / p.cp)
+        t_mb = mb.total
         t_bwd = t_mb * f.backward / max(f.total, 1.0)
         m = w.grad_accum
         bubble = (p.pp - 1) * t_mb if p.pp > 1 else 0.0
 
         local_trainable = self.trainable / (p.tp * p.pp) / (p.dp if p.zero >= 1 else 1)
-        if p.offload_optimizer:
-            t_opt = 0.0
-            opt_bytes = 0.0
-        else:
-            opt_bytes = local_trainable * optimizer_bytes_per_param(w)
-            t_opt = opt_bytes / self.bw
+        opt_bytes = 0.0 if p.offload_optimizer else local_trainable * optimizer_bytes_per_param(w)
+        t_opt = opt_bytes / self.bw
         comm = communication(
-            s, w, self.gpu, trainable=self.trainable, base_bytes_per_param=self._base_storage(),
+            s, w, self.gpu, trainable=self.trainable, base_bytes_per_param=self._gathered_bytes(),
             t_microbatch=t_mb, t_backward=t_bwd, eff=eff,
         )
         local_params = s.params / (p.tp * p.pp * p.dp) if p.zero == 3 else s.params / (p.tp * p.pp)
@@ -201,10 +216,10 @@ class _StepModel:
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
             ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
         )
-        total = m * t_mb + bubble + t_opt + comm.exposed + off.exposed
+        busy = m * t_mb + bubble
         contrib = {
-            "compute": (m * t_mb + bubble) if t_c >= t_m else 0.0,
-            "memory": ((m * t_mb + bubble) if t_c < t_m else 0.0) + t_opt,
+            "compute": mb.compute_part / t_mb * busy if t_mb else 0.0,
+            "memory": mb.memory_part / t_mb * busy + t_opt if t_mb else t_opt,
             "communication": comm.exposed,
             "offload": off.exposed,
         }
@@ -215,70 +230,75 @@ class _StepModel:
             self.notes.append(
                 f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
             )
-        tokens = b * seq * m * p.dp if self.sequence_model else 0
+        tokens = b * seq * m * p.dp if self.text_model else 0
         return self._result(
-            total=total, compute=m * t_c, memory=m * t_m + t_opt, comm=comm, off=off, bubble=bubble,
-            contrib=contrib, flops=m * flops_mb, bytes_moved=m * bytes_mb + opt_bytes,
+            total=busy + t_opt + comm.exposed + off.exposed, compute=m * mb.t_c, memory=m * mb.t_mem + t_opt,
+            comm=comm, off=off, bubble=bubble, contrib=contrib, flops=m * f.total / self.split,
+            bytes_moved=m * (fwd_b + bwd_b + rec_b + cast_b) / self.split + opt_bytes,
             tokens=tokens, samples=b * m * p.dp,
         )
 
+    def _forward(self, b: int, seq: int) -> tuple[float, float, float]:
+        """(flops, overlappable bytes, serial cast bytes) of an inference forward, per GPU."""
+        w, s = self.w, self.s
+        flops = forward_flops(s, w, b, seq)
+        touched = touched_params(s, b * seq)
+        read = touched * matmul_weight_bytes(w) + activation_bytes(s, w, b, seq, training=False)
+        return flops / self.split, read / self.split, touched * cast_bytes(w) / self.split
+
     def _infer(self) -> StepTime:
-        w, s, p = self.w, self.s, self.w.parallel
+        w, p = self.w, self.w.parallel
         b, seq = w.batch, self.seq
-        flops = self.traced_flops if self.traced_flops is not None else forward_flops(s, w, b, seq) / self.split
-        weights = touched_params(s, b * seq) * (weight_pass_bytes(w) if w.quant.value != "none" else w.compute_bytes)
-        bytes_ = (weights + activation_bytes(s, w, b, seq, training=False)) / self.split
-        t_c = flops / self._efficient_rate(b * seq / p.cp)
-        t_m = bytes_ / self.bw
-        t_f = max(t_c, t_m)
-        comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._base_storage(),
-                             t_microbatch=t_f, t_backward=0.0, eff=self.eff)
-        bubble = (p.pp - 1) / p.pp * t_f if p.pp > 1 else 0.0
-        total = t_f + bubble + comm.exposed
-        contrib = {"compute": t_f if t_c >= t_m else 0.0, "memory": t_f if t_c < t_m else 0.0,
+        flops, read, cast = self._forward(b, seq)
+        if self.traced_flops is not None:
+            flops = self.traced_flops
+        ph = self._phase(flops, read, cast, b * seq / p.cp)
+        comm = communication(self.s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),
+                             t_microbatch=ph.total, t_backward=0.0, eff=self.eff)
+        bubble = (p.pp - 1) / p.pp * ph.total if p.pp > 1 else 0.0
+        contrib = {"compute": ph.compute_part, "memory": ph.memory_part + bubble,
                    "communication": comm.exposed, "offload": 0.0}
         self.notes += list(comm.notes)
-        tokens = b * seq * p.dp if self.sequence_model else 0
-        return self._result(total=total, compute=t_c, memory=t_m, comm=comm, off=None, bubble=bubble,
-                            contrib=contrib, flops=flops, bytes_moved=bytes_, tokens=tokens, samples=b * p.dp)
+        tokens = b * seq * p.dp if self.text_model else 0
+        return self._result(total=ph.total + bubble + comm.exposed, compute=ph.t_c, memory=ph.t_mem, comm=comm,
+                            off=None, bubble=bubble, contrib=contrib, flops=flops, bytes_moved=read + cast,
+                            tokens=tokens, samples=b * p.dp)
 
     def _generate(self) -> StepTime:
+        if not self.sequence_model:  # an opaque model "generating": one traced step, as inference
+            return self._infer()
         w, s, p = self.w, self.s, self.w.parallel
         b, seq, n = w.batch, self.seq, w.new_tokens
-        pre_flops = forward_flops(s, w, b, seq) / self.split
-        pre_bytes = (touched_params(s, b * seq) * weight_pass_bytes(w) + activation_bytes(s, w, b, seq, training=False)) / self.split
-        t_pre_c = pre_flops / self._efficient_rate(b * seq / p.cp)
-        t_pre_m = pre_bytes / self.bw
+        pre_flops, pre_read, pre_cast = self._forward(b, seq)
+        pre = self._phase(pre_flops, pre_read, pre_cast, b * seq / p.cp)
         ctx = seq + (n + 1) / 2  # mean context over the decode steps
-        kvb = _kv_bytes(w)
         dec_flops = decode_flops(s, w, b, ctx) / self.split
-        dec_bytes = decode_bytes(s, w, b, ctx, kvb) / self.split
-        t_dec_c = dec_flops / self._efficient_rate(b)
-        t_dec_m = dec_bytes / self.bw
-        t_dec = max(t_dec_c, t_dec_m)
-        t_pre = max(t_pre_c, t_pre_m)
-        comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._base_storage(),
-                             t_microbatch=t_pre, t_backward=0.0, decode_tokens=n, eff=self.eff)
-        total = t_pre + n * t_dec + comm.exposed
-        compute = t_pre_c + n * t_dec_c
-        memory = t_pre_m + n * t_dec_m
+        dec_read, dec_cast = decode_bytes(s, w, b, ctx, _kv_bytes(w))
+        dec = self._phase(dec_flops, dec_read / self.split, dec_cast / self.split, b)
+        comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),
+                             t_microbatch=pre.total, t_backward=0.0, decode_tokens=n, eff=self.eff)
         contrib = {
-            "compute": (t_pre if t_pre_c >= t_pre_m else 0.0) + (n * t_dec if t_dec_c >= t_dec_m else 0.0),
-            "memory": (t_pre if t_pre_c < t_pre_m else 0.0) + (n * t_dec if t_dec_c < t_dec_m else 0.0),
+            "compute": pre.compute_part + n * dec.compute_part,
+            "memory": pre.memory_part + n * dec.memory_part,
             "communication": comm.exposed, "offload": 0.0,
         }
         self.notes += list(comm.notes)
+        kind = "memory" if dec.memory_part >= dec.compute_part else "compute"
         self.notes.append(
-            f"prefill {t_pre * 1e3:.1f} ms, then {n} decode steps of {t_dec * 1e3:.2f} ms "
-            f"({'memory' if t_dec_m > t_dec_c else 'compute'}-bound: weights + KV cache read per token)"
+            f"prefill {pre.total * 1e3:.1f} ms, then {n} decode steps of {dec.total * 1e3:.2f} ms "
+            f"({kind}-bound: weights + KV cache read per token)"
         )
-        self.notes.append("excludes kernel-launch and Python overhead (eager decode adds ~5 µs per kernel; CUDA graphs remove most)")
-        return self._result(total=total, compute=compute, memory=memory, comm=comm, off=None, bubble=0.0,
-                            contrib=contrib, flops=pre_flops + n * dec_flops,
-                            bytes_moved=pre_bytes + n * dec_bytes, tokens=b * n * p.dp, samples=b * p.dp)
+        self.notes.append("excludes kernel-launch and Python overhead (eager decode adds ~5 µs per kernel; "
+                          "CUDA graphs remove most)")
+        return self._result(total=pre.total + n * dec.total + comm.exposed, compute=pre.t_c + n * dec.t_c,
+                            memory=pre.t_mem + n * dec.t_mem, comm=comm, off=None, bubble=0.0, contrib=contrib,
+                            flops=pre_flops + n * dec_flops,
+                            bytes_moved=pre_read + pre_cast + n * (dec_read + dec_cast) / self.split,
+                            tokens=b * n * p.dp, samples=b * p.dp)
 
     # -- assembly ------------------------------------------------------------------
-    def _base_storage(self) -> float:
+    def _gathered_bytes(self) -> float:
+        """Bytes per base parameter that ZeRO-3/FSDP all-gathers (16-bit, or the quantised storage)."""
         return weight_storage_bytes(self.w) if self.w.quant.value != "none" else float(self.w.compute_bytes)
 
     def _result(self, *, total: float, compute: float, memory: float, comm: Any, off: Any,
@@ -288,11 +308,11 @@ class _StepModel:
         bound = Bound(max(contrib, key=lambda k: contrib[k]))
         n_gpus = p.world_size
         total = max(total, 1e-12)
-        mfu = flops * n_gpus / total / (n_gpus * self.rate.flops)
+        mfu = flops / total / self.rate.flops  # per GPU: the same ratio over all of them
         self.notes.insert(0, f"FLOPs: {self._flops_source()}; peak {self.rate.flops / 1e12:.0f} TFLOP/s "
                              f"({self.rate.name}), bandwidth {self.bw / self.eff.bandwidth / 1e9:.0f} GB/s "
                              f"× {self.eff.bandwidth:.0%} efficiency")
-        if self.traced_flops is not None and self.w.attention.value != "eager":
+        if self.traced_flops is not None and self.text_model and self.w.attention.value != "eager":
             self.notes.append("FlopCounterMode counts causal attention as full s² work; flash kernels do ~half")
         return StepTime(
             total=total, compute=compute, memory=memory, comm=comm.exposed, offload=off.exposed if off else 0.0,
@@ -303,6 +323,32 @@ class _StepModel:
             rate_name=self.rate.name, bandwidth=self.bw / self.eff.bandwidth, num_gpus=n_gpus,
             notes=tuple(self.notes),
         )
+
+
+@dataclass(frozen=True)
+class _Phase:
+    t_c: float
+    """Matmul compute seconds."""
+    t_m: float
+    """Streaming seconds that overlap with compute."""
+    t_s: float
+    """Serial seconds (cast / dequantise kernels)."""
+
+    @property
+    def total(self) -> float:
+        return max(self.t_c, self.t_m) + self.t_s
+
+    @property
+    def t_mem(self) -> float:
+        return self.t_m + self.t_s
+
+    @property
+    def compute_part(self) -> float:
+        return self.t_c if self.t_c >= self.t_m else 0.0
+
+    @property
+    def memory_part(self) -> float:
+        return (self.t_m if self.t_m > self.t_c else 0.0) + self.t_s
 
 
 def _kv_bytes(w: Workload) -> float:

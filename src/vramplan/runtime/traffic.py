@@ -23,20 +23,30 @@ def weight_storage_bytes(w: Workload) -> float:
     """Bytes per base weight as stored on the GPU."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant]
-    return float(w.param_bytes) if w.training else float(w.compute_bytes)
-
-
-def weight_pass_bytes(w: Workload) -> float:
-    """Bytes per weight moved by one pass (forward, or backward) through the layers.
-
-    Autocast reads the fp32 master (4 B), writes a 16-bit copy (2 B) that the matmul reads
-    (2 B); quantised weights are dequantised to 16-bit before each matmul.
-    """
-    if w.quant in _QUANT_STORAGE:
-        return _QUANT_STORAGE[w.quant] + 4.0
-    if w.mixed:
-        return 8.0
     return float(w.param_bytes)
+
+
+def matmul_weight_bytes(w: Workload) -> float:
+    """Bytes per weight a matmul reads: its compute dtype (fp32: 4, else 2)."""
+    return float(w.compute_bytes)
+
+
+def cast_bytes(w: Workload) -> float:
+    """Bytes per weight moved, before the matmuls and serially with them, to make the
+    compute-dtype copy: autocast reads the fp32 master (4 B) and writes a 16-bit copy (2 B)
+    each forward (its cache lives for one autocast region); bitsandbytes dequantises the
+    stored weight (storage read + 2 B write). Nothing for pure 16-bit or fp32."""
+    if w.quant in _QUANT_STORAGE:
+        return _QUANT_STORAGE[w.quant] + 2.0
+    return 6.0 if w.mixed else 0.0
+
+
+def decode_weight_bytes(w: Workload, batch: int) -> tuple[float, float]:
+    """(matmul read, serial cast) bytes per weight for one decode step. 4-bit weights at
+    batch 1 go through fused 4-bit GEMV kernels that read the packed weight directly."""
+    if w.quant in (Quant.NF4, Quant.INT4) and batch == 1:
+        return _QUANT_STORAGE[w.quant], 0.0
+    return matmul_weight_bytes(w), cast_bytes(w)
 
 
 def touched_params(s: Shape, tokens: int) -> float:
@@ -62,33 +72,40 @@ def activation_bytes(s: Shape, w: Workload, batch: int, seq: int, *, training: b
     return total
 
 
-def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float]:
-    """(forward, backward, recompute) bytes of one training micro-batch on one replica."""
+def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float, float]:
+    """(forward, backward, recompute, serial cast) bytes of one training micro-batch on one
+    replica. The backward reuses the forward's cast copies (saved for backward)."""
     tokens = batch * seq
-    weights = touched_params(s, tokens) * weight_pass_bytes(w)
+    touched = touched_params(s, tokens)
+    weights = touched * matmul_weight_bytes(w)
     act = activation_bytes(s, w, batch, seq, training=True)
     grads = 2.0 * trainable * w.param_bytes  # gradient accumulate: read + write
     fwd = weights + act
     bwd = weights + 2.0 * act + grads
+    passes = 1.0
     if w.checkpointing is Checkpointing.FULL:
         rec = w.checkpoint_fraction * (weights + act)
+        passes += w.checkpoint_fraction
     elif w.checkpointing is Checkpointing.SELECTIVE:
         rec = w.checkpoint_fraction * 0.1 * act
     else:
         rec = 0.0
-    return fwd, bwd, rec
+    return fwd, bwd, rec, passes * touched * cast_bytes(w)
 
 
-def decode_bytes(s: Shape, w: Workload, batch: int, context: float, kv_bytes: float) -> float:
-    """Bytes read to generate one token: the weights once, plus every sequence's KV cache."""
-    weights = touched_params(s, batch) * weight_storage_bytes(w)
+def decode_bytes(s: Shape, w: Workload, batch: int, context: float, kv_bytes: float) -> tuple[float, float]:
+    """(overlappable, serial cast) bytes to generate one token: the weights once, plus
+    every sequence's KV cache."""
+    read, cast = decode_weight_bytes(w, batch)
+    touched = touched_params(s, batch)
+    weights = touched * read
     sliding = s.sliding_layers if s.sliding_window else 0
     kv = 0.0
     for n_layers, window in ((s.layers - sliding, None), (sliding, s.sliding_window)):
         if n_layers > 0:
             keys = min(context, window) if window else context
             kv += n_layers * keys * s.kv_elems * kv_bytes * batch
-    return weights + kv
+    return weights + kv, touched * cast
 
 
 def optimizer_bytes_per_param(w: Workload) -> float:

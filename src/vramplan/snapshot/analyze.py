@@ -237,7 +237,7 @@ def analyze(
     verdicts = []
     rules: dict[str, int] = defaultdict(int)
     for r in recs:
-        v = categorize(r.alloc_frames, r.free_frames, alive_at_end=r.free_index is None)
+        v = categorize(r.alloc_frames, r.free_frames, alive_at_end=r.free_index is None, label=r.label)
         rules[v.rule] += 1
         verdicts.append(v)
 

@@ -7,6 +7,8 @@ where it was freed) and whether it outlived the trace usually do. The rules, fir
 rule   the allocation ...                                              category
 =====  ==============================================================  =====================
 vp     was written by vramplan (frame name ``"<category>: <op>"``)     that category
+entry  carries a ``category`` (written by vramplan, or by PyTorch's    that category
+       memory profiler: ``_memory_viz.profile_plot``)
 none   has no frames (allocated before recording started, or on a      unknown
        thread without a Python stack)
 kv     was allocated under ``transformers/cache_utils`` or a           kv_cache
@@ -34,6 +36,7 @@ first). The result is one of :data:`vramplan.results.BREAKDOWN_KEYS` or ``"unkno
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +49,12 @@ CATEGORIES: tuple[str, ...] = (*BREAKDOWN_KEYS, UNKNOWN)
 
 Frame = Mapping[str, Any]
 _FINE_TO_BUCKET = {c.label: c.bucket for c in Category} | {k: k for k in CATEGORIES}
+_PROFILER_CATEGORIES = {  # torch.profiler._memory_profiler.Category, lower-cased
+    "input": "activations", "temporary": "temporaries", "activation": "activations",
+    "gradient": "gradients", "autograd_detail": "temporaries", "parameter": "weights",
+    "optimizer_state": "optimizer",
+}
+_PROFILER_FRAME = re.compile(r"^(.*)\((\d+)\): (.+)$")
 
 _OPT_FILES = ("torch/optim/", "bitsandbytes/optim", "transformers/optimization", "torchao/optim")
 _INIT_NAMES = {
@@ -64,7 +73,14 @@ class Verdict:
 
 
 def _text(f: Frame) -> tuple[str, str]:
-    return str(f.get("filename", "")).replace("\\", "/"), str(f.get("name", ""))
+    """(file, function) of a frame; the profiler's ``{"filename": "none", "name": "path.py(12): fn"}``
+    form is split into its parts."""
+    fn, name = str(f.get("filename", "")).replace("\\", "/"), str(f.get("name", ""))
+    if fn == "none":
+        m = _PROFILER_FRAME.match(name)
+        if m:
+            return m.group(1), m.group(2)
+    return fn, name
 
 
 def _any(frames: Sequence[Frame], pred: Any) -> bool:
@@ -110,17 +126,26 @@ def vramplan_category(frames: Sequence[Frame]) -> str | None:
     return _FINE_TO_BUCKET.get(head)
 
 
+def entry_category(label: str) -> str | None:
+    """The bucket of an entry's own ``category`` field (vramplan's, or the memory profiler's)."""
+    return _FINE_TO_BUCKET.get(label) or _PROFILER_CATEGORIES.get(label)
+
+
 def categorize(
     alloc_frames: Sequence[Frame], free_frames: Sequence[Frame] | None, *, alive_at_end: bool,
+    label: str = "",
 ) -> Verdict:
     """Category of one allocation (see the module docstring for the rules).
 
     ``free_frames`` are the frames of the ``free_requested`` entry, ``None`` when the block was
-    not freed during the trace.
+    not freed during the trace; ``label`` is the alloc entry's ``category`` field, if any.
     """
     pred = vramplan_category(alloc_frames)
     if pred is not None:
         return Verdict(pred, "vp")
+    known = entry_category(label) if label and label != UNKNOWN else None
+    if known is not None:
+        return Verdict(known, "entry")
     if not alloc_frames:
         return Verdict(UNKNOWN, "none")
     freed = free_frames or ()
@@ -144,7 +169,7 @@ def categorize(
 def is_internal(f: Frame) -> bool:
     """A frame of PyTorch itself, of the interpreter, or C++ (hidden from 'where' columns)."""
     fn, name = _text(f)
-    if fn.endswith(_CPP_SUFFIXES) or fn.startswith("??") or "::" in name:
+    if fn.endswith(_CPP_SUFFIXES) or fn.startswith("??") or "::" in name or name.startswith("<built-in"):
         return True
     stdlib = "/lib/python3" in fn and "site-packages" not in fn
     return "/torch/" in fn or fn.startswith("torch/") or stdlib
@@ -161,6 +186,8 @@ def user_frames(frames: Sequence[Frame], n: int = 3) -> tuple[str, ...]:
             return f"{fn}: {name}"
         if fn == "vramplan":  # vramplan's phase frame
             return f"{name.removeprefix('phase: ')} (iteration {f.get('line', 0)})"
+        if f.get("filename") == "none":  # the memory profiler's frames name everything in 'name'
+            return str(f.get("name", ""))
         return f"{fn.split('/')[-1]}:{f.get('line', 0)}:{name}"
 
     picked = [f for f in frames if not is_internal(f)]

@@ -64,6 +64,8 @@ class Lifetime:
     free_index: int | None = None
     alloc_frames: list[Frame] = field(default_factory=list)
     free_frames: list[Frame] | None = None
+    label: str = ""
+    """The alloc entry's own ``category`` field, when it has one."""
 
 
 def walk_trace(entries: Sequence[Mapping[str, Any]]) -> tuple[list[Lifetime], list[int], list[int]]:
@@ -85,7 +87,7 @@ def walk_trace(entries: Sequence[Mapping[str, Any]]) -> tuple[list[Lifetime], li
                 old.free_index = i
                 old.free_frames = []
             r = Lifetime(addr, int_field(e, "size", f"trace entry {i}"), int(e.get("stream", 0) or 0), i,
-                     alloc_frames=frames_of(e.get("frames")))
+                     alloc_frames=frames_of(e.get("frames")), label=str(e.get("category") or ""))
             live[addr] = r
             recs.append(r)
         elif action in ("free_requested", "free"):

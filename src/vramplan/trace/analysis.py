@@ -8,7 +8,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..events import PHASES, Category, EventLog
-from ..results import BREAKDOWN_KEYS, Breakdown, IterationPeak, ModuleStat, PhasePeak, TensorStat, Timeline
+from ..results import (
+    BREAKDOWN_KEYS,
+    Breakdown,
+    IterationPeak,
+    ModuleStat,
+    PhasePeak,
+    TensorStat,
+    Timeline,
+)
 from ..workload import Phase
 
 TIMELINE_POINTS = 5000
@@ -171,12 +179,12 @@ def timeline(a: Arrays, points: int = TIMELINE_POINTS) -> Timeline:
         starts = edges
         ends = np.append(edges[1:], n)
         # within each window keep the event with the highest total (peaks survive decimation)
-        idx = np.array([s + int(np.argmax(a.total[s:e])) for s, e in zip(starts, ends)], dtype=np.int64)
+        idx = np.array([s + int(np.argmax(a.total[s:e])) for s, e in zip(starts, ends, strict=True)], dtype=np.int64)
     bucket = _BUCKET_OF_CATEGORY[a.cat]
     series = {}
     for b, key in enumerate(BREAKDOWN_KEYS):
         cum = np.cumsum(np.where(bucket == b, a.delta, 0))
         series[key] = tuple(int(v) for v in cum[idx])
     cuts = np.concatenate(([0], np.nonzero(np.diff(a.phase))[0] + 1, [n]))
-    spans = [(int(s), int(e - 1), PHASES[int(a.phase[s])]) for s, e in zip(cuts[:-1], cuts[1:])]
+    spans = [(int(s), int(e - 1), PHASES[int(a.phase[s])]) for s, e in zip(cuts[:-1], cuts[1:], strict=True)]
     return Timeline(index=tuple(int(i) for i in idx), series=series, phases=tuple(spans))

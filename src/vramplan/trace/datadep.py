@@ -79,7 +79,7 @@ def full_grid_values(x: torch.Tensor, out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return grid if out.shape == grid.shape else None
     cols = tuple(grid.unbind(1)) if x.dim() else (grid.reshape(-1),)
-    return cols if all(o.shape == c.shape for o, c in zip(out, cols)) else None
+    return cols if all(o.shape == c.shape for o, c in zip(out, cols, strict=False)) else None
 
 
 def masked_select(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Per op (below autograd, so backward ops and autograd's own buffers are seen too):
 
 1. phase and module: forward phase/module come from the step runner and module hooks; in
-   backward an op with grad mode on is a checkpoint *recompute*, otherwise backward, and
-   its module is found from the running autograd node (:mod:`.modules`);
+   backward an op run by an autograd node with grad mode on is a checkpoint *recompute*,
+   otherwise backward, and its module is found from the running node (:mod:`.modules`);
 2. values: data-dependent ops get exact answers from shadows or the documented rules
    (:mod:`.datadep`); ``.item()`` without a value raises :class:`TraceError`;
 3. the op runs on meta; new output storages become ALLOC events;
@@ -22,12 +22,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import TraceError
 from ..events import Category
+from ..workload import Phase
 from .cuda import DeviceProfile, conv_workspace_bytes
-from .datadep import NO_VALUE_OPS, RULE_TEXT, SKIP_OPS, full_grid_values, needs_rule
+from .datadep import NO_VALUE_OPS, SKIP_OPS, full_grid_values, needs_rule
+from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
 from .values import SHADOW_LIMIT, Values, to_cpu_args
-from ..workload import Phase
 
 aten = torch.ops.aten
 
@@ -39,6 +40,7 @@ BLAS_OPS = frozenset(
         "linear", "matmul", "bilinear", "tensordot", "chain_matmul",
     ) if hasattr(aten, n)
 ) | {aten.einsum.default}
+_COMPOSITE_GEMM = frozenset({aten.linear.default, aten.matmul.default})
 CONV_OPS = frozenset({
     aten.convolution.default, aten.convolution_backward.default, aten._convolution.default,
     aten._convolution.deprecated, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
@@ -70,12 +72,13 @@ _RANDOM = torch.Tag.nondeterministic_seeded
 _BACKWARD = PHASE_INDEX[Phase.BACKWARD]
 _RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
 _OPTIMIZER = PHASE_INDEX[Phase.OPTIMIZER]
+_current_node = torch._C._current_autograd_node
 
 
 def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
     """flash-attn 2 ``mha_bwd`` internals: softmax_d, dq_accum (fp32), and for GQA the
     expanded dk/dv (q dtype) that are summed into dk/dv afterwards."""
-    grad_out, q, k = args[0], args[1], args[2]
+    q, k = args[1], args[2]
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     tq_r = -(-tq // 128) * 128
@@ -104,6 +107,7 @@ class TraceMode(TorchDispatchMode):
         self._blas_seen: set[tuple[int, int]] = set()
         self._op_ids: dict[Any, int] = {}
         self._mutated: dict[Any, tuple[int, ...]] = {}
+        self.cache = MetaCache()
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
@@ -117,7 +121,7 @@ class TraceMode(TorchDispatchMode):
             op = self._op_ids[func] = rec.intern(str(func))
         rec.op = op
         if self.in_backward:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _current_node() is not None:
                 rec.phase = _RECOMPUTE
                 rec.module = self.modules.current
             else:
@@ -149,10 +153,15 @@ class TraceMode(TorchDispatchMode):
             if rule[0] == "nonzero":
                 cpu_out = full_grid_values(args[0], out)
         else:
-            try:
-                out = func(*args, **kwargs)
-            except NotImplementedError as e:
-                raise self._no_kernel(func, e) from None
+            key = self.cache.key(func, args, kwargs)
+            hit, out = self.cache.get(key, args) if key is not None else (False, None)
+            if not hit:
+                try:
+                    out = func(*args, **kwargs)
+                except NotImplementedError as e:
+                    raise self._no_kernel(func, e) from None
+                if key is not None:
+                    self.cache.put(key, args, out)
             if cpu_args is not None and _meta_and_small(out):
                 cpu_out = func(*cpu_args[0], **cpu_args[1])
 
@@ -173,10 +182,16 @@ class TraceMode(TorchDispatchMode):
         elif func is FLASH_BWD:
             self._flash_bwd(args)
         if self.count_flops:
-            fn = self._flop_registry.get(func._overloadpacket)
-            if fn is not None:
-                self.flops += int(fn(*args, **kwargs, out_val=out))
+            self._count_flops(func, args, kwargs, out)
         return out
+
+    def _count_flops(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        fn = self._flop_registry.get(func._overloadpacket)
+        if fn is not None:
+            self.flops += int(fn(*args, **kwargs, out_val=out))
+        elif func in _COMPOSITE_GEMM and isinstance(out, torch.Tensor):
+            # linear/matmul reach the mode undecomposed under inference_mode: 2·out·K
+            self.flops += 2 * out.numel() * int(args[0].shape[-1])
 
     # --- tracking ------------------------------------------------------------------
     def _track(self, out: Any) -> None:
@@ -263,13 +278,13 @@ class TraceMode(TorchDispatchMode):
         size = conv_workspace_bytes(x.numel() * x.element_size(), out_bytes)
         if size > 0:
             eid = self.rec.synthetic_alloc(size, Category.WORKSPACE, "cudnn conv workspace", op="cudnn.workspace")
-            self.rec.synthetic_free(eid, Category.WORKSPACE)
+            self.rec.synthetic_free(eid, Category.WORKSPACE, op="cudnn.workspace")
 
     def _flash_bwd(self, args: tuple[Any, ...]) -> None:
         ids = [self.rec.synthetic_alloc(n, Category.WORKSPACE, d, op="flash_attn.bwd_buffers")
                for n, d in _flash_bwd_buffers(args)]
         for eid in ids:
-            self.rec.synthetic_free(eid, Category.WORKSPACE)
+            self.rec.synthetic_free(eid, Category.WORKSPACE, op="flash_attn.bwd_buffers")
 
     # --- errors --------------------------------------------------------------------
     def _where(self) -> str:
@@ -327,7 +342,7 @@ def _attach(values: Values, out: Any, cpu_out: Any) -> None:
         if out.device.type == "meta" and not values.has_shadow(out) and out.shape == cpu_out.shape:
             values.set_shadow(out, cpu_out)
     elif isinstance(out, (tuple, list)) and isinstance(cpu_out, (tuple, list)):
-        for o, c in zip(out, cpu_out):
+        for o, c in zip(out, cpu_out, strict=False):
             _attach(values, o, c)
 
 

@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from ..errors import TraceError
 from ..workload import ALL_LINEAR, Checkpointing, Peft, Precision, Quant, Workload
@@ -63,7 +67,8 @@ def apply_precision(model: nn.Module, w: Workload) -> list[str]:
 def lora_targets(model: nn.Module, w: Workload) -> list[str]:
     if tuple(w.lora_targets) != (ALL_LINEAR,):
         return list(w.lora_targets)
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    getter: Any = getattr(model, "get_output_embeddings", None)
+    out_emb = getter() if callable(getter) else None
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and m is not out_emb}
     return sorted(names - {"lm_head", "score", "classifier"})

@@ -95,7 +95,7 @@ class Lion(torch.optim.Optimizer):
                 torch._foreach_mul_(ms, b2)
                 torch._foreach_add_(ms, grads, alpha=1 - b2)
             else:
-                for p, g, m in zip(ps, grads, ms):
+                for p, g, m in zip(ps, grads, ms, strict=True):
                     u = (m * b1).add_(g, alpha=1 - b1).sign_()
                     p.add_(u, alpha=-group["lr"])
                     m.mul_(b2).add_(g, alpha=1 - b2)

@@ -91,11 +91,16 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, kind={self.kind}"
 
+    def _buffer(self, name: str) -> torch.Tensor:
+        t = self._buffers[name]
+        assert t is not None
+        return t
+
     # --- kernels --------------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        w = self.weight
+        w = self._buffer("weight")
         if self.kind in (Quant.NF4, Quant.INT4) and self.double_quant:
-            absmax = _empty((self.absmax.numel(),), torch.float32, w)  # dequantised absmax
+            absmax = _empty((self._buffer("absmax").numel(),), torch.float32, w)  # dequantised absmax
             out = _empty((self.out_features, self.in_features), dtype, w)
             del absmax
             return out

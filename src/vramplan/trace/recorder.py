@@ -105,8 +105,12 @@ class Recorder:
         self.op = saved
         return eid
 
-    def synthetic_free(self, eid: int, cat: Category) -> None:
+    def synthetic_free(self, eid: int, cat: Category, op: str | None = None) -> None:
+        saved = self.op
+        if op is not None:
+            self.op = self.intern(op)
         self._emit(int(Action.FREE), eid, 0, int(cat))
+        self.op = saved
 
     # --- storages --------------------------------------------------------------------
     def track(self, t: torch.Tensor, cat: int = UNDECIDED) -> int | None:

@@ -131,27 +131,24 @@ class TraceSession:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """Tensors held by a transformers cache object (any layer layout)."""
+    """Tensors held by a transformers cache object (any layer layout), found iteratively
+    (a recursive closure would form a reference cycle that keeps old cache tensors alive)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
-
-    def walk(obj: Any, depth: int) -> None:
+    stack: list[tuple[Any, int]] = [(cache, 0)]
+    while stack:
+        obj, depth = stack.pop()
         if depth > 4 or id(obj) in seen:
-            return
+            continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             out.append(obj)
         elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x, depth + 1)
+            stack.extend((x, depth + 1) for x in obj)
         elif isinstance(obj, dict):
-            for x in obj.values():
-                walk(x, depth + 1)
+            stack.extend((x, depth + 1) for x in obj.values())
         elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-            for x in vars(obj).values():
-                walk(x, depth + 1)
-
-    walk(cache, 0)
+            stack.extend((x, depth + 1) for x in vars(obj).values())
     return out
 
 

@@ -5,8 +5,9 @@
   (as a training loop that keeps only the loss does);
 - inference: one forward under ``torch.inference_mode()``;
 - generation: prefill + ``new_tokens − 1`` decode steps with a real transformers cache
-  (``DynamicCache`` by default, ``StaticCache`` on request), logits of the last position
-  only (``logits_to_keep=1``, as ``generate`` does), greedy next token.
+  (:mod:`.kvcache`: ``DynamicCache`` by default, ``StaticCache`` on request, quantised by
+  the KV dtype), logits of the last position only (``logits_to_keep=1``, as ``generate``
+  does), greedy next token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from ..errors import TraceError
-from ..workload import Phase
+from ..workload import KVDtype, Phase
+from .kvcache import make_cache
 from .session import TraceSession
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
@@ -42,6 +44,9 @@ class StepPlan:
     """fp16 mixed precision: scale the loss, unscale gradients in place before the step."""
     new_tokens: int = 0
     cache: str = "dynamic"
+    kv_dtype: KVDtype = KVDtype.AUTO
+    compute_dtype: torch.dtype = torch.bfloat16
+    notes: list[str] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(default_factory=list)
 
 
@@ -126,18 +131,6 @@ def infer_step(sess: TraceSession, plan: StepPlan) -> None:
         del out
 
 
-def make_cache(model: nn.Module, kind: str, max_len: int) -> Any:
-    from transformers import DynamicCache, StaticCache
-
-    config = getattr(model, "config", None)
-    if kind == "static":
-        return StaticCache(config=config, max_cache_len=max_len)
-    try:
-        return DynamicCache(config=config)
-    except TypeError:
-        return DynamicCache()
-
-
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
     args, kwargs = plan.batch
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -146,19 +139,25 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
     extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "labels", "attention_mask")}
     prompt = ids.shape[1]
     keep = _accepts(plan.model, "logits_to_keep")
+    cache_kw = "cache" if _accepts(plan.model, "cache") else "past_key_values"
     with torch.inference_mode():
-        cache = make_cache(plan.model, plan.cache, prompt + plan.new_tokens)
+        config: Any = getattr(plan.model, "config", None)
+        cache, what = make_cache(config, kind=plan.cache, max_len=prompt + plan.new_tokens,
+                                 kv_dtype=plan.kv_dtype, compute=plan.compute_dtype)
+        if what not in plan.notes:
+            plan.notes.append(what)
         with sess.phase(Phase.PREFILL), sess.autocast_region(plan.autocast):
             pos = torch.arange(prompt, device=ids.device)
             kw = {"logits_to_keep": 1} if keep else {}
-            out = plan.model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos, **kw, **extra)
+            kw[cache_kw] = cache
+            out = plan.model(input_ids=ids, use_cache=True, cache_position=pos, **kw, **extra)
             nxt = out.logits[:, -1:].argmax(-1)
             del out
             sess.label_cache(cache)
         for step in range(1, plan.new_tokens):
             with sess.phase(Phase.DECODE), sess.autocast_region(plan.autocast):
                 pos = torch.arange(prompt + step - 1, prompt + step, device=ids.device)
-                out = plan.model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=pos, **extra)
+                out = plan.model(input_ids=nxt, use_cache=True, cache_position=pos, **{cache_kw: cache}, **extra)
                 nxt = out.logits[:, -1:].argmax(-1)
                 del out
                 sess.label_cache(cache)

@@ -79,3 +79,41 @@ def tiny_spec(name: str, layers: int = 2) -> ModelSpec:
     spec = resolve(name)
     cfg = tiny_config(dict(spec.config), layers)
     return spec_from_config(cfg, name=f"tiny-{spec.name}", source=f"tiny copy of {spec.source}")
+
+
+def memtracker_peak(make_model: Any, make_inputs: Any, *, iterations: int = 2, lr: float = 1e-4,
+                    optimizer: str = "adamw", loss_fn: Any = None) -> int:
+    """Peak total bytes that PyTorch's own ``MemTracker`` reports for the same training step,
+    run under ``FakeTensorMode`` on fake CPU tensors (the reference our trace is compared with).
+
+    ``make_model()`` / ``make_inputs()`` build the model and the keyword inputs inside the fake
+    mode; the loss is ``out.loss`` when present, else ``loss_fn(out)`` or ``out.sum()``.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = make_model()
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = (torch.optim.AdamW(params, lr=lr, foreach=True) if optimizer == "adamw"
+               else torch.optim.SGD(params, lr=lr, foreach=True))
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            inputs = make_inputs()  # made inside the tracker so that it counts them, as we do
+            for _ in range(iterations):
+                out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+                loss = getattr(out, "loss", None)
+                if loss is None:
+                    t = out if isinstance(out, torch.Tensor) else out[0]
+                    loss = loss_fn(t) if loss_fn is not None else t.sum()
+                del out
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mt.reset_mod_stats()
+        snap = mt.get_tracker_snapshot("peak")
+    return int(sum(v["Total"] for v in snap.values()))

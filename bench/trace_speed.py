@@ -1,0 +1,154 @@
+"""Trace speed and agreement targets (issue: "Trace any PyTorch training or inference step").
+
+One run prints each figure, its target and its ratio:
+
+1. Llama-3.1-8B training step (bf16-mixed, AdamW foreach, full checkpointing, batch 1,
+   seq 4096, 2 iterations): vramplan's trace vs PyTorch's ``MemTracker`` under
+   ``FakeTensorMode`` on the same step (target: ≥ 5× faster, ≤ 5 s).
+2. Llama-3.1-70B (≤ 20 s) and Llama-3.1-405B (≤ 60 s, peak RSS of the tracing process ≤ 2 GB),
+   each in a fresh process.
+3. Peak tensor memory vs MemTracker on fp32 steps without SDPA/autocast (an MLP, ResNet-50,
+   BERT-base with eager attention): within 1 %.
+
+Run: ``python bench/trace_speed.py`` (add ``--quick`` to skip the 8B MemTracker run, which
+takes about half a minute or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+from vramplan.models.catalog import resolve
+from vramplan.trace.run import TraceOptions, trace_model, trace_workload
+from vramplan.trace.testing import memtracker_peak, tiny_spec
+from vramplan.workload import Workload
+
+STEP = Workload(task="train", batch=1, seq=4096, precision="bf16-mixed", optimizer="adamw",
+                optimizer_impl="foreach", checkpointing="full")
+GiB = 2**30
+
+_CHILD = """
+import json, resource, sys, time
+from vramplan.models.catalog import resolve
+from vramplan.trace.run import trace_workload
+from vramplan.workload import Workload
+w = Workload(**json.loads(sys.argv[2]))
+t = time.perf_counter()
+r = trace_workload(resolve(sys.argv[1]), w)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "peak": r.peak_allocated, "events": len(r.events),
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def line(what: str, value: str, target: str, ok: bool) -> None:
+    print(f"{'PASS' if ok else 'MISS'}  {what:<52} {value:<34} target {target}")
+
+
+def warm_up() -> None:
+    trace_workload(tiny_spec("llama-3.1-8b"), STEP.replace(seq=64))
+
+
+def vramplan_8b() -> tuple[float, int]:
+    t = time.perf_counter()
+    r = trace_workload(resolve("llama-3.1-8b"), STEP)
+    return time.perf_counter() - t, r.peak_allocated
+
+
+def memtracker_8b() -> float:
+    """MemTracker + FakeTensorMode on the same step (fake CPU tensors, CPU autocast to bf16)."""
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    spec = resolve("llama-3.1-8b")
+    cfg = {k: v for k, v in spec.config.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(spec.model_type, **cfg)
+    with FakeTensorMode():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        ids = torch.randint(0, spec.vocab, (1, STEP.seq))
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        t = time.perf_counter()
+        with mt:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mt.reset_mod_stats()
+        return time.perf_counter() - t
+
+
+def child(name: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps({k: v for k, v in STEP.to_dict().items() if k != "parallel"})],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def agreement() -> list[tuple[str, int, int]]:
+    from transformers import BertConfig, BertForMaskedLM, ResNetConfig, ResNetForImageClassification
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(2048, 2048), nn.GELU())], nn.Linear(2048, 10))
+
+    def resnet() -> nn.Module:
+        return ResNetForImageClassification(ResNetConfig(num_labels=1000))
+
+    def bert() -> nn.Module:
+        return BertForMaskedLM(BertConfig(attn_implementation="eager"))
+
+    cases = {
+        "MLP 4x2048, batch 64": (mlp, lambda: torch.randn(64, 2048)),
+        "ResNet-50, batch 8, 224x224": (resnet, lambda: {"pixel_values": torch.randn(8, 3, 224, 224),
+                                                          "labels": torch.zeros(8, dtype=torch.long)}),
+        "BERT-base eager, batch 8, seq 512": (bert, lambda: {"input_ids": torch.zeros(8, 512, dtype=torch.long),
+                                                              "labels": torch.zeros(8, 512, dtype=torch.long)}),
+    }
+    w = Workload(task="train", precision="fp32", optimizer="adamw", attention="eager")
+    out = []
+    for name, (make, inputs) in cases.items():
+        ref = memtracker_peak(make, inputs)
+        ours = trace_model(make, inputs(), workload=w, options=TraceOptions(workspaces=False)).peak_allocated
+        out.append((name, ours, ref))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="skip the 8B MemTracker reference run")
+    args = ap.parse_args()
+    warm_up()
+    ours, peak = vramplan_8b()
+    print(f"Llama-3.1-8B step traced: peak {peak / GiB:.2f} GiB requested bytes")
+    line("Llama-3.1-8B trace", f"{ours:.2f} s", "<= 5 s", ours <= 5.0)
+    if not args.quick:
+        ref = memtracker_8b()
+        line("MemTracker+FakeTensorMode, same step", f"{ref:.2f} s (ratio {ref / ours:.1f}x)", ">= 5x", ref / ours >= 5)
+    for name, limit in (("llama-3.1-70b", 20.0), ("llama-3.1-405b", 60.0)):
+        r = child(name)
+        line(f"{name} trace (fresh process)", f"{r['seconds']:.2f} s ({r['events']:,} events)", f"<= {limit:.0f} s",
+             r["seconds"] <= limit)
+        if name.endswith("405b"):
+            line("405B peak RSS of the tracing process", f"{r['rss'] / 1e9:.2f} GB", "<= 2 GB", r["rss"] <= 2e9)
+    for name, ours_b, ref_b in agreement():
+        diff = (ours_b - ref_b) / ref_b
+        line(f"peak vs MemTracker: {name}", f"{ours_b:,} vs {ref_b:,} ({diff:+.3%})", "within 1 %", abs(diff) < 0.01)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

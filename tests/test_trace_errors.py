@@ -1,0 +1,116 @@
+"""Bad input raises a one-line TraceError naming the op/module; known values stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.errors import TraceError
+from vramplan.events import Action
+from vramplan.trace.run import TraceOptions, trace_model
+from vramplan.workload import Workload
+
+NO_WS = TraceOptions(workspaces=False)
+INFER = Workload(task="infer", precision="fp32")
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        if y.sum() > 0:  # control flow on model data
+            return y * 2
+        return y
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Branchy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def test_data_dependent_control_flow_names_the_module() -> None:
+    with pytest.raises(TraceError) as e:
+        trace_model(Outer(), torch.randn(2, 8), workload=INFER, options=NO_WS)
+    msg = str(e.value)
+    assert "data-dependent control flow" in msg and "module block" in msg and "\n" not in msg
+
+
+@torch.library.custom_op("vramplan_test::cpu_only", mutates_args=())
+def _cpu_only(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class UsesExtension(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vramplan_test.cpu_only(self.fc(x))
+
+
+def test_op_without_meta_kernel_names_the_op_and_the_fix() -> None:
+    with pytest.raises(TraceError) as e:
+        trace_model(UsesExtension(), torch.randn(2, 8), workload=INFER, options=NO_WS)
+    msg = str(e.value)
+    assert "vramplan_test.cpu_only" in msg and "UsesExtension" in msg and "register_fake" in msg
+
+
+def test_failing_factory_and_non_module() -> None:
+    def broken() -> nn.Module:
+        raise ValueError("no such layer")
+
+    with pytest.raises(TraceError, match="building the model failed: ValueError: no such layer"):
+        trace_model(broken, torch.randn(2, 8), workload=INFER)
+    with pytest.raises(TraceError, match="nn.Module"):
+        trace_model(lambda: 42, torch.randn(2, 8), workload=INFER)  # type: ignore[arg-type, return-value]
+
+
+def test_shape_error_in_user_code_is_a_trace_error() -> None:
+    with pytest.raises(TraceError, match="tracing failed in module"):
+        trace_model(nn.Linear(8, 4), torch.randn(2, 5), workload=INFER, options=NO_WS)
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        mask = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        mask[:, :3] = False  # known values: the selection below is exact
+        kept = x[mask]
+        n = int(torch.arange(4, device="cuda").sum())  # a value computed from known values; "cuda" maps to the trace device
+        unknown = torch.nonzero(self.fc(x) > 0)  # model data: every element assumed non-zero
+        return kept.sum() * n + unknown.shape[0]
+
+
+def test_known_values_are_exact_and_unknown_ones_documented() -> None:
+    b, t, d = 2, 16, 4
+    r = trace_model(Masked(), torch.randn(b, t, d), workload=INFER, options=NO_WS)
+    log = r.events
+    descs = [log.strings[log.desc[k]] for k in range(len(log)) if log.action[k] == Action.ALLOC]
+    assert f"f32[{b * (t - 3)},{d}]" in descs  # exact boolean-mask selection
+    assert f"i64[{b * t * d},3]" in descs  # nonzero of model data: all elements
+    assert any("data-dependent nonzero" in n for n in r.notes)
+    # the input's own values are known (a small host tensor): a mask of it is exact
+    x = torch.randn(b, t, d)
+    r2 = trace_model(lambda: _Positives(), x, workload=INFER, options=NO_WS)
+    descs2 = [r2.events.strings[r2.events.desc[k]] for k in range(len(r2.events)) if r2.events.action[k] == Action.ALLOC]
+    assert f"i64[{int((x > 0).sum())},3]" in descs2
+
+
+class _Positives(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x > 0)
+
+

@@ -1,0 +1,162 @@
+"""Workload features: checkpointing, LoRA/QLoRA, quantised storage, optimizers, precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.events import Action, Category
+from vramplan.trace import analysis
+from vramplan.trace.quant import QuantLinear
+from vramplan.trace.run import TraceOptions, trace_model, trace_workload
+from vramplan.trace.testing import tiny_spec
+from vramplan.workload import Phase, Quant, Workload
+
+NO_WS = TraceOptions(workspaces=False)
+BASE = dict(task="train", batch=2, seq=128, precision="bf16-mixed")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_spec("llama-3.1-8b", layers=4)
+
+
+def _forward_end_activations(r) -> int:
+    log = r.events
+    fwd = [k for k in range(len(log)) if log.phase[k] == list(Phase).index(Phase.FORWARD) and log.iteration[k] == 1]
+    a = analysis.arrays(log)
+    return analysis.breakdown_at(a, fwd[-1]).activations
+
+
+def _phase_names(r) -> set[str]:
+    return {str(p.phase) for p in r.phases}
+
+
+def test_checkpointing_trades_activations_for_recompute(llama) -> None:
+    runs = {c: trace_workload(llama, Workload(**BASE, checkpointing=c), options=NO_WS)
+            for c in ("none", "selective", "full")}
+    acts = {c: _forward_end_activations(r) for c, r in runs.items()}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert "recompute" not in _phase_names(runs["none"])
+    assert "recompute" in _phase_names(runs["full"]) and "recompute" in _phase_names(runs["selective"])
+    half = trace_workload(llama, Workload(**BASE, checkpointing="full", checkpoint_fraction=0.5), options=NO_WS)
+    assert acts["full"] < _forward_end_activations(half) < acts["none"]
+    assert any("2 layers" in n for n in half.notes)
+
+
+def test_recompute_runs_under_autocast_and_fused_attention(llama) -> None:
+    r = trace_workload(llama, Workload(**BASE, checkpointing="full"), options=NO_WS)
+    log = r.events
+    rec = [log.strings[log.op[k]] for k in range(len(log)) if log.phase[k] == list(Phase).index(Phase.RECOMPUTE)]
+    assert any("flash_attention" in o for o in rec)
+    descs = [log.strings[log.desc[k]] for k in range(len(log)) if log.phase[k] == list(Phase).index(Phase.RECOMPUTE)
+             and "mm" in log.strings[log.op[k]] and log.action[k] == Action.ALLOC]
+    assert descs and all(d.startswith("bf16") for d in descs)
+
+
+def test_lora_trains_only_the_adapters(llama) -> None:
+    r = trace_workload(llama, Workload(**BASE, peft="lora", lora_rank=8), options=NO_WS)
+    h, layers = 64, 4
+    # q_proj, k_proj, v_proj, o_proj: A[r,in] + B[out,r]; kv heads 2 of dim 16 -> k/v out = 32
+    per_layer = sum(8 * (i + o) for i, o in ((h, h), (h, 32), (h, 32), (h, h)))
+    assert r.trainable_params == layers * per_layer
+    grads = max(p.breakdown.gradients for p in r.phases)
+    assert grads == r.trainable_params * 4  # fp32 adapters
+    opt = [p for p in r.phases if p.phase is Phase.OPTIMIZER][0]
+    assert opt.breakdown.optimizer == 2 * r.trainable_params * 4
+    assert any("LoRA r=8" in n for n in r.notes)
+
+
+def test_qlora_stores_nf4_with_double_quantisation(llama) -> None:
+    r = trace_workload(llama, Workload(**BASE, peft="qlora"), options=NO_WS)
+    full = trace_workload(llama, Workload(**BASE, peft="lora"), options=NO_WS)
+    assert r.breakdown_at_peak.weights < full.breakdown_at_peak.weights
+    q = QuantLinear(64, 128, bias=False, kind=Quant.NF4, compute_dtype=torch.bfloat16, double_quant=True)
+    n = 64 * 128
+    blocks = n // 64
+    assert sum(b.numel() * b.element_size() for b in q.buffers()) == n // 2 + blocks + 4 * 1 + 256 * 4 + 4 + 16 * 4
+    # the base layer dequantises into a bf16 [out, in] temporary in forward and backward
+    log = r.events
+    assert any(log.strings[log.desc[k]] == "bf16[64,64]" and log.category[k] == Category.TEMPORARY
+               for k in range(len(log)) if log.action[k] == Action.ALLOC)
+
+
+def test_int8_and_fp8_weights_are_one_byte(llama) -> None:
+    for quant in ("int8", "fp8"):
+        r = trace_workload(llama, Workload(task="infer", batch=1, seq=16, precision="bf16", quant=quant), options=NO_WS)
+        bf16 = trace_workload(llama, Workload(task="infer", batch=1, seq=16, precision="bf16"), options=NO_WS)
+        params = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q,o + k,v + mlp, ×4 layers
+        rows = 4 * (64 * 2 + 32 * 2 + 128 * 2 + 64)  # output features: one fp32 scale each
+        saved = bf16.breakdown_at_peak.weights - r.breakdown_at_peak.weights
+        assert saved == params * (2 - 1) - rows * 4
+
+
+def test_8bit_and_paged_optimizer_states(llama) -> None:
+    w = Workload(**BASE, optimizer="adamw-8bit")
+    r = trace_workload(llama, w, options=NO_WS)
+    opt = [p for p in r.phases if p.phase is Phase.OPTIMIZER][0].breakdown.optimizer
+    assert opt < r.trainable_params * 8 / 3  # far below AdamW's 8 bytes/param
+    paged = trace_workload(llama, w.replace(optimizer="paged-adamw-8bit"), options=NO_WS)
+    assert all(p.breakdown.optimizer == 0 for p in paged.phases)
+    assert any("unified memory" in n for n in paged.notes)
+
+
+def test_gradient_accumulation_keeps_one_set_of_gradients(llama) -> None:
+    one = trace_workload(llama, Workload(**BASE), options=NO_WS)
+    two = trace_workload(llama, Workload(**BASE, grad_accum=2), options=NO_WS)
+    g1 = max(p.breakdown.gradients for p in one.phases)
+    g2 = max(p.breakdown.gradients for p in two.phases)
+    assert g1 == g2
+    fwd = sum(1 for k in range(len(two.events)) if two.events.strings[two.events.op[k]] == "forward")
+    assert fwd == 2 * 2  # two micro-batches per iteration, two iterations
+
+
+def test_pure_bf16_halves_weights_and_fp16_mixed_scales_the_loss(llama) -> None:
+    mixed = trace_workload(llama, Workload(**BASE), options=NO_WS)
+    pure = trace_workload(llama, Workload(**{**BASE, "precision": "bf16"}), options=NO_WS)
+    assert pure.breakdown_at_peak.weights * 2 == mixed.breakdown_at_peak.weights
+    fp16 = trace_workload(llama, Workload(**{**BASE, "precision": "fp16-mixed"}), options=NO_WS)
+    assert any("float16" in n for n in fp16.notes)
+
+
+def test_static_cache_preallocates_the_kv_cache(llama) -> None:
+    w = Workload(task="generate", batch=2, seq=16, new_tokens=8, precision="bf16")
+    dyn = trace_workload(llama, w, options=NO_WS, iterations=1)
+    static = trace_workload(llama, w, options=TraceOptions(workspaces=False, cache="static"), iterations=1)
+    # 4 layers × (k, v) × 2 kv heads × head dim 16 × (16 + 8) tokens × batch 2 × 2 bytes
+    full = 4 * 2 * 2 * 16 * 24 * 2 * 2
+    kv_static = max(p.breakdown.kv_cache for p in static.phases)
+    assert full <= kv_static <= full + 4 * 16  # plus a few per-layer bookkeeping scalars
+    last_dyn = [p for p in dyn.phases if p.phase is Phase.DECODE][0].breakdown.kv_cache
+    # DynamicCache grows by torch.cat: 23 tokens at the last step, plus the old copy of one
+    # layer's keys while its new copy is made
+    per_token = full // 24
+    assert last_dyn == 23 * per_token + 22 * per_token // 8
+    assert {str(p.phase) for p in dyn.phases} >= {"prefill", "decode"}
+
+
+def test_torch_compile_is_ignored_with_a_note() -> None:
+    model = nn.Sequential(nn.Linear(8, 8))
+
+    def make() -> nn.Module:
+        return torch.compile(model)
+
+    r = trace_model(make, torch.randn(2, 8), workload=Workload(task="infer", precision="fp32"), options=NO_WS)
+    assert any("torch.compile ignored" in n for n in r.notes)
+
+
+@pytest.mark.parametrize(("kv", "factor"), [("fp8", 0.5), ("int8", 0.5), ("int4", 0.25), ("fp32", 2.0)])
+def test_kv_dtype_changes_the_cache_storage(llama, kv: str, factor: float) -> None:
+    w = Workload(task="generate", batch=2, seq=512, new_tokens=2, precision="bf16")
+    base = trace_workload(llama, w, options=NO_WS, iterations=1)
+    quant = trace_workload(llama, w.replace(kv_dtype=kv), options=NO_WS, iterations=1)
+
+    def kv_bytes(r) -> int:
+        return [p for p in r.phases if p.phase is Phase.DECODE][0].breakdown.kv_cache
+
+    ratio = kv_bytes(quant) / kv_bytes(base)
+    # group-wise int formats add a scale and a zero point per 64 values (in bf16), and keep
+    # up to 128 recent tokens unquantised; fp8 keeps one scale per tensor
+    assert factor * 0.95 <= ratio <= factor * 1.25, ratio
+    assert any("KV cache" in n for n in quant.notes)
