@@ -21,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -128,6 +129,7 @@ def agreement() -> list[tuple[str, int, int]]:
 
 
 def main() -> int:
+    warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the 8B MemTracker reference run")
     args = ap.parse_args()

@@ -114,3 +114,21 @@ class _Positives(nn.Module):
         return torch.nonzero(x > 0)
 
 
+
+
+def test_cuda_calls_in_user_code_become_allocator_events() -> None:
+    class Syncs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x.cuda())
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return y
+
+    r = trace_model(Syncs(), torch.randn(2, 4), workload=INFER, options=NO_WS, iterations=1)
+    actions = [Action(a) for a in r.events.action]
+    assert Action.SYNC in actions and Action.EMPTY_CACHE in actions
+    assert actions.index(Action.SYNC) < actions.index(Action.EMPTY_CACHE)

@@ -152,11 +152,14 @@ def test_kv_dtype_changes_the_cache_storage(llama, kv: str, factor: float) -> No
     base = trace_workload(llama, w, options=NO_WS, iterations=1)
     quant = trace_workload(llama, w.replace(kv_dtype=kv), options=NO_WS, iterations=1)
 
-    def kv_bytes(r) -> int:
-        return [p for p in r.phases if p.phase is Phase.DECODE][0].breakdown.kv_cache
+    def kv_after_prefill(r) -> int:
+        log = r.events
+        last = max(k for k in range(len(log)) if log.phase[k] == list(Phase).index(Phase.PREFILL))
+        return analysis.breakdown_at(analysis.arrays(log), last).kv_cache
 
-    ratio = kv_bytes(quant) / kv_bytes(base)
-    # group-wise int formats add a scale and a zero point per 64 values (in bf16), and keep
-    # up to 128 recent tokens unquantised; fp8 keeps one scale per tensor
-    assert factor * 0.95 <= ratio <= factor * 1.25, ratio
+    ratio = kv_after_prefill(quant) / kv_after_prefill(base)
+    # group-wise int formats add a bf16 scale and zero point per 64 values: 4/64 B per value,
+    # i.e. 1/32 of bf16; fp8 keeps one fp32 scale per tensor
+    expected = factor + (1 / 32 if kv.startswith("int") else 0.0)
+    assert abs(ratio - expected) < 1e-3, ratio
     assert any("KV cache" in n for n in quant.notes)

@@ -22,7 +22,7 @@ _LAZY = {
     "Breakdown": "vramplan.results",
     "VramplanError": "vramplan.errors",
     "estimate": "vramplan.planner.estimate",
-    "trace": "vramplan.trace.api",
+    "trace": "vramplan.trace",
     "fit": "vramplan.planner.fit",
     "plan": "vramplan.planner.plan",
     "measure": "vramplan.measure",
@@ -37,4 +37,7 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'vramplan' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name if name != "resolve_model" else "resolve")
+    module = importlib.import_module(mod)
+    if name in ("trace", "measure"):  # callable packages (see their __init__)
+        return module
+    return getattr(module, name if name != "resolve_model" else "resolve")

@@ -47,8 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--emit", choices=EMIT_FORMATS, default=None,
                    help="print the config to paste for the chosen plan instead of the table")
     o.add_argument("--pick", type=int, default=1, metavar="N", help="which plan (row) to emit (default 1)")
-    add_output_args(p, plot=False)
+    add_output_args(p)
     p.set_defaults(func=run)
+    for a in p._actions:
+        if a.dest == "plot":
+            a.help = ("write memory against micro-batch (.png, .svg or .html) for the top plans, "
+                      "or with --rank-gpus for the top GPU types, with each GPU's usable capacity")
 
 
 @contextlib.contextmanager
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
             raise PlanError(f"--{name.replace('_', '-')} must be {'≥ 0' if name == 'confirm' else 'positive'}, got {v}")
     if args.budget is not None and args.budget <= 0:
         raise PlanError(f"--budget must be a positive number of dollars per hour, got {args.budget}")
+    if args.plot:
+        from vramplan.report.plot import check_plot_path
+
+        check_plot_path(args.plot)
     if args.rank_gpus:
         return _rank(args, w)
     if not args.gpu:
@@ -96,9 +104,20 @@ def run(args: argparse.Namespace) -> int:
                       method=args.method, alloc_conf=args.alloc_conf, sort=args.sort or "speed",
                       confirm=args.confirm, progress=progress)
     if args.emit:
-        return _emit(args, result.plans, result.to_dict())
-    emit(plan_doc(result, top=args.top or 10), args.format, sys.stdout, result.to_dict())
-    return 0
+        code = _emit(args, result.plans, result.to_dict())
+    else:
+        emit(plan_doc(result, top=args.top or 10), args.format, sys.stdout, result.to_dict())
+        code = 0
+    if args.plot:
+        from vramplan.planner.sweep import plan_sweep, short_gpu
+
+        from .fit_cmd import draw
+
+        n = max(p.num_gpus for p in result.plans)
+        on = ("up to " if n > 1 else "") + f"{n}× {short_gpu(result.plans[0].gpu_name)}"
+        draw(plan_sweep(args.model, result), args.plot,
+             f"{result.model}: top plans on {on}, memory per GPU vs batch size")
+    return code
 
 
 def _rank(args: argparse.Namespace, w: Any) -> int:
@@ -117,9 +136,18 @@ def _rank(args: argparse.Namespace, w: Any) -> int:
                            alloc_conf=args.alloc_conf, sort=args.sort or "cost", confirm=args.confirm,
                            progress=progress)
     if args.emit:
-        return _emit(args, [r.plan for r in result.ranked], result.to_dict())
-    emit(ranking_doc(result, top=args.top or 15), args.format, sys.stdout, result.to_dict())
-    return 0
+        code = _emit(args, [r.plan for r in result.ranked], result.to_dict())
+    else:
+        emit(ranking_doc(result, top=args.top or 15), args.format, sys.stdout, result.to_dict())
+        code = 0
+    if args.plot:
+        from vramplan.planner.sweep import rank_sweep
+
+        from .fit_cmd import draw
+
+        draw(rank_sweep(args.model, result), args.plot,
+             f"{result.model}: memory per GPU vs batch size, best plan per GPU type")
+    return code
 
 
 def _emit(args: argparse.Namespace, plans: Any, obj: dict[str, Any]) -> int:

@@ -47,6 +47,11 @@ PHASE_SHADES: Mapping[str, tuple[str, float]] = {
     "optimizer": ("#4E79A7", 0.08), "prefill": ("#000000", 0.04),
 }
 """Background of each phase span (forward and decode stay white)."""
+MARKER_STYLES: tuple[tuple[str, str, bool], ...] = (
+    ("D", "#222222", False), ("*", "#2E7D32", True), ("X", "#C00000", True), ("s", "#6A1B9A", False),
+    ("^", "#8D6E00", True),
+)
+"""Sweep markers, in the order given: (shape, colour, filled)."""
 OFF_SCALE = 2.5
 """A capacity line more than this many times the data's height is named, not drawn."""
 _FINE = {c.label: c.bucket for c in Category}
@@ -76,6 +81,8 @@ class PlotData:
     """Sweeps: series name → (x, bytes)."""
     extra_series: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     """Other drawn series that are not bytes (e.g. fragmentation as a fraction)."""
+    markers: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    """Sweeps: points drawn as markers, not joined (name → (x, bytes)), e.g. traced points."""
     unit: str = "GiB"
     """The unit of the drawn axes: GiB, or MiB when everything is below 1 GiB."""
 
@@ -107,13 +114,19 @@ def plot_sweep(
     points: Mapping[str, Sequence[tuple[float, int]]], path: str | Path, *, x_label: str,
     capacities: Mapping[str, int] | None = None, title: str = "Predicted peak memory",
     y_label: str = "predicted peak, device used",
+    markers: Mapping[str, Sequence[tuple[float, int]]] | None = None,
+    paired: Mapping[str, str] | None = None,
 ) -> PlotData:
     """Memory against a swept quantity (batch size, sequence length): one line per series
     (``points``: name → [(x, bytes)]), one dashed line per GPU at its usable capacity
-    (``capacities``: label → bytes)."""
+    (``capacities``: label → bytes), and optional unjoined ``markers`` (name → [(x, bytes)],
+    e.g. traced points or a boundary; each name gets the next symbol of :data:`MARKER_STYLES`,
+    in order: an empty one is not drawn but keeps its symbol, so that a role keeps its look).
+    ``paired``: series name → capacity label; that capacity line takes the series' colour
+    (one GPU per curve)."""
     with _style():
         return _plot_sweep(points, path, x_label=x_label, capacities=capacities, title=title,
-                           y_label=y_label)
+                           y_label=y_label, markers=markers, paired=paired)
 
 
 def plot_snapshot(analysis: SnapshotAnalysis, path: str | Path) -> PlotData:
@@ -187,31 +200,48 @@ def _plot_sweep(
     points: Mapping[str, Sequence[tuple[float, int]]], path: str | Path, *, x_label: str,
     capacities: Mapping[str, int] | None = None, title: str = "Predicted peak memory",
     y_label: str = "predicted peak, device used",
+    markers: Mapping[str, Sequence[tuple[float, int]]] | None = None,
+    paired: Mapping[str, str] | None = None,
 ) -> PlotData:
     p = check_plot_path(path)
     pts = {name: tuple(sorted((float(x), int(b)) for x, b in s)) for name, s in points.items()}
     if not any(pts.values()):
         raise VramplanError("nothing to plot: the sweep has no points")
+    styles = {name: k for k, name in enumerate(markers or {})}
+    marks = {name: tuple(sorted((float(x), int(b)) for x, b in s)) for name, s in (markers or {}).items() if s}
     levels = dict(capacities or {})
-    unit = _unit(*(b for s in pts.values() for _, b in s), *levels.values())
+    unit = _unit(*(b for s in (*pts.values(), *marks.values()) for _, b in s), *levels.values())
     data = PlotData(path=str(p), kind="sweep", title=title, x_label=x_label, points=pts,
-                    levels=levels, unit=unit)
+                    levels=levels, unit=unit, markers=marks)
     sc = _SCALE[unit]
     fig = _new_figure((9.0, 5.6))
     ax = fig.add_subplot(1, 1, 1)
     for i, (name, s) in enumerate(pts.items()):
         xs, ys = [a for a, _ in s], [b / sc for _, b in s]
         ax.plot(xs, ys, marker="o", ms=4, lw=1.8, color=_cycle(i), label=name)
-    xs_all = [a for s in pts.values() for a, _ in s]
+    for name, s in marks.items():
+        shape, color, filled = MARKER_STYLES[styles[name] % len(MARKER_STYLES)]
+        ax.scatter([a for a, _ in s], [b / sc for _, b in s], marker=shape, s=70, zorder=5, linewidths=1.4,
+                   facecolors=color if filled else "none", edgecolors=color, label=name)
+    xs_all = [a for s in (*pts.values(), *marks.values()) for a, _ in s]
     if min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(_int_formatter())
-    _draw_levels(ax, data.levels, unit, clip=False)
+    elif all(float(a).is_integer() for a in xs_all):  # batch sizes, token counts: no 1.5 ticks
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    order = {name: i for i, name in enumerate(pts)}
+    colors = {lv: _cycle(order[name]) for name, lv in (paired or {}).items() if name in order}
+    _draw_levels(ax, data.levels, unit, clip=False, colors=colors)
     ax.set_xlabel(x_label)
     ax.set_ylabel(f"{y_label} ({unit})")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    if marks:  # below the axes: markers sit where the curves cross the capacity lines
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8, frameon=False)
+    else:
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     ax.set_title(title, fontsize=12, loc="left")
     fig.tight_layout()
     _save(fig, data, "")
@@ -421,14 +451,20 @@ def _draw_phase_bars(ax: Axes, data: PlotData) -> None:
     _mem_axis(ax, data.unit)
 
 
-def _draw_levels(ax: Axes, levels: Mapping[str, int], unit: str, clip: bool = True) -> None:
-    """Dashed capacity lines; with ``clip``, one above the y range is named at the top instead."""
+def _draw_levels(ax: Axes, levels: Mapping[str, int], unit: str, clip: bool = True,
+                 colors: Mapping[str, str] | None = None) -> None:
+    """Dashed capacity lines; with ``clip``, one above the y range is named at the top instead.
+    ``colors``: level name → colour, for those not in the default palette's order."""
     sc = _SCALE[unit]
     palette = ("#C00000", "#1F4E9A", "#2E7D32", "#6A1B9A", "#8D6E00", "#00695C")
     styles = ("--", "-.", ":", (0, (5, 1, 1, 1)))
     above = 0
+    near = 0.05 * max(ax.get_ylim()[1] * sc, *levels.values(), 0)  # about a line of text: names overlap
+    left: list[int] = []
+    left_below: list[int] = []
+    named_right: list[int] = []
     for k, (name, v) in enumerate(levels.items()):
-        color = palette[k % len(palette)]
+        color = (colors or {}).get(name) or palette[k % len(palette)]
         if clip and v / sc > ax.get_ylim()[1]:
             ax.annotate(f"▲ {name}: {_g(v)} (above the plot)", (1.0, 1.0), xycoords="axes fraction",
                         xytext=(-4, -4 - 12 * above), textcoords="offset points", ha="right", va="top",
@@ -436,9 +472,15 @@ def _draw_levels(ax: Axes, levels: Mapping[str, int], unit: str, clip: bool = Tr
             above += 1
             continue
         ax.axhline(v / sc, color=color, lw=1.4, ls=styles[k % len(styles)], label=f"{name} ({_g(v)})")
-        ax.annotate(f"{name}: {_g(v)}", (0.0, v / sc), xycoords=("axes fraction", "data"),
-                    xytext=(4, 3), textcoords="offset points", ha="left", va="bottom",
-                    fontsize=8, color=color)
+        # names go above their line at the left; one too close to a name there goes below its
+        # line when it is the lower one, else to the right end
+        close = [u for u in left if abs(v - u) < near]
+        below = bool(close) and all(v < u for u in close) and not any(abs(v - u) < near for u in left_below)
+        right = bool(close) and not below
+        (named_right if right else left_below if below else left).append(v)
+        ax.annotate(f"{name}: {_g(v)}", (1.0 if right else 0.0, v / sc), xycoords=("axes fraction", "data"),
+                    xytext=(-4 if right else 4, -3 if below else 3), textcoords="offset points",
+                    ha="right" if right else "left", va="top" if below else "bottom", fontsize=8, color=color)
 
 
 def _mark_peak(ax: Axes, x: float | None, value: int, text: str, unit: str) -> None:

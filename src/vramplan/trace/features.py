@@ -4,7 +4,8 @@ Order (each step sees the previous one's model): precision → LoRA (peft) → q
 weights → adapters onto the trace device → gradient checkpointing.
 
 - precision: ``fp32`` and ``*-mixed`` keep fp32 weights (mixed adds emulated CUDA autocast);
-  ``bf16``/``fp16`` convert the model (pure low precision).
+  ``bf16``/``fp16`` convert the model (pure low precision); under PEFT the frozen base is
+  stored in the compute dtype.
 - LoRA: ``peft.get_peft_model`` with ``LoraConfig(r, alpha=2r, dropout=0)``; peft keeps the
   adapters in fp32 over 16-bit bases (``autocast_adapter_dtype``), as it does on a GPU.
 - QLoRA / int8 / int4 / nf4 / fp8: base ``nn.Linear`` layers (not the LM head) become
@@ -30,7 +31,15 @@ from torch.utils.checkpoint import (
 )
 
 from ..errors import TraceError
-from ..workload import ALL_LINEAR, Checkpointing, Peft, Precision, Quant, Workload
+from ..workload import (
+    ALL_LINEAR,
+    LORA_DEFAULT_TARGETS,
+    Checkpointing,
+    Peft,
+    Precision,
+    Quant,
+    Workload,
+)
 from .quant import quantize_linears
 
 aten = torch.ops.aten
@@ -42,6 +51,11 @@ _SAVE_OPS = frozenset({
 
 
 def param_dtype(w: Workload) -> torch.dtype:
+    """Dtype of the stored weights: fp32 masters under fp32/mixed precision; 16-bit when pure;
+    under PEFT the frozen base is stored in the compute dtype (the usual recipe: load the
+    base in bf16, train fp32 adapters under autocast)."""
+    if w.peft is not Peft.NONE:
+        return compute_dtype(w)
     return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(w.precision, torch.float32)
 
 
@@ -59,9 +73,15 @@ def autocast_dtype(w: Workload) -> torch.dtype | None:
 
 def apply_precision(model: nn.Module, w: Workload) -> list[str]:
     model.to(param_dtype(w))
+    if w.mixed and w.peft is not Peft.NONE:
+        return [f"{w.precision} with PEFT: frozen base stored in {_name(compute_dtype(w))}, CUDA autocast emulated"]
     if w.mixed:
-        return [f"{w.precision}: fp32 weights, CUDA autocast to {str(compute_dtype(w)).removeprefix('torch.')} emulated"]
+        return [f"{w.precision}: fp32 weights, CUDA autocast to {_name(compute_dtype(w))} emulated"]
     return []
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def lora_targets(model: nn.Module, w: Workload) -> list[str]:
@@ -81,15 +101,22 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         from peft import LoraConfig, get_peft_model
     except ImportError:  # pragma: no cover - peft is in the models extra
         raise TraceError("LoRA tracing needs peft", hint="pip install 'vramplan[models]'") from None
-    targets = lora_targets(model, w)
+    targets: list[str] | None = lora_targets(model, w)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    if not set(targets) & present:
-        raise TraceError(f"none of the LoRA target modules {targets} exist in the model",
-                         hint="set lora_targets to module names of the model, or all-linear")
+    note = ""
+    if not set(targets or ()) & present:
+        if tuple(w.lora_targets) != LORA_DEFAULT_TARGETS:
+            raise TraceError(f"none of the LoRA target modules {targets} exist in the model",
+                             hint="set lora_targets to module names of the model, or all-linear")
+        targets, note = None, " (the default q/k/v/o names are absent: peft's defaults for this architecture)"
     cfg = LoraConfig(r=w.lora_rank, lora_alpha=2 * w.lora_rank, lora_dropout=0.0,
                      target_modules=targets, bias="none")
-    peft_model = get_peft_model(model, cfg)
-    return peft_model, [f"LoRA r={w.lora_rank} on {', '.join(targets)} (peft {_peft_version()})"]
+    try:
+        peft_model = get_peft_model(model, cfg)
+    except ValueError as e:
+        raise TraceError(f"LoRA cannot wrap this model: {e}", hint="set lora_targets to module names of the model") from None
+    used = sorted(cfg.target_modules) if cfg.target_modules else []
+    return peft_model, [f"LoRA r={w.lora_rank} on {', '.join(used)}{note} (peft {_peft_version()})"]
 
 
 def _peft_version() -> str:

@@ -94,6 +94,13 @@ class Recorder:
         self._emit(int(Action.MARK), 0, 0, UNDECIDED)
         self.op = saved
 
+    def emit_action(self, action: Action, label: str) -> None:
+        """A SYNC / EMPTY_CACHE event (no memory change; the allocator replay acts on it)."""
+        saved = self.op
+        self.op = self.intern(label)
+        self._emit(int(action), 0, 0, UNDECIDED)
+        self.op = saved
+
     def synthetic_alloc(self, size: int, cat: Category, desc: str, op: str | None = None) -> int:
         """Allocate memory that no tensor stands for (a kernel workspace); returns its id."""
         eid = self._next_id

@@ -79,6 +79,11 @@ def trace_model(
     """
     _check_iterations(iterations)
     opts = options or TraceOptions()
+    if isinstance(optimizer, str):  # a workload optimizer name (e.g. "adamw"), not a factory
+        workload = workload.replace(optimizer=optimizer)
+        optimizer = None
+    if optimizer is not None and not callable(optimizer):
+        raise TraceError(f"optimizer must be a function params -> torch.optim.Optimizer, got {optimizer!r}")
     model, notes = _materialize(model_or_factory)
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         inputs = inputs()
@@ -216,11 +221,11 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
                      gpu: GPU | None) -> Prepared:
     try:
         notes += features.apply_precision(model, w)
+        params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
         model, peft_notes = features.apply_peft(model, w)
         notes += peft_notes
         features.to_trace_device(model)
-        params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
         notes += features.apply_checkpointing(model, w)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import Category
+from ..events import Action, Category
 from ..workload import Phase
 from .autocast import Autocast
 from .cuda import DeviceProfile
@@ -44,6 +44,7 @@ class TraceSession:
         st.enter_context(_patched_fused_devices())
         st.enter_context(_patched_compile(self.notes))
         st.enter_context(_patched_checkpoint(self))
+        st.enter_context(_patched_cuda_calls(self.rec))
         st.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
         st.enter_context(self.functions)
@@ -60,6 +61,7 @@ class TraceSession:
         self.modules.add_root(model, name)
         rec = self.rec
         rec.phase = PHASE_INDEX[Phase.SETUP]
+        rec.op = rec.intern("model weights")
         for mod in model.modules():
             rec.module = self.modules.name_of(mod)
             for p in mod.parameters(recurse=False):
@@ -70,6 +72,7 @@ class TraceSession:
 
     def add_inputs(self, tensors: Iterable[Any]) -> None:
         self.rec.phase = PHASE_INDEX[Phase.SETUP]
+        self.rec.op = self.rec.intern("step inputs")
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self.rec.track(t, int(Category.INPUT))
@@ -201,6 +204,25 @@ def _patched_checkpoint(sess: TraceSession) -> Iterator[None]:
     finally:
         ckpt._checkpoint_without_reentrant_generator = gen  # type: ignore[assignment]
         ckpt.CheckpointFunction.backward = staticmethod(reentrant_bwd)  # type: ignore[method-assign, assignment]
+
+
+@contextlib.contextmanager
+def _patched_cuda_calls(rec: Recorder) -> Iterator[None]:
+    """``torch.cuda.synchronize()`` / ``empty_cache()`` in user code become SYNC / EMPTY_CACHE
+    events for the allocator replay (instead of failing on a machine without CUDA)."""
+    sync, empty = torch.cuda.synchronize, torch.cuda.empty_cache
+
+    def synchronize(device: Any = None) -> None:
+        rec.emit_action(Action.SYNC, "torch.cuda.synchronize")
+
+    def empty_cache() -> None:
+        rec.emit_action(Action.EMPTY_CACHE, "torch.cuda.empty_cache")
+
+    torch.cuda.synchronize, torch.cuda.empty_cache = synchronize, empty_cache  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.empty_cache = sync, empty  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

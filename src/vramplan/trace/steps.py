@@ -99,6 +99,7 @@ def train_step(sess: TraceSession, plan: StepPlan) -> None:
         with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
             out = call_model(plan.model, plan.batch)
             loss = loss_of(out, plan.batch, plan.loss_fn)
+            _label_model_cache(sess, out)
             del out
             if plan.grad_scaler:
                 if scale is None:
@@ -128,7 +129,15 @@ def train_step(sess: TraceSession, plan: StepPlan) -> None:
 def infer_step(sess: TraceSession, plan: StepPlan) -> None:
     with torch.inference_mode(), sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
         out = call_model(plan.model, plan.batch)
+        _label_model_cache(sess, out)
         del out
+
+
+def _label_model_cache(sess: TraceSession, out: Any) -> None:
+    """A transformers model called with ``use_cache`` fills a cache of its own: kv_cache."""
+    cache = getattr(out, "past_key_values", None)
+    if cache is not None and not isinstance(cache, torch.Tensor):
+        sess.label_cache(cache)
 
 
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
