@@ -132,3 +132,10 @@ def test_cuda_calls_in_user_code_become_allocator_events() -> None:
     actions = [Action(a) for a in r.events.action]
     assert Action.SYNC in actions and Action.EMPTY_CACHE in actions
     assert actions.index(Action.SYNC) < actions.index(Action.EMPTY_CACHE)
+
+
+def test_sharded_layouts_are_refused_not_misreported() -> None:
+    with pytest.raises(TraceError, match="unsharded"):
+        trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2, dp=2))
+    r = trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=4), options=NO_WS)
+    assert any("dp=4 traced as one replica" in n for n in r.notes)

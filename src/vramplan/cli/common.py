@@ -28,14 +28,14 @@ def _choices(cls: Any) -> list[str]:
     return [m.value for m in cls]
 
 
-def add_output_args(p: argparse.ArgumentParser, plot: bool = True) -> None:
+def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: str | None = None) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--format", choices=["table", "json", "markdown"], default="table",
                    help="report format (default: table)")
     g.add_argument("--json", action="store_const", const="json", dest="format",
                    help="same as --format json (integer bytes)")
     if plot:
-        g.add_argument("--plot", metavar="FILE", help="write a plot (.png, .svg or .html)")
+        g.add_argument("--plot", metavar="FILE", help=plot_help or "write a plot (.png, .svg or .html)")
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:

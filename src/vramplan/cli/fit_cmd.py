@@ -29,12 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     p.add_argument("--seq-step", type=int, default=None,
                    help="resolution of the max-seq answer in tokens (default: automatic, ≥ 64)")
-    add_output_args(p)
+    add_output_args(p, plot_help=("write memory against batch size to FILE (.png, .svg or .html) and against "
+                      "sequence length to FILE-seq (e.g. out.png and out-seq.png)"))
     p.set_defaults(func=run)
-    for a in p._actions:
-        if a.dest == "plot":
-            a.help = ("write memory against batch size to FILE (.png, .svg or .html) and against "
-                      "sequence length to FILE-seq (e.g. out.png and out-seq.png)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,12 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--emit", choices=EMIT_FORMATS, default=None,
                    help="print the config to paste for the chosen plan instead of the table")
     o.add_argument("--pick", type=int, default=1, metavar="N", help="which plan (row) to emit (default 1)")
-    add_output_args(p)
+    add_output_args(p, plot_help=("write memory against micro-batch (.png, .svg or .html) for the top plans, "
+                      "or with --rank-gpus for the top GPU types, with each GPU's usable capacity"))
     p.set_defaults(func=run)
-    for a in p._actions:
-        if a.dest == "plot":
-            a.help = ("write memory against micro-batch (.png, .svg or .html) for the top plans, "
-                      "or with --rank-gpus for the top GPU types, with each GPU's usable capacity")
 
 
 @contextlib.contextmanager

@@ -75,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
     model, inputs, *rest = made
     w = workload_from_args(args)
-    fields = {k: v for k, v in w.__dict__.items() if k != "task"}
-    report = trace(model, inputs, task=w.task.value, loss_fn=rest[0] if rest else None, gpu=args.gpu,
-                   alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target, **fields)
+    report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
+                   alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0

@@ -349,8 +349,9 @@ def trace(
     build_model: Callable[[], Any] | Any,
     inputs: Any = None,
     *,
+    workload: Workload | None = None,
     task: str = "train",
-    optimizer: Callable[[Any], Any] | None = None,
+    optimizer: Callable[[Any], Any] | str | None = None,
     loss_fn: Callable[..., Any] | None = None,
     gpu: str | GPU | None = None,
     alloc_conf: str | None = None,
@@ -361,19 +362,30 @@ def trace(
     """Trace a user's own model (an ``nn.Module`` or a factory returning one) on fake tensors.
 
     ``inputs``: a tensor, tuple of tensors or dict of keyword tensors for ``model(...)``.
-    ``optimizer``: ``lambda params: torch.optim.AdamW(params, lr=1e-4)``; default: the
-    workload's optimizer. Other keywords are :class:`~vramplan.workload.Workload` fields
-    (precision, checkpointing, batch, ...).
+    ``optimizer``: a factory such as ``lambda params: torch.optim.AdamW(params, lr=1e-4)``, or
+    the name of a workload optimizer (``"adamw-8bit"``); default: the workload's optimizer.
+    ``workload`` or keywords: :class:`~vramplan.workload.Workload` fields (precision,
+    checkpointing, ...).
     """
     from ..trace.run import trace_model
 
-    w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
+    factory = optimizer if callable(optimizer) else None
+    if isinstance(optimizer, str):
+        workload_fields["optimizer"] = optimizer
+    if workload is not None:
+        w = workload.replace(**workload_fields) if workload_fields else workload
+    else:
+        w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
     g = resolve_gpu(gpu)
-    capacity = _pool_capacity(g, w)
-    tr = trace_model(build_model, inputs, workload=w, optimizer=optimizer, loss_fn=loss_fn, gpu=g,
+    if alloc_conf:
+        from ..allocator import parse_conf
+
+        parse_conf(alloc_conf)
+    tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, gpu=g,
                      iterations=iterations)
-    core = _trace_core(tr, w, alloc_conf, capacity)
+    core = _trace_core(tr, w, alloc_conf, _pool_capacity(g, w))
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
+    core = dataclasses.replace(core, extra={**core.extra, "user_model": True})
     return _finish(core, label, w, g, notes=[], spec=None, search_max_batch=False)
 
 

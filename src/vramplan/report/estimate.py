@@ -24,9 +24,19 @@ def pct(n: int | float, total: int | float) -> str:
     return f"{100 * n / total:.1f} %" if total else "–"
 
 
+def count(n: int) -> str:
+    """Parameter counts: 8.030 B, 124.4 M, 75.3 K (decimal, as model cards write them)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.{3 if unit == 'B' else 1}f} {unit}"
+    return str(n)
+
+
 def workload_line(r: MemoryReport) -> str:
     w = r.workload
-    parts = [f"task {w.task}", f"batch {w.batch}", f"seq {w.seq}"]
+    parts = [f"task {w.task}"]
+    if not r.extra.get("user_model"):  # a user's own inputs fix their own shapes
+        parts += [f"batch {w.batch}", f"seq {w.seq}"]
     if w.task.value == "generate":
         parts.append(f"+{w.new_tokens} new tokens")
     parts.append(str(w.precision))
@@ -60,8 +70,9 @@ def workload_line(r: MemoryReport) -> str:
 
 def to_doc(r: MemoryReport) -> Doc:
     doc = Doc(
-        title=f"vramplan estimate: {r.model} — {r.params / 1e9:,.3f} B params"
-        + (f" ({r.trainable_params:,} trainable)" if r.trainable_params != r.params else ""),
+        title=f"vramplan {'trace' if r.extra.get('user_model') else 'estimate'}: {r.model} — "
+        f"{count(r.params)} params"
+        + (f" ({count(r.trainable_params)} trainable)" if r.trainable_params != r.params else ""),
         subtitle=f"{workload_line(r)}\nmethod: {r.method} · sizes in GiB (2^30 bytes), per GPU",
     )
     pk = r.peak

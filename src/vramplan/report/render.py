@@ -28,7 +28,7 @@ def render_console(doc: Doc, console: Console) -> None:
     for s in doc.sections:
         if isinstance(s, Table):
             rt = RichTable(title=s.title or None, box=box.SIMPLE_HEAVY, title_justify="left",
-                           show_footer=False)
+                           show_footer=False, min_width=len(s.title) + 4 if s.title else None)
             for i, c in enumerate(s.columns):
                 rt.add_column(c, justify=_align(s, i), overflow="fold")  # type: ignore[arg-type]
             for r in s.rows:

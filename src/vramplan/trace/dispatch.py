@@ -14,6 +14,7 @@ Per op (below autograd, so backward ops and autograd's own buffers are seen too)
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -108,6 +109,7 @@ class TraceMode(TorchDispatchMode):
         self._op_ids: dict[Any, int] = {}
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
+        self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
@@ -134,6 +136,8 @@ class TraceMode(TorchDispatchMode):
             return None
         if func in NO_META_KERNEL_INPLACE:
             return None
+        if _any_meta(args) and _any_host(args):
+            args = self._lift(args)
         values = self.values
         cpu_args: Any = None
         if values.shadow or not _any_meta(args):
@@ -192,6 +196,28 @@ class TraceMode(TorchDispatchMode):
         elif func in _COMPOSITE_GEMM and isinstance(out, torch.Tensor):
             # linear/matmul reach the mode undecomposed under inference_mode: 2·out·K
             self.flops += 2 * out.numel() * int(args[0].shape[-1])
+
+    def _lift(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Host tensors met beside fake ones (a label tensor captured by the user's loss
+        closure, say) would be on the GPU in the real run: replace them by fake copies that
+        keep their values, recorded as inputs at first use (once per host tensor)."""
+        out: list[Any] = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0:
+                hit = self._lifted.get(id(a))
+                if hit is not None and hit[0]() is a:
+                    m = hit[1]
+                else:  # (tensors compare elementwise, so key by identity, not by the tensor)
+                    m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                    self.values.set_shadow(m, a.detach())
+                    self.rec.track(m, int(Category.INPUT))
+                    self._lifted[id(a)] = (weakref.ref(a), m)
+                out.append(m)
+            elif isinstance(a, (list, tuple)) and _any_host(a):
+                out.append(type(a)(self._lift(tuple(a))))
+            else:
+                out.append(a)
+        return tuple(out)
 
     # --- tracking ------------------------------------------------------------------
     def _track(self, out: Any) -> None:
@@ -309,6 +335,16 @@ def _any_meta(args: tuple[Any, ...]) -> bool:
             for t in a:
                 if isinstance(t, torch.Tensor) and t.device.type == "meta":
                     return True
+    return False
+
+
+def _any_host(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "meta" and a.dim() > 0:
+                return True
+        elif isinstance(a, (list, tuple)) and _any_host(a):
+            return True
     return False
 
 

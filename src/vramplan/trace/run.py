@@ -84,7 +84,9 @@ def trace_model(
         optimizer = None
     if optimizer is not None and not callable(optimizer):
         raise TraceError(f"optimizer must be a function params -> torch.optim.Optimizer, got {optimizer!r}")
+    parallel = _parallel_notes(workload)
     model, notes = _materialize(model_or_factory)
+    notes += parallel
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
@@ -104,7 +106,7 @@ def trace_workload(
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
-    notes: list[str] = []
+    notes: list[str] = _parallel_notes(w)
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
@@ -122,6 +124,18 @@ def trace_workload(
 def _check_iterations(iterations: int) -> None:
     if not isinstance(iterations, int) or iterations < 1:
         raise WorkloadError(f"iterations must be a positive integer, got {iterations!r}")
+
+
+def _parallel_notes(w: Workload) -> list[str]:
+    """The trace runs one unsharded GPU: sharded layouts are refused rather than misreported."""
+    p = w.parallel
+    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.sp or p.offload_optimizer or p.offload_params:
+        raise TraceError("the trace runs one unsharded GPU; tensor/pipeline/context/expert parallelism, "
+                         "ZeRO/FSDP sharding and offload are not traced",
+                         hint="use --method analytic for parallel layouts")
+    if p.dp > 1:
+        return [f"dp={p.dp} traced as one replica: DDP's gradient buckets (about the gradients' size) are not included"]
+    return []
 
 
 def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
