@@ -170,6 +170,9 @@ class MemoryReport:
     top_tensors: tuple[TensorStat, ...] = ()
     iterations: tuple[IterationPeak, ...] = ()
     timeline: Timeline | None = None
+    model_states: Breakdown | None = None
+    """Persistent per-GPU model states (weights, gradients, optimizer states) as sharded —
+    what ZeRO's 16Ψ formulas describe; the peak breakdown may add transients (gathered layers)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Method-specific data (e.g. the trace's event log under ``events``); not rendered by default."""
 
@@ -206,6 +209,10 @@ class MemoryReport:
             ],
             "notes": list(self.notes),
         }
+        if self.model_states is not None:
+            ms = self.model_states
+            d["model_states"] = {"weights": ms.weights, "gradients": ms.gradients,
+                                 "optimizer": ms.optimizer, "total": ms.total}
         if self.allocator is not None:
             d["allocator"] = dataclasses.asdict(self.allocator)
         if self.verdict is not None:

@@ -86,6 +86,7 @@ class _Core:
     iterations: tuple[IterationPeak, ...] = ()
     trace: TraceResult | None = None
     timeline: Timeline | None = None
+    model_states: Breakdown | None = None
 
 
 def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
@@ -107,6 +108,8 @@ def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
         peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
         trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
         notes=notes, extra={"flops_per_step": est.flops_per_step},
+        model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
+                               optimizer=est.states.optimizer),
     )
 
 
@@ -197,8 +200,17 @@ def _trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capac
         peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
         notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
-        iterations=tuple(tr.iterations), trace=tr,
+        iterations=tuple(tr.iterations), trace=tr, model_states=_traced_states(tr),
     )
+
+
+def _traced_states(tr: TraceResult) -> Breakdown:
+    """Model states of a traced training step: at the optimizer step all of them exist."""
+    for p in tr.phases:
+        if p.phase is Phase.OPTIMIZER:
+            b = p.breakdown
+            return Breakdown(weights=b.weights, gradients=b.gradients, optimizer=b.optimizer)
+    return Breakdown(weights=tr.breakdown_at_peak.weights)
 
 
 # --------------------------------------------------------------------------- verdict
@@ -342,6 +354,7 @@ def _finish(core: _Core, name: str, w: Workload, g: GPU | None, *, notes: list[s
         top_modules=core.trace.top_modules if core.trace is not None else (),
         top_tensors=core.trace.top_tensors if core.trace is not None else (),
         iterations=core.iterations, timeline=timeline, extra=dict(core.extra),
+        model_states=core.model_states,
     )
 
 

@@ -92,6 +92,10 @@ def to_doc(r: MemoryReport) -> Doc:
                   footer=["= device used (nvidia-smi)", g(pk.device_used), "100.0 %"]))
 
     kv: list[tuple[str, str]] = [("peak phase", str(r.peak_phase))]
+    if r.model_states is not None and r.workload.training:
+        ms = r.model_states
+        kv.append(("model states", f"{g(ms.total)} GiB persistent = weights {g(ms.weights)} + gradients "
+                   f"{g(ms.gradients)} + optimizer {g(ms.optimizer)}"))
     if r.iterations:
         kv.append(("per iteration", ", ".join(
             f"#{i.iteration}: {g(i.allocated)} GiB ({i.phase})" for i in r.iterations)))
