@@ -176,7 +176,11 @@ def apply_checkpointing(model: nn.Module, w: Workload) -> list[str]:
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        layers = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", None) is True and m is not hf]
+        flagged = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", None) is True and m is not hf]
+        # The flag is also set on containers (e.g. LlamaModel); the checkpointed units are the
+        # innermost flagged modules (the decoder layers).
+        layers = [m for m in flagged if not any(
+            getattr(c, "gradient_checkpointing", None) is True for c in m.modules() if c is not m)]
         keep = _fraction(len(layers), w.checkpoint_fraction)
         for m in layers[keep:]:
             m.gradient_checkpointing = False
