@@ -70,7 +70,8 @@ def _catalog_doc(specs: list[ModelSpec], entries: dict[str, CatalogEntry], famil
     for s in specs:
         e = entries[s.name]
         active = _short(s.active_params) if s.is_moe else "–"
-        published = e.published_text.split(",")[0].removesuffix(" total")
+        # "46.7B total, 12.9B active" -> "46.7B"; an exact "25,557,032" keeps its digit groups
+        published = e.published_text.split(", ")[0].removesuffix(" total")
         rows.append([
             s.name, e.hub_id, str(s.family), _count(s.params), active, published,
             str(s.layers or "–"), str(s.hidden or "–"), _heads(s),

@@ -95,7 +95,7 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
     cfg = {k: v for k, v in spec.config.items() if k not in _DROP_KEYS}
     model_type = cfg.pop("model_type", None)
     try:
-        with _quiet():
+        with quiet():
             config = transformers.AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as e:
         raise TraceError(
@@ -132,7 +132,7 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
 
 
 def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
-    with _quiet():
+    with quiet():
         model: nn.Module = auto.from_config(config, **kwargs)
     return model
 
@@ -159,7 +159,7 @@ def _build_unet(spec: ModelSpec, attention: str, dtype: torch.dtype) -> nn.Modul
                          hint="pip install 'vramplan[models]'") from None
     if attention not in ("eager", "sdpa"):
         raise TraceError(f"{spec.name}: the diffusers UNet supports attention eager or sdpa, not {attention!r}")
-    with _quiet():
+    with quiet():
         model: nn.Module = UNet2DConditionModel.from_config(dict(spec.config))
         if dtype != torch.float32:
             model.to(dtype)
@@ -264,13 +264,13 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence transformers/diffusers warnings while building: the core never prints.
+def quiet() -> Iterator[None]:
+    """Silence transformers/peft/diffusers warnings and loggers: the core never prints.
 
     Enter it after importing them: importing resets their library logger's level."""
     import logging
 
-    loggers = [logging.getLogger(n) for n in ("transformers", "diffusers")]
+    loggers = [logging.getLogger(n) for n in ("transformers", "peft", "diffusers")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:

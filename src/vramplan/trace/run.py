@@ -7,12 +7,9 @@ figures from the event log.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
-import logging
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +18,7 @@ from torch import nn
 
 from ..errors import TraceError, VramplanError, WorkloadError
 from ..hardware.gpu import GPU
+from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..workload import Attention, Task, Workload
 from . import analysis, features
@@ -211,24 +209,8 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
 
 
 def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str, gpu: GPU | None) -> Prepared:
-    with _quiet():
+    with quiet():
         return _prepare_quietly(model, batch, w, notes, root, gpu)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The core never prints: silence library warnings and loggers while preparing/tracing."""
-    loggers = [logging.getLogger(n) for n in ("transformers", "peft", "diffusers")]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
@@ -270,7 +252,7 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
     sess.dispatch.cache.enabled = opts.meta_cache
     notes = list(p.notes)
     trainable = [q for q in p.model.parameters() if q.requires_grad]
-    with _quiet(), sess:
+    with quiet(), sess:
         sess.add_model(p.model, p.root)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
