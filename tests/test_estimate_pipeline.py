@@ -167,3 +167,35 @@ def test_snapshot_export_from_estimate(tmp_path, capsys):
 def test_workload_error_type():
     with pytest.raises(WorkloadError):
         estimate("llama-3.1-8b", Workload(), tp=3, method="analytic")
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".html"])
+def test_estimate_and_trace_plot_from_the_cli(tmp_path, capsys, suffix):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(tiny_spec("llama-3.1-8b").config)))
+    out = tmp_path / f"est{suffix}"
+    assert main(["estimate", str(cfg), "--method", "trace", "--seq", "64", "--gpu", "l4",
+                 "--plot", str(out), "--json"]) == 0
+    assert out.stat().st_size > 1000
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 2))\n"
+        "    y = torch.randint(0, 2, (8,))\n"
+        "    return m, torch.randn(8, 16), lambda out: torch.nn.functional.cross_entropy(out, y)\n"
+    )
+    out2 = tmp_path / f"trace{suffix}"
+    assert main(["trace", f"{user}:make", "--precision", "fp32", "--plot", str(out2), "--json"]) == 0
+    assert out2.stat().st_size > 1000
+
+
+def test_trace_cli_bad_factories(tmp_path, capsys):
+    f = tmp_path / "bad.py"
+    f.write_text("def boom():\n    raise ValueError('nope')\ndef wrong():\n    return 42\n")
+    for target, match in ((f"{f}:boom", "ValueError: nope"), (f"{f}:wrong", "must return"),
+                          (f"{f}:missing", "no function"), ("nofile.py:make", "no such file"),
+                          ("justaname", "FILE.py:FUNC")):
+        assert main(["trace", target]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err and match in err, err
