@@ -76,6 +76,24 @@ _BUCKET = {
 
 PHASES = ("setup", "forward", "backward", "recompute", "optimizer", "prefill", "decode")
 
+_I64, _I32, _I16 = (1 << 63) - 1, (1 << 31) - 1, (1 << 15) - 1
+
+
+def _row_int(row: dict[str, Any], key: str, where: str, n: int, limit: int) -> int:
+    """An integer field of a JSON-lines event; 4096.0 is accepted, 1.5, true and 1e30 are not."""
+    v = row.get(key, 0)
+    if isinstance(v, str):
+        try:
+            v = int(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) \
+            or v != int(v):
+        raise VramplanError(f"{where}:{n}: id, size, stream and iteration must be integers; got {key}={row.get(key)!r}")
+    if not -limit - 1 <= int(v) <= limit:
+        raise VramplanError(f"{where}:{n}: {key}={int(v):,} is out of range (at most {limit:,})")
+    return int(v)
+
 
 @dataclass
 class EventLog:
@@ -185,12 +203,15 @@ class EventLog:
                     hint="use alloc, free, free_deferred, sync, empty_cache or mark",
                 )
             a = actions[name]
-            try:
-                ident = int(row.get("id", 0))
-                size = int(row.get("size", 0))
-                stream = int(row.get("stream", 0))
-            except (TypeError, ValueError):
-                raise VramplanError(f"{where}:{n}: id, size and stream must be integers") from None
+            needs_id = a in (Action.ALLOC, Action.FREE, Action.FREE_DEFERRED)
+            if needs_id and row.get("id") is None:
+                raise VramplanError(f"{where}:{n}: {name} needs an \"id\"", hint="give every alloc and its free the same integer id")
+            if a is Action.ALLOC and row.get("size") is None:
+                raise VramplanError(f"{where}:{n}: alloc needs a \"size\" in bytes")
+            ident = _row_int(row, "id", where, n, _I64)
+            size = _row_int(row, "size", where, n, _I64)
+            stream = _row_int(row, "stream", where, n, _I32)
+            iteration = _row_int(row, "iteration", where, n, _I16)
             if a is Action.ALLOC and size < 0:
                 raise VramplanError(f"{where}:{n}: alloc size must be >= 0, got {size}")
             cat = cats.get(str(row.get("category", "other")), Category.OTHER)
@@ -199,7 +220,7 @@ class EventLog:
                 a, ident, size, stream=stream, category=cat,
                 phase=PHASES.index(phase) if phase in PHASES else 0,
                 module=str(row.get("module", "")), op=str(row.get("op", "")),
-                desc=str(row.get("desc", "")), iteration=int(row.get("iteration", 0)),
+                desc=str(row.get("desc", "")), iteration=iteration,
             )
         return log
 
@@ -208,15 +229,24 @@ class EventLog:
         p = Path(path)
 
         def _rows() -> Iterator[dict[str, Any]]:
-            with open(p) as f:
-                for n, line in enumerate(f, 1):
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise VramplanError(f"{p}:{n}: not valid JSON ({e.msg})",
-                                            hint="one JSON object per line") from None
+            try:
+                with open(p, encoding="utf-8") as f:
+                    for n, line in enumerate(f, 1):
+                        line = line.strip()
+                        if not line:
+                            continue
+                        try:
+                            yield json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise VramplanError(f"{p}:{n}: not valid JSON ({e.msg})",
+                                                hint="one JSON object per line") from None
+            except UnicodeDecodeError:
+                raise VramplanError(f"{p}: not a UTF-8 text file of JSON lines",
+                                    hint="pass a .jsonl event file, or a snapshot .pickle") from None
+            except OSError as e:
+                raise VramplanError(f"cannot read {p}: {e.strerror or e}") from None
 
-        return cls.from_rows(_rows(), where=str(p))
+        log = cls.from_rows(_rows(), where=str(p))
+        if not len(log):
+            raise VramplanError(f"{p}: no events", hint='one JSON object per line, e.g. {"action": "alloc", "id": 1, "size": 1024}')
+        return log

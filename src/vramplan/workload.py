@@ -159,7 +159,8 @@ class Parallel:
         if self.offload_params and self.zero != 3:
             raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="add --zero 3")
         if self.ep > 1 and self.dp % self.ep:
-            raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}")
+            raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
+                                hint=f"use --dp {self.ep} or a multiple of it")
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from vramplan.errors import WorkloadError
+
 VA_BASE = 1 << 32
 """First simulated address (4 GiB), so that no segment sits at 0."""
 VA_LIMIT = 1 << 47
@@ -39,7 +41,11 @@ class VASpace:
                 return start
         addr = self._top
         if addr + size > VA_LIMIT:
-            raise MemoryError("simulated address space exhausted")
+            raise WorkloadError(
+                f"the simulated allocator ran out of address space ({VA_LIMIT - VA_BASE:,} B, about 128 TiB): "
+                "the step reserves more memory than any GPU has",
+                hint="check the sizes (--batch, --seq, --image-size, or the event sizes)",
+            )
         self._top = addr + size
         return addr
 

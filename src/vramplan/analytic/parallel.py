@@ -7,6 +7,7 @@ the final norm, the output head and the logits (a tied head is a copy of the emb
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
@@ -87,19 +88,25 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             hint="use --method trace",
         )
     if w.task is Task.GENERATE and not spec.is_decoder:
-        raise WorkloadError(f"{name} is an {spec.family} model and does not generate text",
+        article = "an" if str(spec.family)[0] in "aeiou" else "a"
+        raise WorkloadError(f"{name} is {article} {spec.family} model and does not generate text",
                             hint="use --task infer or --task train")
     if p.tp > 1:
+        # suggest only sizes that divide every split dimension (heads, KV heads, MLP widths)
+        splits = [spec.heads, spec.intermediate, spec.moe_intermediate]
+        if spec.family is not Family.MLA:
+            splits.append(spec.kv_heads)
+        ok_tp = _divisors(math.gcd(*(s for s in splits if s)))
         if spec.heads % p.tp:
             raise WorkloadError(f"--tp {p.tp} does not divide {spec.heads} attention heads of {name}",
-                                hint=f"use {_divisors(spec.heads)}")
+                                hint=f"use {ok_tp}")
         if spec.family is not Family.MLA and spec.kv_heads and spec.kv_heads % p.tp:
             raise WorkloadError(f"--tp {p.tp} does not divide {spec.kv_heads} key/value heads of {name}",
-                                hint=f"use {_divisors(spec.kv_heads)}")
+                                hint=f"use {ok_tp}")
         for what, size in (("intermediate size", spec.intermediate), ("expert intermediate size", spec.moe_intermediate)):
             if size and size % p.tp:
                 raise WorkloadError(f"--tp {p.tp} does not divide the {what} {size} of {name}",
-                                    hint=f"use {_divisors(size)}")
+                                    hint=f"use {ok_tp}")
     if spec.layers % p.pp:
         raise WorkloadError(f"--pp {p.pp} does not divide {spec.layers} layers of {name}",
                             hint=f"use {_divisors(spec.layers)}")
@@ -126,7 +133,8 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     if learned and spec.max_positions and length > spec.max_positions:
         raise WorkloadError(
             f"{name} has {spec.max_positions} learned positions; {length} tokens do not fit",
-            hint=f"use --seq {spec.max_positions} or less",
+            hint=f"use --seq {spec.max_positions} or less" if length == w.seq
+            else f"keep --seq + --new-tokens at {spec.max_positions} or less",
         )
     if spec.family is Family.VIT:
         patch = spec.patch_size or 16

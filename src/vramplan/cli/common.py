@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -98,6 +99,17 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def size_arg(text: str) -> int:
+    """A memory size with its unit. A bare number (bytes to parse_bytes) is nearly always a
+    forgotten unit on the command line (``--min-memory 24``), so it is refused, except 0."""
+    try:
+        n = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(n):
+            raise argparse.ArgumentTypeError(f"invalid size {text!r} (write e.g. 80GiB, 24GB or 512MiB)")
+        if n != 0:
+            raise argparse.ArgumentTypeError(f"size {text!r} has no unit (write e.g. {text}GiB or {text}GB)")
     try:
         return parse_bytes(text)
     except VramplanError as e:

@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from ..report.estimate import to_doc
     from ..report.render import emit
 
+    check_extras(args)
     w = workload_from_args(args)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
     if report.method.value == "analytic" and args.method == "auto":
@@ -36,6 +37,22 @@ def run(args: argparse.Namespace) -> int:
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0
+
+
+def check_extras(args: argparse.Namespace) -> None:
+    """Refuse unusable --plot / --snapshot paths before the (possibly long) estimate."""
+    from ..errors import VramplanError
+
+    if getattr(args, "plot", None):
+        from ..report.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    if getattr(args, "snapshot", None):
+        if getattr(args, "method", None) == "analytic":
+            raise VramplanError("--snapshot needs an event trace", hint="add --method trace")
+        from ..snapshot.export import check_snapshot_path
+
+        check_snapshot_path(args.snapshot)
 
 
 def write_extras(report, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -71,8 +72,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
-    except BrokenPipeError:  # e.g. `vramplan gpus | head`
+    except BrokenPipeError:  # e.g. `vramplan gpus | head`: not an error
+        _silence_stdout()
         return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (tests capture stdout)
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -57,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
         raise VramplanError(f"cannot read {path}: no such file")
     conf = parse_conf(args.alloc_conf) if args.alloc_conf is not None else None
     if _is_snapshot(path):
+        from vramplan.snapshot.analyze import pick_device
         from vramplan.snapshot.reader import compare_with_recorded, load_snapshot
 
         snap = load_snapshot(path)
+        pick_device(snap, args.device)  # a device the snapshot has data for
         cmp = compare_with_recorded(snap, conf, device=args.device, capacity=args.capacity)
         res = cmp.result
         conf_text, source = cmp.conf, cmp.conf_source

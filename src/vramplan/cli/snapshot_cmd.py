@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
         check_plot_path(args.plot)
     snap = load_snapshot(args.file)
+    if not snap.get("segments") and not any(snap.get("device_traces") or ()):
+        raise VramplanError(f"{args.file}: the snapshot holds no segments and no allocation history",
+                            hint="dump it after the workload allocated, with torch.cuda.memory._record_memory_history() on")
     analysis = analyze(snap, device=args.device, top=args.top)
     emit(to_doc(analysis, args.file), args.format, sys.stdout, {"file": args.file, **analysis.to_dict()})
     if args.plot:

@@ -37,8 +37,10 @@ def load_factory(target: str) -> Any:
     if not sep or not path or not func:
         raise VramplanError(f"expected FILE.py:FUNC, got {target!r}", hint="e.g. vramplan trace model.py:make")
     file = Path(path)
+    if file.is_dir():
+        raise VramplanError(f"{path} is a directory", hint="name the python file: DIR/model.py:FUNC")
     if not file.is_file():
-        raise VramplanError(f"no such file: {path}")
+        raise VramplanError(f"no such file: {path}", hint="check the path of FILE.py in FILE.py:FUNC")
     spec = importlib.util.spec_from_file_location(f"vramplan_user_{file.stem}", file)
     if spec is None or spec.loader is None:
         raise VramplanError(f"cannot import {path} as a python module")
@@ -46,13 +48,18 @@ def load_factory(target: str) -> Any:
     sys.path.insert(0, str(file.parent.resolve()))
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # user code: report in one line
-        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # user code: report in one line
+        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}",
+                         hint="the file must import without side effects such as sys.exit()"
+                         if isinstance(e, SystemExit) else None) from None
     finally:
         sys.path.pop(0)
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise VramplanError(f"{path} has no function {func!r}")
+        names = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        raise VramplanError(f"{path} has no function {func!r}",
+                            hint=f"functions defined there: {', '.join(names[:8])}" if names else None)
     return fn
 
 
@@ -60,16 +67,18 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.estimate import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
-    from .estimate_cmd import write_extras
+    from .estimate_cmd import check_extras, write_extras
 
     if args.iterations < 1:
         raise VramplanError("--iterations must be >= 1")
+    _check_unused(args)
+    check_extras(args)
     factory = load_factory(args.target)
     try:
         made = factory()
     except VramplanError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise TraceError(f"{args.target}() raised {type(e).__name__}: {e}") from None
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
@@ -80,3 +89,20 @@ def run(args: argparse.Namespace) -> int:
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0
+
+
+def _check_unused(args: argparse.Namespace) -> None:
+    """The shapes come from FUNC's example inputs, and the method is always a trace: say so
+    rather than silently ignore flags that would change the answer of `vramplan estimate`."""
+    shapes = [f"--{name.replace('_', '-')} {getattr(args, name)}"
+              for name, default in (("batch", 1), ("seq", 2048), ("image_size", 224))
+              if getattr(args, name) != default]
+    if shapes:
+        raise VramplanError(
+            f"{', '.join(shapes)} {'does' if len(shapes) == 1 else 'do'} not apply to `vramplan trace`: the shapes are those of the "
+            f"example inputs {args.target}() returns",
+            hint="build the inputs at the size you want in the factory, and drop the flag",
+        )
+    if args.method == "analytic":
+        raise VramplanError("`vramplan trace` always traces; there is no analytic formula for your own model",
+                            hint="drop --method, or use `vramplan estimate MODEL --method analytic` for a catalog model")

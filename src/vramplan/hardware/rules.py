@@ -270,7 +270,7 @@ def video(codec: str, gpu: GPU | str, *, width: int = 1920, height: int = 1080, 
                       (f"min(GeForce driver cap {cap}, memory {by_memory:,}) = {sessions:,}" if cap is not None
                        else f"no driver cap on {g.key} (data-centre/professional); memory allows {by_memory:,}")
                       if supported else "0 (cannot encode this codec)"))
-    steps.append(Step("engines", f"{engines} NVENC engine{'s' if engines != 1 else ''} share the sessions' throughput"))
+    steps.append(Step("engines", f"{engines} NVENC engine{'s share' if engines != 1 else ' shares'} the sessions' throughput"))
     notes += [
         "Throughput, not memory, usually limits real-time sessions: each NVENC engine encodes a few "
         "hundred 1080p frames per second at fast presets (NVIDIA's NVENC performance table).",
@@ -301,7 +301,10 @@ DTYPES: Mapping[str, int] = {
 def parse_shape(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """``"4096,4096,4096"`` or ``"4096x4096"`` → (4096, 4096, 4096)."""
     if isinstance(text, str):
-        parts = [p for p in re.split(r"[,x×\s]+", text.strip().lower()) if p]
+        # one separator between dimensions: "5,,5" is a typo, not a 5×5 shape
+        parts = re.split(r"\s*[,x×]\s*|\s+", text.strip().lower()) if text.strip() else []
+        if "" in parts:
+            raise VramplanError(f"invalid shape {text!r}: an empty dimension", hint="write e.g. 4096,4096,4096")
         try:
             dims = tuple(int(p) for p in parts)
         except ValueError:

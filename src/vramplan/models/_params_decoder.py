@@ -7,6 +7,7 @@ and the LM head unless it is tied to the embedding.
 
 from __future__ import annotations
 
+from ..errors import ConfigError
 from .arch import BASE, CAUSAL_LM, SEQ_CLS, Arch, num_labels
 from .config_view import ConfigView
 
@@ -17,12 +18,19 @@ def head_dim(v: ConfigView, arch: Arch) -> int:
     heads = v.integer("num_attention_heads")
     if heads == 0:
         return 0
+    if not v.has("head_dim") and hidden % heads:
+        raise ConfigError(f"{v.origin}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+                          hint="fix the config.json, or give head_dim explicitly")
     return v.integer("head_dim", hidden // heads)
 
 
 def kv_heads(v: ConfigView, arch: Arch) -> int:
-    return v.integer("num_key_value_heads", arch.defaults.get("num_key_value_heads",
-                                                             v.integer("num_attention_heads")))
+    heads = v.integer("num_attention_heads")
+    kv = v.integer("num_key_value_heads", arch.defaults.get("num_key_value_heads", heads))
+    if heads and (kv == 0 or heads % kv):
+        raise ConfigError(f"{v.origin}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                          hint="fix the config.json (grouped-query attention shares each KV head among whole groups)")
+    return kv
 
 
 def moe_layers(v: ConfigView, arch: Arch) -> list[bool]:

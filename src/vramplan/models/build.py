@@ -103,6 +103,9 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
             f"'{model_type}' ({_first_line(e)})",
             hint="pass your own nn.Module to `vramplan trace`",
         ) from None
+    except Exception as e:  # transformers' own config validation (huggingface_hub strict dataclasses)
+        raise ConfigError(f"{spec.name}: transformers rejects this config ({type(e).__name__}: {_first_line(e)})",
+                          hint="fix the config.json") from None
     if head == SEQ_CLS and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # decoders refuse batch > 1 without one; no effect on memory
     auto = {
@@ -117,7 +120,7 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
         kwargs["attn_implementation"] = _ATTENTION.get(attention, attention)
     try:
         return _from_config(auto, config, kwargs)
-    except (ValueError, ImportError, AssertionError, TypeError) as e:
+    except (ValueError, ImportError, AssertionError, TypeError, KeyError, AttributeError, IndexError) as e:
         unsupported = "does not support" in str(e)
         if kwargs.get("attn_implementation") == "sdpa" and unsupported:
             # No SDPA path for this architecture (Gemma 2): transformers itself runs eager.
@@ -128,7 +131,8 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
                 f"{spec.name}: attention '{attention}' is not available here ({_first_line(e)})",
                 hint="use --attention sdpa (vramplan emulates the flash kernels' memory)",
             ) from None
-        raise TraceError(f"{spec.name}: cannot build {head} model ({_first_line(e)})") from None
+        raise TraceError(f"{spec.name}: cannot build {head} model ({type(e).__name__}: {_first_line(e)})",
+                         hint="check the config.json values, or use --method analytic") from None
 
 
 def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:

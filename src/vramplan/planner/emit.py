@@ -41,6 +41,9 @@ def emit(plan: Plan, fmt: str) -> Emitted:
               "alloc-conf": alloc_conf}
     if fmt not in makers:
         raise PlanError(f"unknown --emit format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
+    if fmt != "alloc-conf" and not plan.workload.training:
+        raise PlanError(f"--emit {fmt} writes a training configuration; this plan is for --task {plan.workload.task}",
+                        hint="use --emit alloc-conf, or --task train")
     return makers[fmt](plan)
 
 

@@ -31,7 +31,7 @@ from ..results import (
     Timeline,
     Verdict,
 )
-from ..workload import Method, Phase, Task, Workload, as_enum
+from ..workload import Method, Phase, Precision, Task, Workload, as_enum
 
 if TYPE_CHECKING:
     from ..trace.result import TraceResult
@@ -287,6 +287,10 @@ def estimate(
     _check(spec, w)
 
     notes: list[str] = []
+    length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
+    if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
+        notes.append(f"{length:,} tokens exceed the {spec.max_positions:,} positions {spec.name} was configured "
+                     "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
     core: _Core
     capacity = _pool_capacity(g, w)
     if m is Method.ANALYTIC:
@@ -299,8 +303,26 @@ def estimate(
                 raise
             notes.append(f"trace failed ({e}); analytic estimate instead")
             core = _analytic_core(spec, w)
+    notes += _bf16_notes(g, w, core.method)
+    if alloc_conf and core.method is Method.ANALYTIC:
+        notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
+                     "allocated plus an assumed slack (use --method trace)")
     return _finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
                    num_gpus=num_gpus)
+
+
+def _bf16_notes(g: GPU | None, w: Workload, method: Method) -> list[str]:
+    """bf16 on a GPU without it (Turing, Volta…): PyTorch runs it slowly and SDPA has no fused
+    bf16 kernel there (math fallback, attention matrices materialised)."""
+    from .space import supports_bf16
+
+    if g is None or supports_bf16(g) or w.precision not in (Precision.BF16, Precision.BF16_MIXED):
+        return []
+    text = (f"{g.key} ({g.arch}) has no native bf16: PyTorch emulates it slowly and SDPA falls back to "
+            "its math kernel, which materialises the attention matrices")
+    if method is Method.ANALYTIC:
+        text += "; the analytic method assumes a fused kernel and underestimates activations (use --method trace)"
+    return [text + "; --precision fp16-mixed is what this GPU runs well"]
 
 
 def _has_analytic(spec: ModelSpec) -> bool:
@@ -309,6 +331,9 @@ def _has_analytic(spec: ModelSpec) -> bool:
 
 def _check(spec: ModelSpec, w: Workload) -> None:
     if spec.family is Family.OTHER:
+        if w.task is Task.GENERATE and not spec.vocab:
+            raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",
+                                hint="use --task infer or --task train")
         return
     from ..analytic import check_against_model
 

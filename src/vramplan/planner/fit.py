@@ -196,11 +196,20 @@ class _Fit:
             return w.replace(seq=s)
 
         step = self.seq_step or MIN_SEQ_STEP
+        if cap < 1 or (self.seq_step is None and cap < MIN_SEQ_STEP):
+            total = self.spec.max_positions or (1 << 20)
+            raise PlanError(
+                f"{self.spec.name} has {total} positions; --new-tokens {w.new_tokens} leaves {max(cap, 0)} for the prompt",
+                hint="lower --new-tokens" + (f", or pass --seq-step {cap} or less" if cap >= 1 else ""),
+            )
         if self.seq_step is None:
             rough = self._predictor(make, MIN_SEQ_STEP, cap, MIN_SEQ_STEP, quadratic, w.seq)({})
             around = rough if rough and rough > 0 else w.seq
             step = max(MIN_SEQ_STEP, 2 ** int(math.log2(max(around, 1))) // 16)
         if cap < step:
+            if self.seq_step is not None and step > cap:
+                raise PlanError(f"--seq-step {step} exceeds the {cap} positions {self.spec.name} allows",
+                                hint=f"use --seq-step {cap} or less")
             raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower --new-tokens")
         hi = cap // step * step
         predict = self._predictor(make, step, hi, step, quadratic, w.seq)

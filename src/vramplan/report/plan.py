@@ -57,8 +57,10 @@ def fit_doc(r: FitResult) -> Doc:
     w = r.workload
     doc = Doc(title=f"Fit: {r.model} on {r.num_gpus}× {r.gpu_name}",
               subtitle=f"usable {_gib(r.usable)} GiB per GPU; memory = predicted nvidia-smi used (GiB = 2^30 B)")
-    items = [("max batch", f"{r.max_batch}  (at seq {r.batch.fixed})" if r.max_batch else
-              f"0 — batch 1 does not fit at seq {r.batch.fixed}")]
+    # no sequence axis (CNN, ViT, UNet): the batch is searched at the image size
+    where = f"seq {r.batch.fixed}" if r.seq is not None else f"image size {w.image_size}"
+    items = [("max batch", f"{r.max_batch}  (at {where})" if r.max_batch else
+              f"0 — batch 1 does not fit at {where}")]
     if r.seq is not None:
         items.append(("max seq", f"{r.seq.value:,}  (at batch {r.seq.fixed}, resolution {r.seq.step} tokens)"
                       if r.seq.value else f"0 — nothing fits at batch {r.seq.fixed}"))

@@ -10,6 +10,7 @@ when everything is below 1 GiB.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,10 @@ def check_plot_path(path: str | Path) -> Path:
         raise VramplanError(f"cannot write a plot to '{p}'", hint="use a .png, .svg or .html file name")
     if not p.parent.exists():
         raise VramplanError(f"cannot write a plot to '{p}': folder '{p.parent}' does not exist")
+    if p.is_dir():
+        raise VramplanError(f"cannot write a plot to '{p}': it is a folder", hint="name a file, e.g. out.png")
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise VramplanError(f"cannot write a plot to '{p}': not writable", hint="choose a file in a folder you can write")
     return p
 
 
@@ -411,6 +416,10 @@ def _draw_timeline(ax: Axes, data: PlotData) -> None:
     if ys:
         ax.stackplot(x, *ys, labels=[LABELS.get(c, c) for c in names],
                      colors=[COLORS.get(c, "#999999") for c in names], step="post", lw=0, alpha=0.9)
+        # A peak that lasts a few events of thousands is narrower than a pixel and the filled
+        # areas do not show it; the outline of their top does.
+        top = [sum(col) for col in zip(*ys, strict=True)]
+        ax.step(x, top, where="post", color="#333333", lw=0.5, alpha=0.8)
     for name, vals in data.lines.items():
         ax.step(x, [v / sc for v in vals], where="post", color="black", lw=1.1, ls="-", label=name)
     lo, hi = (x[0], x[-1]) if x else (0.0, 1.0)
@@ -530,6 +539,14 @@ def _save(fig: Figure, data: PlotData, subtitle: str) -> None:
 
     FigureCanvasAgg(fig)
     path = Path(data.path)
+    try:
+        _write(fig, data, subtitle, path)
+    except OSError as e:
+        raise VramplanError(f"cannot write a plot to '{path}': {e.strerror or e}",
+                            hint="choose a file in a folder you can write") from None
+
+
+def _write(fig: Figure, data: PlotData, subtitle: str, path: Path) -> None:
     suffix = path.suffix.lower()
     if suffix == ".png":
         fig.savefig(path, format="png", dpi=DPI, metadata={"Software": None})

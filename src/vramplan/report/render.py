@@ -103,4 +103,12 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
     else:
         isatty = getattr(stream, "isatty", lambda: False)()
         # Piped output: rich would assume 80 columns and cut long cells; use a wide page.
-        render_console(doc, Console(file=stream, highlight=False, width=None if isatty else 140))
+        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else 140))
+
+
+class _Console(Console):
+    """rich exits with status 1 on a closed pipe (``vramplan gpus | head``); let the CLI decide."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError

@@ -188,7 +188,8 @@ def _plain(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- input checks
-def _pick_device(snap: Mapping[str, Any], device: int | None) -> int:
+def pick_device(snap: Mapping[str, Any], device: int | None) -> int:
+    """The device to analyse: ``device`` if the snapshot has data for it, else the busiest one."""
     traces = snap.get("device_traces", [])
     seg_devices = {int(s.get("device", 0)) for s in snap["segments"]}
     known = seg_devices | {i for i, t in enumerate(traces) if t}
@@ -223,7 +224,7 @@ def analyze(
 ) -> SnapshotAnalysis:
     """Analyse a memory snapshot dict (see the module docstring)."""
     snap = validate_snapshot(snap)
-    dev = _pick_device(snap, device)
+    dev = pick_device(snap, device)
     traces = snap.get("device_traces", [])
     entries: list[Mapping[str, Any]] = list(traces[dev]) if dev < len(traces) else []
     segs = [s for s in snap["segments"] if int(s.get("device", 0)) == dev]

@@ -48,12 +48,24 @@ def write_predicted_snapshot(
 ) -> None:
     """Replay ``log`` through the allocator simulation (``conf``: a ``PYTORCH_CUDA_ALLOC_CONF``
     string or config) and write the snapshot pickle to ``path``."""
+    check_snapshot_path(path)
     snap = predicted_snapshot(log, conf=conf, report=report, capacity=capacity)
+    p = Path(path)
+    try:
+        with open(p, "wb") as f:
+            pickle.dump(snap, f, protocol=PROTOCOL)
+    except OSError as e:
+        raise VramplanError(f"cannot write '{p}': {e.strerror or e}", hint="choose a file in a folder you can write") from None
+
+
+def check_snapshot_path(path: str | Path) -> Path:
+    """Fail early (before a long trace) on a path the snapshot cannot be written to."""
     p = Path(path)
     if not p.parent.exists():
         raise VramplanError(f"cannot write '{p}': folder '{p.parent}' does not exist")
-    with open(p, "wb") as f:
-        pickle.dump(snap, f, protocol=PROTOCOL)
+    if p.is_dir():
+        raise VramplanError(f"cannot write '{p}': it is a folder", hint="name a file, e.g. predicted.pickle")
+    return p
 
 
 def predicted_snapshot(

@@ -143,14 +143,29 @@ def _label_model_cache(sess: TraceSession, out: Any) -> None:
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
     args, kwargs = plan.batch
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(ids, torch.Tensor):
-        raise TraceError("generation needs input_ids", hint="pass inputs={'input_ids': ...}")
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        raise TraceError("generation needs a causal language model and token ids (an integer "
+                         "[batch, prompt] tensor) as example inputs",
+                         hint="pass inputs={'input_ids': ...}, or use task infer/train for other models")
     extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "labels", "attention_mask")}
     prompt = ids.shape[1]
     keep = _accepts(plan.model, "logits_to_keep")
     cache_kw = "cache" if _accepts(plan.model, "cache") else "past_key_values"
+    if not (_takes(plan.model, "use_cache") and _takes(plan.model, cache_kw)):
+        raise TraceError(
+            f"generation needs a model whose forward takes use_cache and {cache_kw} (a transformers "
+            f"causal LM); {type(plan.model).__name__}.forward does not",
+            hint="use task infer to trace one forward pass",
+        )
+    config: Any = getattr(plan.model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if (isinstance(limit, int) and limit > 0 and prompt + plan.new_tokens > limit
+            and getattr(config, "model_type", "") in LEARNED_POSITIONS):
+        raise TraceError(
+            f"{prompt} prompt + {plan.new_tokens} new tokens exceed the model's {limit} learned positions",
+            hint=f"keep prompt + new tokens at {limit} or less",
+        )
     with torch.inference_mode():
-        config: Any = getattr(plan.model, "config", None)
         cache, what = make_cache(config, kind=plan.cache, max_len=prompt + plan.new_tokens,
                                  kv_dtype=plan.kv_dtype, compute=plan.compute_dtype)
         if what not in plan.notes:
@@ -178,6 +193,19 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    """``forward`` accepts keyword ``name``, by name or through ``**kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True  # cannot tell: let the call decide
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"})
+"""Decoders with a learned absolute position table: past it, the embedding lookup fails on a GPU."""
 
 
 RUNNERS: dict[str, Callable[[TraceSession, StepPlan], None]] = {
