@@ -75,3 +75,12 @@ def test_replace_routes_parallel_fields():
 @given(batch=st.integers(1, 4096), seq=st.integers(1, 1 << 20))
 def test_tokens(batch, seq):
     assert Workload(batch=batch, seq=seq).tokens == batch * seq
+
+
+def test_auto_precision_depends_on_task():
+    assert Workload(task="train").precision is Precision.BF16_MIXED
+    assert Workload(task="infer").precision is Precision.BF16
+    assert Workload(task="generate", precision="auto").precision is Precision.BF16
+    assert Workload(task="infer", precision="fp32").precision is Precision.FP32
+    # replace keeps the resolved precision rather than re-resolving it
+    assert Workload(task="train").replace(batch=2).precision is Precision.BF16_MIXED

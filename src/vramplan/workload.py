@@ -188,7 +188,9 @@ class Workload:
     """Tokens generated after the prompt (task=generate)."""
     grad_accum: int = 1
     """Gradient accumulation steps (memory of one micro-batch; gradients kept across steps)."""
-    precision: Precision = Precision.BF16_MIXED
+    precision: Precision = "auto"  # type: ignore[assignment]
+    """fp32 | fp16-mixed | bf16-mixed | bf16 | fp16; "auto" (the default) is bf16-mixed for
+    training and bf16 for inference/generation (serving keeps no fp32 master weights)."""
     optimizer: Optimizer = Optimizer.ADAMW
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     checkpointing: Checkpointing = Checkpointing.NONE
@@ -208,6 +210,9 @@ class Workload:
 
     def __post_init__(self) -> None:
         # Coerce strings to enums so that Workload(task="train") works.
+        if isinstance(self.precision, str) and self.precision.strip().lower() == "auto":
+            task = as_enum(Task, self.task, "task")
+            object.__setattr__(self, "precision", Precision.BF16_MIXED if task is Task.TRAIN else Precision.BF16)
         for name, cls in (
             ("task", Task), ("precision", Precision), ("optimizer", Optimizer),
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),

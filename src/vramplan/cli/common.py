@@ -46,7 +46,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
     g.add_argument("--seq", type=int, default=2048, help="sequence length / prompt tokens (default 2048)")
     g.add_argument("--new-tokens", type=int, default=0, help="tokens to generate (task=generate; default 128)")
     g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    g.add_argument("--precision", choices=_choices(Precision), default="bf16-mixed")
+    g.add_argument("--precision", choices=["auto", *_choices(Precision)], default="auto",
+                   help="auto (default): bf16-mixed for train, bf16 for infer/generate")
     g.add_argument("--optimizer", choices=_choices(Optimizer), default="adamw")
     g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl), default="foreach")
     g.add_argument("--checkpointing", choices=_choices(Checkpointing), default="none")
