@@ -31,7 +31,7 @@ from ..results import (
     Timeline,
     Verdict,
 )
-from ..workload import Method, Phase, Precision, Task, Workload, as_enum
+from ..workload import Attention, Method, Phase, Precision, Task, Workload, as_enum
 
 if TYPE_CHECKING:
     from ..trace.result import TraceResult
@@ -89,10 +89,10 @@ class _Core:
     model_states: Breakdown | None = None
 
 
-def _analytic_core(spec: ModelSpec, w: Workload) -> _Core:
+def _analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> _Core:
     from .. import analytic
 
-    est = analytic.estimate(spec, w)
+    est = analytic.estimate(spec, _kernel_workload(w, g))
     allocated = est.peak.allocated
     reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
     notes = tuple(est.notes) + (
@@ -227,21 +227,33 @@ def _pool_capacity(g: GPU | None, w: Workload) -> int | None:
     return _usable(g)[0] - sum(o.bytes for o in overhead_items(g, w))
 
 
-def _analytic_device_used(spec: ModelSpec, w: Workload, overhead: int) -> int | None:
+def _kernel_workload(w: Workload, g: GPU | None) -> Workload:
+    """The workload as the analytic formulas should see it on ``g``: SDPA has no fused bf16
+    kernel before Ampere, so the math path runs and materialises the attention matrices
+    like eager attention does (the trace emulates the kernel choice itself)."""
+    from .space import supports_bf16
+
+    if (g is not None and not supports_bf16(g) and w.attention is not Attention.EAGER
+            and w.precision in (Precision.BF16, Precision.BF16_MIXED)):
+        return w.replace(attention=Attention.EAGER)
+    return w
+
+
+def _analytic_device_used(spec: ModelSpec, w: Workload, overhead: int, g: GPU | None = None) -> int | None:
     try:
-        core = _analytic_core(spec, w)
+        core = _analytic_core(spec, w, g)
     except VramplanError:
         return None
     return core.reserved + overhead
 
 
 def max_batch_analytic(spec: ModelSpec, w: Workload, usable: int, overhead: int, *, scale: float = 1.0,
-                       offset: int = 0) -> int | None:
+                       offset: float = 0.0, gpu: GPU | None = None) -> int | None:
     """Largest micro-batch whose analytic device_used (× ``scale`` + ``offset``, a calibration
     from a trace) fits in ``usable``. Doubling then bisection: O(log batch) evaluations."""
 
     def fits(b: int) -> bool:
-        used = _analytic_device_used(spec, w.replace(batch=b), overhead)
+        used = _analytic_device_used(spec, w.replace(batch=b), overhead, gpu)
         return used is not None and used * scale + offset <= usable
 
     if not fits(1):
@@ -294,7 +306,7 @@ def estimate(
     core: _Core
     capacity = _pool_capacity(g, w)
     if m is Method.ANALYTIC:
-        core = _analytic_core(spec, w)
+        core = _analytic_core(spec, w, g)
     else:
         try:
             core = _trace_core(_trace_spec(spec, w, g), w, alloc_conf, capacity)
@@ -302,7 +314,7 @@ def estimate(
             if m is Method.TRACE or not _has_analytic(spec):
                 raise
             notes.append(f"trace failed ({e}); analytic estimate instead")
-            core = _analytic_core(spec, w)
+            core = _analytic_core(spec, w, g)
     notes += _bf16_notes(g, w, core.method)
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
@@ -320,8 +332,8 @@ def _bf16_notes(g: GPU | None, w: Workload, method: Method) -> list[str]:
         return []
     text = (f"{g.key} ({g.arch}) has no native bf16: PyTorch emulates it slowly and SDPA falls back to "
             "its math kernel, which materialises the attention matrices")
-    if method is Method.ANALYTIC:
-        text += "; the analytic method assumes a fused kernel and underestimates activations (use --method trace)"
+    if method is Method.ANALYTIC and w.attention is not Attention.EAGER:
+        text += "; the analytic method therefore counts attention as eager (materialised scores)"
     return [text + "; --precision fp16-mixed is what this GPU runs well"]
 
 
@@ -346,6 +358,28 @@ def _trace_spec(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
     return trace_workload(spec, w, gpu=g)
 
 
+def _calibrate(spec: ModelSpec, w: Workload, g: GPU | None, oh: int, traced_used: int,
+               traced_states: Breakdown | None) -> tuple[float, float, str]:
+    """Map analytic device_used(batch) onto the traced point: the persistent part (model
+    states + overhead) is taken from the trace, and the batch-dependent rest of the analytic
+    curve is scaled by the traced/analytic ratio at this batch (``used·scale + offset``).
+    Falls back to a constant offset when the ratio is not meaningful."""
+    ana = _analytic_device_used(spec, w, oh, g)
+    if not ana:
+        return 1.0, 0.0, "no analytic curve"
+    fixed_t = (traced_states.total if traced_states is not None else 0) + oh
+    try:
+        fixed_a = _analytic_core(spec, w, g).model_states
+    except VramplanError:
+        fixed_a = None
+    fa = (fixed_a.total if fixed_a is not None else 0) + oh
+    var_t, var_a = traced_used - fixed_t, ana - fa
+    if var_a > 0 and var_t > 0 and 0.25 <= var_t / var_a <= 4.0:
+        k = var_t / var_a
+        return k, fixed_t - k * fa, f"batch-dependent part ×{k:.2f}"
+    return 1.0, float(traced_used - ana), "constant offset"
+
+
 def _finish(core: _Core, name: str, w: Workload, g: GPU | None, *, notes: list[str],
             spec: ModelSpec | None, search_max_batch: bool, num_gpus: int = 1) -> MemoryReport:
     overhead = overhead_items(g, w)
@@ -356,15 +390,11 @@ def _finish(core: _Core, name: str, w: Workload, g: GPU | None, *, notes: list[s
         usable, usable_src = _usable(g)
         mb: int | None = None
         if search_max_batch and spec is not None and _has_analytic(spec):
-            scale, offset = 1.0, 0
+            scale, offset = 1.0, 0.0
             if core.method is Method.TRACE:
-                # Calibrate the analytic curve to the traced point: same slope, traced level.
-                ana = _analytic_device_used(spec, w, oh) if spec is not None else None
-                if ana:
-                    offset = peak.device_used - ana
-            mb = max_batch_analytic(spec, w, usable, oh, scale=scale, offset=offset)
-            if core.method is Method.TRACE:
-                notes.append("max_batch: analytic batch curve calibrated to the traced peak")
+                scale, offset, how = _calibrate(spec, w, g, oh, peak.device_used, core.model_states)
+                notes.append(f"max_batch: analytic batch curve calibrated to the traced peak ({how})")
+            mb = max_batch_analytic(spec, w, usable, oh, scale=scale, offset=offset, gpu=g)
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=usable,
             fits=peak.device_used <= usable, headroom=usable - peak.device_used, max_batch=mb,
