@@ -9,12 +9,13 @@ when everything is below 1 GiB.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from vramplan.errors import VramplanError
 from vramplan.events import Category
@@ -107,41 +108,25 @@ def check_plot_path(path: str | Path) -> Path:
     return p
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
 # --------------------------------------------------------------------------- public API
+def _styled(fn: F) -> F:
+    """Run a public plot function inside the project's matplotlib style (imported lazily)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _style():
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+@_styled
 def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
     """A prediction: the timeline stacked by category (or per phase, for the analytic method),
     reserved as a line, phases shaded, the GPU's usable capacity, and the breakdown at the peak."""
-    with _style():
-        return _plot_report(report, path)
-
-
-def plot_sweep(
-    points: Mapping[str, Sequence[tuple[float, int]]], path: str | Path, *, x_label: str,
-    capacities: Mapping[str, int] | None = None, title: str = "Predicted peak memory",
-    y_label: str = "predicted peak, device used",
-    markers: Mapping[str, Sequence[tuple[float, int]]] | None = None,
-    paired: Mapping[str, str] | None = None,
-) -> PlotData:
-    """Memory against a swept quantity (batch size, sequence length): one line per series
-    (``points``: name → [(x, bytes)]), one dashed line per GPU at its usable capacity
-    (``capacities``: label → bytes), and optional unjoined ``markers`` (name → [(x, bytes)],
-    e.g. traced points or a boundary; each name gets the next symbol of :data:`MARKER_STYLES`,
-    in order: an empty one is not drawn but keeps its symbol, so that a role keeps its look).
-    ``paired``: series name → capacity label; that capacity line takes the series' colour
-    (one GPU per curve)."""
-    with _style():
-        return _plot_sweep(points, path, x_label=x_label, capacities=capacities, title=title,
-                           y_label=y_label, markers=markers, paired=paired)
-
-
-def plot_snapshot(analysis: SnapshotAnalysis, path: str | Path) -> PlotData:
-    """A recorded snapshot: allocated by inferred category over the trace, reserved, OOMs,
-    fragmentation below, and the breakdown at the allocated peak."""
-    with _style():
-        return _plot_snapshot(analysis, path)
-
-
-def _plot_report(report: MemoryReport, path: str | Path) -> PlotData:
     p = check_plot_path(path)
     w = report.workload
     title = f"{report.model}: {w.task}, batch {w.batch}, seq {w.seq}, {w.precision} ({report.method})"
@@ -201,13 +186,21 @@ def _plot_report(report: MemoryReport, path: str | Path) -> PlotData:
     return data
 
 
-def _plot_sweep(
+@_styled
+def plot_sweep(
     points: Mapping[str, Sequence[tuple[float, int]]], path: str | Path, *, x_label: str,
     capacities: Mapping[str, int] | None = None, title: str = "Predicted peak memory",
     y_label: str = "predicted peak, device used",
     markers: Mapping[str, Sequence[tuple[float, int]]] | None = None,
     paired: Mapping[str, str] | None = None,
 ) -> PlotData:
+    """Memory against a swept quantity (batch size, sequence length): one line per series
+    (``points``: name → [(x, bytes)]), one dashed line per GPU at its usable capacity
+    (``capacities``: label → bytes), and optional unjoined ``markers`` (name → [(x, bytes)],
+    e.g. traced points or a boundary; each name gets the next symbol of :data:`MARKER_STYLES`,
+    in order: an empty one is not drawn but keeps its symbol, so that a role keeps its look).
+    ``paired``: series name → capacity label; that capacity line takes the series' colour
+    (one GPU per curve)."""
     p = check_plot_path(path)
     pts = {name: tuple(sorted((float(x), int(b)) for x, b in s)) for name, s in points.items()}
     if not any(pts.values()):
@@ -253,7 +246,10 @@ def _plot_sweep(
     return data
 
 
-def _plot_snapshot(analysis: SnapshotAnalysis, path: str | Path) -> PlotData:
+@_styled
+def plot_snapshot(analysis: SnapshotAnalysis, path: str | Path) -> PlotData:
+    """A recorded snapshot: allocated by inferred category over the trace, reserved, OOMs,
+    fragmentation below, and the breakdown at the allocated peak."""
     p = check_plot_path(path)
     tl = analysis.timeline
     x = tuple(float(i) for i in tl.index)
