@@ -18,6 +18,7 @@ Expect reserved to be a lower bound: the real pool fragments too.
 from __future__ import annotations
 
 from .config import AllocatorConfig, as_config
+from .counters import Counters
 from .result import SegmentInfo
 
 GRANULE = 2 * 1024 * 1024
@@ -37,26 +38,14 @@ class AsyncBlock:
         self.ev = -1
 
 
-class MallocAsyncApprox:
+class MallocAsyncApprox(Counters):
     """Same interface as :class:`~vramplan.allocator.native.CachingAllocator`."""
 
     def __init__(self, conf: AllocatorConfig | str | None = None, *, capacity: int | None = None,
                  record_segments: bool = False) -> None:
         self.conf = as_config(conf)
         self.capacity = capacity
-        self.allocated = 0
-        self.active = 0
-        self.requested = 0
-        self.reserved = 0
-        self.inactive_split = 0
-        self.num_segments = 0
-        self.max_active = 0
-        self.max_requested = 0
-        self.max_segments = 0
-        self.num_alloc_retries = 0
-        self.num_ooms = 0
-        self.seg_events: list[tuple[str, int, int, int, int]] | None = [] if record_segments else None
-        self.cur_event = -1
+        self._init_counters(record_segments)
         self._pending: list[AsyncBlock] = []
 
     def malloc(self, size: int, stream: int = 0) -> AsyncBlock | None:

@@ -35,13 +35,14 @@ from vramplan.errors import ConfigError
 from .blocks import SHIFT, Block, Pool, Segment
 from .config import AllocatorConfig, as_config
 from .constants import NO_LIMIT, SMALL_SIZE
+from .counters import Counters
 from .expandable import ExpandableSegmentsMixin
 from .result import BlockInfo, SegmentInfo
 from .sizes import allocation_size, round_size
 from .vaspace import VASpace
 
 
-class CachingAllocator(ExpandableSegmentsMixin):
+class CachingAllocator(Counters, ExpandableSegmentsMixin):
     """A stateful simulation of one device's caching allocator.
 
     ``malloc(size, stream) -> Block | None`` (None: out of memory, counted in ``num_ooms``),
@@ -80,22 +81,7 @@ class CachingAllocator(ExpandableSegmentsMixin):
         self._va = VASpace()
         self._gc_calls = [0, 0]
         """get_free_blocks_call_count of the large [0] and small [1] pools."""
-        self.allocated = 0
-        self.active = 0
-        self.requested = 0
-        self.reserved = 0
-        self.inactive_split = 0
-        self.num_segments = 0
-        """Segments as a snapshot lists them (expandable: contiguous mapped ranges)."""
-        self.max_active = 0
-        self.max_requested = 0
-        self.max_segments = 0
-        self.num_alloc_retries = 0
-        self.num_ooms = 0
-        self.seg_events: list[tuple[str, int, int, int, int]] | None = [] if record_segments else None
-        """(action, addr, size, stream, event index) when ``record_segments``."""
-        self.cur_event = -1
-        """Event index stamped on segment events (the replay sets it)."""
+        self._init_counters(record_segments)
 
     # ------------------------------------------------------------------ public API
     def malloc(self, size: int, stream: int = 0) -> Block | None:
@@ -228,24 +214,7 @@ class CachingAllocator(ExpandableSegmentsMixin):
         out.sort(key=lambda s: s.addr)
         return tuple(out)
 
-    def stats(self) -> dict[str, int]:
-        """Current counters, named after ``torch.cuda.memory_stats()`` keys."""
-        return {
-            "allocated_bytes.all.current": self.allocated,
-            "active_bytes.all.current": self.active,
-            "requested_bytes.all.current": self.requested,
-            "reserved_bytes.all.current": self.reserved,
-            "inactive_split_bytes.all.current": self.inactive_split,
-            "segment.all.current": self.num_segments,
-            "num_alloc_retries": self.num_alloc_retries,
-            "num_ooms": self.num_ooms,
-        }
-
     # ------------------------------------------------------------------ internals
-    def _record(self, action: str, addr: int, size: int, stream: int) -> None:
-        if self.seg_events is not None:
-            self.seg_events.append((action, addr, size, stream, self.cur_event))
-
     def _insert_free(self, b: Block) -> None:
         """``BlockPool::insert_into_blocks``."""
         key = (b.size << SHIFT) | b.addr
