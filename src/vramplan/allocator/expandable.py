@@ -157,11 +157,7 @@ class ExpandableSegmentsMixin:
         addr = to_map.addr
         if nbytes < to_map.size:
             rest = Block(addr + nbytes, to_map.size - nbytes, to_map.pool, seg, mapped=False)
-            rest.prev = to_map
-            rest.next = to_map.next
-            if to_map.next is not None:
-                to_map.next.prev = rest
-            to_map.next = rest
+            _link_after(to_map, rest)
             self._add_unmapped(rest)
             to_map.size = nbytes
         left = to_map.prev is not None and to_map.prev.mapped
@@ -213,11 +209,7 @@ class ExpandableSegmentsMixin:
             self._insert_free(bf)
         if after > 0:
             af = Block(start + nbytes, after, b.pool, seg)
-            af.prev = b
-            af.next = b.next
-            if b.next is not None:
-                b.next.prev = af
-            b.next = af
+            _link_after(b, af)
             self._insert_free(af)
         b.addr = start
         b.size = nbytes
@@ -243,3 +235,12 @@ class ExpandableSegmentsMixin:
         self.num_segments += delta
         if self.num_segments > self.max_segments:
             self.max_segments = self.num_segments
+
+
+def _link_after(b: Block, nb: Block) -> None:
+    """Insert ``nb`` right after ``b`` in its segment's address-ordered block list."""
+    nb.prev = b
+    nb.next = b.next
+    if b.next is not None:
+        b.next.prev = nb
+    b.next = nb
