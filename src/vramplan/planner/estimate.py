@@ -364,15 +364,13 @@ def _calibrate(spec: ModelSpec, w: Workload, g: GPU | None, oh: int, traced_used
     states + overhead) is taken from the trace, and the batch-dependent rest of the analytic
     curve is scaled by the traced/analytic ratio at this batch (``used·scale + offset``).
     Falls back to a constant offset when the ratio is not meaningful."""
-    ana = _analytic_device_used(spec, w, oh, g)
-    if not ana:
-        return 1.0, 0.0, "no analytic curve"
-    fixed_t = (traced_states.total if traced_states is not None else 0) + oh
     try:
-        fixed_a = _analytic_core(spec, w, g).model_states
+        ana_core = _analytic_core(spec, w, g)
     except VramplanError:
-        fixed_a = None
-    fa = (fixed_a.total if fixed_a is not None else 0) + oh
+        return 1.0, 0.0, "no analytic curve"
+    ana = ana_core.reserved + oh
+    fixed_t = (traced_states.total if traced_states is not None else 0) + oh
+    fa = (ana_core.model_states.total if ana_core.model_states is not None else 0) + oh
     var_t, var_a = traced_used - fixed_t, ana - fa
     if var_a > 0 and var_t > 0 and 0.25 <= var_t / var_a <= 4.0:
         k = var_t / var_a
