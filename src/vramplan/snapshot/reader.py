@@ -434,12 +434,13 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
         cfg, source = as_config(conf), "given"
     complete, reason = trace_completeness(snap, device)
     tr = convert_trace(snap, device, releases_as_empty_cache=capacity is None)
-    result = replay(tr.log, cfg, capacity=capacity, record_segments=True)
+    plan = [(e.addr, e.size) for e in tr.segment_events if e.action == "segment_alloc"]
+    result = replay(tr.log, cfg, capacity=capacity, record_segments=True, segment_addresses=plan)
     sim = result.segment_events or ()
     cmp: EventsComparison = compare_segment_events(tr.segment_events, sim)
     recorded_segs = [s for s in snap.get("segments", []) if s.get("device", device) == device]
     final = sum(s["total_size"] for s in recorded_segs)
-    simulated_segs = final_segments(tr.log, cfg, capacity=capacity)
+    simulated_segs = final_segments(tr.log, cfg, capacity=capacity, segment_addresses=plan)
     layout = Counter((s["total_size"], tuple((b["size"], b["state"]) for b in s["blocks"]))
                      for s in recorded_segs)
     sim_layout = Counter((s.size, tuple((b.size, b.state) for b in s.blocks)) for s in simulated_segs)
