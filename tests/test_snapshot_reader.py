@@ -20,6 +20,7 @@ from vramplan.snapshot import (
     load_snapshot,
     snapshot_to_events,
     trace_completeness,
+    trace_coverage,
 )
 from vramplan.snapshot.reader import convert_trace, loads_snapshot, snapshot_conf
 
@@ -184,7 +185,15 @@ def test_completeness():
     cut = copy.deepcopy(snap)
     cut["device_traces"][0] = cut["device_traces"][0][2:]  # the ring buffer lost S1 and A
     ok, why = trace_completeness(cut)
-    assert not ok and "before the trace began" in why
+    assert not ok and "complete except 2,097,152 B reserved before recording" in why
+    cov = trace_coverage(cut)
+    assert cov.complete and not cov.whole
+    assert (cov.reserved_before, cov.segments_before, cov.allocations_set_aside) == (2 * MiB, 1, 2)
+    stray = copy.deepcopy(snap)
+    stray["device_traces"][0].insert(2, e("alloc", 0x1000, 512))  # in no segment at all
+    ok, why = trace_completeness(stray)
+    assert not ok and "entry 2: alloc in a segment reserved before the trace began" in why
+    assert not trace_coverage(stray).complete
     wrong = copy.deepcopy(snap)
     wrong["segments"].pop()
     ok, why = trace_completeness(wrong)

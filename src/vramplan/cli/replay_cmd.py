@@ -1,9 +1,10 @@
 """``vramplan replay FILE``: run an allocation trace through the caching-allocator simulation.
 
-FILE is a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``, ``.pickle`` or
-``.pickle.gz``; read without executing code) or a JSON-lines event file
-(``{"action": "alloc", "id": 7, "size": 1048576, "stream": 0}`` / ``{"action": "free", "id": 7}``).
-For a snapshot the simulated segment events are also compared with the recorded ones.
+FILE is a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``'s pickle, or the same
+dict as JSON, either gzip-compressed or not; read without executing code) or a JSON-lines event
+file (``{"action": "alloc", "id": 7, "size": 1048576, "stream": 0}`` / ``{"action": "free", "id": 7}``),
+told apart by content, not by name. For a snapshot the simulated segment events and reserved
+peak are also compared with the recorded ones.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from typing import Any
 
 from .common import add_output_args, size_arg
 
-_SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".gz", ".pt")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay", help="simulate PyTorch's caching allocator on a snapshot or event file",
-        description="Replay a memory snapshot (.pickle / .pickle.gz) or a JSON-lines event file "
-        "through the simulated CUDA caching allocator: peak allocated/reserved, segments, "
-        "fragmentation, OOMs. Snapshots are also compared with their recorded segment events.",
+        description="Replay a memory snapshot (pickle or JSON, plain or gzip) or a JSON-lines event "
+        "file through the simulated CUDA caching allocator: peak allocated/reserved, segments, "
+        "fragmentation, OOMs. Snapshots are also compared with their recorded segment events "
+        "and reserved peak.",
     )
-    p.add_argument("file", metavar="FILE", help="snapshot pickle (.pickle, .pickle.gz) or events .jsonl")
+    p.add_argument("file", metavar="FILE", help="memory snapshot (pickle or JSON, plain or gzip) "
+                   "or JSON-lines event file; the format is read from the content")
     p.add_argument("--alloc-conf", metavar="STRING", default=None,
                    help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the snapshot's own settings, "
                    "else PyTorch's defaults; the environment variable is not read)")
@@ -37,13 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _is_snapshot(path: Path) -> bool:
-    if path.suffix.lower() in _SNAPSHOT_SUFFIXES:
-        return True
-    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        return False
-    with open(path, "rb") as f:
-        head = f.read(2)
-    return head[:2] == b"\x1f\x8b" or head[:1] == b"\x80"
+    from vramplan.errors import VramplanError
+    from vramplan.snapshot.reader import is_snapshot
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise VramplanError(f"cannot read {path}: {e.strerror or e}") from None
+    return is_snapshot(head)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,19 +105,13 @@ def _doc(path: Path, kind: str, conf: str, source: str, capacity: int | None, re
         ("ooms", str(res.ooms) + (f" (first at event {res.oom_indices[0]})" if res.oom_indices else "")),
     ], title="Simulated"))
     if cmp is not None:
-        if not cmp.complete:
-            verdict = f"not comparable: {cmp.reason}"
-        elif cmp.match and cmp.layout_match:
-            verdict = "exact match"
-        elif cmp.match:
-            verdict = "segment events and peak match; final block layout differs"
-        else:
-            verdict = "mismatch"
         items = [
-            ("verdict", verdict),
+            ("verdict", cmp.verdict),
+            ("trace", cmp.coverage + (f" ({cmp.allocations_set_aside:,} allocations in those segments "
+                                      "left out)" if cmp.reserved_before_recording else "")),
             ("segment events", f"{cmp.matching} of {cmp.recorded_segment_events} recorded match "
                                f"({cmp.simulated_segment_events} simulated)"),
-            ("peak reserved", f"recorded {b(cmp.recorded_peak_reserved)}, simulated "
+            ("peak reserved", f"recorded {b(cmp.recorded_peak_reserved)}, predicted "
                               f"{b(cmp.simulated_peak_reserved)}"),
             ("final reserved", f"recorded {b(cmp.recorded_final_reserved)}, simulated "
                                f"{b(cmp.simulated_final_reserved)}"),
