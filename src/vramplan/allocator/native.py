@@ -326,9 +326,9 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         addresses come from a simulated range above every recorded one."""
         plan = self._plan
         if plan:
-            addr, n = plan[-1]
-            if n == size:
-                plan.pop()
+            addr, n = plan.pop()
+            end = addr + n
+            if n == size and not any(s.base < end and addr < s.base + s.size for s in self._segments.values()):
                 self._planned.add(addr)
                 return addr
             plan.clear()
