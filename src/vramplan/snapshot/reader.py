@@ -466,12 +466,17 @@ def trace_coverage(snap: Mapping[str, Any], device: int = 0) -> TraceCoverage:
             early_releases[k] = (addr, addr + size)
     early_final = [s for s in segs if "address" in s and not s.get("is_expandable", False)
                    and not _overlaps(traced, s["address"], s["address"] + s["total_size"])]
-    # the address ranges reserved before recording: (lo, hi, last trace index they hold)
-    before = [(s["address"], s["address"] + s["total_size"], len(trace)) for s in early_final]
-    before += [(lo, hi, k) for k, (lo, hi) in early_releases.items()]
+    # the address ranges reserved before recording: held to the end (sorted, disjoint), or
+    # released at a trace index
+    held = sorted((s["address"], s["address"] + s["total_size"]) for s in early_final)
+    held_starts = [lo for lo, _ in held]
+    released = [(lo, hi, k) for k, (lo, hi) in early_releases.items()]
 
     def early(addr: int, k: int) -> bool:
-        return any(lo <= addr < hi and k < until for lo, hi, until in before)
+        i = bisect_right(held_starts, addr) - 1
+        if i >= 0 and addr < held[i][1]:
+            return True
+        return any(lo <= addr < hi and k < until for lo, hi, until in released)
 
     ranges = _Ranges()
     aside: set[int] = set(early_releases)
@@ -513,9 +518,8 @@ def trace_coverage(snap: Mapping[str, Any], device: int = 0) -> TraceCoverage:
     if ranges.total != rest:
         return TraceCoverage(False, f"the trace accounts for {ranges.total:,} B reserved but the final "
                              f"segments hold {rest:,} B")
-    n_before = len(before)
-    return TraceCoverage(True, "", sum(hi - lo for lo, hi, _ in before), n_before,
-                         frozenset(aside), n_aside)
+    spans = held + [(lo, hi) for lo, hi, _ in released]
+    return TraceCoverage(True, "", sum(hi - lo for lo, hi in spans), len(spans), frozenset(aside), n_aside)
 
 
 def trace_completeness(snap: Mapping[str, Any], device: int = 0) -> tuple[bool, str]:
