@@ -72,8 +72,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise _Refused("refusing a persistent id")
 
 
-PICKLE_MAGIC = (b"\x80", b"(", b"}", b"]")
-"""First byte of a pickle: PROTO (protocol 2+), or MARK / EMPTY_DICT / EMPTY_LIST (0 and 1)."""
+PICKLE_MAGIC = (b"(", b"}", b"]")
+"""First byte of a protocol 0/1 pickle of a dict or list: MARK, EMPTY_DICT, EMPTY_LIST."""
+
+
+def _is_pickle(data: bytes) -> bool:
+    """PROTO with protocol 2-5 (what torch writes), or a protocol 0/1 container."""
+    if data[:1] == b"\x80":
+        return len(data) > 1 and 2 <= data[1] <= 5
+    return data[:1] in PICKLE_MAGIC
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -90,7 +97,7 @@ def snapshot_format(data: bytes) -> str:
     :func:`is_snapshot`)."""
     if data[:2] == GZIP_MAGIC:
         return "gzip"
-    if data[:1] in PICKLE_MAGIC:
+    if _is_pickle(data):
         return "pickle"
     if _json_start(data) in (b"{", b"["):
         return "json"
@@ -124,7 +131,7 @@ def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
             raise SnapshotError(f"{where}: not a valid gzip file ({e})") from None
     if len(data) > MAX_BYTES:
         raise SnapshotError(f"{where}: larger than {MAX_BYTES >> 30} GiB uncompressed; refusing")
-    if data[:1] not in PICKLE_MAGIC and _json_start(data) in (b"{", b"["):
+    if not _is_pickle(data) and _json_start(data) in (b"{", b"["):
         try:
             obj = json.loads(data.decode("utf-8-sig"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
