@@ -24,8 +24,8 @@ PLAN_ARGS = ["plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--task
 
 
 def fit_traces() -> None:
+    from vramplan.engine import estimate
     from vramplan.errors import PlanError
-    from vramplan.planner.estimate import estimate
     from vramplan.planner.fit import fit
     from vramplan.workload import Method, Workload
 
