@@ -185,7 +185,7 @@ def test_completeness():
     cut = copy.deepcopy(snap)
     cut["device_traces"][0] = cut["device_traces"][0][2:]  # the ring buffer lost S1 and A
     ok, why = trace_completeness(cut)
-    assert not ok and "complete except 2,097,152 B reserved before recording" in why
+    assert not ok and "complete except 2,097,152 bytes reserved before recording" in why
     cov = trace_coverage(cut)
     assert cov.complete and not cov.whole
     assert (cov.reserved_before, cov.segments_before, cov.allocations_set_aside) == (2 * MiB, 1, 2)

@@ -125,7 +125,7 @@ def test_segment_reserved_before_recording_is_set_aside(capsys, tmp_path):
     cov = trace_coverage(cut)
     assert cov.complete and not cov.whole
     assert (cov.reserved_before, cov.segments_before, cov.allocations_set_aside) == (2_097_152, 1, 2_397)
-    assert cov.describe().startswith("complete except 2,097,152 B reserved before recording")
+    assert cov.describe().startswith("complete except 2,097,152 bytes reserved before recording")
     assert not trace_completeness(cut)[0]
     c = compare_with_recorded(cut)
     assert c.complete and c.match and c.layout_match
@@ -137,7 +137,7 @@ def test_segment_reserved_before_recording_is_set_aside(capsys, tmp_path):
     p.write_text(json.dumps(cut))
     assert main(["replay", str(p)]) == 0
     out = capsys.readouterr().out
-    assert "complete except 2,097,152 B reserved before recording" in out
+    assert "complete except 2,097,152 bytes reserved before recording" in out
     assert "60 of 60 recorded match" in out
 
 
@@ -154,5 +154,5 @@ def test_extra_untouched_segment_in_the_final_state(capsys):
                                             "state": "inactive"}]})
     c = compare_with_recorded(snap)
     assert c.complete and c.match and c.layout_match and c.allocations_set_aside == 0
-    assert c.reserved_before_recording == extra and c.coverage == f"complete except {extra:,} B reserved before recording"
+    assert c.reserved_before_recording == extra and c.coverage == f"complete except {extra:,} bytes reserved before recording"
     assert c.recorded_final_reserved == c.simulated_final_reserved == 1_897_922_560

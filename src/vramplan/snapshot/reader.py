@@ -439,7 +439,7 @@ class TraceCoverage:
             return f"incomplete: {self.reason}"
         if not self.reserved_before:
             return "complete"
-        return (f"complete except {self.reserved_before:,} B reserved before recording "
+        return (f"complete except {self.reserved_before:,} bytes reserved before recording "
                 f"({self.segments_before} segment(s); {self.allocations_set_aside:,} allocation(s) in "
                 "them left out of the replay)")
 
@@ -572,11 +572,11 @@ class SnapshotComparison:
 
     @property
     def coverage(self) -> str:
-        """"complete", "complete except N B reserved before recording", or "incomplete"."""
+        """"complete", "complete except N bytes reserved before recording", or "incomplete"."""
         if not self.complete:
             return "incomplete"
         if self.reserved_before_recording:
-            return f"complete except {self.reserved_before_recording:,} B reserved before recording"
+            return f"complete except {self.reserved_before_recording:,} bytes reserved before recording"
         return "complete"
 
     @property
