@@ -19,7 +19,9 @@ What it reproduces, rule by rule (names are the C++ functions):
   ``num_alloc_retries``) → OOM (``num_ooms``) against a device ``capacity``;
 - ``free`` with ``record_stream`` uses: the block stays active until its events complete
   (``synchronize`` here), and ``release_cached_blocks`` synchronises first;
-- expandable segments: see :mod:`vramplan.allocator.expandable`.
+- expandable segments: see :mod:`vramplan.allocator.expandable`;
+- ``segment_addresses``: a recorded trace's cudaMalloc addresses, so that address-ordered
+  ties break as they did on the GPU (:meth:`CachingAllocator._segment_address`).
 
 Not simulated: CUDA graph private pools / MemPools, free-memory callbacks, IPC. An OOM'd
 request is counted and skipped (the caller would normally see OutOfMemoryError).
@@ -322,8 +324,9 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         recorded trace has them (``segment_addresses``): while the simulated segments follow the
         recording (same sizes, in order) they get the recorded addresses, so that best-fit ties
         between equal blocks of different segments break as they did on the GPU (PyTorch's free
-        lists order by size, then address). After the first difference the plan is dropped and
-        addresses come from a simulated range above every recorded one."""
+        lists order by size, then address). At the first difference (another size, or an
+        address the simulation still holds) the plan is dropped and addresses come from the
+        simulated range, which keeps clear of the recorded ones."""
         plan = self._plan
         if plan:
             addr, n = plan.pop()
