@@ -276,3 +276,14 @@ def test_oom_entries_have_no_event():
                                         "stream": 0, "time_us": 0, "frames": []})
     tr = convert_trace(snap)
     assert tr.ooms == 1 and len(tr.log) == len(snapshot_to_events(hand_trace()))
+
+
+def test_capacity_leaves_out_memory_reserved_before_recording():
+    """Recording began after S1 (2 MiB) was reserved: of a 52 MiB device the rest may use 50."""
+    cut = hand_trace()
+    cut["device_traces"][0] = cut["device_traces"][0][2:]
+    c = compare_with_recorded(cut, capacity=52 * MiB)
+    assert c.complete and c.match and c.result.ooms == 0  # S2 + S3 = 50 MiB fit in 50
+    assert any("less the 2,097,152 bytes reserved before recording" in n for n in c.notes)
+    c = compare_with_recorded(cut, capacity=51 * MiB)  # 49 MiB for the rest: S3 does not fit
+    assert c.result.ooms == 1 and not c.match

@@ -633,6 +633,11 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
     cov = trace_coverage(snap, device)
     tr = convert_trace(snap, device, releases_as_empty_cache=capacity is None,
                        set_aside=cov.set_aside if cov.complete else frozenset())
+    cap_note = ""
+    if capacity is not None and cov.complete and cov.reserved_before:
+        capacity = max(0, capacity - cov.reserved_before)  # what the rest could reserve
+        cap_note = (f"the capacity is less the {cov.reserved_before:,} bytes reserved before recording "
+                    f"({capacity:,} B for the rest)")
     plan = [(e.addr, e.size) for e in tr.segment_events if e.action == "segment_alloc"]
     result = replay(tr.log, cfg, capacity=capacity, record_segments=True, segment_addresses=plan)
     sim = result.segment_events or ()
@@ -650,6 +655,8 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
     notes = list(tr.notes) + list(result.notes)
     if cov.complete and cov.reserved_before:
         notes.append(f"{cov.describe()}; peaks and final reserved compare the rest")
+    if cap_note:
+        notes.append(cap_note)
     if not cov.complete:
         notes.append("incomplete trace: the replay starts from an empty allocator, the recording "
                      "did not, so differences are expected")
