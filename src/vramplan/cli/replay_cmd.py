@@ -116,6 +116,8 @@ def _doc(path: Path, kind: str, conf: str, source: str, capacity: int | None, re
             ("final reserved", f"recorded {b(cmp.recorded_final_reserved)}, simulated "
                                f"{b(cmp.simulated_final_reserved)}"),
         ]
+        items.append(("final layout", "identical, every block at its recorded address" if cmp.addresses_match
+                      else "same blocks (sizes, states) in each segment" if cmp.layout_match else "differs"))
         if cmp.first_mismatch:
             items.append(("first mismatch", cmp.first_mismatch))
         doc.add(KeyValues(items, title="Compared with the recorded trace"))

@@ -564,6 +564,9 @@ class SnapshotComparison:
     addresses aside) as the snapshot's ``segments``."""
     result: ReplayResult
     notes: tuple[str, ...] = ()
+    addresses_match: bool = False
+    """Every final block sits at its recorded address (the simulation is seeded with the
+    recorded segment addresses; not checked with expandable segments)."""
     reserved_before_recording: int = 0
     """Bytes of segments reserved before recording began: left out of both sides (the
     recorded peak and final reserved above are those of the rest)."""
@@ -613,7 +616,7 @@ class SnapshotComparison:
             "simulated_peak_reserved": self.simulated_peak_reserved,
             "recorded_final_reserved": self.recorded_final_reserved,
             "simulated_final_reserved": self.simulated_final_reserved,
-            "layout_match": self.layout_match,
+            "layout_match": self.layout_match, "addresses_match": self.addresses_match,
             "notes": list(self.notes),
         }
 
@@ -652,6 +655,9 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
     layout = Counter((s["total_size"], tuple((b["size"], b["state"]) for b in s["blocks"]))
                      for s in recorded_segs)
     sim_layout = Counter((s.size, tuple((b.size, b.state) for b in s.blocks)) for s in simulated_segs)
+    addresses = not cfg.expandable_segments and sorted(
+        (b.get("address", -1), b["size"], b["state"]) for sg in recorded_segs for b in sg["blocks"]
+    ) == sorted((b.addr, b.size, b.state) for sg in simulated_segs for b in sg.blocks)
     notes = list(tr.notes) + list(result.notes)
     if cov.complete and cov.reserved_before:
         notes.append(f"{cov.describe()}; peaks and final reserved compare the rest")
@@ -669,6 +675,7 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
         simulated_peak_reserved=result.max_reserved,
         recorded_final_reserved=final, simulated_final_reserved=result.final_reserved,
         layout_match=layout == sim_layout, result=result, notes=tuple(notes),
+        addresses_match=addresses,
         reserved_before_recording=cov.reserved_before if cov.complete else 0,
         allocations_set_aside=cov.allocations_set_aside if cov.complete else 0,
     )
