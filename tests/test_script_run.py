@@ -98,3 +98,20 @@ def test_cli_bad_input_is_one_line_exit_2(argv: list[str], match: str) -> None:
     p = _cli("run", *argv)
     assert p.returncode == 2, p.stderr
     assert match in p.stderr and "Traceback" not in p.stderr
+
+
+def test_hf_trainer_script_agrees_with_the_same_step_as_a_factory() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    r = vramplan.run_script(EX / "hf_trainer.py", ["--bf16", "--batch", "4", "--seq", "128"], gpu="h100-sxm")
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=4096, max_position_embeddings=1024)
+    ids = torch.randint(0, 4096, (4, 128))
+    # HF Trainer: bf16 autocast over fp32 weights, fused AdamW (its default on torch >= 2.8), the
+    # model's own loss, outputs dropped before backward
+    t = vramplan.trace(lambda: LlamaForCausalLM(cfg), inputs={"input_ids": ids, "labels": ids}, task="train",
+                       precision="bf16-mixed", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
+                       gpu="h100-sxm")
+    assert abs(r.peak.allocated - t.peak.allocated) <= 0.005 * t.peak.allocated
+    assert r.peak_phase == t.peak_phase
+    assert any("taken as finite" in n for n in r.notes)

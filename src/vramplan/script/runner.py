@@ -8,8 +8,10 @@ datasets, tokenizers, Python — runs for real.
 
 What the runner adds on top of a trace session, since it does not drive the loop itself:
 
-- **phases** from the script's own calls: ``backward()`` → backward, ``Optimizer.step`` →
-  optimizer (PyTorch's global optimizer step hooks), anything else → forward;
+- **phases** from the script's own calls: a top-level module call starts forward,
+  ``backward()`` starts backward (gradient clipping and unscaling that follow belong to it),
+  ``Optimizer.step`` starts optimizer (PyTorch's global optimizer step hooks; ``zero_grad``
+  after it belongs to it);
 - **iterations**: an optimizer step ends one; the run stops (the script is interrupted)
   after ``steps`` optimizer steps — or after ``steps`` top-level forward calls when the
   script never creates an optimizer (inference);
@@ -19,6 +21,9 @@ What the runner adds on top of a trace session, since it does not drive the loop
 - ``torch.autocast("cuda")`` regions drive the trace's autocast emulation; ``GradScaler``
   steps the optimizer without reading ``found_inf`` back from the device (no overflow, the
   common case; the scale tensors are still allocated as on a GPU);
+- values the script reads back for logging: ``isnan``/``isinf`` of activations are false (no
+  overflow) and a float ``.item()`` (a loss, a gradient norm) reads 1.0 — both stated in the
+  report's notes; integer and boolean reads that could steer allocations still stop the run;
 - ``torch.distributed.init_process_group`` stops with a pointer to multi-GPU support.
 
 An op or API the emulation cannot serve stops the run with one line naming it and the
@@ -104,8 +109,11 @@ class _Hooks:
 
     # --- modules ------------------------------------------------------------------------
     def module_pre(self, mod: nn.Module, args: Any) -> None:
-        if self._depth == 0 and id(mod) not in self._roots:
-            self._add_root(mod)
+        if self._depth == 0:
+            if id(mod) not in self._roots:
+                self._add_root(mod)
+            if not self.sess.dispatch.in_backward:
+                self._set_phase(Phase.FORWARD)
         self._depth += 1
 
     def module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
@@ -154,7 +162,6 @@ class _Hooks:
             self.run.stopped_by = "steps"
             raise _Stop
         self.sess.start_iteration(self.run.steps + 1)
-        self._set_phase(Phase.FORWARD)
 
     def optimizer_created(self) -> None:
         self.run.optimizers += 1
@@ -172,7 +179,6 @@ class _Hooks:
         self.report("backward")
         with self.sess.backward():
             yield
-        self._set_phase(Phase.FORWARD)
 
     # --- autocast -----------------------------------------------------------------------
     def autocast_enter(self, dtype: torch.dtype) -> None:
@@ -301,6 +307,9 @@ def _patched_distributed() -> Iterator[None]:
         dist.init_process_group = orig  # type: ignore[assignment]
 
 
+_FINITE = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+
+
 class _InputMode(torch.overrides.TorchFunctionMode):
     """Host tensors copied to the device are step inputs; small integer ones keep their
     values as shadows (token ids, lengths) for data-dependent ops."""
@@ -314,6 +323,11 @@ class _InputMode(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name in _FINITE and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and not self.sess.values.has_shadow(out) and out.numel() <= 1 << 16:
+            # activations are finite (no overflow): what the step does nearly always
+            self.sess.values.set_shadow(out, torch.full(out.shape, name == "isfinite", dtype=torch.bool))
+            self.sess.dispatch.rules_used["finite"] += 1
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[0]
             if src.device.type == "cpu" and out.device.type == "meta":
@@ -380,6 +394,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         raise VramplanError(f"timeout must be positive seconds, got {timeout}", hint="--timeout 300")
     started = time.monotonic()
     sess = TraceSession(profile, autocast_dtype=autocast_dtype)
+    sess.dispatch.float_reads = 1.0
     run = ScriptRun()
     hooks = _Hooks(sess, run, steps, progress, started)
     live = LiveAllocator(sess.rec.log, alloc_conf)
