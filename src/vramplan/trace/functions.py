@@ -6,6 +6,8 @@
   that ran under autocast (function modes do not follow autograd into its device thread, so
   :mod:`.session` enters a recompute instance around each recomputed region);
 - ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` in user code → the trace device (meta);
+- ``torch._VF.lstm/gru/rnn_tanh/rnn_relu`` → cuDNN's ``_cudnn_rnn`` (:mod:`.rnn`);
+- ``pin_memory`` → a plain host tensor (page-locked memory is not GPU memory);
 - ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
   that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
+from . import rnn
 from .autocast import Autocast, handles
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
@@ -61,8 +64,12 @@ class CudaFunctionMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _META}
+        if kwargs.get("pin_memory"):  # page-locked host memory: a host tensor, never GPU memory
+            kwargs = {**kwargs, "pin_memory": False}
         if name == "to" or name == "cuda":
             return self._to(func, name, args, kwargs)
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            return args[0]
         ac = self.autocast
         if ac is not None and handles(name):
             if ac.enabled:
@@ -75,7 +82,14 @@ class CudaFunctionMode(TorchFunctionMode):
             return out
         if name == "one_hot":
             return self._one_hot(func, args, kwargs)
+        if name in rnn.MODES and not kwargs:
+            out = rnn.call_cudnn_rnn(name, args, self._host_values)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
+
+    def _host_values(self, t: torch.Tensor) -> torch.Tensor | None:
+        return t if t.device.type != "meta" else self.trace.values.cpu_view(t)
 
     def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name == "cuda":

@@ -250,6 +250,7 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
     profile = profile_for(gpu, workspaces=opts.workspaces)
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
     sess.dispatch.cache.enabled = opts.meta_cache
+    sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
     trainable = [q for q in p.model.parameters() if q.requires_grad]
     with quiet(), sess:
