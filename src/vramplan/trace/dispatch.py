@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import TraceError
 from ..events import Category
 from ..workload import Phase
+from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
 from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values
 from .metacache import MetaCache
-from . import rnn
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
 from .values import SHADOW_LIMIT, Values, to_cpu_args

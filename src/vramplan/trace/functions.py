@@ -7,6 +7,8 @@
   :mod:`.session` enters a recompute instance around each recomputed region);
 - ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` in user code → the trace device (meta);
 - ``torch._VF.lstm/gru/rnn_tanh/rnn_relu`` → cuDNN's ``_cudnn_rnn`` (:mod:`.rnn`);
+- ``torch.dropout`` (training, ``0 < p < 1``) → ``native_dropout`` with its bool mask, as
+  CUDA's fused path (meta would take the CPU path's float noise tensor);
 - ``pin_memory`` → a plain host tensor (page-locked memory is not GPU memory);
 - ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
   that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
@@ -30,6 +32,7 @@ from .sdpa import run_sdpa
 
 _META = torch.device("meta")
 _SDPA = "scaled_dot_product_attention"
+_DROPOUT = ("dropout", "dropout_")
 
 
 def _is_cuda(d: Any) -> bool:
@@ -38,6 +41,19 @@ def _is_cuda(d: Any) -> bool:
     if isinstance(d, str):
         return d.split(":")[0] == "cuda"
     return False
+
+
+def _fused_dropout(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, bool] | None:
+    """(input, p, inplace) of a ``F.dropout`` / ``torch.dropout(_)`` call that CUDA runs fused."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    inplace = name == "dropout_" or bool(args[3] if len(args) > 3 else kwargs.get("inplace", False))
+    if x.device.type == "meta" and train is True and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0:
+        return x, float(p), inplace
+    return None
 
 
 class CudaFunctionMode(TorchFunctionMode):
@@ -82,6 +98,14 @@ class CudaFunctionMode(TorchFunctionMode):
             return out
         if name == "one_hot":
             return self._one_hot(func, args, kwargs)
+        if name in _DROPOUT:
+            drop = _fused_dropout(name, args, kwargs)
+            if drop is not None:
+                # CUDA's at::dropout takes the fused kernel (Dropout.cpp, is_fused_kernel_acceptable):
+                # native_dropout keeps a bool mask; on meta it would keep a float noise tensor
+                x, p, inplace = drop
+                out = torch.ops.aten.native_dropout.default(x, p, True)[0]
+                return x.copy_(out) if inplace else out
         if name in rnn.MODES and not kwargs:
             out = rnn.call_cudnn_rnn(name, args, self._host_values)
             if out is not NotImplemented:
