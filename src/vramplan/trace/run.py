@@ -7,9 +7,10 @@ figures from the event log.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,7 +254,7 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
     trainable = [q for q in p.model.parameters() if q.requires_grad]
-    with quiet(), sess:
+    with quiet(), _collect_deterministically(), sess:
         sess.add_model(p.model, p.root)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
@@ -277,7 +278,7 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
             sess.dispatch.count_flops = opts.count_flops and it == 1
             try:
                 runner(sess, plan)
-                gc.collect(1)  # storages kept only by (young) reference cycles die at the iteration end
+                gc.collect()  # storages kept only by reference cycles die at the iteration end
             except VramplanError:
                 raise
             except Exception as e:
@@ -287,6 +288,25 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     return summarize(sess, params=p.params, trainable=p.trainable,
                      flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+
+
+@contextlib.contextmanager
+def _collect_deterministically() -> Iterator[None]:
+    """Storages kept alive only by reference cycles die when the garbage collector runs, and
+    automatic collections run after a count of allocations that depends on everything the
+    process did before (imports, earlier traces): their FREE events would move from one run
+    to the next. During a trace automatic collection is off and a full collection runs at
+    each iteration's end; objects from before the trace are frozen (``gc.freeze``) so that
+    collection only scans the trace's own objects."""
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 def _where(sess: TraceSession) -> str:
