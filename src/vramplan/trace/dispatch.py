@@ -417,7 +417,7 @@ class TraceMode(TorchDispatchMode):
 
     def _no_kernel(self, func: Any, e: Exception) -> TraceError:
         return TraceError(
-            f"op {func} has no meta kernel, so {self._where()} cannot run on fake tensors",
+            f"op {func} has no meta kernel, so {self._where()} at {user_frame()} cannot run on fake tensors",
             hint="register one with @torch.library.register_fake for custom ops "
                  "(a CUDA-only extension cannot be traced otherwise)",
         )

@@ -30,6 +30,7 @@ from .result import TraceResult
 from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan
 from .values import SHADOW_LIMIT
+from .where import user_frame_of
 
 
 @dataclass(frozen=True)
@@ -282,8 +283,11 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
             except VramplanError:
                 raise
             except Exception as e:
-                raise TraceError(f"tracing failed in {_where(sess)}: {type(e).__name__}: {_line(e)}",
-                                 hint="the model's step must run on fake (meta) tensors") from e
+                at = user_frame_of(e)
+                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''}: "
+                                 f"{type(e).__name__}: {_line(e)}",
+                                 hint="the model's step must run on fake (meta) tensors: change that line to "
+                                      "depend on shapes, not values, or register a fake kernel for a custom op") from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     return summarize(sess, params=p.params, trainable=p.trainable,

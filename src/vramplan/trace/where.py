@@ -14,6 +14,19 @@ _INTERNAL = tuple(
 ) + (sysconfig.get_paths()["stdlib"] + os.sep,)
 
 
+def user_frame_of(exc: BaseException) -> str | None:
+    """``path:line`` of the innermost user frame in ``exc``'s traceback, or None."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_INTERNAL) and not f.filename.startswith("<")]
+    if not frames:
+        return None
+    f = frames[-1]
+    rel = os.path.relpath(f.filename) if os.path.isabs(f.filename) else f.filename
+    return f"{f.filename if rel.startswith('..') else rel}:{f.lineno}"
+
+
 def user_frame(skip: int = 1) -> str:
     """``path:line`` of the innermost user frame (relative to the working directory when
     below it), or ``<unknown>``."""
