@@ -528,3 +528,32 @@ def test_routing_skew_is_validated() -> None:
 
     with pytest.raises(WorkloadError, match="routing-skew"):
         Workload(routing_skew=0.5)
+
+
+def test_rnn_under_autocast_runs_fp16_on_a_flat_fp16_weight_copy() -> None:
+    """CUDA rule (``AutocastRNN.cpp``): under autocast (even bf16) ``_cudnn_rnn`` runs in
+    fp16, its weights copied into a new fp16 flat buffer on every call."""
+    w = Workload(task="train", precision="bf16-mixed")
+    r = trace_model(lambda: Seq2Seq("lstm"), (torch.randint(0, 100, (4, 10)), list(LENGTHS)), workload=w,
+                    iterations=1, options=NO_WS)
+    rows = _rows(r)
+    outs = {desc for act, _, op, desc in rows if act == 0 and op == "aten._cudnn_rnn.default"}
+    assert "f16[26,128]" in outs and not any(d.startswith(("f32[", "bf16[")) for d in outs)
+    m = Seq2Seq("lstm")
+    flat = {size for act, size, op, _ in rows if act == 0 and op == "aten.zeros.default"}
+    assert _rnn_params(m.enc) // 2 in flat and _rnn_params(m.dec) // 2 in flat
+
+
+def test_rnn_dropout_state_is_allocated_once() -> None:
+    class Stacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.GRU(8, 8, num_layers=2, dropout=0.2)
+            self.b = nn.LSTM(8, 8, num_layers=2, dropout=0.2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)[0])[0]
+
+    r = trace_model(Stacked, torch.randn(5, 2, 8), workload=WORKLOADS["train"], options=NO_WS)
+    states = [size for act, size, op, _ in _rows(r) if act == 0 and op == "cudnn.rnn.dropout_state"]
+    assert states == [cudnn_rnn.DROPOUT_STATE_BYTES]

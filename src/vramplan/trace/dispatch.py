@@ -127,6 +127,8 @@ class TraceMode(TorchDispatchMode):
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
         self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.rnn_dropout_state = False
+        """cuDNN's dropout state (:mod:`.rnn`) was allocated."""
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
+from ..events import Category
 from . import rnn
 from .autocast import Autocast, handles
 from .cuda import DeviceProfile
@@ -107,10 +108,19 @@ class CudaFunctionMode(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout.default(x, p, True)[0]
                 return x.copy_(out) if inplace else out
         if name in rnn.MODES and not kwargs:
-            out = rnn.call_cudnn_rnn(name, args, self._host_values)
+            half = ac is not None and (ac.enabled or (self.recompute_autocast and torch.is_grad_enabled()))
+            out = rnn.call_cudnn_rnn(name, args, self._host_values, autocast=half, dropout_state=self._dropout_state)
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
+
+    def _dropout_state(self) -> None:
+        """cuDNN's dropout state: allocated once per device and cached for the process."""
+        tr = self.trace
+        if not tr.rnn_dropout_state:
+            tr.rnn_dropout_state = True
+            tr.rec.synthetic_alloc(rnn.DROPOUT_STATE_BYTES, Category.WORKSPACE, "cudnn dropout state",
+                                   op="cudnn.rnn.dropout_state")
 
     def _host_values(self, t: torch.Tensor) -> torch.Tensor | None:
         return t if t.device.type != "meta" else self.trace.values.cpu_view(t)

@@ -73,12 +73,17 @@ def workspace_bytes(mode: int, dirs: int, tokens: int, hidden: int, itemsize: in
 
 
 # --------------------------------------------------------------------------- function mode
-def call_cudnn_rnn(name: str, args: tuple[Any, ...], host_values: Any) -> Any:
+def call_cudnn_rnn(name: str, args: tuple[Any, ...], host_values: Any, *, autocast: bool = False,
+                   dropout_state: Any = None) -> Any:
     """``torch._VF.<name>(...)`` as ``_cudnn_impl`` runs it on CUDA, or ``NotImplemented``
     when cuDNN would not be used (a non-meta input, float64).
 
     ``host_values(t)``: the real values of the packed ``batch_sizes`` tensor (a host tensor,
-    or a meta one with known values), or None."""
+    or a meta one with known values), or None. ``autocast``: an autocast region is active —
+    ``_cudnn_rnn_cast_reflatten`` (``aten/src/ATen/cudnn/AutocastRNN.cpp``) then runs the RNN
+    in fp16 whatever the autocast dtype: input and states cast to fp16, and the weights copied
+    (autograd-exposed) into a new fp16 flat buffer on every call. ``dropout_state()`` is
+    called when the call needs cuDNN's dropout state (training with dropout)."""
     mode = MODES[name]
     packed = isinstance(args[1], torch.Tensor) if mode == 2 else isinstance(args[2], torch.Tensor)
     if packed:
@@ -107,13 +112,31 @@ def call_cudnn_rnn(name: str, args: tuple[Any, ...], host_values: Any) -> Any:
             )
         batch_sizes = [int(v) for v in vals.tolist()]
     per_layer = (4 if has_biases else 2) + (1 if proj else 0)
-    # flatten_parameters() made the weights views of one buffer: no new memory
-    from torch.utils._python_dispatch import _disable_current_modes
+    if train and dropout > 0 and dropout_state is not None:
+        dropout_state()
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    if autocast and params[0].dtype != torch.float16:
+        half = torch.float16
+        data, h0 = data.to(half), h0.to(half)
+        c0 = c0.to(half) if c0 is not None else None
+        weight_buf = torch.zeros(total, dtype=half, device="meta")
+        views, off = [], 0
+        for p in params:
+            v = weight_buf.narrow(0, off, p.numel()).view(p.shape)
+            v.copy_(p)
+            views.append(v)
+            off += p.numel()
+        params = views
+        weight_buf = weight_buf.detach()  # the flat storage; gradients flow through the views
+    else:
+        # flatten_parameters() made the weights views of one buffer: no new memory
+        from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():
-        weight_buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device="meta")
+        with _disable_current_modes():
+            weight_buf = torch.empty(total, dtype=params[0].dtype, device="meta")
     out = aten._cudnn_rnn.default(
-        data, list(params), per_layer, weight_buf, h0, c0, mode, hidden, proj, int(layers), bool(batch_first),
+        data, params, per_layer, weight_buf, h0, c0, mode, hidden, proj, int(layers), bool(batch_first),
         float(dropout), bool(train), bool(bidir), batch_sizes, None,
     )
     output, hy, cy = out[0], out[1], out[2]
