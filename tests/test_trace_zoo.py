@@ -557,3 +557,34 @@ def test_rnn_dropout_state_is_allocated_once() -> None:
     r = trace_model(Stacked, torch.randn(5, 2, 8), workload=WORKLOADS["train"], options=NO_WS)
     states = [size for act, size, op, _ in _rows(r) if act == 0 and op == "cudnn.rnn.dropout_state"]
     assert states == [cudnn_rnn.DROPOUT_STATE_BYTES]
+
+
+def test_a_library_nms_op_without_box_values_keeps_every_box() -> None:
+    """``torchvision::nms`` (a custom op whose fake kernel needs FakeTensorMode's unbacked
+    sizes) gets the documented rule: every box kept, capped by the caller."""
+    lib = torch.library.Library("torchvision", "FRAGMENT")
+    if not hasattr(torch.ops.torchvision, "nms"):
+        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+        def _cpu(dets: torch.Tensor, scores: torch.Tensor, thr: float) -> torch.Tensor:
+            order = scores.argsort(descending=True)
+            return order[torch.ones_like(order, dtype=torch.bool)]
+
+        lib.impl("nms", _cpu, "CPU")
+
+    class Detector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.boxes = nn.Linear(16, 4)
+            self.score = nn.Linear(16, 1)
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            keep = torch.ops.torchvision.nms(self.boxes(x), self.score(x)[:, 0], 0.5)[:10]
+            return self.head(x[keep])
+
+    r = trace_model(Detector, torch.randn(50, 16), workload=WORKLOADS["infer"], options=NO_WS)
+    rows = _rows(r)
+    assert any(desc == "i64[50]" and op == "torchvision.nms.default" for _, _, op, desc in rows)
+    assert any(desc == "f32[10,64]" for _, _, _, desc in rows)
+    assert any("nms" in n for n in r.notes)

@@ -18,6 +18,8 @@ mask.sum() / count        of such a mask: ``numel·share`` (a known value, so ``
 x[bool_mask],             as nonzero of the mask
 masked_select
 unique (all variants)     every element distinct
+torchvision nms           every box kept (an upper bound; detectors keep ``post_nms_top_n`` /
+                          ``detections_per_img`` of them right after)
 repeat_interleave(r)      every repeat is 1
 bincount                  ``max(minlength, index bound or numel)`` bins; the counts of indices
                           below ``n`` are known under the routing rule: ``numel/n`` each (the
@@ -49,6 +51,7 @@ RULE_TEXT: dict[str, str] = {
     "masked_select": "assumed every mask element true (one_hot-derived masks: 1/n)",
     "index_bool": "boolean-mask indexing assumed every element selected (one_hot-derived masks: 1/n)",
     "unique": "assumed every element distinct",
+    "nms": "non-maximum suppression without box values keeps every box (upper bound; detectors cap it next)",
     "repeat_interleave": "assumed every repeat count is 1",
     "bincount": "assumed max(minlength, index bound) bins; counts of routed indices uniform over the bins "
                 "(times the routing skew for the first)",
@@ -191,10 +194,22 @@ INDEX_OPS = frozenset({aten.index.Tensor, aten._unsafe_index.Tensor})
 """Ops that become data-dependent only with boolean indices (checked per call)."""
 
 
+def nms(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``torchvision.ops.nms`` without box values: every box kept (an upper bound; detectors
+    cap what they keep — ``post_nms_top_n``, ``detections_per_img`` — right after)."""
+    return _meta((int(args[0].shape[0]),), torch.int64)
+
+
+NAMED_RULES: dict[str, tuple[str, Rule]] = {"torchvision::nms": ("nms", nms)}
+"""Rules for ops of libraries that may not be imported (matched by schema name)."""
+
+
 def needs_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Rule] | None:
     rule = RULES.get(func)
     if rule is not None:
         return rule
+    if func.namespace != "aten":
+        return NAMED_RULES.get(func._schema.name)
     if func in INDEX_OPS and _has_bool_index(args, kwargs):
         return ("index_bool", index_bool)
     return None

@@ -205,6 +205,8 @@ class TraceMode(TorchDispatchMode):
             self._routing(func, args, out)
         if func in INDEX_BOUND_OPS:
             self._set_bound(func, args, kwargs, out)
+        elif rule is not None and rule[0] == "nms" and isinstance(out, torch.Tensor):
+            values.set_bound(out, int(args[0].shape[0]))
         elif func in HINT_COPY_OPS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             _copy_hints(values, args[0], out)
 
