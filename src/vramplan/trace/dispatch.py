@@ -77,7 +77,7 @@ TO_OPS = frozenset({aten._to_copy.default, aten.to.dtype_layout, aten.to.device,
 itself under inference mode."""
 EQ_OPS = frozenset({aten.eq.Scalar, aten.eq.Tensor})
 ROUTING_OPS = EQ_OPS | frozenset({aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default,
-                                  aten.count_nonzero.dim_IntList})
+                                  aten.count_nonzero.dim_IntList, aten.any.default})
 """Ops that the routing rule gives densities or counts (:meth:`TraceMode._routing`)."""
 HOST_ARGS: dict[Any, tuple[int, ...]] = {
     getattr(aten, n).default: pos for n, pos in (
@@ -360,7 +360,10 @@ class TraceMode(TorchDispatchMode):
                 values.set_density(out, values.class_share(bound))
             return
         d = values.get_density(x)
-        if d < 1.0 and not out.is_floating_point() and out.numel() <= SHADOW_LIMIT:
+        if d < 1.0 and func is aten.any.default:  # `if mask.any():` — an expert with tokens
+            self.rules_used["mask_count"] += 1
+            values.set_shadow(out, torch.ones((), dtype=torch.bool))
+        elif d < 1.0 and not out.is_floating_point() and out.numel() <= SHADOW_LIMIT:
             per = x.numel() // max(out.numel(), 1)
             self.rules_used["mask_count"] += 1
             values.set_shadow(out, torch.full(tuple(out.shape), max(1, math.ceil(per * d)), dtype=out.dtype))
