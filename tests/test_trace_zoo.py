@@ -598,3 +598,11 @@ def test_a_library_nms_op_without_box_values_keeps_every_box() -> None:
     assert any(desc == "i64[50]" and op == "torchvision.nms.default" for _, _, op, desc in rows)
     assert any(desc == "f32[10,64]" for _, _, _, desc in rows)
     assert any("nms" in n for n in r.notes)
+
+
+def test_reserve_rule_keeps_the_measured_gru_to_lstm_ratio() -> None:
+    """pytorch/pytorch#2895: cuDNN reserved 864,000,000 B for a GRU and 736,000,000 B for
+    an LSTM of the same shapes (ratio 1.174); the approximation keeps it within 1 %."""
+    lstm = cudnn_rnn.reserve_bytes(cudnn_rnn.MODES["lstm"], 4, 1, 25_000, 320, 320, 4, 0.0)
+    gru = cudnn_rnn.reserve_bytes(cudnn_rnn.MODES["gru"], 4, 1, 25_000, 320, 320, 4, 0.0)
+    assert abs(gru / lstm - 864 / 736) < 0.01 * 864 / 736

@@ -25,9 +25,13 @@ which documents the query but not a formula. The sizes here are **approximations
 what the standard algorithm must keep for backward, per layer, direction and token:
 
 - reserve: LSTM the 4 gate activations + the cell state + the layer output (``5H + O``
-  elements), GRU 3 gates + the reset-gated hidden term + the output (``4H + O``), plain RNN
-  the pre-activation + output (``H + O``), in the input's dtype; plus, with dropout between
-  layers in training, one byte per element of each dropped layer output;
+  elements), GRU its 3 input-side and 3 hidden-side gate projections (kept apart: the
+  reset gate multiplies only the hidden side) + the output (``6H + O``), plain RNN the
+  pre-activation + output (``H + O``), in the input's dtype; plus, with dropout between
+  layers in training, one byte per element of each dropped layer output. The one public
+  measurement found, pytorch/pytorch#2895 (2017), reports 736,000,000 B (LSTM) and
+  864,000,000 B (GRU) for the same shapes: a GRU/LSTM ratio of 1.174, against 7/6 = 1.167
+  here;
 - workspace: the input-projection GEMM result of one layer (``gates·H`` per token and
   direction), in the input's dtype.
 
@@ -48,8 +52,8 @@ aten = torch.ops.aten
 MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
 """cuDNN's ``cudnnRNNMode_t`` values, as ``_cudnn_rnn`` takes them."""
 GATES = {0: 1, 1: 1, 2: 4, 3: 3}
-_RESERVE_EXTRA = {0: 0, 1: 0, 2: 1, 3: 1}
-"""Per-token state beyond gates and output: LSTM's cell state, GRU's reset-gated term."""
+_RESERVE_EXTRA = {0: 0, 1: 0, 2: 1, 3: 3}
+"""Per-token state beyond gates and output: LSTM's cell state, GRU's hidden-side projections."""
 DROPOUT_STATE_BYTES = 2 << 20
 CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORWARD = aten._cudnn_rnn.default
