@@ -529,6 +529,7 @@ def test_routing_skew_raises_each_experts_share() -> None:
         w = Workload(task="infer", precision="fp32", routing_skew=skew)
         r = trace_model(WhereMoE, torch.randn(4, 64, 64), workload=w, options=NO_WS)
         sizes[skew] = {desc for act, _, op, desc in _rows(r) if act == 0 and op == "aten.linear.default"}
+        assert any(n.startswith("routing skew 2:") for n in r.notes) == (skew == 2.0)
     # 256 tokens, top-2 of 8: 64 per expert; twice that with skew 2
     assert "f32[64,256]" in sizes[1.0] and "f32[128,256]" in sizes[2.0]
 

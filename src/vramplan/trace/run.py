@@ -338,6 +338,10 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
         out.append(f"cuBLAS workspace {cublas:,} B per (thread, stream), forward and backward threads")
     for rule, n in sorted(sess.dispatch.rules_used.items()):
         out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
+    routed = {"eq_mask", "mask_count", "bincount", "nonzero"} & set(sess.dispatch.rules_used)
+    if routed and sess.values.routing_skew != 1.0:
+        out.append(f"routing skew {sess.values.routing_skew:g}: each expert's share is {sess.values.routing_skew:g}x "
+                   "the uniform k/n (capped at every token)")
     return out
 
 
