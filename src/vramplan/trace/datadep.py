@@ -58,6 +58,8 @@ RULE_TEXT: dict[str, str] = {
     "eq_mask": "equality masks of indices below n select 1/n of the elements (uniform routing, times the routing skew)",
     "mask_count": "counts of routed masks taken as numel x share (uniform routing, times the routing skew)",
     "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
+    "host_float": "floats the script reads back (.item() of losses, norms) taken as 1.0",
+    "finite": "isnan/isinf/isfinite of activations taken as finite (no overflow)",
 }
 
 
