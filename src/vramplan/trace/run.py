@@ -306,12 +306,15 @@ def _collect_deterministically() -> Iterator[None]:
     each iteration's end; objects from before the trace are frozen (``gc.freeze``) so that
     collection only scans the trace's own objects."""
     enabled = gc.isenabled()
+    freeze = gc.get_freeze_count() == 0  # (someone else's frozen objects stay frozen)
     gc.disable()
-    gc.freeze()
+    if freeze:
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
         if enabled:
             gc.enable()
 
