@@ -482,7 +482,7 @@ def test_lengths_computed_from_activations_are_refused_with_the_user_line() -> N
     assert "test_trace_zoo.py:" in msg and "routing-skew" in msg
 
 
-def test_pinned_host_buffers_are_not_device_memory() -> None:
+def test_pinned_and_explicit_host_tensors_are_not_device_memory() -> None:
     class Pinned(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -492,6 +492,8 @@ def test_pinned_host_buffers_are_not_device_memory() -> None:
             staging = torch.empty(1 << 20, pin_memory=True)  # 4 MiB of page-locked host memory
             host = torch.zeros(1 << 20).pin_memory()
             assert staging.device.type == "cpu" and host.device.type == "cpu"
+            table = torch.arange(1 << 20, device="cpu")  # explicit host tensors and host ops stay host
+            assert int(table[torch.tensor([3, 5])].sum()) == 8
             return self.lin(x)
 
     r = trace_model(Pinned, torch.randn(4, 16), workload=WORKLOADS["infer"], options=NO_WS)
