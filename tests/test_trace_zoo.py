@@ -536,6 +536,20 @@ def test_routing_skew_raises_each_experts_share() -> None:
     assert "f32[64,256]" in sizes[1.0] and "f32[128,256]" in sizes[2.0]
 
 
+def test_histc_counts_of_routed_indices_follow_the_routing_rule() -> None:
+    class HistcMoE(TopKMoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.reshape(-1, x.shape[-1])
+            _, idx = self.router(x).topk(self.k, dim=-1)
+            counts = torch.histc(idx.flatten().float(), bins=self.n, min=0, max=self.n - 1).long().tolist()
+            assert sum(counts) == idx.numel()
+            order = idx.flatten().argsort()
+            return torch.cat([self.experts[e](x[t // self.k]) for e, t in enumerate(order.split(counts))])
+
+    r = trace_model(HistcMoE, torch.randn(2, 32, 64), workload=WORKLOADS["infer"], options=NO_WS)
+    assert any(desc == "f32[16,256]" for _, _, _, desc in _rows(r))  # 64 tokens x top-2 / 8 experts
+
+
 def test_routing_skew_is_validated() -> None:
     from vramplan.errors import WorkloadError
 

@@ -25,7 +25,8 @@ bincount                  ``max(minlength, index bound or numel)`` bins; the cou
                           below ``n`` are known under the routing rule: ``numel/n`` each (the
                           remainder to the first bins; with a skew, bin 0 takes
                           ``skew·numel/n`` and the rest share what is left), so ``.tolist()``
-                          and ``torch.split`` by counts work
+                          and ``torch.split`` by counts work; ``torch.histc`` of such indices
+                          gets the same counts
 .item(), bool(t), .cpu()  no answer: raises :class:`~vramplan.errors.TraceError` naming the op
                           and the user's ``file:line`` (control flow on model data cannot be
                           traced without values)

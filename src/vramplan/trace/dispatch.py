@@ -27,7 +27,7 @@ from ..events import Category
 from ..workload import Phase
 from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
-from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values
+from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values, uniform_counts
 from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
@@ -62,6 +62,7 @@ position, default dim; None = all elements)."""
 HINT_COPY_OPS = frozenset({
     aten._to_copy.default, aten.clone.default, aten.index.Tensor, aten.index_select.default,
     aten.gather.default, aten._unsafe_view.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
+    aten.to.dtype, aten.to.dtype_layout,  # (aten.to reaches the mode under inference mode)
 })
 """Ops that carry their first input's density/bound hint to their output."""
 EMPTY_OPS = frozenset({
@@ -77,7 +78,7 @@ TO_OPS = frozenset({aten._to_copy.default, aten.to.dtype_layout, aten.to.device,
 itself under inference mode."""
 EQ_OPS = frozenset({aten.eq.Scalar, aten.eq.Tensor})
 ROUTING_OPS = EQ_OPS | frozenset({aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default,
-                                  aten.count_nonzero.dim_IntList, aten.any.default})
+                                  aten.count_nonzero.dim_IntList, aten.any.default, aten.histc.default})
 """Ops that the routing rule gives densities or counts (:meth:`TraceMode._routing`)."""
 HOST_ARGS: dict[Any, tuple[int, ...]] = {
     getattr(aten, n).default: pos for n, pos in (
@@ -365,6 +366,11 @@ class TraceMode(TorchDispatchMode):
             if bound is not None and out.dtype == torch.bool:
                 self.rules_used["eq_mask"] += 1
                 values.set_density(out, values.class_share(bound))
+            return
+        if func is aten.histc.default:  # per-expert counts as torch.histc(idx.float(), bins=n, ...)
+            if values.get_bound(x) is not None and out.dim() == 1 and out.numel() <= SHADOW_LIMIT:
+                self.rules_used["bincount"] += 1
+                values.set_shadow(out, uniform_counts(x.numel(), out.numel(), values.routing_skew).to(out.dtype))
             return
         d = values.get_density(x)
         if d < 1.0 and func is aten.any.default:  # `if mask.any():` — an expert with tokens
