@@ -113,7 +113,7 @@ def plot_serving(points: Sequence[tuple[float, ServePlan]], path: str | Path, *,
     ax.set_xlabel(x_label)
     _mem_axis(ax, unit)
     ax.set_ylim(bottom=0)
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     ax.set_title(title, fontsize=12, loc="left")
     fig.tight_layout()
     _save(fig, data, "")

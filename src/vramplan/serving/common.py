@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.hardware.overhead import device_overhead
-from vramplan.models.spec import ModelSpec
+from vramplan.models.spec import Family, ModelSpec
 
 QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
 AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
@@ -74,13 +74,21 @@ def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype
         raise WorkloadError(f"token budget must be >= 1, got {tokens}")
     limit = spec.max_positions or tokens
     run = min(tokens, limit)
-    w16, act, used = _estimate(spec.name, spec, run, tp, pp, "none" if quant in ("awq", "gptq", "fp8") else quant,
-                               dtype, method)
+    # TP above the KV heads: engines replicate K/V; vramplan's estimators split by heads, so
+    # estimate at tp = kv_heads and scale by kv_heads / tp (the replicated K/V projections,
+    # a few % of the weights, are under-counted).
+    etp, scale = tp, 1.0
+    if spec.kv_heads and tp > spec.kv_heads and spec.family is not Family.MLA:
+        etp, scale = spec.kv_heads, spec.kv_heads / tp
+    w16, act, used = _estimate(spec.name, spec, run, etp, pp,
+                               "none" if quant in ("awq", "gptq", "fp8") else quant, dtype, method)
     if tokens > run:
         act = act * tokens // run
+    w16, act = int(w16 * scale), int(act * scale)
     weights = w16
     if quant in ("fp8", "awq", "gptq"):
-        w8, _, _ = _estimate(spec.name, spec, min(run, 16), tp, pp, "fp8", dtype, "analytic")
+        w8, _, _ = _estimate(spec.name, spec, min(run, 16), etp, pp, "fp8", dtype, "analytic")
+        w8 = int(w8 * scale)
         if quant == "fp8":
             weights = w8
         else:

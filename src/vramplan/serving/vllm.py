@@ -212,6 +212,11 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         error = (f"Free memory on device ({free_at_start / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
                  f"than desired GPU memory utilization ({s.gpu_memory_utilization}, {requested / GiB:.2f} GiB). "
                  "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    cc = gpu.compute_capability
+    if error is None and dtype == "bf16" and gpu.vendor == "nvidia" and cc and float(cc) < 8.0:
+        error = ("Bfloat16 is only supported on GPUs with compute capability of at least 8.0. "
+                 f"Your {gpu.name} GPU has compute capability {cc}. You can use float16 instead by "
+                 "explicitly setting the `dtype` flag in CLI, for example: --dtype=half.")
     if error is None:
         error = check_enough(layers, available, max_model_len, s.block_size, mnbt)
     cfg = kv_cache_config(layers, max(available, 0), s.block_size)
