@@ -10,8 +10,16 @@ import pytest
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import get_gpu, usable_capacity
 from vramplan.models.catalog import resolve
-from vramplan.serving import cheapest, largest_max_model_len, serve_plan, sweep
-from vramplan.serving import sglang, tgi, trtllm, vllm
+from vramplan.serving import (
+    cheapest,
+    largest_max_model_len,
+    serve_plan,
+    sglang,
+    sweep,
+    tgi,
+    trtllm,
+    vllm,
+)
 from vramplan.serving.common import outside
 from vramplan.serving.kvspec import LayerKV, bytes_per_token, kv_heads_per_rank, layer_specs
 from vramplan.units import GiB

@@ -28,6 +28,7 @@ _LAZY = {
     "measure": "vramplan.measure",
     "get_gpu": "vramplan.hardware.catalog",
     "resolve_model": "vramplan.models.catalog",
+    "serve_plan": "vramplan.serving",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

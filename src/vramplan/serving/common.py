@@ -114,10 +114,10 @@ def _estimate(key: str, spec: ModelSpec, tokens: int, tp: int, pp: int, quant: s
 def _run_estimate(spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dtype: str,
                   method: str) -> tuple[int, int, str]:
     import vramplan
-    from vramplan.workload import Parallel, Workload
+    from vramplan.workload import Parallel, Precision, Quant, Task, Workload
 
-    wq = {"none": "none", "fp8": "fp8", "bitsandbytes": "nf4"}[quant]
-    w = Workload(task="generate", batch=1, seq=tokens, new_tokens=1, precision=dtype, quant=wq,
+    wq = {"none": Quant.NONE, "fp8": Quant.FP8, "bitsandbytes": Quant.NF4}[quant]
+    w = Workload(task=Task.GENERATE, batch=1, seq=tokens, new_tokens=1, precision=Precision(dtype), quant=wq,
                  parallel=Parallel(tp=tp, pp=pp))
     report = vramplan.estimate(spec, w, method=method)
     prefill = [p for p in report.phases if str(getattr(p.phase, "value", p.phase)) == "prefill"]
