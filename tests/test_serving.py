@@ -310,3 +310,27 @@ def test_sweep_and_cheapest() -> None:
     assert opts and all(o.concurrency >= 16 for o in opts)
     prices = [o.usd_per_hour for o in opts]
     assert prices == sorted(prices)
+
+
+def test_tgi_refuses_mla_models() -> None:
+    with pytest.raises(WorkloadError, match="does not model TGI's KV layout"):
+        serve_plan("deepseek-v2-lite", "h100-sxm", engine="tgi", max_model_len=4096)
+
+
+# --- report -------------------------------------------------------------------------------
+def test_doc_and_plot_data(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vramplan.report.doc import KeyValues, Notes, Table
+    from vramplan.report.serving import plot_serving, to_doc
+
+    p = serve_plan("llama-3.1-8b", "l40s", max_model_len=8192, avg_request_len=1000)
+    doc = to_doc(p)
+    table = next(s for s in doc.sections if isinstance(s, Table))
+    assert table.footer == ["predicted device used", f"{p.device_used / GiB:,.2f}", ""]
+    assert any(isinstance(s, KeyValues) and s.title == "What it means for users" for s in doc.sections)
+    assert any(isinstance(s, Notes) and s.lines == [p.command] for s in doc.sections)
+    pts = sweep("llama-3.1-8b", "l40s", over="context", max_model_len=8192)
+    data = plot_serving(pts, tmp_path / "ctx.svg", over="context")
+    assert data.x == tuple(float(x) for x, _ in pts)
+    assert data.stacked["KV-cache pool"] == tuple(pl.kv_pool if pl.starts else 0 for _, pl in pts)
+    assert data.levels["GPU total"] == p.total_memory
+    assert (tmp_path / "ctx.svg").read_text().startswith("<?xml")

@@ -17,6 +17,8 @@
   when the pool is empty; ``max_num_reqs = min(max(int(tokens / context_len × 512), 2048), 4096)``
   unless ``--max-running-requests`` is given. A pool smaller than ``context_len`` still
   starts; the scheduler caps one request's input at ``min(context_len, tokens) − 1``.
+- Sliding-window layers get a full-length pool like every other layer (0.4.6 has no
+  separate SWA pool; later releases add one for hybrid models).
 - Log: "KV Cache is allocated. #tokens: N, K size: X GB, V size: Y GB" (SGLang divides by
   2^30 and prints GB).
 """

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import usable_capacity
 from vramplan.hardware.gpu import GPU
-from vramplan.models.spec import ModelSpec
+from vramplan.models.spec import Family, ModelSpec
 from vramplan.units import GiB
 
 from .common import cdiv, forward, outside
@@ -54,6 +55,9 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     block = BLOCK_SIZES.get(s.attention, 1)
     max_total = s.max_total_tokens or spec.max_positions
     prefill = s.max_batch_prefill_tokens or (max_total - 1) + 50
+    if spec.family is Family.MLA:
+        raise WorkloadError(f"vramplan does not model TGI's KV layout for the MLA model {spec.name}",
+                            hint="use --engine vllm, sglang or trtllm, which cache MLA's compressed latent")
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="tgi", sliding=False)
     per_token = bytes_per_token(layers)
     block_bytes = per_token * block

@@ -31,7 +31,9 @@ Approximated: the sampler's peak (native top-k/top-p path of
 ``vllm/v1/sample/ops/topk_topp_sampler.py``: 16-bit logits, an fp32 copy, sorted values,
 int64 indices, two boolean masks, the softmax and the scattered result = dtype + 26 bytes
 per logit); the CUDA-graph pool (the activations of one forward at the largest capture
-size, which all graphs share); ``non_torch_increase`` (vramplan's cuBLAS and NCCL items;
+size, which all graphs share — a lower bound: published logs report "Graph capturing
+finished …, took 0.1–1 GiB", and vLLM ≥ 0.11 can count an estimate of it in the budget,
+which 0.10.1.1 does not); ``non_torch_increase`` (vramplan's cuBLAS and NCCL items;
 vLLM's custom all-reduce IPC buffers are not counted).
 """
 
@@ -199,7 +201,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         f"({fwd.method}), sampler over {num_reqs} × {spec.vocab:,} logits {sampler / GiB:.2f} GiB; "
         "the larger is torch_peak_increase.",
         "The CUDA context and CUDA-graph memory sit outside gpu_memory_utilization's budget, in the remaining "
-        f"{1 - s.gpu_memory_utilization:.0%} of the GPU.",
+        f"{1 - s.gpu_memory_utilization:.0%} of the GPU; the CUDA-graph figure is a lower bound (the shared "
+        "pool's activations; published logs show 0.1–1 GiB).",
     ]
     if pp > 1:
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
