@@ -334,3 +334,39 @@ def test_doc_and_plot_data(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert data.stacked["KV-cache pool"] == tuple(pl.kv_pool if pl.starts else 0 for _, pl in pts)
     assert data.levels["GPU total"] == p.total_memory
     assert (tmp_path / "ctx.svg").read_text().startswith("<?xml")
+
+
+def test_sampler_bytes_per_logit_match_a_trace_of_the_sampling_ops() -> None:
+    """vLLM 0.10.1.1's dummy sampler run (``vllm/v1/sample/sampler.py`` → fp32 logits;
+    ``vllm/v1/sample/ops/topk_topp_sampler.py`` ``apply_top_k_top_p`` then ``forward_native``):
+    the same sequence of torch ops, traced by vramplan on fake tensors, peaks at the
+    16-bit logits + SAMPLER_BYTES_PER_LOGIT per logit."""
+    torch = pytest.importorskip("torch")
+    import vramplan
+
+    rows, vocab = 64, 128256
+
+    def top_k_top_p(logits, k, p):  # type: ignore[no-untyped-def]
+        srt, idx = logits.sort(dim=-1)
+        cut = srt.gather(1, (srt.size(1) - k.to(torch.long)).unsqueeze(1))
+        srt.masked_fill_(srt < cut, -float("inf"))
+        probs = srt.softmax(dim=-1)
+        cum = torch.cumsum(probs, dim=-1, out=probs)
+        mask = cum <= 1 - p.unsqueeze(1)
+        mask[:, -1] = False
+        srt.masked_fill_(mask, -float("inf"))
+        return srt.scatter(dim=-1, index=idx, src=srt)
+
+    class Sampler(torch.nn.Module):
+        def forward(self, logits):  # type: ignore[no-untyped-def]
+            fp32 = logits.to(torch.float32)
+            k = torch.full((rows,), vocab - 1, device=logits.device)
+            p = torch.full((rows,), 0.9, device=logits.device)
+            probs = top_k_top_p(fp32, k, p).softmax(dim=-1, dtype=torch.float32)
+            q = torch.empty_like(probs).exponential_()
+            return probs.div_(q).argmax(dim=-1)
+
+    x = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+    report = vramplan.trace(Sampler(), inputs=x, task="infer", precision="bf16", iterations=1)
+    per_logit = report.peak.allocated / (rows * vocab)
+    assert per_logit == pytest.approx(2 + vllm.SAMPLER_BYTES_PER_LOGIT, rel=0.05)
