@@ -370,3 +370,13 @@ def test_sampler_bytes_per_logit_match_a_trace_of_the_sampling_ops() -> None:
     report = vramplan.trace(Sampler(), inputs=x, task="infer", precision="bf16", iterations=1)
     per_logit = report.peak.allocated / (rows * vocab)
     assert per_logit == pytest.approx(2 + vllm.SAMPLER_BYTES_PER_LOGIT, rel=0.05)
+
+
+def test_profile_forward_can_be_traced() -> None:
+    pytest.importorskip("transformers")
+    kw = dict(max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=2)
+    traced = serve_plan("llama-3.2-1b", "l4", method="trace", **kw)  # type: ignore[arg-type]
+    analytic = serve_plan("llama-3.2-1b", "l4", **kw)  # type: ignore[arg-type]
+    assert traced.profile_method == "trace" and analytic.profile_method == "analytic"
+    assert traced.profile_peak == pytest.approx(analytic.profile_peak, rel=0.5)
+    assert traced.weights == pytest.approx(analytic.weights, rel=0.02)
