@@ -295,6 +295,8 @@ def test_all_engines_give_commands_and_json() -> None:
     ({"engine": "ollama"}, "unknown serving engine"),
     ({"quantization": "gguf"}, "invalid quantization"),
     ({"kv_cache_dtype": "int3"}, "invalid kv_cache_dtype"),
+    ({"block_size": 24}, "invalid block_size 24 for vLLM"),
+    ({"avg_request_len": 0}, "average request length must be >= 1"),
 ])
 def test_bad_input_raises_one_line(kwargs: dict[str, object], text: str) -> None:
     with pytest.raises(WorkloadError) as e:
@@ -332,6 +334,7 @@ def test_doc_and_plot_data(tmp_path) -> None:  # type: ignore[no-untyped-def]
     data = plot_serving(pts, tmp_path / "ctx.svg", over="context")
     assert data.x == tuple(float(x) for x, _ in pts)
     assert data.stacked["KV-cache pool"] == tuple(pl.kv_pool if pl.starts else 0 for _, pl in pts)
+    assert all(pl.kv_pool <= max(pl.kv_available, 0) for _, pl in pts)
     assert data.levels["GPU total"] == p.total_memory
     assert (tmp_path / "ctx.svg").read_text().startswith("<?xml")
 

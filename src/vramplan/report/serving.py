@@ -39,6 +39,7 @@ def to_doc(p: ServePlan) -> Doc:
         ["weights", _gib(p.weights), ""],
         ["profile-run peak (activations)", _gib(p.profile_peak), ""],
         ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), ""],
+        ["available for the KV cache", _gib(p.kv_available), ""],
         ["KV-cache pool", _gib(p.kv_pool), f"{p.blocks:,} blocks × {p.block_size} tokens"],
         ["CUDA graphs", _gib(p.cuda_graph), graphs],
         ["CUDA context + kernels", _gib(p.context), "outside the budget"],
@@ -89,7 +90,7 @@ def plot_serving(points: Sequence[tuple[float, ServePlan]], path: str | Path, *,
     stacked = {
         "weights": tuple(pl.weights for _, pl in points),
         "activation budget": tuple(pl.profile_peak + pl.non_torch for _, pl in points),
-        "KV-cache pool": tuple(pl.kv_pool if pl.starts else 0 for _, pl in points),
+        "KV-cache pool": tuple(pl.kv_pool for _, pl in points),
         "CUDA graphs + context": tuple(pl.cuda_graph + pl.context for _, pl in points),
     }
     total = points[0][1].total_memory

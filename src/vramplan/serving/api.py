@@ -17,6 +17,7 @@ from .common import check_quant, serving_dtype
 from .result import ServePlan
 
 ENGINES = ("vllm", "sglang", "tgi", "trtllm")
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 FRACTION_NAME = {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static",
                  "tgi": "cuda_memory_fraction", "trtllm": "free_gpu_memory_fraction"}
 
@@ -49,6 +50,10 @@ def _check(spec: ModelSpec, engine: str, fraction: float | None, max_model_len: 
     for name, v in positive.items():
         if v is not None and v < 1:
             raise WorkloadError(f"{name} must be >= 1, got {v}")
+    block = positive.get("block_size")
+    if engine == "vllm" and block is not None and block not in VLLM_BLOCK_SIZES:
+        raise WorkloadError(f"invalid block_size {block} for vLLM",
+                            hint=f"choose one of {', '.join(map(str, VLLM_BLOCK_SIZES))} (vllm/config/cache.py BlockSize)")
 
 
 def serve_plan(

@@ -38,8 +38,11 @@ class ServePlan:
     cuda_graph: int
     """CUDA-graph pool, as the engine accounts for it (see ``cuda_graph_in_budget``)."""
     cuda_graph_in_budget: bool
+    kv_available: int
+    """Memory the engine computes as available for the KV cache (vLLM "Available KV cache
+    memory"; may be negative when it does not start)."""
     kv_pool: int
-    """Bytes of the KV-cache pool on this rank."""
+    """Bytes of the KV-cache pool on this rank (whole blocks; 0 when it does not start)."""
     block_size: int
     """Tokens per KV block (page)."""
     blocks: int

@@ -122,7 +122,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         engine="sglang", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=int(total_free * frac), weights=fwd.weights, profile_peak=fwd.activation_peak,
         non_torch=out.later, context=out.context, cuda_graph=graphs, cuda_graph_in_budget=False,
-        kv_pool=pool, block_size=s.page_size, blocks=tokens // s.page_size, tokens=tokens,
+        kv_available=rest, kv_pool=pool, block_size=s.page_size, blocks=tokens // s.page_size, tokens=tokens,
         bytes_per_token=cell, max_model_len=context_len, max_concurrency=conc, avg_request_len=avg_request_len,
         concurrency_at_avg=conc_avg, max_running=max_reqs, starts=error is None, error=error,
         device_used=out.context + out.later + fwd.weights + pool + fwd.activation_peak + graphs,

@@ -80,7 +80,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         engine="trtllm", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=total, weights=fwd.weights, profile_peak=fwd.activation_peak,
         non_torch=out.later, context=out.context, cuda_graph=0, cuda_graph_in_budget=True,
-        kv_pool=blocks * block_bytes, block_size=s.tokens_per_block, blocks=blocks, tokens=tokens,
+        kv_available=pool_budget, kv_pool=blocks * block_bytes, block_size=s.tokens_per_block, blocks=blocks, tokens=tokens,
         bytes_per_token=per_token, max_model_len=max_seq, max_concurrency=conc, avg_request_len=avg_request_len,
         concurrency_at_avg=conc_avg, max_running=s.max_batch_size, starts=error is None, error=error,
         device_used=out.context + out.later + fwd.weights + fwd.activation_peak + blocks * block_bytes,

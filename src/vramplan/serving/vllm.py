@@ -255,7 +255,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         engine="vllm", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp,
         settings=settings_out, total_memory=total, budget=requested, weights=fwd.weights,
         profile_peak=peak, non_torch=out.later, context=out.context, cuda_graph=graphs,
-        cuda_graph_in_budget=False, kv_pool=cfg.pool_bytes if error is None else max(available, 0),
+        cuda_graph_in_budget=False, kv_available=available, kv_pool=cfg.pool_bytes if error is None else 0,
         block_size=s.block_size, blocks=cfg.num_blocks, tokens=cfg.tokens,
         bytes_per_token=bytes_per_token(layers), max_model_len=max_model_len, max_concurrency=conc,
         avg_request_len=avg_request_len, concurrency_at_avg=conc_avg, max_running=max_num_seqs,
