@@ -2,7 +2,7 @@
 a forward over a flat batch of tokens, and the memory outside PyTorch.
 
 - **Weights** per TP rank (first pipeline stage) and the **forward peak** come from
-  vramplan's own estimate (``vramplan.estimate``) of a prefill of ``tokens`` positions at
+  vramplan's own estimate (:func:`vramplan.engine.estimate`) of a prefill of ``tokens`` positions at
   batch 1 (``task="generate"``, so logits are computed for the last position only, as an
   engine's profile run does), analytic by default, traced when ``method="trace"``. The
   activation peak is that phase's allocated peak minus the weights and minus the KV cache
@@ -113,13 +113,13 @@ def _estimate(key: str, spec: ModelSpec, tokens: int, tp: int, pp: int, quant: s
 
 def _run_estimate(spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dtype: str,
                   method: str) -> tuple[int, int, str]:
-    import vramplan
+    from vramplan.engine import estimate
     from vramplan.workload import Parallel, Precision, Quant, Task, Workload
 
     wq = {"none": Quant.NONE, "fp8": Quant.FP8, "bitsandbytes": Quant.NF4}[quant]
     w = Workload(task=Task.GENERATE, batch=1, seq=tokens, new_tokens=1, precision=Precision(dtype), quant=wq,
                  parallel=Parallel(tp=tp, pp=pp))
-    report = vramplan.estimate(spec, w, method=method)
+    report = estimate(spec, w, method=method, search_max_batch=False)
     prefill = [p for p in report.phases if str(getattr(p.phase, "value", p.phase)) == "prefill"]
     if prefill:
         b = prefill[0].breakdown
