@@ -383,3 +383,9 @@ def test_profile_forward_can_be_traced() -> None:
     assert traced.profile_method == "trace" and analytic.profile_method == "analytic"
     assert traced.profile_peak == pytest.approx(analytic.profile_peak, rel=0.5)
     assert traced.weights == pytest.approx(analytic.weights, rel=0.02)
+
+
+def test_model_at_its_position_limit_plans() -> None:
+    # GPT-2: 1024 learned positions; the profile forward must stay within them
+    p = serve_plan("gpt2", "t4", dtype="fp16", max_num_batched_tokens=2048)
+    assert p.starts and p.max_model_len == 1024 and p.profile_peak > 0

@@ -72,7 +72,7 @@ def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype
     that length (a flat batch of several requests costs about what one long one does)."""
     if tokens < 1:
         raise WorkloadError(f"token budget must be >= 1, got {tokens}")
-    limit = spec.max_positions or tokens
+    limit = spec.max_positions - 1 if spec.max_positions > 1 else tokens  # + 1 generated position
     run = min(tokens, limit)
     # TP above the KV heads: engines replicate K/V; vramplan's estimators split by heads, so
     # estimate at tp = kv_heads and scale by kv_heads / tp (the replicated K/V projections,
