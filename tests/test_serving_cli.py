@@ -37,6 +37,16 @@ def test_does_not_start_is_reported_not_an_error(capsys: pytest.CaptureFixture[s
     assert rc == 0 and "DOES NOT START" in out and "would not start" in err
 
 
+def test_engines_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "serve-plan", "qwen2.5-7b", "--gpu", "l40s", "--engine", "all",
+                      "--max-model-len", "16384", "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [r["engine"] for r in rows] == ["vllm", "sglang", "tgi", "trtllm"]
+    rc, out, _ = _run(capsys, "serve-plan", "qwen2.5-7b", "--gpu", "l40s", "--engine", "all",
+                      "--max-model-len", "16384")
+    assert "Serving engines compared" in out and "text-generation-launcher" in out
+
+
 def test_largest_context(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _run(capsys, "serve-plan", "gemma-2-9b", "--gpu", "l4", "--largest-context", "--json")
     d = json.loads(out)

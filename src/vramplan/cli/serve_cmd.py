@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="catalog alias (llama-3.1-8b), Hub id, or path to a config.json")
     p.add_argument("--gpu", help="catalog GPU (see `vramplan gpus`); not needed with --cheapest")
-    p.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
+    p.add_argument("--engine", choices=(*ENGINES, "all"), default="vllm",
+                   help="serving engine (default vllm); all: the four side by side")
     g = p.add_argument_group("engine settings (engine defaults when omitted)")
     g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1)
     g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     kw = _kwargs(args)
     if args.cheapest:
+        if args.engine == "all":
+            raise VramplanError("--cheapest needs one engine", hint="add --engine vllm, sglang, tgi or trtllm")
         if not args.concurrency or not args.context:
             raise VramplanError("--cheapest needs a target", hint="add --concurrency N --context TOKENS")
         kw.pop("tp")
@@ -99,6 +102,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.gpu:
         raise VramplanError("serve-plan needs a GPU", hint="add --gpu h100-sxm (see `vramplan gpus`), or use --cheapest")
+    if args.engine == "all":
+        if args.largest_context or args.cheapest or args.plot:
+            raise VramplanError("--engine all only compares start-up plans",
+                                hint="drop --largest-context/--cheapest/--plot or name one engine")
+        plans = []
+        for engine in ENGINES:
+            kw["engine"] = engine
+            plans.append(api.serve_plan(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw))  # type: ignore[arg-type]
+        emit(rs.compare_doc(plans), args.format, sys.stdout, [p.to_dict() for p in plans])
+        return 0
     if args.largest_context:
         n = api.largest_max_model_len(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw)  # type: ignore[arg-type]
         if n == 0:

@@ -61,6 +61,24 @@ def to_doc(p: ServePlan) -> Doc:
     return doc
 
 
+def compare_doc(plans: Sequence[ServePlan]) -> Doc:
+    """The engines side by side for one model, GPU and settings."""
+    first = plans[0]
+    doc = Doc(title=f"Serving engines compared: {first.model} on {first.gpus}× {first.gpu}",
+              subtitle="per GPU; GiB = 2^30 bytes; each engine with its own defaults where a setting is not given")
+    rows = [[f"{ENGINE_NAMES.get(p.engine, p.engine)} {p.engine_version}", "yes" if p.starts else "NO",
+             _gib(p.weights), _gib(p.profile_peak), _gib(p.kv_pool), f"{p.tokens:,}", f"{p.max_model_len:,}",
+             _x(p.max_concurrency), _x(p.concurrency_at_avg)] for p in plans]
+    avg = f"at {first.avg_request_len:,}" if first.avg_request_len else "at avg"
+    doc.add(Table(["engine", "starts", "weights", "profile peak", "KV GiB", "KV tokens", "max len",
+                   "concurrency", avg], rows, align=["l", "l", "r", "r", "r", "r", "r", "r", "r"]))
+    doc.add(Notes([p.command for p in plans], title="Commands"))
+    errors = [f"{p.engine}: {p.error}" for p in plans if p.error]
+    if errors:
+        doc.add(Notes(errors, title="Does not start"))
+    return doc
+
+
 def largest_doc(p: ServePlan, n: int) -> Doc:
     doc = to_doc(p)
     doc.title = f"Largest max_model_len that starts: {n:,} tokens — " + doc.title
