@@ -56,6 +56,10 @@ def _static_dir() -> str:
     return str(resources.files("vramplan.web").joinpath("static"))
 
 
+class Bug(Exception):
+    """An internal error already put in one line (in a worker)."""
+
+
 def api(fn: Handler) -> Handler:
     """One JSON error contract for every endpoint; the server never crashes on a request."""
 
@@ -69,6 +73,8 @@ def api(fn: Handler) -> Handler:
             return JSONResponse({"error": str(e), "field": field_of(e)}, status_code=400)
         except Stale:
             return JSONResponse({"error": "superseded by a newer request", "stale": True}, status_code=409)
+        except Bug as e:
+            return JSONResponse({"error": str(e)}, status_code=500)
         except Exception as e:  # a bug in vramplan: one line, logged by nobody, shown to the user
             first = (str(e).strip().splitlines() or [""])[0][:300]
             return JSONResponse({"error": f"internal error ({e.__class__.__name__}: {first})"}, status_code=500)
@@ -80,7 +86,7 @@ def _answer(out: work.Outcome) -> Any:
     if out.ok:
         return out.value
     if out.bug:
-        raise RuntimeError(out.error)
+        raise Bug(out.error)
     raise FieldError(out.error or "error", field=out.field)
 
 
@@ -103,7 +109,8 @@ class Server:
         return _answer(await self.jobs.run("trace", key, work.estimate, q))
 
     async def search(self, kind: str, q: Query, opts: dict[str, Any]) -> Any:
-        fn = {"fit": work.fit, "plan": work.plan, "rank": work.rank}[kind]
+        fns: dict[str, Callable[..., work.Outcome]] = {"fit": work.fit, "plan": work.plan, "rank": work.rank}
+        fn = fns[kind]
         args: tuple[Any, ...] = (q,) if kind == "fit" else (q, opts)
         key = q.key(kind=kind, **opts)
         if q.method is Method.ANALYTIC and kind == "fit":  # milliseconds: no worker needed
@@ -117,6 +124,10 @@ class Server:
     # ------------------------------------------------------------------ endpoints
     async def index(self, request: Request) -> Response:
         return FileResponse(f"{_static_dir()}/index.html", headers={"Cache-Control": "no-cache"})
+
+    @api
+    async def status(self, request: Request) -> Response:
+        return JSONResponse(self.jobs.status())
 
     @api
     async def catalog(self, request: Request) -> Response:
@@ -280,6 +291,7 @@ def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: b
 
     routes = [
         Route("/", s.index),
+        Route("/api/status", s.status),
         Route("/api/catalog", s.catalog),
         Route("/api/estimate", s.estimate),
         Route("/api/timeline", s.timeline),

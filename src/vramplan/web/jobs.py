@@ -35,6 +35,7 @@ class Jobs:
         self._cache_size = cache_size
         self._running: dict[str, tuple[asyncio.Future[Outcome], cf.Future[Outcome]]] = {}
         self._latest: dict[str, cf.Future[Outcome]] = {}
+        self._warming: list[cf.Future[Any]] = []
 
     def _new_pool(self) -> cf.Executor:
         return cf.ProcessPoolExecutor(max_workers=self._workers, mp_context=multiprocessing.get_context("spawn"))
@@ -100,8 +101,12 @@ class Jobs:
 
     def warm(self, fn: Callable[[], Any]) -> None:
         """Start the workers now (each imports torch once) instead of on the first trace."""
-        for _ in range(self._workers if self._own else 1):
-            self._executor.submit(fn)
+        self._warming = [self._executor.submit(fn) for _ in range(self._workers if self._own else 1)]
+
+    def status(self) -> dict[str, Any]:
+        """How many warm-up jobs have finished (each worker imports torch once)."""
+        done = sum(f.done() for f in self._warming)
+        return {"warming": len(self._warming) - done, "warmed": done, "cached": len(self._cache)}
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

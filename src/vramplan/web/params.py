@@ -260,7 +260,7 @@ def decode_config(text: str) -> str:
         raise FieldError(f"the config.json in this link is too long ({len(text):,} characters)",
                          field="config", hint=f"at most {MAX_LINK_CONFIG_CHARS:,}")
     try:
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
         return raw.decode("utf-8")
     except (binascii.Error, ValueError):
         raise FieldError("the config.json in this link is damaged", field="config",

@@ -87,7 +87,7 @@ function refresh() {
       if (gen !== page.gen || st === 409) return;
       if (st !== 200) { showError(b); setStatus("trace failed", false); return; }
       window.__vramplan.traces += 1;
-      render(b, b.method);
+      render(b, b.method, page.state.method);
       setStatus(b.method === "trace" ? "trace" : `${b.method} (not traceable)`, false);
       page.tabDone = {};
       loadTab(gen, signal);
@@ -139,9 +139,10 @@ function color(k) { return (page.legend && page.legend.colors[k]) || "#BAB0AC"; 
 function label(k) { return (page.legend && page.legend.labels[k]) || k; }
 
 // ------------------------------------------------------------------ main view
-function render(r, method) {
+function render(r, method, asked) {
   page.report = r;
   page.reportMethod = method;
+  page.asked = asked || method;
   window.__vramplan.renders += 1;
   const set = (id, bytes) => {
     const el = document.getElementById(id);
@@ -157,6 +158,7 @@ function render(r, method) {
     v.textContent = r.fits ? "FITS" : "DOES NOT FIT";
     v.classList.add(r.fits ? "fits" : "nofit");
     v.dataset.fits = String(r.fits);
+    v.title = r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
   } else { v.textContent = "no GPU chosen"; delete v.dataset.fits; }
   const w = r.workload;
   let sum = `<b>${esc(r.model)}</b> · ${(r.params / 1e9).toFixed(3)} B params · ${esc(w.task)}, batch ${w.batch}, seq ${w.seq}, ${esc(w.precision)}` +
@@ -169,7 +171,7 @@ function render(r, method) {
   document.getElementById("summary").innerHTML = sum;
   document.getElementById("bar").replaceChildren(barChart(r));
   legendRow(r);
-  document.getElementById("cli").textContent = cliLine("estimate", method);
+  document.getElementById("cli").textContent = cliLine("estimate", page.asked);
   tableRows("top-modules", ["module", "peak GiB"], (r.top_modules || []).slice(0, 8).map((m) => [m.module || "(root)", gib(m.peak)]));
   tableRows("top-tensors", ["tensor", "category", "module", "MiB"], (r.top_tensors || []).slice(0, 8).map((t) =>
     [`${t.dtype}[${t.shape.join(",")}]`, t.category, t.module || "–", (t.nbytes / 2 ** 20).toFixed(1)]));
@@ -208,6 +210,7 @@ function barChart(r) {
   const max = Math.max(r.peak.device_used, usable) * 1.04 || 1;
   const x = (b) => L + (b / max) * (W - L - R);
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "breakdown at the peak against usable capacity" });
+  if (usable) svg.appendChild(el("rect", { x: L, y: top, width: x(usable) - L, height: h, fill: "#f1f1f1", stroke: "#ddd" }));
   let acc = 0;
   for (const [k, b] of segments(r)) {
     const rect = el("rect", { x: x(acc), y: top, width: Math.max(x(acc + b) - x(acc), 0.5), height: h, fill: color(k), "data-key": k });
@@ -239,7 +242,7 @@ function cliLine(cmd, method, extra = "") {
     parts.push(f.kind === "bool" ? `--${f.key}` : `--${f.key} ${v}`);
   }
   if (s.gpu) parts.push(`--gpu ${s.gpu}`);
-  if (method && method !== "auto") parts.push(`--method ${method === "trace" ? "trace" : method}`);
+  if (method && method !== "auto") parts.push(`--method ${method}`);
   if (extra) parts.push(extra);
   parts.push("--json");
   return parts.join(" ");
@@ -269,10 +272,11 @@ function timelineChart(d) {
       svg.appendChild(el("text", { x: X((a + b) / 2), y: H - B + 16, "font-size": 12, "text-anchor": "middle" }, name));
     }
   }
-  for (let t = 0; t <= 4; t++) {
-    const b = (ymax / 1.08) * t / 4;
+  const step = niceStep(ymax / unit / 5);
+  for (let t = 0; t * step * unit <= ymax; t++) {
+    const b = t * step * unit;
     svg.appendChild(el("line", { x1: L, x2: W - R, y1: Y(b), y2: Y(b), stroke: "#eee" }));
-    svg.appendChild(el("text", { x: L - 6, y: Y(b) + 4, "font-size": 11, "text-anchor": "end" }, (b / unit).toFixed(b / unit >= 10 ? 0 : 1)));
+    svg.appendChild(el("text", { x: L - 6, y: Y(b) + 4, "font-size": 11, "text-anchor": "end" }, +(t * step).toFixed(3)));
   }
   svg.appendChild(el("text", { x: 12, y: T + (H - T - B) / 2, "font-size": 11, transform: `rotate(-90 12 ${T + (H - T - B) / 2})`, "text-anchor": "middle" }, d.unit));
   const base = new Array(n).fill(0);
@@ -305,6 +309,12 @@ function timelineChart(d) {
   }
   svg.appendChild(el("text", { x: (L + W - R) / 2, y: H - 6, "font-size": 11, "text-anchor": "middle", fill: "#555" }, phases ? "phase (analytic: one bar per phase)" : d.x_label));
   return svg;
+}
+
+function niceStep(raw) {
+  const p = 10 ** Math.floor(Math.log10(raw || 1));
+  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= raw) return m * p;
+  return 10 * p;
 }
 
 // ------------------------------------------------------------------ tabs
@@ -521,7 +531,7 @@ function init() {
     page.legend = body.legend;
     buildForm();
     fillForm();
-    if (page.report) { render(page.report, page.reportMethod); }
+    if (page.report) { render(page.report, page.reportMethod, page.asked); }
     const form = document.getElementById("form");
     form.addEventListener("input", onInput);
     form.addEventListener("change", onInput);
