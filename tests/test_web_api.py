@@ -232,11 +232,28 @@ def test_an_internal_error_is_500_with_one_line(client, monkeypatch):
     assert client.get("/api/estimate?model=gpt2&seq=512&batch=7&method=analytic").status_code == 200
 
 
-def test_page_and_static_files(client):
-    r = client.get("/")
-    assert r.status_code == 200 and "/static/app.js" in r.text
+def _boot(html: str) -> dict:
+    start = html.index('<script id="boot" type="application/json">') + len('<script id="boot" type="application/json">')
+    return json.loads(html[start:html.index("</script>", start)])
+
+
+def test_the_page_carries_its_first_answer(client, capsys):
+    r = client.get(f"/?{BASE}")
+    assert r.status_code == 200
+    boot = _boot(r.text)
+    assert boot["first"] == {"status": 200, "body": cli_json(capsys, "estimate", *CLI, "--method", "analytic", "--json")}
+    assert boot["catalog"] == client.get("/api/catalog").json()
+    assert boot["defaults"]["model"] in {m["alias"] for m in boot["catalog"]["models"]}
+    # style and script are inlined (one response), and still served as files
     for name in ("app.js", "style.css"):
-        assert client.get(f"/static/{name}").status_code == 200
+        f = client.get(f"/static/{name}")
+        assert f.status_code == 200 and f.text.strip()[:200] in r.text
+    bad = _boot(client.get("/?model=gpt2&batch=0").text)["first"]
+    assert bad == {"status": 400, "body": {"error": "--batch must be a positive integer, got 0", "field": "batch"}}
+    assert _boot(client.get("/").text)["first"]["status"] == 200  # the defaults give an answer
+
+
+def test_page_and_static_files(client):
     cat = client.get("/api/catalog").json()
     assert {m["alias"] for m in cat["models"]} >= {"gpt2", "llama-3.1-8b"}
     assert any(g["key"] == "rtx-4090" for g in cat["gpus"])

@@ -36,7 +36,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -49,6 +49,10 @@ from .params import FieldError, Query, field_of, fields, parse_query, read_uploa
 
 Handler = Callable[..., Awaitable[Response]]
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+PAGE_DEFAULTS = {"model": "llama-3.2-1b", "gpu": "rtx-4090", "method": "auto"}
+"""What a bare ``/`` shows (the page writes these into its URL, so a link keeps them)."""
+BOOT_SLOT = '<script id="boot" type="application/json">{}</script>'
+
 SORTS = ("speed", "cost", "memory")
 
 
@@ -123,7 +127,24 @@ class Server:
 
     # ------------------------------------------------------------------ endpoints
     async def index(self, request: Request) -> Response:
-        return FileResponse(f"{_static_dir()}/index.html", headers={"Cache-Control": "no-cache"})
+        """The page, with its boot data inline: defaults, catalog, and the analytic answer (or
+        the error) for this very URL — the first answer needs no further round trip."""
+        import json
+
+        first: dict[str, Any] | None
+        try:
+            q = parse_query({**PAGE_DEFAULTS, **request.query_params}, method="analytic")
+            first = {"status": 200, "body": (await self.report(q)).to_dict()}
+        except FieldError as e:
+            first = {"status": 400, "body": {"error": str(e), "field": e.field}}
+        except VramplanError as e:
+            first = {"status": 400, "body": {"error": str(e), "field": field_of(e)}}
+        except Exception:  # the page still loads; its own request will show the error
+            first = None
+        boot = {"defaults": PAGE_DEFAULTS, "catalog": catalog_body(), "first": first}
+        text = json.dumps(boot, separators=(",", ":")).replace("</", "<\\/")
+        html = _page().replace(BOOT_SLOT, f'<script id="boot" type="application/json">{text}</script>', 1)
+        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     @api
     async def status(self, request: Request) -> Response:
@@ -131,17 +152,7 @@ class Server:
 
     @api
     async def catalog(self, request: Request) -> Response:
-        from vramplan.hardware.catalog import list_gpus, usable_capacity
-        from vramplan.models.catalog import list_models
-        from vramplan.report.web import catalog_json, legend_json
-
-        gpus = list_gpus()
-        body = catalog_json(list_models(), gpus, {g.key: usable_capacity(g)[0] for g in gpus})
-        body["fields"] = [{"key": f.key, "kind": f.kind, "default": f.default, "choices": list(f.choices),
-                           "parallel": f.parallel, "doc": f.doc} for f in fields()]
-        body["legend"] = legend_json()
-        body["emit_formats"] = list(EMIT_FORMATS)
-        return JSONResponse(body)
+        return JSONResponse(catalog_body())
 
     @api
     async def estimate(self, request: Request) -> Response:
@@ -221,6 +232,38 @@ class Server:
         text, spec = read_upload(bytes(body), name)
         return JSONResponse({"config": encode_config(text), "name": name, "family": str(spec.family),
                              "params": spec.params, "model_type": spec.model_type})
+
+
+@functools.cache
+def catalog_body() -> dict[str, Any]:
+    """The pickers' data: catalog models and GPUs, the workload fields, category colours."""
+    from vramplan.hardware.catalog import list_gpus, usable_capacity
+    from vramplan.models.catalog import list_models
+    from vramplan.report.web import catalog_json, legend_json
+
+    gpus = list_gpus()
+    body = catalog_json(list_models(), gpus, {g.key: usable_capacity(g)[0] for g in gpus})
+    body["fields"] = [{"key": f.key, "kind": f.kind, "default": f.default, "choices": list(f.choices),
+                       "parallel": f.parallel, "doc": f.doc} for f in fields()]
+    body["legend"] = legend_json()
+    body["emit_formats"] = list(EMIT_FORMATS)
+    return body
+
+
+@functools.cache
+def _page() -> str:
+    """index.html with style.css and app.js inlined: one response carries the whole page
+    (the files are also served under /static/, as they ship in the package)."""
+    d = _static_dir()
+
+    def read(name: str) -> str:
+        with open(f"{d}/{name}", encoding="utf-8") as f:
+            return f.read()
+
+    html = read("index.html")
+    css, js = read("style.css"), read("app.js").replace("</script", "<\\/script")
+    html = html.replace('<link rel="stylesheet" href="/static/style.css">', f"<style>\n{css}</style>", 1)
+    return html.replace('<script src="/static/app.js" defer></script>', f"<script>\n{js}</script>", 1)
 
 
 def search_options(p: Mapping[str, str]) -> dict[str, Any]:
@@ -318,7 +361,7 @@ def _warm_here() -> None:
 
     list_gpus()
     list_models()
-    fields()
+    catalog_body()
     q = Query(model="llama-3.1-8b", workload=Workload(), gpu="h100-sxm", method=Method.ANALYTIC)
     out = work.estimate(q)
     if out.ok:

@@ -6,7 +6,7 @@ const GiB = 2 ** 30;
 const MAIN = ["task", "batch", "seq", "new-tokens", "grad-accum", "precision", "checkpointing",
   "checkpoint-fraction", "peft", "quant"];
 const PAGE_KEYS = ["model", "config", "gpu", "method", "tab", "gpus", "budget", "allow-peft", "sort"];
-const DEFAULTS = { model: "llama-3.2-1b", gpu: "rtx-4090", method: "auto", tab: "timeline" };
+const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
 const SVGNS = "http://www.w3.org/2000/svg";
 
 const page = {
@@ -63,7 +63,7 @@ async function getJSON(path, signal) {
   return { status: r.status, body };
 }
 
-function refresh() {
+function refresh(preloaded) {
   page.gen += 1;
   const gen = page.gen;
   if (page.controller) page.controller.abort();
@@ -75,11 +75,17 @@ function refresh() {
   updateLinks();
   const qs = query({ method: "analytic" });
   setStatus("analytic…", true);
-  getJSON(`/api/estimate?${qs}`, signal).then(({ status, body }) => {
+  // The page's first answer comes inside the page itself (the server computed it for this URL).
+  const first = preloaded ? Promise.resolve(preloaded) : getJSON(`/api/estimate?${qs}`, signal);
+  first.then(({ status, body }) => {
     if (gen !== page.gen) return;
-    if (status !== 200) { showError(body); setStatus("", false); return; }
+    if (status !== 200) { page.lastError = body; showError(body); setStatus("", false); return; }
+    page.lastError = null;
     render(body, "analytic");
-    if (window.__vramplan.firstAnalyticMs === null) window.__vramplan.firstAnalyticMs = performance.now();
+    // measured when the frame that shows the answer is about to be painted (not when the JS ran)
+    if (window.__vramplan.firstAnalyticMs === null) {
+      requestAnimationFrame(() => { if (window.__vramplan.firstAnalyticMs === null) window.__vramplan.firstAnalyticMs = performance.now(); });
+    }
     if (page.state.method === "analytic") { setStatus("analytic", false); loadTab(gen, signal); return; }
     setStatus("tracing…", true);
     loadTab(gen, signal);
@@ -144,6 +150,7 @@ function render(r, method, asked) {
   page.reportMethod = method;
   page.asked = asked || method;
   window.__vramplan.renders += 1;
+  window.__vramplan.shown = { model: r.model, method: r.method, workload: r.workload };
   const set = (id, bytes) => {
     const el = document.getElementById(id);
     el.textContent = `${gib(bytes)} GiB`;
@@ -158,7 +165,10 @@ function render(r, method, asked) {
     v.textContent = r.fits ? "FITS" : "DOES NOT FIT";
     v.classList.add(r.fits ? "fits" : "nofit");
     v.dataset.fits = String(r.fits);
-    v.title = r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
+    const room = document.createElement("small");
+    room.className = "room";
+    room.textContent = r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
+    v.appendChild(room);
   } else { v.textContent = "no GPU chosen"; delete v.dataset.fits; }
   const w = r.workload;
   let sum = `<b>${esc(r.model)}</b> · ${(r.params / 1e9).toFixed(3)} B params · ${esc(w.task)}, batch ${w.batch}, seq ${w.seq}, ${esc(w.precision)}` +
@@ -301,8 +311,11 @@ function timelineChart(d) {
   }
   for (const [name, vals] of Object.entries(d.lines)) {
     svg.appendChild(el("polyline", { points: vals.map((b, i) => `${X(d.x[i]).toFixed(1)},${Y(b).toFixed(1)}`).join(" "), fill: "none", stroke: "#333", "stroke-width": 1.2, "stroke-dasharray": "4 2" }));
-    svg.appendChild(el("text", { x: W - R - 4, y: Y(vals[vals.length - 1]) - 4, "font-size": 11, "text-anchor": "end" }, name));
+    svg.appendChild(el("text", { x: W - R - 4, y: Y(Math.max(...vals)) - 4, "font-size": 11, "text-anchor": "end" }, name));
   }
+  const off = Object.entries(d.levels).filter(([, v]) => v > dataMax * 2.5);
+  off.forEach(([name, v], i) => svg.appendChild(el("text", { x: W - R - 4, y: T + 14 + 14 * i, "font-size": 11, fill: "#C00000", "text-anchor": "end" },
+    `${name} ${gib(v)} GiB (off the scale)`)));
   for (const [name, v] of levels) {
     svg.appendChild(el("line", { x1: L, x2: W - R, y1: Y(v), y2: Y(v), stroke: "#C00000", "stroke-dasharray": "6 3", "stroke-width": 1.5 }));
     svg.appendChild(el("text", { x: L + 4, y: Y(v) - 4, "font-size": 11, fill: "#C00000" }, `${name} ${gib(v)} GiB`));
@@ -318,10 +331,14 @@ function niceStep(raw) {
 }
 
 // ------------------------------------------------------------------ tabs
-function showTab(name) {
+function selectTab(name) {
   page.state.tab = name;
   for (const b of document.querySelectorAll("#tabs button")) b.setAttribute("aria-selected", String(b.dataset.tab === name));
   for (const t of document.querySelectorAll(".tab")) t.hidden = t.id !== `tab-${name}`;
+}
+
+function showTab(name) {
+  selectTab(name);
   writeUrl();
   loadTab(page.gen, page.controller ? page.controller.signal : undefined);
 }
@@ -520,22 +537,25 @@ function updateLinks() {
 }
 
 function init() {
+  // The server puts the page's defaults, the catalog and the analytic answer for this URL
+  // into the page (no round trip before the first answer); /api/catalog serves the same.
+  const boot = JSON.parse(document.getElementById("boot").textContent || "{}");
+  Object.assign(DEFAULTS, boot.defaults || {});
   page.state = readUrl();
-  // The first answer does not wait for the catalog: both requests leave at once.
-  const catalog = getJSON("/api/catalog");
-  refresh();
-  catalog.then(({ status, body }) => {
-    if (status !== 200) { showError(body); return; }
-    page.catalog = body;
-    page.fields = body.fields;
-    page.legend = body.legend;
+  page.catalog = boot.catalog;
+  page.fields = boot.catalog.fields;
+  page.legend = boot.catalog.legend;
+  selectTab(page.state.tab || "timeline");
+  refresh(boot.first);
+  // the form is built after the first answer's frame: the answer does not wait for it
+  requestAnimationFrame(() => setTimeout(() => {
     buildForm();
     fillForm();
-    if (page.report) { render(page.report, page.reportMethod, page.asked); }
+    if (page.lastError) { clearErrors(); showError(page.lastError); }
     const form = document.getElementById("form");
     form.addEventListener("input", onInput);
     form.addEventListener("change", onInput);
-  });
+  }, 0));
   document.querySelectorAll("#tabs button").forEach((b) => b.addEventListener("click", () => showTab(b.dataset.tab)));
   document.querySelectorAll("[data-goto]").forEach((a) => a.addEventListener("click", (e) => { e.preventDefault(); showTab(a.dataset.goto); }));
   document.getElementById("results").addEventListener("click", (e) => {
@@ -556,7 +576,6 @@ function init() {
     e.preventDefault();
     if (navigator.clipboard) navigator.clipboard.writeText(location.href);
   });
-  showTab(page.state.tab || "timeline");
 }
 
 document.addEventListener("DOMContentLoaded", init);
