@@ -170,6 +170,10 @@ def test_choose_model_change_batch_figures_equal_cli(server, page, capsys):
     pg.wait_for_function("document.getElementById('err-batch').textContent.length > 0")
     assert pg.text_content("#err-batch") == cli_error(capsys, "estimate", "gpt2", "--batch", "0", "--seq", "512",
                                                       "--method", "analytic")
+    assert "stale" in pg.get_attribute("#results", "class") and pg.is_visible("#stale")
+    pg.fill("#batch", "3")
+    wait_shown(pg, batch=3)
+    assert "stale" not in pg.get_attribute("#results", "class") and pg.text_content("#err-batch") == ""
 
 
 def test_trace_streams_in_and_screenshot(server, page, capsys, tmp_path):

@@ -79,7 +79,7 @@ function refresh(preloaded) {
   const first = preloaded ? Promise.resolve(preloaded) : getJSON(`/api/estimate?${qs}`, signal);
   first.then(({ status, body }) => {
     if (gen !== page.gen) return;
-    if (status !== 200) { page.lastError = body; showError(body); setStatus("", false); return; }
+    if (status !== 200) { page.lastError = body; showError(body); markStale(true); setStatus("", false); return; }
     page.lastError = null;
     render(body, "analytic");
     // measured when the frame that shows the answer is about to be painted (not when the JS ran)
@@ -145,7 +145,14 @@ function color(k) { return (page.legend && page.legend.colors[k]) || "#BAB0AC"; 
 function label(k) { return (page.legend && page.legend.labels[k]) || k; }
 
 // ------------------------------------------------------------------ main view
+function markStale(on) {
+  // a bad input never leaves the last answer looking current
+  document.getElementById("results").classList.toggle("stale", on);
+  document.getElementById("stale").hidden = !on || !page.report;
+}
+
 function render(r, method, asked) {
+  markStale(false);
   page.report = r;
   page.reportMethod = method;
   page.asked = asked || method;
@@ -251,8 +258,14 @@ function cliLine(cmd, method, extra = "") {
     if (v == null || v === "" || isDefault(f.key, v)) continue;
     parts.push(f.kind === "bool" ? `--${f.key}` : `--${f.key} ${v}`);
   }
-  if (s.gpu) parts.push(`--gpu ${s.gpu}`);
+  if (s.gpu && !extra.includes("--rank-gpus")) parts.push(`--gpu ${s.gpu}`);
   if (method && method !== "auto") parts.push(`--method ${method}`);
+  if (cmd === "plan") { // the search flags the page sends (see Plan search)
+    if (s.gpus && !extra.includes("--gpus")) parts.push(`--gpus ${s.gpus}`);
+    if (s.budget) parts.push(`--budget ${s.budget}`);
+    if (truthy(s["allow-peft"] || "")) parts.push("--allow-peft");
+    if (s.sort) parts.push(`--sort ${s.sort}`);
+  }
   if (extra) parts.push(extra);
   parts.push("--json");
   return parts.join(" ");
@@ -274,10 +287,20 @@ function timelineChart(d) {
   const x0 = phases ? -0.5 : d.x[0], x1 = phases ? n - 0.5 : d.x[n - 1] || 1;
   const X = (v) => L + ((v - x0) / (x1 - x0 || 1)) * (W - L - R);
   const Y = (b) => T + (1 - b / ymax) * (H - T - B);
+  const groups = []; // labels: a backward interleaved with recomputes (checkpointing) is one span
+  for (const [a, b, name] of d.spans) {
+    const g = name === "recompute" ? "backward" : name;
+    const last = groups[groups.length - 1];
+    if (last && last[2] === g) { last[1] = b; last[3] = last[3] || name === "recompute"; } else groups.push([a, b, g, name === "recompute"]);
+  }
+  if (!phases) {
+    for (const [a, b, g, rec] of groups) {
+      if (X(b) - X(a) > 40) svg.appendChild(el("text", { x: (X(a) + X(b)) / 2, y: T - 6, "font-size": 11, "text-anchor": "middle", fill: "#555" }, rec ? `${g} + recompute` : g));
+    }
+  }
   for (const [a, b, name] of d.spans) {
     if (!phases) {
       svg.appendChild(el("rect", { x: X(a), y: T, width: Math.max(X(b) - X(a), 0.5), height: H - T - B, fill: name === "backward" || name === "recompute" ? "#0000000d" : name === "optimizer" ? "#4E79A714" : "none" }));
-      if (X(b) - X(a) > 40) svg.appendChild(el("text", { x: (X(a) + X(b)) / 2, y: T - 6, "font-size": 11, "text-anchor": "middle", fill: "#555" }, name));
     } else {
       svg.appendChild(el("text", { x: X((a + b) / 2), y: H - B + 16, "font-size": 12, "text-anchor": "middle" }, name));
     }
@@ -420,7 +443,7 @@ function renderRank(box, r) {
   const top = r.ranked.slice(0, 25);
   box.innerHTML = `<p><b>${r.ranked.length}</b> offer(s) on which it fits, best first by ${esc(r.sort)}; ${r.not_fitting.length} do not fit.</p>` +
     plansTable(top.map((o) => ({ p: o, offer: `${o.offer} (${o.count}× ${o.gpu})` })), true, "rank") +
-    `<p class="small">Same as <code>${esc(cliLine("plan", "analytic", "--rank-gpus"))}</code>; prices are on-demand list prices (see the JSON for sources).</p>`;
+    `<p class="small">Same as <code>${esc(cliLine("plan", "analytic", `--rank-gpus --gpus ${page.state.gpus || 1}`))}</code>; prices are on-demand list prices (see the JSON for sources).</p>`;
   box.querySelectorAll("button[data-plan]").forEach((btn) => btn.addEventListener("click", () => {
     const o = top[+btn.dataset.plan];
     applyWorkload(o.workload, o.gpu);
