@@ -85,11 +85,14 @@ def fields() -> tuple[Field, ...]:
                 kind = "int"
             elif tp is float:
                 kind = "float"
-            elif isinstance(default, tuple):
+            elif isinstance(default, tuple) and all(isinstance(x, str) for x in default):
                 kind = "list"
                 default = ",".join(default)
-            else:
+            elif tp is str or (default is None and "str" in str(tp)):
                 kind = "str"
+                default = default or ""
+            else:  # a nested value the page has no input for (yet): the default applies
+                continue
             out.append(Field(key=f.name.replace("_", "-"), name=f.name, kind=kind, default=default,
                              choices=choices, parallel=par, doc=docs.get(f.name, "")))
     return tuple(out)
