@@ -222,3 +222,33 @@ def test_no_tracebacks_or_downloads_of_code(server):
             assert e.code in (400, 500) and "\n" not in body["error"], (path, body)
     assert _get(f"{server}/api/status")["warmed"] >= 1
 
+
+
+TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 4096}
+
+
+def test_dropped_config_travels_in_the_link(server, page, capsys, tmp_path):
+    pg = page
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY, indent=2))
+    pg.goto(f"{server}/?gpu=rtx-4090&method=analytic&seq=256&batch=2")
+    pg.wait_for_selector("#batch")
+    pg.set_input_files("#config-file", str(cfg))
+    pg.wait_for_function("(() => { const s = window.__vramplan.shown; return !!s && s.model === 'tiny.json'; })()",
+                         timeout=30_000)
+    assert "config=" in pg.url
+    assert "tiny.json" in pg.text_content("#config-info")
+    want = cli_json(capsys, "estimate", str(cfg), "--seq", "256", "--batch", "2", "--gpu", "rtx-4090",
+                    "--method", "analytic", "--json")
+    assert figures(pg) == {k: want["peak"][k] for k in ("allocated", "reserved", "device_used")}
+    other = pg.context.new_page()  # the link alone reproduces it
+    other.goto(pg.url)
+    other.wait_for_function("window.__vramplan.renders > 0")
+    assert figures(other) == figures(pg)
+    other.close()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hidden_size": 8}')
+    pg.set_input_files("#config-file", str(bad))
+    pg.wait_for_function("document.getElementById('err-config').textContent.length > 0")
+    assert "missing required key 'model_type'" in pg.text_content("#err-config")

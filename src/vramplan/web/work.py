@@ -50,7 +50,9 @@ def estimate(q: Query) -> Outcome:
 def _estimate(q: Query) -> Any:
     import vramplan
 
-    return vramplan.estimate(q.spec(), q.workload, gpu=q.gpu, method=q.method)
+    report = vramplan.estimate(q.spec(), q.workload, gpu=q.gpu, method=q.method)
+    # the event log (the snapshot download re-traces) would only weigh on the pickling and the cache
+    return report.replace(extra={k: v for k, v in report.extra.items() if k != "events"})
 
 
 def fit(q: Query) -> Outcome:
