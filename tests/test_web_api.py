@@ -168,6 +168,7 @@ def test_bad_input_is_the_cli_message_beside_its_field(client, capsys, query, ar
     ("model=gpt2&method=guess", "method", "invalid method"),
     ("model=gpt2&config=%%%", "config", "damaged"),
     ("", "model", "no model chosen"),
+    ("model=resnet-50&method=analytic", "method", "not a transformer the analytic method knows"),
 ])
 def test_bad_query_values(client, query, field, words):
     r = client.get(f"/api/estimate?{query}")

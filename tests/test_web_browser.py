@@ -252,3 +252,13 @@ def test_dropped_config_travels_in_the_link(server, page, capsys, tmp_path):
     pg.set_input_files("#config-file", str(bad))
     pg.wait_for_function("document.getElementById('err-config').textContent.length > 0")
     assert "missing required key 'model_type'" in pg.text_content("#err-config")
+
+
+def test_a_model_without_a_formula_is_traced(server, page, capsys):
+    pg = page
+    pg.goto(f"{server}/?model=resnet-50&gpu=rtx-4090&batch=8")
+    pg.wait_for_function("window.__vramplan.traces > 0", timeout=180_000)
+    want = cli_json(capsys, "estimate", "resnet-50", "--batch", "8", "--gpu", "rtx-4090", "--json")
+    assert want["method"] == "trace"
+    assert figures(pg) == {k: want["peak"][k] for k in ("allocated", "reserved", "device_used")}
+    assert pg.text_content("#status") == "trace" and not pg.is_visible("#stale")

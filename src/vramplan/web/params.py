@@ -32,6 +32,8 @@ MAX_CONFIG_BYTES = 256 * 1024
 MAX_LINK_CONFIG_CHARS = 24 * 1024
 """Largest encoded config carried in a link (the query string)."""
 SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
+PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS)
+"""Query keys beyond the workload's fields."""
 """Planner options (``vramplan plan`` flags) the page sends to the plan and GPU views."""
 
 
@@ -238,10 +240,10 @@ def field_of(e: BaseException) -> str | None:
     """The query key an error is about: the error's own ``field`` when it has one, else the
     first ``--flag`` its message names, else the field an ``invalid <what>`` message names."""
     own = getattr(e, "field", None)
-    keys = {f.key for f in fields()}
+    keys = {f.key for f in fields()} | set(PAGE_KEYS)
     if isinstance(own, str) and own:
         key = own.replace("_", "-").removeprefix("--")
-        return key if key in keys or key in ("model", "gpu", "method", "config") else None
+        return key if key in keys else None
     text = str(e)
     for m in _FLAG.finditer(text):
         if m.group(1) in keys:

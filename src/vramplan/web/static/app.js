@@ -79,19 +79,28 @@ function refresh(preloaded) {
   const first = preloaded ? Promise.resolve(preloaded) : getJSON(`/api/estimate?${qs}`, signal);
   first.then(({ status, body }) => {
     if (gen !== page.gen) return;
-    if (status !== 200) { page.lastError = body; showError(body); markStale(true); setStatus("", false); return; }
+    // no closed form for this model (CNN, UNet): with "analytic, then trace" the trace still runs
+    const noFormula = status === 400 && body.field === "method" && page.state.method !== "analytic";
+    page.noFormula = noFormula;
+    if (status !== 200 && !noFormula) { page.lastError = body; showError(body); markStale(true); setStatus("", false); return; }
     page.lastError = null;
-    render(body, "analytic");
-    // measured when the frame that shows the answer is about to be painted (not when the JS ran)
-    if (window.__vramplan.firstAnalyticMs === null) {
-      requestAnimationFrame(() => { if (window.__vramplan.firstAnalyticMs === null) window.__vramplan.firstAnalyticMs = performance.now(); });
+    if (status === 200) {
+      render(body, "analytic");
+      // measured when the frame that shows the answer is about to be painted (not when the JS ran)
+      if (window.__vramplan.firstAnalyticMs === null) {
+        requestAnimationFrame(() => { if (window.__vramplan.firstAnalyticMs === null) window.__vramplan.firstAnalyticMs = performance.now(); });
+      }
+      if (page.state.method === "analytic") { setStatus("analytic", false); loadTab(gen, signal); return; }
+      loadTab(gen, signal);
+    } else {
+      markStale(true);
+      document.getElementById("stale").hidden = false;
+      document.getElementById("stale").textContent = `${body.error}: tracing the model instead…`;
     }
-    if (page.state.method === "analytic") { setStatus("analytic", false); loadTab(gen, signal); return; }
     setStatus("tracing…", true);
-    loadTab(gen, signal);
     getJSON(`/api/estimate?${query({ method: page.state.method })}`, signal).then(({ status: st, body: b }) => {
       if (gen !== page.gen || st === 409) return;
-      if (st !== 200) { showError(b); setStatus("trace failed", false); return; }
+      if (st !== 200) { showError(b); markStale(true); setStatus("trace failed", false); return; }
       window.__vramplan.traces += 1;
       render(b, b.method, page.state.method);
       setStatus(b.method === "trace" ? "trace" : `${b.method} (not traceable)`, false);
@@ -148,7 +157,9 @@ function label(k) { return (page.legend && page.legend.labels[k]) || k; }
 function markStale(on) {
   // a bad input never leaves the last answer looking current
   document.getElementById("results").classList.toggle("stale", on);
-  document.getElementById("stale").hidden = !on || !page.report;
+  const note = document.getElementById("stale");
+  note.hidden = !on || !page.report;
+  note.textContent = "These figures are for the last valid inputs: fix the field marked in red.";
 }
 
 function render(r, method, asked) {
@@ -392,11 +403,14 @@ function loadTab(gen, signal) {
   }
 }
 
+// the searches screen with the analytic method; a model without one (CNN, UNet) is traced
+function searchMethod() { return page.noFormula ? page.state.method : "analytic"; }
+
 function searchView(kind, gen, signal, draw) {
   const box = document.getElementById(kind === "rank" ? "gpus-view" : kind === "plan" ? "plans" : "fit");
   if (kind !== "rank" && !page.state.gpu) { box.innerHTML = `<p class="muted">Choose a GPU to search what fits on it.</p>`; return; }
-  box.innerHTML = `<p class="muted busy">searching (analytic screen)…</p>`;
-  getJSON(`/api/${kind}?${query({ method: "analytic" })}`, signal).then(({ status, body }) => {
+  box.innerHTML = `<p class="muted busy">searching (${searchMethod()})…</p>`;
+  getJSON(`/api/${kind}?${query({ method: searchMethod() })}`, signal).then(({ status, body }) => {
     if (gen !== page.gen || status === 409) return;
     if (status !== 200) { box.innerHTML = `<p class="error">${esc(body.error || "error")}</p>`; return; }
     draw(box, body);
@@ -412,13 +426,13 @@ function renderFit(box, f) {
     (f.max_seq != null ? `, longest sequence <b id="fit-max-seq">${f.max_seq.toLocaleString("en-US")}</b>` : "") +
     ` — ${f.evaluations.total} evaluations (${f.evaluations.traces} traces), method ${esc(f.method)}.</p>` +
     `<table><tr><th class="l">axis</th><th>largest that fits</th><th>GiB there</th><th>next step</th><th>GiB there</th><th class="l">limited by</th><th></th></tr>${rows}</table>` +
-    `<p class="small">Same as <code>${esc(cliLine("fit", "analytic"))}</code></p>`;
+    `<p class="small">Same as <code>${esc(cliLine("fit", searchMethod()))}</code></p>`;
 }
 
 function plansTable(plans, withGpu, view) {
   const head = `<tr><th>#</th>${withGpu ? '<th class="l">offer</th>' : ""}<th class="l">plan</th><th>GPUs</th><th>GiB/GPU</th><th>step time</th><th>tokens/s</th><th>$/h</th><th>$/M tok</th><th></th><th class="l">config</th></tr>`;
   const rows = plans.map(({ p, offer }, i) => {
-    const base = `${query({ method: "analytic" })}&view=${view}&pick=${i + 1}`;
+    const base = `${query({ method: searchMethod() })}&view=${view}&pick=${i + 1}`;
     const dl = p.workload.task === "train" ? ["deepspeed", "accelerate", "fsdp"].map((f) =>
       `<a class="btn" href="/api/download/emit?${base}&fmt=${f}" download>${f}</a>`).join(" ") : "";
     return `<tr><td>${i + 1}</td>${withGpu ? `<td class="l">${esc(offer)}</td>` : ""}<td class="l">${esc(p.label)}</td><td>${p.num_gpus}</td><td>${gib1(p.memory)}</td>` +
@@ -435,7 +449,7 @@ function renderPlans(box, r) {
   box.innerHTML = `<p>As given: ${esc(b.label)} — ${gib1(b.memory)} GiB per GPU, ${b.fits ? "fits" : "does not fit"}. ` +
     `Pareto front: <b>${r.plans.length}</b> plan(s) of ${r.candidates} candidates, sorted by ${esc(r.sort)}.</p>` +
     plansTable(r.plans.map((p) => ({ p })), false, "plan") +
-    `<p class="small">Same as <code>${esc(cliLine("plan", "analytic"))}</code></p>`;
+    `<p class="small">Same as <code>${esc(cliLine("plan", searchMethod()))}</code></p>`;
   box.querySelectorAll("button[data-plan]").forEach((btn) => btn.addEventListener("click", () => applyWorkload(r.plans[+btn.dataset.plan].workload, null)));
 }
 
@@ -443,7 +457,7 @@ function renderRank(box, r) {
   const top = r.ranked.slice(0, 25);
   box.innerHTML = `<p><b>${r.ranked.length}</b> offer(s) on which it fits, best first by ${esc(r.sort)}; ${r.not_fitting.length} do not fit.</p>` +
     plansTable(top.map((o) => ({ p: o, offer: `${o.offer} (${o.count}× ${o.gpu})` })), true, "rank") +
-    `<p class="small">Same as <code>${esc(cliLine("plan", "analytic", `--rank-gpus --gpus ${page.state.gpus || 1}`))}</code>; prices are on-demand list prices (see the JSON for sources).</p>`;
+    `<p class="small">Same as <code>${esc(cliLine("plan", searchMethod(), `--rank-gpus --gpus ${page.state.gpus || 1}`))}</code>; prices are on-demand list prices (see the JSON for sources).</p>`;
   box.querySelectorAll("button[data-plan]").forEach((btn) => btn.addEventListener("click", () => {
     const o = top[+btn.dataset.plan];
     applyWorkload(o.workload, o.gpu);
