@@ -345,7 +345,7 @@ function timelineChart(d) {
   }
   for (const [name, vals] of Object.entries(d.lines)) {
     svg.appendChild(el("polyline", { points: vals.map((b, i) => `${X(d.x[i]).toFixed(1)},${Y(b).toFixed(1)}`).join(" "), fill: "none", stroke: "#333", "stroke-width": 1.2, "stroke-dasharray": "4 2" }));
-    svg.appendChild(el("text", { x: W - R - 4, y: Y(Math.max(...vals)) - 4, "font-size": 11, "text-anchor": "end" }, name));
+    svg.appendChild(el("text", { x: W - R - 4, y: Y(Math.max(...vals)) + 14, "font-size": 11, "text-anchor": "end" }, `- - ${name}`));
   }
   const off = Object.entries(d.levels).filter(([, v]) => v > dataMax * 2.5);
   off.forEach(([name, v], i) => svg.appendChild(el("text", { x: W - R - 4, y: T + 14 + 14 * i, "font-size": 11, fill: "#C00000", "text-anchor": "end" },
