@@ -316,3 +316,68 @@ def test_cli_web_refuses_a_bad_port(capsys):
         assert main(["web", "--port", str(port)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot listen on 127.0.0.1:") and "--port" in err
+
+
+def test_a_dead_worker_is_replaced():
+    import os
+
+    jobs = Jobs(workers=1)  # real spawned worker processes
+
+    async def scenario():
+        dead = await jobs.run("trace", "die", os._exit, 3)
+        alive = await jobs.run("trace", "ok", work.Outcome, 5)
+        return dead, alive
+
+    try:
+        dead, alive = asyncio.run(scenario())
+    finally:
+        jobs.close()
+    assert dead.bug and "worker process stopped" in dead.error
+    assert alive.value == 5
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from vramplan.errors import WorkloadError  # noqa: E402
+
+
+@st.composite
+def workloads(draw):
+    kw = {}
+    for f in fields():
+        if not draw(st.booleans()):
+            continue
+        if f.kind == "enum":
+            kw[f.name] = draw(st.sampled_from(f.choices))
+        elif f.kind == "bool":
+            kw[f.name] = draw(st.booleans())
+        elif f.kind == "int":
+            kw[f.name] = draw(st.integers(0, 4096))
+        elif f.kind == "float":
+            kw[f.name] = draw(st.floats(0.05, 1.0))
+        elif f.kind == "list":
+            kw[f.name] = tuple(draw(st.lists(st.sampled_from(["q_proj", "v_proj", "all-linear"]), min_size=1, max_size=3)))
+    par = {f.name: kw.pop(f.name) for f in fields() if f.parallel and f.name in kw}
+    try:
+        return Workload(**kw, parallel=Parallel(**par))
+    except WorkloadError:
+        return Workload()
+
+
+def _as_query(w: Workload) -> dict[str, str]:
+    q = {}
+    for f in fields():
+        v = getattr(w.parallel if f.parallel else w, f.name)
+        if isinstance(v, tuple):
+            q[f.key] = ",".join(v)
+        elif isinstance(v, bool):
+            q[f.key] = "1" if v else "0"
+        else:
+            q[f.key] = str(getattr(v, "value", v))
+    return q
+
+
+@given(workloads())
+def test_query_round_trips_any_valid_workload(w):
+    assert parse_workload(_as_query(w)) == w

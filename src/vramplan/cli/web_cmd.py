@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
                                 hint="choose another --port") from None
     url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/"
     hint(f"vramplan web: {url}  (Ctrl+C to stop)")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        hint(f"note: listening on {args.host}: anyone who can reach this address can use the page "
+             "(there is no authentication)")
     if args.open:
         import threading
         import webbrowser
