@@ -165,6 +165,18 @@ def test_choose_model_change_batch_figures_equal_cli(server, page, capsys):
     assert other.url == url
     other.close()
 
+    # no GPU is a state of its own: the link keeps it
+    pg.select_option("#gpu", "")
+    pg.wait_for_function("document.getElementById('verdict').textContent === 'no GPU chosen'")
+    assert "gpu=&" in pg.url or pg.url.endswith("gpu=")
+    other = pg.context.new_page()
+    other.goto(pg.url)
+    other.wait_for_function("window.__vramplan.renders > 0")
+    assert other.text_content("#verdict") == "no GPU chosen"
+    other.close()
+    pg.select_option("#gpu", "rtx-4090")
+    wait_shown(pg, batch=4)
+
     # a bad value: the CLI's one-line message beside the field, the last good figures stay
     pg.fill("#batch", "0")
     pg.wait_for_function("document.getElementById('err-batch').textContent.length > 0")

@@ -47,7 +47,8 @@ function query(extra = {}) {
 function writeUrl() {
   const p = new URLSearchParams();
   for (const [k, v] of Object.entries(page.state)) {
-    if (v === "" || v == null || (isDefault(k, v) && !(k in DEFAULTS))) continue;
+    if (v == null || (v === "" && !(k in DEFAULTS))) continue; // "gpu=" (no GPU) differs from the default GPU
+    if (isDefault(k, v) && !(k in DEFAULTS)) continue;
     if (k in DEFAULTS && v === DEFAULTS[k] && (k === "method" || k === "tab")) continue;
     p.set(k, v);
   }
