@@ -164,6 +164,7 @@ def test_bad_input_is_the_cli_message_beside_its_field(client, capsys, query, ar
     ("model=/etc/passwd", "model", "unknown model"),  # no local paths from a page
     ("model=someone/some-model", "model", "unknown model"),  # no Hub downloads
     ("model=gpt2&batch=two", "batch", "--batch must be an integer, got 'two'"),
+    ("model=gpt2&seq=128&batch=" + "9" * 400, "batch", "is too large"),
     ("model=gpt2&sp=maybe", "sp", "--sp is on or off"),
     ("model=gpt2&method=guess", "method", "invalid method"),
     ("model=gpt2&config=%%%", "config", "damaged"),

@@ -31,6 +31,8 @@ MAX_CONFIG_BYTES = 256 * 1024
 """Largest config.json the page accepts (a transformers config.json is a few KiB)."""
 MAX_LINK_CONFIG_CHARS = 24 * 1024
 """Largest encoded config carried in a link (the query string)."""
+MAX_INT = 2**40
+"""Largest integer a field takes from a page (far above any real batch, sequence or GPU count)."""
 SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
 PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS)
 """Query keys beyond the workload's fields."""
@@ -213,9 +215,13 @@ def _convert(f: Field, raw: str) -> Any:
     text = raw.strip()
     if f.kind == "int":
         try:
-            return int(text)
+            v = int(text)
         except ValueError:
             raise FieldError(f"--{f.key} must be an integer, got {raw!r}", field=f.key) from None
+        if abs(v) > MAX_INT:
+            raise FieldError(f"--{f.key} {text[:20]}{'…' if len(text) > 20 else ''} is too large",
+                             field=f.key, hint=f"at most {MAX_INT:,}")
+        return v
     if f.kind == "float":
         try:
             return float(text)
