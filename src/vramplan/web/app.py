@@ -126,6 +126,7 @@ class Server:
         return _answer(await self.jobs.run(kind, key, fn, *args))
 
     # ------------------------------------------------------------------ endpoints
+    @api
     async def index(self, request: Request) -> Response:
         """The page, with its boot data inline: defaults, catalog, and the analytic answer (or
         the error) for this very URL — the first answer needs no further round trip."""
