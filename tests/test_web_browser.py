@@ -216,6 +216,7 @@ def test_trace_streams_in_and_screenshot(server, page, capsys, tmp_path):
     pg.click("#tabs button[data-tab=plans]")
     pg.wait_for_selector("table.plans button[data-plan]", timeout=60_000)
     assert pg.locator("table.plans a.btn[href*='fmt=deepspeed']").count() >= 1
+    assert pg.locator("#front g.point").count() == pg.locator("table.plans button[data-plan]").count()
     n = renders(pg)
     pg.click("table.plans button[data-plan='0']")
     wait_render(pg, n)

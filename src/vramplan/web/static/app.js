@@ -449,9 +449,42 @@ function renderPlans(box, r) {
   const b = r.baseline;
   box.innerHTML = `<p>As given: ${esc(b.label)} — ${gib1(b.memory)} GiB per GPU, ${b.fits ? "fits" : "does not fit"}. ` +
     `Pareto front: <b>${r.plans.length}</b> plan(s) of ${r.candidates} candidates, sorted by ${esc(r.sort)}.</p>` +
+    `<div id="front" class="chart"></div>` +
     plansTable(r.plans.map((p) => ({ p })), false, "plan") +
     `<p class="small">Same as <code>${esc(cliLine("plan", searchMethod()))}</code></p>`;
   box.querySelectorAll("button[data-plan]").forEach((btn) => btn.addEventListener("click", () => applyWorkload(r.plans[+btn.dataset.plan].workload, null)));
+  if (r.plans.length) box.querySelector("#front").replaceChildren(frontChart(r));
+}
+
+// the Pareto front: memory per GPU against step time; a point is one click to apply
+function frontChart(r) {
+  const W = 900, H = 240, L = 58, R = 16, T = 16, B = 36;
+  const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "plans: memory per GPU against step time" });
+  const ts = r.plans.map((p) => p.step_time), ms = r.plans.map((p) => p.memory);
+  const usable = r.plans[0].usable;
+  const t0 = Math.min(...ts) * 0.9, t1 = Math.max(...ts) * 1.1;
+  const ymax = Math.max(usable, ...ms) * 1.1;
+  const lg = (t) => Math.log(t);
+  const X = (t) => L + ((lg(t) - lg(t0)) / ((lg(t1) - lg(t0)) || 1)) * (W - L - R);
+  const Y = (b) => T + (1 - b / ymax) * (H - T - B);
+  const step = niceStep(ymax / GiB / 4);
+  for (let k = 0; k * step * GiB <= ymax; k++) {
+    svg.appendChild(el("line", { x1: L, x2: W - R, y1: Y(k * step * GiB), y2: Y(k * step * GiB), stroke: "#eee" }));
+    svg.appendChild(el("text", { x: L - 6, y: Y(k * step * GiB) + 4, "font-size": 11, "text-anchor": "end" }, +(k * step).toFixed(2)));
+  }
+  svg.appendChild(el("line", { x1: L, x2: W - R, y1: Y(usable), y2: Y(usable), stroke: "#C00000", "stroke-dasharray": "6 3" }));
+  svg.appendChild(el("text", { x: W - R - 4, y: Y(usable) - 4, "font-size": 11, fill: "#C00000", "text-anchor": "end" }, `usable ${gib(usable)} GiB per GPU`));
+  r.plans.forEach((p, i) => {
+    const g = el("g", { class: "point", "data-plan": i, style: "cursor:pointer" });
+    g.appendChild(el("circle", { cx: X(p.step_time), cy: Y(p.memory), r: 6, fill: "#4E79A7", stroke: "#fff" }));
+    g.appendChild(el("text", { x: X(p.step_time) + 8, y: Y(p.memory) - 6, "font-size": 11 }, String(i + 1)));
+    g.appendChild(el("title", {}, `${i + 1}. ${p.label}: ${gib1(p.memory)} GiB per GPU, ${secs(p.step_time)} per step — click to apply`));
+    g.addEventListener("click", () => applyWorkload(p.workload, null));
+    svg.appendChild(g);
+  });
+  svg.appendChild(el("text", { x: (L + W - R) / 2, y: H - 6, "font-size": 11, "text-anchor": "middle", fill: "#555" }, "step time (log scale) — each point a plan of the front; click to apply"));
+  svg.appendChild(el("text", { x: 12, y: T + (H - T - B) / 2, "font-size": 11, transform: `rotate(-90 12 ${T + (H - T - B) / 2})`, "text-anchor": "middle" }, "GiB per GPU"));
+  return svg;
 }
 
 function renderRank(box, r) {
