@@ -382,3 +382,19 @@ def _as_query(w: Workload) -> dict[str, str]:
 @given(workloads())
 def test_query_round_trips_any_valid_workload(w):
     assert parse_workload(_as_query(w)) == w
+
+
+def test_field_of_reads_an_errors_own_field():
+    from vramplan.errors import VramplanError
+    from vramplan.web.params import field_of
+
+    class Tagged(VramplanError):
+        def __init__(self, msg, field):
+            super().__init__(msg)
+            self.field = field
+
+    assert field_of(Tagged("x", "lora_rank")) == "lora-rank"
+    assert field_of(Tagged("x", "parallel.dp")) == "dp"
+    assert field_of(Tagged("bad --seq", "no_such_thing")) == "seq"  # falls back to the message
+    assert field_of(VramplanError("invalid ZeRO stage 7")) == "zero"
+    assert field_of(VramplanError("something else")) is None

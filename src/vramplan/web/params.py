@@ -248,8 +248,9 @@ def field_of(e: BaseException) -> str | None:
     own = getattr(e, "field", None)
     keys = {f.key for f in fields()} | set(PAGE_KEYS)
     if isinstance(own, str) and own:
-        key = own.replace("_", "-").removeprefix("--")
-        return key if key in keys else None
+        key = own.rsplit(".", 1)[-1].replace("_", "-").removeprefix("--")  # "parallel.dp" → "dp"
+        if key in keys:
+            return key
     text = str(e)
     for m in _FLAG.finditer(text):
         if m.group(1) in keys:
