@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import multiprocessing
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,8 @@ class Jobs:
         self._warming: list[cf.Future[Any]] = []
 
     def _new_pool(self) -> cf.Executor:
-        return cf.ProcessPoolExecutor(max_workers=self._workers, mp_context=multiprocessing.get_context("spawn"))
+        return cf.ProcessPoolExecutor(max_workers=self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_exit_with_parent, initargs=(os.getpid(),))
 
     def cached(self, key: str) -> Outcome | None:
         hit = self._cache.get(key)
@@ -109,4 +111,28 @@ class Jobs:
         return {"warming": len(self._warming) - done, "warmed": done, "cached": len(self._cache)}
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop now: a trace still running is not waited for (its worker is terminated)."""
+        ex = self._executor
+        # ProcessPoolExecutor keeps its worker processes in _processes (pid → Process), CPython 3.10-3.14
+        workers = list((getattr(ex, "_processes", None) or {}).values()) if self._own else []
+        ex.shutdown(wait=False, cancel_futures=True)
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+        for w in workers:
+            w.join(timeout=5)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In each worker: leave when the server is gone, however it went (even SIGKILL), so that
+    no worker outlives it holding a GiB of torch."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="vramplan-parent-watch", daemon=True).start()
