@@ -3,7 +3,7 @@
 "use strict";
 
 const GiB = 2 ** 30;
-const MAIN = ["task", "batch", "seq", "new-tokens", "grad-accum", "precision", "checkpointing",
+const MAIN = ["task", "batch", "seq", "new-tokens", "grad-accum", "precision", "optimizer", "checkpointing",
   "checkpoint-fraction", "peft", "quant"];
 const PAGE_KEYS = ["model", "config", "gpu", "method", "tab", "gpus", "budget", "allow-peft", "sort"];
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
