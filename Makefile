@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean install
+.PHONY: demo test test-noextras lint typecheck bench clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,3 +41,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
+
+# A plain `pip install .` (no extras) in a fresh venv answers the main commands without a
+# traceback (issue 14). CI runs it after `make test`.
+test-noextras:
+	PY=$(PY) bash .ci/no_extras.sh

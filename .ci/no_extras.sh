@@ -11,18 +11,21 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$PY" -m venv "$work/venv"
 bin="$work/venv/bin"
-"$bin/pip" install -q torch==2.13.0
-"$bin/pip" install -q .
+"$bin/pip" install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+"$bin/pip" install -q . 2>&1 | grep -v "^WARNING: Location" || true
+"$bin/python" -c "import vramplan" || { echo "no-extras: install failed"; exit 1; }
+echo "no-extras: installed in $(( $(date +%s) - start )) s"
 cd "$work"  # run the installed package, not the source tree
 
 expect() {  # expect RC CMD...: exit code RC, and no traceback on stderr
     local want=$1; shift
-    local rc=0
+    local rc=0 t0
+    t0=$(date +%s)
     "$@" >"$work/out" 2>"$work/err" || rc=$?
     if [ "$rc" != "$want" ] || grep -q "Traceback" "$work/err"; then
-        echo "no-extras: FAILED (exit $rc, wanted $want): ${*:2}"; cat "$work/err"; exit 1
+        echo "no-extras: FAILED (exit $rc, wanted $want): ${*:3}"; cat "$work/err"; exit 1
     fi
-    echo "no-extras: ok (exit $rc): ${*:2}"
+    echo "no-extras: ok (exit $rc, $(( $(date +%s) - t0 )) s): ${*:3}"
 }
 
 run() { expect "$1" env "${@:2}"; }
@@ -43,8 +46,8 @@ PYEOF
     echo "-- $pass"
     run 0 "$V" estimate llama-3.1-8b
     run 0 "$V" estimate llama-3.1-8b --gpu rtx-4090 --peft lora --checkpointing full
-    run 0 "$V" fit llama-3.1-8b --gpu h100-sxm --peft lora
-    run 0 "$V" plan llama-3.1-8b --gpu rtx-4090 --allow-peft
+    run 0 "$V" fit llama-3.1-8b --gpu h100-sxm --peft lora --method analytic
+    run 0 "$V" plan llama-3.1-8b --gpu rtx-4090 --allow-peft --method analytic
     run 0 "$V" models
     run 0 "$V" gpus
     run 2 "$V" estimate llama-3.1-8b --plot "$work/x.png"

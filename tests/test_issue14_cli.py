@@ -137,3 +137,103 @@ def test_negative_values_get_the_flags_own_message(capsys, argv):
     line = _one_line_error(capsys.readouterr().err)
     assert "expected one argument" not in line
     assert argv[-1] in line
+
+
+# --------------------------------------------------------------------------- items 4 and 6
+_FACTORY = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        x = x.cuda()  # inside forward: emulated by the trace
+        return self.fc(x)
+
+
+def huge():
+    # 100,000 x 100,000 fp32 weights are 40 GB: only a factory run on meta survives this
+    model = Net(100_000).cuda()
+    assert next(model.parameters()).is_meta
+    return model, torch.randn(2, 100_000, device="cuda")
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).to("cuda")
+    ids = torch.randint(0, 256, (2, 16), device="cuda")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+class Loop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        while True:
+            x = self.fc(x)
+
+
+def loop():
+    return Loop(), torch.randn(2, 8)
+'''
+
+
+@pytest.fixture
+def factory_file(tmp_path: Path) -> Path:
+    p = tmp_path / "user_model.py"
+    p.write_text(_FACTORY)
+    return p
+
+
+def test_factory_runs_on_meta_with_cuda_emulated(factory_file, capsys):
+    assert main(["trace", f"{factory_file}:huge", "--task", "infer", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["params"] == 100_000 * 100_000 + 100_000
+    assert doc["peak"]["allocated"] >= 2 * 100_000 * 100_000  # the bf16 weights, on the emulated GPU
+
+
+def test_factory_building_a_transformers_model_with_cuda_calls(factory_file, capsys):
+    assert main(["trace", f"{factory_file}:tiny_llama", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["method"] == "trace" and doc["peak"]["allocated"] > 0
+
+
+def test_a_forward_that_loops_forever_stops_at_the_timeout(factory_file, capsys):
+    assert main(["trace", f"{factory_file}:loop", "--timeout", "2"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "did not finish within 2 s" in line and "user_model.py" in line and "forward" in line
+
+
+def test_bad_timeout_is_refused(factory_file, capsys):
+    assert main(["trace", f"{factory_file}:loop", "--timeout", "nan"]) == 2
+    assert "--timeout" in _one_line_error(capsys.readouterr().err)
+
+
+def test_deadline_reports_progress_and_survives_a_swallowing_loop():
+    import time
+
+    from vramplan.errors import TraceTimeoutError
+    from vramplan.trace.deadline import deadline
+
+    seen: list[float] = []
+    with pytest.raises(TraceTimeoutError, match="within 1.2 s"), \
+            deadline(1.2, what="x", on_progress=seen.append, every=0.5):
+        while True:
+            try:
+                time.sleep(0.01)
+            except TraceTimeoutError:
+                pass  # user code that swallows the first one: the next tick raises again
+            except Exception:
+                pass
+            if len(seen) > 100:
+                break
+    assert len(seen) >= 1
