@@ -237,3 +237,39 @@ def test_deadline_reports_progress_and_survives_a_swallowing_loop():
             if len(seen) > 100:
                 break
     assert len(seen) >= 1
+
+
+# --------------------------------------------------------------------------- item 8
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--task", "infer", "--optimizer", "sgd"], "--optimizer applies to training"),
+    (["--task", "infer", "--checkpointing", "full"], "--checkpointing applies to training"),
+    (["--lora-rank", "8"], "--lora-rank applies with --peft"),
+    (["--microbatches", "4"], "--microbatches applies to pipeline parallelism"),
+    (["--kv-dtype", "int8"], "--kv-dtype sets the KV cache of --task generate"),
+    (["--zero", "3"], "with --dp 1 nothing is sharded"),
+    (["--batch", str(10**12)], "far beyond any real job"),
+])
+def test_flags_without_effect_get_a_note(capsys, flags, words):
+    assert main(["estimate", "llama-3.1-8b", "--method", "analytic", "--json", *flags]) == 0
+    out = capsys.readouterr()
+    json.loads(out.out)  # the report itself is unchanged JSON on stdout
+    note = next(line for line in out.err.splitlines() if words in line)
+    assert note.startswith("note: ")
+
+
+def test_no_note_for_a_plain_workload(capsys):
+    assert main(["estimate", "llama-3.1-8b", "--method", "analytic", "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_image_size_on_a_language_model_is_an_error(capsys):
+    assert main(["estimate", "llama-3.1-8b", "--method", "analytic", "--image-size", "512"]) == 2
+    assert "--image-size applies to vision models" in _one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv", [["--json", "--format", "markdown"], ["--format", "markdown", "--json"]])
+def test_contradicting_output_formats_are_refused(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "gpt2", "--method", "analytic", *argv])
+    assert e.value.code == 2
+    assert "contradicts" in _one_line_error(capsys.readouterr().err)

@@ -29,11 +29,24 @@ def _choices(cls: Any) -> list[str]:
     return [m.value for m in cls]
 
 
+class _FormatAction(argparse.Action):
+    """--format X / --json: given twice with different formats is a contradiction, not last-wins."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        value = self.const if self.const is not None else values
+        given = getattr(namespace, "_format_given", None)
+        if given is not None and given[1] != value:
+            parser.error(f"{option_string} {'' if self.const else value} contradicts {given[0]}".replace("  ", " "))
+        namespace._format_given = (f"{option_string}{'' if self.const else ' ' + str(value)}", value)
+        setattr(namespace, self.dest, value)
+
+
 def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: str | None = None) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--format", choices=["table", "json", "markdown"], default="table",
+    g.add_argument("--format", choices=["table", "json", "markdown"], default="table", action=_FormatAction,
                    help="report format (default: table)")
-    g.add_argument("--json", action="store_const", const="json", dest="format",
+    g.add_argument("--json", action=_FormatAction, const="json", dest="format", nargs=0,
                    help="same as --format json (integer bytes)")
     if plot:
         g.add_argument("--plot", metavar="FILE", help=plot_help or "write a plot (.png, .svg or .html)")
@@ -97,6 +110,12 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
         image_size=args.image_size, parallel=parallel,
     )
+
+
+def note_settings(w: Workload) -> None:
+    """Settings given but without effect on this workload: a note each on stderr."""
+    for n in w.setting_notes():
+        hint(f"note: {n}")
 
 
 def size_arg(text: str) -> int:

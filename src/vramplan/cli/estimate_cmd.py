@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_output_args, add_workload_args, hint, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_extras(args)
     w = workload_from_args(args)
+    note_settings(w)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
     if report.method.value == "analytic" and args.method == "auto":
         why = next((n for n in report.notes if "analytic estimate instead" in n), None)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TraceError, VramplanError
-from .common import add_output_args, add_workload_args, hint, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -72,10 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.estimate import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
-    from .estimate_cmd import check_extras, write_extras
-
     from ..trace.construct import fake_construction
     from ..trace.deadline import deadline
+    from .estimate_cmd import check_extras, write_extras
 
     if args.iterations < 1:
         raise VramplanError("--iterations must be >= 1")
@@ -84,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     _check_unused(args)
     check_extras(args)
     w = workload_from_args(args)
+    note_settings(w)
     factory = load_factory(args.target)
 
     def progress(elapsed: float) -> None:

@@ -27,7 +27,7 @@ TICK_S = 0.25
 
 @contextlib.contextmanager
 def deadline(seconds: float | None, *, what: str = "the trace",
-             on_progress: Callable[[float], None] | None = None, every: float = 10.0) -> Iterator[None]:
+             on_progress: Callable[[float], None] | None = None, every: float = 30.0) -> Iterator[None]:
     if not seconds or seconds <= 0 or not hasattr(signal, "setitimer") \
             or threading.current_thread() is not threading.main_thread():
         yield
