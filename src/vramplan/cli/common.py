@@ -63,7 +63,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
                    help="auto (default): bf16-mixed for train, bf16 for infer/generate")
     g.add_argument("--optimizer", choices=_choices(Optimizer), default="adamw")
     g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl), default="foreach")
-    g.add_argument("--checkpointing", choices=_choices(Checkpointing), default="none")
+    g.add_argument("--checkpointing", choices=["auto", *_choices(Checkpointing)], default="auto",
+                   help="auto (default): full with --peft, as TRL's SFTConfig turns gradient "
+                   "checkpointing on; none otherwise")
     g.add_argument("--checkpoint-fraction", type=float, default=1.0,
                    help="fraction of layers checkpointed (default 1.0)")
     g.add_argument("--peft", choices=_choices(Peft), default="none")
@@ -95,6 +97,14 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
                        "(auto: trace when the model can be built, else analytic)")
 
 
+def checkpointing_arg(args: argparse.Namespace) -> str:
+    """``--checkpointing auto``: full for PEFT fine-tuning (TRL's ``SFTConfig`` defaults
+    ``gradient_checkpointing=True``, trl/trainer/sft_config.py, trl main 2026), none otherwise."""
+    if args.checkpointing != "auto":
+        return str(args.checkpointing)
+    return "full" if args.peft != "none" and args.task == "train" else "none"
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     parallel = Parallel(
@@ -105,7 +115,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return Workload(
         task=args.task, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
         grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl, checkpointing=args.checkpointing,
+        optimizer_impl=args.optimizer_impl, checkpointing=checkpointing_arg(args),
         checkpoint_fraction=args.checkpoint_fraction, peft=args.peft, lora_rank=args.lora_rank,
         lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
         image_size=args.image_size, parallel=parallel,

@@ -37,7 +37,25 @@ def run(args: argparse.Namespace) -> int:
             hint(f"note: {why}")
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
+    suggest_fix(args.model, w, report)
     return 0
+
+
+def suggest_fix(model: str, w, report) -> None:  # type: ignore[no-untyped-def]
+    """It does not fit: name the cheapest change that does (from the planner), on stderr."""
+    v = report.verdict
+    if v is None or v.fits:
+        return
+    from ..planner.estimate import resolve_gpu, resolve_model
+    from ..planner.nextstep import cheapest_fix
+
+    gpu = resolve_gpu(v.gpu)
+    fix = cheapest_fix(resolve_model(model), w, gpu) if gpu is not None else None
+    if fix is not None:
+        hint(f"to fit on {v.gpu_name or v.gpu}: {fix.sentence()}")
+    else:
+        hint(f"no single change makes it fit on {v.gpu_name or v.gpu}: "
+             f"try `vramplan plan {model} --gpu {v.gpu} --allow-peft --gpus 8`")
 
 
 def check_extras(args: argparse.Namespace) -> None:

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     def progress(elapsed: float) -> None:
         hint(f"tracing {args.target}: {elapsed:.0f} s so far (stops at --timeout {args.timeout:g} s)")
 
-    with deadline(args.timeout, what=f"tracing {args.target}", on_progress=progress):
+    # a heartbeat for a person watching a terminal; logs and pipes keep one line per outcome
+    with deadline(args.timeout, what=f"tracing {args.target}",
+                  on_progress=progress if sys.stderr.isatty() else None):
         try:
             with fake_construction():  # weights on meta, .cuda() emulated: no RAM, no GPU
                 made = factory()
