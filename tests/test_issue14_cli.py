@@ -273,3 +273,36 @@ def test_contradicting_output_formats_are_refused(capsys, argv):
         main(["estimate", "gpt2", "--method", "analytic", *argv])
     assert e.value.code == 2
     assert "contradicts" in _one_line_error(capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- item 2
+def test_fit_that_does_not_fit_names_the_cheapest_change(capsys):
+    assert main(["fit", "llama-3.1-8b", "--gpu", "rtx-4090", "--peft", "lora", "--checkpointing", "none",
+                 "--method", "analytic", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["max_batch"] == 0
+    assert doc["suggestion"].startswith("--checkpointing full makes it fit:")
+    assert "GiB of" in doc["suggestion"]
+
+
+def test_peft_turns_checkpointing_on_by_default_as_trl_does(capsys):
+    assert main(["fit", "llama-3.1-8b", "--gpu", "rtx-4090", "--peft", "lora", "--method", "analytic",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["checkpointing"] == "full" and doc["max_batch"] >= 1
+    assert doc["suggestion"] is None
+
+
+def test_estimate_that_does_not_fit_names_what_makes_it_fit(capsys):
+    assert main(["estimate", "llama-3.1-8b", "--batch", "4", "--checkpointing", "full", "--gpu", "h100-sxm",
+                 "--method", "analytic", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["fits"] is False
+    line = next(ln for ln in out.err.splitlines() if ln.startswith("to fit on"))
+    assert "makes it fit" in line and "GiB of" in line
+
+
+def test_fit_when_nothing_fits_names_a_change_in_the_error(capsys):
+    assert main(["fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--method", "analytic"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "makes it fit" in line or "vramplan plan" in line
