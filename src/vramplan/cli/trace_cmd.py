@@ -69,7 +69,7 @@ def load_factory(target: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner.estimate import trace
+    from ..engine import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
     from ..trace.construct import fake_construction
