@@ -46,7 +46,7 @@ def suggest_fix(model: str, w, report) -> None:  # type: ignore[no-untyped-def]
     v = report.verdict
     if v is None or v.fits:
         return
-    from ..planner.estimate import resolve_gpu, resolve_model
+    from ..engine.resolve import resolve_gpu, resolve_model
     from ..planner.nextstep import cheapest_fix
 
     gpu = resolve_gpu(v.gpu)
