@@ -306,3 +306,41 @@ def test_fit_when_nothing_fits_names_a_change_in_the_error(capsys):
     assert main(["fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--method", "analytic"]) == 2
     line = _one_line_error(capsys.readouterr().err)
     assert "makes it fit" in line or "vramplan plan" in line
+
+
+# --------------------------------------------------------------------------- item 9
+def _plans(capsys, *argv: str) -> list[dict]:
+    assert main(["plan", *argv, "--method", "analytic", "--json", "--top", "30"]) == 0
+    return json.loads(capsys.readouterr().out)["plans"]
+
+
+def test_plan_finds_plain_lora_with_checkpointing_and_qlora_is_slower_than_lora(capsys):
+    plans = _plans(capsys, "llama-3.1-8b", "--gpu", "rtx-4090", "--allow-peft")
+    by_label = {p["label"]: p for p in plans}
+    lora = next(p for label, p in by_label.items() if "LoRA" in label and "QLoRA" not in label
+                and "full checkpointing" in label and "offload" not in label and "ZeRO" not in label)
+    assert lora["memory"] < 24 * 2**30
+    qlora = next(p for label, p in by_label.items() if "QLoRA" in label and "50%" not in label
+                 and "full checkpointing" in label)
+    assert qlora["step_time"] > lora["step_time"]  # same settings: dequantisation costs time
+
+
+def test_plan_that_changes_optimizer_or_precision_says_so(capsys):
+    plans = _plans(capsys, "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8")
+    for p in plans:
+        w = p["workload"]
+        if w["optimizer"] != "adamw":
+            assert f"optimizer adamw → {w['optimizer']}" in p["explanation"]
+        if w["precision"] != "bf16-mixed":
+            assert "precision bf16-mixed →" in p["explanation"]
+
+
+def test_deepspeed_json_has_an_optimizer_block_for_torch_optimizers():
+    from vramplan.planner.emit import deepspeed_config
+    from vramplan.workload import Workload
+
+    class _P:  # the only field deepspeed_config reads
+        workload = Workload().replace(optimizer="adafactor", precision="bf16", dp=8, zero=3)
+
+    cfg = deepspeed_config(_P())  # type: ignore[arg-type]
+    assert cfg["optimizer"]["type"] == "Adafactor"
