@@ -344,3 +344,44 @@ def test_deepspeed_json_has_an_optimizer_block_for_torch_optimizers():
 
     cfg = deepspeed_config(_P())  # type: ignore[arg-type]
     assert cfg["optimizer"]["type"] == "Adafactor"
+
+
+# --------------------------------------------------------------------------- item 11
+_BIGCODE = {"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "n_embd": 256,
+            "n_layer": 2, "n_head": 4, "n_inner": 1024, "n_positions": 128, "vocab_size": 1000,
+            "multi_query": True, "torch_dtype": "float32"}
+
+
+def test_gpt_bigcode_config_is_read_as_multi_query_gpt2(tmp_path, capsys):
+    import torch
+    import transformers
+
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(_BIGCODE))
+    assert main(["models", str(p), "--json"]) == 0
+    out = capsys.readouterr().out
+    conf = transformers.AutoConfig.for_model(**{k: v for k, v in _BIGCODE.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(conf)
+    exact = sum(t.numel() for t in model.parameters())
+    assert str(exact) in out.replace(",", "")
+    assert '"kv_heads": 1' in out and '"mlp_kind": "plain"' in out and '"norm_kind": "layernorm"' in out
+
+
+def test_gpt_bigcode_has_an_analytic_estimate_close_to_its_trace(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**_BIGCODE, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 1024,
+                             "vocab_size": 8192}))
+    peaks = {}
+    for m in ("analytic", "trace"):
+        assert main(["estimate", str(p), "--seq", "512", "--batch", "2", "--method", m, "--json"]) == 0
+        peaks[m] = json.loads(capsys.readouterr().out)["peak"]["allocated"]
+    assert abs(peaks["analytic"] - peaks["trace"]) <= 0.1 * peaks["trace"]
+
+
+def test_a10g_has_a_bf16_rate_with_a_source(capsys):
+    assert main(["gpu", "a10g", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    g = doc.get("gpu", doc)
+    assert g["bf16_tflops"] == pytest.approx(80 * 1.71 * 512 / 1000, rel=0.01)
+    assert "SMs x boost clock x 512" in g["sources"]["bf16_tflops"]

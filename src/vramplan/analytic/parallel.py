@@ -132,7 +132,7 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             hint=f"use --grad-accum {p.in_flight} or more",
         )
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
-    learned = spec.family is Family.ENCODER or spec.model_type == "gpt2"
+    learned = spec.family is Family.ENCODER or spec.model_type in ("gpt2", "gpt_bigcode")
     if learned and spec.max_positions and length > spec.max_positions:
         raise WorkloadError(
             f"{name} has {spec.max_positions} learned positions; {length} tokens do not fit",

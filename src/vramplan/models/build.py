@@ -210,7 +210,7 @@ def _token_inputs(spec: ModelSpec, head: str, batch: int, seq: int, dev: torch.d
                   labels: bool) -> dict[str, Any]:
     if not spec.vocab:
         raise TraceError(f"{spec.name}: no example inputs for this model", hint="pass your own inputs")
-    learned = spec.model_type in ("gpt2", "bert")
+    learned = spec.model_type in ("gpt2", "gpt_bigcode", "bert")
     if learned and spec.max_positions and seq > spec.max_positions:
         raise WorkloadError(
             f"--seq {seq} exceeds {spec.name}'s {spec.max_positions} learned positions",
