@@ -385,3 +385,18 @@ def test_a10g_has_a_bf16_rate_with_a_source(capsys):
     g = doc.get("gpu", doc)
     assert g["bf16_tflops"] == pytest.approx(80 * 1.71 * 512 / 1000, rel=0.01)
     assert "SMs x boost clock x 512" in g["sources"]["bf16_tflops"]
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
+def test_current_models_have_exact_parameter_counts(capsys, name):
+    import torch
+    import transformers
+
+    from vramplan.models.catalog import resolve
+
+    assert main(["models", name, "--json"]) == 0
+    out = capsys.readouterr().out
+    cfg = {k: v for k, v in resolve(name).config.items() if k != "architectures"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert str(sum(p.numel() for p in model.parameters())) in out.replace(",", "")
