@@ -23,6 +23,8 @@ from types import FrameType
 from ..errors import TraceTimeoutError
 
 TICK_S = 0.25
+SWALLOWED_AFTER_S = 1.0
+"""Still inside the limit this long after raising: the code caught it; raise again."""
 
 
 @contextlib.contextmanager
@@ -33,13 +35,20 @@ def deadline(seconds: float | None, *, what: str = "the trace",
         yield
         return
     start = time.monotonic()
-    state: dict[str, object] = {"expired": None, "next": every}
+    state: dict[str, object] = {"expired": None, "next": every, "raised_at": None}
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
-        elapsed = time.monotonic() - start
-        if elapsed >= seconds:  # raised again on every tick if the code swallows it
+        now = time.monotonic()
+        elapsed = now - start
+        if elapsed >= seconds:
+            if _in_finaliser(frame):
+                return  # an exception in a finaliser is only printed ("Exception ignored"): next tick
+            last = state["raised_at"]
+            if isinstance(last, float) and now - last < SWALLOWED_AFTER_S:
+                return  # unwinding: let cleanup code (finally blocks) run undisturbed
             if state["expired"] is None:
                 state["expired"] = _where(frame)
+            state["raised_at"] = now  # raised again later if the code swallowed it
             raise TraceTimeoutError(_message(what, seconds, state["expired"]))
         nxt = state["next"]
         if on_progress is not None and isinstance(nxt, float) and elapsed >= nxt:
@@ -59,6 +68,15 @@ def deadline(seconds: float | None, *, what: str = "the trace",
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _in_finaliser(frame: FrameType | None) -> bool:
+    f = frame
+    while f is not None:
+        if f.f_code.co_name == "__del__":
+            return True
+        f = f.f_back
+    return False
 
 
 def _where(frame: FrameType | None) -> str:
