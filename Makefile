@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean install
+.PHONY: demo test test-noextras lint typecheck bench clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	@echo "Question: does full fine-tuning of Llama 3.1 8B (batch 4 x 2048 tokens, bf16-mixed AdamW,"
+	@echo "full activation checkpointing) fit on one H100 80GB, and if not, what makes it fit?"
 	$(BIN)/vramplan estimate llama-3.1-8b --task train --precision bf16-mixed --optimizer adamw \
 	    --batch 4 --seq 2048 --checkpointing full --gpu h100-sxm
 
@@ -41,3 +43,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
+
+# A plain `pip install .` (no extras) in a fresh venv answers the main commands without a
+# traceback (issue 14). CI runs it after `make test`.
+test-noextras:
+	PY=$(PY) bash .ci/no_extras.sh

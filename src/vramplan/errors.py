@@ -42,6 +42,13 @@ class TraceError(VramplanError):
     """A model or step that cannot be traced on fake tensors."""
 
 
+class TraceTimeoutError(TraceError):
+    """User code under a trace ran past its time limit (``--timeout``), e.g. a loop that never ends."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, hint="check the code for a loop that never ends, or raise --timeout")
+
+
 class SnapshotError(VramplanError):
     """A memory snapshot that cannot be read (malformed, or unsafe to unpickle)."""
 

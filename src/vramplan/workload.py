@@ -269,6 +269,40 @@ class Workload:
         ):
             pass  # bitsandbytes supports 8-bit states on 16-bit params
 
+    # --- settings that do not apply -------------------------------------------------
+    def setting_notes(self) -> tuple[str, ...]:
+        """One sentence per setting that differs from its default but does not apply to this
+        workload (the estimate ignores it), and for sizes beyond any real job. Contradictory
+        pairs are errors in ``__post_init__``; these are not wrong, only without effect."""
+        notes: list[str] = []
+        task, p = self.task, self.parallel
+        if task is not Task.TRAIN:
+            for name, default in (("optimizer", Optimizer.ADAMW), ("optimizer_impl", OptimizerImpl.FOREACH),
+                                  ("checkpointing", Checkpointing.NONE), ("grad_accum", 1)):
+                if getattr(self, name) != default:
+                    notes.append(f"--{name.replace('_', '-')} applies to training; ignored for --task {task}")
+        if self.new_tokens and task is not Task.GENERATE:
+            notes.append(f"--new-tokens applies to --task generate; ignored for --task {task}")
+        if self.kv_dtype is not KVDtype.AUTO and task is not Task.GENERATE:
+            notes.append(f"--kv-dtype sets the KV cache of --task generate; ignored for --task {task}")
+        if self.peft is Peft.NONE:
+            if self.lora_rank != 16:
+                notes.append("--lora-rank applies with --peft lora or qlora; ignored without --peft")
+            if tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
+                notes.append("--lora-targets applies with --peft lora or qlora; ignored without --peft")
+        if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:
+            notes.append("--checkpoint-fraction applies with --checkpointing; ignored without it")
+        if p.microbatches and p.pp == 1:
+            notes.append("--microbatches applies to pipeline parallelism; ignored without --pp 2 or more")
+        if p.zero and p.dp == 1:
+            notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with --dp 1 nothing is sharded "
+                         "(add --dp N for N GPUs)")
+        if self.tokens > PLAUSIBLE_TOKENS:
+            notes.append(f"a micro-batch of {self.tokens:,} tokens (batch {self.batch:,} x seq {self.seq:,}) is far "
+                         f"beyond any real job (the largest published global batches are ~{PLAUSIBLE_TOKENS // 2**20}M "
+                         "tokens): the figure is arithmetic, not a plan")
+        return tuple(notes)
+
     # --- convenience ---------------------------------------------------------------
     @property
     def training(self) -> bool:
@@ -304,6 +338,10 @@ class Workload:
         d = dataclasses.asdict(self)
         return _plain(d)
 
+
+PLAUSIBLE_TOKENS = 1 << 24
+"""16 Mi tokens: about the largest global batch published for LLM pretraining (Llama 3: 16M
+tokens per step, arXiv 2407.21783 §3.4.1); one GPU's micro-batch beyond it is a typo."""
 
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(Parallel)}
 

@@ -17,6 +17,9 @@ from ._config import act_saves, get_bool, get_float, get_int
 from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
 
 _ALWAYS_QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl"})
+GPT2_LIKE = frozenset({"gpt2", "gpt_bigcode"})
+"""GPT-2 layout: c_attn / c_proj / c_fc, learned positions, LayerNorm, plain GELU MLP
+(GPTBigCode / StarCoder is GPT-2 with multi-query attention)."""
 _QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"})
 _SANDWICH = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
@@ -27,7 +30,7 @@ def build(spec: ModelSpec) -> Arch:
     head_dim = spec.head_dim or h // heads
     kv_heads = spec.kv_heads or heads
     mt = spec.model_type
-    gpt2 = mt == "gpt2"
+    gpt2 = mt in GPT2_LIKE
     norm = "layernorm" if gpt2 else spec.norm_kind
     if norm == "rmsnorm" and mt.startswith("gemma"):
         norm = "gemma_rmsnorm"
@@ -61,7 +64,7 @@ def build(spec: ModelSpec) -> Arch:
         if attn.qk_norm:
             attn_small += 2 * head_dim  # q_norm, k_norm weights shared across heads
 
-    act = act_saves(cfg, "gelu_new" if gpt2 else "silu")
+    act = act_saves(cfg, ("gelu_pytorch_tanh" if mt == "gpt_bigcode" else "gelu_new") if gpt2 else "silu")
     mlp_bias = gpt2 or get_bool(cfg, "mlp_bias")
     dense_ffn = Ffn(kind="plain" if spec.mlp_kind == "plain" or gpt2 else "gated",
                     intermediate=spec.intermediate or 4 * h, act_saves=act, dropout=resid_drop)
@@ -103,7 +106,7 @@ def build(spec: ModelSpec) -> Arch:
 
 
 def _mha_linears(mt: str, h: int, a: Attn) -> tuple[Linear, ...]:
-    if mt == "gpt2":
+    if mt in GPT2_LIKE:
         return (Linear("c_attn", "qkv", h, a.q_dim + 2 * a.kv_dim, attn=True),
                 Linear("c_proj", "o", a.q_dim, h, attn=True))
     if mt == "phi3":
@@ -135,7 +138,7 @@ def _mla_linears(spec: ModelSpec, a: Attn) -> tuple[Linear, ...]:
 def _mlp_linears(mt: str, h: int, f: Ffn) -> tuple[Linear, ...]:
     i = f.intermediate
     if f.kind == "plain":
-        if mt == "gpt2":
+        if mt in GPT2_LIKE:
             return (Linear("c_fc", "fc1", h, i), Linear("c_proj", "fc2", i, h))
         return (Linear("fc1", "fc1", h, i), Linear("fc2", "fc2", i, h))
     if mt == "phi3":

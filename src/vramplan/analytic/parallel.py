@@ -87,6 +87,9 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             f"{name} is not a transformer the analytic method knows",
             hint="use --method trace",
         )
+    if w.image_size != 224 and spec.family is not Family.VIT:  # 224: the Workload default
+        raise WorkloadError(f"--image-size applies to vision models; {name} ({spec.family}) takes token sequences",
+                            hint="drop --image-size (--seq sets the input length)")
     if w.task is Task.GENERATE and not spec.is_decoder:
         article = "an" if str(spec.family)[0] in "aeiou" else "a"
         raise WorkloadError(f"{name} is {article} {spec.family} model and does not generate text",
@@ -129,7 +132,7 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             hint=f"use --grad-accum {p.in_flight} or more",
         )
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
-    learned = spec.family is Family.ENCODER or spec.model_type == "gpt2"
+    learned = spec.family is Family.ENCODER or spec.model_type in ("gpt2", "gpt_bigcode")
     if learned and spec.max_positions and length > spec.max_positions:
         raise WorkloadError(
             f"{name} has {spec.max_positions} learned positions; {length} tokens do not fit",

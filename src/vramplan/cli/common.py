@@ -29,11 +29,24 @@ def _choices(cls: Any) -> list[str]:
     return [m.value for m in cls]
 
 
+class _FormatAction(argparse.Action):
+    """--format X / --json: given twice with different formats is a contradiction, not last-wins."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        value = self.const if self.const is not None else values
+        given = getattr(namespace, "_format_given", None)
+        if given is not None and given[1] != value:
+            parser.error(f"{option_string} {'' if self.const else value} contradicts {given[0]}".replace("  ", " "))
+        namespace._format_given = (f"{option_string}{'' if self.const else ' ' + str(value)}", value)
+        setattr(namespace, self.dest, value)
+
+
 def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: str | None = None) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--format", choices=["table", "json", "markdown"], default="table",
+    g.add_argument("--format", choices=["table", "json", "markdown"], default="table", action=_FormatAction,
                    help="report format (default: table)")
-    g.add_argument("--json", action="store_const", const="json", dest="format",
+    g.add_argument("--json", action=_FormatAction, const="json", dest="format", nargs=0,
                    help="same as --format json (integer bytes)")
     if plot:
         g.add_argument("--plot", metavar="FILE", help=plot_help or "write a plot (.png, .svg or .html)")
@@ -50,7 +63,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
                    help="auto (default): bf16-mixed for train, bf16 for infer/generate")
     g.add_argument("--optimizer", choices=_choices(Optimizer), default="adamw")
     g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl), default="foreach")
-    g.add_argument("--checkpointing", choices=_choices(Checkpointing), default="none")
+    g.add_argument("--checkpointing", choices=["auto", *_choices(Checkpointing)], default="auto",
+                   help="auto (default): full with --peft, as TRL's SFTConfig turns gradient "
+                   "checkpointing on; none otherwise")
     g.add_argument("--checkpoint-fraction", type=float, default=1.0,
                    help="fraction of layers checkpointed (default 1.0)")
     g.add_argument("--peft", choices=_choices(Peft), default="none")
@@ -85,6 +100,14 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
                        "(auto: trace when the model can be built, else analytic)")
 
 
+def checkpointing_arg(args: argparse.Namespace) -> str:
+    """``--checkpointing auto``: full for PEFT fine-tuning (TRL's ``SFTConfig`` defaults
+    ``gradient_checkpointing=True``, trl/trainer/sft_config.py, trl main 2026), none otherwise."""
+    if args.checkpointing != "auto":
+        return str(args.checkpointing)
+    return "full" if args.peft != "none" and args.task == "train" else "none"
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     parallel = Parallel(
@@ -95,11 +118,17 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return Workload(
         task=args.task, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
         grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl, checkpointing=args.checkpointing,
+        optimizer_impl=args.optimizer_impl, checkpointing=checkpointing_arg(args),
         checkpoint_fraction=args.checkpoint_fraction, peft=args.peft, lora_rank=args.lora_rank,
         lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
         image_size=args.image_size, routing_skew=getattr(args, "routing_skew", 1.0), parallel=parallel,
     )
+
+
+def note_settings(w: Workload) -> None:
+    """Settings given but without effect on this workload: a note each on stderr."""
+    for n in w.setting_notes():
+        hint(f"note: {n}")
 
 
 def size_arg(text: str) -> int:

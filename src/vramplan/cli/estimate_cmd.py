@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_output_args, add_workload_args, hint, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,14 +29,33 @@ def run(args: argparse.Namespace) -> int:
 
     check_extras(args)
     w = workload_from_args(args)
+    note_settings(w)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
     if report.method.value == "analytic" and args.method == "auto":
-        fell_back = any("analytic estimate instead" in n for n in report.notes)
-        if fell_back:
-            hint("note: the model could not be traced; showing the analytic estimate")
+        why = next((n for n in report.notes if "analytic estimate instead" in n), None)
+        if why:
+            hint(f"note: {why}")
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
+    suggest_fix(args.model, w, report)
     return 0
+
+
+def suggest_fix(model: str, w, report) -> None:  # type: ignore[no-untyped-def]
+    """It does not fit: name the cheapest change that does (from the planner), on stderr."""
+    v = report.verdict
+    if v is None or v.fits:
+        return
+    from ..engine.resolve import resolve_gpu, resolve_model
+    from ..planner.nextstep import cheapest_fix
+
+    gpu = resolve_gpu(v.gpu)
+    fix = cheapest_fix(resolve_model(model), w, gpu) if gpu is not None else None
+    if fix is not None:
+        hint(f"to fit on {v.gpu_name or v.gpu}: {fix.sentence()}")
+    else:
+        hint(f"no single change makes it fit on {v.gpu_name or v.gpu}: "
+             f"try `vramplan plan {model} --gpu {v.gpu} --allow-peft --gpus 8`")
 
 
 def check_extras(args: argparse.Namespace) -> None:

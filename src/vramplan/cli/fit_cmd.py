@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import add_output_args, add_workload_args, hint, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 if TYPE_CHECKING:
     from vramplan.planner.sweep import Sweep
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_step is not None and args.seq_step < 1:
         raise PlanError(f"--seq-step must be a positive integer, got {args.seq_step}")
     w = workload_from_args(args)
+    note_settings(w)
     paths = plot_paths(args.plot) if args.plot else None
     recorder = Recorder() if paths else None
     result = fit(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -58,9 +59,23 @@ def _version() -> str:
         return "0+unknown"
 
 
+def _glue_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--min-memory -5GB`` → ``--min-memory=-5GB``: argparse takes a value that starts with
+    ``-`` for an option and says "expected one argument"; glued, the flag's own check names
+    what is wrong with the value."""
+    out: list[str] = []
+    for tok in argv:
+        if (out and re.match(r"^-\.?\d", tok) and out[-1].startswith("--") and "=" not in out[-1]
+                and len(out[-1]) > 2):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_glue_negative_values(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vramplan.cli.common import add_output_args, add_workload_args, hint, workload_from_args
+from vramplan.cli.common import (
+    add_output_args,
+    add_workload_args,
+    hint,
+    note_settings,
+    workload_from_args,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.report.render import emit
 
     w = workload_from_args(args)
+    note_settings(w)
     methods: tuple[str, ...] = ()
     if not args.no_predict:
         methods = ("trace", "analytic") if args.method == "auto" else (args.method,)

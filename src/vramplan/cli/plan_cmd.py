@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from .common import add_output_args, add_workload_args, hint, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
 
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.errors import PlanError
 
     w = workload_from_args(args)
+    note_settings(w)
     for name in ("gpus", "global_batch", "confirm", "top", "pick"):
         v = getattr(args, name)
         if v is not None and (v < 1 if name != "confirm" else v < 0):

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.report.render import emit
 
     path = Path(args.file)
+    if path.is_dir():
+        raise VramplanError(f"cannot read {path}: Is a directory", hint="name an events .jsonl or a snapshot .pickle file")
     if not path.is_file():
         raise VramplanError(f"cannot read {path}: no such file")
     conf = parse_conf(args.alloc_conf) if args.alloc_conf is not None else None

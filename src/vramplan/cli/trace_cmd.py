@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TraceError, VramplanError
-from .common import add_output_args, add_workload_args, workload_from_args
+from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+
+DEFAULT_TIMEOUT_S = 900.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", metavar="FILE.py:FUNC", help="python file and factory function")
     add_workload_args(p)
     p.add_argument("--iterations", type=int, default=2, help="steps to trace (default 2: first and steady state)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop your code after this long, e.g. a forward that loops forever "
+                   f"(default {DEFAULT_TIMEOUT_S:g}; 0 = no limit)")
     p.add_argument("--snapshot", metavar="FILE.pickle", help="write the predicted trace in PyTorch's snapshot format")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -67,25 +72,38 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
+    from ..trace.construct import fake_construction
+    from ..trace.deadline import deadline
     from .estimate_cmd import check_extras, write_extras
 
     if args.iterations < 1:
         raise VramplanError("--iterations must be >= 1")
+    if not args.timeout >= 0:  # also NaN
+        raise VramplanError(f"--timeout must be >= 0 seconds, got {args.timeout}", hint="0 means no limit")
     _check_unused(args)
     check_extras(args)
-    factory = load_factory(args.target)
-    try:
-        made = factory()
-    except VramplanError:
-        raise
-    except (Exception, SystemExit) as e:
-        raise TraceError(f"{args.target}() raised {type(e).__name__}: {e}") from None
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
-    model, inputs, *rest = made
     w = workload_from_args(args)
-    report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
-                   alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
+    note_settings(w)
+    factory = load_factory(args.target)
+
+    def progress(elapsed: float) -> None:
+        hint(f"tracing {args.target}: {elapsed:.0f} s so far (stops at --timeout {args.timeout:g} s)")
+
+    # a heartbeat for a person watching a terminal; logs and pipes keep one line per outcome
+    with deadline(args.timeout, what=f"tracing {args.target}",
+                  on_progress=progress if sys.stderr.isatty() else None):
+        try:
+            with fake_construction():  # weights on meta, .cuda() emulated: no RAM, no GPU
+                made = factory()
+        except VramplanError:
+            raise
+        except (Exception, SystemExit) as e:
+            raise TraceError(f"{args.target}() raised {type(e).__name__}: {e}") from None
+        if not isinstance(made, tuple) or len(made) not in (2, 3):
+            raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
+        model, inputs, *rest = made
+        report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
+                       alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0

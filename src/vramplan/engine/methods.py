@@ -143,9 +143,9 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
             res = capped
         else:
             notes.append(
-                f"replayed within the GPU's {pool_capacity:,} B for the allocator: {capped.ooms} "
-                f"out-of-memory error(s) after {capped.alloc_retries} retries; figures show what the "
-                "step needs without a limit"
+                f"the step needs more than the GPU's {pool_capacity:,} B for the allocator: replayed "
+                f"within it, {capped.ooms} allocation(s) would raise CUDA out of memory even after "
+                "freeing the cache; the figures show what the step needs without a limit"
             )
             summary = dataclasses.replace(_summary(res, alloc_conf), ooms=capped.ooms,
                                           alloc_retries=capped.alloc_retries)

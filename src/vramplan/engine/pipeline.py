@@ -120,9 +120,17 @@ def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: li
         notes=tuple(notes) + core.notes,
         top_modules=core.trace.top_modules if core.trace is not None else (),
         top_tensors=core.trace.top_tensors if core.trace is not None else (),
-        iterations=core.iterations, timeline=timeline, extra=dict(core.extra),
+        iterations=core.iterations, timeline=timeline, extra={**core.extra, **_axes(spec)},
         model_states=core.model_states,
     )
+
+
+def _axes(spec: ModelSpec | None) -> dict[str, bool]:
+    """Which workload axes the model has, for the report's header (a CNN has no sequence)."""
+    if spec is None:
+        return {}
+    return {"has_sequence": spec.family in (Family.DENSE, Family.MOE, Family.MLA, Family.ENCODER),
+            "has_attention": spec.family is not Family.OTHER or spec.heads > 0}
 
 
 __all__ = ["estimate", "finish", "has_analytic"]

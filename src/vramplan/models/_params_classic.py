@@ -16,7 +16,11 @@ def count_gpt2(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
     inner = v.integer("n_inner", 4 * d)
     vocab = v.integer("vocab_size")
     n = vocab * d + v.integer("n_positions") * d + 2 * d  # wte, wpe, ln_f
-    n += v.integer("n_layer") * _block(d, inner)
+    block = _block(d, inner)
+    if v.raw.get("model_type") == "gpt_bigcode" and v.flag("multi_query", True):
+        kv = d // max(1, v.integer("n_head"))  # one K and one V head: c_attn is d x (d + 2 kv)
+        block -= 2 * (d * d + d) - 2 * (d * kv + kv)
+    n += v.integer("n_layer") * block
     if head == CAUSAL_LM and not v.flag("tie_word_embeddings", arch.tie_default):
         n += vocab * d
     elif head == SEQ_CLS:

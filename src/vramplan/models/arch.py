@@ -82,6 +82,9 @@ ARCHS: dict[str, Arch] = {
     "deepseek_v2": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "deepseek_v3": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "gpt2": Arch(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
+    # GPTBigCode (StarCoder, SantaCoder): GPT-2 with multi-query attention (multi_query: true →
+    # one K/V head); transformers models/gpt_bigcode/modeling_gpt_bigcode.py
+    "gpt_bigcode": Arch(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
     "bert": Arch(family=Family.ENCODER, kind="bert", heads=(MASKED_LM, SEQ_CLS, BASE),
                  tie_default=True),
     "vit": Arch(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),

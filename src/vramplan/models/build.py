@@ -31,7 +31,9 @@ from .arch import (
     default_head,
     head_from_architectures,
 )
-from .spec import ModelSpec
+from .spec import Family, ModelSpec
+
+_EXTRA_HINT = "pip install 'vramplan[models]' adds model tracing; --method analytic works without it"
 
 _ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 _DTYPES = {
@@ -90,7 +92,12 @@ def build_model(
 
 
 def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch.dtype) -> nn.Module:
-    import transformers
+    try:
+        import transformers
+    except ImportError:  # a plain `pip install vramplan` without the models extra
+        raise TraceError(f"building {spec.name} needs transformers, which is not installed",
+                         hint=_EXTRA_HINT if spec.family is not Family.OTHER
+                         else "pip install 'vramplan[models]' to trace it") from None
 
     cfg = {k: v for k, v in spec.config.items() if k not in _DROP_KEYS}
     model_type = cfg.pop("model_type", None)
@@ -158,9 +165,9 @@ def _build_unet(spec: ModelSpec, attention: str, dtype: torch.dtype) -> nn.Modul
     try:
         from diffusers import UNet2DConditionModel
         from diffusers.models.attention_processor import AttnProcessor
-    except ImportError:  # pragma: no cover - diffusers is in the models extra
-        raise TraceError(f"{spec.name}: building a UNet needs diffusers",
-                         hint="pip install 'vramplan[models]'") from None
+    except ImportError:  # diffusers is in the models extra
+        raise TraceError(f"building {spec.name} (a UNet) needs diffusers, which is not installed",
+                         hint="pip install 'vramplan[models]' to trace it") from None
     if attention not in ("eager", "sdpa"):
         raise TraceError(f"{spec.name}: the diffusers UNet supports attention eager or sdpa, not {attention!r}")
     with quiet():
@@ -203,7 +210,7 @@ def _token_inputs(spec: ModelSpec, head: str, batch: int, seq: int, dev: torch.d
                   labels: bool) -> dict[str, Any]:
     if not spec.vocab:
         raise TraceError(f"{spec.name}: no example inputs for this model", hint="pass your own inputs")
-    learned = spec.model_type in ("gpt2", "bert")
+    learned = spec.model_type in ("gpt2", "gpt_bigcode", "bert")
     if learned and spec.max_positions and seq > spec.max_positions:
         raise WorkloadError(
             f"--seq {seq} exceeds {spec.name}'s {spec.max_positions} learned positions",

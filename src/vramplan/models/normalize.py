@@ -140,8 +140,9 @@ def _sliding(v: ConfigView, arch: Arch, layers: int) -> tuple[int | None, int]:
 def _gpt2(v: ConfigView, arch: Arch) -> dict[str, Any]:
     d = v.integer("n_embd")
     heads = v.integer("n_head")
+    mqa = arch_key(v.raw) == "gpt_bigcode" and v.flag("multi_query", True)
     return {
-        "hidden": d, "layers": v.integer("n_layer"), "heads": heads, "kv_heads": heads,
+        "hidden": d, "layers": v.integer("n_layer"), "heads": heads, "kv_heads": 1 if mqa else heads,
         "head_dim": d // heads if heads else 0, "intermediate": v.integer("n_inner", 4 * d),
         "vocab": v.integer("vocab_size"), "max_positions": v.integer("n_positions"),
         "tie_embeddings": v.flag("tie_word_embeddings", arch.tie_default),

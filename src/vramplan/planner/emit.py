@@ -88,14 +88,29 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
     if ds_opt:
         cfg["optimizer"] = {"type": ds_opt, "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
                                                        "weight_decay": 0.01 if ds_opt == "AdamW" else 0.0}}
+    elif w.optimizer in _TORCH_OPTIMIZERS and not p.offload_optimizer:  # offload needs DeepSpeed's CPU Adam
+        # DeepSpeed builds any other type by name from torch.optim
+        # (DeepSpeedEngine._configure_basic_optimizer: getattr(torch.optim, self.optimizer_name()))
+        name, params = _TORCH_OPTIMIZERS[w.optimizer]
+        cfg["optimizer"] = {"type": name, "params": params}
     cfg["wall_clock_breakdown"] = False
     return cfg
+
+
+_TORCH_OPTIMIZERS: dict[Optimizer, tuple[str, dict[str, Any]]] = {
+    Optimizer.SGD: ("SGD", {"lr": 1e-3}),
+    Optimizer.SGD_MOMENTUM: ("SGD", {"lr": 1e-3, "momentum": 0.9}),
+    Optimizer.ADAFACTOR: ("Adafactor", {"lr": 1e-2}),  # torch.optim.Adafactor, torch >= 2.5
+}
 
 
 def deepspeed(plan: Plan) -> Emitted:
     w = plan.workload
     notes = [_header(plan)]
-    if w.optimizer not in (Optimizer.ADAMW, Optimizer.ADAM):
+    if w.optimizer in _TORCH_OPTIMIZERS and not w.parallel.offload_optimizer:
+        notes.append(f"optimizer {w.optimizer}: DeepSpeed builds torch.optim.{_TORCH_OPTIMIZERS[w.optimizer][0]} "
+                     "by name (Adafactor needs torch >= 2.5); set its lr in the JSON")
+    elif w.optimizer not in (Optimizer.ADAMW, Optimizer.ADAM):
         notes.append(f"DeepSpeed has no built-in {w.optimizer}: create it in your script and pass "
                      "optimizer=... to deepspeed.initialize (the JSON has no optimizer block)")
     if w.checkpointing is not Checkpointing.NONE:

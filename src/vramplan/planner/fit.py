@@ -169,7 +169,15 @@ class _Fit:
             model=self.spec.name, gpu=self.g.key, gpu_name=self.g.name, usable=self.usable,
             num_gpus=self.w.parallel.world_size, workload=self.w, method=self.m, batch=batch,
             seq=seq, evaluations=self.ev.counts(), notes=tuple(self.notes),
+            suggestion=self._suggest() if batch.value == 0 else None,
         )
+
+    def _suggest(self) -> str | None:
+        """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""
+        from .nextstep import cheapest_fix
+
+        fix = cheapest_fix(self.spec, self.w.replace(batch=1), self.g)
+        return fix.sentence() if fix is not None else None
 
     def _batch(self) -> Boundary:
         w = self.w
@@ -230,9 +238,10 @@ class _Fit:
         r = (seq.above if seq is not None and seq.above is not None else batch.above)
         need = fmt_bytes(r.peak.device_used) if r is not None else "?"
         where = f"batch {r.workload.batch}" + (f" at seq {r.workload.seq}" if seq is not None else "") if r else ""
+        fix = self._suggest()
         raise PlanError(
             f"{self.spec.name} does not fit on {self.w.parallel.world_size}× {self.g.key}: "
             f"{where} needs {need}, usable {fmt_bytes(self.usable)}",
-            hint=f"try `vramplan plan {self.spec.name} --gpu {self.g.key}` for memory savings "
-            "(checkpointing, 8-bit optimizer, --allow-peft, --gpus N)",
+            hint=(f"{fix}; " if fix else "") + f"`vramplan plan {self.spec.name} --gpu {self.g.key}` "
+            "searches all memory savings (checkpointing, 8-bit optimizer, --allow-peft, --gpus N)",
         )

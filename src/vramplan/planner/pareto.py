@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from vramplan.workload import Peft, Precision, Workload
+from vramplan.workload import Peft, Precision, Quant, Workload
 
 from .results import Plan
 
@@ -58,9 +58,11 @@ def objectives(p: Plan, base: Workload | None = None) -> tuple[float, ...]:
 
 def job_changes(base: Workload, w: Workload) -> int:
     """Changes that alter what is trained, not only how: dropping fp32 master weights
-    (pure 16-bit), and training adapters instead of the model (PEFT)."""
+    (pure 16-bit), training adapters instead of the model (PEFT), and quantising the base
+    weights (QLoRA computes with 4-bit approximations of them: one more change than LoRA)."""
     pure = (Precision.BF16, Precision.FP16)
     n = int(w.training and base.precision not in pure and w.precision in pure)
+    n += int(base.quant is Quant.NONE and w.quant is not Quant.NONE)
     return n + int(base.peft is Peft.NONE and w.peft is not Peft.NONE)
 
 

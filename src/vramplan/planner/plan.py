@@ -218,11 +218,27 @@ def explain(p: Plan, base: Plan) -> Plan:
     sign = "+" if rel >= 0.005 else ("−" if rel <= -0.005 else "±")
     relative = f"{sign}{abs(rel) * 100:.0f} % {what}"
     text = f"{p.label}: {p.memory / GiB:.1f} GiB, {relative}"
+    changed = job_words(base.workload, p.workload)
+    if changed:
+        text += f" ({'; '.join(changed)})"
     if p.num_gpus > 1:
         text += f" on {p.num_gpus} GPUs"
     if p.usd_per_mtok is not None:
         text += f", ${p.usd_per_mtok:.2f}/M tokens" if p.step.tokens_per_step else f", ${p.usd_per_mtok:.2f}/M samples"
     return replace(p, explanation=text, relative=relative)
+
+
+def job_words(base: Workload, w: Workload) -> list[str]:
+    """What a plan changes in the job itself (not only how it runs), said in words."""
+    out = []
+    if w.precision is not base.precision:
+        extra = ": no fp32 master weights" if w.training and base.mixed and not w.mixed else ""
+        out.append(f"precision {base.precision} → {w.precision}{extra}")
+    if w.training and w.optimizer is not base.optimizer:
+        out.append(f"optimizer {base.optimizer} → {w.optimizer}")
+    if w.peft is not base.peft:
+        out.append(f"trains {w.peft} adapters" + (" on 4-bit base weights" if w.quant.value != "none" else ""))
+    return out
 
 
 def _nothing_fits(spec: ModelSpec, g: GPU, max_gpus: int, screened: list[Plan], allow_peft: bool) -> PlanError:

@@ -75,6 +75,9 @@ class FitResult:
     """None for models without a sequence axis (CNNs, ViTs)."""
     evaluations: Evaluations
     notes: tuple[str, ...] = ()
+    suggestion: str | None = None
+    """When not even batch 1 fits at the sequence asked: the cheapest change that fits
+    (:mod:`vramplan.planner.nextstep`), as flags and a figure."""
 
     @property
     def max_batch(self) -> int:
@@ -91,7 +94,7 @@ class FitResult:
             "max_batch": self.max_batch, "max_seq": self.max_seq,
             "evaluations": self.evaluations.to_dict(),
             "boundary": {"batch": self.batch.to_dict(), "seq": self.seq.to_dict() if self.seq else None},
-            "notes": list(self.notes),
+            "notes": list(self.notes), "suggestion": self.suggestion,
         }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..results import BREAKDOWN_KEYS, MemoryReport
+from collections.abc import Sequence
+
+from ..results import BREAKDOWN_KEYS, MemoryReport, ModuleStat
 from ..units import GiB
 from .doc import Doc, KeyValues, Notes, Table
 
@@ -36,7 +38,11 @@ def workload_line(r: MemoryReport) -> str:
     w = r.workload
     parts = [f"task {w.task}"]
     if not r.extra.get("user_model"):  # a user's own inputs fix their own shapes
-        parts += [f"batch {w.batch}", f"seq {w.seq}"]
+        parts.append(f"batch {w.batch}")
+        if r.extra.get("has_sequence", True):
+            parts.append(f"seq {w.seq}")
+        else:
+            parts.append(f"image {w.image_size}")
     if w.task.value == "generate":
         parts.append(f"+{w.new_tokens} new tokens")
     parts.append(str(w.precision))
@@ -49,7 +55,8 @@ def workload_line(r: MemoryReport) -> str:
         parts.append(f"{w.peft} r={w.lora_rank}")
     if w.quant.value != "none":
         parts.append(f"{w.quant} weights")
-    parts.append(f"attention {w.attention}")
+    if r.extra.get("has_attention", True):
+        parts.append(f"attention {w.attention}")
     p = w.parallel
     par = []
     if p.dp > 1 or p.zero:
@@ -66,6 +73,18 @@ def workload_line(r: MemoryReport) -> str:
     if par:
         parts.append(", ".join(par))
     return " · ".join(parts)
+
+
+def _outermost(mods: Sequence[ModuleStat]) -> list[ModuleStat]:
+    """Drop a module nested in another listed one at about the same peak (the peak of
+    ``model.layers.31.mlp`` is that of ``model.layers.31`` and of ``model``): one row per place."""
+    out: list[ModuleStat] = []
+    for m in mods:
+        dup = any((m.module.startswith(o.module + ".") or not o.module) and abs(m.peak - o.peak) <= 0.01 * max(o.peak, 1)
+                  for o in out)
+        if not dup:
+            out.append(m)
+    return out
 
 
 def to_doc(r: MemoryReport) -> Doc:
@@ -102,7 +121,10 @@ def to_doc(r: MemoryReport) -> Doc:
     if r.allocator is not None and not r.allocator.backend.startswith("none"):
         a = r.allocator
         kv.append(("allocator", f"{a.backend}{' ' + a.conf if a.conf else ''}: {a.segments} segments, "
-                   f"fragmentation at peak {a.fragmentation_at_peak:.1%}, retries {a.alloc_retries}, OOMs {a.ooms}"))
+                   f"fragmentation at peak {a.fragmentation_at_peak:.1%}"
+                   + (f"; when the GPU's memory ran out, it freed its cache and retried {a.alloc_retries} times, "
+                      f"{a.ooms} allocations still failed (the job needs more than the GPU has)"
+                      if a.ooms else f", cache flushes and retries {a.alloc_retries}" if a.alloc_retries else "")))
     v = r.verdict
     if v is not None:
         verdict = "FITS" if v.fits else "DOES NOT FIT"
@@ -122,7 +144,7 @@ def to_doc(r: MemoryReport) -> Doc:
             title="Peak of each phase (GiB)",
         ))
     if r.top_modules:
-        doc.add(Table(["module", "peak GiB"], [[m.module or "(root)", g(m.peak)] for m in r.top_modules[:8]],
+        doc.add(Table(["module", "peak GiB"], [[m.module or "(root)", g(m.peak)] for m in _outermost(r.top_modules)[:8]],
                       title="Modules with the highest memory while running"))
     if r.top_tensors:
         doc.add(Table(

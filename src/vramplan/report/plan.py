@@ -61,6 +61,8 @@ def fit_doc(r: FitResult) -> Doc:
     where = f"seq {r.batch.fixed}" if r.seq is not None else f"image size {w.image_size}"
     items = [("max batch", f"{r.max_batch}  (at {where})" if r.max_batch else
               f"0 — batch 1 does not fit at {where}")]
+    if r.suggestion:
+        items.append(("to fit", r.suggestion))
     if r.seq is not None:
         items.append(("max seq", f"{r.seq.value:,}  (at batch {r.seq.fixed}, resolution {r.seq.step} tokens)"
                       if r.seq.value else f"0 — nothing fits at batch {r.seq.fixed}"))

@@ -10,6 +10,7 @@ when everything is below 1 GiB.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -94,9 +95,18 @@ class PlotData:
         return tuple(sum(c[k] for c in cols) for k in range(len(self.x))) if cols else ()
 
 
+def _has_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ImportError:
+        return False
+
+
 def check_plot_path(path: str | Path) -> Path:
-    """Fail early (before a long computation) on a suffix we cannot write."""
+    """Fail early (before a long computation) on a suffix we cannot write, or without matplotlib."""
     p = Path(path)
+    if not _has_matplotlib():
+        raise VramplanError("plots need matplotlib, which is not installed", hint="pip install 'vramplan[plot]'")
     if p.suffix.lower() not in SUFFIXES:
         raise VramplanError(f"cannot write a plot to '{p}'", hint="use a .png, .svg or .html file name")
     if not p.parent.exists():

@@ -35,9 +35,12 @@ def cast_bytes(w: Workload) -> float:
     """Bytes per weight moved, before the matmuls and serially with them, to make the
     compute-dtype copy: autocast reads the fp32 master (4 B) and writes a 16-bit copy (2 B)
     each forward (its cache lives for one autocast region); bitsandbytes dequantises the
-    stored weight (storage read + 2 B write). Nothing for pure 16-bit or fp32."""
+    stored weight (storage read + 2 B write). Nothing for pure 16-bit or fp32, nor for the
+    frozen base of (unquantised) LoRA, stored 16-bit (see ``analytic.regime``)."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant] + 2.0
+    if w.peft.value != "none":
+        return 0.0
     return 6.0 if w.mixed else 0.0
 
 
@@ -90,6 +93,11 @@ def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> 
         rec = w.checkpoint_fraction * 0.1 * act
     else:
         rec = 0.0
+    if w.quant in _QUANT_STORAGE:
+        # bitsandbytes dequantises again in the backward (MatMul4Bit.backward:
+        # ``F.dequantize_4bit(B, ctx.state)`` for grad_A, bitsandbytes/autograd/_functions.py,
+        # 0.4x-0.50): the dequantised copy is not saved, unlike autocast's cast copy.
+        passes += 1.0
     return fwd, bwd, rec, passes * touched * cast_bytes(w)
 
 

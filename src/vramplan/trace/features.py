@@ -99,8 +99,9 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         return model, []
     try:
         from peft import LoraConfig, get_peft_model
-    except ImportError:  # pragma: no cover - peft is in the models extra
-        raise TraceError("LoRA tracing needs peft", hint="pip install 'vramplan[models]'") from None
+    except ImportError:  # peft is in the models extra
+        raise TraceError("tracing LoRA / QLoRA needs peft, which is not installed",
+                         hint="pip install 'vramplan[models]' adds it; --method analytic works without it") from None
     targets: list[str] | None = lora_targets(model, w)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     note = ""

@@ -23,6 +23,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..workload import Attention, Task, Workload
 from . import analysis, features
+from .construct import fake_construction
 from .cuda import profile_for
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -75,7 +76,8 @@ def trace_model(
     """Trace one step (``iterations`` times) of any ``nn.Module`` on fake tensors.
 
     ``model_or_factory``: a module (copied onto ``meta``; its weights are never touched) or
-    a function building one (called under ``torch.device("meta")``). ``inputs``: a tensor, a
+    a function building one (called under ``torch.device("meta")`` with ``.cuda()`` emulated,
+    see :mod:`.construct`). ``inputs``: a tensor, a
     tuple of positional arguments, a dict of keyword arguments, or a function returning one
     of these. ``optimizer``: ``params -> torch.optim.Optimizer`` (default: the workload's).
     ``loss_fn(output[, *inputs])``: default the output's ``.loss``, else ``output.sum()``.
@@ -147,7 +149,7 @@ def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
         model = model_or_factory
     elif callable(model_or_factory):
         try:
-            with torch.device("meta"):
+            with fake_construction():
                 model = model_or_factory()
         except VramplanError:
             raise

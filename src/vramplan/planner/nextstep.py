@@ -1,0 +1,104 @@
+"""The cheapest change that makes a workload fit a GPU, for `fit` and `estimate` when the
+answer is "no" (or a batch of 1).
+
+Changes are tried in order of what they cost the user, and the first that fits wins:
+
+1. a smaller batch (same job, more accumulation steps);
+2. full activation checkpointing (~1/3 more compute, same results);
+3. an 8-bit AdamW (bitsandbytes; states in 8 bits, a small numerical change);
+4. both;
+5. the same job sharded over 2, 4 or 8 GPUs with ZeRO-3 / FSDP (more GPUs);
+6. LoRA, then QLoRA, with checkpointing (a different job: adapters are trained, not the model).
+
+Each candidate is screened with the analytic method (milliseconds; the figure named is its
+predicted device memory), so a suggestion is a starting point to confirm with `estimate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from vramplan.errors import VramplanError
+from vramplan.hardware.gpu import GPU
+from vramplan.models.spec import ModelSpec
+from vramplan.workload import Checkpointing, Method, Optimizer, Peft, Task, Workload
+
+from .evaluator import Estimator, Evaluator
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change to the workload that makes it fit ``gpu``."""
+
+    flags: str
+    """The command-line flags that make the change (``--checkpointing full``)."""
+    why: str
+    """What the change costs, in a few words."""
+    workload: Workload
+    device_used: int
+    """Predicted device memory per GPU with the change (analytic), bytes."""
+    usable: int
+    """The GPU's usable memory, bytes."""
+    num_gpus: int = 1
+
+    def sentence(self) -> str:
+        from vramplan.units import fmt_bytes
+
+        gpus = f" per GPU on {self.num_gpus} GPUs" if self.num_gpus > 1 else ""
+        return (f"{self.flags} makes it fit: {fmt_bytes(self.device_used)} of {fmt_bytes(self.usable)} usable"
+                f"{gpus} (analytic; {self.why})")
+
+
+def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, object]]]:
+    ckpt = {"checkpointing": Checkpointing.FULL, "checkpoint_fraction": 1.0}
+    has_ckpt = w.checkpointing is Checkpointing.FULL and w.checkpoint_fraction >= 1.0
+    if w.batch > 1:
+        for b in _halvings(w.batch):
+            yield (f"--batch {b} --grad-accum {w.grad_accum * w.batch // b}" if w.batch % b == 0
+                   else f"--batch {b}", "the same global batch in more steps", {"batch": b,
+                   "grad_accum": w.grad_accum * w.batch // b if w.batch % b == 0 else w.grad_accum})
+    if w.task is not Task.TRAIN:
+        return
+    if not has_ckpt and spec.layers:
+        yield "--checkpointing full", "about 1/3 more compute, same results", ckpt
+    adamw = w.optimizer in (Optimizer.ADAMW, Optimizer.ADAM)
+    if adamw:
+        yield "--optimizer adamw-8bit", "8-bit optimizer states (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT}
+        if not has_ckpt and spec.layers:
+            yield ("--checkpointing full --optimizer adamw-8bit", "more compute and 8-bit optimizer states",
+                   {**ckpt, "optimizer": Optimizer.ADAMW_8BIT})
+    if w.parallel.dp == 1 and w.parallel.world_size == 1:
+        for n in (2, 4, 8):
+            yield (f"--dp {n} --zero 3" + ("" if has_ckpt else " --checkpointing full"),
+                   f"the job sharded over {n} GPUs (FSDP / ZeRO-3)", {**ckpt, "dp": n, "zero": 3})
+    if w.peft is Peft.NONE and spec.is_decoder:
+        yield ("--peft lora" + ("" if has_ckpt else " --checkpointing full"),
+               "trains LoRA adapters, not the whole model", {**ckpt, "peft": Peft.LORA})
+    if w.peft is not Peft.QLORA and spec.is_decoder:
+        yield ("--peft qlora" + ("" if has_ckpt else " --checkpointing full"),
+               "LoRA on 4-bit base weights: slower (dequantisation)", {**ckpt, "peft": Peft.QLORA})
+
+
+def _halvings(b: int) -> list[int]:
+    out = []
+    while b > 1:
+        b //= 2
+        out.append(max(b, 1))
+    return out
+
+
+def cheapest_fix(spec: ModelSpec, w: Workload, gpu: GPU, *, estimator: Estimator | None = None) -> Suggestion | None:
+    """The first change (in the order of the module docstring) that fits ``gpu``, or None."""
+    ev = Evaluator(spec, estimator=estimator)
+    for flags, why, changes in _ladder(w, spec):
+        try:
+            cand = w.replace(**changes)
+            r = ev.report(cand, gpu=gpu, method=Method.ANALYTIC)
+        except VramplanError:
+            continue
+        v = r.verdict
+        if v is not None and v.fits:
+            return Suggestion(flags=flags, why=why, workload=cand, device_used=r.peak.device_used,
+                              usable=v.usable, num_gpus=cand.parallel.world_size)
+    return None

@@ -1,0 +1,65 @@
+"""Running a user's model-building code as it is written, without a GPU and without RAM.
+
+A factory such as ``def make(): return LlamaForCausalLM(config).cuda(), inputs`` would, run
+plainly on a laptop, allocate every weight in CPU memory (32 GB for an 8B model in fp32) and
+fail on ``.cuda()`` ("Torch not compiled with CUDA enabled"). :func:`fake_construction` runs it
+under ``torch.device("meta")`` (PyTorch's device context manager, torch >= 2.0: factory
+functions without an explicit device create meta tensors, so modules take no memory) and a
+small ``TorchFunctionMode`` that turns ``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` into
+meta, as the trace itself does for the step (:mod:`.functions`). Tensors created with an
+explicit ``device="cpu"`` stay real CPU tensors (their values reach the trace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_META = torch.device("meta")
+
+
+def _is_cuda(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.split(":")[0] == "cuda"
+    return isinstance(d, int) and not isinstance(d, bool)  # .to(0): a CUDA ordinal
+
+
+class _FakeCudaConstruction(TorchFunctionMode):
+    """``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` → meta while a model is built."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _META}
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return args[0].to(_META)
+        if name == "to" and args and isinstance(args[0], torch.Tensor):
+            src = args[0]
+            rest = args[1:]
+            if rest and (_is_cuda(rest[0]) or (src.is_meta and _is_cpu(rest[0]))):
+                rest = (_META, *rest[1:])
+            if src.is_meta and _is_cpu(kwargs.get("device")):
+                kwargs = {**kwargs, "device": _META}  # a meta tensor has no values to copy to the CPU
+            return func(src, *rest, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _is_cpu(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cpu"
+    return isinstance(d, str) and d == "cpu"
+
+
+@contextlib.contextmanager
+def fake_construction() -> Iterator[None]:
+    """Build models on ``meta`` with CUDA device requests emulated (see the module docstring)."""
+    with torch.device(_META), _FakeCudaConstruction():
+        yield
