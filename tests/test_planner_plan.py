@@ -89,7 +89,7 @@ def test_budget_filters_and_too_low_budget_names_the_cheapest():
 
 
 def test_budget_without_a_price_is_a_clear_error():
-    with pytest.raises(PlanError, match="no on-demand price is listed for rtx-4060.*--budget"):
+    with pytest.raises(PlanError, match="no on-demand price is listed for rtx-4060.*`budget`"):
         _plan(SMALL, g=RTX4060, budget=1.0, method="analytic")
 
 

@@ -109,15 +109,17 @@ ALL_LINEAR = "all-linear"
 E = TypeVar("E", bound=Enum)
 
 
-def as_enum(cls: type[E], value: Any, what: str) -> E:
-    """Turn a user string into an enum member, or raise a one-line error listing choices."""
+def as_enum(cls: type[E], value: Any, field: str) -> E:
+    """Turn a user string into an enum member, or raise a one-line error listing choices.
+
+    ``field`` is the name of the keyword or Workload field the value was given as."""
     if isinstance(value, cls):
         return value
     try:
         return cls(str(value).strip().lower())
     except ValueError:
         choices = " | ".join(str(m.value) for m in cls)  # type: ignore[attr-defined]
-        raise WorkloadError(f"invalid {what} {value!r}", hint=f"choose one of {choices}") from None
+        raise WorkloadError(f"invalid `{field}` {value!r}", hint=f"choose one of {choices}", field=field) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,18 +151,20 @@ class Parallel:
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise WorkloadError(f"--{name} must be a positive integer, got {v!r}")
+                raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
         if self.zero not in (0, 1, 2, 3):
-            raise WorkloadError(f"invalid ZeRO stage {self.zero!r}", hint="use 0, 1, 2 or 3")
+            raise WorkloadError(f"invalid ZeRO stage `zero={self.zero!r}`", hint="use 0, 1, 2 or 3", field="zero")
         if self.microbatches < 0:
-            raise WorkloadError("--microbatches must be >= 0 (0 means one per pipeline stage)")
+            raise WorkloadError("`microbatches` must be >= 0 (0 means one per pipeline stage)", field="microbatches")
         if self.sp and self.tp == 1:
-            raise WorkloadError("sequence parallelism needs tensor parallelism", hint="add --tp 2 or more, or drop --sp")
+            raise WorkloadError("sequence parallelism needs tensor parallelism", hint="set `tp=2` or more, or drop `sp`",
+                                field="sp")
         if self.offload_params and self.zero != 3:
-            raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="add --zero 3")
+            raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="set `zero=3`",
+                                field="offload_params")
         if self.ep > 1 and self.dp % self.ep:
             raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
-                                hint=f"use --dp {self.ep} or a multiple of it")
+                                hint=f"use `dp={self.ep}` or a multiple of it", field="ep")
 
     @property
     def world_size(self) -> int:
@@ -218,43 +222,48 @@ class Workload:
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention),
         ):
-            object.__setattr__(self, name, as_enum(cls, getattr(self, name), name.replace("_", " ")))
+            object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         if isinstance(self.lora_targets, str):
             object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
         for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise WorkloadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+                raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
-            raise WorkloadError(f"--new-tokens must be >= 0, got {self.new_tokens!r}")
+            raise WorkloadError(f"`new_tokens` must be >= 0, got {self.new_tokens!r}", field="new_tokens")
         if not (0.0 < self.checkpoint_fraction <= 1.0):
-            raise WorkloadError(f"checkpoint fraction must be in (0, 1], got {self.checkpoint_fraction!r}")
+            raise WorkloadError(f"`checkpoint_fraction` must be in (0, 1], got {self.checkpoint_fraction!r}",
+                                field="checkpoint_fraction")
         if self.task is Task.GENERATE and self.new_tokens == 0:
             object.__setattr__(self, "new_tokens", 128)
         if self.peft is Peft.QLORA:
             if self.precision is Precision.FP32:
                 raise WorkloadError(
                     "QLoRA computes in 16-bit; fp32 is not a QLoRA setting",
-                    hint="use --precision bf16-mixed (or bf16)",
+                    hint="use `precision=bf16-mixed` (or bf16)", field="precision",
                 )
             if self.quant not in (Quant.NONE, Quant.NF4):
-                raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop --quant")
+                raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop `quant`",
+                                    field="quant")
             object.__setattr__(self, "quant", Quant.NF4)
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
-            raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use --task train, or drop --peft")
+            raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
+                                field="peft")
         if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
             raise WorkloadError(
                 f"full training of {self.quant}-quantised weights is not supported",
-                hint="add --peft lora (QLoRA-style) or drop --quant",
+                hint="add `peft=lora` (QLoRA-style) or drop `quant`", field="quant",
             )
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM
         ):
-            raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use --optimizer-impl foreach")
+            raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use `optimizer_impl=foreach`",
+                                field="optimizer_impl")
         if self.task is not Task.TRAIN:
             p = self.parallel
             if p.zero or p.offload_optimizer:
-                raise WorkloadError("ZeRO stages and optimizer offload apply to training", hint="drop --zero/--offload")
+                raise WorkloadError("ZeRO stages and optimizer offload apply to training",
+                                    hint="drop `zero` and `offload_optimizer`", field="zero")
         if self.precision in (Precision.FP16, Precision.BF16) and self.optimizer in (
             Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
         ):

@@ -65,9 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = rs.add_parser("bandwidth", help="GB/s from bus width and per-pin data rate",
                       description="Peak bandwidth = bus bits × per-pin Gbps ÷ 8 (no ×2: the per-pin rate "
                       "already counts both clock edges); effective = peak × controller efficiency.")
-    b.add_argument("--bus", type=int, required=True, help="memory bus width in bits, e.g. 384")
+    b.add_argument("--bus", dest="bus_bits", type=int, required=True, help="memory bus width in bits, e.g. 384")
     rate = b.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--rate", type=float, help="per-pin data rate in Gbit/s, e.g. 21")
+    rate.add_argument("--rate", dest="rate_gbps", type=float, help="per-pin data rate in Gbit/s, e.g. 21")
     rate.add_argument("--clock-mhz", type=float, help="memory clock as NVML reports it (rate = 2 × clock)")
     b.add_argument("--efficiency", type=float, default=1.0,
                    help="fraction of peak a memory controller reaches, e.g. 0.9 (default 1)")
@@ -147,7 +147,7 @@ def _doc(result: RuleResult) -> Doc:
 def run_bandwidth(args: argparse.Namespace) -> int:
     from vramplan.hardware.rules import bandwidth
 
-    return _emit(bandwidth(args.bus, args.rate, clock_mhz=args.clock_mhz, efficiency=args.efficiency), args.format)
+    return _emit(bandwidth(args.bus_bits, args.rate_gbps, clock_mhz=args.clock_mhz, efficiency=args.efficiency), args.format)
 
 
 def run_render(args: argparse.Namespace) -> int:

@@ -345,7 +345,7 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     if spec.family is Family.OTHER:
         if w.task is Task.GENERATE and not spec.vocab:
             raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",
-                                hint="use --task infer or --task train")
+                                hint="use `task=infer` or `task=train`", field="task")
         return
     from ..analytic import check_against_model
 

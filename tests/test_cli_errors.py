@@ -1,0 +1,93 @@
+"""Core errors name library fields; the CLI rewrites them into its flags (one mapping, read off
+the parser)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vramplan.cli.main import build_parser, flag_names, main
+from vramplan.errors import FIELD_REF, VramplanError, WorkloadError, with_flags
+from vramplan.workload import Parallel, Workload
+
+CORE = Path(__file__).resolve().parents[1] / "src" / "vramplan"
+
+
+def test_with_flags_rewrites_bare_and_valued_references():
+    flags = {"tp": "--tp", "sp": "--sp", "method": "--method", "allow_peft": "--allow-peft"}.get
+    text = "set `tp=2` or more, or drop `sp`; use `method='trace'`; add `allow_peft=True`; `other` stays"
+    assert with_flags(text, flags) == ("set --tp 2 or more, or drop --sp; use --method trace; add --allow-peft; "
+                                       "`other` stays")
+
+
+def test_library_sees_fields_and_the_field_attribute():
+    with pytest.raises(WorkloadError) as e:
+        Parallel(sp=True)
+    assert e.value.field == "sp"
+    assert "--" not in str(e.value) and "`tp=2`" in str(e.value)
+    with pytest.raises(WorkloadError) as e:
+        Workload(optimizer="adamm")
+    assert e.value.field == "optimizer" and str(e.value).startswith("invalid `optimizer` 'adamm'")
+
+
+def test_render_keeps_one_line():
+    err = VramplanError("`batch` must be\n positive", hint="use `batch=1`", field="batch")
+    assert err.render({"batch": "--batch"}.get) == "--batch must be positive (use --batch 1)"
+
+
+def test_flag_names_follow_the_parser_dests():
+    parser = build_parser()
+    plan = flag_names(parser, ["plan", "gpt2"])
+    assert plan["max_gpus"] == "--gpus" and plan["new_tokens"] == "--new-tokens"
+    assert plan["offload_optimizer"] == "--offload-optimizer"
+    rules = flag_names(parser, ["rules", "bandwidth"])
+    assert rules["bus_bits"] == "--bus" and rules["rate_gbps"] == "--rate"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["estimate", "gpt2", "--batch", "0", "--method", "analytic"], "error: --batch must be a positive integer, got 0"),
+    (["estimate", "gpt2", "--sp", "--method", "analytic"], "(set --tp 2 or more, or drop --sp)"),
+    (["estimate", "llama-3.2-1b", "--tp", "3", "--method", "analytic"], "error: --tp 3 does not divide"),
+    (["plan", "gpt2", "--gpu", "h100", "--gpus", "0"], "error: --gpus must be positive"),
+    (["rules", "bandwidth", "--bus", "0", "--rate", "21"], "error: --bus must be a positive number of bits"),
+])
+def test_cli_shows_flags(argv, expected, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "`" not in err.replace("`vramplan", "")
+
+
+def test_core_messages_name_no_flags():
+    """Core modules (all but cli/ and report/) raise messages with field names, not --flags."""
+    offenders = []
+    for path in sorted(CORE.rglob("*.py")):
+        rel = path.relative_to(CORE).as_posix()
+        if rel.startswith(("cli/", "report/")):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"(Error\(|hint=)", line) and re.search(r"(?<![\w`])--[a-z]", line):
+                if "`vramplan " not in line:  # a whole command line quoted as such is fine
+                    offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_reference_in_core_messages_is_a_field_some_parser_knows():
+    """A `name` reference that no command has a flag for would reach CLI users untranslated."""
+    parser = build_parser()
+    known: set[str] = set()
+    for words in (["estimate"], ["fit"], ["plan"], ["trace"], ["measure"], ["gpus"], ["replay"],
+                  ["rules", "bandwidth"], ["rules", "render"], ["rules", "video"], ["rules", "array"]):
+        known |= set(flag_names(parser, words))
+    unknown = set()
+    for path in sorted(CORE.rglob("*.py")):
+        rel = path.relative_to(CORE).as_posix()
+        if rel.startswith(("cli/", "report/")):
+            continue
+        for line in path.read_text().splitlines():
+            if re.search(r"(Error\(|hint=)", line):
+                for m in FIELD_REF.finditer(line):
+                    if " " not in m.group(0):
+                        unknown.add(m.group(1))
+    assert unknown <= known, sorted(unknown - known)
