@@ -3,6 +3,8 @@ the parser)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -91,3 +93,46 @@ def test_every_reference_in_core_messages_is_a_field_some_parser_knows():
                     if " " not in m.group(0):
                         unknown.add(m.group(1))
     assert unknown <= known, sorted(unknown - known)
+
+
+def _workload_actions(command: str) -> list[argparse.Action]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return [a for a in sub._actions if a.option_strings and a.dest in _WORKLOAD_FIELDS]
+
+
+_WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload) if f.name != "parallel"} | {
+    f.name for f in dataclasses.fields(Parallel)}
+
+
+@pytest.mark.parametrize("command", ["estimate", "fit", "plan", "trace", "measure"])
+def test_every_workload_flag_shows_its_true_default(command):
+    from vramplan.workload import field_docs
+
+    docs = field_docs(Workload) | field_docs(Parallel)
+    defaults = {f.name: f.default for f in dataclasses.fields(Workload) if f.name != "parallel"} | {
+        f.name: f.default for f in dataclasses.fields(Parallel)}
+    actions = _workload_actions(command)
+    assert {a.dest for a in actions} == _WORKLOAD_FIELDS  # one flag per field, none missing
+    for a in actions:
+        want = defaults[a.dest]
+        if a.dest == "precision":
+            want = "auto"
+        elif isinstance(want, bool):
+            want = "on" if want else "off"
+        elif isinstance(want, tuple):
+            want = ",".join(want)
+        else:
+            want = getattr(want, "value", want)
+        assert a.help.endswith(f"(default: {want})"), (a.dest, a.help)
+        assert docs[a.dest].replace("%", "%%") in a.help
+        # the parsed default builds the Workload's own default
+        if not isinstance(defaults[a.dest], bool):
+            assert str(a.default) == str(want)
+
+
+def test_default_flags_build_the_default_workload():
+    from vramplan.cli.common import workload_from_args
+
+    args = build_parser().parse_args(["estimate", "gpt2"])
+    assert workload_from_args(args) == Workload()

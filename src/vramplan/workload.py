@@ -183,31 +183,39 @@ class Workload:
     """Everything that decides a job's GPU memory, apart from the model and the GPU."""
 
     task: Task = Task.TRAIN
-    """train | infer | generate."""
+    """What one step does: train (forward, backward, optimizer step), infer (forward) or
+    generate (prefill, then one decode step per new token)."""
     batch: int = 1
     """Micro-batch size per GPU (per data-parallel rank)."""
     seq: int = 2048
     """Sequence length in tokens (for generate: the prompt length). Ignored for CNNs."""
     new_tokens: int = 0
-    """Tokens generated after the prompt (task=generate)."""
+    """Tokens generated after the prompt (task=generate, where 0 means 128)."""
     grad_accum: int = 1
     """Gradient accumulation steps (memory of one micro-batch; gradients kept across steps)."""
     precision: Precision = "auto"  # type: ignore[assignment]
-    """fp32 | fp16-mixed | bf16-mixed | bf16 | fp16; "auto" (the default) is bf16-mixed for
-    training and bf16 for inference/generation (serving keeps no fp32 master weights)."""
+    """Numeric precision; auto is bf16-mixed for training and bf16 for inference/generation
+    (serving keeps no fp32 master weights)."""
     optimizer: Optimizer = Optimizer.ADAMW
+    """Optimizer whose states are kept (8-bit ones are bitsandbytes')."""
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    """torch.optim implementation: foreach (the CUDA default, whole-list temporaries), fused or for-loop."""
     checkpointing: Checkpointing = Checkpointing.NONE
+    """Activation checkpointing: none, full (recompute each layer) or selective (attention only)."""
     checkpoint_fraction: float = 1.0
     """Fraction of layers checkpointed when checkpointing is on (1.0 = all)."""
     peft: Peft = Peft.NONE
+    """Parameter-efficient fine-tuning: LoRA adapters on frozen weights, or QLoRA (NF4 base)."""
     lora_rank: int = 16
+    """Rank r of the LoRA adapters."""
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
-    """Module names LoRA wraps; ("all-linear",) for every linear layer but the head."""
+    """Module names LoRA wraps; all-linear for every linear layer but the head."""
     quant: Quant = Quant.NONE
     """Weight quantisation of the base model (inference, or the frozen base under PEFT)."""
     kv_dtype: KVDtype = KVDtype.AUTO
+    """Storage dtype of the KV cache (auto: the compute dtype)."""
     attention: Attention = Attention.SDPA
+    """Attention kernel: eager (materialised scores), sdpa (PyTorch's fused kernels) or flash."""
     parallel: Parallel = field(default_factory=Parallel)
     image_size: int = 224
     """Input resolution for vision models."""
@@ -316,3 +324,22 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source), one line each.
+
+    These are the one description of a field: the CLI's ``--help`` is built from them."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+from enum import Enum
 from typing import Any
 
 from ..errors import VramplanError
 from ..units import parse_bytes
-from ..workload import (
-    Attention,
-    Checkpointing,
-    KVDtype,
-    Method,
-    Optimizer,
-    OptimizerImpl,
-    Parallel,
-    Peft,
-    Precision,
-    Quant,
-    Task,
-    Workload,
-)
+from ..workload import Method, Parallel, Precision, Workload, field_docs
 
 
 def _choices(cls: Any) -> list[str]:
@@ -39,64 +28,65 @@ def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: st
         g.add_argument("--plot", metavar="FILE", help=plot_help or "write a plot (.png, .svg or .html)")
 
 
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) -> None:
+    """One flag from one dataclass field: name, type, choices, default and help all from the field."""
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default
+    help_text = doc.replace("%", "%%")
+    if f.name == "precision":  # "auto" resolves per task in Workload.__post_init__
+        g.add_argument(flag, choices=["auto", *_choices(Precision)], default="auto",
+                       help=f"{help_text} (default: auto)")
+        return
+    if isinstance(default, bool):
+        g.add_argument(flag, action="store_true", help=f"{help_text} (default: off)")
+    elif isinstance(default, Enum):
+        g.add_argument(flag, choices=_choices(type(default)), default=default.value,
+                       help=f"{help_text} (default: {default.value})")
+    elif isinstance(default, tuple):
+        g.add_argument(flag, default=",".join(default), metavar="A,B,…",
+                       help=f"{help_text} Comma-separated. (default: {','.join(default)})")
+    else:
+        g.add_argument(flag, type=type(default), default=default, help=f"{help_text} (default: {default})")
+
+
 def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
+    """The workload flags: one per field of :class:`Workload` and :class:`Parallel`, with the
+    field's docstring as help and its default (the one source of both)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--task", choices=_choices(Task), default="train")
-    g.add_argument("--batch", type=int, default=1, help="micro-batch size per GPU (default 1)")
-    g.add_argument("--seq", type=int, default=2048, help="sequence length / prompt tokens (default 2048)")
-    g.add_argument("--new-tokens", type=int, default=0, help="tokens to generate (task=generate; default 128)")
-    g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    g.add_argument("--precision", choices=["auto", *_choices(Precision)], default="auto",
-                   help="auto (default): bf16-mixed for train, bf16 for infer/generate")
-    g.add_argument("--optimizer", choices=_choices(Optimizer), default="adamw")
-    g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl), default="foreach")
-    g.add_argument("--checkpointing", choices=_choices(Checkpointing), default="none")
-    g.add_argument("--checkpoint-fraction", type=float, default=1.0,
-                   help="fraction of layers checkpointed (default 1.0)")
-    g.add_argument("--peft", choices=_choices(Peft), default="none")
-    g.add_argument("--lora-rank", type=int, default=16)
-    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
-                   help="comma-separated module names, or all-linear")
-    g.add_argument("--quant", choices=_choices(Quant), default="none", help="base-weight quantisation")
-    g.add_argument("--kv-dtype", choices=_choices(KVDtype), default="auto")
-    g.add_argument("--attention", choices=_choices(Attention), default="sdpa")
-    g.add_argument("--image-size", type=int, default=224, help="input resolution for vision models")
+    docs = field_docs(Workload)
+    for f in dataclasses.fields(Workload):
+        if f.name != "parallel":
+            _add_field(g, f, docs[f.name])
     par = p.add_argument_group("parallelism (per-GPU memory is reported)")
-    par.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    par.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (FSDP: 2=SHARD_GRAD_OP, 3=FULL_SHARD)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    par.add_argument("--microbatches", type=int, default=0, help="micro-batches in flight (pipeline; 0 = pp)")
-    par.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp)")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    par.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    par.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory")
-    par.add_argument("--offload-params", action="store_true", help="parameters in CPU memory (ZeRO-3)")
+    pdocs = field_docs(Parallel)
+    for f in dataclasses.fields(Parallel):
+        _add_field(par, f, pdocs[f.name])
     if gpu:
         h = p.add_argument_group("target")
         h.add_argument("--gpu", help="catalog GPU to check the fit against (see `vramplan gpus`)")
         h.add_argument("--alloc-conf", default=None,
-                       help="PYTORCH_CUDA_ALLOC_CONF string for the allocator simulation")
+                       help="PYTORCH_CUDA_ALLOC_CONF string for the allocator simulation "
+                       "(default: PyTorch's defaults)")
         h.add_argument("--method", choices=_choices(Method), default="auto",
                        help="trace the real model on fake tensors, or use closed-form formulas "
-                       "(auto: trace when the model can be built, else analytic)")
+                       "(default: auto, a trace when the model can be built, else analytic)")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    parallel = Parallel(
-        dp=args.dp, zero=args.zero, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-        sp=args.sp, cp=args.cp, ep=args.ep, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params,
-    )
-    return Workload(
-        task=args.task, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
-        grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl, checkpointing=args.checkpointing,
-        checkpoint_fraction=args.checkpoint_fraction, peft=args.peft, lora_rank=args.lora_rank,
-        lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
-        image_size=args.image_size, parallel=parallel,
-    )
+    """The Workload the flags describe (validated by Workload itself)."""
+    parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
+    return Workload(**fields, parallel=parallel)
 
 
 def size_arg(text: str) -> int:
