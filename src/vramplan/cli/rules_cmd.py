@@ -10,7 +10,6 @@ from vramplan.cli.common import size_arg
 
 if TYPE_CHECKING:
     from vramplan.hardware.rules import RuleResult
-    from vramplan.report.doc import Doc
 
 OUTPUT_FORMATS = ("table", "json", "markdown")
 COLOR_FORMATS = ("rgba8", "bgra8", "rgb10a2", "r11g11b10f", "rgba16f", "rgba32f")  # = rules.COLOR_FORMATS
@@ -128,20 +127,10 @@ def _no_rule(args: argparse.Namespace) -> int:
 
 def _emit(result: RuleResult, fmt: str) -> int:
     from vramplan.report.render import emit
+    from vramplan.report.rules import rule_doc
 
-    emit(_doc(result), fmt, sys.stdout, result.to_dict())
+    emit(rule_doc(result), fmt, sys.stdout, result.to_dict())
     return 0
-
-
-def _doc(result: RuleResult) -> Doc:
-    from vramplan.report.doc import Doc, KeyValues, Notes
-
-    titles = {"bandwidth": "Memory bandwidth", "render": "Rendering memory", "video": "NVENC encode sessions",
-              "array": "Array memory"}
-    doc = Doc(titles.get(result.rule, result.rule))
-    doc.add(KeyValues([(s.label, s.formula) for s in result.steps]))
-    doc.add(Notes(list(result.notes)))
-    return doc
 
 
 def run_bandwidth(args: argparse.Namespace) -> int:
