@@ -23,6 +23,7 @@ from ..models.spec import Family, ModelSpec
 from ..results import (
     AllocatorSummary,
     Breakdown,
+    Fallback,
     IterationPeak,
     MemoryReport,
     OverheadItem,
@@ -304,6 +305,7 @@ def estimate(
         notes.append(f"{length:,} tokens exceed the {spec.max_positions:,} positions {spec.name} was configured "
                      "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
     core: _Core
+    fallback: Fallback | None = None
     capacity = _pool_capacity(g, w)
     if m is Method.ANALYTIC:
         core = _analytic_core(spec, w, g)
@@ -314,13 +316,15 @@ def estimate(
             if m is Method.TRACE or not _has_analytic(spec):
                 raise
             notes.append(f"trace failed ({e}); analytic estimate instead")
+            fallback = Fallback(requested=m, used=Method.ANALYTIC, reason=str(e))
             core = _analytic_core(spec, w, g)
     notes += _bf16_notes(g, w, core.method)
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
                      "allocated plus an assumed slack (use --method trace)")
-    return _finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
-                   num_gpus=num_gpus)
+    report = _finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
+                     num_gpus=num_gpus)
+    return report if fallback is None else report.replace(fallback=fallback)
 
 
 def _bf16_notes(g: GPU | None, w: Workload, method: Method) -> list[str]:
