@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from .common import add_output_args, add_workload_args, hint, workload_from_args
+
+if TYPE_CHECKING:
+    from ..results import MemoryReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +57,7 @@ def check_extras(args: argparse.Namespace) -> None:
         check_snapshot_path(args.snapshot)
 
 
-def write_extras(report, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+def write_extras(report: MemoryReport, args: argparse.Namespace) -> None:
     """--plot and --snapshot, shared with `vramplan trace`."""
     from ..errors import VramplanError
 

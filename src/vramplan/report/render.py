@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import IO
+from typing import IO, Literal
 
 from rich import box
 from rich.console import Console
@@ -15,7 +15,7 @@ from .doc import Doc, KeyValues, Notes, Table
 FORMATS = ("table", "json", "markdown")
 
 
-def _align(t: Table, i: int) -> str:
+def _align(t: Table, i: int) -> Literal["left", "right"]:
     if t.align and i < len(t.align):
         return "left" if t.align[i] == "l" else "right"
     return "left" if i == 0 else "right"
@@ -30,7 +30,7 @@ def render_console(doc: Doc, console: Console) -> None:
             rt = RichTable(title=s.title or None, box=box.SIMPLE_HEAVY, title_justify="left",
                            show_footer=False, min_width=len(s.title) + 4 if s.title else None)
             for i, c in enumerate(s.columns):
-                rt.add_column(c, justify=_align(s, i), overflow="fold")  # type: ignore[arg-type]
+                rt.add_column(c, justify=_align(s, i), overflow="fold")
             for r in s.rows:
                 rt.add_row(*r)
             if s.footer:
