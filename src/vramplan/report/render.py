@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import IO, Literal
 
 from rich import box
@@ -13,6 +14,8 @@ from rich.text import Text
 from .doc import Doc, KeyValues, Notes, Table
 
 FORMATS = ("table", "json", "markdown")
+PIPE_WIDTH = 140
+"""Columns of a table written to a pipe or file when COLUMNS is not set."""
 
 
 def _align(t: Table, i: int) -> Literal["left", "right"]:
@@ -102,8 +105,16 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
         stream.write(to_markdown(doc))
     else:
         isatty = getattr(stream, "isatty", lambda: False)()
-        # Piped output: rich would assume 80 columns and cut long cells; use a wide page.
-        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else 140))
+        # Piped output: rich would assume 80 columns and cut long cells; use a wide page
+        # (COLUMNS when set, as the golden tests do).
+        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else _page_width()))
+
+
+def _page_width() -> int:
+    try:
+        return max(40, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        return PIPE_WIDTH
 
 
 class _Console(Console):
