@@ -136,3 +136,24 @@ def test_default_flags_build_the_default_workload():
 
     args = build_parser().parse_args(["estimate", "gpt2"])
     assert workload_from_args(args) == Workload()
+
+
+def test_notes_name_flags_in_tables_and_fields_in_json(capsys):
+    argv = ["plan", "llama-3.2-1b", "--rank-gpus", "--gpu", "h100", "--gpus", "1", "--method", "analytic",
+            "--top", "1"]
+    assert main(argv) == 0
+    assert "left out (raise --gpus)" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    assert "left out (raise `max_gpus`)" in capsys.readouterr().out
+
+
+def test_docs_render_field_names_outside_the_cli():
+    from vramplan.report.doc import Doc, KeyValues, Notes, Table
+    from vramplan.report.render import to_markdown, with_field_names
+
+    doc = Doc("t `seq`", [Table(["a"], [["`tp=2`"]], footer=["`sp`"]), KeyValues([("k", "`pp=4`")]),
+                          Notes(["use `method=trace`"])])
+    assert "use `method=trace`" in to_markdown(doc)  # a library user's rendering: field names
+    flags = {"seq": "--seq", "tp": "--tp", "sp": "--sp", "pp": "--pp", "method": "--method"}.get
+    md = to_markdown(with_field_names(doc, flags))
+    assert "`" not in md and all(x in md for x in ("t --seq", "--tp 2", "--sp", "--pp 4", "use --method trace"))

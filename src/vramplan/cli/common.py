@@ -108,5 +108,10 @@ def size_arg(text: str) -> int:
 
 
 def hint(msg: str) -> None:
-    """Hints and progress go to stderr; data goes to stdout."""
-    sys.stderr.write(msg.rstrip() + "\n")
+    """Hints and progress go to stderr; data goes to stdout. Core field references in ``msg``
+    (`` `max_gpus` ``) are written as this command's flags."""
+    from ..errors import with_flags
+    from ..report.render import FLAG_OF
+
+    flag_of = FLAG_OF.get()
+    sys.stderr.write((with_flags(msg, flag_of) if flag_of else msg).rstrip() + "\n")

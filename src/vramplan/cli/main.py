@@ -83,10 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    from ..report.render import FLAG_OF
+
+    flags = flag_names(parser, argv)
+    token = FLAG_OF.set(flags.get)
     try:
         return int(args.func(args) or 0)
     except VramplanError as e:
-        flags = flag_names(parser, argv)
         sys.stderr.write(f"error: {e.render(flags.get)}\n")
         return e.exit_code
     except KeyboardInterrupt:
@@ -95,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `vramplan gpus | head`: not an error
         _silence_stdout()
         return 0
+    finally:
+        FLAG_OF.reset(token)
 
 
 def _silence_stdout() -> None:

@@ -51,7 +51,7 @@ def rank_gpus(
     todo = [o for o in offers(pool, insts) if o.count <= max_gpus]
     skipped = len(offers(pool, insts)) - len(todo)
     if skipped:
-        notes.append(f"{skipped} offer(s) with more than {max_gpus} GPUs left out (raise --gpus)")
+        notes.append(f"{skipped} offer(s) with more than {max_gpus} GPUs left out (raise `max_gpus`)")
     if budget is not None:
         before = len(todo)
         todo = [o for o in todo if o.price is not None and o.price.usd_per_hour <= budget]

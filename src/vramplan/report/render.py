@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
+from collections.abc import Callable
+from contextvars import ContextVar
 from typing import IO, Literal
 
 from rich import box
@@ -11,11 +14,35 @@ from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from ..errors import with_flags
 from .doc import Doc, KeyValues, Notes, Table
 
 FORMATS = ("table", "json", "markdown")
 PIPE_WIDTH = 140
 """Columns of a table written to a pipe or file when COLUMNS is not set."""
+
+FLAG_OF: ContextVar[Callable[[str], str | None] | None] = ContextVar("flag_of", default=None)
+"""How the front end names a library field (the CLI: ``max_gpus`` → ``--gpus``). Core notes
+name fields in backticks (see :mod:`vramplan.errors`); :func:`emit` rewrites them with this
+when it is set, so CLI users read flags and library users field names."""
+
+
+def with_field_names(doc: Doc, flag_of: Callable[[str], str | None]) -> Doc:
+    """A copy of ``doc`` with the field references in its text rewritten by ``flag_of``."""
+
+    def t(s: str) -> str:
+        return with_flags(s, flag_of)
+
+    sections: list[Table | KeyValues | Notes] = []
+    for s in doc.sections:
+        if isinstance(s, Table):
+            sections.append(dataclasses.replace(s, title=t(s.title), rows=[[t(c) for c in r] for r in s.rows],
+                                                footer=[t(c) for c in s.footer] if s.footer else s.footer))
+        elif isinstance(s, KeyValues):
+            sections.append(dataclasses.replace(s, title=t(s.title), items=[(k, t(v)) for k, v in s.items]))
+        else:
+            sections.append(dataclasses.replace(s, lines=[t(x) for x in s.lines]))
+    return Doc(t(doc.title), sections, subtitle=t(doc.subtitle))
 
 
 def _align(t: Table, i: int) -> Literal["left", "right"]:
@@ -96,7 +123,11 @@ def to_markdown(doc: Doc) -> str:
 
 
 def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) -> None:
-    """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``."""
+    """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``. JSON keeps field names;
+    tables and markdown name fields as :data:`FLAG_OF` says, when it is set."""
+    flag_of = FLAG_OF.get()
+    if flag_of is not None and fmt != "json":
+        doc = with_field_names(doc, flag_of)
     if fmt == "json":
         import json
 
