@@ -20,9 +20,9 @@ except ImportError:  # Python 3.10: pytest's own dependency
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
-# Broken on main until issue 9's core move (branch i9) lands: trace imports planner.estimate (a
-# trace ↔ planner cycle) and hardware. Strict: the test fails as soon as they are kept, so the
-# marks must then be removed.
+# Broken on main until issue 9's device profile (branch i9) lands: engine.device imports
+# planner.space (an engine ↔ planner cycle, upward) and trace imports hardware. Strict: the test
+# fails as soon as they are kept, so the marks must then be removed.
 PENDING_I9 = {"layers", "acyclic", "trace-no-hardware"}
 
 
@@ -37,7 +37,7 @@ def lint_output() -> str:
 
 
 @pytest.mark.parametrize("contract", [
-    pytest.param(c, id=c["id"], marks=pytest.mark.xfail(strict=True, reason="until issue 9's core move lands"))
+    pytest.param(c, id=c["id"], marks=pytest.mark.xfail(strict=True, reason="until issue 9's device profile lands"))
     if c["id"] in PENDING_I9 else pytest.param(c, id=c["id"])
     for c in CONTRACTS
 ])
