@@ -69,7 +69,7 @@ def test_core_messages_name_no_flags():
         if rel.startswith(("cli/", "report/")):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r"(Error\(|hint=)", line) and re.search(r"(?<![\w`])--[a-z]", line):
+            if re.search(r"(Error\(|hint=|tips\.append|notes\.append)", line) and re.search(r"(?<![\w`])--[a-z]", line):
                 if "`vramplan " not in line:  # a whole command line quoted as such is fine
                     offenders.append(f"{rel}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)

@@ -98,7 +98,7 @@ def test_impossible_target_names_the_nearest_option():
         _plan(LLAMA, Workload(batch=1), g=RTX4060, method="analytic")
     msg = str(e.value)
     assert msg.startswith("no plan fits on 1× rtx-4060") and "nearest:" in msg and "GiB per GPU" in msg
-    assert "--allow-peft" in msg and "\n" not in msg
+    assert "`allow_peft=True`" in msg and "\n" not in msg
 
 
 def test_trace_finds_finalist_too_big_and_it_is_dropped():

@@ -233,9 +233,9 @@ def _nothing_fits(spec: ModelSpec, g: GPU, max_gpus: int, screened: list[Plan], 
     where = f" on {nearest.num_gpus} GPUs" if nearest.num_gpus > 1 else ""
     tips = []
     if not allow_peft and nearest.workload.training and nearest.workload.peft.value == "none":
-        tips.append("--allow-peft")
-    tips.append(f"--gpus {max(2, max_gpus * 2)}")
-    tips.append("a larger GPU (--rank-gpus)")
+        tips.append("`allow_peft=True`")
+    tips.append(f"`max_gpus={max(2, max_gpus * 2)}`")
+    tips.append("a larger GPU (`rank_gpus`)")
     return PlanError(
         f"no plan fits on {max_gpus}× {g.key} (usable {fmt_bytes(nearest.usable)}) — nearest: "
         f"{nearest.label}{where} needs {fmt_bytes(nearest.memory)} per GPU",
