@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from .common import add_output_args, add_workload_args, hint, workload_from_args
@@ -52,29 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def _progress() -> Iterator[Any]:
-    """A rich progress bar on stderr (only when stderr is a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
-    tasks: dict[str, Any] = {}
-    labels = {"screen": "screening candidates", "confirm": "confirming finalists (trace)"}
-
-    def update(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(labels.get(stage, stage), total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-
-    with bar:
-        yield update
-
-
 def run(args: argparse.Namespace) -> int:
     from vramplan.errors import PlanError
+    from vramplan.report.progress import progress_bar
 
     w = workload_from_args(args)
     for name in ("max_gpus", "global_batch", "confirm", "top", "pick"):
@@ -95,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.report.plan import plan_doc
     from vramplan.report.render import emit
 
-    with _progress() as progress:
+    with progress_bar() as progress:
         result = plan(args.model, w, gpu=args.gpu, max_gpus=args.max_gpus or w.parallel.world_size,
                       budget=args.budget, allow_peft=args.allow_peft, global_batch=args.global_batch,
                       method=args.method, alloc_conf=args.alloc_conf, sort=args.sort or "speed",
@@ -120,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace, w: Any) -> int:
     from vramplan.planner.rank import rank_gpus
     from vramplan.report.plan import ranking_doc
+    from vramplan.report.progress import progress_bar
     from vramplan.report.render import emit
 
     gpus = None
@@ -127,7 +106,7 @@ def _rank(args: argparse.Namespace, w: Any) -> int:
         from vramplan.hardware.catalog import get_gpu
 
         gpus = [get_gpu(args.gpu)]
-    with _progress() as progress:
+    with progress_bar() as progress:
         result = rank_gpus(args.model, w, gpus=gpus, max_gpus=args.max_gpus or 8, allow_peft=args.allow_peft,
                            global_batch=args.global_batch, budget=args.budget, method=args.method,
                            alloc_conf=args.alloc_conf, sort=args.sort or "cost", confirm=args.confirm,
