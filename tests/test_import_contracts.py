@@ -29,6 +29,7 @@ PENDING_I9 = {"layers", "acyclic", "trace-no-hardware"}
 @pytest.fixture(scope="module")
 def lint_output() -> str:
     exe = Path(sys.executable).with_name("lint-imports")
+    assert exe.exists(), "lint-imports is missing: pip install -e '.[dev]' (import-linter)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([str(exe), "--no-cache", "--no-logo", str(ROOT / "pyproject.toml")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
