@@ -46,7 +46,7 @@ def test_zero3_per_rank_states_are_an_eighth(capsys):
     # auto could not trace a sharded layout and says it fell back
     assert d["method"] == "analytic"
     assert any("analytic estimate instead" in n for n in d["notes"])
-    assert d["fallback"]["requested"] == "auto" and d["fallback"]["used"] == "analytic"
+    assert d["fallback"]["requested"] == "trace" and d["fallback"]["used"] == "analytic"
     assert "parallel" in d["fallback"]["reason"]
 
 

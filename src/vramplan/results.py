@@ -149,7 +149,7 @@ class Timeline:
 
 @dataclass(frozen=True, kw_only=True)
 class Fallback:
-    """The method asked for could not run and another answered instead (as data, not a note)."""
+    """The method tried could not run on this workload and another answered (data, not a note)."""
 
     requested: Method
     used: Method

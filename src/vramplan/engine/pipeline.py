@@ -68,7 +68,7 @@ def estimate(
             if m is Method.TRACE or not has_analytic(spec):
                 raise
             notes.append(f"trace failed ({e}); analytic estimate instead")
-            fallback = Fallback(requested=m, used=Method.ANALYTIC, reason=str(e))
+            fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
             core = analytic_core(spec, w, g)
     notes += bf16_notes(g, w, core.method)
     if alloc_conf and core.method is Method.ANALYTIC:
