@@ -157,3 +157,23 @@ def test_docs_render_field_names_outside_the_cli():
     flags = {"seq": "--seq", "tp": "--tp", "sp": "--sp", "pp": "--pp", "method": "--method"}.get
     md = to_markdown(with_field_names(doc, flags))
     assert "`" not in md and all(x in md for x in ("t --seq", "--tp 2", "--sp", "--pp 4", "use --method trace"))
+
+
+def _options(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _options(sub, (*prefix, name))
+        elif a.option_strings:
+            yield prefix, a
+
+
+def test_every_option_with_a_default_says_it_in_help():
+    missing = []
+    for prefix, a in _options(build_parser()):
+        if (a.help == argparse.SUPPRESS or a.default in (None, False) or a.nargs == 0
+                or isinstance(a, (argparse._HelpAction, argparse._VersionAction))):
+            continue  # flags (store_true/const) and options without a default
+        if "default" not in (a.help or ""):
+            missing.append(f"{' '.join(prefix)} {a.option_strings[0]} (default {a.default!r})")
+    assert not missing, missing
