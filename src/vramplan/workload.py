@@ -209,7 +209,8 @@ class Workload:
     lora_rank: int = 16
     """Rank r of the LoRA adapters."""
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
-    """Module names LoRA wraps; all-linear for every linear layer but the head."""
+    """Module names LoRA wraps (a tuple, or one comma-separated string); all-linear for every
+    linear layer but the head."""
     quant: Quant = Quant.NONE
     """Weight quantisation of the base model (inference, or the frozen base under PEFT)."""
     kv_dtype: KVDtype = KVDtype.AUTO
