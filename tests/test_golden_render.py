@@ -78,8 +78,9 @@ def test_table_output_matches_golden(name, page, capsys):
 def test_every_command_with_a_table_has_a_golden_file():
     from vramplan.cli.main import SUBCOMMANDS
 
-    # trace needs a traced model (torch-version dependent), measure a CUDA GPU; web serves a page
-    no_table = {"trace", "measure", "web"}
+    # trace and run trace a model or script (torch-version dependent), measure needs a CUDA GPU,
+    # web serves a page
+    no_table = {"trace", "run", "measure", "web"}
     covered = {argv[0] for argv in CASES.values()}
     missing = set(SUBCOMMANDS) - no_table - covered
     assert not missing, f"add a case to CASES for {sorted(missing)} and run with VRAMPLAN_REGEN_GOLDEN=1"
