@@ -115,3 +115,13 @@ def test_hf_trainer_script_agrees_with_the_same_step_as_a_factory() -> None:
     assert abs(r.peak.allocated - t.peak.allocated) <= 0.005 * t.peak.allocated
     assert r.peak_phase == t.peak_phase
     assert any("taken as finite" in n for n in r.notes)
+
+
+def test_from_pretrained_builds_from_the_config_without_weights() -> None:
+    # an 8B model: built on the fake device from the embedded config, nothing downloaded or read
+    r = vramplan.run_script(EX / "pretrained_infer.py", ["llama-3.1-8b", "1", "512"], gpu="h100-sxm")
+    e = vramplan.estimate("llama-3.1-8b", task="infer", batch=1, seq=512, precision="bf16", method="trace",
+                          gpu="h100-sxm")
+    assert r.params == e.params == 8_030_261_248
+    assert abs(r.breakdown.weights - e.breakdown.weights) <= 1024  # rotary buffers: exact up to inv_freq copies
+    assert abs(r.peak.allocated - e.peak.allocated) <= 0.005 * e.peak.allocated

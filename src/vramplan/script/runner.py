@@ -24,6 +24,8 @@ What the runner adds on top of a trace session, since it does not drive the loop
 - values the script reads back for logging: ``isnan``/``isinf`` of activations are false (no
   overflow) and a float ``.item()`` (a loss, a gradient norm) reads 1.0 — both stated in the
   report's notes; integer and boolean reads that could steer allocations still stop the run;
+- transformers' ``from_pretrained`` builds the model from its config on the fake device,
+  never reading weights (:mod:`.pretrained`);
 - ``torch.distributed.init_process_group`` stops with a pointer to multi-GPU support.
 
 An op or API the emulation cannot serve stops the run with one line naming it and the
@@ -56,6 +58,7 @@ from ..trace.result import TraceResult
 from ..trace.session import TraceSession
 from ..workload import Phase
 from .device import DeviceFacts, LiveAllocator, emulated_cuda
+from .pretrained import weightless_from_pretrained
 
 Progress = Callable[[str], None]
 
@@ -405,8 +408,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with sess, emulated_cuda(facts, live, on_sync), _patched(hooks), _InputMode(sess), \
-                _argv(p, argv), _deadline(timeout):
+        with sess, emulated_cuda(facts, live, on_sync), _patched(hooks), weightless_from_pretrained(), \
+                _InputMode(sess), _argv(p, argv), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:
