@@ -26,12 +26,14 @@ def run_script(
     gpus: int = 1,
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
+    workspaces: bool = True,
 ) -> MemoryReport:
     """Run the script at ``path`` (with ``argv``) on an emulated ``gpu`` until ``steps``
     optimizer steps (or forward calls, for inference) and predict its memory.
 
     The script sees ``torch.cuda`` of the target GPU (``gpus`` of them); its memory queries
-    are answered by the allocator simulation. Weights are never read.
+    are answered by the allocator simulation. Weights are never read. ``workspaces=False``
+    leaves out the CUDA-only library workspaces (cuBLAS, cuDNN), e.g. to compare with a CPU run.
     """
     from ..script.device import DeviceFacts
     from ..script.runner import trace_script
@@ -42,7 +44,7 @@ def run_script(
     g = resolve_gpu(gpu)
     if g is None:
         raise VramplanError("running a script needs a target GPU to emulate", hint="e.g. `gpu=h100-sxm`", field="gpu")
-    profile = profile_for(g)
+    profile = profile_for(g, workspaces=workspaces)
     base = Workload(task=Task.TRAIN)
     outside = sum(o.bytes for o in overhead_items(g, base))
     facts = DeviceFacts(name=g.name, sm=profile.sm, total_memory=usable(g)[0], outside_allocator=outside,
