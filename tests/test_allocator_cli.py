@@ -56,6 +56,37 @@ def test_snapshot_comparison(capsys, tmp_path):
     assert "exact match" in out
 
 
+def test_snapshot_format_is_read_from_the_content(capsys, tmp_path, events):
+    """Pickle, JSON and gzip of either are snapshots whatever their names; a JSON-lines event
+    file is events even when named .json or .pickle."""
+    from test_snapshot_reader import hand_trace
+
+    snap = hand_trace()
+    as_json = json.dumps(snap, indent=1).encode()
+    files = {"a.jsonl": pickle.dumps(snap), "b.txt": as_json, "c": gzip.compress(as_json),
+             "d.json": b"\xef\xbb\xbf" + json.dumps(snap).encode()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        code, out, err = run(capsys, tmp_path / name, "--json")
+        d = json.loads(out)
+        assert code == 0 and d["kind"] == "snapshot" and d["comparison"]["match"], (name, err)
+        assert d["comparison"]["matching"] == d["comparison"]["recorded_segment_events"] == 4
+    for name in ("events.json", "events.pickle"):
+        (tmp_path / name).write_bytes(events.read_bytes())
+        code, out, _ = run(capsys, tmp_path / name, "--json")
+        assert code == 0 and json.loads(out)["kind"] == "events"
+
+
+def test_bad_json_snapshot_is_one_line(capsys, tmp_path):
+    p = tmp_path / "s.json"
+    p.write_text('{"segments": [1, 2,\n')
+    code, out, err = run(capsys, p)
+    assert code == 2 and "not a readable JSON snapshot" in err and err.count("\n") == 1 and out == ""
+    p.write_text('{"segments": "many"}')
+    code, out, err = run(capsys, p)
+    assert code == 2 and "'segments' is not a list" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("content,match", [
     (b"not json\n", "not valid JSON"),
     (b"\x80\x04garbage", "not a readable pickle"),

@@ -504,3 +504,42 @@ def test_caching_allocator_guards():
         CachingAllocator("backend:cudaMallocAsync")
     with pytest.raises(ValueError, match="negative"):
         CachingAllocator().malloc(-1)
+
+
+# ------------------------------------------------------------------ recorded segment addresses
+def _two_tied_segments(plan=None):
+    """9 MiB requests take 20 MiB segments (`get_allocation_size`, below 10 MiB) and split
+    (remainder > 1 MiB): A, B -> segment 1 (9 + 9 + 2 free); C: no block fits -> segment 2;
+    D -> segment 2 (9 + 9 + 2 free). E 1.5 MiB: the two free 2 MiB blocks tie on size, so
+    `get_free_block`'s (size, address) order takes the lower address."""
+    al = CachingAllocator(segment_addresses=plan)
+    a, b, c, d = (al.malloc(9 * MiB) for _ in range(4))
+    e = al.malloc(3 * MiB // 2)
+    assert a is not None and c is not None and e is not None
+    assert a.seg is not c.seg and len(al.snapshot()) == 2
+    return ok(al), a, c, e
+
+
+def test_recorded_addresses_decide_best_fit_ties():
+    _, a, c, e = _two_tied_segments()
+    assert a.addr < c.addr and e.seg is a.seg  # simulated addresses grow: segment 1 is lower
+    hi, lo = 0x7F0000000000, 0x7E0000000000  # as recorded: cudaMalloc put segment 2 lower
+    al, a, c, e = _two_tied_segments([(hi, 20 * MiB), (lo, 20 * MiB)])
+    assert (a.addr, c.addr) == (hi, lo) and e.seg is c.seg and e.addr == lo + 18 * MiB
+    assert sorted(s.addr for s in al.snapshot()) == [lo, hi]
+
+
+def test_recorded_addresses_are_dropped_at_the_first_difference():
+    base = 0x7F0000000000
+    # the recording's second segment was 22 MiB: the simulation's 20 MiB one differs, so from
+    # there on addresses are simulated, outside the recorded range
+    _, a, c, _ = _two_tied_segments([(base, 20 * MiB), (base + 20 * MiB, 22 * MiB)])
+    assert a.addr == base and not base <= c.addr < base + 42 * MiB
+    # an address still in use in the simulation is not handed out twice
+    _, a, c, _ = _two_tied_segments([(base, 20 * MiB), (base + 10 * MiB, 20 * MiB)])
+    assert a.addr == base and not base <= c.addr < base + 30 * MiB
+    # unusable plans (unaligned, beyond the simulated address space) are ignored
+    _, a, _, _ = _two_tied_segments([(base + 3, 20 * MiB)])
+    assert a.addr != base + 3
+    _, a, _, _ = _two_tied_segments([(1 << 48, 20 * MiB)])
+    assert a.addr < 1 << 47

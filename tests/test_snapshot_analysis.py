@@ -159,7 +159,11 @@ def test_allocator_replay_cross_check():
     assert sim is not None and sim.complete and sim.match
     assert sim.reserved == 20 * MiB and sim.allocated == 14 * MiB
     snap = recorded_snapshot()
-    snap["device_traces"][0] = snap["device_traces"][0][2:]
+    snap["device_traces"][0] = snap["device_traces"][0][2:]  # the segment and A: before recording
+    sim = analyze(snap).simulated
+    assert sim is not None and sim.complete and sim.reserved_before == 20 * MiB
+    assert sim.recorded_segment_events == 0 and sim.reserved == 0  # nothing left to compare
+    snap["device_traces"][0].insert(0, {"action": "alloc", "addr": 16, "size": 512, "stream": 0})
     sim = analyze(snap).simulated
     assert sim is not None and not sim.complete and "before the trace began" in sim.reason
     assert analyze(recorded_snapshot(), simulate=False).simulated is None

@@ -30,6 +30,21 @@ def test_table(snap_file, capsys):
         assert text in out
 
 
+def test_json_snapshot_reads_like_the_pickle(snap_file, tmp_path, capsys):
+    """The JSON form, gzip-compressed and under a pickle's name, analyses identically."""
+    import gzip
+
+    twin = tmp_path / "twin.pickle"
+    twin.write_bytes(gzip.compress(json.dumps(recorded_snapshot()).encode()))
+    outs = []
+    for f in (snap_file, twin):
+        assert main(["snapshot", str(f), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        d.pop("file")
+        outs.append(d)
+    assert outs[0] == outs[1] and outs[0]["peak_allocated"] == 14 * MiB
+
+
 def test_json_and_markdown(snap_file, capsys):
     assert main(["snapshot", str(snap_file), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

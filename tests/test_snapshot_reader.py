@@ -20,6 +20,7 @@ from vramplan.snapshot import (
     load_snapshot,
     snapshot_to_events,
     trace_completeness,
+    trace_coverage,
 )
 from vramplan.snapshot.reader import convert_trace, loads_snapshot, snapshot_conf
 
@@ -184,7 +185,15 @@ def test_completeness():
     cut = copy.deepcopy(snap)
     cut["device_traces"][0] = cut["device_traces"][0][2:]  # the ring buffer lost S1 and A
     ok, why = trace_completeness(cut)
-    assert not ok and "before the trace began" in why
+    assert not ok and "complete except 2,097,152 bytes reserved before recording" in why
+    cov = trace_coverage(cut)
+    assert cov.complete and not cov.whole
+    assert (cov.reserved_before, cov.segments_before, cov.allocations_set_aside) == (2 * MiB, 1, 2)
+    stray = copy.deepcopy(snap)
+    stray["device_traces"][0].insert(2, e("alloc", 0x1000, 512))  # in no segment at all
+    ok, why = trace_completeness(stray)
+    assert not ok and "entry 2: alloc in a segment reserved before the trace began" in why
+    assert not trace_coverage(stray).complete
     wrong = copy.deepcopy(snap)
     wrong["segments"].pop()
     ok, why = trace_completeness(wrong)
@@ -267,3 +276,14 @@ def test_oom_entries_have_no_event():
                                         "stream": 0, "time_us": 0, "frames": []})
     tr = convert_trace(snap)
     assert tr.ooms == 1 and len(tr.log) == len(snapshot_to_events(hand_trace()))
+
+
+def test_capacity_leaves_out_memory_reserved_before_recording():
+    """Recording began after S1 (2 MiB) was reserved: of a 52 MiB device the rest may use 50."""
+    cut = hand_trace()
+    cut["device_traces"][0] = cut["device_traces"][0][2:]
+    c = compare_with_recorded(cut, capacity=52 * MiB)
+    assert c.complete and c.match and c.result.ooms == 0  # S2 + S3 = 50 MiB fit in 50
+    assert any("less the 2,097,152 bytes reserved before recording" in n for n in c.notes)
+    c = compare_with_recorded(cut, capacity=51 * MiB)  # 49 MiB for the rest: S3 does not fit
+    assert c.result.ooms == 1 and not c.match

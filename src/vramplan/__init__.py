@@ -36,6 +36,7 @@ _LAZY = {
     "run_script": "vramplan.engine.script",
     "get_gpu": "vramplan.hardware.catalog",
     "resolve_model": "vramplan.models.catalog",
+    "serve_plan": "vramplan.serving",
 }
 _ATTR = {"resolve_model": "resolve"}
 _SHADOWED = ("trace", "measure")

@@ -19,7 +19,9 @@ What it reproduces, rule by rule (names are the C++ functions):
   ``num_alloc_retries``) → OOM (``num_ooms``) against a device ``capacity``;
 - ``free`` with ``record_stream`` uses: the block stays active until its events complete
   (``synchronize`` here), and ``release_cached_blocks`` synchronises first;
-- expandable segments: see :mod:`vramplan.allocator.expandable`.
+- expandable segments: see :mod:`vramplan.allocator.expandable`;
+- ``segment_addresses``: a recorded trace's cudaMalloc addresses, so that address-ordered
+  ties break as they did on the GPU (:meth:`CachingAllocator._segment_address`).
 
 Not simulated: CUDA graph private pools / MemPools, free-memory callbacks, IPC. An OOM'd
 request is counted and skipped (the caller would normally see OutOfMemoryError).
@@ -28,7 +30,7 @@ request is counted and skipped (the caller would normally see OutOfMemoryError).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from vramplan.errors import ConfigError
 
@@ -39,7 +41,7 @@ from .counters import Counters
 from .expandable import ExpandableSegmentsMixin
 from .result import BlockInfo, SegmentInfo
 from .sizes import allocation_size, round_size
-from .vaspace import VASpace
+from .vaspace import VA_LIMIT, VASpace
 
 
 class CachingAllocator(Counters, ExpandableSegmentsMixin):
@@ -52,7 +54,8 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
     """
 
     def __init__(self, conf: AllocatorConfig | str | None = None, *, capacity: int | None = None,
-                 record_segments: bool = False) -> None:
+                 record_segments: bool = False,
+                 segment_addresses: Sequence[tuple[int, int]] | None = None) -> None:
         cfg = as_config(conf)
         if cfg.backend != "native":
             raise ConfigError(f"CachingAllocator simulates backend:native, not {cfg.backend}",
@@ -79,6 +82,14 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         self._segments: dict[int, Segment] = {}
         self._pending: list[Block] = []
         self._va = VASpace()
+        self._plan: list[tuple[int, int]] = []
+        """(address, size) cudaMalloc returned, in order, reversed (see :meth:`_segment_address`)."""
+        self._planned: set[int] = set()
+        if segment_addresses and not cfg.expandable_segments:
+            plan = list(segment_addresses)
+            if all(0 < a and a + n <= VA_LIMIT and a % 512 == 0 for a, n in plan):
+                self._plan = plan[::-1]
+                self._va.reserve(min(a for a, _ in plan), max(a + n for a, n in plan))
         self._gc_calls = [0, 0]
         """get_free_blocks_call_count of the large [0] and small [1] pools."""
         self._init_counters(record_segments)
@@ -296,7 +307,7 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
             return self._try_allocate_expandable(pool, size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
-        addr = self._va.alloc(alloc_size)
+        addr = self._segment_address(alloc_size)
         seg = Segment(addr, alloc_size, pool, False)
         b = Block(addr, alloc_size, pool, seg)
         seg.head = b
@@ -308,13 +319,34 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         self._record("segment_alloc", addr, alloc_size, pool.stream)
         return b
 
+    def _segment_address(self, size: int) -> int:
+        """Where cudaMalloc puts a new segment. Real addresses cannot be predicted, but a
+        recorded trace has them (``segment_addresses``): while the simulated segments follow the
+        recording (same sizes, in order) they get the recorded addresses, so that best-fit ties
+        between equal blocks of different segments break as they did on the GPU (PyTorch's free
+        lists order by size, then address). At the first difference (another size, or an
+        address the simulation still holds) the plan is dropped and addresses come from the
+        simulated range, which keeps clear of the recorded ones."""
+        plan = self._plan
+        if plan:
+            addr, n = plan.pop()
+            end = addr + n
+            if n == size and not any(s.base < end and addr < s.base + s.size for s in self._segments.values()):
+                self._planned.add(addr)
+                return addr
+            plan.clear()
+        return self._va.alloc(size)
+
     def _release_block(self, b: Block) -> None:
         """``release_block``: cudaFree an unsplit cached segment."""
         self._remove_free(b)
         self.reserved -= b.size
         self.num_segments -= 1
         del self._segments[b.addr]
-        self._va.free(b.addr, b.size)
+        if b.addr in self._planned:
+            self._planned.discard(b.addr)
+        else:
+            self._va.free(b.addr, b.size)
         self._record("segment_free", b.addr, b.size, b.pool.stream)
 
     def _release_available_cached_blocks(self, pool: Pool, size: int) -> bool:

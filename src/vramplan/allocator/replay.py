@@ -16,6 +16,7 @@ iteration), so this costs little; ``segment_map=False`` skips it.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from vramplan.errors import VramplanError
@@ -31,10 +32,13 @@ MAX_OOM_INDICES = 100
 _MISSING: Any = object()
 
 
-def make_allocator(conf: AllocatorConfig, capacity: int | None,
-                   record_segments: bool = False) -> CachingAllocator | MallocAsyncApprox:
-    cls = MallocAsyncApprox if conf.backend == "cudaMallocAsync" else CachingAllocator
-    return cls(conf, capacity=capacity, record_segments=record_segments)
+def make_allocator(conf: AllocatorConfig, capacity: int | None, record_segments: bool = False,
+                   segment_addresses: Sequence[tuple[int, int]] | None = None,
+                   ) -> CachingAllocator | MallocAsyncApprox:
+    if conf.backend == "cudaMallocAsync":
+        return MallocAsyncApprox(conf, capacity=capacity, record_segments=record_segments)
+    return CachingAllocator(conf, capacity=capacity, record_segments=record_segments,
+                            segment_addresses=segment_addresses)
 
 
 class _Run:
@@ -228,11 +232,13 @@ def _label(log: EventLog) -> Any:
 
 
 def final_segments(log: EventLog, conf: AllocatorConfig | str | None = None, *,
-                   capacity: int | None = None) -> tuple[SegmentInfo, ...]:
+                   capacity: int | None = None,
+                   segment_addresses: Sequence[tuple[int, int]] | None = None,
+                   ) -> tuple[SegmentInfo, ...]:
     """The segment map after the last event (what ``torch.cuda.memory._snapshot()`` would
-    list at the end)."""
+    list at the end). ``segment_addresses``: see :func:`replay`."""
     cfg = as_config(conf)
-    al = make_allocator(cfg, capacity)
+    al = make_allocator(cfg, capacity, segment_addresses=segment_addresses)
     _run(log, al, tag=True)
     return al.snapshot(_label(log))
 
@@ -240,19 +246,23 @@ def final_segments(log: EventLog, conf: AllocatorConfig | str | None = None, *,
 def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
            capacity: int | None = None, record_timeline: bool = False,
            record_segments: bool = False, full_timeline: bool = False,
-           max_points: int = MAX_POINTS, segment_map: bool = True) -> ReplayResult:
+           max_points: int = MAX_POINTS, segment_map: bool = True,
+           segment_addresses: Sequence[tuple[int, int]] | None = None) -> ReplayResult:
     """Replay ``log`` through the caching allocator configured by ``conf``.
 
     ``capacity``: bytes the allocator may reserve in total (the GPU's memory less what lies
     outside PyTorch); None never runs out. ``record_timeline``: counters after every event
     (decimated to ``max_points`` bucket maxima unless ``full_timeline``). ``record_segments``:
     the segment events (segment_alloc/free, segment_map/unmap). ``segment_map``: the segments
-    and their blocks at the reserved peak.
+    and their blocks at the reserved peak. ``segment_addresses``: the (address, size) of
+    each segment cudaMalloc returned when the log was recorded, in order (a snapshot's
+    ``segment_alloc`` entries); new segments take them while the sizes agree, so address-
+    ordered ties break as on the GPU (native backend without expandable segments only).
     """
     cfg = as_config(conf)
     if capacity is not None and capacity < 0:
         raise VramplanError(f"capacity must be >= 0 bytes, got {capacity}")
-    al = make_allocator(cfg, capacity, record_segments)
+    al = make_allocator(cfg, capacity, record_segments, segment_addresses)
     run = _run(log, al, tag=record_segments, timeline=record_timeline)
     notes = list(cfg.notes)
     backend = "native"
@@ -269,7 +279,7 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
         assert al.seg_events is not None
         seg_events = tuple(SegmentEvent(*e) for e in al.seg_events)
     if segment_map and run.peak_reserved_index >= 0:
-        al2 = make_allocator(cfg, capacity)
+        al2 = make_allocator(cfg, capacity, segment_addresses=segment_addresses)
         _run(log, al2, stop=run.peak_reserved_index, tag=True)
         seg_map = al2.snapshot(_label(log))
 

@@ -22,12 +22,13 @@ ALIGN = 2 * 1024 * 1024
 class VASpace:
     """First-fit allocator of aligned address ranges, with coalescing of freed ranges."""
 
-    __slots__ = ("_starts", "_sizes", "_top")
+    __slots__ = ("_starts", "_sizes", "_top", "_limit")
 
     def __init__(self) -> None:
         self._starts: list[int] = []  # free ranges, sorted by start
         self._sizes: list[int] = []
         self._top = VA_BASE
+        self._limit = VA_LIMIT
 
     def alloc(self, size: int) -> int:
         size = -(-size // ALIGN) * ALIGN
@@ -40,7 +41,7 @@ class VASpace:
                     self._sizes[k] = avail - size
                 return start
         addr = self._top
-        if addr + size > VA_LIMIT:
+        if addr + size > self._limit:
             raise WorkloadError(
                 f"the simulated allocator ran out of address space ({VA_LIMIT - VA_BASE:,} B, about 128 TiB): "
                 "the step reserves more memory than any GPU has",
@@ -48,6 +49,16 @@ class VASpace:
             )
         self._top = addr + size
         return addr
+
+    def reserve(self, lo: int, hi: int) -> None:
+        """Keep ``[lo, hi)`` out of the ranges handed out (addresses taken elsewhere): new
+        ranges go above it when at least 4 TiB remain there, else below it. Call it first."""
+        room = 1 << 42
+        floor = -(-hi // ALIGN) * ALIGN
+        if floor + room <= self._limit:
+            self._top = max(self._top, floor)
+        else:
+            self._limit = min(self._limit, lo)
 
     def free(self, addr: int, size: int) -> None:
         size = -(-size // ALIGN) * ALIGN

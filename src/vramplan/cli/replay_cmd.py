@@ -1,9 +1,10 @@
 """``vramplan replay FILE``: run an allocation trace through the caching-allocator simulation.
 
-FILE is a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``, ``.pickle`` or
-``.pickle.gz``; read without executing code) or a JSON-lines event file
-(``{"action": "alloc", "id": 7, "size": 1048576, "stream": 0}`` / ``{"action": "free", "id": 7}``).
-For a snapshot the simulated segment events are also compared with the recorded ones.
+FILE is a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``'s pickle, or the same
+dict as JSON, either gzip-compressed or not; read without executing code) or a JSON-lines event
+file (``{"action": "alloc", "id": 7, "size": 1048576, "stream": 0}`` / ``{"action": "free", "id": 7}``),
+told apart by content, not by name. For a snapshot the simulated segment events and reserved
+peak are also compared with the recorded ones.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from pathlib import Path
 
 from .common import add_output_args, size_arg
 
-_SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".gz", ".pt")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay", help="simulate PyTorch's caching allocator on a snapshot or event file",
-        description="Replay a memory snapshot (.pickle / .pickle.gz) or a JSON-lines event file "
-        "through the simulated CUDA caching allocator: peak allocated/reserved, segments, "
-        "fragmentation, OOMs. Snapshots are also compared with their recorded segment events.",
+        description="Replay a memory snapshot (pickle or JSON, plain or gzip) or a JSON-lines event "
+        "file through the simulated CUDA caching allocator: peak allocated/reserved, segments, "
+        "fragmentation, OOMs. Snapshots are also compared with their recorded segment events "
+        "and reserved peak.",
     )
-    p.add_argument("file", metavar="FILE", help="snapshot pickle (.pickle, .pickle.gz) or events .jsonl")
+    p.add_argument("file", metavar="FILE", help="memory snapshot (pickle or JSON, plain or gzip) "
+                   "or JSON-lines event file; the format is read from the content")
     p.add_argument("--alloc-conf", metavar="STRING", default=None,
                    help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the snapshot's own settings, "
                    "else PyTorch's defaults; the environment variable is not read)")
@@ -36,13 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _is_snapshot(path: Path) -> bool:
-    if path.suffix.lower() in _SNAPSHOT_SUFFIXES:
-        return True
-    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        return False
-    with open(path, "rb") as f:
-        head = f.read(2)
-    return head[:2] == b"\x1f\x8b" or head[:1] == b"\x80"
+    from vramplan.errors import VramplanError
+    from vramplan.snapshot.reader import is_snapshot
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise VramplanError(f"cannot read {path}: {e.strerror or e}") from None
+    return is_snapshot(head)
 
 
 def run(args: argparse.Namespace) -> int:

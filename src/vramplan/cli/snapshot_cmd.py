@@ -1,4 +1,4 @@
-"""``vramplan snapshot FILE.pickle``: analyse a recorded PyTorch memory snapshot."""
+"""``vramplan snapshot FILE``: analyse a recorded PyTorch memory snapshot (pickle or JSON)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from vramplan.cli.common import add_output_args, hint
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "snapshot", help="analyse a PyTorch memory snapshot (peaks, fragmentation, largest blocks, OOMs)",
-        description="Read a snapshot written by torch.cuda.memory._dump_snapshot() (without running "
-        "any code it contains) and report its peaks, fragmentation over time, the largest "
+        description="Read a snapshot written by torch.cuda.memory._dump_snapshot(), or the same dict "
+        "as JSON, plain or gzip (the format is read from the content; no code in it is run) and report its peaks, fragmentation over time, the largest "
         "allocations with their stack frames, the segments at the peak, OOM events and a "
         "best-effort category for every allocation.",
     )
-    p.add_argument("file", metavar="FILE.pickle", help="the snapshot pickle")
+    p.add_argument("file", metavar="FILE", help="the snapshot: pickle or JSON, plain or gzip")
     p.add_argument("--device", type=int, default=None,
                    help="CUDA device index in the snapshot (default: the one with the most entries)")
     p.add_argument("--top", type=int, default=10, help="rows in the largest-allocation tables (default 10)")

@@ -101,6 +101,12 @@ def resolve(name: str) -> ModelSpec:
     raise did_you_mean(name, catalog_entries().keys(), kind="model", listing="vramplan models")
 
 
+def spec_from_text(text: str, name: str = "config.json") -> ModelSpec:
+    """A ModelSpec from the text of a config.json (e.g. uploaded to the web page): parsed as
+    JSON data only, never executed (``auto_map`` code is not loaded; see ``build``)."""
+    return spec_from_config(_parse(text, name), name=name, source=f"{name} (uploaded)", origin=name)
+
+
 @cache
 def _catalog_spec(alias: str) -> ModelSpec:
     e = catalog_entries()[alias]

@@ -123,11 +123,10 @@ def _styled(fn: F) -> F:
     return cast(F, wrapper)
 
 
-@_styled
-def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
-    """A prediction: the timeline stacked by category (or per phase, for the analytic method),
-    reserved as a line, phases shaded, the GPU's usable capacity, and the breakdown at the peak."""
-    p = check_plot_path(path)
+def report_data(report: MemoryReport, path: str = "") -> PlotData:
+    """What :func:`plot_report` draws, without drawing (no matplotlib): the timeline stacked by
+    bucket (decimated to :data:`MAX_POINTS`), or one stacked bar per phase for the analytic
+    method, the capacity levels and the breakdown at the peak. The web page draws the same data."""
     w = report.workload
     title = f"{report.model}: {w.task}, batch {w.batch}, seq {w.seq}, {w.precision} ({report.method})"
     overhead = report.overhead_total
@@ -151,7 +150,7 @@ def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
         totals = [sum(v[k] for v in series.values()) for k in keep]
         peak_x = x[max(range(len(totals)), key=totals.__getitem__)]
         data = PlotData(
-            path=str(p), kind="report", title=title, x=x, x_label="allocator events (trace order)",
+            path=path, kind="report", title=title, x=x, x_label="allocator events (trace order)",
             stacked=stacked, lines=lines, levels=levels, bars=bars,
             spans=tuple((float(a), float(b), n) for a, b, n in _merge_spans(tl.phases)), peak_x=peak_x,
             unit=unit,
@@ -166,9 +165,20 @@ def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
                 stacked[c] = col
         if cache:  # known at the peak only: drawn on the peak phase's bar
             stacked["cache"] = tuple(cache if ph.phase == report.peak_phase else 0 for ph in phases)
-        data = PlotData(path=str(p), kind="report", title=title, x=x, x_label="phase",
+        data = PlotData(path=path, kind="report", title=title, x=x, x_label="phase",
                         stacked=stacked, levels=levels, bars=bars, unit=unit,
                         spans=tuple((i - 0.5, i + 0.5, str(ph.phase)) for i, ph in enumerate(phases)))
+    return data
+
+
+@_styled
+def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
+    """A prediction: the timeline stacked by category (or per phase, for the analytic method),
+    reserved as a line, phases shaded, the GPU's usable capacity, and the breakdown at the peak."""
+    p = check_plot_path(path)
+    data = report_data(report, str(p))
+    unit, overhead, levels, bars = data.unit, report.overhead_total, data.levels, data.bars
+    tl = report.timeline
     fig = _figure_two_panels()
     ax, axb = fig.axes
     if tl is not None and tl.index:
@@ -181,7 +191,7 @@ def plot_report(report: MemoryReport, path: str | Path) -> PlotData:
     _draw_levels(ax, levels, unit)
     _draw_bars(axb, bars, f"At the peak ({report.peak_phase})", unit)
     subtitle = _verdict_line(report)
-    _finish(fig, ax, title, subtitle)
+    _finish(fig, ax, data.title, subtitle)
     _save(fig, data, subtitle)
     return data
 

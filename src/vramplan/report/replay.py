@@ -45,23 +45,19 @@ def replay_doc(path: Path, kind: str, conf: str, source: str, capacity: int | No
         ("ooms", str(res.ooms) + (f" (first at event {res.oom_indices[0]})" if res.oom_indices else "")),
     ], title="Simulated"))
     if cmp is not None:
-        if not cmp.complete:
-            verdict = f"not comparable: {cmp.reason}"
-        elif cmp.match and cmp.layout_match:
-            verdict = "exact match"
-        elif cmp.match:
-            verdict = "segment events and peak match; final block layout differs"
-        else:
-            verdict = "mismatch"
         items = [
-            ("verdict", verdict),
+            ("verdict", cmp.verdict),
+            ("trace", cmp.coverage + (f" ({cmp.allocations_set_aside:,} allocations in those segments "
+                                      "left out)" if cmp.reserved_before_recording else "")),
             ("segment events", f"{cmp.matching} of {cmp.recorded_segment_events} recorded match "
                                f"({cmp.simulated_segment_events} simulated)"),
-            ("peak reserved", f"recorded {b(cmp.recorded_peak_reserved)}, simulated "
+            ("peak reserved", f"recorded {b(cmp.recorded_peak_reserved)}, predicted "
                               f"{b(cmp.simulated_peak_reserved)}"),
             ("final reserved", f"recorded {b(cmp.recorded_final_reserved)}, simulated "
                                f"{b(cmp.simulated_final_reserved)}"),
         ]
+        items.append(("final layout", "identical, every block at its recorded address" if cmp.addresses_match
+                      else "same blocks (sizes, states) in each segment" if cmp.layout_match else "differs"))
         if cmp.first_mismatch:
             items.append(("first mismatch", cmp.first_mismatch))
         doc.add(KeyValues(items, title="Compared with the recorded trace"))

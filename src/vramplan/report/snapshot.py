@@ -48,6 +48,8 @@ def to_doc(a: SnapshotAnalysis, source: str = "") -> Doc:
         else:
             verdict = (f"{s.matching_segment_events} of {s.recorded_segment_events} segment events match; "
                        f"first difference: {s.reason}")
+        if s.complete and s.reserved_before:
+            verdict += f" (trace complete except {_b(s.reserved_before)} reserved before recording)"
         kv.append(("vramplan's allocator replay", f"allocated {_b(s.allocated)} · reserved {_b(s.reserved)} · "
                                                   f"{verdict}"))
     doc.add(KeyValues(kv, title="Peaks"))

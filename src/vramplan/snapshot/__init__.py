@@ -2,13 +2,18 @@
 
 from .reader import (
     SnapshotComparison,
+    TraceCoverage,
     compare_with_recorded,
+    is_snapshot,
     load_snapshot,
+    loads_snapshot,
     snapshot_to_events,
+    strip_frames,
     trace_completeness,
+    trace_coverage,
 )
 
 __all__ = [
-    "SnapshotComparison", "compare_with_recorded", "load_snapshot", "snapshot_to_events",
-    "trace_completeness",
+    "SnapshotComparison", "TraceCoverage", "compare_with_recorded", "is_snapshot", "load_snapshot",
+    "loads_snapshot", "snapshot_to_events", "strip_frames", "trace_completeness", "trace_coverage",
 ]

@@ -130,9 +130,12 @@ class Simulated:
     match: bool
     """Every segment event and the reserved peak reproduced."""
     complete: bool
-    """Whether the trace starts from an empty allocator (otherwise differences are expected)."""
+    """Whether the trace starts from an empty allocator, or does but for whole segments
+    reserved before recording (``reserved_before``); otherwise differences are expected."""
     conf: str
     reason: str = ""
+    reserved_before: int = 0
+    """Bytes of segments reserved before recording began, left out of the comparison."""
 
 
 @dataclass(frozen=True)
@@ -393,4 +396,5 @@ def _simulate(snap: Mapping[str, Any], dev: int) -> Simulated:
         allocated=c.result.max_allocated, reserved=c.simulated_peak_reserved,
         recorded_segment_events=c.recorded_segment_events, matching_segment_events=c.matching,
         match=c.match, complete=c.complete, conf=c.conf, reason=c.reason or c.first_mismatch,
+        reserved_before=c.reserved_before_recording,
     )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import pickle
 from bisect import bisect_right
 from collections import Counter
@@ -71,9 +72,58 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise _Refused("refusing a persistent id")
 
 
+PICKLE_MAGIC = (b"(", b"}", b"]")
+"""First byte of a protocol 0/1 pickle of a dict or list: MARK, EMPTY_DICT, EMPTY_LIST."""
+
+
+def _is_pickle(data: bytes) -> bool:
+    """PROTO with protocol 2-5 (what torch writes), or a protocol 0/1 container."""
+    if data[:1] == b"\x80":
+        return len(data) > 1 and 2 <= data[1] <= 5
+    return data[:1] in PICKLE_MAGIC
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _json_start(data: bytes) -> bytes:
+    """The first non-blank byte of a UTF-8 text (a byte-order mark skipped), or b""."""
+    head = data[:4096].lstrip(b"\xef\xbb\xbf").lstrip()
+    return head[:1]
+
+
+def snapshot_format(data: bytes) -> str:
+    """What the bytes hold, by content: "gzip", "pickle", "json", or "" (neither).
+
+    "json" is any text starting with ``{`` or ``[`` (a JSON-lines event file too; see
+    :func:`is_snapshot`)."""
+    if data[:2] == GZIP_MAGIC:
+        return "gzip"
+    if _is_pickle(data):
+        return "pickle"
+    if _json_start(data) in (b"{", b"["):
+        return "json"
+    return ""
+
+
+def is_snapshot(data: bytes) -> bool:
+    """Whether ``data`` is a memory snapshot (pickle, gzip or JSON) rather than a JSON-lines
+    event file: a text whose first line is a JSON object with an ``action`` is an event file."""
+    kind = snapshot_format(data)
+    if kind in ("gzip", "pickle"):
+        return True
+    if kind != "json":
+        return False
+    first = data.lstrip(b"\xef\xbb\xbf").lstrip().split(b"\n", 1)[0]
+    try:
+        obj = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True  # a multi-line (pretty-printed) document: not one event per line
+    return not (isinstance(obj, dict) and "action" in obj)
+
+
 def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
-    """Unpickle snapshot bytes (gzip or not) with the restricted unpickler, then validate."""
-    if data[:2] == b"\x1f\x8b":
+    """Read snapshot bytes — a pickle (restricted unpickler) or its JSON form (the same dict
+    ``json.dump`` writes), either of them gzip-compressed — detected by content, then validate."""
+    if data[:2] == GZIP_MAGIC:
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
                 data = f.read(MAX_BYTES + 1)
@@ -81,6 +131,13 @@ def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
             raise SnapshotError(f"{where}: not a valid gzip file ({e})") from None
     if len(data) > MAX_BYTES:
         raise SnapshotError(f"{where}: larger than {MAX_BYTES >> 30} GiB uncompressed; refusing")
+    if not _is_pickle(data) and _json_start(data) in (b"{", b"["):
+        try:
+            obj = json.loads(data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise SnapshotError(f"{where}: not a readable JSON snapshot ({type(e).__name__}: {e})",
+                                hint="expected json.dump(torch.cuda.memory._snapshot(), f) output") from None
+        return validate_snapshot(obj, where)
     try:
         obj = _RestrictedUnpickler(io.BytesIO(data)).load()
     except _Refused as e:
@@ -93,7 +150,8 @@ def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
-    """Read ``torch.cuda.memory._dump_snapshot`` output (``.pickle`` or gzip ``.pickle.gz``).
+    """Read ``torch.cuda.memory._dump_snapshot`` output or its JSON form, plain or gzip, by
+    content (the file name does not matter).
 
     Never executes code from the file: a pickle that needs any global raises
     :class:`SnapshotError`, as does a structure that is not a memory snapshot.
@@ -104,6 +162,19 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise SnapshotError(f"cannot read {p}: {e.strerror or e}") from None
     return loads_snapshot(data, str(p))
+
+
+def strip_frames(snap: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy without stack frames (trace entries, segments, blocks): the allocator's history
+    and state, every entry kept, at a fraction of the size."""
+    def entry(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k != "frames"}
+
+    out = dict(snap)
+    out["device_traces"] = [[entry(e) for e in t] for t in snap.get("device_traces") or []]
+    out["segments"] = [{**entry(sg), "blocks": [entry(b) for b in sg.get("blocks", [])]}
+                       for sg in snap.get("segments", [])]
+    return out
 
 
 def _need(cond: bool, where: str, msg: str) -> None:
@@ -207,9 +278,12 @@ def _trace(snap: Mapping[str, Any], device: int) -> list[dict[str, Any]]:
 
 
 def convert_trace(snap: Mapping[str, Any], device: int = 0, *,
-                  releases_as_empty_cache: bool = True) -> TraceEvents:
+                  releases_as_empty_cache: bool = True,
+                  set_aside: frozenset[int] = frozenset()) -> TraceEvents:
     """Convert one device's trace. ``releases_as_empty_cache=False`` leaves a release run that
-    is followed by an allocation to the simulator (the OOM path; needs a capacity)."""
+    is followed by an allocation to the simulator (the OOM path; needs a capacity).
+    ``set_aside``: trace indices to leave out — ``alloc`` entries (their frees go with them)
+    and releases of memory reserved before recording (:attr:`TraceCoverage.set_aside`)."""
     trace = _trace(snap, device)
     streams = sorted({int(e.get("stream", 0)) for e in trace})
     rank = {s: i for i, s in enumerate(streams)}
@@ -236,6 +310,8 @@ def convert_trace(snap: Mapping[str, Any], device: int = 0, *,
                 if releases_as_empty_cache or not _allocation_follows(trace, k):
                     burst = len(log)
                     log.append(Action.EMPTY_CACHE, stream=stream, op="empty_cache")
+            if k in set_aside:
+                continue
             seg_events.append(SegmentEvent(act, addr, size, stream, burst if burst >= 0 else len(log)))
             continue
         if act != "free_completed":
@@ -243,6 +319,8 @@ def convert_trace(snap: Mapping[str, Any], device: int = 0, *,
         if act in ("segment_alloc", "segment_map"):
             seg_events.append(SegmentEvent(act, addr, size, stream, len(log)))
         elif act == "alloc":
+            if k in set_aside:
+                continue
             live[addr] = next_id
             log.alloc(next_id, size, stream=stream, category=Category.OTHER, op="alloc")
             next_id += 1
@@ -329,45 +407,135 @@ class _Ranges:
         return True
 
 
-def trace_completeness(snap: Mapping[str, Any], device: int = 0) -> tuple[bool, str]:
-    """Whether the trace covers the allocator's whole life (so a replay starts from the same,
-    empty, state): (complete, reason when not)."""
+@dataclass(frozen=True)
+class TraceCoverage:
+    """How much of the allocator's life a device trace covers.
+
+    ``complete`` with ``reserved_before == 0``: the trace starts at the first allocation, and
+    a replay from an empty allocator must reproduce it. ``complete`` with ``reserved_before >
+    0``: whole segments were reserved before recording began (typically a small-pool segment,
+    or the model's weights loaded before ``_record_memory_history``); the allocations in them
+    (``set_aside``) are left out and the rest replays on its own — the caching allocator picks
+    the best fit over all free blocks, so a request that landed in a traced segment had no
+    better fit anywhere, and one that landed in an earlier segment is gone from both sides.
+    Not ``complete``: the state before the first entry cannot be separated (``reason``)."""
+
+    complete: bool
+    reason: str
+    reserved_before: int = 0
+    """Bytes of segments reserved before recording began (still held, or released in the trace)."""
+    segments_before: int = 0
+    set_aside: frozenset[int] = frozenset()
+    """Trace indices left out: allocations in those segments and the releases of them."""
+    allocations_set_aside: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """The trace covers the allocator's whole life."""
+        return self.complete and self.reserved_before == 0
+
+    def describe(self) -> str:
+        if not self.complete:
+            return f"incomplete: {self.reason}"
+        if not self.reserved_before:
+            return "complete"
+        return (f"complete except {self.reserved_before:,} bytes reserved before recording "
+                f"({self.segments_before} segment(s); {self.allocations_set_aside:,} allocation(s) in "
+                "them left out of the replay)")
+
+
+def _overlaps(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(a < hi and lo < b for a, b in ranges)
+
+
+def trace_coverage(snap: Mapping[str, Any], device: int = 0) -> TraceCoverage:
+    """Whether the trace covers the allocator's life, or all of it but segments reserved
+    before recording began (see :class:`TraceCoverage`)."""
     trace = _trace(snap, device)
     segs = [s for s in snap.get("segments", []) if s.get("device", device) == device]
     final = sum(s["total_size"] for s in segs)
     if not trace:
-        return (final == 0, "" if final == 0 else "no trace was recorded "
-                "(torch.cuda.memory._record_memory_history was not on)")
+        return TraceCoverage(final == 0, "" if final == 0 else "no trace was recorded "
+                             "(torch.cuda.memory._record_memory_history was not on)")
+    # segments the trace reserved itself, and releases of memory it never reserved
+    traced: list[tuple[int, int]] = []
     ranges = _Ranges()
+    early_releases: dict[int, tuple[int, int]] = {}  # trace index -> (lo, hi)
+    for k, e in enumerate(trace):
+        act, addr, size = e["action"], e.get("addr", 0), e.get("size", 0)
+        if act in ("segment_alloc", "segment_map"):
+            ranges.add(addr, size)
+            traced.append((addr, addr + size))
+        elif act in _RELEASES and not ranges.remove(addr, size):
+            if act == "segment_unmap":
+                return TraceCoverage(False, f"entry {k}: {act} of memory mapped before the trace began "
+                                     "(the ring buffer dropped the start; raise max_entries)")
+            early_releases[k] = (addr, addr + size)
+    early_final = [s for s in segs if "address" in s and not s.get("is_expandable", False)
+                   and not _overlaps(traced, s["address"], s["address"] + s["total_size"])]
+    # the address ranges reserved before recording: held to the end (sorted, disjoint), or
+    # released at a trace index
+    held = sorted((s["address"], s["address"] + s["total_size"]) for s in early_final)
+    held_starts = [lo for lo, _ in held]
+    released = [(lo, hi, k) for k, (lo, hi) in early_releases.items()]
+
+    def early(addr: int, k: int) -> bool:
+        i = bisect_right(held_starts, addr) - 1
+        if i >= 0 and addr < held[i][1]:
+            return True
+        return any(lo <= addr < hi and k < until for lo, hi, until in released)
+
+    ranges = _Ranges()
+    aside: set[int] = set(early_releases)
     live: set[int] = set()
     freeing: set[int] = set()
+    live_early: set[int] = set()
+    n_aside = 0
     for k, e in enumerate(trace):
         act, addr, size = e["action"], e.get("addr", 0), e.get("size", 0)
         if act in ("segment_alloc", "segment_map"):
             ranges.add(addr, size)
         elif act in _RELEASES:
-            if not ranges.remove(addr, size):
-                return False, (f"entry {k}: {act} of memory reserved before the trace began "
-                               "(the ring buffer dropped the start; raise max_entries)")
+            if k not in early_releases:
+                ranges.remove(addr, size)
         elif act == "alloc":
-            if not ranges.contains(addr):
-                return False, (f"entry {k}: alloc in a segment reserved before the trace began "
-                               "(start recording before the first CUDA allocation)")
-            live.add(addr)
+            if ranges.contains(addr):
+                live.add(addr)
+            elif early(addr, k):
+                aside.add(k)
+                live_early.add(addr)
+                n_aside += 1
+            else:
+                return TraceCoverage(False, (f"entry {k}: alloc in a segment reserved before the trace "
+                                             "began (start recording before the first CUDA allocation)"))
         elif act == "free_requested":
-            if addr not in live:
-                return False, f"entry {k}: free of an allocation made before the trace began"
-            live.discard(addr)
-            freeing.add(addr)
+            if addr in live:
+                live.discard(addr)
+                freeing.add(addr)
+            elif addr in live_early or early(addr, k):
+                live_early.discard(addr)  # allocated before recording, or set aside
+            else:
+                return TraceCoverage(False, f"entry {k}: free of an allocation made before the trace began")
         elif act == "free_completed":
-            if addr not in freeing:
-                return False, f"entry {k}: free_completed without its free_requested"
-            freeing.discard(addr)
-    traced = ranges.total
-    if traced != final:
-        return False, (f"the trace accounts for {traced:,} B reserved but the final segments hold "
-                       f"{final:,} B")
-    return True, ""
+            if addr in freeing:
+                freeing.discard(addr)
+            elif not early(addr, k):
+                return TraceCoverage(False, f"entry {k}: free_completed without its free_requested")
+    rest = final - sum(s["total_size"] for s in early_final)
+    if ranges.total != rest:
+        return TraceCoverage(False, f"the trace accounts for {ranges.total:,} B reserved but the final "
+                             f"segments hold {rest:,} B")
+    spans = held + [(lo, hi) for lo, hi, _ in released]
+    return TraceCoverage(True, "", sum(hi - lo for lo, hi in spans), len(spans), frozenset(aside), n_aside)
+
+
+def trace_completeness(snap: Mapping[str, Any], device: int = 0) -> tuple[bool, str]:
+    """Whether the trace covers the allocator's whole life (so a replay starts from the same,
+    empty, state): (complete, reason when not)."""
+    cov = trace_coverage(snap, device)
+    if cov.whole:
+        return True, ""
+    return False, cov.reason or cov.describe()
 
 
 # ---------------------------------------------------------------------------- comparison
@@ -376,6 +544,7 @@ class SnapshotComparison:
     """A recorded snapshot replayed through the simulator."""
 
     complete: bool
+    """The trace (less any segments reserved before recording) can be compared."""
     reason: str
     """Why the trace cannot be compared ('' when complete)."""
     conf: str
@@ -395,6 +564,35 @@ class SnapshotComparison:
     addresses aside) as the snapshot's ``segments``."""
     result: ReplayResult
     notes: tuple[str, ...] = ()
+    addresses_match: bool = False
+    """Every final block sits at its recorded address (the simulation is seeded with the
+    recorded segment addresses; not checked with expandable segments)."""
+    reserved_before_recording: int = 0
+    """Bytes of segments reserved before recording began: left out of both sides (the
+    recorded peak and final reserved above are those of the rest)."""
+    allocations_set_aside: int = 0
+    """Recorded allocations in those segments, left out of the replay."""
+
+    @property
+    def coverage(self) -> str:
+        """"complete", "complete except N bytes reserved before recording", or "incomplete"."""
+        if not self.complete:
+            return "incomplete"
+        if self.reserved_before_recording:
+            return f"complete except {self.reserved_before_recording:,} bytes reserved before recording"
+        return "complete"
+
+    @property
+    def verdict(self) -> str:
+        """One line: how the replay compares with the recording."""
+        if not self.complete:
+            return f"not comparable: {self.reason}"
+        scope = " on the rest" if self.reserved_before_recording else ""
+        if self.match and self.layout_match:
+            return "exact match" + scope
+        if self.match:
+            return "segment events and peak match; final block layout differs" + scope
+        return "mismatch" + scope
 
     @property
     def match(self) -> bool:
@@ -405,7 +603,10 @@ class SnapshotComparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "complete": self.complete, "reason": self.reason, "match": self.match,
+            "complete": self.complete, "coverage": self.coverage, "reason": self.reason,
+            "match": self.match, "verdict": self.verdict,
+            "reserved_before_recording": self.reserved_before_recording,
+            "allocations_set_aside": self.allocations_set_aside,
             "conf": self.conf, "conf_source": self.conf_source, "events": self.events,
             "recorded_segment_events": self.recorded_segment_events,
             "simulated_segment_events": self.simulated_segment_events,
@@ -415,7 +616,7 @@ class SnapshotComparison:
             "simulated_peak_reserved": self.simulated_peak_reserved,
             "recorded_final_reserved": self.recorded_final_reserved,
             "simulated_final_reserved": self.simulated_final_reserved,
-            "layout_match": self.layout_match,
+            "layout_match": self.layout_match, "addresses_match": self.addresses_match,
             "notes": list(self.notes),
         }
 
@@ -432,23 +633,41 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
         cfg, source = snapshot_conf(snap)
     else:
         cfg, source = as_config(conf), "given"
-    complete, reason = trace_completeness(snap, device)
-    tr = convert_trace(snap, device, releases_as_empty_cache=capacity is None)
-    result = replay(tr.log, cfg, capacity=capacity, record_segments=True)
+    cov = trace_coverage(snap, device)
+    tr = convert_trace(snap, device, releases_as_empty_cache=capacity is None,
+                       set_aside=cov.set_aside if cov.complete else frozenset())
+    cap_note = ""
+    if capacity is not None and cov.complete and cov.reserved_before:
+        capacity = max(0, capacity - cov.reserved_before)  # what the rest could reserve
+        cap_note = (f"the capacity is less the {cov.reserved_before:,} bytes reserved before recording "
+                    f"({capacity:,} B for the rest)")
+    plan = [(e.addr, e.size) for e in tr.segment_events if e.action == "segment_alloc"]
+    result = replay(tr.log, cfg, capacity=capacity, record_segments=True, segment_addresses=plan)
     sim = result.segment_events or ()
     cmp: EventsComparison = compare_segment_events(tr.segment_events, sim)
     recorded_segs = [s for s in snap.get("segments", []) if s.get("device", device) == device]
+    if cov.complete and cov.reserved_before:  # compare the rest
+        traced = [(e.addr, e.addr + e.size) for e in tr.segment_events if e.action == "segment_alloc"]
+        recorded_segs = [s for s in recorded_segs if s.get("is_expandable", False) or "address" not in s
+                         or _overlaps(traced, s["address"], s["address"] + s["total_size"])]
     final = sum(s["total_size"] for s in recorded_segs)
-    simulated_segs = final_segments(tr.log, cfg, capacity=capacity)
+    simulated_segs = final_segments(tr.log, cfg, capacity=capacity, segment_addresses=plan)
     layout = Counter((s["total_size"], tuple((b["size"], b["state"]) for b in s["blocks"]))
                      for s in recorded_segs)
     sim_layout = Counter((s.size, tuple((b.size, b.state) for b in s.blocks)) for s in simulated_segs)
+    addresses = not cfg.expandable_segments and sorted(
+        (b.get("address", -1), b["size"], b["state"]) for sg in recorded_segs for b in sg["blocks"]
+    ) == sorted((b.addr, b.size, b.state) for sg in simulated_segs for b in sg.blocks)
     notes = list(tr.notes) + list(result.notes)
-    if not complete:
+    if cov.complete and cov.reserved_before:
+        notes.append(f"{cov.describe()}; peaks and final reserved compare the rest")
+    if cap_note:
+        notes.append(cap_note)
+    if not cov.complete:
         notes.append("incomplete trace: the replay starts from an empty allocator, the recording "
                      "did not, so differences are expected")
     return SnapshotComparison(
-        complete=complete, reason=reason, conf=cfg.text, conf_source=source,
+        complete=cov.complete, reason=cov.reason, conf=cfg.text, conf_source=source,
         events=len(tr.log), recorded_segment_events=cmp.recorded,
         simulated_segment_events=cmp.simulated, matching=cmp.matching,
         first_mismatch_index=cmp.first_mismatch_index, first_mismatch=cmp.first_mismatch,
@@ -456,4 +675,7 @@ def compare_with_recorded(snap: Mapping[str, Any], conf: AllocatorConfig | str |
         simulated_peak_reserved=result.max_reserved,
         recorded_final_reserved=final, simulated_final_reserved=result.final_reserved,
         layout_match=layout == sim_layout, result=result, notes=tuple(notes),
+        addresses_match=addresses,
+        reserved_before_recording=cov.reserved_before if cov.complete else 0,
+        allocations_set_aside=cov.allocations_set_aside if cov.complete else 0,
     )

@@ -1,0 +1,134 @@
+"""``vramplan serve-plan MODEL``: an inference server's start-up sizing of its KV-cache pool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import add_output_args, hint
+
+ENGINES = ("vllm", "sglang", "tgi", "trtllm")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-plan", help="plan an inference server's KV-cache pool (vLLM, SGLang, TGI, TensorRT-LLM)",
+        description="The figures the engine would log at start-up (weights, profile peak, KV cache GiB, "
+        "blocks, tokens, maximum concurrency) or its own error when it would not start; the largest "
+        "context that starts; the cheapest GPU/instance and TP size for a target.",
+    )
+    p.add_argument("model", help="catalog alias (llama-3.1-8b), Hub id, or path to a config.json")
+    p.add_argument("--gpu", help="catalog GPU (see `vramplan gpus`); not needed with --cheapest")
+    p.add_argument("--engine", choices=(*ENGINES, "all"), default="vllm",
+                   help="serving engine (default vllm); all: the four side by side")
+    g = p.add_argument_group("engine settings (engine defaults when omitted)")
+    g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1,
+                   help="tensor-parallel GPUs (default 1)")
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline-parallel stages (default 1)")
+    g.add_argument("--quantization", "--quantize", dest="quantization", default="none",
+                   choices=["none", "fp8", "awq", "gptq", "bitsandbytes"], help="weight quantisation (default none)")
+    g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 (default auto)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default auto)")
+    g.add_argument("--memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
+                   "--cuda-memory-fraction", "--free-gpu-memory-fraction", dest="memory_fraction", type=float,
+                   help="the engine's memory fraction (vLLM 0.9, SGLang by TP, TGI 1.0, TensorRT-LLM 0.9)")
+    g.add_argument("--max-model-len", "--context-length", "--max-total-tokens", "--max-seq-len",
+                   dest="max_model_len", type=int, help="longest request (default: the model's positions)")
+    g.add_argument("--max-num-seqs", "--max-running-requests", "--max-batch-size", "--max-concurrent-requests",
+                   dest="max_num_seqs", type=int, help="concurrent sequences the engine schedules")
+    g.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", "--max-batch-prefill-tokens",
+                   "--max-num-tokens", dest="max_num_batched_tokens", type=int,
+                   help="tokens per step; the profile / warm-up forward runs at this size")
+    g.add_argument("--block-size", "--page-size", "--tokens-per-block", dest="block_size", type=int)
+    g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true")
+    g.add_argument("--cuda-graph-sizes", type=_ints, default=(), help="vLLM: capture sizes (one value = the max; default: the engine's)")
+    g.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    g.add_argument("--method", choices=["analytic", "trace"], default="analytic",
+                   help="how vramplan estimates the profile forward (default analytic)")
+    q = p.add_argument_group("questions")
+    q.add_argument("--avg-request-len", type=int, help="also report concurrency at this request length (tokens)")
+    q.add_argument("--largest-context", action="store_true", help="the largest max_model_len that starts")
+    q.add_argument("--cheapest", action="store_true",
+                   help="cheapest catalog GPU/instance and TP size for --concurrency × --context")
+    q.add_argument("--concurrency", type=int, help="target concurrent requests (with --cheapest)")
+    q.add_argument("--context", type=int, help="target tokens per request (with --cheapest)")
+    q.add_argument("--provider", help="restrict --cheapest to one cloud provider")
+    q.add_argument("--sweep", choices=["utilization", "context"], default="utilization",
+                   help="x axis of --plot (default utilization)")
+    add_output_args(p, plot_help="plot weights, activation budget and KV pool vs --sweep (.png, .svg, .html)")
+    p.set_defaults(func=run)
+
+
+def _kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(engine=args.engine, tp=args.tp, pp=args.pp, quantization=args.quantization, dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype, memory_fraction=args.memory_fraction,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                enable_prefix_caching=args.prefix_caching,
+                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, method=args.method)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import VramplanError
+    from ..report import serving as rs
+    from ..report.render import emit
+    from ..serving import api
+
+    if args.plot:
+        from ..report.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    kw = _kwargs(args)
+    if args.cheapest:
+        if args.engine == "all":
+            raise VramplanError("--cheapest needs one engine", hint="add --engine vllm, sglang, tgi or trtllm")
+        if not args.concurrency or not args.context:
+            raise VramplanError("--cheapest needs a target", hint="add --concurrency N --context TOKENS")
+        kw.pop("tp")
+        opts = api.cheapest(args.model, concurrency=args.concurrency, context=args.context,
+                            provider=args.provider, **kw)  # type: ignore[arg-type]
+        doc = rs.options_doc(opts, concurrency=args.concurrency, context=args.context, engine=args.engine)
+        emit(doc, args.format, sys.stdout, [dict(gpu=o.gpu, tp=o.tp, instance=o.instance, provider=o.provider,
+                                                 usd_per_hour=o.usd_per_hour, concurrency=o.concurrency,
+                                                 plan=o.plan.to_dict()) for o in opts])
+        return 0
+    if not args.gpu:
+        raise VramplanError("serve-plan needs a GPU", hint="add --gpu h100-sxm (see `vramplan gpus`), or use --cheapest")
+    if args.engine == "all":
+        if args.largest_context or args.cheapest or args.plot:
+            raise VramplanError("--engine all only compares start-up plans",
+                                hint="drop --largest-context/--cheapest/--plot or name one engine")
+        plans = []
+        for engine in ENGINES:
+            kw["engine"] = engine
+            plans.append(api.serve_plan(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw))  # type: ignore[arg-type]
+        emit(rs.compare_doc(plans), args.format, sys.stdout, [p.to_dict() for p in plans])
+        return 0
+    if args.largest_context:
+        n = api.largest_max_model_len(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw)  # type: ignore[arg-type]
+        if n == 0:
+            raise VramplanError(f"{args.model} does not start on {args.gpu} with any max_model_len",
+                                hint="use more GPUs (--tp), quantise, or raise the memory fraction")
+        kw["max_model_len"] = n
+        plan = api.serve_plan(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw)  # type: ignore[arg-type]
+        emit(rs.largest_doc(plan, n), args.format, sys.stdout, {"largest_max_model_len": n, "plan": plan.to_dict()})
+    else:
+        plan = api.serve_plan(args.model, args.gpu, avg_request_len=args.avg_request_len, **kw)  # type: ignore[arg-type]
+        emit(rs.to_doc(plan), args.format, sys.stdout, plan.to_dict())
+    if args.plot:
+        points = api.sweep(args.model, args.gpu, over=args.sweep, avg_request_len=args.avg_request_len, **kw)  # type: ignore[arg-type]
+        rs.plot_serving(points, args.plot, over=args.sweep)
+        hint(f"plot written to {args.plot}")
+    if not plan.starts:
+        hint(f"note: {plan.engine} would not start with these settings (see \"Does not start\")")
+    return 0

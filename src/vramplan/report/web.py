@@ -1,0 +1,50 @@
+"""The web page's view data: JSON built from what the other renderers use.
+
+The page's figures come from the same JSON as the CLI's ``--json`` (``MemoryReport.to_dict()``,
+``FitResult.to_dict()``, …); this module adds only what the terminal does not print: the
+timeline the ``--plot`` figure draws (:func:`vramplan.report.plot.report_data`) and the
+catalog lists behind the page's pickers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vramplan.results import BREAKDOWN_KEYS, MemoryReport
+
+from .plot import COLORS, LABELS, report_data
+
+
+def timeline_json(report: MemoryReport) -> dict[str, Any]:
+    """What ``vramplan estimate … --plot`` draws, in bytes: for a trace the allocated timeline
+    stacked by category (decimated), reserved + overhead as a line, phase spans; for the analytic
+    method one stacked bar per phase. (Top modules and tensors are in the estimate's JSON.)"""
+    d = report_data(report)
+    out: dict[str, Any] = {
+        "kind": "timeline" if report.timeline is not None and report.timeline.index else "phases",
+        "title": d.title, "x": list(d.x), "x_label": d.x_label,
+        "stacked": {k: list(v) for k, v in d.stacked.items()},
+        "lines": {k: list(v) for k, v in d.lines.items()},
+        "levels": dict(d.levels), "bars": dict(d.bars),
+        "spans": [list(s) for s in d.spans], "peak_x": d.peak_x, "unit": d.unit,
+        "method": str(report.method),
+    }
+    return out
+
+
+def legend_json() -> dict[str, Any]:
+    """Colours and labels of the categories, shared with the matplotlib plots."""
+    order = [*BREAKDOWN_KEYS, "unknown", "cache", "overhead"]
+    return {"order": order, "colors": {k: COLORS[k] for k in order}, "labels": {k: LABELS[k] for k in order}}
+
+
+def catalog_json(models: list[Any], gpus: list[Any], usable: Mapping[str, int]) -> dict[str, Any]:
+    """The pickers' lists: catalog models (alias, family, params) and GPUs (key, name, memory)."""
+    return {
+        "models": [{"alias": s.name, "hub_id": s.hub_id, "family": str(s.family), "params": s.params}
+                   for s in models],
+        "gpus": [{"key": g.key, "name": g.name, "vendor": g.vendor, "capacity": g.capacity,
+                  "usable": usable[g.key]} for g in gpus],
+    }
+

@@ -1,0 +1,224 @@
+"""``serve_plan``: model + GPU + engine settings → the engine's start-up sizing; and the
+inverse questions (largest context that starts, cheapest GPU/instance and TP size)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vramplan.errors import PlanError, WorkloadError
+from vramplan.hardware.catalog import get_gpu
+from vramplan.hardware.gpu import GPU
+from vramplan.models.spec import ModelSpec
+
+from . import sglang, tgi, trtllm, vllm
+from .common import check_quant, serving_dtype
+from .result import ServePlan
+
+ENGINES = ("vllm", "sglang", "tgi", "trtllm")
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+FRACTION_NAME = {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static",
+                 "tgi": "cuda_memory_fraction", "trtllm": "free_gpu_memory_fraction"}
+
+
+def _resolve(model: str | ModelSpec) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    from vramplan.models.catalog import resolve
+
+    return resolve(model)
+
+
+def _check(spec: ModelSpec, engine: str, fraction: float | None, max_model_len: int | None,
+           avg_request_len: int | None, positive: dict[str, int | None]) -> None:
+    if engine not in ENGINES:
+        raise WorkloadError(f"unknown serving engine {engine!r}", hint=f"choose one of {' | '.join(ENGINES)}")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise WorkloadError(f"{FRACTION_NAME[engine]} must be in (0, 1], got {fraction}",
+                            hint="e.g. 0.9 for 90 % of the GPU")
+    if max_model_len is not None:
+        if max_model_len < 1:
+            raise WorkloadError(f"max_model_len must be >= 1, got {max_model_len}")
+        if spec.max_positions and max_model_len > spec.max_positions:
+            raise WorkloadError(
+                f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+                f"(max_position_embeddings={spec.max_positions} in model's config.json)",
+                hint=f"use --max-model-len {spec.max_positions} or less")
+    if avg_request_len is not None and avg_request_len < 1:
+        raise WorkloadError(f"average request length must be >= 1, got {avg_request_len}")
+    for name, v in positive.items():
+        if v is not None and v < 1:
+            raise WorkloadError(f"{name} must be >= 1, got {v}")
+    block = positive.get("block_size")
+    if engine == "vllm" and block is not None and block not in VLLM_BLOCK_SIZES:
+        raise WorkloadError(f"invalid block_size {block} for vLLM",
+                            hint=f"choose one of {', '.join(map(str, VLLM_BLOCK_SIZES))} (vllm/config/cache.py BlockSize)")
+
+
+def serve_plan(
+    model: str | ModelSpec,
+    gpu: str | GPU,
+    *,
+    engine: str = "vllm",
+    tp: int = 1,
+    pp: int = 1,
+    quantization: str = "none",
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    memory_fraction: float | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    block_size: int | None = None,
+    enforce_eager: bool = False,
+    cuda_graph_sizes: tuple[int, ...] = (),
+    enable_prefix_caching: bool = True,
+    disable_hybrid_kv_cache_manager: bool = False,
+    avg_request_len: int | None = None,
+    method: str = "analytic",
+) -> ServePlan:
+    """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
+
+    ``memory_fraction`` is the engine's own knob (vLLM ``gpu_memory_utilization``, SGLang
+    ``mem_fraction_static``, TGI ``cuda_memory_fraction``, TensorRT-LLM
+    ``free_gpu_memory_fraction``); ``max_model_len`` its per-request limit (SGLang
+    ``context_length``, TGI ``max_total_tokens``, TensorRT-LLM ``max_seq_len``);
+    ``max_num_seqs`` its concurrency limit (``max_running_requests``,
+    ``max_concurrent_requests``, ``max_batch_size``); ``max_num_batched_tokens`` its token
+    budget per step (``chunked_prefill_size``, ``max_batch_prefill_tokens``,
+    ``max_num_tokens``); ``block_size`` its page (``page_size``, ``tokens_per_block``).
+    ``method`` is how the profile forward is estimated: ``analytic`` or ``trace``.
+    """
+    engine = (engine or "").strip().lower()
+    spec = _resolve(model)
+    g = gpu if isinstance(gpu, GPU) else get_gpu(gpu)
+    _check(spec, engine, memory_fraction, max_model_len, avg_request_len,
+           {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "block_size": block_size})
+    if method not in ("analytic", "trace"):
+        raise WorkloadError(f"invalid method {method!r}", hint="use analytic or trace")
+    q = check_quant(quantization)
+    d = serving_dtype(spec, dtype)
+    common: dict[str, Any] = {"tp": tp, "pp": pp, "quant": q, "dtype": d, "avg_request_len": avg_request_len,
+                              "method": method}
+    if engine == "vllm":
+        vs = vllm.VllmSettings(
+            gpu_memory_utilization=memory_fraction if memory_fraction is not None else 0.9,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size or 16, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+            cuda_graph_sizes=tuple(cuda_graph_sizes), enable_prefix_caching=enable_prefix_caching,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+        return vllm.plan(spec, g, settings=vs, **common)
+    if engine == "sglang":
+        ss = sglang.SglangSettings(
+            mem_fraction_static=memory_fraction, context_length=max_model_len, max_running_requests=max_num_seqs,
+            chunked_prefill_size=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype, page_size=block_size or 1,
+            disable_cuda_graph=enforce_eager)
+        return sglang.plan(spec, g, settings=ss, **common)
+    if engine == "tgi":
+        if pp > 1:
+            raise WorkloadError("TGI has no pipeline parallelism", hint="use --tp (TGI's --num-shard) instead")
+        ts = tgi.TgiSettings(
+            cuda_memory_fraction=memory_fraction if memory_fraction is not None else 1.0,
+            max_total_tokens=max_model_len, max_batch_prefill_tokens=max_num_batched_tokens,
+            max_concurrent_requests=max_num_seqs or 128, kv_cache_dtype=kv_cache_dtype,
+            attention={None: "flashinfer", 1: "flashinfer", 16: "paged", 256: "flashdecoding"}.get(block_size, "paged"))
+        return tgi.plan(spec, g, settings=ts, **common)
+    es = trtllm.TrtllmSettings(
+        free_gpu_memory_fraction=memory_fraction if memory_fraction is not None else 0.9,
+        max_seq_len=max_model_len, max_batch_size=max_num_seqs or 2048,
+        max_num_tokens=max_num_batched_tokens or 8192, tokens_per_block=block_size or 32,
+        kv_cache_dtype=kv_cache_dtype)
+    return trtllm.plan(spec, g, settings=es, **common)
+
+
+def largest_max_model_len(model: str | ModelSpec, gpu: str | GPU, **kwargs: Any) -> int:
+    """The largest ``max_model_len`` with which the engine starts (0 if none), by bisection
+    on :func:`serve_plan` (the engine's own check decides)."""
+    spec = _resolve(model)
+    kwargs.pop("max_model_len", None)
+
+    def starts(n: int) -> bool:
+        return serve_plan(spec, gpu, max_model_len=n, **kwargs).starts
+
+    hi = spec.max_positions
+    if starts(hi):
+        return hi
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mid and starts(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class Option:
+    """One GPU/instance and TP size that serves the target, with its price."""
+
+    gpu: str
+    tp: int
+    instance: str | None
+    provider: str | None
+    usd_per_hour: float | None
+    """Price of the GPUs used (tp × the instance's price per GPU-hour)."""
+    concurrency: float
+    plan: ServePlan
+
+
+def cheapest(model: str | ModelSpec, *, concurrency: int, context: int, engine: str = "vllm",
+             tps: tuple[int, ...] = (1, 2, 4, 8), provider: str | None = None, limit: int = 10,
+             progress: Callable[[str], None] | None = None, **kwargs: Any) -> list[Option]:
+    """GPU/instance and TP size that hold ``concurrency`` requests of ``context`` tokens
+    (``max_model_len = context``), cheapest per hour first (catalog prices, ``hardware.prices``)."""
+    from vramplan.hardware.prices import list_instances
+
+    if concurrency < 1 or context < 1:
+        raise WorkloadError("target concurrency and context must be >= 1")
+    spec = _resolve(model)
+    kwargs.pop("max_model_len", None)
+    kwargs.pop("avg_request_len", None)
+    best: dict[tuple[str, int], Option] = {}
+    for inst in list_instances(provider=provider):
+        for tp in tps:
+            if tp > inst.count:
+                continue
+            key = (inst.gpu, tp)
+            price = inst.usd_per_gpu_hour * tp
+            if key in best and (best[key].usd_per_hour or 0) <= price:
+                continue
+            try:
+                p = serve_plan(spec, inst.gpu, engine=engine, tp=tp, max_model_len=context,
+                               avg_request_len=context, **kwargs)
+            except WorkloadError:
+                continue
+            if not p.starts or (p.concurrency_at_avg or 0) < concurrency:
+                continue
+            best[key] = Option(inst.gpu, tp, inst.name, inst.provider, price, p.concurrency_at_avg or 0.0, p)
+    if not best:
+        raise PlanError(f"no catalog GPU/instance with TP in {tps} serves {concurrency} requests of {context:,} tokens",
+                        hint="lower the target, allow a larger TP (--tps 16) or quantise (--quantization fp8)")
+    ranked = sorted(best.values(), key=lambda o: (o.usd_per_hour or 0.0, o.tp))
+    return ranked[:limit]
+
+
+SWEEPS = ("utilization", "context")
+
+
+def sweep(model: str | ModelSpec, gpu: str | GPU, *, over: str = "utilization",
+          values: tuple[float, ...] | None = None, **kwargs: Any) -> list[tuple[float, ServePlan]]:
+    """Plans across the memory fraction (``utilization``) or ``max_model_len`` (``context``)."""
+    spec = _resolve(model)
+    if over not in SWEEPS:
+        raise WorkloadError(f"cannot sweep over {over!r}", hint=f"choose one of {' | '.join(SWEEPS)}")
+    if over == "utilization":
+        vals = values or tuple(round(0.5 + 0.05 * k, 2) for k in range(11))
+        kwargs.pop("memory_fraction", None)
+        return [(v, serve_plan(spec, gpu, memory_fraction=v, **kwargs)) for v in vals]
+    top = spec.max_positions
+    vals = values or tuple(float(v) for v in sorted({min(top, 2 ** k) for k in range(10, 21)}))
+    kwargs.pop("max_model_len", None)
+    return [(v, serve_plan(spec, gpu, max_model_len=int(v), **kwargs)) for v in vals]

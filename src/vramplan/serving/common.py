@@ -1,0 +1,151 @@
+"""What every engine's sizing reads from vramplan: weights per rank, the activation peak of
+a forward over a flat batch of tokens, and the memory outside PyTorch.
+
+- **Weights** per TP rank (first pipeline stage) and the **forward peak** come from
+  vramplan's own estimate (:func:`vramplan.engine.estimate`) of a prefill of ``tokens`` positions at
+  batch 1 (``task="generate"``, so logits are computed for the last position only, as an
+  engine's profile run does), analytic by default, traced when ``method="trace"``. The
+  activation peak is that phase's allocated peak minus the weights and minus the KV cache
+  transformers builds during the prefill (engines profile without a KV pool).
+- **Quantisation**: ``fp8`` weights 1 B (+ a scale per output row), ``bitsandbytes`` NF4
+  (vramplan's bitsandbytes rules), ``awq``/``gptq`` 4-bit packed + one fp16 scale and one
+  4-bit zero point per group of 128 (AutoAWQ / GPTQ ``group_size=128`` layout:
+  0.5 + 2/128 + 0.5/128 B per weight) on the linear layers; embeddings and norms stay 16 bit.
+  The linear-layer element count is the difference of the 16-bit and fp8 estimates.
+  AWQ/GPTQ/fp8 kernels do not dequantise whole matrices, so their forward peak is the
+  16-bit model's.
+- **Outside PyTorch**: :func:`vramplan.hardware.overhead.device_overhead` items: the CUDA
+  context + kernel images + thread stacks (present before an engine's first memory
+  snapshot) and the cuBLAS handle + NCCL buffers (created after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.errors import WorkloadError
+from vramplan.hardware.gpu import GPU
+from vramplan.hardware.overhead import device_overhead
+from vramplan.models.spec import Family, ModelSpec
+
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
+AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
+"""4-bit packed weight + fp16 scale and 4-bit zero point per group of 128."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Weights and the forward's activation peak on one rank (bytes)."""
+
+    weights: int
+    activation_peak: int
+    """Allocated above the weights at the forward's peak (no KV pool)."""
+    tokens: int
+    method: str
+
+
+def serving_dtype(spec: ModelSpec, dtype: str) -> str:
+    """``auto``: the checkpoint's 16-bit dtype; fp32 checkpoints are served in bf16 (vLLM
+    ``_get_and_verify_dtype`` downcasts float32 to 16 bit)."""
+    d = dtype.strip().lower()
+    if d == "auto":
+        return "fp16" if spec.dtype in ("float16", "fp16") else "bf16"
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+    d = aliases.get(d, d)
+    if d not in ("bf16", "fp16"):
+        raise WorkloadError(f"invalid serving dtype {dtype!r}", hint="use auto, bf16 or fp16")
+    return d
+
+
+def check_quant(quant: str) -> str:
+    q = (quant or "none").strip().lower()
+    if q not in QUANTIZATIONS:
+        raise WorkloadError(f"invalid quantization {quant!r}", hint=f"choose one of {' | '.join(QUANTIZATIONS)}")
+    return q
+
+
+def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype: str,
+            method: str = "analytic") -> Forward:
+    """Weights on one rank and the activation peak of a forward over ``tokens`` tokens.
+
+    Above the model's maximum positions the peak is scaled linearly from a forward at
+    that length (a flat batch of several requests costs about what one long one does)."""
+    if tokens < 1:
+        raise WorkloadError(f"token budget must be >= 1, got {tokens}")
+    limit = spec.max_positions - 1 if spec.max_positions > 1 else tokens  # + 1 generated position
+    run = min(tokens, limit)
+    # TP above the KV heads: engines replicate K/V; vramplan's estimators split by heads, so
+    # estimate at tp = kv_heads and scale by kv_heads / tp (the replicated K/V projections,
+    # a few % of the weights, are under-counted).
+    etp, scale = tp, 1.0
+    if spec.kv_heads and tp > spec.kv_heads and spec.family is not Family.MLA:
+        etp, scale = spec.kv_heads, spec.kv_heads / tp
+    w16, act, used = _estimate(spec.name, spec, run, etp, pp,
+                               "none" if quant in ("awq", "gptq", "fp8") else quant, dtype, method)
+    if tokens > run:
+        act = act * tokens // run
+    w16, act = int(w16 * scale), int(act * scale)
+    weights = w16
+    if quant in ("fp8", "awq", "gptq"):
+        w8, _, _ = _estimate(spec.name, spec, min(run, 16), etp, pp, "fp8", dtype, "analytic")
+        w8 = int(w8 * scale)
+        if quant == "fp8":
+            weights = w8
+        else:
+            linear = max(0, w16 - w8)
+            weights = int(w16 - 2 * linear + AWQ_BYTES_PER_WEIGHT * linear)
+    return Forward(weights=weights, activation_peak=act, tokens=tokens, method=used)
+
+
+_CACHE: dict[tuple[object, ...], tuple[int, int, str]] = {}
+
+
+def _estimate(key: str, spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dtype: str,
+              method: str) -> tuple[int, int, str]:
+    """One estimate, memoised on the model's name and the inputs (searches repeat them)."""
+    k = (key, spec.hub_id, spec.source, tokens, tp, pp, quant, dtype, method)
+    if k not in _CACHE:
+        if len(_CACHE) > 512:
+            _CACHE.clear()
+        _CACHE[k] = _run_estimate(spec, tokens, tp, pp, quant, dtype, method)
+    return _CACHE[k]
+
+
+def _run_estimate(spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dtype: str,
+                  method: str) -> tuple[int, int, str]:
+    from vramplan.engine import estimate
+    from vramplan.workload import Parallel, Precision, Quant, Task, Workload
+
+    wq = {"none": Quant.NONE, "fp8": Quant.FP8, "bitsandbytes": Quant.NF4}[quant]
+    w = Workload(task=Task.GENERATE, batch=1, seq=tokens, new_tokens=1, precision=Precision(dtype), quant=wq,
+                 parallel=Parallel(tp=tp, pp=pp))
+    report = estimate(spec, w, method=method, search_max_batch=False)
+    prefill = [p for p in report.phases if str(getattr(p.phase, "value", p.phase)) == "prefill"]
+    if prefill:
+        b = prefill[0].breakdown
+        act = prefill[0].allocated - b.weights - b.kv_cache
+    else:
+        b = report.breakdown
+        act = report.peak.allocated - b.weights - b.kv_cache
+    return report.breakdown.weights, max(0, act), str(getattr(report.method, "value", report.method))
+
+
+@dataclass(frozen=True)
+class Outside:
+    """Device memory outside PyTorch's allocator on one rank."""
+
+    context: int
+    """CUDA context + kernel images + thread stacks (exists before the engine's first snapshot)."""
+    later: int
+    """cuBLAS handle + NCCL buffers (created after it)."""
+
+
+def outside(gpu: GPU, world: int) -> Outside:
+    items = device_overhead(gpu, world_size=world)
+    context = sum(i.bytes for i in items if i.name.startswith(("CUDA context", "thread stack")))
+    later = sum(i.bytes for i in items) - context
+    return Outside(context=context, later=later)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,86 @@
+"""The typed result of a serving plan: what the engine would log at start-up, and what it
+means for users. Bytes are ints; ``to_dict`` is the JSON form (integer bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServePlan:
+    """One engine's start-up sizing of its KV-cache pool on one GPU (rank)."""
+
+    engine: str
+    """``vllm`` | ``sglang`` | ``tgi`` | ``trtllm``."""
+    engine_version: str
+    """The engine release whose sizing code is followed."""
+    model: str
+    gpu: str
+    tp: int
+    pp: int
+    settings: Mapping[str, Any]
+    """The engine settings in effect, defaults filled in, under the engine's own names."""
+    total_memory: int
+    """What CUDA reports as the GPU's total (``torch.cuda.mem_get_info()[1]``)."""
+    budget: int
+    """Memory the engine allows itself (vLLM: total × gpu_memory_utilization)."""
+    weights: int
+    """Model weights on this rank."""
+    profile_peak: int
+    """Activation peak of the profiling / warm-up forward above the weights (0 where the engine does not profile)."""
+    non_torch: int
+    """Memory outside PyTorch's allocator that the engine counts against its budget."""
+    context: int
+    """CUDA context, kernel images and thread stacks (outside the budget for vLLM)."""
+    cuda_graph: int
+    """CUDA-graph pool, as the engine accounts for it (see ``cuda_graph_in_budget``)."""
+    cuda_graph_in_budget: bool
+    kv_available: int
+    """Memory the engine computes as available for the KV cache (vLLM "Available KV cache
+    memory"; may be negative when it does not start)."""
+    kv_pool: int
+    """Bytes of the KV-cache pool on this rank (whole blocks; 0 when it does not start)."""
+    block_size: int
+    """Tokens per KV block (page)."""
+    blocks: int
+    tokens: int
+    """KV-cache size in tokens, as the engine logs it."""
+    bytes_per_token: int
+    """KV bytes per token on this rank, all layers of the stage."""
+    max_model_len: int
+    max_concurrency: float
+    """Requests of ``max_model_len`` tokens the pool holds at once (the engine's own figure)."""
+    avg_request_len: int | None = None
+    concurrency_at_avg: float | None = None
+    """Requests of ``avg_request_len`` tokens at once (capped by the engine's max running requests)."""
+    max_running: int = 0
+    """The engine's limit on concurrent sequences (max_num_seqs / max_running_requests / max_batch_size)."""
+    starts: bool = True
+    error: str | None = None
+    """The engine's own error when it would refuse to start."""
+    device_used: int = 0
+    """Predicted nvidia-smi used per GPU after start-up."""
+    log: tuple[str, ...] = ()
+    """The start-up lines the engine would log, with these figures."""
+    command: str = ""
+    """The engine's command line for these settings."""
+    profile_method: str = "analytic"
+    notes: tuple[str, ...] = ()
+    layer_kinds: Mapping[str, int] = field(default_factory=dict)
+    """KV layer kinds on this rank: kind → layers."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["settings"] = dict(self.settings)
+        d["layer_kinds"] = dict(self.layer_kinds)
+        d["log"] = list(self.log)
+        d["notes"] = list(self.notes)
+        d["gpus"] = self.gpus
+        return d

@@ -1,0 +1,116 @@
+"""Text Generation Inference start-up sizing, following TGI **3.x**
+(``server/text_generation_server/models/flash_causal_lm.py`` ``FlashCausalLM.warmup``).
+
+- The warm-up runs one prefill batch of ``max_batch_prefill_tokens`` tokens (its KV blocks
+  are allocated first); the caching allocator keeps that peak reserved, so the free memory
+  measured afterwards already excludes it. An OOM there is TGI's "Not enough memory to
+  handle N prefill tokens. You need to decrease `--max-batch-prefill-tokens`".
+- ``free_memory = get_free_memory(device, MEMORY_FRACTION)`` = CUDA free − (1 −
+  ``--cuda-memory-fraction``) × total (``server/text_generation_server/utils/import_utils.py``);
+  ``num_blocks = int(free_memory × TGI_WIGGLE_ROOM // total_cache_size) + batch_num_blocks``
+  with ``TGI_WIGGLE_ROOM`` 0.95 and ``total_cache_size = layers × BLOCK_SIZE × kv_heads ×
+  head_size × 2 × dtype_size``; logged as "KV-cache blocks: N, size: BLOCK_SIZE", and the
+  router's "Setting max batch total tokens to N".
+- ``BLOCK_SIZE`` is 1 with the flashinfer attention TGI 3 uses by default (prefix caching),
+  16 with paged attention, 256 with flashdecoding (``models/globals.py``).
+- KV heads on a rank: ``num_kv_heads // world_size``, or *all* of them when that is 0.
+- Approximated: the warm-up peak (vramplan's forward at ``max_batch_prefill_tokens``); the
+  router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.errors import WorkloadError
+from vramplan.hardware.catalog import usable_capacity
+from vramplan.hardware.gpu import GPU
+from vramplan.models.spec import Family, ModelSpec
+from vramplan.units import GiB
+
+from .common import cdiv, forward, outside
+from .kvspec import bytes_per_token, layer_specs
+from .result import ServePlan
+
+VERSION = "3.x"
+WIGGLE_ROOM = 0.95
+BLOCK_SIZES = {"flashinfer": 1, "paged": 16, "flashdecoding": 256}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TgiSettings:
+    cuda_memory_fraction: float = 1.0
+    max_total_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = None
+    max_concurrent_requests: int = 128
+    kv_cache_dtype: str = "auto"
+    attention: str = "flashinfer"
+
+
+def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "none", dtype: str = "bf16",
+         settings: TgiSettings = TgiSettings(), avg_request_len: int | None = None,
+         method: str = "analytic") -> ServePlan:
+    s = settings
+    total, _ = usable_capacity(gpu)
+    block = BLOCK_SIZES.get(s.attention, 1)
+    max_total = s.max_total_tokens or spec.max_positions
+    prefill = s.max_batch_prefill_tokens or (max_total - 1) + 50
+    if spec.family is Family.MLA:
+        raise WorkloadError(f"vramplan does not model TGI's KV layout for the MLA model {spec.name}",
+                            hint="use --engine vllm, sglang or trtllm, which cache MLA's compressed latent")
+    layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="tgi", sliding=False)
+    per_token = bytes_per_token(layers)
+    block_bytes = per_token * block
+    out = outside(gpu, tp * pp)
+    fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
+    batch_blocks = cdiv(prefill, block)
+    cuda_free = total - out.context - out.later - fwd.weights - fwd.activation_peak - batch_blocks * block_bytes
+    free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction) * total))
+    error = None
+    if cuda_free - (1 - s.cuda_memory_fraction) * total < 0:
+        error = (f"Not enough memory to handle {prefill} prefill tokens. You need to decrease "
+                 "`--max-batch-prefill-tokens`")
+    blocks = int(free * WIGGLE_ROOM // block_bytes) + batch_blocks if error is None else 0
+    tokens = blocks * block
+    if error is None and tokens < max_total:
+        error = (f"max batch total tokens ({tokens}) is smaller than `--max-total-tokens` ({max_total}) "
+                 "(TGI's router refuses this; wording paraphrased)")
+    conc = tokens / max_total if max_total else 0.0
+    conc_avg = min(float(s.max_concurrent_requests), tokens / avg_request_len) if avg_request_len else None
+    log = [f"KV-cache blocks: {blocks}, size: {block}", f"Setting max batch total tokens to {tokens}"] \
+        if error is None else [f"Error: {error}"]
+    st = {"cuda_memory_fraction": s.cuda_memory_fraction, "max_total_tokens": max_total,
+          "max_batch_prefill_tokens": prefill, "max_concurrent_requests": s.max_concurrent_requests,
+          "kv_cache_dtype": s.kv_cache_dtype, "attention": s.attention, "quantization": quant, "dtype": dtype}
+    notes = [f"Follows TGI {VERSION} FlashCausalLM.warmup: 95 % of the free memory after a warm-up prefill of "
+             f"{prefill:,} tokens (peak {fwd.activation_peak / GiB:.2f} GiB, {fwd.method}) becomes KV blocks.",
+             "max_batch_prefill_tokens defaults to max_input_tokens + 50 with max_input_tokens = "
+             "max_total_tokens − 1 (TGI launcher, when unset)."]
+    return ServePlan(
+        engine="tgi", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
+        total_memory=total, budget=int(total * s.cuda_memory_fraction), weights=fwd.weights,
+        profile_peak=fwd.activation_peak, non_torch=out.later, context=out.context, cuda_graph=0,
+        cuda_graph_in_budget=True, kv_available=int(free * WIGGLE_ROOM) + batch_blocks * block_bytes,
+        kv_pool=blocks * block_bytes, block_size=block, blocks=blocks, tokens=tokens,
+        bytes_per_token=per_token, max_model_len=max_total, max_concurrency=conc, avg_request_len=avg_request_len,
+        concurrency_at_avg=conc_avg, max_running=s.max_concurrent_requests, starts=error is None, error=error,
+        device_used=out.context + out.later + fwd.weights + fwd.activation_peak + blocks * block_bytes,
+        log=tuple(log), command=command(spec, tp, quant, st), profile_method=fwd.method, notes=tuple(notes),
+        layer_kinds={layers[0].kind: len(layers)},
+    )
+
+
+def command(spec: ModelSpec, tp: int, quant: str, st: dict[str, object]) -> str:
+    parts = ["text-generation-launcher --model-id", spec.hub_id or spec.name]
+    if tp > 1:
+        parts.append(f"--num-shard {tp}")
+    parts += [f"--max-total-tokens {st['max_total_tokens']}",
+              f"--max-input-tokens {int(str(st['max_total_tokens'])) - 1}",
+              f"--max-batch-prefill-tokens {st['max_batch_prefill_tokens']}"]
+    if st["cuda_memory_fraction"] != 1.0:
+        parts.append(f"--cuda-memory-fraction {st['cuda_memory_fraction']}")
+    if st["kv_cache_dtype"] != "auto":
+        parts.append(f"--kv-cache-dtype {'fp8_e4m3fn' if st['kv_cache_dtype'] in ('fp8', 'fp8_e4m3') else st['kv_cache_dtype']}")
+    if quant != "none":
+        parts.append(f"--quantize {'bitsandbytes-nf4' if quant == 'bitsandbytes' else quant}")
+    return " ".join(parts)

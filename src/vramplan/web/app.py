@@ -1,0 +1,370 @@
+"""The local web page's server: a Starlette app (ASGI; served by uvicorn in ``vramplan web``).
+
+Starlette because it is small, typed and well kept (the ASGI toolkit under FastAPI), parses
+HTTP, query strings and bodies for us, serves the static page, and ships a ``TestClient``;
+the page needs no validation framework on top (its inputs are the Workload's own).
+
+Every ``/api/…`` endpoint answers JSON. The page's state is its query string; the same
+string goes to the endpoints:
+
+- ``GET /api/estimate?model=gpt2&batch=4&gpu=rtx-4090&method=analytic`` → exactly what
+  ``vramplan estimate gpt2 --batch 4 --gpu rtx-4090 --method analytic --json`` prints;
+- ``/api/fit``, ``/api/plan``, ``/api/rank`` → ``vramplan fit``, ``plan`` and
+  ``plan --rank-gpus`` ``--json``; ``/api/timeline`` → the data ``--plot`` draws;
+- ``/api/download/report|snapshot|emit`` → the JSON report, the predicted snapshot
+  (``--snapshot``), the emitted DeepSpeed/Accelerate/FSDP config (``plan --emit``);
+- ``POST /api/config`` checks a dropped config.json (data only, size-limited) and returns it
+  encoded for the link.
+
+A user mistake answers 400 ``{"error": <the CLI's one-line message>, "field": <query key>}``;
+a request overtaken by a newer one of its kind 409 ``{"stale": true}``; anything else 500
+with one line. The analytic method runs in the server process (milliseconds); traces and
+searches run in worker processes (:mod:`vramplan.web.jobs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import functools
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from vramplan.errors import VramplanError
+from vramplan.workload import Method
+
+from . import work
+from .jobs import Jobs, Stale
+from .params import FieldError, Query, field_of, fields, parse_query, read_upload
+
+Handler = Callable[..., Awaitable[Response]]
+EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+PAGE_DEFAULTS = {"model": "llama-3.2-1b", "gpu": "rtx-4090", "method": "auto"}
+"""What a bare ``/`` shows (the page writes these into its URL, so a link keeps them)."""
+BOOT_SLOT = '<script id="boot" type="application/json">{}</script>'
+
+SORTS = ("speed", "cost", "memory")
+
+
+def _static_dir() -> str:
+    return str(resources.files("vramplan.web").joinpath("static"))
+
+
+class Bug(Exception):
+    """An internal error already put in one line (in a worker)."""
+
+
+def api(fn: Handler) -> Handler:
+    """One JSON error contract for every endpoint; the server never crashes on a request."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Response:
+        try:
+            return await fn(*args)
+        except FieldError as e:
+            return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
+        except VramplanError as e:
+            return JSONResponse({"error": str(e), "field": field_of(e)}, status_code=400)
+        except Stale:
+            return JSONResponse({"error": "superseded by a newer request", "stale": True}, status_code=409)
+        except Bug as e:
+            return JSONResponse({"error": str(e)}, status_code=500)
+        except Exception as e:  # a bug in vramplan: one line, logged by nobody, shown to the user
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return JSONResponse({"error": f"internal error ({e.__class__.__name__}: {first})"}, status_code=500)
+
+    return wrapper
+
+
+def _answer(out: work.Outcome) -> Any:
+    if out.ok:
+        return out.value
+    if out.bug:
+        raise Bug(out.error)
+    raise FieldError(out.error or "error", field=out.field)
+
+
+class Server:
+    """The endpoints, over one :class:`Jobs` pool and one analytic cache."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        self.jobs = jobs
+
+    # ------------------------------------------------------------------ computing
+    async def report(self, q: Query) -> Any:
+        """The MemoryReport: analytic in this process, trace/auto in a worker."""
+        key = q.key(kind="estimate")
+        if q.method is Method.ANALYTIC:
+            hit = self.jobs.cached(key)
+            if hit is None:
+                hit = await run_in_threadpool(work.estimate, q)
+                self.jobs.remember(key, hit)
+            return _answer(hit)
+        return _answer(await self.jobs.run("trace", key, work.estimate, q))
+
+    async def search(self, kind: str, q: Query, opts: dict[str, Any]) -> Any:
+        fns: dict[str, Callable[..., work.Outcome]] = {"fit": work.fit, "plan": work.plan, "rank": work.rank}
+        fn = fns[kind]
+        args: tuple[Any, ...] = (q,) if kind == "fit" else (q, opts)
+        key = q.key(kind=kind, **opts)
+        if q.method is Method.ANALYTIC and kind == "fit":  # milliseconds: no worker needed
+            hit = self.jobs.cached(key)
+            if hit is None:
+                hit = await run_in_threadpool(fn, *args)
+                self.jobs.remember(key, hit)
+            return _answer(hit)
+        return _answer(await self.jobs.run(kind, key, fn, *args))
+
+    # ------------------------------------------------------------------ endpoints
+    @api
+    async def index(self, request: Request) -> Response:
+        """The page, with its boot data inline: defaults, catalog, and the analytic answer (or
+        the error) for this very URL — the first answer needs no further round trip."""
+        import json
+
+        first: dict[str, Any] | None
+        try:
+            q = parse_query({**PAGE_DEFAULTS, **request.query_params}, method="analytic")
+            first = {"status": 200, "body": (await self.report(q)).to_dict()}
+        except FieldError as e:
+            first = {"status": 400, "body": {"error": str(e), "field": e.field}}
+        except VramplanError as e:
+            first = {"status": 400, "body": {"error": str(e), "field": field_of(e)}}
+        except Exception:  # the page still loads; its own request will show the error
+            first = None
+        boot = {"defaults": PAGE_DEFAULTS, "catalog": catalog_body(), "first": first}
+        text = json.dumps(boot, separators=(",", ":")).replace("</", "<\\/")
+        html = _page().replace(BOOT_SLOT, f'<script id="boot" type="application/json">{text}</script>', 1)
+        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+    @api
+    async def status(self, request: Request) -> Response:
+        return JSONResponse(self.jobs.status())
+
+    @api
+    async def catalog(self, request: Request) -> Response:
+        return JSONResponse(catalog_body())
+
+    @api
+    async def estimate(self, request: Request) -> Response:
+        q = parse_query(request.query_params)
+        return JSONResponse((await self.report(q)).to_dict())
+
+    @api
+    async def timeline(self, request: Request) -> Response:
+        from vramplan.report.web import timeline_json
+
+        q = parse_query(request.query_params)
+        return JSONResponse(timeline_json(await self.report(q)))
+
+    @api
+    async def fit(self, request: Request) -> Response:
+        q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
+        return JSONResponse((await self.search("fit", q, {})).to_dict())
+
+    @api
+    async def plan(self, request: Request) -> Response:
+        q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
+        return JSONResponse((await self.search("plan", q, search_options(request.query_params))).to_dict())
+
+    @api
+    async def rank(self, request: Request) -> Response:
+        q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
+        return JSONResponse((await self.search("rank", q, search_options(request.query_params))).to_dict())
+
+    @api
+    async def download_report(self, request: Request) -> Response:
+        import json
+
+        q = parse_query(request.query_params)
+        text = json.dumps((await self.report(q)).to_dict(), indent=2) + "\n"
+        return _attachment(text.encode(), f"vramplan-{_slug(q.model)}.json", "application/json")
+
+    @api
+    async def download_snapshot(self, request: Request) -> Response:
+        q = parse_query(request.query_params, method="trace")
+        data = _answer(await self.jobs.run("snapshot", q.key(kind="snapshot"), work.snapshot, q))
+        return _attachment(data, f"vramplan-{_slug(q.model)}-predicted.pickle", "application/octet-stream")
+
+    @api
+    async def download_emit(self, request: Request) -> Response:
+        from vramplan.planner.emit import emit
+
+        p = request.query_params
+        fmt = p.get("fmt", "")
+        if fmt not in EMIT_FORMATS:
+            raise FieldError(f"unknown --emit format {fmt!r}", field="fmt", hint=f"choose one of {', '.join(EMIT_FORMATS)}")
+        view = p.get("view", "plan")
+        if view not in ("plan", "rank"):
+            raise FieldError(f"unknown view {view!r}", field="view", hint="plan or rank")
+        pick = _int(p, "pick", 1, minimum=1)
+        q = parse_query(p, method=p.get("method") or "analytic")
+        result = await self.search(view, q, search_options(p))
+        plans = list(result.plans) if view == "plan" else [r.plan for r in result.ranked]
+        if pick > len(plans):
+            raise FieldError(f"--pick {pick}: there are only {len(plans)} plan(s)", field="pick")
+        out = emit(plans[pick - 1], fmt)
+        return _attachment(out.text.encode(), out.filename, "text/plain; charset=utf-8")
+
+    @api
+    async def upload_config(self, request: Request) -> Response:
+        from .params import MAX_CONFIG_BYTES, encode_config
+
+        name = _safe_name(request.query_params.get("name") or "config.json")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_CONFIG_BYTES:
+            raise FieldError(f"{name} is {int(declared):,} bytes; the page accepts up to {MAX_CONFIG_BYTES:,}",
+                             field="config", hint="a transformers config.json is a few KiB: check the file")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_CONFIG_BYTES:
+                break
+        text, spec = read_upload(bytes(body), name)
+        return JSONResponse({"config": encode_config(text), "name": name, "family": str(spec.family),
+                             "params": spec.params, "model_type": spec.model_type})
+
+
+@functools.cache
+def catalog_body() -> dict[str, Any]:
+    """The pickers' data: catalog models and GPUs, the workload fields, category colours."""
+    from vramplan.hardware.catalog import list_gpus, usable_capacity
+    from vramplan.models.catalog import list_models
+    from vramplan.report.web import catalog_json, legend_json
+
+    gpus = list_gpus()
+    body = catalog_json(list_models(), gpus, {g.key: usable_capacity(g)[0] for g in gpus})
+    body["fields"] = [{"key": f.key, "kind": f.kind, "default": f.default, "choices": list(f.choices),
+                       "parallel": f.parallel, "doc": f.doc} for f in fields()]
+    body["legend"] = legend_json()
+    body["emit_formats"] = list(EMIT_FORMATS)
+    return body
+
+
+@functools.cache
+def _page() -> str:
+    """index.html with style.css and app.js inlined: one response carries the whole page
+    (the files are also served under /static/, as they ship in the package)."""
+    d = _static_dir()
+
+    def read(name: str) -> str:
+        with open(f"{d}/{name}", encoding="utf-8") as f:
+            return f.read()
+
+    html = read("index.html")
+    css, js = read("style.css"), read("app.js").replace("</script", "<\\/script")
+    html = html.replace('<link rel="stylesheet" href="/static/style.css">', f"<style>\n{css}</style>", 1)
+    return html.replace('<script src="/static/app.js" defer></script>', f"<script>\n{js}</script>", 1)
+
+
+def search_options(p: Mapping[str, str]) -> dict[str, Any]:
+    """``vramplan plan``'s search flags, checked as the CLI checks them."""
+    opts: dict[str, Any] = {}
+    if p.get("gpus"):
+        opts["gpus"] = _int(p, "gpus", 1, minimum=1)
+    if p.get("global-batch"):
+        opts["global_batch"] = _int(p, "global-batch", 1, minimum=1)
+    if p.get("budget"):
+        try:
+            b = float(p["budget"])
+        except ValueError:
+            raise FieldError(f"--budget must be a number of dollars per hour, got {p['budget']!r}", field="budget") from None
+        if not b > 0:
+            raise FieldError(f"--budget must be a positive number of dollars per hour, got {p['budget']}", field="budget")
+        opts["budget"] = b
+    if p.get("allow-peft", "").lower() in ("1", "true", "on", "yes"):
+        opts["allow_peft"] = True
+    if p.get("sort"):
+        if p["sort"] not in SORTS:
+            raise FieldError(f"invalid sort {p['sort']!r}", field="sort", hint=f"choose one of {' | '.join(SORTS)}")
+        opts["sort"] = p["sort"]
+    return opts
+
+
+def _int(p: Mapping[str, str], key: str, default: int, *, minimum: int) -> int:
+    raw = p.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise FieldError(f"--{key} must be an integer, got {raw!r}", field=key) from None
+    if v < minimum:
+        raise FieldError(f"--{key} must be positive, got {v}", field=key)
+    return v
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._ -]+", "", name.rsplit("/", 1)[-1])[:80] or "config.json"
+
+
+def _attachment(data: bytes, filename: str, media: str) -> Response:
+    return Response(data, media_type=media,
+                    headers={"Content-Disposition": f'attachment; filename="{_slug(filename)}"'})
+
+
+def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: bool = True) -> Starlette:
+    """The ASGI app. ``executor``: where traces and searches run (default: ``workers`` spawned
+    processes); ``warm``: at start-up, run one analytic estimate here and start the workers."""
+    jobs = Jobs(executor, workers=workers)
+    s = Server(jobs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if warm:
+            await asyncio.get_running_loop().run_in_executor(None, _warm_here)
+            jobs.warm(work.warm)
+        try:
+            yield
+        finally:
+            jobs.close()
+
+    routes = [
+        Route("/", s.index),
+        Route("/api/status", s.status),
+        Route("/api/catalog", s.catalog),
+        Route("/api/estimate", s.estimate),
+        Route("/api/timeline", s.timeline),
+        Route("/api/fit", s.fit),
+        Route("/api/plan", s.plan),
+        Route("/api/rank", s.rank),
+        Route("/api/config", s.upload_config, methods=["POST"]),
+        Route("/api/download/report", s.download_report),
+        Route("/api/download/snapshot", s.download_snapshot),
+        Route("/api/download/emit", s.download_emit),
+        Mount("/static", StaticFiles(directory=_static_dir()), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.jobs = jobs
+    return app
+
+
+def _warm_here() -> None:
+    """The first analytic answer should not pay for imports and catalog parsing."""
+    from vramplan.hardware.catalog import list_gpus
+    from vramplan.models.catalog import list_models
+    from vramplan.report.web import timeline_json
+    from vramplan.workload import Workload
+
+    list_gpus()
+    list_models()
+    catalog_body()
+    q = Query(model="llama-3.1-8b", workload=Workload(), gpu="h100-sxm", method=Method.ANALYTIC)
+    out = work.estimate(q)
+    if out.ok:
+        out.value.to_dict()
+        timeline_json(out.value)

@@ -1,0 +1,319 @@
+"""The page's state (a query string) → a :class:`Query`: model, workload, GPU, method.
+
+The query keys are the CLI's flag names without the dashes in front (``batch``, ``new-tokens``,
+``offload-optimizer``), derived from the fields of :class:`~vramplan.workload.Workload` and
+:class:`~vramplan.workload.Parallel` — one source of truth, so that a page URL maps one to one
+onto a ``vramplan estimate`` command line. Missing keys take the fields' defaults.
+
+Bad input raises :class:`FieldError`: the one-line message the CLI prints, plus the query key
+it belongs to (the page shows it beside that field).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import enum
+import hashlib
+import json
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from vramplan.errors import VramplanError, did_you_mean
+from vramplan.workload import Method, Parallel, Workload
+
+MAX_CONFIG_BYTES = 256 * 1024
+"""Largest config.json the page accepts (a transformers config.json is a few KiB)."""
+MAX_LINK_CONFIG_CHARS = 24 * 1024
+"""Largest encoded config carried in a link (the query string)."""
+MAX_INT = 2**40
+"""Largest integer a field takes from a page (far above any real batch, sequence or GPU count)."""
+SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
+PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS)
+"""Query keys beyond the workload's fields."""
+"""Planner options (``vramplan plan`` flags) the page sends to the plan and GPU views."""
+
+
+class FieldError(VramplanError):
+    """A user mistake tied to one query key (``field``), or to none (``field=None``)."""
+
+    def __init__(self, message: str, *, field: str | None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Field:
+    """One workload input: query key (= CLI flag without ``--``), attribute, kind, default."""
+
+    key: str
+    name: str
+    kind: str
+    """int | float | bool | enum | list | str."""
+    default: Any
+    choices: tuple[str, ...] = ()
+    parallel: bool = False
+    doc: str = ""
+
+
+@cache
+def fields() -> tuple[Field, ...]:
+    """Every Workload and Parallel field, in declaration order (``parallel`` itself expanded)."""
+    out: list[Field] = []
+    for cls, par in ((Workload, False), (Parallel, True)):
+        hints = typing.get_type_hints(cls)
+        docs = _field_docs(cls)
+        base = cls()
+        for f in dataclasses.fields(cls):
+            if f.name == "parallel":
+                continue
+            tp = hints[f.name]
+            default = getattr(base, f.name)
+            if f.name == "precision":  # the dataclass default is the string "auto" (resolved per task)
+                default = "auto"
+            choices: tuple[str, ...] = ()
+            if isinstance(tp, type) and issubclass(tp, enum.Enum):
+                kind = "enum"
+                choices = tuple(str(m.value) for m in tp)
+                if f.name == "precision":
+                    choices = ("auto", *choices)
+                default = default.value if isinstance(default, enum.Enum) else default
+            elif tp is bool:
+                kind = "bool"
+            elif tp is int:
+                kind = "int"
+            elif tp is float:
+                kind = "float"
+            elif isinstance(default, tuple) and all(isinstance(x, str) for x in default):
+                kind = "list"
+                default = ",".join(default)
+            elif tp is str or (default is None and "str" in str(tp)):
+                kind = "str"
+                default = default or ""
+            else:  # a nested value the page has no input for (yet): the default applies
+                continue
+            out.append(Field(key=f.name.replace("_", "-"), name=f.name, kind=kind, default=default,
+                             choices=choices, parallel=par, doc=docs.get(f.name, "")))
+    return tuple(out)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under a field), as the CLI's help will use."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # pragma: no cover - source not shipped
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for a, b in zip(body, body[1:], strict=False):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+@dataclass(frozen=True)
+class Query:
+    """One request of the page: what to estimate, on what, how."""
+
+    model: str
+    """Catalog alias, or the display name of an uploaded config.json."""
+    workload: Workload
+    gpu: str | None = None
+    method: Method = Method.AUTO
+    config: str | None = None
+    """The uploaded config.json's text (JSON data, parsed, never executed)."""
+
+    def spec(self) -> Any:
+        """The ModelSpec (rebuilt in a worker process: specs hold read-only mappings)."""
+        if self.config is not None:
+            from vramplan.models.catalog import spec_from_text
+
+            return spec_from_text(self.config, self.model)
+        from vramplan.models.catalog import resolve
+
+        return resolve(self.model)
+
+    def key(self, **extra: Any) -> str:
+        """A stable cache key for this query (and ``extra`` options)."""
+        cfg = hashlib.sha256(self.config.encode()).hexdigest()[:16] if self.config else None
+        blob = {"model": self.model, "config": cfg, "w": self.workload.to_dict(), "gpu": self.gpu,
+                "method": str(self.method), **extra}
+        return json.dumps(blob, sort_keys=True)
+
+    def with_method(self, method: Method | str) -> Query:
+        return dataclasses.replace(self, method=Method(str(method)))
+
+
+def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
+    """A :class:`Query` from the page's parameters (strings); raises :class:`FieldError`."""
+    model = (q.get("model") or "").strip()
+    config = decode_config(q["config"]) if q.get("config") else None
+    if config is None:
+        model = check_model(model)
+    else:
+        model = model or "config.json"
+        _spec_or_field_error(config, model)
+    workload = parse_workload(q)
+    gpu = (q.get("gpu") or "").strip() or None
+    if gpu is not None:
+        from vramplan.hardware.catalog import get_gpu
+
+        try:
+            gpu = get_gpu(gpu).key
+        except VramplanError as e:
+            raise FieldError(str(e), field="gpu") from None
+    m = method if method is not None else (q.get("method") or "auto")
+    try:
+        meth = Method(str(m).strip().lower())
+    except ValueError:
+        raise FieldError(f"invalid method {m!r}", field="method",
+                         hint="choose one of " + " | ".join(x.value for x in Method)) from None
+    return Query(model=model, workload=workload, gpu=gpu, method=meth, config=config)
+
+
+def check_model(name: str) -> str:
+    """A catalog model only: a page never reads local paths or downloads Hub configs."""
+    from vramplan.models.catalog import catalog_alias, catalog_entries
+
+    if not name:
+        raise FieldError("no model chosen", field="model",
+                         hint="pick one from the catalog, e.g. llama-3.1-8b, or drop a config.json")
+    alias = catalog_alias(name)
+    if alias is None:
+        e = did_you_mean(name, catalog_entries().keys(), kind="model", listing="vramplan models")
+        raise FieldError(e.message, field="model", hint=e.hint)
+    return alias
+
+
+def parse_workload(q: Mapping[str, str]) -> Workload:
+    """The Workload of the query; a value that cannot be read names its key."""
+    values: dict[str, Any] = {}
+    par: dict[str, Any] = {}
+    for f in fields():
+        raw = q.get(f.key)
+        if raw is None or raw == "":
+            continue
+        v = _convert(f, raw)
+        (par if f.parallel else values)[f.name] = v
+    try:
+        return Workload(**values, parallel=Parallel(**par))
+    except VramplanError as e:
+        raise FieldError(str(e), field=field_of(e)) from None
+
+
+def _convert(f: Field, raw: str) -> Any:
+    text = raw.strip()
+    if f.kind == "int":
+        try:
+            v = int(text)
+        except ValueError:
+            raise FieldError(f"--{f.key} must be an integer, got {raw!r}", field=f.key) from None
+        if abs(v) > MAX_INT:
+            raise FieldError(f"--{f.key} {text[:20]}{'…' if len(text) > 20 else ''} is too large",
+                             field=f.key, hint=f"at most {MAX_INT:,}")
+        return v
+    if f.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise FieldError(f"--{f.key} must be a number, got {raw!r}", field=f.key) from None
+    if f.kind == "bool":
+        low = text.lower()
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        raise FieldError(f"--{f.key} is on or off, got {raw!r}", field=f.key, hint="use 1 or 0")
+    if f.kind == "list":
+        return tuple(t.strip() for t in text.split(",") if t.strip())
+    return text
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+
+
+def field_of(e: BaseException) -> str | None:
+    """The query key an error is about: the error's own ``field`` when it has one, else the
+    first ``--flag`` its message names, else the field an ``invalid <what>`` message names."""
+    own = getattr(e, "field", None)
+    keys = {f.key for f in fields()} | set(PAGE_KEYS)
+    if isinstance(own, str) and own:
+        key = own.rsplit(".", 1)[-1].replace("_", "-").removeprefix("--")  # "parallel.dp" → "dp"
+        if key in keys:
+            return key
+    text = str(e)
+    for m in _FLAG.finditer(text):
+        if m.group(1) in keys:
+            return m.group(1)
+    low = text.lower()
+    for f in fields():
+        if low.startswith(f"invalid {f.name.replace('_', ' ')} "):
+            return f.key
+    if "zero stage" in low:
+        return "zero"
+    if "checkpoint fraction" in low:
+        return "checkpoint-fraction"
+    return None
+
+
+def decode_config(text: str) -> str:
+    """An uploaded config.json as carried in a link: base64url of its (minified) JSON text."""
+    if len(text) > MAX_LINK_CONFIG_CHARS:
+        raise FieldError(f"the config.json in this link is too long ({len(text):,} characters)",
+                         field="config", hint=f"at most {MAX_LINK_CONFIG_CHARS:,}")
+    try:
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+        return raw.decode("utf-8")
+    except (binascii.Error, ValueError):
+        raise FieldError("the config.json in this link is damaged", field="config",
+                         hint="drop the config.json on the page again") from None
+
+
+def encode_config(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def read_upload(body: bytes, name: str = "config.json") -> tuple[str, Any]:
+    """Check an uploaded config.json (size, UTF-8, JSON object with a model_type) and return
+    its minified text and spec. Data only: nothing in it is run."""
+    if len(body) > MAX_CONFIG_BYTES:
+        raise FieldError(f"{name} is {len(body):,} bytes; the page accepts up to {MAX_CONFIG_BYTES:,}",
+                         field="config", hint="a transformers config.json is a few KiB: check the file")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FieldError(f"{name} is not UTF-8 text", field="config", hint="drop a config.json") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError(f"{name}: malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
+                         field="config") from None
+    mini = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    spec = _spec_or_field_error(mini, name)
+    if len(encode_config(mini)) > MAX_LINK_CONFIG_CHARS:
+        raise FieldError(f"{name} is too large to carry in a link", field="config",
+                         hint=f"at most {MAX_LINK_CONFIG_CHARS * 3 // 4:,} bytes of minified JSON")
+    return mini, spec
+
+
+def _spec_or_field_error(text: str, name: str) -> Any:
+    from vramplan.models.catalog import spec_from_text
+
+    try:
+        return spec_from_text(text, name)
+    except VramplanError as e:
+        raise FieldError(str(e), field="config") from None
+    except Exception as e:  # a config whose values have the wrong types: still the user's file
+        raise FieldError(f"{name}: cannot read this config ({e.__class__.__name__}: {e})".split("\n")[0],
+                         field="config") from None
+
