@@ -267,7 +267,7 @@ class Workload:
             object.__setattr__(self, "quant", Quant.NF4)
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
             raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
-                                field="peft")
+                                field="task")
         if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
             raise WorkloadError(
                 f"full training of {self.quant}-quantised weights is not supported",
