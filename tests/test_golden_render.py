@@ -51,7 +51,7 @@ CASES = {
 @pytest.fixture
 def page(tmp_path, monkeypatch):
     """A fixed page: 100 columns, no colour, inputs under fixed relative names."""
-    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    monkeypatch.setenv("VRAMPLAN_COLUMNS", str(WIDTH))
     for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)

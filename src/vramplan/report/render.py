@@ -19,7 +19,7 @@ from .doc import Doc, KeyValues, Notes, Table
 
 FORMATS = ("table", "json", "markdown")
 PIPE_WIDTH = 140
-"""Columns of a table written to a pipe or file when COLUMNS is not set."""
+"""Columns of a table written to a pipe or file when VRAMPLAN_COLUMNS is not set."""
 
 FLAG_OF: ContextVar[Callable[[str], str | None] | None] = ContextVar("flag_of", default=None)
 """How the front end names a library field (the CLI: ``max_gpus`` → ``--gpus``). Core notes
@@ -137,13 +137,13 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
     else:
         isatty = getattr(stream, "isatty", lambda: False)()
         # Piped output: rich would assume 80 columns and cut long cells; use a wide page
-        # (COLUMNS when set, as the golden tests do).
+        # (VRAMPLAN_COLUMNS when set, as the golden tests do).
         render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else _page_width()))
 
 
 def _page_width() -> int:
     try:
-        return max(40, int(os.environ["COLUMNS"]))
+        return max(40, int(os.environ["VRAMPLAN_COLUMNS"]))
     except (KeyError, ValueError):
         return PIPE_WIDTH
 
