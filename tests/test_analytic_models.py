@@ -87,7 +87,7 @@ def test_vit_tokens_follow_the_image_size():
 
 
 def test_non_transformers_are_left_to_the_trace():
-    with pytest.raises(WorkloadError, match="--method trace"):
+    with pytest.raises(WorkloadError, match="`method=trace`"):
         estimate(resnet_50(), Workload(task="train"))
 
 
@@ -194,11 +194,11 @@ def test_grad_accumulation_keeps_gradients_through_the_forward():
 
 
 @pytest.mark.parametrize("parallel,match", [
-    (Parallel(tp=3), r"--tp 3 does not divide 32 attention heads of llama-3\.1-8b.*use 1, 2, 4, 8"),
-    (Parallel(pp=5), r"--pp 5 does not divide 32 layers"),
-    (Parallel(dp=2, ep=2), r"--ep 2 needs a mixture-of-experts model"),
-    (Parallel(cp=3), r"--cp 3 does not divide the sequence length 2048"),
-    (Parallel(pp=4), r"micro-batches in flight.*--grad-accum 4"),
+    (Parallel(tp=3), r"`tp=3` does not divide 32 attention heads of llama-3\.1-8b.*use 1, 2, 4, 8"),
+    (Parallel(pp=5), r"`pp=5` does not divide 32 layers"),
+    (Parallel(dp=2, ep=2), r"`ep=2` needs a mixture-of-experts model"),
+    (Parallel(cp=3), r"`cp=3` does not divide the sequence length 2048"),
+    (Parallel(pp=4), r"micro-batches in flight.*`grad_accum=4`"),
 ])
 def test_check_against_model_names_the_fix(parallel, match):
     with pytest.raises(WorkloadError, match=match):
@@ -206,7 +206,7 @@ def test_check_against_model_names_the_fix(parallel, match):
 
 
 def test_tp_must_divide_kv_heads():
-    with pytest.raises(WorkloadError, match="16 does not divide 8 key/value heads"):
+    with pytest.raises(WorkloadError, match="`tp=16` does not divide 8 key/value heads"):
         check_against_model(llama_70b(), Workload(task="infer", parallel=Parallel(tp=16)))
 
 

@@ -46,6 +46,18 @@ def test_zero3_per_rank_states_are_an_eighth(capsys):
     # auto could not trace a sharded layout and says it fell back
     assert d["method"] == "analytic"
     assert any("analytic estimate instead" in n for n in d["notes"])
+    assert d["fallback"]["requested"] == "trace" and d["fallback"]["used"] == "analytic"
+    assert "parallel" in d["fallback"]["reason"]
+
+
+def test_cli_says_it_fell_back_from_the_typed_field(capsys):
+    from vramplan.cli.main import main
+
+    assert main(["estimate", "llama-3.1-8b", "--dp", "2", "--zero", "3", "--json"]) == 0
+    assert "could not be traced; showing the analytic estimate" in capsys.readouterr().err
+    assert main(["estimate", "llama-3.1-8b", "--dp", "2", "--zero", "3", "--method", "analytic", "--json"]) == 0
+    assert "could not be traced" not in capsys.readouterr().err
+    assert estimate("gpt2", seq=512, method="analytic").fallback is None
 
 
 def test_gpu_verdict_and_max_batch_is_the_boundary():

@@ -169,5 +169,5 @@ def test_every_format_and_bad_format(base_plan):
     for fmt in FORMATS:
         e = emit(base_plan, fmt)
         assert e.text.endswith("\n") and e.filename
-    with pytest.raises(PlanError, match="unknown --emit format"):
+    with pytest.raises(PlanError, match="unknown `emit` format"):
         emit(base_plan, "yaml")

@@ -89,7 +89,7 @@ def test_budget_filters_and_too_low_budget_names_the_cheapest():
 
 
 def test_budget_without_a_price_is_a_clear_error():
-    with pytest.raises(PlanError, match="no on-demand price is listed for rtx-4060.*--budget"):
+    with pytest.raises(PlanError, match="no on-demand price is listed for rtx-4060.*`budget`"):
         _plan(SMALL, g=RTX4060, budget=1.0, method="analytic")
 
 
@@ -98,7 +98,7 @@ def test_impossible_target_names_the_nearest_option():
         _plan(LLAMA, Workload(batch=1), g=RTX4060, method="analytic")
     msg = str(e.value)
     assert msg.startswith("no plan fits on 1× rtx-4060") and "nearest:" in msg and "GiB per GPU" in msg
-    assert "--allow-peft" in msg and "\n" not in msg
+    assert "`allow_peft=True`" in msg and "\n" not in msg
 
 
 def test_trace_finds_finalist_too_big_and_it_is_dropped():

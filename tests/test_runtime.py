@@ -180,7 +180,7 @@ def test_non_transformer_without_flops_is_a_clear_error():
     # the catalog gives a ResNet a "hidden" and "layers": they must not be read as a transformer's
     cnn = ModelSpec(name="resnet-50", hub_id=None, family=Family.OTHER, source="t", config={},
                     params=25_000_000, hidden=2048, layers=16)
-    with pytest.raises(WorkloadError, match="--method trace"):
+    with pytest.raises(WorkloadError, match="`method=trace`"):
         step_time(cnn, Workload(batch=32), H100)
     step_flops = 3 * 8.2e9 * 32  # fwd + bwd of 32 images
     t = step_time(cnn, Workload(batch=32), H100, flops=step_flops)

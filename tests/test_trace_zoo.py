@@ -553,7 +553,7 @@ def test_histc_counts_of_routed_indices_follow_the_routing_rule() -> None:
 def test_routing_skew_is_validated() -> None:
     from vramplan.errors import WorkloadError
 
-    with pytest.raises(WorkloadError, match="routing-skew"):
+    with pytest.raises(WorkloadError, match="`routing_skew`"):
         Workload(routing_skew=0.5)
 
 

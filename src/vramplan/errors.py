@@ -3,12 +3,44 @@
 Every error a user can cause is a :class:`VramplanError` (or subclass). The CLI prints
 ``error: <message>`` on one line (plus ``hint: <fix>`` when there is one) and exits 2.
 Anything else escaping the core is a bug in vramplan, not a user mistake.
+
+Core messages name the *fields* of the library (``batch``, ``method``, ``max_gpus``), never
+command-line flags: a reference is written in backticks, either a bare field name
+(`` `batch` must be a positive integer``) or a field with a value (``use `method=trace` ``).
+A library user reads them as they are; the CLI rewrites each reference into its flag
+(``--batch``, ``--method trace``) with :meth:`VramplanError.render` and a mapping derived
+from its parser. :attr:`VramplanError.field` names the one field an error is about (when
+there is one), for front ends that point at the input to fix.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
+
+FIELD_REF = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`\s]*))?`")
+"""A field reference in a message: `` `name` `` or `` `name=value` ``."""
+_QUOTES = "'\""
+
+
+def with_flags(text: str, flag_of: Callable[[str], str | None]) -> str:
+    """Rewrite the field references in ``text`` with ``flag_of(field)`` (e.g. ``--batch``).
+
+    `` `tp=2` `` becomes ``--tp 2``; a boolean flag with ``=True`` becomes the flag alone.
+    References ``flag_of`` does not know (it returns None) stay as written.
+    """
+
+    def sub(m: re.Match[str]) -> str:
+        flag = flag_of(m.group(1))
+        if flag is None:
+            return m.group(0)
+        value = m.group(2)
+        if value is None or value == "True":
+            return flag
+        return f"{flag} {value.strip(_QUOTES)}"
+
+    return FIELD_REF.sub(sub, text)
 
 
 class VramplanError(Exception):
@@ -16,14 +48,22 @@ class VramplanError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.field = field
+        """The input field this error is about (``batch``, ``tp``), or None."""
+
+    def render(self, flag_of: Callable[[str], str | None] | None = None) -> str:
+        """The one-line message; with ``flag_of``, field references become flags."""
+        text = self.message if not self.hint else f"{self.message} ({self.hint})"
+        if flag_of is not None:
+            text = with_flags(text, flag_of)
+        return " ".join(text.split())
 
     def __str__(self) -> str:  # one line, always
-        text = self.message if not self.hint else f"{self.message} ({self.hint})"
-        return " ".join(text.split())
+        return self.render()
 
 
 class WorkloadError(VramplanError):

@@ -148,6 +148,16 @@ class Timeline:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """The method tried could not run on this workload and another answered (data, not a note)."""
+
+    requested: Method
+    used: Method
+    reason: str
+    """Why the requested method failed (the one-line error it raised)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class MemoryReport:
     """A prediction of one workload's GPU memory, per GPU (per rank)."""
 
@@ -173,6 +183,8 @@ class MemoryReport:
     model_states: Breakdown | None = None
     """Persistent per-GPU model states (weights, gradients, optimizer states) as sharded —
     what ZeRO's 16Ψ formulas describe; the peak breakdown may add transients (gathered layers)."""
+    fallback: Fallback | None = None
+    """Set when ``method="auto"`` could not trace and the analytic method answered."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Method-specific data (e.g. the trace's event log under ``events``); not rendered by default."""
 
@@ -209,6 +221,8 @@ class MemoryReport:
             ],
             "notes": list(self.notes),
         }
+        if self.fallback is not None:
+            d["fallback"] = dataclasses.asdict(self.fallback)
         if self.model_states is not None:
             ms = self.model_states
             d["model_states"] = {"weights": ms.weights, "gradients": ms.gradients,

@@ -109,15 +109,17 @@ ALL_LINEAR = "all-linear"
 E = TypeVar("E", bound=Enum)
 
 
-def as_enum(cls: type[E], value: Any, what: str) -> E:
-    """Turn a user string into an enum member, or raise a one-line error listing choices."""
+def as_enum(cls: type[E], value: Any, field: str) -> E:
+    """Turn a user string into an enum member, or raise a one-line error listing choices.
+
+    ``field`` is the name of the keyword or Workload field the value was given as."""
     if isinstance(value, cls):
         return value
     try:
         return cls(str(value).strip().lower())
     except ValueError:
         choices = " | ".join(str(m.value) for m in cls)  # type: ignore[attr-defined]
-        raise WorkloadError(f"invalid {what} {value!r}", hint=f"choose one of {choices}") from None
+        raise WorkloadError(f"invalid `{field}` {value!r}", hint=f"choose one of {choices}", field=field) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,18 +151,20 @@ class Parallel:
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise WorkloadError(f"--{name} must be a positive integer, got {v!r}")
+                raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
         if self.zero not in (0, 1, 2, 3):
-            raise WorkloadError(f"invalid ZeRO stage {self.zero!r}", hint="use 0, 1, 2 or 3")
+            raise WorkloadError(f"invalid ZeRO stage `zero={self.zero!r}`", hint="use 0, 1, 2 or 3", field="zero")
         if self.microbatches < 0:
-            raise WorkloadError("--microbatches must be >= 0 (0 means one per pipeline stage)")
+            raise WorkloadError("`microbatches` must be >= 0 (0 means one per pipeline stage)", field="microbatches")
         if self.sp and self.tp == 1:
-            raise WorkloadError("sequence parallelism needs tensor parallelism", hint="add --tp 2 or more, or drop --sp")
+            raise WorkloadError("sequence parallelism needs tensor parallelism", hint="set `tp=2` or more, or drop `sp`",
+                                field="sp")
         if self.offload_params and self.zero != 3:
-            raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="add --zero 3")
+            raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="set `zero=3`",
+                                field="offload_params")
         if self.ep > 1 and self.dp % self.ep:
             raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
-                                hint=f"use --dp {self.ep} or a multiple of it")
+                                hint=f"use `dp={self.ep}` or a multiple of it", field="ep")
 
     @property
     def world_size(self) -> int:
@@ -179,31 +183,40 @@ class Workload:
     """Everything that decides a job's GPU memory, apart from the model and the GPU."""
 
     task: Task = Task.TRAIN
-    """train | infer | generate."""
+    """What one step does: train (forward, backward, optimizer step), infer (forward) or
+    generate (prefill, then one decode step per new token)."""
     batch: int = 1
     """Micro-batch size per GPU (per data-parallel rank)."""
     seq: int = 2048
     """Sequence length in tokens (for generate: the prompt length). Ignored for CNNs."""
     new_tokens: int = 0
-    """Tokens generated after the prompt (task=generate)."""
+    """Tokens generated after the prompt (task=generate, where 0 means 128)."""
     grad_accum: int = 1
     """Gradient accumulation steps (memory of one micro-batch; gradients kept across steps)."""
     precision: Precision = "auto"  # type: ignore[assignment]
-    """fp32 | fp16-mixed | bf16-mixed | bf16 | fp16; "auto" (the default) is bf16-mixed for
-    training and bf16 for inference/generation (serving keeps no fp32 master weights)."""
+    """Numeric precision; auto is bf16-mixed for training and bf16 for inference/generation
+    (serving keeps no fp32 master weights)."""
     optimizer: Optimizer = Optimizer.ADAMW
+    """Optimizer whose states are kept (8-bit ones are bitsandbytes')."""
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    """torch.optim implementation: foreach (the CUDA default, whole-list temporaries), fused or for-loop."""
     checkpointing: Checkpointing = Checkpointing.NONE
+    """Activation checkpointing: none, full (recompute each layer) or selective (attention only)."""
     checkpoint_fraction: float = 1.0
     """Fraction of layers checkpointed when checkpointing is on (1.0 = all)."""
     peft: Peft = Peft.NONE
+    """Parameter-efficient fine-tuning: LoRA adapters on frozen weights, or QLoRA (NF4 base)."""
     lora_rank: int = 16
+    """Rank r of the LoRA adapters."""
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
-    """Module names LoRA wraps; ("all-linear",) for every linear layer but the head."""
+    """Module names LoRA wraps (a tuple, or one comma-separated string); all-linear for every
+    linear layer but the head."""
     quant: Quant = Quant.NONE
     """Weight quantisation of the base model (inference, or the frozen base under PEFT)."""
     kv_dtype: KVDtype = KVDtype.AUTO
+    """Storage dtype of the KV cache (auto: the compute dtype)."""
     attention: Attention = Attention.SDPA
+    """Attention kernel: eager (materialised scores), sdpa (PyTorch's fused kernels) or flash."""
     parallel: Parallel = field(default_factory=Parallel)
     image_size: int = 224
     """Input resolution for vision models."""
@@ -222,48 +235,54 @@ class Workload:
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention),
         ):
-            object.__setattr__(self, name, as_enum(cls, getattr(self, name), name.replace("_", " ")))
+            object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         if isinstance(self.lora_targets, str):
             object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
         for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise WorkloadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+                raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
-            raise WorkloadError(f"--new-tokens must be >= 0, got {self.new_tokens!r}")
+            raise WorkloadError(f"`new_tokens` must be >= 0, got {self.new_tokens!r}", field="new_tokens")
         if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) \
                 or not (1.0 <= float(self.routing_skew) <= 64.0):
-            raise WorkloadError(f"--routing-skew must be a number in [1, 64], got {self.routing_skew!r}",
-                                hint="1.0 is uniform expert load; 1.25 gives every expert 25 % more tokens")
+            raise WorkloadError(f"`routing_skew` must be a number in [1, 64], got {self.routing_skew!r}",
+                                hint="1.0 is uniform expert load; 1.25 gives every expert 25 % more tokens",
+                                field="routing_skew")
         object.__setattr__(self, "routing_skew", float(self.routing_skew))
         if not (0.0 < self.checkpoint_fraction <= 1.0):
-            raise WorkloadError(f"checkpoint fraction must be in (0, 1], got {self.checkpoint_fraction!r}")
+            raise WorkloadError(f"`checkpoint_fraction` must be in (0, 1], got {self.checkpoint_fraction!r}",
+                                field="checkpoint_fraction")
         if self.task is Task.GENERATE and self.new_tokens == 0:
             object.__setattr__(self, "new_tokens", 128)
         if self.peft is Peft.QLORA:
             if self.precision is Precision.FP32:
                 raise WorkloadError(
                     "QLoRA computes in 16-bit; fp32 is not a QLoRA setting",
-                    hint="use --precision bf16-mixed (or bf16)",
+                    hint="use `precision=bf16-mixed` (or bf16)", field="precision",
                 )
             if self.quant not in (Quant.NONE, Quant.NF4):
-                raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop --quant")
+                raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop `quant`",
+                                    field="quant")
             object.__setattr__(self, "quant", Quant.NF4)
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
-            raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use --task train, or drop --peft")
+            raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
+                                field="task")
         if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
             raise WorkloadError(
                 f"full training of {self.quant}-quantised weights is not supported",
-                hint="add --peft lora (QLoRA-style) or drop --quant",
+                hint="add `peft=lora` (QLoRA-style) or drop `quant`", field="quant",
             )
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM
         ):
-            raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use --optimizer-impl foreach")
+            raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use `optimizer_impl=foreach`",
+                                field="optimizer_impl")
         if self.task is not Task.TRAIN:
             p = self.parallel
             if p.zero or p.offload_optimizer:
-                raise WorkloadError("ZeRO stages and optimizer offload apply to training", hint="drop --zero/--offload")
+                raise WorkloadError("ZeRO stages and optimizer offload apply to training",
+                                    hint="drop `zero` and `offload_optimizer`", field="zero")
         if self.precision in (Precision.FP16, Precision.BF16) and self.optimizer in (
             Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
         ):
@@ -354,3 +373,22 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source), one line each.
+
+    These are the one description of a field: the CLI's ``--help`` is built from them."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -45,7 +45,7 @@ class VASpace:
             raise WorkloadError(
                 f"the simulated allocator ran out of address space ({VA_LIMIT - VA_BASE:,} B, about 128 TiB): "
                 "the step reserves more memory than any GPU has",
-                hint="check the sizes (--batch, --seq, --image-size, or the event sizes)",
+                hint="check the sizes (`batch`, `seq`, `image_size`, or the event sizes)",
             )
         self._top = addr + size
         return addr

@@ -30,7 +30,7 @@ def build_arch(spec: ModelSpec) -> Arch:
         return encoder.build(spec)
     if spec.family is Family.VIT:
         return vit.build(spec)
-    raise WorkloadError(f"{spec.name} is not a transformer the analytic method knows", hint="use --method trace")
+    raise WorkloadError(f"{spec.name} is not a transformer the analytic method knows", hint="use `method=trace`")
 
 
 def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None) -> AnalyticEstimate:

@@ -85,7 +85,7 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     if spec.family is Family.OTHER or spec.hidden <= 0 or spec.layers <= 0 or spec.heads <= 0:
         raise WorkloadError(
             f"{name} is not a transformer the analytic method knows",
-            hint="use --method trace",
+            hint="use `method=trace`",
         )
     if w.image_size != 224 and spec.family is not Family.VIT:  # 224: the Workload default
         raise WorkloadError(f"--image-size applies to vision models; {name} ({spec.family}) takes token sequences",
@@ -93,7 +93,7 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     if w.task is Task.GENERATE and not spec.is_decoder:
         article = "an" if str(spec.family)[0] in "aeiou" else "a"
         raise WorkloadError(f"{name} is {article} {spec.family} model and does not generate text",
-                            hint="use --task infer or --task train")
+                            hint="use `task=infer` or `task=train`")
     if p.tp > 1:
         # suggest only sizes that divide every split dimension (heads, KV heads, MLP widths)
         splits = [spec.heads, spec.intermediate, spec.moe_intermediate]
@@ -101,46 +101,46 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             splits.append(spec.kv_heads)
         ok_tp = _divisors(math.gcd(*(s for s in splits if s)))
         if spec.heads % p.tp:
-            raise WorkloadError(f"--tp {p.tp} does not divide {spec.heads} attention heads of {name}",
-                                hint=f"use {ok_tp}")
+            raise WorkloadError(f"`tp={p.tp}` does not divide {spec.heads} attention heads of {name}",
+                                hint=f"use {ok_tp}", field="tp")
         if spec.family is not Family.MLA and spec.kv_heads and spec.kv_heads % p.tp:
-            raise WorkloadError(f"--tp {p.tp} does not divide {spec.kv_heads} key/value heads of {name}",
-                                hint=f"use {ok_tp}")
+            raise WorkloadError(f"`tp={p.tp}` does not divide {spec.kv_heads} key/value heads of {name}",
+                                hint=f"use {ok_tp}", field="tp")
         for what, size in (("intermediate size", spec.intermediate), ("expert intermediate size", spec.moe_intermediate)):
             if size and size % p.tp:
-                raise WorkloadError(f"--tp {p.tp} does not divide the {what} {size} of {name}",
-                                    hint=f"use {ok_tp}")
+                raise WorkloadError(f"`tp={p.tp}` does not divide the {what} {size} of {name}",
+                                    hint=f"use {ok_tp}", field="tp")
     if spec.layers % p.pp:
-        raise WorkloadError(f"--pp {p.pp} does not divide {spec.layers} layers of {name}",
-                            hint=f"use {_divisors(spec.layers)}")
+        raise WorkloadError(f"`pp={p.pp}` does not divide {spec.layers} layers of {name}",
+                            hint=f"use {_divisors(spec.layers)}", field="pp")
     if p.ep > 1:
         if not spec.is_moe:
-            raise WorkloadError(f"--ep {p.ep} needs a mixture-of-experts model; {name} is dense", hint="drop --ep")
+            raise WorkloadError(f"`ep={p.ep}` needs a mixture-of-experts model; {name} is dense", hint="drop `ep`", field="ep")
         if spec.n_experts % p.ep:
-            raise WorkloadError(f"--ep {p.ep} does not divide {spec.n_experts} experts of {name}",
-                                hint=f"use {_divisors(spec.n_experts)}")
+            raise WorkloadError(f"`ep={p.ep}` does not divide {spec.n_experts} experts of {name}",
+                                hint=f"use {_divisors(spec.n_experts)}", field="ep")
     seq = w.seq if spec.family is not Family.VIT else 0
     if seq and p.cp > 1 and seq % p.cp:
-        raise WorkloadError(f"--cp {p.cp} does not divide the sequence length {seq}",
-                            hint=f"use a --seq that is a multiple of {p.cp}")
+        raise WorkloadError(f"`cp={p.cp}` does not divide the sequence length {seq}",
+                            hint=f"use a `seq` that is a multiple of {p.cp}", field="cp")
     if seq and p.sp and (seq // p.cp) % p.tp:
-        raise WorkloadError(f"sequence parallelism splits {seq // p.cp} tokens over --tp {p.tp}, which does not divide them",
-                            hint=f"use a --seq that is a multiple of {p.tp * p.cp}")
+        raise WorkloadError(f"sequence parallelism splits {seq // p.cp} tokens over `tp={p.tp}`, which does not divide them",
+                            hint=f"use a `seq` that is a multiple of {p.tp * p.cp}", field="sp")
     if w.training and p.pp > 1 and w.grad_accum < p.in_flight:
         raise WorkloadError(
-            f"--pp {p.pp} keeps {p.in_flight} micro-batches in flight but a step has only --grad-accum {w.grad_accum}",
-            hint=f"use --grad-accum {p.in_flight} or more",
-        )
+            f"`pp={p.pp}` keeps {p.in_flight} micro-batches in flight but a step has only `grad_accum={w.grad_accum}`",
+            hint=f"use `grad_accum={p.in_flight}` or more",
+            field="pp")
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     learned = spec.family is Family.ENCODER or spec.model_type in ("gpt2", "gpt_bigcode")
     if learned and spec.max_positions and length > spec.max_positions:
         raise WorkloadError(
             f"{name} has {spec.max_positions} learned positions; {length} tokens do not fit",
-            hint=f"use --seq {spec.max_positions} or less" if length == w.seq
-            else f"keep --seq + --new-tokens at {spec.max_positions} or less",
+            hint=f"use `seq={spec.max_positions}` or less" if length == w.seq
+            else f"keep `seq` + `new_tokens` at {spec.max_positions} or less", field="seq",
         )
     if spec.family is Family.VIT:
         patch = spec.patch_size or 16
         if w.image_size % patch:
-            raise WorkloadError(f"--image-size {w.image_size} is not a multiple of the patch size {patch} of {name}",
-                                hint=f"use e.g. {max(patch, w.image_size // patch * patch)}")
+            raise WorkloadError(f"`image_size={w.image_size}` is not a multiple of the patch size {patch} of {name}",
+                                hint=f"use e.g. {max(patch, w.image_size // patch * patch)}", field="image_size")

@@ -100,6 +100,6 @@ def trainable(arch: Arch, w: Workload) -> Trainable:
         names = ", ".join(arch.linear_names())
         raise WorkloadError(
             f"LoRA targets {', '.join(wanted)} match no linear layer of {arch.name}",
-            hint=f"use --lora-targets with some of: {names}, or all-linear",
+            hint=f"use `lora_targets` with some of: {names}, or all-linear",
         )
     return Trainable(full=False, targets=frozenset(chosen), rank=w.lora_rank)

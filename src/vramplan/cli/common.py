@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+from enum import Enum
 from typing import Any
 
 from ..errors import VramplanError
 from ..units import parse_bytes
-from ..workload import (
-    Attention,
-    Checkpointing,
-    KVDtype,
-    Method,
-    Optimizer,
-    OptimizerImpl,
-    Parallel,
-    Peft,
-    Precision,
-    Quant,
-    Task,
-    Workload,
-)
+from ..workload import Checkpointing, Method, Parallel, Precision, Workload, field_docs
 
 
 def _choices(cls: Any) -> list[str]:
@@ -52,52 +41,62 @@ def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: st
         g.add_argument("--plot", metavar="FILE", help=plot_help or "write a plot (.png, .svg or .html)")
 
 
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) -> None:
+    """One flag from one dataclass field: name, type, choices, default and help all from the field."""
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default
+    if f.name in ("precision", "checkpointing"):  # "auto": resolved per task (and PEFT)
+        default = "auto"
+    text = f"{doc.replace('%', '%%')} (default: {_default_text(default)})"
+    if f.name == "precision":
+        g.add_argument(flag, choices=["auto", *_choices(Precision)], default=default, help=text)
+    elif f.name == "checkpointing":
+        g.add_argument(flag, choices=["auto", *_choices(Checkpointing)], default=default,
+                       help=f"{text}; auto: full with --peft (TRL's SFTConfig turns gradient checkpointing "
+                            "on), none otherwise")
+    elif isinstance(default, bool):
+        g.add_argument(flag, action="store_true", help=text)
+    elif isinstance(default, Enum):
+        g.add_argument(flag, choices=_choices(type(default)), default=default.value, help=text)
+    elif isinstance(default, tuple):
+        g.add_argument(flag, default=_default_text(default), metavar="A,B,…", help=text)
+    elif isinstance(default, (int, float, str)):
+        g.add_argument(flag, type=type(default), default=default, help=text)
+    else:  # a new kind of field: give it a flag here (and a test in test_cli_errors.py)
+        raise TypeError(f"no flag rule for Workload field {f.name!r} (default {default!r})")
+
+
 def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
+    """The workload flags: one per field of :class:`Workload` and :class:`Parallel`, with the
+    field's docstring as help and its default (the one source of both)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--task", choices=_choices(Task), default="train")
-    g.add_argument("--batch", type=int, default=1, help="micro-batch size per GPU (default 1)")
-    g.add_argument("--seq", type=int, default=2048, help="sequence length / prompt tokens (default 2048)")
-    g.add_argument("--new-tokens", type=int, default=0, help="tokens to generate (task=generate; default 128)")
-    g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    g.add_argument("--precision", choices=["auto", *_choices(Precision)], default="auto",
-                   help="auto (default): bf16-mixed for train, bf16 for infer/generate")
-    g.add_argument("--optimizer", choices=_choices(Optimizer), default="adamw")
-    g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl), default="foreach")
-    g.add_argument("--checkpointing", choices=["auto", *_choices(Checkpointing)], default="auto",
-                   help="auto (default): full with --peft, as TRL's SFTConfig turns gradient "
-                   "checkpointing on; none otherwise")
-    g.add_argument("--checkpoint-fraction", type=float, default=1.0,
-                   help="fraction of layers checkpointed (default 1.0)")
-    g.add_argument("--peft", choices=_choices(Peft), default="none")
-    g.add_argument("--lora-rank", type=int, default=16)
-    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
-                   help="comma-separated module names, or all-linear")
-    g.add_argument("--quant", choices=_choices(Quant), default="none", help="base-weight quantisation")
-    g.add_argument("--kv-dtype", choices=_choices(KVDtype), default="auto")
-    g.add_argument("--attention", choices=_choices(Attention), default="sdpa")
-    g.add_argument("--image-size", type=int, default=224, help="input resolution for vision models")
-    g.add_argument("--routing-skew", type=float, default=1.0,
-                   help="traced MoE routing: each expert's load relative to uniform top-k routing "
-                        "(1.25 = every expert 25%% over its k/n share, as a full capacity factor 1.25)")
+    docs = field_docs(Workload)
+    for f in dataclasses.fields(Workload):
+        if f.name != "parallel":
+            _add_field(g, f, docs[f.name])
     par = p.add_argument_group("parallelism (per-GPU memory is reported)")
-    par.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    par.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (FSDP: 2=SHARD_GRAD_OP, 3=FULL_SHARD)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    par.add_argument("--microbatches", type=int, default=0, help="micro-batches in flight (pipeline; 0 = pp)")
-    par.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (needs --tp)")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    par.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    par.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory")
-    par.add_argument("--offload-params", action="store_true", help="parameters in CPU memory (ZeRO-3)")
+    pdocs = field_docs(Parallel)
+    for f in dataclasses.fields(Parallel):
+        _add_field(par, f, pdocs[f.name])
     if gpu:
         h = p.add_argument_group("target")
         h.add_argument("--gpu", help="catalog GPU to check the fit against (see `vramplan gpus`)")
         h.add_argument("--alloc-conf", default=None,
-                       help="PYTORCH_CUDA_ALLOC_CONF string for the allocator simulation")
+                       help="PYTORCH_CUDA_ALLOC_CONF string for the allocator simulation "
+                       "(default: PyTorch's defaults)")
         h.add_argument("--method", choices=_choices(Method), default="auto",
                        help="trace the real model on fake tensors, or use closed-form formulas "
-                       "(auto: trace when the model can be built, else analytic)")
+                       "(default: auto, a trace when the model can be built, else analytic)")
 
 
 def checkpointing_arg(args: argparse.Namespace) -> str:
@@ -109,20 +108,11 @@ def checkpointing_arg(args: argparse.Namespace) -> str:
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    parallel = Parallel(
-        dp=args.dp, zero=args.zero, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-        sp=args.sp, cp=args.cp, ep=args.ep, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params,
-    )
-    return Workload(
-        task=args.task, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
-        grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl, checkpointing=checkpointing_arg(args),
-        checkpoint_fraction=args.checkpoint_fraction, peft=args.peft, lora_rank=args.lora_rank,
-        lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
-        image_size=args.image_size, routing_skew=getattr(args, "routing_skew", 1.0), parallel=parallel,
-    )
+    """The Workload the flags describe (validated by Workload itself)."""
+    parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
+    fields["checkpointing"] = checkpointing_arg(args)
+    return Workload(**fields, parallel=parallel)
 
 
 def note_settings(w: Workload) -> None:
@@ -150,5 +140,10 @@ def size_arg(text: str) -> int:
 
 
 def hint(msg: str) -> None:
-    """Hints and progress go to stderr; data goes to stdout."""
-    sys.stderr.write(msg.rstrip() + "\n")
+    """Hints and progress go to stderr; data goes to stdout. Core field references in ``msg``
+    (`` `max_gpus` ``) are written as this command's flags."""
+    from ..errors import with_flags
+    from ..report.render import FLAG_OF
+
+    flag_of = FLAG_OF.get()
+    sys.stderr.write((with_flags(msg, flag_of) if flag_of else msg).rstrip() + "\n")

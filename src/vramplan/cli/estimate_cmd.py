@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+
+if TYPE_CHECKING:
+    from ..results import MemoryReport
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,10 +35,9 @@ def run(args: argparse.Namespace) -> int:
     w = workload_from_args(args)
     note_settings(w)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
-    if report.method.value == "analytic" and args.method == "auto":
-        why = next((n for n in report.notes if "analytic estimate instead" in n), None)
-        if why:
-            hint(f"note: {why}")
+    if report.fallback is not None:
+        hint(f"note: the model could not be traced ({report.fallback.reason}); showing the "
+             f"{report.fallback.used} estimate")
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     suggest_fix(args.model, w, report)
@@ -74,7 +77,7 @@ def check_extras(args: argparse.Namespace) -> None:
         check_snapshot_path(args.snapshot)
 
 
-def write_extras(report, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+def write_extras(report: MemoryReport, args: argparse.Namespace) -> None:
     """--plot and --snapshot, shared with `vramplan trace`."""
     from ..errors import VramplanError
 

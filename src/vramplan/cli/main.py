@@ -50,6 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_names(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> dict[str, str]:
+    """Library field name → command-line flag (``max_gpus`` → ``--gpus``) for the command
+    ``argv`` names: the one mapping core messages are rewritten with. It is read off the
+    parser: each option's ``dest`` is the library keyword it is passed as."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    out: dict[str, str] = {}
+    p: argparse.ArgumentParser | None = parser
+    while p is not None:
+        nxt = None
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                nxt = next((a.choices[w] for w in words if w in a.choices), None)
+            elif a.option_strings and a.help != argparse.SUPPRESS:
+                longs = [o for o in a.option_strings if o.startswith("--")]
+                out.setdefault(a.dest, longs[0] if longs else a.option_strings[0])
+        p = nxt
+    return out
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -79,10 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    from ..report.render import FLAG_OF
+
+    flags = flag_names(parser, argv)
+    token = FLAG_OF.set(flags.get)
     try:
         return int(args.func(args) or 0)
     except VramplanError as e:
-        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.write(f"error: {e.render(flags.get)}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
@@ -90,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `vramplan gpus | head`: not an error
         _silence_stdout()
         return 0
+    finally:
+        FLAG_OF.reset(token)
 
 
 def _silence_stdout() -> None:

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-entries", type=int, default=100_000,
                    help="trace entries the snapshot keeps (default 100000)")
     m.add_argument("--no-predict", action="store_true", help="measure only (no trace/analytic prediction)")
-    m.add_argument("--label", default="", help="an id stored with the record")
+    m.add_argument("--label", default="", help="an id stored with the record (default: none)")
     add_output_args(p, plot=False)
     p.set_defaults(func=run)
 

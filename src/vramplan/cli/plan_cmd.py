@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
@@ -28,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="catalog alias (llama-3.1-8b), Hub id, or path to a config.json")
     add_workload_args(p)
     s = p.add_argument_group("search")
-    s.add_argument("--gpus", type=int, default=None, metavar="N",
+    s.add_argument("--gpus", dest="max_gpus", type=int, default=None, metavar="N",
                    help="use up to N GPUs (default: the workload's world size; with --rank-gpus 8)")
     s.add_argument("--budget", type=float, default=None, metavar="USD_PER_HOUR",
                    help="on-demand dollars per hour for all GPUs of a plan")
@@ -52,38 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def _progress() -> Iterator[Any]:
-    """A rich progress bar on stderr (only when stderr is a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
-    tasks: dict[str, Any] = {}
-    labels = {"screen": "screening candidates", "confirm": "confirming finalists (trace)"}
-
-    def update(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(labels.get(stage, stage), total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-
-    with bar:
-        yield update
-
-
 def run(args: argparse.Namespace) -> int:
     from vramplan.errors import PlanError
+    from vramplan.report.progress import progress_bar
 
     w = workload_from_args(args)
     note_settings(w)
-    for name in ("gpus", "global_batch", "confirm", "top", "pick"):
+    for name in ("max_gpus", "global_batch", "confirm", "top", "pick"):
         v = getattr(args, name)
         if v is not None and (v < 1 if name != "confirm" else v < 0):
-            raise PlanError(f"--{name.replace('_', '-')} must be {'≥ 0' if name == 'confirm' else 'positive'}, got {v}")
+            raise PlanError(f"`{name}` must be {'≥ 0' if name == 'confirm' else 'positive'}, got {v}", field=name)
     if args.budget is not None and args.budget <= 0:
-        raise PlanError(f"--budget must be a positive number of dollars per hour, got {args.budget}")
+        raise PlanError(f"`budget` must be a positive number of dollars per hour, got {args.budget}", field="budget")
     if args.plot:
         from vramplan.report.plot import check_plot_path
 
@@ -91,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
     if args.rank_gpus:
         return _rank(args, w)
     if not args.gpu:
-        raise PlanError("plan needs a GPU", hint="add --gpu NAME, or use --rank-gpus to compare GPUs")
+        raise PlanError("plan needs a GPU", hint="add `gpu=NAME`, or use `rank_gpus` to compare GPUs", field="gpu")
     from vramplan.planner.plan import plan
     from vramplan.report.plan import plan_doc
     from vramplan.report.render import emit
 
-    with _progress() as progress:
-        result = plan(args.model, w, gpu=args.gpu, max_gpus=args.gpus or w.parallel.world_size,
+    with progress_bar() as progress:
+        result = plan(args.model, w, gpu=args.gpu, max_gpus=args.max_gpus or w.parallel.world_size,
                       budget=args.budget, allow_peft=args.allow_peft, global_batch=args.global_batch,
                       method=args.method, alloc_conf=args.alloc_conf, sort=args.sort or "speed",
                       confirm=args.confirm, progress=progress)
@@ -121,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace, w: Any) -> int:
     from vramplan.planner.rank import rank_gpus
     from vramplan.report.plan import ranking_doc
+    from vramplan.report.progress import progress_bar
     from vramplan.report.render import emit
 
     gpus = None
@@ -128,8 +107,8 @@ def _rank(args: argparse.Namespace, w: Any) -> int:
         from vramplan.hardware.catalog import get_gpu
 
         gpus = [get_gpu(args.gpu)]
-    with _progress() as progress:
-        result = rank_gpus(args.model, w, gpus=gpus, max_gpus=args.gpus or 8, allow_peft=args.allow_peft,
+    with progress_bar() as progress:
+        result = rank_gpus(args.model, w, gpus=gpus, max_gpus=args.max_gpus or 8, allow_peft=args.allow_peft,
                            global_batch=args.global_batch, budget=args.budget, method=args.method,
                            alloc_conf=args.alloc_conf, sort=args.sort or "cost", confirm=args.confirm,
                            progress=progress)
@@ -155,7 +134,7 @@ def _emit(args: argparse.Namespace, plans: Any, obj: dict[str, Any]) -> int:
     from vramplan.planner.emit import emit as make
 
     if args.pick > len(plans):
-        raise PlanError(f"--pick {args.pick}: there are only {len(plans)} plan(s)")
+        raise PlanError(f"`pick={args.pick}`: there are only {len(plans)} plan(s)", field="pick")
     chosen = plans[args.pick - 1]
     out = make(chosen, args.emit)
     if args.format == "json":

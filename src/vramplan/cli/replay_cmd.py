@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from .common import add_output_args, size_arg
 
@@ -54,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.errors import VramplanError
     from vramplan.events import EventLog
     from vramplan.report.render import emit
+    from vramplan.report.replay import replay_doc, replay_json
 
     path = Path(args.file)
     if path.is_dir():
@@ -78,52 +78,6 @@ def run(args: argparse.Namespace) -> int:
         source = "--alloc-conf" if conf is not None else "PyTorch defaults"
         res = replay(log, conf, capacity=args.capacity)
         kind = "events"
-    obj: dict[str, Any] = {"file": str(path), "kind": kind, **res.to_dict(), "conf": conf_text,
-                           "conf_source": source, "capacity": args.capacity}
-    if cmp is not None:
-        obj["comparison"] = cmp.to_dict()
-    emit(_doc(path, kind, conf_text, source, args.capacity, res, cmp), args.format, sys.stdout, obj)
+    emit(replay_doc(path, kind, conf_text, source, args.capacity, res, cmp), args.format, sys.stdout,
+         replay_json(path, kind, conf_text, source, args.capacity, res, cmp))
     return 0
-
-
-def _doc(path: Path, kind: str, conf: str, source: str, capacity: int | None, res: Any, cmp: Any) -> Any:
-    from vramplan.report.doc import Doc, KeyValues, Notes
-    from vramplan.units import fmt_bytes
-
-    def b(n: int) -> str:
-        return f"{fmt_bytes(n, 'GiB', 3)} ({n:,} B)"
-
-    doc = Doc(f"Allocator replay: {path.name}",
-              subtitle=f"{kind}, {res.events:,} events, backend {res.backend}; GiB = 2^30 bytes")
-    doc.add(KeyValues([
-        ("conf", f"{conf or '(defaults)'}  [{source}]"),
-        ("capacity", b(capacity) if capacity is not None else "unlimited"),
-        ("max_allocated", b(res.max_allocated)),
-        ("max_reserved", b(res.max_reserved)),
-        ("max_active", b(res.max_active)),
-        ("segments", f"{res.segments} at the reserved peak (max {res.max_segments})"),
-        ("fragmentation_at_peak", f"{res.fragmentation_at_peak:.1%} (1 − allocated/reserved)"),
-        ("alloc_retries", str(res.alloc_retries)),
-        ("ooms", str(res.ooms) + (f" (first at event {res.oom_indices[0]})" if res.oom_indices else "")),
-    ], title="Simulated"))
-    if cmp is not None:
-        items = [
-            ("verdict", cmp.verdict),
-            ("trace", cmp.coverage + (f" ({cmp.allocations_set_aside:,} allocations in those segments "
-                                      "left out)" if cmp.reserved_before_recording else "")),
-            ("segment events", f"{cmp.matching} of {cmp.recorded_segment_events} recorded match "
-                               f"({cmp.simulated_segment_events} simulated)"),
-            ("peak reserved", f"recorded {b(cmp.recorded_peak_reserved)}, predicted "
-                              f"{b(cmp.simulated_peak_reserved)}"),
-            ("final reserved", f"recorded {b(cmp.recorded_final_reserved)}, simulated "
-                               f"{b(cmp.simulated_final_reserved)}"),
-        ]
-        items.append(("final layout", "identical, every block at its recorded address" if cmp.addresses_match
-                      else "same blocks (sizes, states) in each segment" if cmp.layout_match else "differs"))
-        if cmp.first_mismatch:
-            items.append(("first mismatch", cmp.first_mismatch))
-        doc.add(KeyValues(items, title="Compared with the recorded trace"))
-    notes = list(res.notes) + ([n for n in cmp.notes if n not in res.notes] if cmp is not None else [])
-    if notes:
-        doc.add(Notes(notes))
-    return doc

@@ -10,7 +10,6 @@ from vramplan.cli.common import size_arg
 
 if TYPE_CHECKING:
     from vramplan.hardware.rules import RuleResult
-    from vramplan.report.doc import Doc
 
 OUTPUT_FORMATS = ("table", "json", "markdown")
 COLOR_FORMATS = ("rgba8", "bgra8", "rgb10a2", "r11g11b10f", "rgba16f", "rgba32f")  # = rules.COLOR_FORMATS
@@ -65,9 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = rs.add_parser("bandwidth", help="GB/s from bus width and per-pin data rate",
                       description="Peak bandwidth = bus bits × per-pin Gbps ÷ 8 (no ×2: the per-pin rate "
                       "already counts both clock edges); effective = peak × controller efficiency.")
-    b.add_argument("--bus", type=int, required=True, help="memory bus width in bits, e.g. 384")
+    b.add_argument("--bus", dest="bus_bits", type=int, required=True, help="memory bus width in bits, e.g. 384")
     rate = b.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--rate", type=float, help="per-pin data rate in Gbit/s, e.g. 21")
+    rate.add_argument("--rate", dest="rate_gbps", type=float, help="per-pin data rate in Gbit/s, e.g. 21")
     rate.add_argument("--clock-mhz", type=float, help="memory clock as NVML reports it (rate = 2 × clock)")
     b.add_argument("--efficiency", type=float, default=1.0,
                    help="fraction of peak a memory controller reaches, e.g. 0.9 (default 1)")
@@ -100,9 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "GPUs (no cap), NVENC engines, and memory per session at a resolution.")
     v.add_argument("--codec", required=True, choices=["h264", "hevc", "av1"])
     v.add_argument("--gpu", required=True, help="catalog GPU, e.g. l4 or rtx-4090")
-    v.add_argument("--width", type=int, default=1920)
-    v.add_argument("--height", type=int, default=1080)
-    v.add_argument("--bit-depth", type=int, default=8, choices=[8, 10])
+    v.add_argument("--width", type=int, default=1920, help="frame width in pixels (default 1920)")
+    v.add_argument("--height", type=int, default=1080, help="frame height in pixels (default 1080)")
+    v.add_argument("--bit-depth", type=int, default=8, choices=[8, 10], help="bits per sample (default 8)")
     v.add_argument("--b-frames", type=int, default=0, help="B-frames (more input surfaces; default 0)")
     _output(v)
     v.set_defaults(func=run_video)
@@ -128,26 +127,16 @@ def _no_rule(args: argparse.Namespace) -> int:
 
 def _emit(result: RuleResult, fmt: str) -> int:
     from vramplan.report.render import emit
+    from vramplan.report.rules import rule_doc
 
-    emit(_doc(result), fmt, sys.stdout, result.to_dict())
+    emit(rule_doc(result), fmt, sys.stdout, result.to_dict())
     return 0
-
-
-def _doc(result: RuleResult) -> Doc:
-    from vramplan.report.doc import Doc, KeyValues, Notes
-
-    titles = {"bandwidth": "Memory bandwidth", "render": "Rendering memory", "video": "NVENC encode sessions",
-              "array": "Array memory"}
-    doc = Doc(titles.get(result.rule, result.rule))
-    doc.add(KeyValues([(s.label, s.formula) for s in result.steps]))
-    doc.add(Notes(list(result.notes)))
-    return doc
 
 
 def run_bandwidth(args: argparse.Namespace) -> int:
     from vramplan.hardware.rules import bandwidth
 
-    return _emit(bandwidth(args.bus, args.rate, clock_mhz=args.clock_mhz, efficiency=args.efficiency), args.format)
+    return _emit(bandwidth(args.bus_bits, args.rate_gbps, clock_mhz=args.clock_mhz, efficiency=args.efficiency), args.format)
 
 
 def run_render(args: argparse.Namespace) -> int:

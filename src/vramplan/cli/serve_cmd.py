@@ -29,12 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=(*ENGINES, "all"), default="vllm",
                    help="serving engine (default vllm); all: the four side by side")
     g = p.add_argument_group("engine settings (engine defaults when omitted)")
-    g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1)
-    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1,
+                   help="tensor-parallel GPUs (default 1)")
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline-parallel stages (default 1)")
     g.add_argument("--quantization", "--quantize", dest="quantization", default="none",
-                   choices=["none", "fp8", "awq", "gptq", "bitsandbytes"])
-    g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
+                   choices=["none", "fp8", "awq", "gptq", "bitsandbytes"], help="weight quantisation (default none)")
+    g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 (default auto)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default auto)")
     g.add_argument("--memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
                    "--cuda-memory-fraction", "--free-gpu-memory-fraction", dest="memory_fraction", type=float,
                    help="the engine's memory fraction (vLLM 0.9, SGLang by TP, TGI 1.0, TensorRT-LLM 0.9)")
@@ -47,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens per step; the profile / warm-up forward runs at this size")
     g.add_argument("--block-size", "--page-size", "--tokens-per-block", dest="block_size", type=int)
     g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true")
-    g.add_argument("--cuda-graph-sizes", type=_ints, default=(), help="vLLM: capture sizes (one value = the max)")
+    g.add_argument("--cuda-graph-sizes", type=_ints, default=(), help="vLLM: capture sizes (one value = the max; default: the engine's)")
     g.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
     g.add_argument("--method", choices=["analytic", "trace"], default="analytic",

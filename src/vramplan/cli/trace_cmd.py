@@ -112,9 +112,11 @@ def run(args: argparse.Namespace) -> int:
 def _check_unused(args: argparse.Namespace) -> None:
     """The shapes come from FUNC's example inputs, and the method is always a trace: say so
     rather than silently ignore flags that would change the answer of `vramplan estimate`."""
+    from ..workload import Workload
+
+    defaults = Workload()
     shapes = [f"--{name.replace('_', '-')} {getattr(args, name)}"
-              for name, default in (("batch", 1), ("seq", 2048), ("image_size", 224))
-              if getattr(args, name) != default]
+              for name in ("batch", "seq", "image_size") if getattr(args, name) != getattr(defaults, name)]
     if shapes:
         raise VramplanError(
             f"{', '.join(shapes)} {'does' if len(shapes) == 1 else 'do'} not apply to `vramplan trace`: the shapes are those of the "

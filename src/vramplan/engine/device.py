@@ -29,7 +29,7 @@ def bf16_notes(g: GPU | None, w: Workload, method: Method) -> list[str]:
             "its math kernel, which materialises the attention matrices")
     if method is Method.ANALYTIC and w.attention is not Attention.EAGER:
         text += "; the analytic method therefore counts attention as eager (materialised scores)"
-    return [text + "; --precision fp16-mixed is what this GPU runs well"]
+    return [text + "; `precision=fp16-mixed` is what this GPU runs well"]
 
 
 __all__ = ["kernel_workload", "bf16_notes"]

@@ -56,7 +56,7 @@ def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodC
     reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
     notes = tuple(est.notes) + (
         f"analytic method: reserved assumed = allocated × {1 + ANALYTIC_RESERVE_SLACK:.2f} "
-        "(use --method trace to simulate the caching allocator)",
+        "(use `method=trace` to simulate the caching allocator)",
     )
     summary = AllocatorSummary(
         backend="none (analytic: allocated + assumed slack)", conf="", segments=0,

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import TraceError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
-from ..results import MemoryReport, Peak, Verdict
+from ..results import Fallback, MemoryReport, Peak, Verdict
 from ..workload import Method, Task, Workload, as_enum
 from .boundary import max_batch_analytic
 from .calibration import calibrate
@@ -57,6 +57,7 @@ def estimate(
         notes.append(f"{length:,} tokens exceed the {spec.max_positions:,} positions {spec.name} was configured "
                      "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
     core: MethodCore
+    fallback: Fallback | None = None
     capacity = pool_capacity(g, w)
     if m is Method.ANALYTIC:
         core = analytic_core(spec, w, g)
@@ -67,13 +68,15 @@ def estimate(
             if m is Method.TRACE or not has_analytic(spec):
                 raise
             notes.append(f"trace failed ({e}); analytic estimate instead")
+            fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
             core = analytic_core(spec, w, g)
     notes += bf16_notes(g, w, core.method)
     if alloc_conf and core.method is Method.ANALYTIC:
-        notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
-                     "allocated plus an assumed slack (use --method trace)")
-    return finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
-                  num_gpus=num_gpus)
+        notes.append(f"`alloc_conf={alloc_conf}` is not simulated by the analytic method: reserved is "
+                     "allocated plus an assumed slack (use `method=trace`)")
+    report = finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
+                    num_gpus=num_gpus)
+    return report if fallback is None else report.replace(fallback=fallback)
 
 
 def has_analytic(spec: ModelSpec) -> bool:
@@ -84,7 +87,7 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     if spec.family is Family.OTHER:
         if w.task is Task.GENERATE and not spec.vocab:
             raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",
-                                hint="use --task infer or --task train")
+                                hint="use `task=infer` or `task=train`", field="task")
         return
     from ..analytic import check_against_model
 

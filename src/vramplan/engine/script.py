@@ -40,10 +40,10 @@ def run_script(
     from ..trace.cuda import profile_for
 
     if gpus < 1:
-        raise VramplanError(f"gpus must be at least 1, got {gpus}", hint="--gpus 1")
+        raise VramplanError(f"`gpus` must be at least 1, got {gpus}", hint="use `gpus=1`", field="gpus")
     g = resolve_gpu(gpu)
     if g is None:
-        raise VramplanError("vramplan run needs a target GPU to emulate", hint="--gpu h100-sxm")
+        raise VramplanError("running a script needs a target GPU to emulate", hint="e.g. `gpu=h100-sxm`", field="gpu")
     profile = profile_for(g, workspaces=workspaces)
     base = Workload(task=Task.TRAIN)
     outside = sum(o.bytes for o in overhead_items(g, base))

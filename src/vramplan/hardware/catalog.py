@@ -111,7 +111,7 @@ def list_gpus(min_memory: int | None = None, vendor: str | None = None) -> list[
     else:
         v = None
     if min_memory is not None and min_memory < 0:
-        raise VramplanError("--min-memory must not be negative")
+        raise VramplanError("`min_memory` must not be negative", field="min_memory")
     return [g for g in _gpus()
             if (v is None or g.vendor == v) and (min_memory is None or g.capacity >= min_memory)]
 

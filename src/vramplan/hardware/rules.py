@@ -68,12 +68,12 @@ def bandwidth(bus_bits: int, rate_gbps: float | None = None, *, clock_mhz: float
     per-pin rate. ``efficiency`` (0–1] gives the effective figure a memory controller reaches.
     """
     if not isinstance(bus_bits, int) or isinstance(bus_bits, bool) or bus_bits <= 0:
-        raise VramplanError(f"--bus must be a positive number of bits, got {bus_bits!r}")
+        raise VramplanError(f"`bus_bits` must be a positive number of bits, got {bus_bits!r}", field="bus_bits")
     if (rate_gbps is None) == (clock_mhz is None):
         raise VramplanError("give the per-pin rate or the memory clock, not both or neither",
-                            hint="--rate 21 (Gbps per pin) or --clock-mhz 10501 (as NVML reports it)")
+                            hint="`rate_gbps=21` (Gbps per pin) or `clock_mhz=10501` (as NVML reports it)")
     if not (0 < efficiency <= 1):
-        raise VramplanError(f"--efficiency must be in (0, 1], got {efficiency!r}", hint="e.g. 0.9")
+        raise VramplanError(f"`efficiency` must be in (0, 1], got {efficiency!r}", hint="e.g. 0.9", field="efficiency")
     steps: list[Step] = []
     if clock_mhz is not None:
         _positive("clock-mhz", clock_mhz)
@@ -140,10 +140,10 @@ def render(width: int, height: int, *, color_format: str = "rgba8", buffers: int
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise VramplanError(f"--{name} must be a positive integer, got {v!r}")
     if msaa not in MSAA_SAMPLES:
-        raise VramplanError(f"--msaa must be one of {', '.join(map(str, MSAA_SAMPLES))}, got {msaa!r}")
+        raise VramplanError(f"`msaa` must be one of {', '.join(map(str, MSAA_SAMPLES))}, got {msaa!r}", field="msaa")
     _positive("fps", fps)
     if textures < 0 or bvh_triangles < 0 or bvh_bytes_per_triangle < 0:
-        raise VramplanError("--textures, --bvh-triangles and --bvh-bytes-per-triangle must not be negative")
+        raise VramplanError("`textures`, `bvh_triangles` and `bvh_bytes_per_triangle` must not be negative", field="textures")
     bpp = _choice("colour format", color_format, COLOR_FORMATS)
     dbpp = _choice("depth format", depth, DEPTH_FORMATS)
     px = width * height
@@ -229,12 +229,12 @@ def video(codec: str, gpu: GPU | str, *, width: int = 1920, height: int = 1080, 
     if c not in CODECS:
         raise VramplanError(f"unknown codec {codec!r}", hint=f"choose one of {', '.join(CODECS)}")
     if bit_depth not in (8, 10):
-        raise VramplanError(f"--bit-depth must be 8 or 10, got {bit_depth!r}")
+        raise VramplanError(f"`bit_depth` must be 8 or 10, got {bit_depth!r}", field="bit_depth")
     for name, v in (("width", width), ("height", height)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise VramplanError(f"--{name} must be a positive integer, got {v!r}")
     if b_frames < 0:
-        raise VramplanError("--b-frames must not be negative")
+        raise VramplanError("`b_frames` must not be negative", field="b_frames")
     g = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if g.vendor != "nvidia":
         raise VramplanError(f"{g.key} has no NVENC: NVENC is NVIDIA's encoder",

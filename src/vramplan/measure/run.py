@@ -33,11 +33,11 @@ def measure(
     predictions; ``out`` appends the record as one JSON line. Raises NoGPUError without a GPU.
     """
     if iterations < 1:
-        raise VramplanError(f"--iterations must be >= 1, got {iterations}")
+        raise VramplanError(f"`iterations` must be >= 1, got {iterations}", field="iterations")
     if warmup < 0:
-        raise VramplanError(f"--warmup must be >= 0, got {warmup}")
+        raise VramplanError(f"`warmup` must be >= 0, got {warmup}", field="warmup")
     if max_entries < 1:
-        raise VramplanError(f"--max-entries must be >= 1, got {max_entries}")
+        raise VramplanError(f"`max_entries` must be >= 1, got {max_entries}", field="max_entries")
     if snapshot is not None and not Path(snapshot).parent.exists():
         raise VramplanError(f"cannot write the snapshot to '{snapshot}': its folder does not exist")
     if alloc_conf is not None:
@@ -76,8 +76,8 @@ def _set_alloc_conf(conf: str | None) -> None:
 
     current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if torch.cuda.is_initialized() and current != conf:
-        raise VramplanError("--alloc-conf must be set before CUDA starts in this process",
-                            hint="run the measurement in a fresh process")
+        raise VramplanError("`alloc_conf` must be set before CUDA starts in this process",
+                            hint="run the measurement in a fresh process", field="alloc_conf")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 __all__ = ["measure"]

@@ -48,7 +48,7 @@ def check_measurable(w: Workload) -> None:
     """Workload features the harness cannot run for real (clear errors before any GPU work)."""
     if w.parallel.world_size > 1 or w.parallel.zero or w.parallel.offload_optimizer or w.parallel.offload_params:
         raise WorkloadError("`vramplan measure` runs one GPU without parallelism or offload",
-                            hint="drop --dp/--tp/--pp/--cp/--zero/--offload-*")
+                            hint="drop `dp`, `tp`, `pp`, `cp`, `zero` and the offload options")
     if w.quant not in (Quant.NONE, Quant.NF4, Quant.INT4, Quant.INT8):
         raise WorkloadError(f"measuring {w.quant} weights is not supported",
                             hint="use nf4, int4 or int8 (bitsandbytes)")
@@ -193,7 +193,7 @@ def _infer_step(torch: Any, model: Any, inputs: Mapping[str, Any], amp: _Amp) ->
 
 def _generate_step(torch: Any, model: Any, inputs: Mapping[str, Any], w: Workload, amp: _Amp) -> WorkloadStep:
     if not hasattr(model, "generate"):
-        raise WorkloadError("this model cannot generate", hint="use --task infer")
+        raise WorkloadError("this model cannot generate", hint="use `task=infer`")
     args = {k: v for k, v in inputs.items() if k != "labels"}
     cfg = getattr(model, "generation_config", None)
     pad = getattr(cfg, "pad_token_id", None)

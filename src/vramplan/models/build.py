@@ -136,10 +136,10 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
         if "attn_implementation" in kwargs and (unsupported or "flash" in str(e).lower()):
             raise TraceError(
                 f"{spec.name}: attention '{attention}' is not available here ({_first_line(e)})",
-                hint="use --attention sdpa (vramplan emulates the flash kernels' memory)",
+                hint="use `attention=sdpa` (vramplan emulates the flash kernels' memory)",
             ) from None
         raise TraceError(f"{spec.name}: cannot build {head} model ({type(e).__name__}: {_first_line(e)})",
-                         hint="check the config.json values, or use --method analytic") from None
+                         hint="check the config.json values, or use `method=analytic`") from None
 
 
 def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
@@ -213,9 +213,9 @@ def _token_inputs(spec: ModelSpec, head: str, batch: int, seq: int, dev: torch.d
     learned = spec.model_type in ("gpt2", "gpt_bigcode", "bert")
     if learned and spec.max_positions and seq > spec.max_positions:
         raise WorkloadError(
-            f"--seq {seq} exceeds {spec.name}'s {spec.max_positions} learned positions",
-            hint=f"use --seq {spec.max_positions} or less",
-        )
+            f"`seq={seq}` exceeds {spec.name}'s {spec.max_positions} learned positions",
+            hint=f"use `seq={spec.max_positions}` or less",
+            field="seq")
     ids = torch.randint(0, spec.vocab, (batch, seq), dtype=torch.long, device=dev)
     out: dict[str, Any] = {"input_ids": ids}
     if labels and head in (CAUSAL_LM, MASKED_LM):
@@ -230,8 +230,8 @@ def _image_inputs(spec: ModelSpec, head: str, batch: int, image_size: int | None
     size = image_size or spec.image_size or 224
     if spec.patch_size and size % spec.patch_size:
         raise WorkloadError(
-            f"--image-size {size} is not a multiple of {spec.name}'s patch size {spec.patch_size}",
-        )
+            f"`image_size={size}` is not a multiple of {spec.name}'s patch size {spec.patch_size}",
+            field="image_size")
     out: dict[str, Any] = {
         "pixel_values": torch.randn(batch, spec.num_channels, size, size, dtype=dtype, device=dev),
     }
@@ -246,7 +246,7 @@ def _unet_inputs(spec: ModelSpec, batch: int, image_size: int | None, dev: torch
                  dtype: torch.dtype) -> dict[str, Any]:
     size = image_size or spec.image_size or 512
     if size % 8:
-        raise WorkloadError(f"--image-size {size} must be a multiple of 8 for a latent-diffusion UNet")
+        raise WorkloadError(f"`image_size={size}` must be a multiple of 8 for a latent-diffusion UNet", field="image_size")
     latent = size // 8
     cross = int(spec.config.get("cross_attention_dim") or 768)
     return {

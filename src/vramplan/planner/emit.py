@@ -40,10 +40,10 @@ def emit(plan: Plan, fmt: str) -> Emitted:
     makers = {"deepspeed": deepspeed, "accelerate": accelerate, "fsdp": fsdp, "trainer": trainer,
               "alloc-conf": alloc_conf}
     if fmt not in makers:
-        raise PlanError(f"unknown --emit format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
+        raise PlanError(f"unknown `emit` format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if fmt != "alloc-conf" and not plan.workload.training:
-        raise PlanError(f"--emit {fmt} writes a training configuration; this plan is for --task {plan.workload.task}",
-                        hint="use --emit alloc-conf, or --task train")
+        raise PlanError(f"`emit={fmt}` writes a training configuration; this plan is for `task={plan.workload.task}`",
+                        hint="use `emit=alloc-conf`, or `task=train`", field="emit")
     return makers[fmt](plan)
 
 
@@ -218,7 +218,7 @@ def fsdp(plan: Plan) -> Emitted:
         notes.append("FSDP2 has no ZeRO-1; reshard_after_forward=False is its ZeRO-2 (SHARD_GRAD_OP)")
     if p.offload_optimizer and not p.offload_params:
         notes.append("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together; "
-                     "DeepSpeed (--emit deepspeed) offloads the optimizer alone")
+                     "DeepSpeed (`emit=deepspeed`) offloads the optimizer alone")
     src = [
         f'"""{_header(plan)}',
         "",
@@ -272,7 +272,7 @@ def fsdp(plan: Plan) -> Emitted:
     ]
     if w.peft is not Peft.NONE:
         notes.append(f"{w.peft}: wrap the model with peft.get_peft_model before shard() "
-                     "(see --emit trainer for the LoraConfig)")
+                     "(see `emit=trainer` for the LoraConfig)")
     return Emitted("fsdp", "\n".join(src) + "\n", "fsdp_setup.py", tuple(notes))
 
 

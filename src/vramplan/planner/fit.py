@@ -47,7 +47,7 @@ def fit(
     spec = resolve_model(model)
     g = resolve_gpu(gpu)
     if g is None:
-        raise PlanError("fit needs a GPU", hint="add --gpu NAME (see `vramplan gpus`)")
+        raise PlanError("fit needs a GPU", hint="add `gpu=NAME` (see `vramplan gpus`)")
     w = workload or Workload()
     m = as_enum(Method, method, "method")
     ev = Evaluator(spec, alloc_conf=alloc_conf, estimator=estimator)
@@ -207,8 +207,8 @@ class _Fit:
         if cap < 1 or (self.seq_step is None and cap < MIN_SEQ_STEP):
             total = self.spec.max_positions or (1 << 20)
             raise PlanError(
-                f"{self.spec.name} has {total} positions; --new-tokens {w.new_tokens} leaves {max(cap, 0)} for the prompt",
-                hint="lower --new-tokens" + (f", or pass --seq-step {cap} or less" if cap >= 1 else ""),
+                f"{self.spec.name} has {total} positions; `new_tokens={w.new_tokens}` leaves {max(cap, 0)} for the prompt",
+                hint="lower `new_tokens`" + (f", or pass `seq_step={cap}` or less" if cap >= 1 else ""),
             )
         if self.seq_step is None:
             rough = self._predictor(make, MIN_SEQ_STEP, cap, MIN_SEQ_STEP, quadratic, w.seq)({})
@@ -216,9 +216,9 @@ class _Fit:
             step = max(MIN_SEQ_STEP, 2 ** int(math.log2(max(around, 1))) // 16)
         if cap < step:
             if self.seq_step is not None and step > cap:
-                raise PlanError(f"--seq-step {step} exceeds the {cap} positions {self.spec.name} allows",
-                                hint=f"use --seq-step {cap} or less")
-            raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower --new-tokens")
+                raise PlanError(f"`seq_step={step}` exceeds the {cap} positions {self.spec.name} allows",
+                                hint=f"use `seq_step={cap}` or less", field="seq_step")
+            raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower `new_tokens`")
         hi = cap // step * step
         predict = self._predictor(make, step, hi, step, quadratic, w.seq)
         guess = predict({}) if self.shaped else None
@@ -242,6 +242,6 @@ class _Fit:
         raise PlanError(
             f"{self.spec.name} does not fit on {self.w.parallel.world_size}× {self.g.key}: "
             f"{where} needs {need}, usable {fmt_bytes(self.usable)}",
-            hint=(f"{fix}; " if fix else "") + f"`vramplan plan {self.spec.name} --gpu {self.g.key}` "
-            "searches all memory savings (checkpointing, 8-bit optimizer, --allow-peft, --gpus N)",
+            hint=(f"{fix}; " if fix else "") + f"the planner finds memory savings: try `vramplan plan "
+            f"{self.spec.name} --gpu {self.g.key}` (checkpointing, 8-bit optimizer, `allow_peft`, `max_gpus=N`)",
         )

@@ -61,7 +61,7 @@ def plan(
     spec = resolve_model(model)
     g = resolve_gpu(gpu)
     if g is None:
-        raise PlanError("plan needs a GPU", hint="add --gpu NAME, or use --rank-gpus")
+        raise PlanError("plan needs a GPU", hint="add `gpu=NAME`, or use `rank_gpus`")
     if sort not in SORTS:
         raise PlanError(f"unknown sort {sort!r}", hint=f"choose one of {', '.join(SORTS)}")
     w = workload or Workload()
@@ -73,8 +73,8 @@ def plan(
                        compact=sc.method is not Method.ANALYTIC)
     if budget is not None and plan_price(g, 1, insts) is None:
         raise PlanError(
-            f"no on-demand price is listed for {g.key}, so --budget cannot be checked",
-            hint=f"drop --budget, or choose a priced GPU: {', '.join(priced_gpus(insts)[:8])}",
+            f"no on-demand price is listed for {g.key}, so `budget` cannot be checked",
+            hint=f"drop `budget`, or choose a priced GPU: {', '.join(priced_gpus(insts)[:8])}",
         )
     search = PlanBuilder(spec, w, g, m, sc, insts, progress)
     baseline = search.baseline(global_batch)
@@ -87,7 +87,7 @@ def plan(
     finals = search.confirm(front, confirm)
     if not finals:
         raise PlanError(f"every plan that fit by the analytic screen is too large when traced on {g.key}",
-                        hint="use --method analytic to see the screened plans, or --gpus more")
+                        hint="use `method=analytic` to see the screened plans, or a larger `max_gpus`")
     finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
     notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals)
     counts = sorted({c.num_gpus for c in cands})
@@ -110,7 +110,7 @@ def _within_budget(fitting: list[Plan], budget: float | None, g: GPU) -> list[Pl
         raise PlanError(
             f"no plan fits within ${budget:.2f}/h: the cheapest that fits is {cheapest.label} "
             f"on {cheapest.num_gpus}× {g.key} at {price}",
-            hint="raise --budget, or try --rank-gpus for cheaper GPUs",
+            hint="raise `budget`, or try `rank_gpus` for cheaper GPUs",
         )
     return ok
 
@@ -244,14 +244,14 @@ def job_words(base: Workload, w: Workload) -> list[str]:
 def _nothing_fits(spec: ModelSpec, g: GPU, max_gpus: int, screened: list[Plan], allow_peft: bool) -> PlanError:
     if not screened:
         return PlanError(f"no valid variant of this workload for {spec.name}",
-                         hint="check --tp/--pp against the model's heads and layers")
+                         hint="check `tp` and `pp` against the model's heads and layers")
     nearest = min(screened, key=lambda p: p.memory - p.usable)
     where = f" on {nearest.num_gpus} GPUs" if nearest.num_gpus > 1 else ""
     tips = []
     if not allow_peft and nearest.workload.training and nearest.workload.peft.value == "none":
-        tips.append("--allow-peft")
-    tips.append(f"--gpus {max(2, max_gpus * 2)}")
-    tips.append("a larger GPU (--rank-gpus)")
+        tips.append("`allow_peft=True`")
+    tips.append(f"`max_gpus={max(2, max_gpus * 2)}`")
+    tips.append("a larger GPU (`rank_gpus`)")
     return PlanError(
         f"no plan fits on {max_gpus}× {g.key} (usable {fmt_bytes(nearest.usable)}) — nearest: "
         f"{nearest.label}{where} needs {fmt_bytes(nearest.memory)} per GPU",

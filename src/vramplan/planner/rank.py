@@ -51,7 +51,7 @@ def rank_gpus(
     todo = [o for o in offers(pool, insts) if o.count <= max_gpus]
     skipped = len(offers(pool, insts)) - len(todo)
     if skipped:
-        notes.append(f"{skipped} offer(s) with more than {max_gpus} GPUs left out (raise --gpus)")
+        notes.append(f"{skipped} offer(s) with more than {max_gpus} GPUs left out (raise `max_gpus`)")
     if budget is not None:
         before = len(todo)
         todo = [o for o in todo if o.price is not None and o.price.usd_per_hour <= budget]
@@ -88,7 +88,7 @@ def rank_gpus(
         raise PlanError(
             "the workload fits on no catalog GPU or instance"
             + (f" — nearest: {need[0]} needs {need[1] / GiB:.1f} GiB per GPU of {need[2] / GiB:.1f}" if need else ""),
-            hint="add --allow-peft, raise --gpus, or shorten --seq",
+            hint="add `allow_peft`, raise `max_gpus`, or shorten `seq`",
         )
     ranked = [RankedOffer(offer=r.offer, plan=replace(r.plan, explanation=_line(r.plan))) for r in ranked]
     notes += caveats(w, [r.plan for r in ranked])

@@ -199,9 +199,9 @@ def candidates(w: Workload, gpu: GPU, *, max_gpus: int = 1, allow_peft: bool = F
     optimizers, ZeRO-1/2 or ZeRO-3 offload) for models that must be screened by tracing.
     """
     if max_gpus < 1:
-        raise PlanError(f"--gpus must be at least 1, got {max_gpus}")
+        raise PlanError(f"`max_gpus` must be at least 1, got {max_gpus}", field="max_gpus")
     if global_batch is not None and global_batch < 1:
-        raise PlanError(f"--global-batch must be a positive integer, got {global_batch}")
+        raise PlanError(f"`global_batch` must be a positive integer, got {global_batch}", field="global_batch")
     cs = counts or gpu_counts(max_gpus)
     space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch, compact=compact) \
         if w.task is Task.TRAIN else inference_space(w, gpu, cs)

@@ -2,20 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
-from typing import IO
+import os
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import IO, Literal
 
 from rich import box
 from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from ..errors import with_flags
 from .doc import Doc, KeyValues, Notes, Table
 
 FORMATS = ("table", "json", "markdown")
+PIPE_WIDTH = 140
+"""Columns of a table written to a pipe or file when VRAMPLAN_COLUMNS is not set."""
+
+FLAG_OF: ContextVar[Callable[[str], str | None] | None] = ContextVar("flag_of", default=None)
+"""How the front end names a library field (the CLI: ``max_gpus`` → ``--gpus``). Core notes
+name fields in backticks (see :mod:`vramplan.errors`); :func:`emit` rewrites them with this
+when it is set, so CLI users read flags and library users field names."""
 
 
-def _align(t: Table, i: int) -> str:
+def with_field_names(doc: Doc, flag_of: Callable[[str], str | None]) -> Doc:
+    """A copy of ``doc`` with the field references in its text rewritten by ``flag_of``."""
+
+    def t(s: str) -> str:
+        return with_flags(s, flag_of)
+
+    sections: list[Table | KeyValues | Notes] = []
+    for s in doc.sections:
+        if isinstance(s, Table):
+            sections.append(dataclasses.replace(s, title=t(s.title), rows=[[t(c) for c in r] for r in s.rows],
+                                                footer=[t(c) for c in s.footer] if s.footer else s.footer))
+        elif isinstance(s, KeyValues):
+            sections.append(dataclasses.replace(s, title=t(s.title), items=[(k, t(v)) for k, v in s.items]))
+        else:
+            sections.append(dataclasses.replace(s, lines=[t(x) for x in s.lines]))
+    return Doc(t(doc.title), sections, subtitle=t(doc.subtitle))
+
+
+def _align(t: Table, i: int) -> Literal["left", "right"]:
     if t.align and i < len(t.align):
         return "left" if t.align[i] == "l" else "right"
     return "left" if i == 0 else "right"
@@ -30,7 +60,7 @@ def render_console(doc: Doc, console: Console) -> None:
             rt = RichTable(title=s.title or None, box=box.SIMPLE_HEAVY, title_justify="left",
                            show_footer=False, min_width=len(s.title) + 4 if s.title else None)
             for i, c in enumerate(s.columns):
-                rt.add_column(c, justify=_align(s, i), overflow="fold")  # type: ignore[arg-type]
+                rt.add_column(c, justify=_align(s, i), overflow="fold")
             for r in s.rows:
                 rt.add_row(*r)
             if s.footer:
@@ -93,7 +123,11 @@ def to_markdown(doc: Doc) -> str:
 
 
 def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) -> None:
-    """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``."""
+    """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``. JSON keeps field names;
+    tables and markdown name fields as :data:`FLAG_OF` says, when it is set."""
+    flag_of = FLAG_OF.get()
+    if flag_of is not None and fmt != "json":
+        doc = with_field_names(doc, flag_of)
     if fmt == "json":
         import json
 
@@ -102,8 +136,16 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
         stream.write(to_markdown(doc))
     else:
         isatty = getattr(stream, "isatty", lambda: False)()
-        # Piped output: rich would assume 80 columns and cut long cells; use a wide page.
-        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else 140))
+        # Piped output: rich would assume 80 columns and cut long cells; use a wide page
+        # (VRAMPLAN_COLUMNS when set, as the golden tests do).
+        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else _page_width()))
+
+
+def _page_width() -> int:
+    try:
+        return max(40, int(os.environ["VRAMPLAN_COLUMNS"]))
+    except (KeyError, ValueError):
+        return PIPE_WIDTH
 
 
 class _Console(Console):

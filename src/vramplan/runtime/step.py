@@ -111,7 +111,7 @@ def step_time(
             name = spec.name if spec else "this model"
             raise WorkloadError(
                 f"no FLOP count for {name}: step time of non-transformer models needs a trace",
-                hint="use --method trace",
+                hint="use `method=trace`",
             )
     if spec is not None and spec.family in SEQUENCE_FAMILIES:
         s = shape_of(spec)

@@ -51,7 +51,7 @@ def _dtype(value: Any, config: Any) -> torch.dtype | None:
 def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
     if kwargs.get("quantization_config") is not None or kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit"):
         raise TraceError("from_pretrained(quantization_config=…) is not emulated by vramplan run yet",
-                         hint="use vramplan estimate MODEL --quant nf4/int8 for quantised weights")
+                         hint="use `vramplan estimate MODEL --quant nf4` (or int8) for quantised weights")
     dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config)
     extra: dict[str, Any] = {}
     if kwargs.get("attn_implementation"):

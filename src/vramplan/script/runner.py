@@ -366,8 +366,8 @@ def _patched_distributed() -> Iterator[None]:
         raise TraceError(
             "the script calls torch.distributed.init_process_group (multi-process training); "
             "vramplan run emulates one process on one GPU",
-            hint="run the single-GPU version of the script, or use --dp/--zero/--tp with vramplan "
-                 "estimate until multi-GPU traces land",
+            hint="run the single-GPU version of the script, or estimate the layout with "
+                 "`vramplan estimate --dp/--zero/--tp` until multi-GPU traces land",
         )
 
     dist.init_process_group = init_process_group  # type: ignore[assignment]
@@ -475,9 +475,10 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     if not p.is_file():
         raise TraceError(f"no such script: {p}", hint="vramplan run -- python path/to/train.py ARGS")
     if steps < 1:
-        raise VramplanError(f"steps must be at least 1, got {steps}", hint="--steps 2")
+        raise VramplanError(f"`steps` must be at least 1, got {steps}", hint="e.g. `steps=2`", field="steps")
     if timeout is not None and timeout <= 0:
-        raise VramplanError(f"timeout must be positive seconds, got {timeout}", hint="--timeout 300")
+        raise VramplanError(f"`timeout` must be positive seconds, got {timeout}", hint="e.g. `timeout=300`",
+                             field="timeout")
     started = time.monotonic()
     sess = TraceSession(profile, autocast_dtype=autocast_dtype)
     sess.dispatch.float_reads = 1.0
@@ -507,7 +508,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     except _Timeout:
         raise TraceError(
             f"the script did not finish {steps} step(s) within {timeout:g} s (reached step {run.steps}, "
-            f"{run.forwards} forward call(s))", hint="raise --timeout, or lower --steps") from None
+            f"{run.forwards} forward call(s))", hint="raise `timeout`, or lower `steps`") from None
     except TraceError as e:
         where = _user_frame(e.__traceback__, p)
         if where == str(p) or where in e.message:
@@ -519,7 +520,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         where = _user_frame(e.__traceback__, p)
         text = str(e).strip().splitlines()
         raise TraceError(f"{where}: {type(e).__name__}: {text[0][:300] if text else ''}",
-                         hint="the emulated GPU cannot run this call; see vramplan run --help") from e
+                         hint="the emulated GPU cannot run this call; see `vramplan run --help`") from e
     if run.steps == 0 and run.forwards == 0:
         raise TraceError(f"{p} ran no model on the GPU (no forward call on a cuda module was seen)",
                          hint="move the model and its inputs to 'cuda' as you would on a GPU")

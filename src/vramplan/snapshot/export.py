@@ -78,7 +78,7 @@ def predicted_snapshot(
     cfg = parse_conf(conf) if isinstance(conf, str) or conf is None else conf
     if cfg.backend != "native":
         raise VramplanError(f"a predicted snapshot needs the native allocator's addresses; {cfg.backend} is "
-                            "only approximated", hint="drop backend:cudaMallocAsync from --alloc-conf")
+                            "only approximated", hint="drop backend:cudaMallocAsync from `alloc_conf`")
     al = CachingAllocator(cfg, capacity=capacity, record_segments=True)
     frames = _FrameMaker(log)
     trace = _Tracer(al, frames, capacity).run(log)

@@ -118,7 +118,7 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         some = f"some of: {', '.join(linear[:8])}, or all-linear" if linear else "module names of the model"
         raise TraceError(f"LoRA cannot wrap this model: {' '.join(str(e).split())}",
-                         hint=f"set --lora-targets / lora_targets to {some}") from None
+                         hint=f"set `lora_targets` to {some}") from None
     used = sorted(cfg.target_modules) if cfg.target_modules else []
     return peft_model, [f"LoRA r={w.lora_rank} on {', '.join(used)}{note} (peft {_peft_version()})"]
 

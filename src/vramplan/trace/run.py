@@ -137,7 +137,7 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.sp or p.offload_optimizer or p.offload_params:
         raise TraceError("the trace runs one unsharded GPU; tensor/pipeline/context/expert parallelism, "
                          "ZeRO/FSDP sharding and offload are not traced",
-                         hint="use --method analytic for parallel layouts")
+                         hint="use `method=analytic` for parallel layouts")
     if p.dp > 1:
         return [f"dp={p.dp} traced as one replica: DDP's gradient buckets (about the gradients' size) are not included"]
     return []

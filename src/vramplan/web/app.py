@@ -45,7 +45,7 @@ from vramplan.workload import Method
 
 from . import work
 from .jobs import Jobs, Stale
-from .params import FieldError, Query, field_of, fields, parse_query, read_upload
+from .params import FieldError, Query, cli_message, field_of, fields, parse_query, read_upload
 
 Handler = Callable[..., Awaitable[Response]]
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
@@ -74,7 +74,7 @@ def api(fn: Handler) -> Handler:
         except FieldError as e:
             return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
         except VramplanError as e:
-            return JSONResponse({"error": str(e), "field": field_of(e)}, status_code=400)
+            return JSONResponse({"error": cli_message(e), "field": field_of(e)}, status_code=400)
         except Stale:
             return JSONResponse({"error": "superseded by a newer request", "stale": True}, status_code=409)
         except Bug as e:
@@ -139,7 +139,7 @@ class Server:
         except FieldError as e:
             first = {"status": 400, "body": {"error": str(e), "field": e.field}}
         except VramplanError as e:
-            first = {"status": 400, "body": {"error": str(e), "field": field_of(e)}}
+            first = {"status": 400, "body": {"error": cli_message(e), "field": field_of(e)}}
         except Exception:  # the page still loads; its own request will show the error
             first = None
         boot = {"defaults": PAGE_DEFAULTS, "catalog": catalog_body(), "first": first}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from vramplan.errors import VramplanError, did_you_mean
+from vramplan.errors import FIELD_REF, VramplanError, did_you_mean
 from vramplan.workload import Method, Parallel, Workload
 
 MAX_CONFIG_BYTES = 256 * 1024
@@ -171,7 +171,7 @@ def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
         try:
             gpu = get_gpu(gpu).key
         except VramplanError as e:
-            raise FieldError(str(e), field="gpu") from None
+            raise FieldError(cli_message(e), field="gpu") from None
     m = method if method is not None else (q.get("method") or "auto")
     try:
         meth = Method(str(m).strip().lower())
@@ -208,7 +208,7 @@ def parse_workload(q: Mapping[str, str]) -> Workload:
     try:
         return Workload(**values, parallel=Parallel(**par))
     except VramplanError as e:
-        raise FieldError(str(e), field=field_of(e)) from None
+        raise FieldError(cli_message(e), field=field_of(e)) from None
 
 
 def _convert(f: Field, raw: str) -> Any:
@@ -242,6 +242,18 @@ def _convert(f: Field, raw: str) -> Any:
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
 
 
+def cli_message(e: VramplanError) -> str:
+    """The CLI's one-line message: core field references (`` `batch` ``) as the page's keys,
+    which are the CLI's flags (``--batch``)."""
+    keys = {f.key for f in fields()} | set(PAGE_KEYS)
+
+    def flag_of(name: str) -> str | None:
+        key = name.replace("_", "-")
+        return f"--{key}" if key in keys else None
+
+    return e.render(flag_of)
+
+
 def field_of(e: BaseException) -> str | None:
     """The query key an error is about: the error's own ``field`` when it has one, else the
     first ``--flag`` its message names, else the field an ``invalid <what>`` message names."""
@@ -252,6 +264,9 @@ def field_of(e: BaseException) -> str | None:
         if key in keys:
             return key
     text = str(e)
+    for m in FIELD_REF.finditer(text):  # a core message names fields: `method=trace`
+        if m.group(1).replace("_", "-") in keys:
+            return m.group(1).replace("_", "-")
     for m in _FLAG.finditer(text):
         if m.group(1) in keys:
             return m.group(1)
@@ -312,7 +327,7 @@ def _spec_or_field_error(text: str, name: str) -> Any:
     try:
         return spec_from_text(text, name)
     except VramplanError as e:
-        raise FieldError(str(e), field="config") from None
+        raise FieldError(cli_message(e), field="config") from None
     except Exception as e:  # a config whose values have the wrong types: still the user's file
         raise FieldError(f"{name}: cannot read this config ({e.__class__.__name__}: {e})".split("\n")[0],
                          field="config") from None

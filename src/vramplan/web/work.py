@@ -16,7 +16,7 @@ from typing import Any
 from vramplan.errors import VramplanError
 from vramplan.workload import Method
 
-from .params import Query, field_of
+from .params import Query, cli_message, field_of
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Outcome:
     try:
         return Outcome(value=fn(*args, **kwargs))
     except VramplanError as e:
-        return Outcome(error=str(e), field=getattr(e, "field", None) or field_of(e))
+        return Outcome(error=cli_message(e), field=field_of(e))
     except Exception as e:  # a bug: one line, never a traceback on the page
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return Outcome(error=f"internal error ({e.__class__.__name__}: {first})", bug=True)
