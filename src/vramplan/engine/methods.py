@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import VramplanError
 from ..hardware.gpu import GPU
 from ..models.spec import ModelSpec
 from ..results import AllocatorSummary, Breakdown, IterationPeak, PhasePeak, Timeline
@@ -74,6 +75,15 @@ def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodC
     )
 
 
+def analytic_device_used(spec: ModelSpec, w: Workload, overhead: int, g: GPU | None = None) -> int | None:
+    """The analytic device_used of ``w`` (None where the formulas refuse the workload)."""
+    try:
+        core = analytic_core(spec, w, g)
+    except VramplanError:
+        return None
+    return core.reserved + overhead
+
+
 # --------------------------------------------------------------------------- trace
 def trace_catalog_model(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
     from ..trace.run import trace_workload
@@ -126,32 +136,29 @@ def _with_reserved(tl: Timeline | None, rt: Any) -> Timeline | None:
 
 
 def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodCore:
-    """Replay uncapped (what the step needs); where that exceeds the GPU's allocator capacity,
-    replay again within it, as PyTorch would run: freeing cached blocks and retrying may make
-    it fit (then those figures are reported), or it runs out of memory (then the uncapped
-    figures say how much it would need)."""
+    """Replay uncapped: the figures are what the step needs, and the verdict (and every
+    boundary search) compares that need with the GPU. Where it exceeds the GPU's allocator
+    capacity, replay again within it, as PyTorch would run, and say what happens there:
+    freeing cached blocks and retrying may let it run (too close to the limit to count on),
+    or it runs out of memory."""
     res = replay_trace(tr, alloc_conf)
     notes = list(tr.notes)
-    summary: AllocatorSummary | None = None
+    summary = _summary(res, alloc_conf)
     if pool_capacity is not None and res.max_reserved > pool_capacity:
         capped = replay_trace(tr, alloc_conf, pool_capacity)
         if capped.ooms == 0:
             notes.append(
-                f"the step would reserve {res.max_reserved:,} B with unlimited memory; within the GPU's "
-                f"{pool_capacity:,} B the allocator frees its cache and retries ({capped.alloc_retries}×) "
-                "and the step fits (cudaMalloc retries cost time)"
+                f"the step needs {res.max_reserved:,} B reserved, more than the GPU's {pool_capacity:,} B for "
+                f"the allocator; freeing its cache and retrying ({capped.alloc_retries}×) it might still run, "
+                "slowly and with no margin, so the verdict counts what it needs"
             )
-            res = capped
         else:
             notes.append(
                 f"replayed within the GPU's {pool_capacity:,} B for the allocator: {capped.ooms} "
                 f"out-of-memory error(s) after {capped.alloc_retries} retries; figures show what the "
                 "step needs without a limit"
             )
-            summary = dataclasses.replace(_summary(res, alloc_conf), ooms=capped.ooms,
-                                          alloc_retries=capped.alloc_retries)
-    if summary is None:
-        summary = _summary(res, alloc_conf)
+        summary = dataclasses.replace(summary, ooms=capped.ooms, alloc_retries=capped.alloc_retries)
     allocated, reserved = int(res.max_allocated), int(res.max_reserved)
     traced = tr.breakdown_at_peak.total
     breakdown = tr.breakdown_at_peak
@@ -180,5 +187,5 @@ def _traced_states(tr: TraceResult) -> Breakdown:
     return Breakdown(weights=tr.breakdown_at_peak.weights)
 
 
-__all__ = ["MethodCore", "analytic_core", "trace_core", "trace_catalog_model", "replay_trace",
+__all__ = ["MethodCore", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
            "ANALYTIC_RESERVE_SLACK", "FULL_TIMELINE_EVENTS"]

@@ -11,6 +11,7 @@ plus the verdict against a GPU and the largest batch that fits.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import TraceError, WorkloadError
@@ -18,10 +19,15 @@ from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..results import MemoryReport, Peak, Verdict
 from ..workload import Method, Task, Workload, as_enum
-from .boundary import max_batch_analytic
-from .calibration import calibrate
+from .boundary import Boundary, fits
 from .device import bf16_notes
-from .methods import MethodCore, analytic_core, trace_catalog_model, trace_core
+from .methods import (
+    MethodCore,
+    analytic_core,
+    analytic_device_used,
+    trace_catalog_model,
+    trace_core,
+)
 from .resolve import resolve_gpu, resolve_model
 from .verdict import overhead_items, pool_capacity, usable
 
@@ -50,7 +56,15 @@ def estimate(
 
         parse_conf(alloc_conf)  # fail early on a bad string
     _check(spec, w)
+    report = _report(spec, w, g, m, alloc_conf, num_gpus)
+    if g is not None and search_max_batch and has_analytic(spec):
+        report = _with_largest_batch(report, spec, g, alloc_conf)
+    return report
 
+
+def _report(spec: ModelSpec, w: Workload, g: GPU | None, m: Method, alloc_conf: str | None,
+            num_gpus: int) -> MemoryReport:
+    """One estimate of a checked workload, without the largest-batch search."""
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
@@ -72,8 +86,34 @@ def estimate(
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
                      "allocated plus an assumed slack (use --method trace)")
-    return finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
-                  num_gpus=num_gpus)
+    return finish(core, spec.name, w, g, notes=notes, num_gpus=num_gpus)
+
+
+def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, alloc_conf: str | None) -> MemoryReport:
+    """The verdict's largest batch, by the engine's one boundary search (the one ``fit``
+    runs): the analytic curve shapes it, the report's own method confirms the boundary and
+    the batch above it. A traced estimate therefore costs about two more traces."""
+    w, v = report.workload, report.verdict
+    assert v is not None
+    oh = report.peak.device_used - report.peak.reserved
+    cache: dict[int, MemoryReport] = {w.batch: report}
+
+    def confirm(wx: Workload) -> MemoryReport:
+        if wx.batch not in cache:
+            cache[wx.batch] = _report(spec, wx, g, report.method, alloc_conf, v.num_gpus)
+        return cache[wx.batch]
+
+    def analytic(wx: Workload) -> int | None:
+        return analytic_device_used(spec, wx, oh, g)
+
+    shaped = analytic(w) is not None
+    res = Boundary(confirm, analytic if shaped else None, v.usable).largest_batch(w)
+    extra = sum(1 for b in cache if b != w.batch)
+    note = (f"largest batch {res.value}: the engine's boundary search (as `fit` runs it), confirmed with "
+            f"the {report.method} method at the boundary and the batch above"
+            + (f" ({extra} more {report.method} estimate(s))" if report.method is not Method.ANALYTIC else ""))
+    verdict = dataclasses.replace(v, max_batch=max(res.value, 0))
+    return report.replace(verdict=verdict, notes=(note, *report.notes))
 
 
 def has_analytic(spec: ModelSpec) -> bool:
@@ -92,28 +132,21 @@ def _check(spec: ModelSpec, w: Workload) -> None:
 
 
 def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: list[str],
-           spec: ModelSpec | None, search_max_batch: bool, num_gpus: int = 1) -> MemoryReport:
-    """Add the GPU-dependent parts (overhead, verdict, largest batch) to a method's result."""
+           num_gpus: int = 1) -> MemoryReport:
+    """Add the GPU-dependent parts (overhead, verdict) to a method's result."""
     overhead = overhead_items(g, w)
     oh = sum(o.bytes for o in overhead)
     peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + oh)
     verdict = None
     if g is not None:
         use, usable_src = usable(g)
-        mb: int | None = None
-        if search_max_batch and spec is not None and has_analytic(spec):
-            scale, offset = 1.0, 0.0
-            if core.method is Method.TRACE:
-                scale, offset, how = calibrate(spec, w, g, oh, peak.device_used, core.model_states)
-                notes.append(f"max_batch: analytic batch curve calibrated to the traced peak ({how})")
-            mb = max_batch_analytic(spec, w, use, oh, scale=scale, offset=offset, gpu=g)
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
-            fits=peak.device_used <= use, headroom=use - peak.device_used, max_batch=mb,
+            fits=False, headroom=use - peak.device_used, max_batch=None,
             num_gpus=num_gpus, capacity_source=usable_src,
         )
     timeline = core.timeline
-    return MemoryReport(
+    report = MemoryReport(
         model=name, params=core.params, trainable_params=core.trainable_params, workload=w,
         method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
         peak_phase=core.peak_phase, phases=core.phases, verdict=verdict, allocator=core.allocator,
@@ -123,6 +156,9 @@ def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: li
         iterations=core.iterations, timeline=timeline, extra=dict(core.extra),
         model_states=core.model_states,
     )
+    if verdict is not None:  # the one rule for "fits", also the boundary search's
+        report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable)))
+    return report
 
 
 __all__ = ["estimate", "finish", "has_analytic"]

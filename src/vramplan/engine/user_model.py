@@ -56,7 +56,7 @@ def trace(
     core = trace_core(tr, w, alloc_conf, pool_capacity(g, w))
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
     core = dataclasses.replace(core, extra={**core.extra, "user_model": True})
-    return finish(core, label, w, g, notes=[], spec=None, search_max_batch=False)
+    return finish(core, label, w, g, notes=[])
 
 
 __all__ = ["trace"]
