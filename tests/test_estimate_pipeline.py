@@ -70,6 +70,11 @@ def test_trace_method_on_a_tiny_model_replays_the_allocator():
     assert r.extra["events"] is not None and len(r.extra["events"]) > 0
     assert r.timeline is not None and len(r.timeline.reserved) == len(r.timeline.index)
     assert max(r.timeline.reserved) == r.peak.reserved
+    # the reserved curve equals a full per-event replay timeline at every plotted point
+    from vramplan.allocator import replay
+
+    full = replay(r.extra["events"], record_timeline=True, full_timeline=True).timeline
+    assert r.timeline.reserved == tuple(full.reserved[i] for i in r.timeline.index)
     assert [i.iteration for i in r.iterations][:2] == [1, 2]
     # the allocator conf changes reserved, never allocated
     r2 = estimate(spec, Workload(task="train", batch=2, seq=64), method="trace",

@@ -26,8 +26,6 @@ ANALYTIC_RESERVE_SLACK = 0.05
 """Analytic method only: reserved is taken as allocated × (1 + this), the caching allocator's
 typical slack (rounding to 2 MiB segments, cached free blocks). The trace method simulates it."""
 
-FULL_TIMELINE_EVENTS = 2_000_000
-
 
 @dataclass(frozen=True)
 class MethodCore:
@@ -96,8 +94,9 @@ def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None =
     from ..allocator import parse_conf, replay
 
     conf = parse_conf(alloc_conf or "")
-    return replay(tr.events, conf, capacity=capacity, record_timeline=tr.timeline is not None,
-                  full_timeline=len(tr.events) <= FULL_TIMELINE_EVENTS)
+    # one plain pass: the report needs the peaks and the reserved curve (kept exactly, as sparse
+    # changes), not a per-event timeline nor the segment map at the peak (a second pass)
+    return replay(tr.events, conf, capacity=capacity, segment_map=False)
 
 
 def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
@@ -122,16 +121,16 @@ def _breakdown_to_total(b: Breakdown, total: int) -> Breakdown:
     return Breakdown.from_mapping(d)
 
 
-def _with_reserved(tl: Timeline | None, rt: Any) -> Timeline | None:
-    """Add the simulated reserved bytes to the trace's (decimated) timeline."""
-    if tl is None or rt is None or not len(rt.index):
+def _with_reserved(tl: Timeline | None, changes: tuple[tuple[int, int], ...]) -> Timeline | None:
+    """Add the simulated reserved bytes to the trace's (decimated) timeline: at each of its
+    points, reserved after the last change at or before that event."""
+    if tl is None or not changes:
         return tl
-    idx = list(rt.index)
-    res = rt.reserved
+    idx = [k for k, _ in changes]
     reserved = []
-    for i in tl.index:  # last replay point at or before trace event i
+    for i in tl.index:
         k = bisect.bisect_right(idx, i) - 1
-        reserved.append(int(res[k]) if k >= 0 else 0)
+        reserved.append(changes[k][1] if k >= 0 else 0)
     return dataclasses.replace(tl, reserved=tuple(reserved))
 
 
@@ -170,7 +169,7 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
         breakdown = _breakdown_to_total(breakdown, allocated)
     return MethodCore(
         breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
-        timeline=_with_reserved(tr.timeline, res.timeline),
+        timeline=_with_reserved(tr.timeline, res.reserved_changes),
         peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
         notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
@@ -188,4 +187,4 @@ def _traced_states(tr: TraceResult) -> Breakdown:
 
 
 __all__ = ["MethodCore", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
-           "ANALYTIC_RESERVE_SLACK", "FULL_TIMELINE_EVENTS"]
+           "ANALYTIC_RESERVE_SLACK"]
