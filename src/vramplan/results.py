@@ -10,9 +10,12 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .workload import Method, Phase, Workload
+
+if TYPE_CHECKING:
+    from .events import EventLog
 
 BREAKDOWN_KEYS: tuple[str, ...] = (
     "weights", "gradients", "optimizer", "activations", "temporaries", "kv_cache",
@@ -147,6 +150,18 @@ class Timeline:
     reserved: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """The method asked for could not run on this workload, and another one answered."""
+
+    requested: Method
+    used: Method
+    reason: str
+
+    def sentence(self) -> str:
+        return f"{self.requested} method failed ({self.reason}); {self.used} estimate instead"
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryReport:
     """A prediction of one workload's GPU memory, per GPU (per rank)."""
@@ -173,8 +188,14 @@ class MemoryReport:
     model_states: Breakdown | None = None
     """Persistent per-GPU model states (weights, gradients, optimizer states) as sharded —
     what ZeRO's 16Ψ formulas describe; the peak breakdown may add transients (gathered layers)."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Method-specific data (e.g. the trace's event log under ``events``); not rendered by default."""
+    flops_per_step: float | None = None
+    """FLOPs of one training/inference step per GPU, as the method counted them."""
+    fallback: Fallback | None = None
+    """Set when the requested method could not run and another one answered."""
+    user_model: bool = False
+    """A user's own model (``vramplan.trace``) rather than a catalog model or config."""
+    events: EventLog | None = field(default=None, repr=False, compare=False)
+    """The trace's allocation/free log (trace method only); not part of the JSON."""
 
     @property
     def overhead_total(self) -> int:
@@ -209,6 +230,11 @@ class MemoryReport:
             ],
             "notes": list(self.notes),
         }
+        if self.flops_per_step is not None:
+            d["flops_per_step"] = self.flops_per_step
+        if self.fallback is not None:
+            f = self.fallback
+            d["fallback"] = {"requested": str(f.requested), "used": str(f.used), "reason": f.reason}
         if self.model_states is not None:
             ms = self.model_states
             d["model_states"] = {"weights": ms.weights, "gradients": ms.gradients,

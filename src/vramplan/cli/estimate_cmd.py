@@ -30,10 +30,8 @@ def run(args: argparse.Namespace) -> int:
     check_extras(args)
     w = workload_from_args(args)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
-    if report.method.value == "analytic" and args.method == "auto":
-        fell_back = any("analytic estimate instead" in n for n in report.notes)
-        if fell_back:
-            hint("note: the model could not be traced; showing the analytic estimate")
+    if report.fallback is not None:
+        hint("note: the model could not be traced; showing the analytic estimate")
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0
@@ -65,7 +63,7 @@ def write_extras(report, args: argparse.Namespace) -> None:  # type: ignore[no-u
         plot_report(report, args.plot)
         hint(f"plot written to {args.plot}")
     if getattr(args, "snapshot", None):
-        events = report.extra.get("events")
+        events = report.events
         if events is None:
             raise VramplanError("--snapshot needs an event trace", hint="add --method trace")
         from ..snapshot.export import write_predicted_snapshot

@@ -1,4 +1,4 @@
-"""The two methods behind an estimate, each producing a :class:`MethodCore`.
+"""The two methods behind an estimate, each producing a :class:`MethodResult`.
 
 analytic  closed-form formulas (milliseconds; transformer families only)
 trace     the real model run on fake tensors → event log → caching-allocator replay
@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import VramplanError
 from ..hardware.gpu import GPU
 from ..models.spec import ModelSpec
-from ..results import AllocatorSummary, Breakdown, IterationPeak, PhasePeak, Timeline
+from ..results import (
+    AllocatorSummary,
+    Breakdown,
+    IterationPeak,
+    ModuleStat,
+    PhasePeak,
+    TensorStat,
+    Timeline,
+)
 from ..workload import Method, Phase, Workload
 from .device import kernel_workload
 
 if TYPE_CHECKING:
+    from ..events import EventLog
     from ..trace.result import TraceResult
 
 ANALYTIC_RESERVE_SLACK = 0.05
@@ -28,8 +36,9 @@ typical slack (rounding to 2 MiB segments, cached free blocks). The trace method
 
 
 @dataclass(frozen=True)
-class MethodCore:
-    """What a method produces before the GPU-dependent parts are added."""
+class MethodResult:
+    """What a method (analytic or trace + replay) produces, before the GPU's share (overhead,
+    verdict) is added; every field typed, nothing method-specific in an untyped bag."""
 
     breakdown: Breakdown
     allocated: int
@@ -41,15 +50,17 @@ class MethodCore:
     method: Method
     allocator: AllocatorSummary | None
     notes: tuple[str, ...]
-    extra: Mapping[str, Any]
+    flops_per_step: float | None = None
     iterations: tuple[IterationPeak, ...] = ()
-    trace: TraceResult | None = None
+    top_modules: tuple[ModuleStat, ...] = ()
+    top_tensors: tuple[TensorStat, ...] = ()
+    events: EventLog | None = None
     timeline: Timeline | None = None
     model_states: Breakdown | None = None
 
 
 # --------------------------------------------------------------------------- analytic
-def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodCore:
+def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodResult:
     from .. import analytic
 
     est = analytic.estimate(spec, kernel_workload(w, g))
@@ -63,11 +74,11 @@ def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodC
         backend="none (analytic: allocated + assumed slack)", conf="", segments=0,
         fragmentation_at_peak=1 - allocated / reserved if reserved else 0.0,
     )
-    return MethodCore(
+    return MethodResult(
         breakdown=est.peak.breakdown, allocated=allocated, reserved=reserved,
         peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
         trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
-        notes=notes, extra={"flops_per_step": est.flops_per_step},
+        notes=notes, flops_per_step=est.flops_per_step,
         model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
                                optimizer=est.states.optimizer),
     )
@@ -134,7 +145,7 @@ def _with_reserved(tl: Timeline | None, changes: tuple[tuple[int, int], ...]) ->
     return dataclasses.replace(tl, reserved=tuple(reserved))
 
 
-def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodCore:
+def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodResult:
     """Replay uncapped: the figures are what the step needs, and the verdict (and every
     boundary search) compares that need with the GPU. Where it exceeds the GPU's allocator
     capacity, replay again within it, as PyTorch would run, and say what happens there:
@@ -167,13 +178,13 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
             "at the allocated peak over the traced tensor bytes; counted under temporaries"
         )
         breakdown = _breakdown_to_total(breakdown, allocated)
-    return MethodCore(
+    return MethodResult(
         breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
         timeline=_with_reserved(tr.timeline, res.reserved_changes),
         peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
-        notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
-        iterations=tuple(tr.iterations), trace=tr, model_states=_traced_states(tr),
+        notes=tuple(notes), flops_per_step=tr.flops, events=tr.events, iterations=tuple(tr.iterations),
+        top_modules=tuple(tr.top_modules), top_tensors=tuple(tr.top_tensors), model_states=_traced_states(tr),
     )
 
 
@@ -186,5 +197,5 @@ def _traced_states(tr: TraceResult) -> Breakdown:
     return Breakdown(weights=tr.breakdown_at_peak.weights)
 
 
-__all__ = ["MethodCore", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
+__all__ = ["MethodResult", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
            "ANALYTIC_RESERVE_SLACK"]

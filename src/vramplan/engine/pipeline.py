@@ -17,12 +17,12 @@ from typing import Any
 from ..errors import TraceError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
-from ..results import MemoryReport, Peak, Verdict
+from ..results import Fallback, MemoryReport, Peak, Verdict
 from ..workload import Method, Task, Workload, as_enum
 from .boundary import Boundary, fits
 from .device import bf16_notes
 from .methods import (
-    MethodCore,
+    MethodResult,
     analytic_core,
     analytic_device_used,
     trace_catalog_model,
@@ -70,7 +70,8 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, m: Method, alloc_conf: 
     if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
         notes.append(f"{length:,} tokens exceed the {spec.max_positions:,} positions {spec.name} was configured "
                      "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
-    core: MethodCore
+    core: MethodResult
+    fallback: Fallback | None = None
     capacity = pool_capacity(g, w)
     if m is Method.ANALYTIC:
         core = analytic_core(spec, w, g)
@@ -80,13 +81,13 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, m: Method, alloc_conf: 
         except TraceError as e:
             if m is Method.TRACE or not has_analytic(spec):
                 raise
-            notes.append(f"trace failed ({e}); analytic estimate instead")
+            fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
             core = analytic_core(spec, w, g)
     notes += bf16_notes(g, w, core.method)
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
                      "allocated plus an assumed slack (use --method trace)")
-    return finish(core, spec.name, w, g, notes=notes, num_gpus=num_gpus)
+    return finish(core, spec.name, w, g, notes=notes, num_gpus=num_gpus, fallback=fallback)
 
 
 def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, alloc_conf: str | None) -> MemoryReport:
@@ -131,8 +132,8 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     check_against_model(spec, w)
 
 
-def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: list[str],
-           num_gpus: int = 1) -> MemoryReport:
+def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, *, notes: list[str],
+           num_gpus: int = 1, fallback: Fallback | None = None, user_model: bool = False) -> MemoryReport:
     """Add the GPU-dependent parts (overhead, verdict) to a method's result."""
     overhead = overhead_items(g, w)
     oh = sum(o.bytes for o in overhead)
@@ -151,10 +152,9 @@ def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: li
         method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
         peak_phase=core.peak_phase, phases=core.phases, verdict=verdict, allocator=core.allocator,
         notes=tuple(notes) + core.notes,
-        top_modules=core.trace.top_modules if core.trace is not None else (),
-        top_tensors=core.trace.top_tensors if core.trace is not None else (),
-        iterations=core.iterations, timeline=timeline, extra=dict(core.extra),
-        model_states=core.model_states,
+        top_modules=core.top_modules, top_tensors=core.top_tensors,
+        iterations=core.iterations, timeline=timeline, model_states=core.model_states,
+        flops_per_step=core.flops_per_step, events=core.events, fallback=fallback, user_model=user_model,
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's
         report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -55,8 +54,7 @@ def trace(
                      iterations=iterations)
     core = trace_core(tr, w, alloc_conf, pool_capacity(g, w))
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
-    core = dataclasses.replace(core, extra={**core.extra, "user_model": True})
-    return finish(core, label, w, g, notes=[])
+    return finish(core, label, w, g, notes=[], user_model=True)
 
 
 __all__ = ["trace"]

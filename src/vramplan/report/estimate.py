@@ -35,7 +35,7 @@ def count(n: int) -> str:
 def workload_line(r: MemoryReport) -> str:
     w = r.workload
     parts = [f"task {w.task}"]
-    if not r.extra.get("user_model"):  # a user's own inputs fix their own shapes
+    if not r.user_model:  # a user's own inputs fix their own shapes
         parts += [f"batch {w.batch}", f"seq {w.seq}"]
     if w.task.value == "generate":
         parts.append(f"+{w.new_tokens} new tokens")
@@ -70,7 +70,7 @@ def workload_line(r: MemoryReport) -> str:
 
 def to_doc(r: MemoryReport) -> Doc:
     doc = Doc(
-        title=f"vramplan {'trace' if r.extra.get('user_model') else 'estimate'}: {r.model} — "
+        title=f"vramplan {'trace' if r.user_model else 'estimate'}: {r.model} — "
         f"{count(r.params)} params"
         + (f" ({count(r.trainable_params)} trainable)" if r.trainable_params != r.params else ""),
         subtitle=f"{workload_line(r)}\nmethod: {r.method} · sizes in GiB (2^30 bytes), per GPU",
@@ -132,5 +132,6 @@ def to_doc(r: MemoryReport) -> Doc:
             title="Largest live tensors at the peak", align=["l", "l", "l", "l", "r"],
         ))
     sources = [f"{o.name}: {o.source}" for o in r.overhead]
-    doc.add(Notes(list(r.notes) + sources))
+    fallback = [r.fallback.sentence()] if r.fallback is not None else []
+    doc.add(Notes(fallback + list(r.notes) + sources))
     return doc
