@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import VramplanError
-from ..hardware.gpu import GPU
 from ..models.spec import ModelSpec
 from ..results import (
     AllocatorSummary,
@@ -23,6 +22,7 @@ from ..results import (
     TensorStat,
     Timeline,
 )
+from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Method, Phase, Workload
 from .device import kernel_workload
 
@@ -60,10 +60,11 @@ class MethodResult:
 
 
 # --------------------------------------------------------------------------- analytic
-def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodResult:
+def analytic_core(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PROFILE) -> MethodResult:
+    """The analytic formulas on ``dev``: its cuBLAS workspace and bf16 kernels, as the trace sees them."""
     from .. import analytic
 
-    est = analytic.estimate(spec, kernel_workload(w, g))
+    est = analytic.estimate(spec, kernel_workload(w, dev), workspace_bytes=dev.cublas_workspace)
     allocated = est.peak.allocated
     reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
     notes = tuple(est.notes) + (
@@ -84,20 +85,20 @@ def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodR
     )
 
 
-def analytic_device_used(spec: ModelSpec, w: Workload, overhead: int, g: GPU | None = None) -> int | None:
-    """The analytic device_used of ``w`` (None where the formulas refuse the workload)."""
+def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PROFILE) -> int | None:
+    """The analytic device_used of ``w`` on ``dev`` (None where the formulas refuse the workload)."""
     try:
-        core = analytic_core(spec, w, g)
+        core = analytic_core(spec, w, dev)
     except VramplanError:
         return None
-    return core.reserved + overhead
+    return core.reserved + dev.overhead_bytes
 
 
 # --------------------------------------------------------------------------- trace
-def trace_catalog_model(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
+def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile) -> TraceResult:
     from ..trace.run import trace_workload
 
-    return trace_workload(spec, w, gpu=g)
+    return trace_workload(spec, w, device=dev)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:

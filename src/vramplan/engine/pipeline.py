@@ -18,9 +18,10 @@ from ..errors import TraceError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..results import Fallback, MemoryReport, Peak, Verdict
+from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
 from .boundary import Boundary, fits
-from .device import bf16_notes
+from .device import bf16_notes, profile
 from .methods import (
     MethodResult,
     analytic_core,
@@ -29,7 +30,6 @@ from .methods import (
     trace_core,
 )
 from .resolve import resolve_gpu, resolve_model
-from .verdict import overhead_items, pool_capacity, usable
 
 
 def estimate(
@@ -56,14 +56,15 @@ def estimate(
 
         parse_conf(alloc_conf)  # fail early on a bad string
     _check(spec, w)
-    report = _report(spec, w, g, m, alloc_conf, num_gpus)
+    dev = profile(g, w)  # built once: the trace, the formulas and the verdict read it
+    report = _report(spec, w, g, dev, m, alloc_conf, num_gpus)
     if g is not None and search_max_batch and has_analytic(spec):
-        report = _with_largest_batch(report, spec, g, alloc_conf)
+        report = _with_largest_batch(report, spec, g, dev, alloc_conf)
     return report
 
 
-def _report(spec: ModelSpec, w: Workload, g: GPU | None, m: Method, alloc_conf: str | None,
-            num_gpus: int) -> MemoryReport:
+def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: Method,
+            alloc_conf: str | None, num_gpus: int) -> MemoryReport:
     """One estimate of a checked workload, without the largest-batch search."""
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
@@ -72,40 +73,39 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, m: Method, alloc_conf: 
                      "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
     core: MethodResult
     fallback: Fallback | None = None
-    capacity = pool_capacity(g, w)
     if m is Method.ANALYTIC:
-        core = analytic_core(spec, w, g)
+        core = analytic_core(spec, w, dev)
     else:
         try:
-            core = trace_core(trace_catalog_model(spec, w, g), w, alloc_conf, capacity)
+            core = trace_core(trace_catalog_model(spec, w, dev), w, alloc_conf, dev.allocator_capacity)
         except TraceError as e:
             if m is Method.TRACE or not has_analytic(spec):
                 raise
             fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
-            core = analytic_core(spec, w, g)
-    notes += bf16_notes(g, w, core.method)
+            core = analytic_core(spec, w, dev)
+    notes += bf16_notes(dev, w, core.method) if g is not None else []
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
                      "allocated plus an assumed slack (use --method trace)")
-    return finish(core, spec.name, w, g, notes=notes, num_gpus=num_gpus, fallback=fallback)
+    return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback)
 
 
-def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, alloc_conf: str | None) -> MemoryReport:
+def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: DeviceProfile,
+                        alloc_conf: str | None) -> MemoryReport:
     """The verdict's largest batch, by the engine's one boundary search (the one ``fit``
     runs): the analytic curve shapes it, the report's own method confirms the boundary and
     the batch above it. A traced estimate therefore costs about two more traces."""
     w, v = report.workload, report.verdict
     assert v is not None
-    oh = report.peak.device_used - report.peak.reserved
     cache: dict[int, MemoryReport] = {w.batch: report}
 
     def confirm(wx: Workload) -> MemoryReport:
         if wx.batch not in cache:
-            cache[wx.batch] = _report(spec, wx, g, report.method, alloc_conf, v.num_gpus)
+            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus)
         return cache[wx.batch]
 
     def analytic(wx: Workload) -> int | None:
-        return analytic_device_used(spec, wx, oh, g)
+        return analytic_device_used(spec, wx, dev)
 
     shaped = analytic(w) is not None
     res = Boundary(confirm, analytic if shaped else None, v.usable).largest_batch(w)
@@ -132,15 +132,15 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     check_against_model(spec, w)
 
 
-def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, *, notes: list[str],
-           num_gpus: int = 1, fallback: Fallback | None = None, user_model: bool = False) -> MemoryReport:
-    """Add the GPU-dependent parts (overhead, verdict) to a method's result."""
-    overhead = overhead_items(g, w)
-    oh = sum(o.bytes for o in overhead)
-    peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + oh)
+def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: DeviceProfile, *,
+           notes: list[str], num_gpus: int = 1, fallback: Fallback | None = None,
+           user_model: bool = False) -> MemoryReport:
+    """Add the device's share (overhead outside the allocator, the verdict) to a method's result."""
+    overhead = dev.overhead
+    peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + dev.overhead_bytes)
     verdict = None
-    if g is not None:
-        use, usable_src = usable(g)
+    if g is not None and dev.usable is not None:
+        use, usable_src = dev.usable, dev.usable_source
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
             fits=False, headroom=use - peak.device_used, max_batch=None,
