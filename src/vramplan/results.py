@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ._json import jsonable
 from .workload import Method, Phase, Workload
 
 if TYPE_CHECKING:
@@ -257,14 +257,5 @@ class MemoryReport:
                 {"iteration": i.iteration, "allocated": i.allocated, "phase": str(i.phase)}
                 for i in self.iterations
             ]
-        return _jsonable(d)
+        return jsonable(d)
 
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, Enum):
-        return x.value
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x

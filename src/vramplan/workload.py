@@ -298,17 +298,10 @@ class Workload:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        return _plain(d)
+        from ._json import jsonable
+
+        return dict(jsonable(d))
 
 
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(Parallel)}
 
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, Enum):
-        return x.value
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x

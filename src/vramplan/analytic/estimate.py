@@ -9,7 +9,7 @@ from vramplan.workload import Attention, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
 from . import decoder, encoder, kv, vit
-from .activations import Shape, size, stage_acts
+from .activations import TokenShape, size, stage_acts
 from .arch import Arch
 from .blocks import Ctx, block_saved
 from .flops import step_flops
@@ -74,7 +74,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         tr.adapter_params(lin) * g.count for g in arch.groups for lin in g.linears)
     if w.task is not Task.TRAIN:
         trainable_params = 0
-    shape = Shape(tokens, seq, w.parallel.tp, w.parallel.sp)
+    shape = TokenShape(tokens, seq, w.parallel.tp, w.parallel.sp)
     per_layer = max(size(block_saved(g, ctx, arch.hidden), shape) for g in arch.groups) if w.training else 0
     cache = 0
     if spec.is_decoder and not w.training:
