@@ -57,10 +57,13 @@ class Boundary:
     """
 
     def __init__(self, confirm: Callable[[Workload], MemoryReport],
-                 analytic: Callable[[Workload], int | None] | None, usable: int) -> None:
+                 analytic: Callable[[Workload], int | None] | None, usable: int, *,
+                 exact: bool = False) -> None:
         self.confirm = confirm
-        self.analytic = analytic
+        self.analytic = _memo(analytic) if analytic is not None else None
         self.usable = usable
+        self.exact = exact and analytic is not None
+        """The confirming method is the analytic curve itself: search it, nothing to confirm."""
         self.cal = Calibration(usable)
 
     @property
@@ -105,6 +108,14 @@ class Boundary:
     def search(self, make: Callable[[int], Workload], *, lo: int, hi: int, step: int = 1,
                quadratic: bool = False, start: int) -> SearchResult:
         """Largest ``x`` on the grid ``lo, lo+step, …, hi`` whose ``make(x)`` fits."""
+        analytic = self.analytic
+        if self.exact and analytic is not None:
+            def on_curve(x: int) -> tuple[int | None, bool]:
+                used = analytic(make(x))
+                return used, used is not None and used <= self.usable
+
+            return boundary_search(on_curve, first=min(max(start, lo), hi), lo=lo, hi=hi, step=step,
+                                   predict=secant_predictor(self.usable, quadratic=quadratic))
         predict = self.predictor(make, lo, hi, step, quadratic, start)
         guess = predict({}) if self.shaped else None
         first = int(guess) if guess is not None and guess >= lo else start
@@ -112,6 +123,17 @@ class Boundary:
 
     def largest_batch(self, w: Workload, max_batch: int = MAX_BATCH) -> SearchResult:
         return self.search(lambda b: w.replace(batch=b), lo=1, hi=max_batch, start=min(w.batch, max_batch))
+
+
+def _memo(f: Callable[[Workload], int | None]) -> Callable[[Workload], int | None]:
+    seen: dict[Workload, int | None] = {}
+
+    def cached(w: Workload) -> int | None:
+        if w not in seen:
+            seen[w] = f(w)
+        return seen[w]
+
+    return cached
 
 
 def boundary_search(

@@ -107,12 +107,17 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
     def analytic(wx: Workload) -> int | None:
         return analytic_device_used(spec, wx, dev)
 
-    shaped = analytic(w) is not None
-    res = Boundary(confirm, analytic if shaped else None, v.usable).largest_batch(w)
+    exact = report.method is Method.ANALYTIC  # the curve is the answer: nothing to confirm
+    bd = Boundary(confirm, analytic, v.usable, exact=exact)
+    if not exact and bd.analytic is not None and bd.analytic(w) is None:
+        return report.replace(notes=("no analytic curve for this workload to shape a largest-batch search "
+                                     "(`vramplan fit` searches with traces)", *report.notes))
+    res = bd.largest_batch(w)
     extra = sum(1 for b in cache if b != w.batch)
-    note = (f"largest batch {res.value}: the engine's boundary search (as `fit` runs it), confirmed with "
-            f"the {report.method} method at the boundary and the batch above"
-            + (f" ({extra} more {report.method} estimate(s))" if report.method is not Method.ANALYTIC else ""))
+    note = (f"largest batch {max(res.value, 0)}: the engine's boundary search on the analytic curve (as `fit` runs it)"
+            if exact else
+            f"largest batch {max(res.value, 0)}: the engine's boundary search (as `fit` runs it), confirmed with "
+            f"the {report.method} method at the boundary and the batch above ({extra} more estimate(s))")
     verdict = dataclasses.replace(v, max_batch=max(res.value, 0))
     return report.replace(verdict=verdict, notes=(note, *report.notes))
 
