@@ -3,7 +3,7 @@
 Before the engine, ``estimate llama-3.1-8b --task train --peft lora --checkpointing full --gpu
 rtx-4090`` said batch 2 while ``fit`` said 1 (batch 2 needs 24.4 GiB of 24.0): the verdict took a
 calibrated analytic guess and a replay that freed the allocator's cache at the limit, ``fit``
-confirmed with traces. Both now run :class:`vramplan.engine.boundary.Boundary` on the same
+confirmed with traces. Both now run :class:`vramplan.engine.boundary.BoundarySearch` on the same
 reports.
 """
 
@@ -80,6 +80,7 @@ def test_issue_9_lora_on_a_4090_is_batch_1_in_estimate_and_fit():
     w = Workload(task="train", peft="lora", checkpointing="full")
     r = estimate("llama-3.1-8b", w, gpu="rtx-4090")
     assert r.verdict is not None and r.verdict.fits and r.verdict.max_batch == 1
-    two = estimate("llama-3.1-8b", w.replace(batch=2), gpu="rtx-4090", search_max_batch=False)
-    assert not two.verdict.fits and two.peak.device_used > two.verdict.usable  # needs ~24.4 of 24.0 GiB
-    assert _fit_batch("llama-3.1-8b", w, "rtx-4090", "auto") == 1
+    f = fit("llama-3.1-8b", w, gpu="rtx-4090")
+    two = f.batch.above  # fit's own confirmation one step above: batch 2 needs ~24.4 of 24.0 GiB
+    assert f.max_batch == 1 and two is not None and two.workload.batch == 2
+    assert not two.verdict.fits and two.peak.device_used > two.verdict.usable

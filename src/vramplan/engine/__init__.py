@@ -10,12 +10,12 @@ to confirmed points by :mod:`.calibration`). Exported from the package root as
 
 from __future__ import annotations
 
-from .boundary import MAX_BATCH, Boundary, boundary_search
+from .boundary import MAX_BATCH, BoundarySearch, boundary_search
 from .methods import replay_trace
 from .pipeline import estimate
 from .resolve import resolve_gpu, resolve_model
 from .user_model import trace
 from .verdict import overhead_items
 
-__all__ = ["estimate", "trace", "Boundary", "boundary_search", "MAX_BATCH", "replay_trace",
+__all__ = ["estimate", "trace", "BoundarySearch", "boundary_search", "MAX_BATCH", "replay_trace",
            "resolve_model", "resolve_gpu", "overhead_items"]

@@ -48,7 +48,7 @@ def fits(r: MemoryReport, usable: int) -> bool:
     return r.peak.device_used <= usable
 
 
-class Boundary:
+class BoundarySearch:
     """Searches along one axis of a workload, confirming with one method.
 
     ``confirm(w)``: the method's report of ``w`` on the GPU (cached by the caller).
@@ -243,5 +243,5 @@ def _parabola_root(pts: list[tuple[int, int]], limit: int) -> float | None:
     return (-b + math.sqrt(disc)) / (2 * a)
 
 
-__all__ = ["MAX_BATCH", "Boundary", "SearchResult", "Predictor", "boundary_search", "secant_predictor",
+__all__ = ["MAX_BATCH", "BoundarySearch", "SearchResult", "Predictor", "boundary_search", "secant_predictor",
            "fits"]

@@ -20,7 +20,7 @@ from ..models.spec import Family, ModelSpec
 from ..results import Fallback, MemoryReport, Peak, Verdict
 from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
-from .boundary import Boundary, fits
+from .boundary import BoundarySearch, fits
 from .device import bf16_notes, profile
 from .methods import (
     MethodResult,
@@ -108,7 +108,7 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
         return analytic_device_used(spec, wx, dev)
 
     exact = report.method is Method.ANALYTIC  # the curve is the answer: nothing to confirm
-    bd = Boundary(confirm, analytic, v.usable, exact=exact)
+    bd = BoundarySearch(confirm, analytic, v.usable, exact=exact)
     if not exact and bd.analytic is not None and bd.analytic(w) is None:
         return report.replace(notes=("no analytic curve for this workload to shape a largest-batch search "
                                      "(`vramplan fit` searches with traces)", *report.notes))

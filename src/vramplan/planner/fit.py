@@ -2,7 +2,7 @@
 
 Memory is affine in batch (fixed sequence) and affine (flash/SDPA) or quadratic (eager
 attention) in sequence length. Both searches are the engine's one boundary search
-(:class:`vramplan.engine.boundary.Boundary`: the analytic curve shapes it, the requested
+(:class:`vramplan.engine.boundary.BoundarySearch`: the analytic curve shapes it, the requested
 method confirms the boundary and the step above it), so ``fit``'s largest batch is the
 one ``estimate``'s verdict reports.
 """
@@ -19,8 +19,7 @@ from vramplan.results import MemoryReport
 from vramplan.units import fmt_bytes
 from vramplan.workload import Attention, Method, Task, Workload, as_enum
 
-from ..engine.boundary import MAX_BATCH
-from ..engine.boundary import Boundary as _Search
+from ..engine.boundary import MAX_BATCH, BoundarySearch
 from .evaluator import Estimator, Evaluator, report_usable
 from .results import Boundary, FitResult
 
@@ -62,7 +61,7 @@ class _Fit:
         # The GPU's usable bytes: from a cheap analytic estimate when there is one.
         first = ev.report(w, gpu=g, method=Method.ANALYTIC if self.shaped else m)
         self.usable = report_usable(first)
-        self.search = _Search(self._confirm, self._analytic if self.shaped else None, self.usable)
+        self.search = BoundarySearch(self._confirm, self._analytic if self.shaped else None, self.usable)
 
     def _confirm(self, w: Workload) -> MemoryReport:
         return self.ev.report(w, gpu=self.g, method=self.m)
