@@ -27,20 +27,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--amp", action="store_true")
+    ap.add_argument("--foreach", action="store_true", help="foreach AdamW (the CUDA default) on any device")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("this script needs a GPU")
     torch.manual_seed(0)
     model = Net(args.dim).to(args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = 4 * args.batch
-    data = torch.randn(n, args.dim)
-    labels = torch.randint(0, 10, (n,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True if args.foreach else None)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(args.steps):
-        i = (step * args.batch) % n
-        x = data[i:i + args.batch].to(args.device)
-        y = labels[i:i + args.batch].to(args.device)
+        x = torch.randn(args.batch, args.dim).to(args.device)  # a batch from the host, as a loader gives
+        y = torch.randint(0, 10, (args.batch,)).to(args.device)
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.amp):
             loss = loss_fn(model(x), y)
         loss.backward()

@@ -25,12 +25,14 @@ def run_script(
     gpus: int = 1,
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
+    workspaces: bool = True,
 ) -> MemoryReport:
     """Run the script at ``path`` (with ``argv``) on an emulated ``gpu`` until ``steps``
     optimizer steps (or forward calls, for inference) and predict its memory.
 
     The script sees ``torch.cuda`` of the target GPU (``gpus`` of them); its memory queries
-    are answered by the allocator simulation. Weights are never read.
+    are answered by the allocator simulation. Weights are never read. ``workspaces=False``
+    leaves out the CUDA-only library workspaces (cuBLAS, cuDNN), e.g. to compare with a CPU run.
     """
     from ..script.device import DeviceFacts
     from ..script.runner import trace_script
@@ -42,6 +44,8 @@ def run_script(
         raise VramplanError("vramplan run needs a target GPU to emulate", hint="--gpu h100-sxm")
     base = Workload(task=Task.TRAIN)
     dev = profile(g, base)  # the one device profile: the emulation, torch.cuda's answers, the verdict
+    if not workspaces:
+        dev = dev.without_workspaces()
     assert dev.usable is not None
     facts = DeviceFacts(name=g.name, sm=dev.sm, total_memory=dev.usable, outside_allocator=dev.overhead_bytes,
                         sm_count=g.sm_count or 0, count=gpus)

@@ -90,12 +90,23 @@ def _patch_auto(af: Any) -> None:
         model_class = af._get_model_class(config, klass._model_mapping)
         return _build(model_class, config, kwargs)
 
-    _swap(af._BaseAutoModelClass, "from_pretrained", classmethod(from_pretrained))
+    # each Auto class carries its own copy of the method (``auto_class_update``): patch them all
+    stack = [af._BaseAutoModelClass]
+    while stack:
+        c = stack.pop()
+        if "from_pretrained" in c.__dict__:
+            _swap(c, "from_pretrained", classmethod(from_pretrained))
+        stack.extend(c.__subclasses__())
 
 
 def _patch_config(ca: Any) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, **kwargs: Any) -> Any:
-        return _config(name_or_path)
+        config = _config(name_or_path)
+        if kwargs.get("return_unused_kwargs"):
+            unused = {k: v for k, v in kwargs.items()
+                      if k not in ("return_unused_kwargs", "trust_remote_code", "revision", "token", "cache_dir")}
+            return config, unused
+        return config
 
     _swap(ca.AutoConfig, "from_pretrained", classmethod(from_pretrained))
 

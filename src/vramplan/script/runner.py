@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,13 @@ class _Hooks:
             ac.enter()
         self._autocast_depth += 1
 
+    def autocast_active(self) -> bool:
+        return self._autocast_depth > 0
+
+    def autocast_dtype(self) -> torch.dtype:
+        ac = self.sess.autocast
+        return ac.dtype if ac is not None else torch.bfloat16
+
     def autocast_exit(self) -> None:
         ac = self.sess.autocast
         if ac is None or self._autocast_depth == 0:
@@ -234,13 +242,16 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
     stack.callback(lambda: setattr(torch.autograd, "backward", autograd_backward))
 
     opt_init = oo.Optimizer.__init__
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         opt_init(self, *args, **kwargs)
+        optimizers.add(self)
         hooks.optimizer_created()
 
     oo.Optimizer.__init__ = init  # type: ignore[method-assign]
     stack.callback(lambda: setattr(oo.Optimizer, "__init__", opt_init))
+    stack.enter_context(_parameters_keep_identity(optimizers))
 
     ac_enter, ac_exit = am.autocast.__enter__, am.autocast.__exit__
 
@@ -262,10 +273,64 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
     stack.callback(lambda: setattr(am.autocast, "__enter__", ac_enter))
     stack.callback(lambda: setattr(am.autocast, "__exit__", ac_exit))
 
+    # autocast state queries for the emulated device ("cuda", and "meta": what fake tensors report)
+    is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(device_type: Any = None) -> bool:
+        if device_type in (None, "cuda", "meta"):
+            return hooks.autocast_active()
+        return bool(is_enabled(device_type))
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        if device_type in ("cuda", "meta"):
+            return hooks.autocast_dtype()
+        return get_dtype(device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    torch.get_autocast_dtype = get_autocast_dtype  # type: ignore[assignment]
+    stack.callback(lambda: setattr(torch, "is_autocast_enabled", is_enabled))
+    stack.callback(lambda: setattr(torch, "get_autocast_dtype", get_dtype))
+
     stack.enter_context(_patched_grad_scaler())
     stack.enter_context(_patched_distributed())
     with stack:
         yield
+
+
+@contextlib.contextmanager
+def _parameters_keep_identity(optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
+    """``model.to("cuda")`` on a GPU keeps each Parameter object (only its data moves), so an
+    optimizer built before the move (accelerate's ``prepare`` does exactly that) still steps
+    the model's parameters. Moving to the fake device makes new Parameters: point every
+    optimizer built so far at them, as the real move would have."""
+    orig = nn.Module._apply
+    depth = [0]
+
+    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return orig(self, fn, *args, **kwargs)
+        before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        depth[0] += 1
+        try:
+            out = orig(self, fn, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        moved = {id(p): m._parameters[name] for m, name, p in before if m._parameters.get(name) is not p}
+        if moved:
+            for opt in list(optimizers):
+                for group in opt.param_groups:
+                    group["params"] = [moved.get(id(p), p) for p in group["params"]]
+                state = opt.state
+                items = [(moved.get(id(k), k), v) for k, v in state.items()]
+                state.clear()
+                state.update(items)
+        return out
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = orig  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -311,6 +376,15 @@ def _patched_distributed() -> Iterator[None]:
 
 
 _FINITE = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+_FROM_DATA = frozenset({"tensor", "as_tensor", "scalar_tensor"})
+
+
+def _on_cuda(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.split(":")[0] == "cuda"
+    return isinstance(d, int) and not isinstance(d, bool)
 
 
 class _InputMode(torch.overrides.TorchFunctionMode):
@@ -324,8 +398,15 @@ class _InputMode(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name in _FROM_DATA and _on_cuda(kwargs.get("device")):
+            # torch.tensor(data, device="cuda"): the values are the host data's; keep them
+            host = func(*args, **{**kwargs, "device": "cpu"})
+            out = host.to(kwargs["device"])
+            if host.numel() <= 1 << 20:
+                self.sess.values.set_shadow(out, host)
+            return out
+        out = func(*args, **kwargs)
         if name in _FINITE and isinstance(out, torch.Tensor) and out.device.type == "meta" \
                 and not self.sess.values.has_shadow(out) and out.numel() <= 1 << 16:
             # activations are finite (no overflow): what the step does nearly always
