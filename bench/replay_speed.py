@@ -97,6 +97,7 @@ REAL_TARGET = 800_000
 
 def real_logs() -> list[tuple[str, EventLog]]:
     from vramplan.hardware.catalog import get_gpu
+    from vramplan.hardware.target import device_profile
     from vramplan.models.catalog import resolve
     from vramplan.trace.run import trace_workload
     from vramplan.workload import Workload
@@ -104,7 +105,7 @@ def real_logs() -> list[tuple[str, EventLog]]:
     out = []
     for ckpt in ("none", "full"):
         w = Workload(task="train", precision="bf16-mixed", batch=1, seq=4096, checkpointing=ckpt)
-        r = trace_workload(resolve("llama-3.1-8b"), w, gpu=get_gpu("h100-sxm"))
+        r = trace_workload(resolve("llama-3.1-8b"), w, device=device_profile(get_gpu("h100-sxm")))
         out.append((f"llama-3.1-8b train, checkpointing {ckpt}", r.events))
     return out
 

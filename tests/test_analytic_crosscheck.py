@@ -17,7 +17,7 @@ from test_analytic_specs import (
     mistral_7b,
 )
 from vramplan.analytic import estimate
-from vramplan.analytic.activations import Shape, size
+from vramplan.analytic.activations import TokenShape, size
 from vramplan.analytic.blocks import Ctx, block_input, block_saved
 from vramplan.analytic.estimate import build_arch
 from vramplan.analytic.regime import regime, trainable
@@ -73,7 +73,7 @@ def _korthikanti(tp: int = 1, sp: bool = False, selective: bool = False) -> tupl
                  parallel=Parallel(tp=tp, sp=sp), checkpointing="selective" if selective else "none")
     arch = build_arch(spec)
     ctx = Ctx(regime(w), trainable(arch, w), w.attention)
-    got = size(block_saved(arch.groups[0], ctx, h), Shape(s * b, s, tp, sp), core=not selective)
+    got = size(block_saved(arch.groups[0], ctx, h), TokenShape(s * b, s, tp, sp), core=not selective)
     core = 0.0 if selective else 5 * a * s / h
     if sp:
         want = s * b * h * (34 + core) / tp
@@ -101,7 +101,7 @@ def test_full_recompute_keeps_2sbh_per_layer():
     w = Workload(task="train", precision="fp16", batch=1, seq=s, checkpointing="full")
     arch = build_arch(spec)
     ctx = Ctx(regime(w), trainable(arch, w), w.attention)
-    assert size(block_input(ctx, h), Shape(s, s)) == 2 * s * h
+    assert size(block_input(ctx, h), TokenShape(s, s)) == 2 * s * h
 
 
 def test_flash_removes_the_quadratic_term():

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vramplan.analytic.activations import Shape, size  # noqa: E402
+from vramplan.analytic.activations import TokenShape, size  # noqa: E402
 from vramplan.analytic.blocks import Ctx, block_saved  # noqa: E402
 from vramplan.analytic.estimate import build_arch  # noqa: E402
 from vramplan.analytic.regime import regime, trainable  # noqa: E402
@@ -57,7 +57,7 @@ def _predicted(spec: ModelSpec, precision: str, attention: str, peft: str = "non
     w = Workload(task="train", batch=B, seq=S, precision=precision, attention=attention, peft=peft, lora_rank=8)
     arch = build_arch(spec)
     ctx = Ctx(regime(w), trainable(arch, w), w.attention)
-    return size(block_saved(arch.groups[-1], ctx, arch.hidden), Shape(B * S, S))
+    return size(block_saved(arch.groups[-1], ctx, arch.hidden), TokenShape(B * S, S))
 
 
 def _decoder_case(layer_cls, rot_cls, cfg, precision: str, impl: str, peft: str = "none") -> int:

@@ -132,7 +132,7 @@ class FakeEstimator:
             trainable_params=spec.params if w.peft is Peft.NONE else int(0.005 * spec.params), workload=w, method=m,
             breakdown=b, overhead=(OverheadItem("cuda context", OVERHEAD, "fake"),), peak=peak,
             peak_phase=Phase.BACKWARD, verdict=verdict,
-            extra={"flops_per_step": None} if m is Method.ANALYTIC else {"flops_per_step": 6.0 * spec.params * w.batch * w.seq},
+            flops_per_step=None if m is Method.ANALYTIC else 6.0 * spec.params * w.batch * w.seq,
         )
 
     @property

@@ -19,9 +19,9 @@ from test_planner_fakes import (
     device_used,
     usable,
 )
+from vramplan.engine.boundary import boundary_search, secant_predictor
 from vramplan.errors import PlanError
 from vramplan.planner.fit import fit
-from vramplan.planner.search import boundary_search, secant_predictor
 from vramplan.workload import Workload
 
 

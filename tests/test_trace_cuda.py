@@ -11,8 +11,9 @@ from torch import nn
 
 from vramplan.events import Action, Category
 from vramplan.hardware.gpu import GPU
+from vramplan.hardware.target import device_profile
 from vramplan.trace import analysis
-from vramplan.trace.cuda import DeviceProfile, profile_for
+from vramplan.trace.cuda import DeviceProfile
 from vramplan.trace.run import TraceOptions, trace_model
 from vramplan.trace.sdpa import choose_backend
 from vramplan.workload import Workload
@@ -49,7 +50,7 @@ def _qkv(b=2, h=8, t=128, d=64, dtype=torch.bfloat16, hk=None, tk=None):
 def test_sdpa_backend_follows_sdp_utils(cc, dtype, mask, kw, expected) -> None:
     q, k, v = _qkv(d=kw.get("d", 64), dtype=dtype, hk=kw.get("hk"), tk=kw.get("tk"))
     m = torch.empty(2, 1, q.shape[2], k.shape[2], dtype=torch.bool, device="meta") if mask else None
-    got = choose_backend(profile_for(_gpu(cc)), q, k, v, m, causal=kw.get("causal", False),
+    got = choose_backend(device_profile(_gpu(cc)), q, k, v, m, causal=kw.get("causal", False),
                          gqa=kw.get("gqa", False), grad=kw.get("grad", False))
     assert got == expected
 
@@ -77,7 +78,7 @@ def _descs(r, op_part: str) -> list[str]:
 def test_flash_attention_saves_logsumexp_not_scores() -> None:
     b, t = 2, 256
     r = trace_model(Attn(), torch.randn(b, t, 64), workload=Workload(task="train", precision="bf16"),
-                    gpu=_gpu("8.0"), options=NO_WS, iterations=1)
+                    device=device_profile(_gpu("8.0")), options=NO_WS, iterations=1)
     assert "SDPA kernels: flash ×1" in r.notes
     assert f"f32[{b},4,{t}]" in _descs(r, "_scaled_dot_product_flash_attention.default")  # logsumexp
     biggest = max(s for s, a in zip(r.events.size, r.events.action, strict=True) if a == Action.ALLOC)
@@ -89,7 +90,7 @@ def test_flash_attention_saves_logsumexp_not_scores() -> None:
 def test_math_path_on_old_gpus_materialises_scores() -> None:
     b, t = 2, 128
     r = trace_model(Attn(), torch.randn(b, t, 64), workload=Workload(task="train", precision="bf16"),
-                    gpu=_gpu("7.0"), options=NO_WS, iterations=1)
+                    device=device_profile(_gpu("7.0")), options=NO_WS, iterations=1)
     assert "SDPA kernels: math ×1" in r.notes
     biggest = max(s for s, a in zip(r.events.size, r.events.action, strict=True) if a == Action.ALLOC)
     assert biggest >= b * 4 * t * t * 2
@@ -122,7 +123,7 @@ def test_autocast_casts_weights_once_and_keeps_softmax_fp32() -> None:
 def test_cublas_workspace_once_per_thread_with_the_gpus_size() -> None:
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     for cc, size in (("8.0", 8_519_680), ("9.0", 32 << 20)):
-        r = trace_model(model, torch.randn(4, 32), workload=Workload(task="train", precision="fp32"), gpu=_gpu(cc))
+        r = trace_model(model, torch.randn(4, 32), workload=Workload(task="train", precision="fp32"), device=device_profile(_gpu(cc)))
         log = r.events
         ws = [k for k in range(len(log)) if log.strings[log.op[k]] == "cublas.workspace"]
         assert [log.size[k] for k in ws] == [size, size]  # main thread, autograd thread
@@ -164,10 +165,10 @@ def test_foreach_optimizer_has_whole_list_temporaries() -> None:
 
 
 def test_profile_defaults_and_options() -> None:
-    p = profile_for(None)
+    p = device_profile(None)
     assert isinstance(p, DeviceProfile) and p.sm == (8, 0) and p.cublas_workspace == 8_519_680
-    assert profile_for(None, workspaces=False).cublas_workspace == 0
-    assert profile_for(_gpu("9.0")).prefer_cudnn_attention
+    assert device_profile(None, workspaces=False).cublas_workspace == 0
+    assert device_profile(_gpu("9.0")).prefer_cudnn_attention
 
 
 def test_moe_routing_gets_uniform_expert_load() -> None:

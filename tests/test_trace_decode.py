@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vramplan.hardware.catalog import get_gpu
+from vramplan.hardware.target import device_profile
 from vramplan.models.catalog import resolve
 from vramplan.trace.decode import _affine
 from vramplan.trace.run import TraceOptions, trace_workload
@@ -16,9 +17,9 @@ FAST, FULL = TraceOptions(extrapolate_decode=True), TraceOptions(extrapolate_dec
 
 
 def _both(spec, w, gpu="h100-sxm", iterations=2):
-    g = get_gpu(gpu)
-    fast = trace_workload(spec, w, gpu=g, options=FAST, iterations=iterations)
-    full = trace_workload(spec, w, gpu=g, options=FULL, iterations=iterations)
+    g = device_profile(get_gpu(gpu))
+    fast = trace_workload(spec, w, device=g, options=FAST, iterations=iterations)
+    full = trace_workload(spec, w, device=g, options=FULL, iterations=iterations)
     return fast, full
 
 
@@ -42,9 +43,9 @@ def test_fast_decode_gives_the_same_event_log(name: str, precision: str) -> None
 def test_static_cache_decode_is_extrapolated_exactly() -> None:
     spec = tiny_spec("llama-3.1-8b")
     w = Workload(task="generate", precision="bf16", batch=1, seq=8, new_tokens=20)
-    g = get_gpu("a100-80gb")
-    fast = trace_workload(spec, w, gpu=g, options=TraceOptions(cache="static"), iterations=1)
-    full = trace_workload(spec, w, gpu=g, options=TraceOptions(cache="static", extrapolate_decode=False),
+    g = device_profile(get_gpu("a100-80gb"))
+    fast = trace_workload(spec, w, device=g, options=TraceOptions(cache="static"), iterations=1)
+    full = trace_workload(spec, w, device=g, options=TraceOptions(cache="static", extrapolate_decode=False),
                           iterations=1)
     assert _extrapolated(fast)
     assert list(fast.events.rows()) == list(full.events.rows())

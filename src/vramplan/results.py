@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._json import jsonable
 from .workload import Method, Phase, Workload
+
+if TYPE_CHECKING:
+    from .events import EventLog
 
 BREAKDOWN_KEYS: tuple[str, ...] = (
     "weights", "gradients", "optimizer", "activations", "temporaries", "kv_cache",
@@ -156,6 +159,9 @@ class Fallback:
     reason: str
     """Why the requested method failed (the one-line error it raised)."""
 
+    def sentence(self) -> str:
+        return f"{self.requested} method failed ({self.reason}); {self.used} estimate instead"
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryReport:
@@ -183,10 +189,18 @@ class MemoryReport:
     model_states: Breakdown | None = None
     """Persistent per-GPU model states (weights, gradients, optimizer states) as sharded —
     what ZeRO's 16Ψ formulas describe; the peak breakdown may add transients (gathered layers)."""
+    flops_per_step: float | None = None
+    """FLOPs of one training/inference step per GPU, as the method counted them."""
     fallback: Fallback | None = None
-    """Set when ``method="auto"`` could not trace and the analytic method answered."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Method-specific data (e.g. the trace's event log under ``events``); not rendered by default."""
+    """Set when the requested method could not run and another one answered."""
+    user_model: bool = False
+    """A user's own model (``vramplan.trace``) rather than a catalog model or config."""
+    has_sequence: bool = True
+    """The model takes a token sequence (the report's header shows ``seq``; a CNN shows the image size)."""
+    has_attention: bool = True
+    """The model has attention (the header shows the attention implementation)."""
+    events: EventLog | None = field(default=None, repr=False, compare=False)
+    """The trace's allocation/free log (trace method only); not part of the JSON."""
 
     @property
     def overhead_total(self) -> int:
@@ -221,8 +235,11 @@ class MemoryReport:
             ],
             "notes": list(self.notes),
         }
+        if self.flops_per_step is not None:
+            d["flops_per_step"] = self.flops_per_step
         if self.fallback is not None:
-            d["fallback"] = dataclasses.asdict(self.fallback)
+            f = self.fallback
+            d["fallback"] = {"requested": str(f.requested), "used": str(f.used), "reason": f.reason}
         if self.model_states is not None:
             ms = self.model_states
             d["model_states"] = {"weights": ms.weights, "gradients": ms.gradients,
@@ -245,14 +262,5 @@ class MemoryReport:
                 {"iteration": i.iteration, "allocated": i.allocated, "phase": str(i.phase)}
                 for i in self.iterations
             ]
-        return _jsonable(d)
+        return jsonable(d)
 
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, Enum):
-        return x.value
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x

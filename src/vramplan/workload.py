@@ -333,13 +333,18 @@ class Workload:
 
     @property
     def param_bytes(self) -> int:
-        """Bytes per stored (unquantised) parameter."""
-        return 4 if self.precision in (Precision.FP32, Precision.FP16_MIXED, Precision.BF16_MIXED) else 2
+        """Bytes per stored (unquantised) base parameter: the precision model's ``weight``
+        (:func:`vramplan.precision.precision_model`; 2 under PEFT, whose base is 16-bit)."""
+        from .precision import precision_model
+
+        return precision_model(self).weight
 
     @property
     def compute_bytes(self) -> int:
-        """Bytes per element of activations."""
-        return 4 if self.precision is Precision.FP32 else 2
+        """Bytes per element of activations: the precision model's ``compute``."""
+        from .precision import precision_model
+
+        return precision_model(self).compute
 
     @property
     def tokens(self) -> int:
@@ -355,7 +360,9 @@ class Workload:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        return _plain(d)
+        from ._json import jsonable
+
+        return dict(jsonable(d))
 
 
 PLAUSIBLE_TOKENS = 1 << 24

@@ -35,11 +35,6 @@ _IGNORED_INT = (
     "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
     "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
 )
-KNOWN_KEYS = (
-    "backend", "max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
-    "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
-    "per_process_memory_fraction", *_IGNORED_BOOL, *_IGNORED_INT,
-)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .parallel import Stage
 
 
 @dataclass(frozen=True)
-class Shape:
+class TokenShape:
     tokens: int
     """Tokens of one micro-batch on this rank."""
     kv_len: int
@@ -43,7 +43,7 @@ class Shape:
     sp: bool = False
 
 
-def size(terms: Iterable[Saved], shape: Shape, *, core: bool = True) -> int:
+def size(terms: Iterable[Saved], shape: TokenShape, *, core: bool = True) -> int:
     total = 0.0
     for t in terms:
         if t.core and not core:
@@ -85,7 +85,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     p, h = w.parallel, arch.hidden
     layers = layer_full = recompute = transient = checkpointed = 0
     for g, n in stage.groups:
-        shape = Shape(tokens, seq, p.tp, p.sp)
+        shape = TokenShape(tokens, seq, p.tp, p.sp)
         full_terms = block_saved(g, ctx, h)
         full = size(full_terms, shape)
         k = checkpointed_layers(w, n)
@@ -104,7 +104,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
         recompute = max(recompute, rc if k else 0)
         at, mt = backward_transient(g, ctx)
         transient = max(transient, size(at, shape), size(mt, shape))
-    head = size(head_saved(arch.head, arch.norm, ctx, h), Shape(tokens, seq, p.tp, p.sp)) if stage.head else 0
+    head = size(head_saved(arch.head, arch.norm, ctx, h), TokenShape(tokens, seq, p.tp, p.sp)) if stage.head else 0
     embed = math.ceil(tokens * h / (p.tp if p.sp else 1)) if (stage.embed and arch.embed_dropout > 0) else 0
     mask = 0
     if ctx.attention is Attention.EAGER and arch.head.kind == "lm":
@@ -129,7 +129,7 @@ def infer_layer(stage: Stage, w: Workload, ctx: Ctx, h: int, tokens: int, kv_len
     p = w.parallel
     worst = 0
     for g, _ in stage.groups:
-        shape = Shape(tokens, kv_len if not g.attn.window else min(kv_len, g.attn.window), p.tp, p.sp)
+        shape = TokenShape(tokens, kv_len if not g.attn.window else min(kv_len, g.attn.window), p.tp, p.sp)
         at, mt = infer_working(g, ctx, h)
         worst = max(worst, size(at, shape), size(mt, shape))
     return worst

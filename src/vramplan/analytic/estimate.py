@@ -7,8 +7,9 @@ from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import PhasePeak
 from vramplan.workload import Attention, Task, Workload
 
+from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
 from . import decoder, encoder, kv, vit
-from .activations import Shape, size, stage_acts
+from .activations import TokenShape, size, stage_acts
 from .arch import Arch
 from .blocks import Ctx, block_saved
 from .flops import step_flops
@@ -19,8 +20,9 @@ from .regime import regime, trainable
 from .result import AnalyticEstimate, ModelStates
 from .states import stage_states
 
-CUBLAS_WORKSPACE = 8_519_680
-"""cuBLAS workspace before Hopper (PyTorch's default ``:4096:2:16:8`` = 2 × 4 MiB + 8 × 16 KiB); 32 MiB on sm90."""
+CUBLAS_WORKSPACE = CUBLAS_WORKSPACE_PRE_HOPPER
+"""cuBLAS workspace when no device is given (PyTorch's pre-Hopper default); the estimate core
+passes its device profile's (32 MiB on sm90+) as ``workspace_bytes``."""
 
 
 def build_arch(spec: ModelSpec) -> Arch:
@@ -38,7 +40,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
 
     ``workspace_bytes``: the cuBLAS workspace the caching allocator holds (one per thread
     that runs matmuls: the forward's and autograd's backward thread); default 8,519,680 B
-    (before Hopper) — pass ``hardware.overhead.cublas_workspace_bytes(gpu)`` for a GPU.
+    (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
     """
     check_against_model(spec, w)
     arch = build_arch(spec)
@@ -72,7 +74,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         tr.adapter_params(lin) * g.count for g in arch.groups for lin in g.linears)
     if w.task is not Task.TRAIN:
         trainable_params = 0
-    shape = Shape(tokens, seq, w.parallel.tp, w.parallel.sp)
+    shape = TokenShape(tokens, seq, w.parallel.tp, w.parallel.sp)
     per_layer = max(size(block_saved(g, ctx, arch.hidden), shape) for g in arch.groups) if w.training else 0
     cache = 0
     if spec.is_decoder and not w.training:

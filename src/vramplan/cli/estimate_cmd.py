@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     note_settings(w)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
     if report.fallback is not None:
-        hint(f"note: the model could not be traced ({report.fallback.reason}); showing the "
-             f"{report.fallback.used} estimate")
+        hint(f"note: the model could not be traced; showing the {report.fallback.used} estimate "
+             f"({report.fallback.reason})")
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     suggest_fix(args.model, w, report)
@@ -87,7 +87,7 @@ def write_extras(report: MemoryReport, args: argparse.Namespace) -> None:
         plot_report(report, args.plot)
         hint(f"plot written to {args.plot}")
     if getattr(args, "snapshot", None):
-        events = report.extra.get("events")
+        events = report.events
         if events is None:
             raise VramplanError("--snapshot needs an event trace", hint="add --method trace")
         from ..snapshot.export import write_predicted_snapshot

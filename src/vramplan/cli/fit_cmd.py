@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     w = workload_from_args(args)
     note_settings(w)
     paths = plot_paths(args.plot) if args.plot else None
-    recorder = Recorder() if paths else None
+    recorder = ReportLog() if paths else None
     result = fit(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf,
                  seq_step=args.seq_step, estimator=recorder)
     emit(fit_doc(result), args.format, sys.stdout, result.to_dict())
@@ -71,7 +71,7 @@ def plot_paths(path: str) -> tuple[Path, Path]:
     return p, check_plot_path(p.with_name(f"{p.stem}-seq{p.suffix}"))
 
 
-class Recorder:
+class ReportLog:
     """The default estimator, keeping every report it makes (the plot marks the traced ones)."""
 
     def __init__(self) -> None:

@@ -2,19 +2,20 @@
 
 :func:`estimate` (catalog models and configs) and :func:`trace` (a user's own model) run a
 method (:mod:`.methods`: analytic formulas or trace + allocator replay), add the GPU's share
-(:mod:`.verdict`), and find the largest batch that fits (:mod:`.boundary`, calibrated to a
-traced point by :mod:`.calibration`). Exported from the package root as
+(:mod:`.verdict`), and find the largest batch that fits (:mod:`.boundary`, the one boundary
+search that ``fit``, ``plan`` and the sweeps use too, shaped by the analytic curve calibrated
+to confirmed points by :mod:`.calibration`). Exported from the package root as
 ``vramplan.estimate`` and ``vramplan.trace``.
 """
 
 from __future__ import annotations
 
-from .boundary import MAX_BATCH_LIMIT, max_batch_analytic
+from .boundary import MAX_BATCH, BoundarySearch, boundary_search
 from .methods import replay_trace
 from .pipeline import estimate
 from .resolve import resolve_gpu, resolve_model
 from .user_model import trace
 from .verdict import overhead_items
 
-__all__ = ["estimate", "trace", "max_batch_analytic", "MAX_BATCH_LIMIT", "replay_trace",
+__all__ = ["estimate", "trace", "BoundarySearch", "boundary_search", "MAX_BATCH", "replay_trace",
            "resolve_model", "resolve_gpu", "overhead_items"]

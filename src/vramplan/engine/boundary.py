@@ -1,47 +1,247 @@
-"""The largest micro-batch that fits: a search over the analytic batch curve."""
+"""The one boundary search: the largest batch (or sequence) that fits a GPU.
+
+Used by :func:`vramplan.estimate`'s verdict, ``fit``, ``plan`` and the sweeps, so that the
+same workload gets the same largest batch everywhere.
+
+Memory is monotone in batch and sequence length. When the analytic method knows the model,
+its curve — milliseconds per point — gives the shape: the search finds its boundary,
+confirms it with the requested method (one evaluation at the boundary, one a step above),
+and, if they disagree, recalibrates the analytic curve to the confirmed points
+(:class:`~vramplan.engine.calibration.Calibration`) and tries again. Without an analytic
+curve, a secant (or parabola) through the evaluations predicts the boundary. Either way
+:func:`boundary_search` keeps a bracket, so a wrong prediction costs one more evaluation,
+and a run of wrong ones falls back to bisection (never more than O(log range) evaluations).
+"""
 
 from __future__ import annotations
 
-from ..errors import VramplanError
-from ..hardware.gpu import GPU
-from ..models.spec import ModelSpec
-from ..workload import Workload
-from .methods import analytic_core
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-MAX_BATCH_LIMIT = 1 << 16
+from ..results import MemoryReport
+from ..workload import Method, Workload
+from .calibration import Calibration
 
+MAX_BATCH = 1 << 16
+"""The largest micro-batch any search considers."""
 
-def analytic_device_used(spec: ModelSpec, w: Workload, overhead: int, g: GPU | None = None) -> int | None:
-    try:
-        core = analytic_core(spec, w, g)
-    except VramplanError:
-        return None
-    return core.reserved + overhead
+Predictor = Callable[[Mapping[int, int]], float | None]
+"""Given {x: memory} so far, the predicted largest fitting x (None: no idea)."""
 
 
-def max_batch_analytic(spec: ModelSpec, w: Workload, usable: int, overhead: int, *, scale: float = 1.0,
-                       offset: float = 0.0, gpu: GPU | None = None) -> int | None:
-    """Largest micro-batch whose analytic device_used (× ``scale`` + ``offset``, a calibration
-    from a trace) fits in ``usable``. Doubling then bisection: O(log batch) evaluations."""
+@dataclass(frozen=True)
+class SearchResult:
+    value: int
+    """Largest grid point that fits; ``lo - step`` (normally 0) when none does."""
+    above: int | None
+    """The grid point above ``value`` that was evaluated and does not fit (None at ``hi``)."""
+    samples: Mapping[int, int]
+    """Evaluations with an exact memory figure: x → memory."""
 
-    def fits(b: int) -> bool:
-        used = analytic_device_used(spec, w.replace(batch=b), overhead, gpu)
-        return used is not None and used * scale + offset <= usable
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= MAX_BATCH_LIMIT and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > MAX_BATCH_LIMIT:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
+def fits(r: MemoryReport, usable: int) -> bool:
+    """The one rule for "this estimate fits", for the verdict and every search: what the step
+    needs on the device (device_used; a traced step replayed without a memory limit) is
+    within the GPU's usable bytes. A step that would run only by the allocator freeing its
+    cache and retrying at the limit does not count as fitting."""
+    return r.peak.device_used <= usable
+
+
+class BoundarySearch:
+    """Searches along one axis of a workload, confirming with one method.
+
+    ``confirm(w)``: the method's report of ``w`` on the GPU (cached by the caller).
+    ``analytic(w)``: the analytic device_used of ``w`` on the GPU (None where the formulas
+    refuse it), or None for no analytic curve (the search then predicts by secant).
+    """
+
+    def __init__(self, confirm: Callable[[Workload], MemoryReport],
+                 analytic: Callable[[Workload], int | None] | None, usable: int, *,
+                 exact: bool = False) -> None:
+        self.confirm = confirm
+        self.analytic = _memo(analytic) if analytic is not None else None
+        self.usable = usable
+        self.exact = exact and analytic is not None
+        """The confirming method is the analytic curve itself: search it, nothing to confirm."""
+        self.cal = Calibration(usable)
+
+    @property
+    def shaped(self) -> bool:
+        return self.analytic is not None
+
+    def _pair(self, w: Workload, r: MemoryReport) -> None:
+        if r.method is Method.ANALYTIC or self.analytic is None:
+            return
+        a = self.analytic(w)
+        if a is not None:
+            self.cal.add(a, r.peak.device_used)
+
+    def evaluator(self, make: Callable[[int], Workload]) -> Callable[[int], tuple[int | None, bool]]:
+        def evaluate(x: int) -> tuple[int | None, bool]:
+            wx = make(x)
+            r = self.confirm(wx)
+            self._pair(wx, r)
+            return r.peak.device_used, fits(r, self.usable)
+
+        return evaluate
+
+    def predictor(self, make: Callable[[int], Workload], lo: int, hi: int, step: int,
+                  quadratic: bool, start: int) -> Predictor:
+        analytic = self.analytic
+        if analytic is None:
+            return secant_predictor(self.usable, quadratic=quadratic)
+
+        def predict(_samples: Mapping[int, int]) -> float | None:
+            limit = self.cal.threshold()
+
+            def on_curve(x: int) -> tuple[int | None, bool]:
+                used = analytic(make(x))
+                return used, used is not None and used <= limit
+
+            res = boundary_search(on_curve, first=max(start, lo), lo=lo, hi=hi, step=step,
+                                  predict=secant_predictor(int(limit), quadratic=quadratic))
+            return float(res.value)
+
+        return predict
+
+    def search(self, make: Callable[[int], Workload], *, lo: int, hi: int, step: int = 1,
+               quadratic: bool = False, start: int) -> SearchResult:
+        """Largest ``x`` on the grid ``lo, lo+step, …, hi`` whose ``make(x)`` fits."""
+        analytic = self.analytic
+        if self.exact and analytic is not None:
+            def on_curve(x: int) -> tuple[int | None, bool]:
+                used = analytic(make(x))
+                return used, used is not None and used <= self.usable
+
+            return boundary_search(on_curve, first=min(max(start, lo), hi), lo=lo, hi=hi, step=step,
+                                   predict=secant_predictor(self.usable, quadratic=quadratic))
+        predict = self.predictor(make, lo, hi, step, quadratic, start)
+        guess = predict({}) if self.shaped else None
+        first = int(guess) if guess is not None and guess >= lo else start
+        return boundary_search(self.evaluator(make), first=first, lo=lo, hi=hi, step=step, predict=predict)
+
+    def largest_batch(self, w: Workload, max_batch: int = MAX_BATCH) -> SearchResult:
+        return self.search(lambda b: w.replace(batch=b), lo=1, hi=max_batch, start=min(w.batch, max_batch))
+
+
+def _memo(f: Callable[[Workload], int | None]) -> Callable[[Workload], int | None]:
+    seen: dict[Workload, int | None] = {}
+
+    def cached(w: Workload) -> int | None:
+        if w not in seen:
+            seen[w] = f(w)
+        return seen[w]
+
+    return cached
+
+
+def boundary_search(
+    evaluate: Callable[[int], tuple[int | None, bool]], *, first: int, lo: int, hi: int, step: int = 1,
+    predict: Predictor | None = None, max_evals: int = 64,
+) -> SearchResult:
+    """Largest ``x`` in ``{lo, lo+step, …} ∩ [lo, hi]`` with ``evaluate(x)`` fitting.
+
+    ``evaluate(x)`` returns (memory, fits); memory is None when it is only a lower bound
+    (e.g. the allocator simulation ran out of memory), and is then not used to predict.
+    Stops when ``x`` fits and ``x + step`` does not (both evaluated), when ``lo`` does not
+    fit, or when ``hi`` fits. Predictions are followed while they move; a run of
+    evaluations on one side gallops (each move at least twice the last), and a bracket that
+    predictions fail to close twice is bisected, so the count stays O(log range).
+    """
+    if step < 1 or lo < 1 or hi < lo:
+        raise ValueError(f"bad search range lo={lo} hi={hi} step={step}")
+
+    def snap(x: float) -> int:
+        k = math.floor((x - lo) / step + 1e-9)
+        return min(max(lo + k * step, lo), lo + (hi - lo) // step * step)
+
+    top = snap(hi)
+    samples: dict[int, int] = {}
+    seen: set[int] = set()
+    fit_x: int | None = None
+    over_x: int | None = None
+    misses = run = 0
+    last_ok: bool | None = None
+    x = snap(first)
+    for _ in range(max_evals):
+        used, ok = evaluate(x)
+        seen.add(x)
+        if used is not None:
+            samples[x] = used
+        run = run + 1 if ok == last_ok else 1
+        last_ok = ok
+        if ok:
+            fit_x = x if fit_x is None else max(fit_x, x)
         else:
-            hi = mid
-    return lo
+            over_x = x if over_x is None else min(over_x, x)
+        if over_x == lo:
+            return SearchResult(lo - step, lo, samples)
+        if fit_x == top:
+            return SearchResult(top, None, samples)
+        if fit_x is not None and over_x is not None and over_x - fit_x <= step:
+            return SearchResult(fit_x, over_x, samples)
+        low = fit_x + step if fit_x is not None else lo
+        high = over_x - step if over_x is not None else top
+        bracketed = fit_x is not None and over_x is not None
+        misses += 1 if bracketed else 0
+        guess = predict(samples) if predict is not None else None
+        if bracketed and (misses > 2 or guess is None or not math.isfinite(guess)):
+            cand = snap((fit_x + over_x) / 2)  # type: ignore[operator]
+        elif guess is None or not math.isfinite(guess):
+            cand = snap(x * 2) if ok else snap(x / 2)
+        else:
+            cand = snap(guess)
+            if not bracketed and run >= 2:  # gallop: move at least 2^(run-1) steps
+                reach = step * 2 ** (run - 1)
+                cand = max(cand, x + reach) if ok else min(cand, x - reach)
+        x = min(max(cand, low), high)
+        if x in seen:  # clamping can land on a known point only when the bracket is closed
+            break
+    return SearchResult(fit_x if fit_x is not None else lo - step, over_x, samples)
 
 
-__all__ = ["MAX_BATCH_LIMIT", "max_batch_analytic", "analytic_device_used"]
+def secant_predictor(limit: int, *, quadratic: bool = False) -> Predictor:
+    """Predict where memory crosses ``limit`` from the evaluations closest to it.
+
+    Affine through two points (batch, or sequence with flash/SDPA attention); with
+    ``quadratic`` and three points, a parabola (eager attention's s² scores).
+    """
+
+    def predict(samples: Mapping[int, int]) -> float | None:
+        if len(samples) < 2:
+            return None
+        pts = sorted(samples.items(), key=lambda kv: abs(kv[1] - limit))
+        if quadratic and len(pts) >= 3:
+            q = _parabola_root(pts[:3], limit)
+            if q is not None:
+                return q
+        (x1, y1), (x2, y2) = pts[0], pts[1]
+        if x1 == x2 or y1 == y2:
+            return None
+        slope = (y2 - y1) / (x2 - x1)
+        if slope <= 0:
+            return None
+        return x1 + (limit - y1) / slope
+
+    return predict
+
+
+def _parabola_root(pts: list[tuple[int, int]], limit: int) -> float | None:
+    (x1, y1), (x2, y2), (x3, y3) = pts
+    den = (x1 - x2) * (x1 - x3) * (x2 - x3)
+    if den == 0:
+        return None
+    a = (x3 * (y2 - y1) + x2 * (y1 - y3) + x1 * (y3 - y2)) / den
+    b = (x3 * x3 * (y1 - y2) + x2 * x2 * (y3 - y1) + x1 * x1 * (y2 - y3)) / den
+    c = (x2 * x3 * (x2 - x3) * y1 + x3 * x1 * (x3 - x1) * y2 + x1 * x2 * (x1 - x2) * y3) / den
+    if a <= 0:
+        return None
+    disc = b * b - 4 * a * (c - limit)
+    if disc < 0:
+        return None
+    return (-b + math.sqrt(disc)) / (2 * a)
+
+
+__all__ = ["MAX_BATCH", "BoundarySearch", "SearchResult", "Predictor", "boundary_search", "secant_predictor",
+           "fits"]

@@ -1,4 +1,4 @@
-"""The two methods behind an estimate, each producing a :class:`MethodCore`.
+"""The two methods behind an estimate, each producing a :class:`MethodResult`.
 
 analytic  closed-form formulas (milliseconds; transformer families only)
 trace     the real model run on fake tensors → event log → caching-allocator replay
@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..hardware.gpu import GPU
+from ..errors import VramplanError
 from ..models.spec import ModelSpec
-from ..results import AllocatorSummary, Breakdown, IterationPeak, PhasePeak, Timeline
+from ..results import (
+    AllocatorSummary,
+    Breakdown,
+    IterationPeak,
+    ModuleStat,
+    PhasePeak,
+    TensorStat,
+    Timeline,
+)
+from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Method, Phase, Workload
 from .device import kernel_workload
 
 if TYPE_CHECKING:
+    from ..events import EventLog
     from ..trace.result import TraceResult
 
 ANALYTIC_RESERVE_SLACK = 0.05
@@ -27,8 +36,9 @@ typical slack (rounding to 2 MiB segments, cached free blocks). The trace method
 
 
 @dataclass(frozen=True)
-class MethodCore:
-    """What a method produces before the GPU-dependent parts are added."""
+class MethodResult:
+    """What a method (analytic or trace + replay) produces, before the GPU's share (overhead,
+    verdict) is added; every field typed, nothing method-specific in an untyped bag."""
 
     breakdown: Breakdown
     allocated: int
@@ -40,18 +50,21 @@ class MethodCore:
     method: Method
     allocator: AllocatorSummary | None
     notes: tuple[str, ...]
-    extra: Mapping[str, Any]
+    flops_per_step: float | None = None
     iterations: tuple[IterationPeak, ...] = ()
-    trace: TraceResult | None = None
+    top_modules: tuple[ModuleStat, ...] = ()
+    top_tensors: tuple[TensorStat, ...] = ()
+    events: EventLog | None = None
     timeline: Timeline | None = None
     model_states: Breakdown | None = None
 
 
 # --------------------------------------------------------------------------- analytic
-def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodCore:
+def analytic_core(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PROFILE) -> MethodResult:
+    """The analytic formulas on ``dev``: its cuBLAS workspace and bf16 kernels, as the trace sees them."""
     from .. import analytic
 
-    est = analytic.estimate(spec, kernel_workload(w, g))
+    est = analytic.estimate(spec, kernel_workload(w, dev), workspace_bytes=dev.cublas_workspace)
     allocated = est.peak.allocated
     reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
     notes = tuple(est.notes) + (
@@ -62,21 +75,30 @@ def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodC
         backend="none (analytic: allocated + assumed slack)", conf="", segments=0,
         fragmentation_at_peak=1 - allocated / reserved if reserved else 0.0,
     )
-    return MethodCore(
+    return MethodResult(
         breakdown=est.peak.breakdown, allocated=allocated, reserved=reserved,
         peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
         trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
-        notes=notes, extra={"flops_per_step": est.flops_per_step},
+        notes=notes, flops_per_step=est.flops_per_step,
         model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
                                optimizer=est.states.optimizer),
     )
 
 
+def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PROFILE) -> int | None:
+    """The analytic device_used of ``w`` on ``dev`` (None where the formulas refuse the workload)."""
+    try:
+        core = analytic_core(spec, w, dev)
+    except VramplanError:
+        return None
+    return core.reserved + dev.overhead_bytes
+
+
 # --------------------------------------------------------------------------- trace
-def trace_catalog_model(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
+def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile) -> TraceResult:
     from ..trace.run import trace_workload
 
-    return trace_workload(spec, w, gpu=g)
+    return trace_workload(spec, w, device=dev)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
@@ -124,33 +146,30 @@ def _with_reserved(tl: Timeline | None, changes: tuple[tuple[int, int], ...]) ->
     return dataclasses.replace(tl, reserved=tuple(reserved))
 
 
-def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodCore:
-    """Replay uncapped (what the step needs); where that exceeds the GPU's allocator capacity,
-    replay again within it, as PyTorch would run: freeing cached blocks and retrying may make
-    it fit (then those figures are reported), or it runs out of memory (then the uncapped
-    figures say how much it would need)."""
+def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodResult:
+    """Replay uncapped: the figures are what the step needs, and the verdict (and every
+    boundary search) compares that need with the GPU. Where it exceeds the GPU's allocator
+    capacity, replay again within it, as PyTorch would run, and say what happens there:
+    freeing cached blocks and retrying may let it run (too close to the limit to count on),
+    or it runs out of memory."""
     res = replay_trace(tr, alloc_conf)
     notes = list(tr.notes)
-    summary: AllocatorSummary | None = None
+    summary = _summary(res, alloc_conf)
     if pool_capacity is not None and res.max_reserved > pool_capacity:
         capped = replay_trace(tr, alloc_conf, pool_capacity)
         if capped.ooms == 0:
             notes.append(
-                f"the step would reserve {res.max_reserved:,} B with unlimited memory; within the GPU's "
-                f"{pool_capacity:,} B the allocator frees its cache and retries ({capped.alloc_retries}×) "
-                "and the step fits (cudaMalloc retries cost time)"
+                f"the step needs {res.max_reserved:,} B reserved, more than the GPU's {pool_capacity:,} B for "
+                f"the allocator; freeing its cache and retrying ({capped.alloc_retries}×) it might still run, "
+                "slowly and with no margin, so the verdict counts what it needs"
             )
-            res = capped
         else:
             notes.append(
                 f"the step needs more than the GPU's {pool_capacity:,} B for the allocator: replayed "
                 f"within it, {capped.ooms} allocation(s) would raise CUDA out of memory even after "
                 "freeing the cache; the figures show what the step needs without a limit"
             )
-            summary = dataclasses.replace(_summary(res, alloc_conf), ooms=capped.ooms,
-                                          alloc_retries=capped.alloc_retries)
-    if summary is None:
-        summary = _summary(res, alloc_conf)
+        summary = dataclasses.replace(summary, ooms=capped.ooms, alloc_retries=capped.alloc_retries)
     allocated, reserved = int(res.max_allocated), int(res.max_reserved)
     traced = tr.breakdown_at_peak.total
     breakdown = tr.breakdown_at_peak
@@ -160,13 +179,13 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
             "at the allocated peak over the traced tensor bytes; counted under temporaries"
         )
         breakdown = _breakdown_to_total(breakdown, allocated)
-    return MethodCore(
+    return MethodResult(
         breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
         timeline=_with_reserved(tr.timeline, res.reserved_changes),
         peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
-        notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
-        iterations=tuple(tr.iterations), trace=tr, model_states=_traced_states(tr),
+        notes=tuple(notes), flops_per_step=tr.flops, events=tr.events, iterations=tuple(tr.iterations),
+        top_modules=tuple(tr.top_modules), top_tensors=tuple(tr.top_tensors), model_states=_traced_states(tr),
     )
 
 
@@ -179,5 +198,5 @@ def _traced_states(tr: TraceResult) -> Breakdown:
     return Breakdown(weights=tr.breakdown_at_peak.weights)
 
 
-__all__ = ["MethodCore", "analytic_core", "trace_core", "trace_catalog_model", "replay_trace",
+__all__ = ["MethodResult", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
            "ANALYTIC_RESERVE_SLACK"]

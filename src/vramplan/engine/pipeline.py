@@ -11,19 +11,25 @@ plus the verdict against a GPU and the largest batch that fits.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import TraceError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..results import Fallback, MemoryReport, Peak, Verdict
+from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
-from .boundary import max_batch_analytic
-from .calibration import calibrate
-from .device import bf16_notes
-from .methods import MethodCore, analytic_core, trace_catalog_model, trace_core
+from .boundary import BoundarySearch, fits
+from .device import bf16_notes, profile
+from .methods import (
+    MethodResult,
+    analytic_core,
+    analytic_device_used,
+    trace_catalog_model,
+    trace_core,
+)
 from .resolve import resolve_gpu, resolve_model
-from .verdict import overhead_items, pool_capacity, usable
 
 
 def estimate(
@@ -50,33 +56,70 @@ def estimate(
 
         parse_conf(alloc_conf)  # fail early on a bad string
     _check(spec, w)
+    dev = profile(g, w)  # built once: the trace, the formulas and the verdict read it
+    report = _report(spec, w, g, dev, m, alloc_conf, num_gpus)
+    if g is not None and search_max_batch and has_analytic(spec):
+        report = _with_largest_batch(report, spec, g, dev, alloc_conf)
+    return report
 
+
+def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: Method,
+            alloc_conf: str | None, num_gpus: int) -> MemoryReport:
+    """One estimate of a checked workload, without the largest-batch search."""
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
         notes.append(f"{length:,} tokens exceed the {spec.max_positions:,} positions {spec.name} was configured "
                      "for (max_position_embeddings): memory is predicted as if it runs, quality is not")
-    core: MethodCore
+    core: MethodResult
     fallback: Fallback | None = None
-    capacity = pool_capacity(g, w)
     if m is Method.ANALYTIC:
-        core = analytic_core(spec, w, g)
+        core = analytic_core(spec, w, dev)
     else:
         try:
-            core = trace_core(trace_catalog_model(spec, w, g), w, alloc_conf, capacity)
+            core = trace_core(trace_catalog_model(spec, w, dev), w, alloc_conf, dev.allocator_capacity)
         except TraceError as e:
             if m is Method.TRACE or not has_analytic(spec):
                 raise
-            notes.append(f"trace failed ({e}); analytic estimate instead")
             fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
-            core = analytic_core(spec, w, g)
-    notes += bf16_notes(g, w, core.method)
+            core = analytic_core(spec, w, dev)
+    notes += bf16_notes(dev, w, core.method) if g is not None else []
     if alloc_conf and core.method is Method.ANALYTIC:
-        notes.append(f"`alloc_conf={alloc_conf}` is not simulated by the analytic method: reserved is "
-                     "allocated plus an assumed slack (use `method=trace`)")
-    report = finish(core, spec.name, w, g, notes=notes, spec=spec, search_max_batch=search_max_batch,
-                    num_gpus=num_gpus)
-    return report if fallback is None else report.replace(fallback=fallback)
+        notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
+                     "allocated plus an assumed slack (use --method trace)")
+    return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback, spec=spec)
+
+
+def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: DeviceProfile,
+                        alloc_conf: str | None) -> MemoryReport:
+    """The verdict's largest batch, by the engine's one boundary search (the one ``fit``
+    runs): the analytic curve shapes it, the report's own method confirms the boundary and
+    the batch above it. A traced estimate therefore costs about two more traces."""
+    w, v = report.workload, report.verdict
+    assert v is not None
+    cache: dict[int, MemoryReport] = {w.batch: report}
+
+    def confirm(wx: Workload) -> MemoryReport:
+        if wx.batch not in cache:
+            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus)
+        return cache[wx.batch]
+
+    def analytic(wx: Workload) -> int | None:
+        return analytic_device_used(spec, wx, dev)
+
+    exact = report.method is Method.ANALYTIC  # the curve is the answer: nothing to confirm
+    bd = BoundarySearch(confirm, analytic, v.usable, exact=exact)
+    if not exact and bd.analytic is not None and bd.analytic(w) is None:
+        return report.replace(notes=("no analytic curve for this workload to shape a largest-batch search "
+                                     "(`vramplan fit` searches with traces)", *report.notes))
+    res = bd.largest_batch(w)
+    extra = sum(1 for b in cache if b != w.batch)
+    note = (f"largest batch {max(res.value, 0)}: the engine's boundary search on the analytic curve (as `fit` runs it)"
+            if exact else
+            f"largest batch {max(res.value, 0)}: the engine's boundary search (as `fit` runs it), confirmed with "
+            f"the {report.method} method at the boundary and the batch above ({extra} more estimate(s))")
+    verdict = dataclasses.replace(v, max_batch=max(res.value, 0))
+    return report.replace(verdict=verdict, notes=(note, *report.notes))
 
 
 def has_analytic(spec: ModelSpec) -> bool:
@@ -94,38 +137,34 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     check_against_model(spec, w)
 
 
-def finish(core: MethodCore, name: str, w: Workload, g: GPU | None, *, notes: list[str],
-           spec: ModelSpec | None, search_max_batch: bool, num_gpus: int = 1) -> MemoryReport:
-    """Add the GPU-dependent parts (overhead, verdict, largest batch) to a method's result."""
-    overhead = overhead_items(g, w)
-    oh = sum(o.bytes for o in overhead)
-    peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + oh)
+def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: DeviceProfile, *,
+           notes: list[str], num_gpus: int = 1, fallback: Fallback | None = None,
+           user_model: bool = False, spec: ModelSpec | None = None) -> MemoryReport:
+    """Add the device's share (overhead outside the allocator, the verdict) to a method's result."""
+    overhead = dev.overhead
+    peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + dev.overhead_bytes)
     verdict = None
-    if g is not None:
-        use, usable_src = usable(g)
-        mb: int | None = None
-        if search_max_batch and spec is not None and has_analytic(spec):
-            scale, offset = 1.0, 0.0
-            if core.method is Method.TRACE:
-                scale, offset, how = calibrate(spec, w, g, oh, peak.device_used, core.model_states)
-                notes.append(f"max_batch: analytic batch curve calibrated to the traced peak ({how})")
-            mb = max_batch_analytic(spec, w, use, oh, scale=scale, offset=offset, gpu=g)
+    if g is not None and dev.usable is not None:
+        use, usable_src = dev.usable, dev.usable_source
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
-            fits=peak.device_used <= use, headroom=use - peak.device_used, max_batch=mb,
+            fits=False, headroom=use - peak.device_used, max_batch=None,
             num_gpus=num_gpus, capacity_source=usable_src,
         )
     timeline = core.timeline
-    return MemoryReport(
+    report = MemoryReport(
         model=name, params=core.params, trainable_params=core.trainable_params, workload=w,
         method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
         peak_phase=core.peak_phase, phases=core.phases, verdict=verdict, allocator=core.allocator,
         notes=tuple(notes) + core.notes,
-        top_modules=core.trace.top_modules if core.trace is not None else (),
-        top_tensors=core.trace.top_tensors if core.trace is not None else (),
-        iterations=core.iterations, timeline=timeline, extra={**core.extra, **_axes(spec)},
-        model_states=core.model_states,
+        top_modules=core.top_modules, top_tensors=core.top_tensors,
+        iterations=core.iterations, timeline=timeline, model_states=core.model_states,
+        flops_per_step=core.flops_per_step, events=core.events, fallback=fallback, user_model=user_model,
+        **_axes(spec),
     )
+    if verdict is not None:  # the one rule for "fits", also the boundary search's
+        report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable)))
+    return report
 
 
 def _axes(spec: ModelSpec | None) -> dict[str, bool]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -10,10 +9,10 @@ from ..errors import VramplanError
 from ..hardware.gpu import GPU
 from ..results import MemoryReport
 from ..workload import Task, Workload
+from .device import profile
 from .methods import trace_core
 from .pipeline import finish
 from .resolve import resolve_gpu
-from .verdict import overhead_items, pool_capacity, usable
 
 
 def run_script(
@@ -37,24 +36,24 @@ def run_script(
     """
     from ..script.device import DeviceFacts
     from ..script.runner import trace_script
-    from ..trace.cuda import profile_for
 
     if gpus < 1:
         raise VramplanError(f"`gpus` must be at least 1, got {gpus}", hint="use `gpus=1`", field="gpus")
     g = resolve_gpu(gpu)
     if g is None:
         raise VramplanError("running a script needs a target GPU to emulate", hint="e.g. `gpu=h100-sxm`", field="gpu")
-    profile = profile_for(g, workspaces=workspaces)
     base = Workload(task=Task.TRAIN)
-    outside = sum(o.bytes for o in overhead_items(g, base))
-    facts = DeviceFacts(name=g.name, sm=profile.sm, total_memory=usable(g)[0], outside_allocator=outside,
+    dev = profile(g, base)  # the one device profile: the emulation, torch.cuda's answers, the verdict
+    if not workspaces:
+        dev = dev.without_workspaces()
+    assert dev.usable is not None
+    facts = DeviceFacts(name=g.name, sm=dev.sm, total_memory=dev.usable, outside_allocator=dev.overhead_bytes,
                         sm_count=g.sm_count or 0, count=gpus)
-    tr, run = trace_script(path, argv, profile=profile, facts=facts, steps=steps, timeout=timeout,
+    tr, run = trace_script(path, argv, profile=dev, facts=facts, steps=steps, timeout=timeout,
                            alloc_conf=alloc_conf, progress=progress)
     w = base if run.steps > 0 else Workload(task=Task.INFER)
-    core = trace_core(tr, w, alloc_conf, pool_capacity(g, w))
-    core = dataclasses.replace(core, extra={**core.extra, "user_model": True, "script": str(path)})
-    return finish(core, Path(path).name, w, g, notes=[], spec=None, search_max_batch=False)
+    core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
+    return finish(core, Path(path).name, w, g, dev, notes=[], user_model=True)
 
 
 __all__ = ["run_script"]

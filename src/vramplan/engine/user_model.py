@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from ..hardware.gpu import GPU
 from ..results import MemoryReport
 from ..workload import Task, Workload, as_enum
+from .device import profile
 from .methods import trace_core
 from .pipeline import finish
 from .resolve import resolve_gpu
-from .verdict import pool_capacity
 
 
 def trace(
@@ -51,12 +50,12 @@ def trace(
         from ..allocator import parse_conf
 
         parse_conf(alloc_conf)
-    tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, gpu=g,
+    dev = profile(g, w)
+    tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, device=dev,
                      iterations=iterations)
-    core = trace_core(tr, w, alloc_conf, pool_capacity(g, w))
+    core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
-    core = dataclasses.replace(core, extra={**core.extra, "user_model": True})
-    return finish(core, label, w, g, notes=[], spec=None, search_max_batch=False)
+    return finish(core, label, w, g, dev, notes=[], user_model=True)
 
 
 __all__ = ["trace"]

@@ -61,6 +61,15 @@ class GPU:
     """The vendor's specification page or datasheet."""
 
     @property
+    def sm(self) -> tuple[int, int] | None:
+        """Compute capability as (major, minor), parsed from ``compute_capability``; None
+        where the catalog has none (AMD, Intel)."""
+        if not self.compute_capability:
+            return None
+        major, _, minor = self.compute_capability.partition(".")
+        return int(major), int(minor or 0)
+
+    @property
     def derived_bandwidth(self) -> float | None:
         """bus width × per-pin rate ÷ 8, in bytes/s."""
         if self.bus_width_bits and self.data_rate_gbps:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from vramplan.errors import VramplanError
 from vramplan.results import OverheadItem
+from vramplan.target import CUBLAS_WORKSPACE_HOPPER, CUBLAS_WORKSPACE_PRE_HOPPER
 from vramplan.units import GiB, KiB, MiB
 
 from .gpu import GPU
@@ -218,10 +219,10 @@ def device_overhead(
 
 # --- workspaces allocated through the caching allocator --------------------------------
 
-CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_WORKSPACE_DEFAULT = CUBLAS_WORKSPACE_PRE_HOPPER
 """8,519,680 B = ``:4096:2:16:8`` (aten/src/ATen/cuda/CublasHandlePool.cpp); seen as the
 8,519,680 B that stays allocated after the first matmul (pytorch/pytorch#95668)."""
-CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
+CUBLAS_WORKSPACE_LARGE = CUBLAS_WORKSPACE_HOPPER
 """32 MiB = ``:4096:8``: PyTorch's default for compute capability 9.x, 10.x, 11.x and 12.x
 (Hopper and Blackwell) in current CublasHandlePool.cpp; releases before Blackwell support
 applied it to sm_90 only."""
@@ -256,7 +257,7 @@ def cublas_workspace_bytes(gpu: GPU | None, *, config: str | None = None) -> int
         return HIPBLAS_WORKSPACE_GFX94 if gpu.arch == "cdna3" else HIPBLAS_WORKSPACE_DEFAULT
     if gpu.vendor != "nvidia":
         return 0
-    major = int((gpu.compute_capability or "0").split(".")[0])
+    major = gpu.sm[0] if gpu.sm else 0
     return CUBLAS_WORKSPACE_LARGE if major in (9, 10, 11, 12) else CUBLAS_WORKSPACE_DEFAULT
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .arch import BASE, CAUSAL_LM, IMAGE_CLS, MASKED_LM, SEQ_CLS, Arch, num_labels
+from .arch import BASE, CAUSAL_LM, IMAGE_CLS, MASKED_LM, SEQ_CLS, ParamLayout, num_labels
 from .config_view import ConfigView
 
 
@@ -11,7 +11,7 @@ def _block(d: int, inner: int, qkv_bias: bool = True) -> int:
     return 4 * d * d + (3 * d if qkv_bias else 0) + d + 2 * 2 * d + 2 * d * inner + inner + d
 
 
-def count_gpt2(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
+def count_gpt2(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int]:
     d = v.integer("n_embd")
     inner = v.integer("n_inner", 4 * d)
     vocab = v.integer("vocab_size")
@@ -28,7 +28,7 @@ def count_gpt2(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
     return n, n
 
 
-def count_bert(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
+def count_bert(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int]:
     d = v.integer("hidden_size")
     vocab = v.integer("vocab_size")
     n = (vocab + v.integer("max_position_embeddings", 512) + v.integer("type_vocab_size", 2)) * d
@@ -48,7 +48,7 @@ def count_bert(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
     return n, n
 
 
-def count_vit(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
+def count_vit(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int]:
     d = v.integer("hidden_size")
     channels = v.integer("num_channels", 3)
     patch = v.integer("patch_size", 16)

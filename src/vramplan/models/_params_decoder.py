@@ -8,11 +8,11 @@ and the LM head unless it is tied to the embedding.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .arch import BASE, CAUSAL_LM, SEQ_CLS, Arch, num_labels
+from .arch import BASE, CAUSAL_LM, SEQ_CLS, ParamLayout, num_labels
 from .config_view import ConfigView
 
 
-def head_dim(v: ConfigView, arch: Arch) -> int:
+def head_dim(v: ConfigView, arch: ParamLayout) -> int:
     """Explicit ``head_dim`` (Gemma, Llama 3.2, Qwen3) else hidden / heads."""
     hidden = v.integer("hidden_size")
     heads = v.integer("num_attention_heads")
@@ -24,7 +24,7 @@ def head_dim(v: ConfigView, arch: Arch) -> int:
     return v.integer("head_dim", hidden // heads)
 
 
-def kv_heads(v: ConfigView, arch: Arch) -> int:
+def kv_heads(v: ConfigView, arch: ParamLayout) -> int:
     heads = v.integer("num_attention_heads")
     kv = v.integer("num_key_value_heads", arch.defaults.get("num_key_value_heads", heads))
     if heads and (kv == 0 or heads % kv):
@@ -33,7 +33,7 @@ def kv_heads(v: ConfigView, arch: Arch) -> int:
     return kv
 
 
-def moe_layers(v: ConfigView, arch: Arch) -> list[bool]:
+def moe_layers(v: ConfigView, arch: ParamLayout) -> list[bool]:
     """Per layer: does it use the sparse MoE block (True) or a dense MLP (False)?"""
     n = v.integer("num_hidden_layers")
     if arch.moe == "mixtral":
@@ -50,7 +50,7 @@ def moe_layers(v: ConfigView, arch: Arch) -> list[bool]:
     return [False] * n
 
 
-def n_experts(v: ConfigView, arch: Arch) -> int:
+def n_experts(v: ConfigView, arch: ParamLayout) -> int:
     if arch.moe == "mixtral":
         return v.integer("num_local_experts")
     if arch.moe in ("qwen2_moe", "qwen3_moe"):
@@ -60,13 +60,13 @@ def n_experts(v: ConfigView, arch: Arch) -> int:
     return 0
 
 
-def expert_intermediate(v: ConfigView, arch: Arch) -> int:
+def expert_intermediate(v: ConfigView, arch: ParamLayout) -> int:
     if arch.moe == "mixtral":
         return v.integer("intermediate_size")
     return v.integer("moe_intermediate_size") if arch.moe else 0
 
 
-def shared_intermediate(v: ConfigView, arch: Arch) -> int:
+def shared_intermediate(v: ConfigView, arch: ParamLayout) -> int:
     """Width of the always-on shared expert MLP (0 when there is none)."""
     if arch.moe == "qwen2_moe":
         return v.integer("shared_expert_intermediate_size", 0)
@@ -75,7 +75,7 @@ def shared_intermediate(v: ConfigView, arch: Arch) -> int:
     return 0
 
 
-def _flag(v: ConfigView, arch: Arch, key: str) -> bool:
+def _flag(v: ConfigView, arch: ParamLayout, key: str) -> bool:
     if not key:
         return False
     if key == "always":
@@ -83,7 +83,7 @@ def _flag(v: ConfigView, arch: Arch, key: str) -> bool:
     return v.flag(key, bool(arch.defaults.get(key, False)))
 
 
-def _attention(v: ConfigView, arch: Arch) -> int:
+def _attention(v: ConfigView, arch: ParamLayout) -> int:
     d = v.integer("hidden_size")
     h = v.integer("num_attention_heads")
     hd = head_dim(v, arch)
@@ -115,7 +115,7 @@ def _mla_attention(v: ConfigView) -> int:
     return n
 
 
-def _dense_mlp(v: ConfigView, arch: Arch, width: int) -> int:
+def _dense_mlp(v: ConfigView, arch: ParamLayout, width: int) -> int:
     d = v.integer("hidden_size")
     n = 3 * d * width
     if arch.mlp_bias and v.flag("mlp_bias", False):
@@ -123,7 +123,7 @@ def _dense_mlp(v: ConfigView, arch: Arch, width: int) -> int:
     return n
 
 
-def _head(v: ConfigView, arch: Arch, head: str) -> int:
+def _head(v: ConfigView, arch: ParamLayout, head: str) -> int:
     d = v.integer("hidden_size")
     if head == CAUSAL_LM:
         tied = v.flag("tie_word_embeddings", arch.tie_default)
@@ -134,7 +134,7 @@ def _head(v: ConfigView, arch: Arch, head: str) -> int:
     return 0
 
 
-def count_decoder(v: ConfigView, arch: Arch, head: str) -> tuple[int, int]:
+def count_decoder(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int]:
     d = v.integer("hidden_size")
     attn = _mla_attention(v) if arch.kind == "mla" else _attention(v, arch)
     per_layer_fixed = attn + arch.norms_per_layer * d

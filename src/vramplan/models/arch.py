@@ -1,6 +1,6 @@
 """What vramplan knows about each architecture: family, layout rules and the task heads.
 
-One :class:`Arch` per ``model_type`` (or diffusers ``_class_name``). The parameter formulas
+One :class:`ParamLayout` per ``model_type`` (or diffusers ``_class_name``). The parameter formulas
 (:mod:`.params`), the ModelSpec normaliser (:mod:`.normalize`) and the meta builder
 (:mod:`.build`) all read this table, so a new architecture is added in one place.
 """
@@ -28,7 +28,7 @@ HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOIS
 
 
 @dataclass(frozen=True, kw_only=True)
-class Arch:
+class ParamLayout:
     family: Family
     kind: str
     """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet."""
@@ -57,39 +57,39 @@ class Arch:
 _DEC = (CAUSAL_LM, SEQ_CLS, BASE)
 _AB: dict[str, Any] = {"qkv_bias": "attention_bias", "o_bias": "attention_bias"}
 
-ARCHS: dict[str, Arch] = {
-    "llama": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, mlp_bias=True, **_AB),
-    "mistral": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all",
+ARCHS: dict[str, ParamLayout] = {
+    "llama": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, mlp_bias=True, **_AB),
+    "mistral": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all",
                     defaults={"num_key_value_heads": 8}),
-    "qwen2": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, qkv_bias="always",
+    "qwen2": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, qkv_bias="always",
                    sliding="qwen"),
-    "qwen3": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, qk_norm=True, sliding="qwen",
+    "qwen3": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, qk_norm=True, sliding="qwen",
                    **_AB),
-    "phi3": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all"),
-    "gemma": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True, **_AB),
-    "gemma2": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
+    "phi3": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, sliding="all"),
+    "gemma": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True, **_AB),
+    "gemma2": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
                    norms_per_layer=4, sliding="alternate", defaults={"num_key_value_heads": 4},
                    **_AB),
-    "gemma3_text": Arch(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
+    "gemma3_text": ParamLayout(family=Family.DENSE, kind="decoder", heads=_DEC, tie_default=True,
                         norms_per_layer=4, qk_norm=True, sliding="pattern",
                         defaults={"num_key_value_heads": 4}, **_AB),
-    "mixtral": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="mixtral", sliding="all",
+    "mixtral": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="mixtral", sliding="all",
                     defaults={"num_key_value_heads": 8}),
-    "qwen2_moe": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen2_moe",
+    "qwen2_moe": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen2_moe",
                       qkv_bias="qkv_bias", sliding="qwen", defaults={"qkv_bias": True}),
-    "qwen3_moe": Arch(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen3_moe",
+    "qwen3_moe": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen3_moe",
                       qk_norm=True, sliding="qwen", defaults={"num_key_value_heads": 4}, **_AB),
-    "deepseek_v2": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
-    "deepseek_v3": Arch(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
-    "gpt2": Arch(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
+    "deepseek_v2": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
+    "deepseek_v3": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
+    "gpt2": ParamLayout(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
     # GPTBigCode (StarCoder, SantaCoder): GPT-2 with multi-query attention (multi_query: true →
     # one K/V head); transformers models/gpt_bigcode/modeling_gpt_bigcode.py
-    "gpt_bigcode": Arch(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
-    "bert": Arch(family=Family.ENCODER, kind="bert", heads=(MASKED_LM, SEQ_CLS, BASE),
+    "gpt_bigcode": ParamLayout(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
+    "bert": ParamLayout(family=Family.ENCODER, kind="bert", heads=(MASKED_LM, SEQ_CLS, BASE),
                  tie_default=True),
-    "vit": Arch(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),
-    "resnet": Arch(family=Family.OTHER, kind="resnet", heads=(IMAGE_CLS, BASE)),
-    "UNet2DConditionModel": Arch(family=Family.OTHER, kind="unet", heads=(DENOISE,)),
+    "vit": ParamLayout(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),
+    "resnet": ParamLayout(family=Family.OTHER, kind="resnet", heads=(IMAGE_CLS, BASE)),
+    "UNet2DConditionModel": ParamLayout(family=Family.OTHER, kind="unet", heads=(DENOISE,)),
 }
 
 
@@ -99,12 +99,12 @@ def arch_key(config: Mapping[str, Any]) -> str:
     return str(key)
 
 
-def arch_of(config: Mapping[str, Any]) -> Arch | None:
+def arch_of(config: Mapping[str, Any]) -> ParamLayout | None:
     """The architecture entry for a config, or None when vramplan has no formula for it."""
     return ARCHS.get(arch_key(config))
 
 
-def require_arch(config: Mapping[str, Any], origin: str = "config") -> Arch:
+def require_arch(config: Mapping[str, Any], origin: str = "config") -> ParamLayout:
     arch = arch_of(config)
     if arch is None:
         key = arch_key(config)
@@ -132,13 +132,13 @@ def head_from_architectures(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def default_head(config: Mapping[str, Any], arch: Arch) -> str:
+def default_head(config: Mapping[str, Any], arch: ParamLayout) -> str:
     """The head ``architectures`` names when this architecture supports it, else its first."""
     head = head_from_architectures(config)
     return head if head in arch.heads else arch.heads[0]
 
 
-def check_head(head: str, arch: Arch, origin: str) -> str:
+def check_head(head: str, arch: ParamLayout, origin: str) -> str:
     if head not in arch.heads:
         raise ConfigError(
             f"{origin}: head '{head}' is not available for this architecture",

@@ -17,7 +17,7 @@ from ._params_decoder import (
     n_experts,
     shared_intermediate,
 )
-from .arch import Arch, arch_key, arch_of
+from .arch import ParamLayout, arch_key, arch_of
 from .config_view import ConfigView
 from .params import count_params
 from .spec import Family, ModelSpec
@@ -64,7 +64,7 @@ def _dtype(v: ConfigView) -> str:
     return v.text("torch_dtype") or v.text("dtype") or "float32"
 
 
-def _decoder(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _decoder(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     layers = v.integer("num_hidden_layers")
     out: dict[str, Any] = {
         "hidden": v.integer("hidden_size"),
@@ -107,7 +107,7 @@ def _decoder(v: ConfigView, arch: Arch) -> dict[str, Any]:
     return out
 
 
-def _shared_count(v: ConfigView, arch: Arch) -> int:
+def _shared_count(v: ConfigView, arch: ParamLayout) -> int:
     if arch.moe == "deepseek":
         return v.integer("n_shared_experts", 0)
     if arch.moe == "qwen2_moe":
@@ -115,7 +115,7 @@ def _shared_count(v: ConfigView, arch: Arch) -> int:
     return 0
 
 
-def _sliding(v: ConfigView, arch: Arch, layers: int) -> tuple[int | None, int]:
+def _sliding(v: ConfigView, arch: ParamLayout, layers: int) -> tuple[int | None, int]:
     """(window, number of layers that use it), as transformers decides per architecture."""
     window = v.opt_integer("sliding_window")
     if not window or arch.sliding == "none":
@@ -137,7 +137,7 @@ def _sliding(v: ConfigView, arch: Arch, layers: int) -> tuple[int | None, int]:
     return window, layers  # "all": Mistral v0.1, Mixtral, Phi-3
 
 
-def _gpt2(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _gpt2(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     d = v.integer("n_embd")
     heads = v.integer("n_head")
     mqa = arch_key(v.raw) == "gpt_bigcode" and v.flag("multi_query", True)
@@ -150,7 +150,7 @@ def _gpt2(v: ConfigView, arch: Arch) -> dict[str, Any]:
     }
 
 
-def _bert(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _bert(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     d = v.integer("hidden_size")
     heads = v.integer("num_attention_heads")
     return {
@@ -162,7 +162,7 @@ def _bert(v: ConfigView, arch: Arch) -> dict[str, Any]:
     }
 
 
-def _vit(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _vit(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     d = v.integer("hidden_size")
     heads = v.integer("num_attention_heads")
     image = v.integer("image_size", 224)
@@ -176,7 +176,7 @@ def _vit(v: ConfigView, arch: Arch) -> dict[str, Any]:
     }
 
 
-def _resnet(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _resnet(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     depths = v.integers("depths")
     sizes = v.integers("hidden_sizes")
     return {
@@ -185,7 +185,7 @@ def _resnet(v: ConfigView, arch: Arch) -> dict[str, Any]:
     }
 
 
-def _unet(v: ConfigView, arch: Arch) -> dict[str, Any]:
+def _unet(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     channels = v.integers("block_out_channels")
     return {
         "hidden": channels[-1] if channels else 0,

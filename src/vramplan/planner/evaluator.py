@@ -9,13 +9,12 @@ forty GPUs does not cost forty estimates per candidate.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from vramplan.errors import VramplanError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
-from vramplan.results import MemoryReport, Verdict
+from vramplan.results import MemoryReport
 from vramplan.workload import Method, Workload
 
 from .results import Evaluations
@@ -49,10 +48,8 @@ class Evaluator:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        r = self._estimate(self.spec, w, gpu=_uncapped(gpu), method=str(method), alloc_conf=self.alloc_conf,
+        r = self._estimate(self.spec, w, gpu=gpu, method=str(method), alloc_conf=self.alloc_conf,
                            num_gpus=w.parallel.world_size, search_max_batch=False)
-        if gpu is not None:
-            r = _with_verdict(r, gpu)
         if r.method is Method.TRACE:
             self.traces += 1
             self._cache[(w, key[1], Method.TRACE)] = r
@@ -74,34 +71,6 @@ class Evaluator:
 
     def counts(self) -> Evaluations:
         return Evaluations(self.traces + self.analytic, self.traces, self.analytic)
-
-
-UNCAPPED_TOTAL = 1 << 50
-"""The CUDA total of the GPU copy the searches estimate on (1 PiB)."""
-
-
-def _uncapped(gpu: GPU | None) -> GPU | None:
-    """The same GPU with room for anything, so that the allocator simulation measures how
-    much a workload *would* use instead of stopping at out-of-memory (a search needs the
-    number above the capacity, not the capacity). The verdict is then redone for the real
-    GPU by :func:`_with_verdict`."""
-    if gpu is None:
-        return None
-    return dataclasses.replace(gpu, cuda_total=UNCAPPED_TOTAL)
-
-
-def _with_verdict(r: MemoryReport, gpu: GPU) -> MemoryReport:
-    from vramplan.hardware.catalog import usable_capacity
-
-    usable, source = usable_capacity(gpu)
-    used = r.peak.device_used
-    v = r.verdict
-    verdict = Verdict(
-        gpu=gpu.key, gpu_name=gpu.name, capacity=gpu.capacity, usable=usable, fits=used <= usable,
-        headroom=usable - used, max_batch=v.max_batch if v else None,
-        num_gpus=v.num_gpus if v else r.workload.parallel.world_size, capacity_source=source,
-    )
-    return r.replace(verdict=verdict)
 
 
 class Screen:

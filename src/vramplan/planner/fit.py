@@ -1,19 +1,16 @@
 """The largest micro-batch and the longest sequence that fit a GPU, with few traces.
 
 Memory is affine in batch (fixed sequence) and affine (flash/SDPA) or quadratic (eager
-attention) in sequence length. When the analytic method knows the model, its curve —
-milliseconds per point — gives the shape: we find its boundary, confirm it with the
-requested method (one evaluation at the boundary, one a step above), and, if they
-disagree, recalibrate the analytic curve to the confirmed points (``t ≈ α + β·a``) and
-try again. Without an analytic curve, a secant (or parabola) through the evaluations
-predicts the boundary. Either way :func:`boundary_search` keeps a bracket, so a bad
-prediction costs one evaluation, never the search.
+attention) in sequence length. Both searches are the engine's one boundary search
+(:class:`vramplan.engine.boundary.BoundarySearch`: the analytic curve shapes it, the requested
+method confirms the boundary and the step above it), so ``fit``'s largest batch is the
+one ``estimate``'s verdict reports.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from vramplan.errors import PlanError
 from vramplan.hardware.gpu import GPU
@@ -22,11 +19,10 @@ from vramplan.results import MemoryReport
 from vramplan.units import fmt_bytes
 from vramplan.workload import Attention, Method, Task, Workload, as_enum
 
+from ..engine.boundary import MAX_BATCH, BoundarySearch
 from .evaluator import Estimator, Evaluator, report_usable
 from .results import Boundary, FitResult
-from .search import Predictor, boundary_search, secant_predictor
 
-MAX_BATCH = 1 << 16
 MIN_SEQ_STEP = 64
 NO_SEQ_FAMILIES = (Family.VIT, Family.OTHER)
 
@@ -54,49 +50,6 @@ def fit(
     return _Fit(spec, w, g, m, ev, seq_step, max_batch).run()
 
 
-def saturated(r: MemoryReport) -> bool:
-    """The allocator simulation ran out of the GPU's memory: the figures are a lower bound."""
-    return r.allocator is not None and r.allocator.ooms > 0
-
-
-class _Calibration:
-    """Maps analytic device_used to the confirming method's: ``t ≈ α + β·a``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.pairs: list[tuple[int, int]] = []
-        self.min_offset: float | None = None
-        """From saturated evaluations: confirmed − analytic is at least this."""
-
-    def add(self, analytic: int, confirmed: int) -> None:
-        if (analytic, confirmed) not in self.pairs:
-            self.pairs.append((analytic, confirmed))
-
-    def add_bound(self, analytic: int, confirmed_at_least: int) -> None:
-        off = float(confirmed_at_least - analytic)
-        self.min_offset = off if self.min_offset is None else max(self.min_offset, off)
-
-    def threshold(self) -> float:
-        """The analytic device_used that corresponds to the limit."""
-        est = self._estimate()
-        if self.min_offset is not None:
-            est = min(est, self.limit - self.min_offset)
-        return est
-
-    def _estimate(self) -> float:
-        if not self.pairs:
-            return float(self.limit)
-        near = sorted(self.pairs, key=lambda p: abs(p[1] - self.limit))
-        a1, t1 = near[0]
-        if len(near) >= 2:
-            a2, t2 = near[1]
-            if abs(a1 - a2) > 1 << 20:
-                beta = (t1 - t2) / (a1 - a2)
-                if 0.5 <= beta <= 2.0:
-                    return a1 + (self.limit - t1) / beta
-        return float(self.limit - (t1 - a1))
-
-
 class _Fit:
     def __init__(self, spec: ModelSpec, w: Workload, g: GPU, m: Method, ev: Evaluator,
                  seq_step: int | None, max_batch: int) -> None:
@@ -108,51 +61,13 @@ class _Fit:
         # The GPU's usable bytes: from a cheap analytic estimate when there is one.
         first = ev.report(w, gpu=g, method=Method.ANALYTIC if self.shaped else m)
         self.usable = report_usable(first)
-        self.cal = _Calibration(self.usable)
+        self.search = BoundarySearch(self._confirm, self._analytic if self.shaped else None, self.usable)
 
-    # -- evaluations ---------------------------------------------------------------
     def _confirm(self, w: Workload) -> MemoryReport:
         return self.ev.report(w, gpu=self.g, method=self.m)
 
     def _analytic(self, w: Workload) -> int:
         return self.ev.report(w, gpu=self.g, method=Method.ANALYTIC).peak.device_used
-
-    def _pair(self, w: Workload, r: MemoryReport) -> None:
-        if r.method is Method.ANALYTIC:
-            return
-        if saturated(r):
-            self.cal.add_bound(self._analytic(w), r.peak.device_used)
-        else:
-            self.cal.add(self._analytic(w), r.peak.device_used)
-
-    def _evaluator(self, make: Callable[[int], Workload]) -> Callable[[int], tuple[int | None, bool]]:
-        def evaluate(x: int) -> tuple[int | None, bool]:
-            wx = make(x)
-            r = self._confirm(wx)
-            if self.shaped:
-                self._pair(wx, r)
-            fits = r.peak.device_used <= self.usable and not saturated(r)
-            return (None if saturated(r) else r.peak.device_used), fits
-
-        return evaluate
-
-    def _predictor(self, make: Callable[[int], Workload], lo: int, hi: int, step: int,
-                   quadratic: bool, start: int) -> Predictor:
-        if not self.shaped:
-            return secant_predictor(self.usable, quadratic=quadratic)
-
-        def predict(_samples: Mapping[int, int]) -> float | None:
-            limit = self.cal.threshold()
-
-            def on_curve(x: int) -> tuple[int | None, bool]:
-                used = self._analytic(make(x))
-                return used, used <= limit
-
-            res = boundary_search(on_curve, first=max(start, lo), lo=lo, hi=hi, step=step,
-                                  predict=secant_predictor(int(limit), quadratic=quadratic))
-            return float(res.value)
-
-        return predict
 
     # -- the two searches ------------------------------------------------------------
     def run(self) -> FitResult:
@@ -185,11 +100,7 @@ class _Fit:
         def make(b: int) -> Workload:
             return w.replace(batch=b)
 
-        hi = self.max_batch
-        predict = self._predictor(make, 1, hi, 1, False, w.batch)
-        guess = predict({}) if self.shaped else None
-        first = int(guess) if guess is not None and guess >= 1 else w.batch
-        res = boundary_search(self._evaluator(make), first=first, lo=1, hi=hi, step=1, predict=predict)
+        res = self.search.largest_batch(w, self.max_batch)
         limited = "search limit" if res.above is None else "memory"
         return self._boundary("batch", res.value, w.seq, 1, limited, make, res.above)
 
@@ -211,7 +122,7 @@ class _Fit:
                 hint="lower `new_tokens`" + (f", or pass `seq_step={cap}` or less" if cap >= 1 else ""),
             )
         if self.seq_step is None:
-            rough = self._predictor(make, MIN_SEQ_STEP, cap, MIN_SEQ_STEP, quadratic, w.seq)({})
+            rough = self.search.predictor(make, MIN_SEQ_STEP, cap, MIN_SEQ_STEP, quadratic, w.seq)({})
             around = rough if rough and rough > 0 else w.seq
             step = max(MIN_SEQ_STEP, 2 ** int(math.log2(max(around, 1))) // 16)
         if cap < step:
@@ -220,10 +131,7 @@ class _Fit:
                                 hint=f"use `seq_step={cap}` or less", field="seq_step")
             raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower `new_tokens`")
         hi = cap // step * step
-        predict = self._predictor(make, step, hi, step, quadratic, w.seq)
-        guess = predict({}) if self.shaped else None
-        first = int(guess) if guess is not None and guess >= step else w.seq
-        res = boundary_search(self._evaluator(make), first=first, lo=step, hi=hi, step=step, predict=predict)
+        res = self.search.search(make, lo=step, hi=hi, step=step, quadratic=quadratic, start=w.seq)
         limited = "max_positions" if res.above is None else "memory"
         return self._boundary("seq", max(res.value, 0), w.batch, step, limited, make, res.above)
 

@@ -204,7 +204,7 @@ class PlanBuilder:
 def _runtime(spec: ModelSpec, w: Workload, gpu: GPU, r: MemoryReport, *, traced_flops: bool) -> StepTime:
     """Step time; traced FLOPs only when every plan has them (no analytic model), so that
     plans are compared under one FLOP model."""
-    flops = r.extra.get("flops_per_step") if traced_flops and r.method is Method.TRACE else None
+    flops = r.flops_per_step if traced_flops and r.method is Method.TRACE else None
     return step_time(spec, w, gpu, flops=float(flops) if flops else None,
                      trainable_params=r.trainable_params or None)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from vramplan.errors import PlanError, VramplanError
 from vramplan.hardware.gpu import GPU
+from vramplan.hardware.target import supports_bf16, supports_fp8
 from vramplan.workload import (
     Attention,
     Checkpointing,
@@ -30,18 +31,11 @@ from vramplan.workload import (
     Workload,
 )
 
-NO_BF16_ARCHS = ("volta", "turing", "pascal")
-FP8_ARCHS = ("hopper", "blackwell", "ada", "cdna3")
-
 
 @dataclass(frozen=True)
 class Candidate:
     workload: Workload
     num_gpus: int
-
-
-def supports_bf16(gpu: GPU) -> bool:
-    return gpu.arch.lower() not in NO_BF16_ARCHS
 
 
 def for_gpu(w: Workload, gpu: GPU) -> Workload:
@@ -161,7 +155,7 @@ def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool
 
 def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candidate]:
     quants = [w.quant] + [q for q in (Quant.NONE, Quant.INT8, Quant.NF4) if q is not w.quant]
-    if gpu.arch.lower() in FP8_ARCHS and Quant.FP8 not in quants:
+    if supports_fp8(gpu) and Quant.FP8 not in quants:
         quants.append(Quant.FP8)
     kvs = [w.kv_dtype] if w.task is Task.INFER else list(dict.fromkeys([w.kv_dtype, KVDtype.AUTO, KVDtype.FP8]))
     attns = [w.attention] if w.attention is not Attention.EAGER else [Attention.EAGER, Attention.SDPA]

@@ -23,15 +23,15 @@ from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.workload import Method, Task, Workload, as_enum
 
+from ..engine.boundary import MAX_BATCH, fits
+from ..engine.calibration import line
 from .evaluator import Estimator, default_estimator
-from .fit import MAX_BATCH, NO_SEQ_FAMILIES, saturated
+from .fit import NO_SEQ_FAMILIES
 from .results import Boundary, FitResult, Plan, PlanResult, Ranking
 
 AXES = ("batch", "seq")
 SEQ_START = 128
 """Shortest sequence of a default sequence sweep (fewer when the model allows fewer)."""
-BETA_RANGE = (0.5, 2.0)
-"""A calibration slope outside this range is not trusted: an offset is used instead."""
 PLAN_SERIES = 5
 RANK_SERIES = 6
 TRACED = "traced"
@@ -86,10 +86,6 @@ def _anchor(r: MemoryReport | Plan) -> _Anchor:
     return _Anchor(r.workload, r.peak.reserved, r.peak.device_used)
 
 
-def _saturated(r: MemoryReport | Plan) -> bool:
-    return isinstance(r, MemoryReport) and saturated(r)
-
-
 # --------------------------------------------------------------------------- the sweep
 def sweep(
     model: str | ModelSpec, w: Workload, *, gpus: Sequence[GPU | str], axis: str,
@@ -121,11 +117,8 @@ def sweep(
     run = _Runner(spec, w, axis, m, est)
     fixed = (0 if spec.family in NO_SEQ_FAMILIES else w.seq) if axis == "batch" else w.batch
     on_axis = [r for r in traced if r.method is Method.TRACE and _on_axis(r.workload, w, axis)]
-    kept = [_anchor(r) for r in on_axis if not _saturated(r)]
+    kept = [_anchor(r) for r in on_axis]  # a traced report is what the step needs, even over capacity
     notes: list[str] = []
-    if len(kept) < len(on_axis):
-        notes.append(f"{len(on_axis) - len(kept)} traced point(s) ran out of the allocator's memory "
-                     "(lower bounds): not used")
     capacities = {f"{short_gpu(g.name)} usable": _usable(g) for g in gs}
     markers = {TRACED: _points(kept, axis)} if kept else {}
 
@@ -202,20 +195,9 @@ class _Runner:
 
 
 def _calibration(run: _Runner, anchors: Sequence[_Anchor]) -> tuple[float, float] | None:
-    """(α, β) of traced reserved ≈ α + β × analytic reserved: least squares over the traced
-    points when they span a range and the slope is plausible, else a constant offset."""
-    if not anchors:
-        return None
-    pairs = [(float(run.analytic_reserved(a.workload)), float(a.reserved)) for a in anchors]
-    n = len(pairs)
-    ma = sum(a for a, _ in pairs) / n
-    mt = sum(t for _, t in pairs) / n
-    var = sum((a - ma) ** 2 for a, _ in pairs)
-    if n >= 2 and var > 0:
-        beta = sum((a - ma) * (t - mt) for a, t in pairs) / var
-        if BETA_RANGE[0] <= beta <= BETA_RANGE[1]:
-            return (mt - beta * ma, beta)
-    return (mt - ma, 1.0)
+    """(α, β) of traced reserved ≈ α + β × analytic reserved: the engine's one calibration
+    (:func:`vramplan.engine.calibration.line`) through the traced points."""
+    return line([(float(run.analytic_reserved(a.workload)), float(a.reserved)) for a in anchors])
 
 
 # --------------------------------------------------------------------------- default values
@@ -259,19 +241,19 @@ def _largest_fitting(run: _Runner, start: int, limit: int, gs: Sequence[GPU], *,
     g = max(gs, key=_usable)
     usable = _usable(g)
 
-    def fits(x: int) -> bool:
-        return run.report(x, g).peak.device_used <= usable
+    def fits_at(x: int) -> bool:
+        return fits(run.report(x, g), usable)
 
     lo, hi = start, start
-    while hi < limit and fits(hi):
+    while hi < limit and fits_at(hi):
         lo, hi = hi, min(hi * 2, limit)
-    if hi >= limit and fits(limit):
+    if hi >= limit and fits_at(limit):
         return limit
     if not exact:
         return lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo
 
 

@@ -37,9 +37,9 @@ def count(n: int) -> str:
 def workload_line(r: MemoryReport) -> str:
     w = r.workload
     parts = [f"task {w.task}"]
-    if not r.extra.get("user_model"):  # a user's own inputs fix their own shapes
+    if not r.user_model:  # a user's own inputs fix their own shapes
         parts.append(f"batch {w.batch}")
-        if r.extra.get("has_sequence", True):
+        if r.has_sequence:
             parts.append(f"seq {w.seq}")
         else:
             parts.append(f"image {w.image_size}")
@@ -55,7 +55,7 @@ def workload_line(r: MemoryReport) -> str:
         parts.append(f"{w.peft} r={w.lora_rank}")
     if w.quant.value != "none":
         parts.append(f"{w.quant} weights")
-    if r.extra.get("has_attention", True):
+    if r.has_attention:
         parts.append(f"attention {w.attention}")
     p = w.parallel
     par = []
@@ -89,7 +89,7 @@ def _outermost(mods: Sequence[ModuleStat]) -> list[ModuleStat]:
 
 def to_doc(r: MemoryReport) -> Doc:
     doc = Doc(
-        title=f"vramplan {'trace' if r.extra.get('user_model') else 'estimate'}: {r.model} — "
+        title=f"vramplan {'trace' if r.user_model else 'estimate'}: {r.model} — "
         f"{count(r.params)} params"
         + (f" ({count(r.trainable_params)} trainable)" if r.trainable_params != r.params else ""),
         subtitle=f"{workload_line(r)}\nmethod: {r.method} · sizes in GiB (2^30 bytes), per GPU",
@@ -154,5 +154,6 @@ def to_doc(r: MemoryReport) -> Doc:
             title="Largest live tensors at the peak", align=["l", "l", "l", "l", "r"],
         ))
     sources = [f"{o.name}: {o.source}" for o in r.overhead]
-    doc.add(Notes(list(r.notes) + sources))
+    fallback = [r.fallback.sentence()] if r.fallback is not None else []
+    doc.add(Notes(fallback + list(r.notes) + sources))
     return doc

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from vramplan.hardware.gpu import GPU
+from vramplan.precision import precision_model
 from vramplan.workload import Checkpointing, Peft, Task, Workload
 
 from .rates import Efficiency
@@ -109,13 +110,13 @@ def communication(
     nodes_span = p.world_size > eff.gpus_per_node
     notes: list[str] = []
     total = exposed = 0.0
-    cb = w.compute_bytes
+    cb = precision_model(w).compute
     stage = max(p.tp * p.pp, 1)
     m = w.grad_accum if w.task is Task.TRAIN else 1
 
     if w.task is Task.TRAIN and p.dp > 1:
         link = link_for(gpu, p.dp, nodes_span, eff)
-        grads = trainable / stage * w.param_bytes
+        grads = trainable / stage * precision_model(w).trainable_bytes
         if p.zero == 3:
             adapters = trainable if w.peft is not Peft.NONE else 0
             params = (s.params * base_bytes_per_param + adapters * cb) / stage

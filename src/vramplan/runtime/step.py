@@ -15,6 +15,7 @@ from typing import Any
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
+from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
 
 from .comm import communication
@@ -212,7 +213,7 @@ class _StepModel:
         off = offload_time(
             self.gpu, optimizer=p.offload_optimizer, params=p.offload_params,
             local_trainable=local_trainable, local_params=local_params,
-            grad_bytes=float(w.compute_bytes), param_bytes=float(w.compute_bytes),
+            grad_bytes=float(precision_model(w).compute), param_bytes=float(precision_model(w).compute),
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
             ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
         )
@@ -299,7 +300,7 @@ class _StepModel:
     # -- assembly ------------------------------------------------------------------
     def _gathered_bytes(self) -> float:
         """Bytes per base parameter that ZeRO-3/FSDP all-gathers (16-bit, or the quantised storage)."""
-        return weight_storage_bytes(self.w) if self.w.quant.value != "none" else float(self.w.compute_bytes)
+        return weight_storage_bytes(self.w) if self.w.quant.value != "none" else float(precision_model(self.w).compute)
 
     def _result(self, *, total: float, compute: float, memory: float, comm: Any, off: Any,
                 bubble: float, contrib: dict[str, float], flops: float, bytes_moved: float,
@@ -353,7 +354,7 @@ class _Phase:
 
 def _kv_bytes(w: Workload) -> float:
     return {
-        KVDtype.AUTO: float(w.compute_bytes), KVDtype.FP32: 4.0, KVDtype.BF16: 2.0, KVDtype.FP16: 2.0,
+        KVDtype.AUTO: float(precision_model(w).compute), KVDtype.FP32: 4.0, KVDtype.BF16: 2.0, KVDtype.FP16: 2.0,
         KVDtype.FP8: 1.0, KVDtype.INT8: 1.0, KVDtype.INT4: 0.5,
     }[w.kv_dtype]
 

@@ -6,6 +6,7 @@ batches) from a compute-bound one. Per-element costs are stated next to each ter
 
 from __future__ import annotations
 
+from vramplan.precision import precision_model
 from vramplan.workload import Attention, Checkpointing, Optimizer, OptimizerImpl, Quant, Workload
 
 from .shape import Shape
@@ -23,25 +24,23 @@ def weight_storage_bytes(w: Workload) -> float:
     """Bytes per base weight as stored on the GPU."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant]
-    return float(w.param_bytes)
+    return float(precision_model(w).weight)
 
 
 def matmul_weight_bytes(w: Workload) -> float:
     """Bytes per weight a matmul reads: its compute dtype (fp32: 4, else 2)."""
-    return float(w.compute_bytes)
+    return float(precision_model(w).compute)
 
 
 def cast_bytes(w: Workload) -> float:
     """Bytes per weight moved, before the matmuls and serially with them, to make the
     compute-dtype copy: autocast reads the fp32 master (4 B) and writes a 16-bit copy (2 B)
     each forward (its cache lives for one autocast region); bitsandbytes dequantises the
-    stored weight (storage read + 2 B write). Nothing for pure 16-bit or fp32, nor for the
-    frozen base of (unquantised) LoRA, stored 16-bit (see ``analytic.regime``)."""
+    stored weight (storage read + 2 B write). Nothing for pure 16-bit, fp32, or weights stored in
+    the compute dtype already (PEFT's 16-bit base): the precision model's ``cast_bytes``."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant] + 2.0
-    if w.peft.value != "none":
-        return 0.0
-    return 6.0 if w.mixed else 0.0
+    return float(precision_model(w).cast_bytes)
 
 
 def decode_weight_bytes(w: Workload, batch: int) -> tuple[float, float]:
@@ -66,7 +65,7 @@ def touched_params(s: Shape, tokens: int) -> float:
 def activation_bytes(s: Shape, w: Workload, batch: int, seq: int, *, training: bool) -> float:
     """Forward activation traffic of one micro-batch (elementwise ops, eager scores, logits)."""
     tokens = batch * seq
-    cb = w.compute_bytes
+    cb = precision_model(w).compute
     total = float(tokens) * s.layers * (_PER_HIDDEN * s.hidden + _PER_FFN * s.ffn) * cb
     if w.attention is Attention.EAGER:  # scores written, softmax (fp32) read/written, read
         total += float(s.layers) * batch * s.heads * seq * seq * (3 * cb + 4)
@@ -82,7 +81,7 @@ def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> 
     touched = touched_params(s, tokens)
     weights = touched * matmul_weight_bytes(w)
     act = activation_bytes(s, w, batch, seq, training=True)
-    grads = 2.0 * trainable * w.param_bytes  # gradient accumulate: read + write
+    grads = 2.0 * trainable * precision_model(w).trainable_bytes  # gradient accumulate: read + write
     fwd = weights + act
     bwd = weights + 2.0 * act + grads
     passes = 1.0
@@ -123,7 +122,7 @@ def optimizer_bytes_per_param(w: Workload) -> float:
     AdamW: (4+4+8) + (4+8) = 28 B. The foreach implementation materialises whole-list
     temporaries (~2× the minimal traffic); fused and 8-bit kernels are single-pass.
     """
-    pb = float(w.param_bytes)
+    pb = float(precision_model(w).trainable_bytes)
     states = {
         Optimizer.ADAM: 2 * pb, Optimizer.ADAMW: 2 * pb, Optimizer.ADAMW_8BIT: 2.0,
         Optimizer.PAGED_ADAMW_8BIT: 2.0, Optimizer.ADAFACTOR: 0.0, Optimizer.SGD: 0.0,

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vramplan._json import jsonable
 from vramplan.errors import SnapshotError
 
 from .categorize import CATEGORIES, UNKNOWN, categorize, user_frames
@@ -175,19 +176,9 @@ class SnapshotAnalysis:
         d.pop("timeline")
         d["breakdown_at_peak"] = dict(self.breakdown_at_peak)
         d["rules"] = dict(self.rules)
-        d["allocator_settings"] = {str(k): _plain(v) for k, v in self.allocator_settings.items()}
+        d["allocator_settings"] = {str(k): jsonable(v) for k, v in self.allocator_settings.items()}
         d["notes"] = list(self.notes)
-        return _plain(d)
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    return str(x)
+        return jsonable(d)
 
 
 # --------------------------------------------------------------------------- input checks

@@ -67,7 +67,7 @@ _CPP_SUFFIXES = (".cpp", ".h", ".hpp", ".cu", ".cc", ".c")
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Attribution:
     category: str
     rule: str
 
@@ -134,7 +134,7 @@ def entry_category(label: str) -> str | None:
 def categorize(
     alloc_frames: Sequence[Frame], free_frames: Sequence[Frame] | None, *, alive_at_end: bool,
     label: str = "",
-) -> Verdict:
+) -> Attribution:
     """Category of one allocation (see the module docstring for the rules).
 
     ``free_frames`` are the frames of the ``free_requested`` entry, ``None`` when the block was
@@ -142,28 +142,28 @@ def categorize(
     """
     pred = vramplan_category(alloc_frames)
     if pred is not None:
-        return Verdict(pred, "vp")
+        return Attribution(pred, "vp")
     known = entry_category(label) if label and label != UNKNOWN else None
     if known is not None:
-        return Verdict(known, "entry")
+        return Attribution(known, "entry")
     if not alloc_frames:
-        return Verdict(UNKNOWN, "none")
+        return Attribution(UNKNOWN, "none")
     freed = free_frames or ()
     if _any(alloc_frames, _is_kv):
-        return Verdict("kv_cache", "kv")
+        return Attribution("kv_cache", "kv")
     if _any(alloc_frames, _is_optimizer):
-        return Verdict("optimizer" if alive_at_end else "temporaries", "opt")
+        return Attribution("optimizer" if alive_at_end else "temporaries", "opt")
     if _any(alloc_frames, lambda fn, name: "torch/utils/checkpoint" in fn):
-        return Verdict("activations", "ckpt")
+        return Attribution("activations", "ckpt")
     if _any(alloc_frames, _is_backward):
         kept = alive_at_end or _any(freed, _is_zero_grad) or _any(freed, _is_optimizer)
-        return Verdict("gradients" if kept else "temporaries", "bwd")
+        return Attribution("gradients" if kept else "temporaries", "bwd")
     if _any(alloc_frames, _is_init):
-        return Verdict("weights", "init")
+        return Attribution("weights", "init")
     if _any(alloc_frames, _is_forward):
         kept = alive_at_end or _any(freed, _is_backward)
-        return Verdict("activations" if kept else "temporaries", "fwd")
-    return Verdict(UNKNOWN, "other")
+        return Attribution("activations" if kept else "temporaries", "fwd")
+    return Attribution(UNKNOWN, "other")
 
 
 def is_internal(f: Frame) -> bool:

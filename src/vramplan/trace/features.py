@@ -31,12 +31,12 @@ from torch.utils.checkpoint import (
 )
 
 from ..errors import TraceError
+from ..precision import precision_model
 from ..workload import (
     ALL_LINEAR,
     LORA_DEFAULT_TARGETS,
     Checkpointing,
     Peft,
-    Precision,
     Quant,
     Workload,
 )
@@ -51,24 +51,25 @@ _SAVE_OPS = frozenset({
 
 
 def param_dtype(w: Workload) -> torch.dtype:
-    """Dtype of the stored weights: fp32 masters under fp32/mixed precision; 16-bit when pure;
-    under PEFT the frozen base is stored in the compute dtype (the usual recipe: load the
-    base in bf16, train fp32 adapters under autocast)."""
-    if w.peft is not Peft.NONE:
-        return compute_dtype(w)
-    return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(w.precision, torch.float32)
+    """Dtype of the stored weights, from the one precision model (:mod:`vramplan.precision`):
+    fp32 masters under fp32/AMP; 16-bit when pure, under PEFT (the usual recipe: load the base
+    in bf16, train fp32 adapters under autocast) and for a quantised model's unquantised rest."""
+    return _dtype(precision_model(w).weight_dtype)
 
 
 def compute_dtype(w: Workload) -> torch.dtype:
-    if w.precision in (Precision.BF16, Precision.BF16_MIXED):
-        return torch.bfloat16
-    if w.precision in (Precision.FP16, Precision.FP16_MIXED):
-        return torch.float16
-    return torch.float32
+    return _dtype(precision_model(w).compute_dtype)
 
 
 def autocast_dtype(w: Workload) -> torch.dtype | None:
-    return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(w.precision)
+    name = precision_model(w).autocast_dtype
+    return _dtype(name) if name is not None else None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def apply_precision(model: nn.Module, w: Workload) -> list[str]:

@@ -154,12 +154,6 @@ class Recorder:
         if key is not None:
             self._cat[self.live[key][1]] = int(cat)
 
-    def category_of(self, t: torch.Tensor) -> int | None:
-        if t.device.type != "meta":
-            return None
-        rec = self.live.get(t.untyped_storage()._cdata)
-        return None if rec is None else self._cat[rec[1]]
-
     def close(self) -> None:
         """Stop recording (finalizers of storages still alive become no-ops)."""
         self.active = False

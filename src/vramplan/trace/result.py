@@ -36,7 +36,3 @@ class TraceResult:
     timeline: Timeline
     """Allocated bytes by breakdown category, decimated to at most 5,000 points (peaks kept)."""
     notes: tuple[str, ...] = ()
-
-    @property
-    def steady_peak(self) -> int:
-        return self.iterations[-1].allocated if self.iterations else self.peak_allocated

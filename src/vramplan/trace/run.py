@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 from ..errors import TraceError, VramplanError, WorkloadError
-from ..hardware.gpu import GPU
 from ..models.build import quiet
 from ..models.spec import ModelSpec
+from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Task, Workload
 from . import analysis, features
 from .construct import fake_construction
-from .cuda import profile_for
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
@@ -69,7 +68,7 @@ def trace_model(
     workload: Workload,
     optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
     loss_fn: LossFn | None = None,
-    gpu: GPU | None = None,
+    device: DeviceProfile | None = None,
     iterations: int = 2,
     options: TraceOptions | None = None,
 ) -> TraceResult:
@@ -96,12 +95,12 @@ def trace_model(
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    prepared = _prepare(model, batch, workload, notes, root, gpu)
-    return _trace(prepared, workload, gpu, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
+    prepared = _prepare(model, batch, workload, notes, root, device)
+    return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
 
 
 def trace_workload(
-    spec: ModelSpec, w: Workload, *, gpu: GPU | None = None, iterations: int = 2,
+    spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None, iterations: int = 2,
     options: TraceOptions | None = None,
 ) -> TraceResult:
     """Trace a catalog model under workload ``w``: build on meta, synthetic inputs,
@@ -121,8 +120,8 @@ def trace_workload(
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, gpu)
-    return _trace(prepared, w, gpu, iterations, opts)
+    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device)
+    return _trace(prepared, w, device, iterations, opts)
 
 
 # --------------------------------------------------------------------------- internals
@@ -215,13 +214,14 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
     return ((conv(inputs),), {}), shadows
 
 
-def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str, gpu: GPU | None) -> Prepared:
+def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
+             device: DeviceProfile | None) -> Prepared:
     with quiet():
-        return _prepare_quietly(model, batch, w, notes, root, gpu)
+        return _prepare_quietly(model, batch, w, notes, root, device)
 
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-                     gpu: GPU | None) -> Prepared:
+                     device: DeviceProfile | None) -> Prepared:
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
@@ -232,7 +232,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
         notes += features.apply_checkpointing(model, w)
-        notes += features.apply_experts_impl(model, profile_for(gpu).sm)
+        notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
         raise
     except Exception as e:
@@ -251,10 +251,12 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: TraceOptions, *,
+def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions, *,
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
            shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TraceResult:
-    profile = profile_for(gpu, workspaces=opts.workspaces)
+    profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
+    if not opts.workspaces:
+        profile = profile.without_workspaces()
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew

@@ -52,7 +52,7 @@ def _estimate(q: Query) -> Any:
 
     report = vramplan.estimate(q.spec(), q.workload, gpu=q.gpu, method=q.method)
     # the event log (the snapshot download re-traces) would only weigh on the pickling and the cache
-    return report.replace(extra={k: v for k, v in report.extra.items() if k != "events"})
+    return report.replace(events=None)
 
 
 def fit(q: Query) -> Outcome:
@@ -113,7 +113,7 @@ def _snapshot(q: Query) -> bytes:
     if q.method is Method.ANALYTIC:
         raise VramplanError("a predicted snapshot needs an event trace", hint="set the method to trace")
     report = vramplan.estimate(q.spec(), q.workload, gpu=q.gpu, method=Method.TRACE)
-    events = report.extra.get("events")
+    events = report.events
     if events is None:  # pragma: no cover - a trace always has events
         raise VramplanError("this estimate has no event trace", hint="set the method to trace")
     return pickle.dumps(predicted_snapshot(events, report=report), protocol=PROTOCOL)

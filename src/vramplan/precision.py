@@ -1,0 +1,105 @@
+"""The one precision model: what each tensor class is stored and computed in, per workload.
+
+Decided once from ``precision × PEFT × quantisation × ZeRO`` and read by the analytic
+formulas (:mod:`vramplan.analytic`), the trace's set-up (:mod:`vramplan.trace.features`) and the
+step-time model (:mod:`vramplan.runtime`), so that they cannot disagree:
+
+- ``fp32``: everything fp32.
+- ``bf16`` / ``fp16`` (pure): weights, gradients, optimizer states and activations 16-bit.
+- ``*-mixed`` without ZeRO: **PyTorch AMP** — fp32 parameters (they are the master weights),
+  fp32 gradients, fp32 optimizer states, ``torch.autocast`` computing matmuls in 16-bit. The
+  residual stream stays fp32 (the embedding weight is fp32), so every linear fed from it
+  saves its own 16-bit cast of the input, and autocast keeps a 16-bit copy of every weight.
+  4Ψ + 4Ψ + 8Ψ (Adam) = 16Ψ.
+- ``*-mixed`` with ZeRO ≥ 1: **DeepSpeed / FSDP mixed precision** — 16-bit working weights
+  (2Ψ) and gradients (2Ψ), fp32 master weights + Adam moments in the optimizer states
+  (12Ψ): the same 16Ψ, split so that ZeRO-1 = 4Ψ + 12Ψ/N, ZeRO-2 = 2Ψ + 14Ψ/N,
+  ZeRO-3 = 16Ψ/N. The model runs in 16-bit (no autocast cast copies).
+- LoRA / QLoRA: the frozen base is 16-bit (QLoRA: NF4); PEFT keeps adapters in fp32
+  (``autocast_adapter_dtype=True``), so adapter gradients and states are fp32.
+- Quantised base without PEFT under ``*-mixed``: the unquantised rest is 16-bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .workload import Peft, Precision, Quant, Workload
+
+FP32, BF16, FP16 = "float32", "bfloat16", "float16"
+
+
+@dataclass(frozen=True)
+class PrecisionModel:
+    weight: int
+    """Bytes per stored, unquantised parameter of the model (not adapters)."""
+    stream: int
+    """Bytes per element of the residual stream (the embedding output's dtype)."""
+    compute: int
+    """Bytes per element of matmul outputs (and of activations in general)."""
+    autocast: bool
+    master: bool
+    """fp32 master weights live in the optimizer states (DeepSpeed/FSDP semantics)."""
+    grad: int
+    """Bytes per gradient element of a fully trained parameter."""
+    state: int
+    """Bytes per optimizer-state element (Adam moments, momentum)."""
+    adapter: int = 4
+    """Bytes per LoRA adapter parameter (and its gradient)."""
+    compute_dtype: str = FP32
+    """torch dtype name of the compute (autocast's target under ``*-mixed``)."""
+    peft: bool = False
+
+    @property
+    def weight_dtype(self) -> str:
+        """torch dtype name the (unquantised) weights are stored in."""
+        return FP32 if self.weight == 4 else self.compute_dtype
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        return self.compute_dtype if self.autocast else None
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes per trainable parameter and per element of its gradient (adapters under PEFT)."""
+        return self.adapter if self.peft else self.grad
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes moved per weight to make autocast's compute-dtype copy (read + write); 0 when
+        the weights are stored in the compute dtype already (pure 16-bit, PEFT's base, fp32)."""
+        return self.weight + self.compute if self.autocast and self.weight != self.compute else 0
+
+    @property
+    def label(self) -> str:
+        if self.autocast and self.weight == 4:
+            return "PyTorch AMP (fp32 params, autocast 16-bit)"
+        if self.master:
+            return "16-bit params/grads with fp32 master + states in the optimizer (DeepSpeed/FSDP)"
+        return f"{self.weight * 8}-bit params"
+
+
+def precision_model(w: Workload) -> PrecisionModel:
+    p = w.precision
+    half = BF16 if p in (Precision.BF16, Precision.BF16_MIXED) else FP16
+    peft = w.peft is not Peft.NONE
+    if p is Precision.FP32:
+        return PrecisionModel(weight=4, stream=4, compute=4, autocast=False, master=False, grad=4, state=4,
+                              compute_dtype=FP32, peft=peft)
+    if peft:
+        return PrecisionModel(weight=2, stream=2, compute=2, autocast=w.mixed, master=False, grad=4, state=4,
+                              compute_dtype=half, peft=True)
+    if not w.mixed:
+        return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=False, grad=2, state=2,
+                              compute_dtype=half)
+    if w.training and w.parallel.zero >= 1:
+        return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=True, grad=2, state=4,
+                              compute_dtype=half)
+    if w.quant is not Quant.NONE:
+        return PrecisionModel(weight=2, stream=2, compute=2, autocast=True, master=False, grad=2, state=2,
+                              compute_dtype=half)
+    return PrecisionModel(weight=4, stream=4, compute=2, autocast=True, master=False, grad=4, state=4,
+                          compute_dtype=half)
+
+
+__all__ = ["PrecisionModel", "precision_model"]
