@@ -280,8 +280,10 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
             except VramplanError:
                 raise
             except Exception as e:
-                raise TraceError(f"tracing failed in {_where(sess)}: {type(e).__name__}: {_line(e)}",
-                                 hint="the model's step must run on fake (meta) tensors") from e
+                raise TraceError(f"tracing failed in {_where(sess)} on torch {torch.__version__}: "
+                                 f"{type(e).__name__}: {_line(e)}",
+                                 hint="the model's step must run on fake (meta) tensors; "
+                                      "--method analytic does not trace") from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     return summarize(sess, params=p.params, trainable=p.trainable,
