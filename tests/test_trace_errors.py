@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -139,3 +141,21 @@ def test_sharded_layouts_are_refused_not_misreported() -> None:
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2, dp=2))
     r = trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=4), options=NO_WS)
     assert any("dp=4 traced as one replica" in n for n in r.notes)
+
+
+def test_trace_failure_names_the_torch_version_and_the_op() -> None:
+    with pytest.raises(TraceError) as e:
+        trace_model(nn.Linear(8, 4), torch.randn(2, 5), workload=INFER, options=NO_WS)
+    msg = str(e.value)
+    assert f"on torch {torch.__version__}" in msg and "last op aten." in msg and "\n" not in msg
+
+
+def test_unknown_checkpoint_internals_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose checkpoint module lacks the generator we emulate recompute through: the
+    trace refuses (naming the version) instead of recomputing outside the CUDA emulation."""
+    import torch.utils.checkpoint as ckpt
+
+    for name in ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl"):
+        monkeypatch.delattr(ckpt, name, raising=False)
+    with pytest.raises(TraceError, match=re.escape(f"torch {torch.__version__}: torch.utils.checkpoint")):
+        trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=INFER, options=NO_WS)

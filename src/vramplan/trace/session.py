@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase
 from .autocast import Autocast
@@ -224,7 +225,11 @@ def _checkpoint_generator_patch(ckpt: Any, composed: Any) -> tuple[str, Any]:
             options["context_fn"] = composed(options.get("context_fn", ckpt.noop_context_fn))
             return impl(fn, args, kwargs, **options)
         return "_checkpoint_without_reentrant_generator_impl", generator_impl
-    gen = ckpt._checkpoint_without_reentrant_generator
+    gen = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        raise TraceError(f"torch {torch.__version__}: torch.utils.checkpoint has no non-reentrant generator "
+                         "vramplan knows, so checkpoint recompute cannot be emulated",
+                         hint="vramplan's trace is tested on torch 2.13 and 2.14; --method analytic does not trace")
 
     def generator(fn: Any, preserve_rng_state: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
         return gen(fn, preserve_rng_state, composed(context_fn), *args, **kwargs)
