@@ -11,7 +11,8 @@ index pip is configured with (PyPI: its default Linux wheels are CUDA builds); t
 
 One JSON line per run is appended to ``bench/results/compat.jsonl``: torch version, the
 versions pip picked for transformers/peft/diffusers, install and test seconds, the counts
-of passed/failed/errored/skipped tests and the ids of the failing ones. The supported range
+of passed/failed/errored/skipped tests, the most common failure messages and the ids of the
+failing ones. The supported range
 in ``pyproject.toml`` and the README is the lowest version with a green record here.
 """
 
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +67,17 @@ def _junit(path: Path) -> dict[str, object]:
     for s in suites.iter("testsuite"):
         for k in counts:
             counts[k] += int(s.get(k, 0))
+    causes: Counter[str] = Counter()
     for case in suites.iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        if bad is not None:
             failing.append(f"{case.get('classname')}::{case.get('name')}")
+            causes[(bad.get("message") or "").strip().splitlines()[0][:200] if bad.get("message") else "?"] += 1
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return {"passed": passed, "failed": counts["failures"], "errors": counts["errors"],
-            "skipped": counts["skipped"], "failing": failing}
+            "skipped": counts["skipped"], "causes": dict(causes.most_common(8)), "failing": failing}
 
 
 def main(argv: list[str] | None = None) -> int:
