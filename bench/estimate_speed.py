@@ -19,8 +19,8 @@ ARGS = ["llama-3.1-8b", "--task", "train", "--precision", "bf16-mixed", "--optim
 
 
 def in_process(runs: int = 20) -> float:
+    from vramplan.engine import estimate
     from vramplan.models.catalog import resolve
-    from vramplan.planner.estimate import estimate
     from vramplan.workload import Workload
 
     w = Workload(task="train", batch=4, seq=2048, checkpointing="full")
@@ -34,7 +34,7 @@ def in_process(runs: int = 20) -> float:
 
 
 def in_process_with_verdict(runs: int = 10) -> float:
-    from vramplan.planner.estimate import estimate
+    from vramplan.engine import estimate
     from vramplan.workload import Workload
 
     w = Workload(task="train", batch=4, seq=2048, checkpointing="full")

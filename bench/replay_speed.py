@@ -5,7 +5,12 @@ steps of forward activations, short-lived temporaries, backward gradients and an
 update, with small- and large-pool sizes and a varying sequence length), replays it with the
 default config and with expandable segments, and prints events/s and the ratio to the target.
 
-    .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile]
+Then the replay of real trace logs (Llama-3.1-8B training steps traced here, with and without
+checkpointing), as the estimate pipeline used to replay them (timeline at every event plus a
+second pass for the segment map at the peak) and as it replays them now (one plain pass with the
+exact reserved curve kept as sparse changes): events/s of each, target ≥ 800,000 events/s.
+
+    .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile] [--no-real]
 """
 
 from __future__ import annotations
@@ -87,10 +92,47 @@ def measure(log: EventLog, conf: str, repeats: int = 3) -> tuple[float, float]:
     return wall, cpu
 
 
+REAL_TARGET = 800_000
+
+
+def real_logs() -> list[tuple[str, EventLog]]:
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.models.catalog import resolve
+    from vramplan.trace.run import trace_workload
+    from vramplan.workload import Workload
+
+    out = []
+    for ckpt in ("none", "full"):
+        w = Workload(task="train", precision="bf16-mixed", batch=1, seq=4096, checkpointing=ckpt)
+        r = trace_workload(resolve("llama-3.1-8b"), w, gpu=get_gpu("h100-sxm"))
+        out.append((f"llama-3.1-8b train, checkpointing {ckpt}", r.events))
+    return out
+
+
+def cpu_best(fn, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        c = time.process_time()
+        fn()
+        best = min(best, time.process_time() - c)
+    return best
+
+
+def real(args: argparse.Namespace) -> None:
+    print(f"\nreal trace logs (CPU seconds, best of 5; target ≥ {REAL_TARGET:,} events/s)")
+    for what, log in real_logs():
+        before = cpu_best(lambda log=log: replay(log, record_timeline=True, full_timeline=True))
+        after = cpu_best(lambda log=log: replay(log, segment_map=False))
+        n = len(log)
+        print(f"{what:<42} {n:>7,} events  before {n / before:>9,.0f} ev/s  now {n / after:>9,.0f} ev/s "
+              f"({before / after:4.2f}x; ratio to target {n / after / REAL_TARGET:4.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=TARGET_EVENTS)
     ap.add_argument("--profile", action="store_true", help="cProfile one replay")
+    ap.add_argument("--no-real", action="store_true", help="skip the real trace logs")
     args = ap.parse_args()
     t = time.perf_counter()
     log = synthetic_trace(args.events)
@@ -111,6 +153,8 @@ def main() -> None:
         print(f"conf {conf or '(default)':<26} wall {wall:5.2f} s ({len(log) / wall:>9,.0f} events/s, "
               f"ratio {budget / wall:4.2f}x)  cpu {cpu:5.2f} s ({len(log) / cpu:>9,.0f} events/s, "
               f"ratio {budget / cpu:4.2f}x)  max_reserved {res.max_reserved / 2**30:.2f} GiB")
+    if not args.no_real:
+        real(args)
 
 
 if __name__ == "__main__":

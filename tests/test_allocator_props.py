@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -164,6 +166,17 @@ def test_replay_peaks_bound_the_timeline(conf, ops):
     # the segment events account for every reserved byte at the end
     delta = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
     assert sum(delta[e.action] * e.size for e in r.segment_events) == r.final_reserved
+    # the plain hot loop (no timeline, no tags) gives the same figures, and its sparse reserved
+    # curve is the timeline's reserved series at every event
+    plain = replay(log, conf, segment_map=False)
+    for f in ("max_allocated", "max_reserved", "max_active", "max_requested", "segments",
+              "peak_reserved_index", "peak_allocated_index", "allocated_at_peak", "ooms",
+              "alloc_retries", "final_allocated", "final_reserved", "reserved_changes"):
+        assert getattr(plain, f) == getattr(r, f), f
+    idx = [k for k, _ in plain.reserved_changes]
+    for k in range(len(log)):
+        j = bisect.bisect_right(idx, k) - 1
+        assert (plain.reserved_changes[j][1] if j >= 0 else 0) == tl.reserved[k]
 
 
 def test_keys_pack_size_and_address():

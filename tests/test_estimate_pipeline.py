@@ -7,8 +7,8 @@ import torch
 
 import vramplan
 from vramplan.cli.main import main
+from vramplan.engine import estimate
 from vramplan.errors import TraceError, VramplanError, WorkloadError
-from vramplan.planner.estimate import estimate
 from vramplan.trace.testing import tiny_spec
 from vramplan.workload import Workload
 
@@ -70,6 +70,11 @@ def test_trace_method_on_a_tiny_model_replays_the_allocator():
     assert r.extra["events"] is not None and len(r.extra["events"]) > 0
     assert r.timeline is not None and len(r.timeline.reserved) == len(r.timeline.index)
     assert max(r.timeline.reserved) == r.peak.reserved
+    # the reserved curve equals a full per-event replay timeline at every plotted point
+    from vramplan.allocator import replay
+
+    full = replay(r.extra["events"], record_timeline=True, full_timeline=True).timeline
+    assert r.timeline.reserved == tuple(full.reserved[i] for i in r.timeline.index)
     assert [i.iteration for i in r.iterations][:2] == [1, 2]
     # the allocator conf changes reserved, never allocated
     r2 = estimate(spec, Workload(task="train", batch=2, seq=64), method="trace",
@@ -98,7 +103,22 @@ def test_cnn_has_no_analytic_fallback():
         estimate("resnet-50", Workload(task="train", batch=2), method="analytic")
 
 
-def test_user_module_api_is_callable_package():
+def test_root_api_names_are_plain_functions_even_after_importing_the_subpackages():
+    import inspect
+    import subprocess
+    import sys
+
+    code = ("import inspect, vramplan, vramplan.trace.run, vramplan.measure.step\n"
+            "from vramplan.trace import run\n"
+            "assert run.trace_model and inspect.isfunction(vramplan.trace) and inspect.isfunction(vramplan.measure)\n"
+            "assert inspect.isfunction(vramplan.estimate) and vramplan.trace.__module__ == 'vramplan.engine.user_model'\n"
+            "assert not callable(sys.modules['vramplan.trace']) and not callable(sys.modules['vramplan.measure'])\n"
+            "assert 'vramplan.planner' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", "import sys\n" + code], check=True)
+    assert inspect.isfunction(vramplan.trace) and inspect.isfunction(vramplan.measure)
+
+
+def test_user_module_api_is_a_function():
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     r = vramplan.trace(model, torch.randn(16, 32), task="train", precision="fp32",
                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), gpu="l4")

@@ -166,7 +166,7 @@ def test_relative_errors():
 
 def test_measure_assembles_one_json_line(tmp_path, monkeypatch):
     """measure() with a fake device and build, and the real analytic prediction."""
-    import vramplan.measure.step as step_mod
+    from vramplan.measure import step as step_mod
 
     steps: list[int] = []
     monkeypatch.setattr(step_mod, "build_step", lambda spec, w: counting_build(steps)())
@@ -194,7 +194,7 @@ def test_prediction_failures_are_recorded_not_raised(monkeypatch):
 
     def boom(*a, **k):
         raise VramplanError("cannot trace this")
-    monkeypatch.setattr("vramplan.planner.estimate.estimate", boom)
+    monkeypatch.setattr("vramplan.engine.estimate", boom)
     (p,) = pred_mod.predict("gpt2", Workload(seq=128), methods=("trace",))
     assert not p.ok and "cannot trace this" in p.error
 

@@ -96,7 +96,7 @@ def formula(spec: ModelSpec, w: Workload) -> Breakdown:
 
 
 class FakeEstimator:
-    """Stands in for planner.estimate.estimate; counts calls by method."""
+    """Stands in for engine.estimate; counts calls by method."""
 
     def __init__(self, *, trace_ok: bool = True) -> None:
         self.calls: list[tuple[str, Workload]] = []

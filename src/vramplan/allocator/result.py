@@ -120,6 +120,9 @@ class ReplayResult:
     """Segments and blocks after the peak-reserved event (empty with ``segment_map=False``)."""
     segment_events: tuple[SegmentEvent, ...] | None = None
     timeline: ReplayTimeline | None = None
+    reserved_changes: tuple[tuple[int, int], ...] = ()
+    """(event index, reserved bytes after it) at every change of reserved: the exact reserved
+    curve at a fraction of a timeline's cost."""
     notes: tuple[str, ...] = ()
 
     def to_dict(self, *, segments: bool = False) -> dict[str, Any]:

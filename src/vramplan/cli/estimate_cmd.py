@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner.estimate import estimate
+    from ..engine import estimate
     from ..report.estimate import to_doc
     from ..report.render import emit
 

@@ -64,7 +64,7 @@ def load_factory(target: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner.estimate import trace
+    from ..engine import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
     from .estimate_cmd import check_extras, write_extras

@@ -28,7 +28,7 @@ def predict(
     methods: Sequence[str] = METHODS,
 ) -> tuple[Prediction, ...]:
     """One :class:`Prediction` per method; a method that cannot predict records why."""
-    from vramplan.planner.estimate import estimate
+    from vramplan.engine import estimate
 
     out = []
     for method in methods:

@@ -1,6 +1,6 @@
 """Counted, cached memory estimates for the searches (fit, plan, GPU ranking).
 
-:class:`Evaluator` wraps :func:`vramplan.planner.estimate.estimate`: each distinct
+:class:`Evaluator` wraps :func:`vramplan.engine.estimate`: each distinct
 (workload, GPU, method) is estimated once, and the number of analytic and traced
 estimates is kept (the searches report it). :class:`Screen` checks one GPU-agnostic
 estimate of a workload against any GPU by adding that GPU's overhead, so that ranking
@@ -21,11 +21,11 @@ from vramplan.workload import Method, Workload
 from .results import Evaluations
 
 Estimator = Callable[..., MemoryReport]
-"""Same signature as :func:`vramplan.planner.estimate.estimate`."""
+"""Same signature as :func:`vramplan.engine.estimate`."""
 
 
 def default_estimator() -> Estimator:
-    from .estimate import estimate
+    from vramplan.engine import estimate
 
     return estimate
 
@@ -140,7 +140,7 @@ class Screen:
 
 
 def _default_overhead(gpu: GPU, w: Workload) -> int:
-    from .estimate import overhead_items
+    from vramplan.engine import overhead_items
 
     return sum(o.bytes for o in overhead_items(gpu, w))
 

@@ -42,7 +42,7 @@ def fit(
     below the boundary, at least 64 tokens). Raises :class:`PlanError` when not even
     batch 1 at the shortest sequence fits.
     """
-    from .estimate import resolve_gpu, resolve_model
+    from vramplan.engine import resolve_gpu, resolve_model
 
     spec = resolve_model(model)
     g = resolve_gpu(gpu)

@@ -56,7 +56,7 @@ def plan(
     ``global_batch``: keep micro-batch × accumulation × data-parallel size equal to it.
     ``confirm``: how many finalists to re-estimate with ``method`` (0: none).
     """
-    from .estimate import resolve_gpu, resolve_model
+    from vramplan.engine import resolve_gpu, resolve_model
 
     spec = resolve_model(model)
     g = resolve_gpu(gpu)

@@ -35,7 +35,7 @@ def rank_gpus(
     estimator: Estimator | None = None, progress: Progress | None = None, screen: Screen | None = None,
 ) -> Ranking:
     """Offers on which some plan fits, best first by ``sort`` (cost: $/M tokens; speed; memory)."""
-    from .estimate import resolve_model
+    from vramplan.engine import resolve_model
 
     if sort not in SORTS:
         raise PlanError(f"unknown sort {sort!r}", hint=f"choose one of {', '.join(SORTS)}")

@@ -106,7 +106,7 @@ def sweep(
     them and they become the ``traced`` markers. Without analytic formulas for the model,
     the curve joins them.
     """
-    from .estimate import resolve_gpu, resolve_model
+    from vramplan.engine import resolve_gpu, resolve_model
 
     if axis not in AXES:
         raise PlanError(f"unknown sweep axis {axis!r}", hint="use batch or seq")
@@ -299,7 +299,7 @@ def fit_sweeps(
     estimate the search made, when the caller recorded them; the boundaries' own are always
     used), with the boundary found and the step above it marked. ``gpu``: the fit's GPU
     (default: the catalog's ``result.gpu``)."""
-    from .estimate import resolve_gpu
+    from vramplan.engine import resolve_gpu
 
     g = gpu or resolve_gpu(result.gpu)
     if g is None:
@@ -341,7 +341,7 @@ def plan_sweep(model: str | ModelSpec, result: PlanResult, *, top: int = PLAN_SE
     """Memory against micro-batch for the best ``top`` plans of the front (one curve per
     configuration, numbered as in the table), each plan's own batch marked. ``gpu``: the
     plan's GPU (default: the catalog's ``result.gpu``)."""
-    from .estimate import resolve_gpu
+    from vramplan.engine import resolve_gpu
 
     g = gpu or resolve_gpu(result.gpu)
     if g is None:

@@ -43,6 +43,9 @@ class TraceOptions:
     meta_cache: bool = True
     """Reuse meta-kernel results for ops repeated on the same shapes (every layer of a
     transformer): the events are identical, tracing is ~3x faster (see :mod:`.metacache`)."""
+    extrapolate_decode: bool = True
+    """Generation: trace the first decode steps, write the rest from their exact progression
+    (see :mod:`.decode`); False traces every step."""
 
 
 @dataclass
@@ -268,7 +271,7 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
             model=p.model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
-            compute_dtype=features.compute_dtype(w),
+            compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
         )
         runner = RUNNERS[str(w.task)]
         for it in range(1, iterations + 1):

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..workload import KVDtype, Phase
+from .decode import MODEL_STEPS, DecodeExtrapolator, eligible
 from .kvcache import make_cache
 from .session import TraceSession
 
@@ -46,6 +47,9 @@ class StepPlan:
     cache: str = "dynamic"
     kv_dtype: KVDtype = KVDtype.AUTO
     compute_dtype: torch.dtype = torch.bfloat16
+    extrapolate_decode: bool = True
+    """Trace the first decode steps and write the rest from their exact progression
+    (:mod:`.decode`); False traces every step."""
     notes: list[str] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(default_factory=list)
 
@@ -178,13 +182,24 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
             nxt = out.logits[:, -1:].argmax(-1)
             del out
             sess.label_cache(cache)
+        fast = None
+        if plan.extrapolate_decode and eligible(cache, config, prompt + plan.new_tokens):
+            fast = DecodeExtrapolator(sess.rec, sess.dispatch)
         for step in range(1, plan.new_tokens):
+            if fast is not None:
+                fast.begin_step()
             with sess.phase(Phase.DECODE), sess.autocast_region(plan.autocast):
                 pos = torch.arange(prompt + step - 1, prompt + step, device=ids.device)
                 out = plan.model(input_ids=nxt, use_cache=True, cache_position=pos, **{cache_kw: cache}, **extra)
                 nxt = out.logits[:, -1:].argmax(-1)
                 del out
                 sess.label_cache(cache)
+            if fast is not None and fast.finish(remaining=plan.new_tokens - 1 - step):
+                note = (f"decode steps {step + 1}–{plan.new_tokens - 1} written from the exact progression of "
+                        f"steps {step - MODEL_STEPS + 1}–{step} (every event; see vramplan.trace.decode)")
+                if note not in plan.notes:
+                    plan.notes.append(note)
+                break
         del cache, nxt
 
 

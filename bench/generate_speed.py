@@ -1,0 +1,72 @@
+"""Generation speed: decode steps written from their exact progression vs traced one by one.
+
+One run prints, side by side:
+
+1. Llama-3.1-8B, bf16, batch 1, prompt 512, 64 new tokens: the fast trace and the
+   step-by-step trace (``TraceOptions(extrapolate_decode=False)``) in this process — seconds,
+   the ratio, and whether the two event logs are identical (so the peak is equal, not close).
+2. Llama-3.1-70B (and Mistral-7B), bf16, prompt 512, 128 new tokens: ``vramplan estimate …
+   --task generate`` end to end in a fresh process (target ≤ 5 s for 70B), and the in-process
+   trace times fast vs step by step (``--quick`` skips the slow step-by-step 70B/Mistral runs).
+
+Run: ``python bench/generate_speed.py [--quick]``. Times are wall seconds on this machine;
+on a shared machine compare the ratios, which are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from vramplan.models.catalog import resolve
+from vramplan.trace.run import TraceOptions, trace_workload
+from vramplan.workload import Workload
+
+FAST, FULL = TraceOptions(), TraceOptions(extrapolate_decode=False)
+
+
+def timed(name: str, w: Workload, opts: TraceOptions):
+    t = time.perf_counter()
+    r = trace_workload(resolve(name), w, options=opts, iterations=1)
+    return time.perf_counter() - t, r
+
+
+def cli(args: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "vramplan.cli.main", *args], check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+def compare(name: str, new_tokens: int, full: bool) -> None:
+    w = Workload(task="generate", precision="bf16", batch=1, seq=512, new_tokens=new_tokens)
+    tf, fast = timed(name, w, FAST)
+    line = f"{name:<14} {new_tokens:>4} tokens  fast {tf:6.2f} s  peak {fast.peak_allocated:,} B"
+    if full:
+        ts, slow = timed(name, w, FULL)
+        same = list(fast.events.rows()) == list(slow.events.rows())
+        line += (f" | step by step {ts:6.2f} s  peak {slow.peak_allocated:,} B"
+                 f" | {ts / tf:5.1f}x faster, event logs {'identical' if same else 'DIFFER'}")
+    print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="skip the slow step-by-step 70B / Mistral runs")
+    args = ap.parse_args()
+    timed("llama-3.1-8b", Workload(task="generate", precision="bf16", batch=1, seq=64, new_tokens=8), FAST)  # warm
+    compare("llama-3.1-8b", 64, full=True)
+    compare("mistral-7b", 128, full=not args.quick)
+    compare("llama-3.1-70b", 128, full=not args.quick)
+    for name in ("llama-3.1-70b", "mistral-7b"):
+        cmd = ["estimate", name, "--task", "generate", "--seq", "512", "--new-tokens", "128", "--gpu", "h100-sxm"]
+        dt = cli(cmd)
+        print(f"vramplan {' '.join(cmd)}: {dt:.2f} s end to end (target ≤ 5 s)")
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    print(f"python -c 'import torch': {time.perf_counter() - t:.2f} s (same run, for scale)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The two methods behind an estimate, each producing a :class:`MethodCore`.
+
+analytic  closed-form formulas (milliseconds; transformer families only)
+trace     the real model run on fake tensors → event log → caching-allocator replay
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..hardware.gpu import GPU
+from ..models.spec import ModelSpec
+from ..results import AllocatorSummary, Breakdown, IterationPeak, PhasePeak, Timeline
+from ..workload import Method, Phase, Workload
+from .device import kernel_workload
+
+if TYPE_CHECKING:
+    from ..trace.result import TraceResult
+
+ANALYTIC_RESERVE_SLACK = 0.05
+"""Analytic method only: reserved is taken as allocated × (1 + this), the caching allocator's
+typical slack (rounding to 2 MiB segments, cached free blocks). The trace method simulates it."""
+
+
+@dataclass(frozen=True)
+class MethodCore:
+    """What a method produces before the GPU-dependent parts are added."""
+
+    breakdown: Breakdown
+    allocated: int
+    reserved: int
+    peak_phase: Phase
+    phases: tuple[PhasePeak, ...]
+    params: int
+    trainable_params: int
+    method: Method
+    allocator: AllocatorSummary | None
+    notes: tuple[str, ...]
+    extra: Mapping[str, Any]
+    iterations: tuple[IterationPeak, ...] = ()
+    trace: TraceResult | None = None
+    timeline: Timeline | None = None
+    model_states: Breakdown | None = None
+
+
+# --------------------------------------------------------------------------- analytic
+def analytic_core(spec: ModelSpec, w: Workload, g: GPU | None = None) -> MethodCore:
+    from .. import analytic
+
+    est = analytic.estimate(spec, kernel_workload(w, g))
+    allocated = est.peak.allocated
+    reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
+    notes = tuple(est.notes) + (
+        f"analytic method: reserved assumed = allocated × {1 + ANALYTIC_RESERVE_SLACK:.2f} "
+        "(use --method trace to simulate the caching allocator)",
+    )
+    summary = AllocatorSummary(
+        backend="none (analytic: allocated + assumed slack)", conf="", segments=0,
+        fragmentation_at_peak=1 - allocated / reserved if reserved else 0.0,
+    )
+    return MethodCore(
+        breakdown=est.peak.breakdown, allocated=allocated, reserved=reserved,
+        peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
+        trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
+        notes=notes, extra={"flops_per_step": est.flops_per_step},
+        model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
+                               optimizer=est.states.optimizer),
+    )
+
+
+# --------------------------------------------------------------------------- trace
+def trace_catalog_model(spec: ModelSpec, w: Workload, g: GPU | None) -> TraceResult:
+    from ..trace.run import trace_workload
+
+    return trace_workload(spec, w, gpu=g)
+
+
+def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
+    """Replay a trace's events through the allocator simulation (a ``ReplayResult``)."""
+    from ..allocator import parse_conf, replay
+
+    conf = parse_conf(alloc_conf or "")
+    # one plain pass: the report needs the peaks and the reserved curve (kept exactly, as sparse
+    # changes), not a per-event timeline nor the segment map at the peak (a second pass)
+    return replay(tr.events, conf, capacity=capacity, segment_map=False)
+
+
+def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
+    backend = str(getattr(res, "backend", "native"))
+    label = backend if backend == "native" or "approx" in backend else f"{backend} (approximation)"
+    return AllocatorSummary(
+        backend=label, conf=alloc_conf or "", segments=res.segments,
+        fragmentation_at_peak=float(res.fragmentation_at_peak),
+        alloc_retries=res.alloc_retries, ooms=res.ooms,
+    )
+
+
+def _breakdown_to_total(b: Breakdown, total: int) -> Breakdown:
+    """The trace counts requested bytes; the allocator counts whole blocks (512-byte rounding,
+    unsplit remainders). Keep the traced categories and put the difference under temporaries
+    (the caller says so in the notes), so that the categories sum to ``allocated``."""
+    diff = total - b.total
+    if diff == 0:
+        return b
+    d = b.as_dict()
+    d["temporaries"] = d["temporaries"] + diff
+    return Breakdown.from_mapping(d)
+
+
+def _with_reserved(tl: Timeline | None, changes: tuple[tuple[int, int], ...]) -> Timeline | None:
+    """Add the simulated reserved bytes to the trace's (decimated) timeline: at each of its
+    points, reserved after the last change at or before that event."""
+    if tl is None or not changes:
+        return tl
+    idx = [k for k, _ in changes]
+    reserved = []
+    for i in tl.index:
+        k = bisect.bisect_right(idx, i) - 1
+        reserved.append(changes[k][1] if k >= 0 else 0)
+    return dataclasses.replace(tl, reserved=tuple(reserved))
+
+
+def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodCore:
+    """Replay uncapped (what the step needs); where that exceeds the GPU's allocator capacity,
+    replay again within it, as PyTorch would run: freeing cached blocks and retrying may make
+    it fit (then those figures are reported), or it runs out of memory (then the uncapped
+    figures say how much it would need)."""
+    res = replay_trace(tr, alloc_conf)
+    notes = list(tr.notes)
+    summary: AllocatorSummary | None = None
+    if pool_capacity is not None and res.max_reserved > pool_capacity:
+        capped = replay_trace(tr, alloc_conf, pool_capacity)
+        if capped.ooms == 0:
+            notes.append(
+                f"the step would reserve {res.max_reserved:,} B with unlimited memory; within the GPU's "
+                f"{pool_capacity:,} B the allocator frees its cache and retries ({capped.alloc_retries}×) "
+                "and the step fits (cudaMalloc retries cost time)"
+            )
+            res = capped
+        else:
+            notes.append(
+                f"replayed within the GPU's {pool_capacity:,} B for the allocator: {capped.ooms} "
+                f"out-of-memory error(s) after {capped.alloc_retries} retries; figures show what the "
+                "step needs without a limit"
+            )
+            summary = dataclasses.replace(_summary(res, alloc_conf), ooms=capped.ooms,
+                                          alloc_retries=capped.alloc_retries)
+    if summary is None:
+        summary = _summary(res, alloc_conf)
+    allocated, reserved = int(res.max_allocated), int(res.max_reserved)
+    traced = tr.breakdown_at_peak.total
+    breakdown = tr.breakdown_at_peak
+    if allocated != traced:
+        notes.append(
+            f"allocator rounding (512-byte multiples, unsplit block remainders) adds {allocated - traced:,} B "
+            "at the allocated peak over the traced tensor bytes; counted under temporaries"
+        )
+        breakdown = _breakdown_to_total(breakdown, allocated)
+    return MethodCore(
+        breakdown=breakdown, allocated=allocated, reserved=max(reserved, allocated),
+        timeline=_with_reserved(tr.timeline, res.reserved_changes),
+        peak_phase=tr.peak_phase, phases=tuple(tr.phases), params=tr.params,
+        trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
+        notes=tuple(notes), extra={"events": tr.events, "flops_per_step": tr.flops},
+        iterations=tuple(tr.iterations), trace=tr, model_states=_traced_states(tr),
+    )
+
+
+def _traced_states(tr: TraceResult) -> Breakdown:
+    """Model states of a traced training step: at the optimizer step all of them exist."""
+    for p in tr.phases:
+        if p.phase is Phase.OPTIMIZER:
+            b = p.breakdown
+            return Breakdown(weights=b.weights, gradients=b.gradients, optimizer=b.optimizer)
+    return Breakdown(weights=tr.breakdown_at_peak.weights)
+
+
+__all__ = ["MethodCore", "analytic_core", "trace_core", "trace_catalog_model", "replay_trace",
+           "ANALYTIC_RESERVE_SLACK"]

@@ -1,0 +1,62 @@
+"""``vramplan.trace``: a user's own model (an ``nn.Module`` or a factory) → MemoryReport."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..hardware.gpu import GPU
+from ..results import MemoryReport
+from ..workload import Task, Workload, as_enum
+from .methods import trace_core
+from .pipeline import finish
+from .resolve import resolve_gpu
+from .verdict import pool_capacity
+
+
+def trace(
+    build_model: Callable[[], Any] | Any,
+    inputs: Any = None,
+    *,
+    workload: Workload | None = None,
+    task: str = "train",
+    optimizer: Callable[[Any], Any] | str | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    gpu: str | GPU | None = None,
+    alloc_conf: str | None = None,
+    iterations: int = 2,
+    name: str | None = None,
+    **workload_fields: Any,
+) -> MemoryReport:
+    """Trace a user's own model (an ``nn.Module`` or a factory returning one) on fake tensors.
+
+    ``inputs``: a tensor, tuple of tensors or dict of keyword tensors for ``model(...)``.
+    ``optimizer``: a factory such as ``lambda params: torch.optim.AdamW(params, lr=1e-4)``, or
+    the name of a workload optimizer (``"adamw-8bit"``); default: the workload's optimizer.
+    ``workload`` or keywords: :class:`~vramplan.workload.Workload` fields (precision,
+    checkpointing, ...).
+    """
+    from ..trace.run import trace_model
+
+    factory = optimizer if callable(optimizer) else None
+    if isinstance(optimizer, str):
+        workload_fields["optimizer"] = optimizer
+    if workload is not None:
+        w = workload.replace(**workload_fields) if workload_fields else workload
+    else:
+        w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
+    g = resolve_gpu(gpu)
+    if alloc_conf:
+        from ..allocator import parse_conf
+
+        parse_conf(alloc_conf)
+    tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, gpu=g,
+                     iterations=iterations)
+    core = trace_core(tr, w, alloc_conf, pool_capacity(g, w))
+    label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
+    core = dataclasses.replace(core, extra={**core.extra, "user_model": True})
+    return finish(core, label, w, g, notes=[], spec=None, search_max_batch=False)
+
+
+__all__ = ["trace"]
