@@ -159,3 +159,21 @@ def test_unknown_checkpoint_internals_fail_loudly(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delattr(ckpt, name, raising=False)
     with pytest.raises(TraceError, match=re.escape(f"torch {torch.__version__}: torch.utils.checkpoint")):
         trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=INFER, options=NO_WS)
+
+
+def test_a_flop_formula_that_rejects_the_shapes_does_not_fail_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's sdpa_flop_count refused grouped-query attention: FLOPs are a by-product,
+    the memory trace goes on and the report says which ops were not counted."""
+    from torch.utils.flop_counter import flop_registry
+
+    def refuses(*args: object, **kwargs: object) -> int:
+        raise AssertionError("shapes are incompatible")
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, refuses)
+    train = Workload(task="train", precision="fp32")
+    opts = TraceOptions(workspaces=False, count_flops=True)
+    ok = trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=train, options=opts)
+    monkeypatch.setitem(flop_registry, torch.ops.aten.addmm, refuses)
+    r = trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=train, options=opts)
+    assert r.peak_allocated == ok.peak_allocated > 0 and r.flops is not None and r.flops < ok.flops
+    assert any("FLOPs not counted for aten.addmm.default ×1" in n for n in r.notes)

@@ -313,6 +313,10 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
         out.append(f"SDPA kernels: {used}")
     if cublas:
         out.append(f"cuBLAS workspace {cublas:,} B per (thread, stream), forward and backward threads")
+    if sess.dispatch.flops_skipped:
+        ops = ", ".join(f"{k} ×{v}" for k, v in sorted(sess.dispatch.flops_skipped.items()))
+        out.append(f"FLOPs not counted for {ops}: torch {torch.__version__}'s flop formula rejected their "
+                   "shapes (the FLOP total is low; memory is unaffected)")
     for rule, n in sorted(sess.dispatch.rules_used.items()):
         out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
     return out
