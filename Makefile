@@ -15,7 +15,7 @@ STAMP214 := $(VENV214)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch 2.13.0 CPU wheel lies on this machine's disk; the package itself only needs torch>=2.4
+	# torch 2.13.0 CPU wheel lies on this machine's disk; the package supports torch>=2.13 (README)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
