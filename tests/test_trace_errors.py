@@ -157,8 +157,10 @@ def test_unknown_checkpoint_internals_fail_loudly(monkeypatch: pytest.MonkeyPatc
 
     for name in ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl"):
         monkeypatch.delattr(ckpt, name, raising=False)
+    hooks = dict(nn.modules.module._global_forward_pre_hooks)
     with pytest.raises(TraceError, match=re.escape(f"torch {torch.__version__}: torch.utils.checkpoint")):
         trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=INFER, options=NO_WS)
+    assert dict(nn.modules.module._global_forward_pre_hooks) == hooks  # the session's set-up was undone
 
 
 def test_a_flop_formula_that_rejects_the_shapes_does_not_fail_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,16 +40,20 @@ class TraceSession:
     # --- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> TraceSession:
         st = self._stack
-        self.modules.install()
-        st.callback(self.modules.remove)
-        st.enter_context(_patched_fused_devices())
-        st.enter_context(_patched_compile(self.notes))
-        st.enter_context(_patched_checkpoint(self))
-        st.enter_context(_patched_cuda_calls(self.rec))
-        st.enter_context(warnings.catch_warnings())
-        warnings.simplefilter("ignore")
-        st.enter_context(self.functions)
-        st.enter_context(self.dispatch)
+        try:
+            self.modules.install()
+            st.callback(self.modules.remove)
+            st.enter_context(_patched_fused_devices())
+            st.enter_context(_patched_compile(self.notes))
+            st.enter_context(_patched_checkpoint(self))
+            st.enter_context(_patched_cuda_calls(self.rec))
+            st.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            st.enter_context(self.functions)
+            st.enter_context(self.dispatch)
+        except BaseException:
+            st.close()  # a refused set-up (e.g. unknown checkpoint internals) undoes the patches
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
