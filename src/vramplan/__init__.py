@@ -33,6 +33,7 @@ _LAZY = {
     "fit": "vramplan.planner.fit",
     "plan": "vramplan.planner.plan",
     "measure": "vramplan.measure.run",
+    "run_script": "vramplan.engine.script",
     "get_gpu": "vramplan.hardware.catalog",
     "resolve_model": "vramplan.models.catalog",
 }

@@ -18,7 +18,7 @@ from ..errors import VramplanError
 
 SUBCOMMANDS = (
     "estimate", "trace", "fit", "plan", "models", "gpus", "gpu", "replay", "snapshot",
-    "measure", "rules",
+    "measure", "rules", "run",
 )
 
 

@@ -44,6 +44,8 @@ RULE_TEXT: dict[str, str] = {
     "repeat_interleave": "assumed every repeat count is 1",
     "bincount": "assumed max(minlength, index bound) bins",
     "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
+    "host_float": "floats the script reads back (.item() of losses, norms) taken as 1.0",
+    "finite": "isnan/isinf/isfinite of activations taken as finite (no overflow)",
 }
 
 

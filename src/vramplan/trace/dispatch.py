@@ -107,6 +107,10 @@ class TraceMode(TorchDispatchMode):
         self.flops_skipped: Counter[str] = Counter()
         """Ops whose FLOPs torch's formula refused (an older ``torch.utils.flop_counter``)."""
         self.rules_used: Counter[str] = Counter()
+        self.float_reads: float | None = None
+        """A float read back to the host (``.item()``) outside the optimizer: None refuses (its
+        value could steer what is allocated); a number answers every such read (``vramplan run``:
+        scripts log losses and gradient norms)."""
         self._blas_seen: set[tuple[int, int]] = set()
         self._op_ids: dict[Any, int] = {}
         self._mutated: dict[Any, tuple[int, ...]] = {}
@@ -264,6 +268,9 @@ class TraceMode(TorchDispatchMode):
             self.rules_used["optimizer_value"] += 1
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        if self.float_reads is not None and func is aten._local_scalar_dense.default and args[0].is_floating_point():
+            self.rules_used["host_float"] += 1
+            return self.float_reads
         what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func is aten._to_copy.default \
             else "reading a tensor's value (.item(), bool(tensor), if tensor: ...)"
         raise TraceError(

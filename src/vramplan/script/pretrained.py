@@ -1,0 +1,174 @@
+"""``from_pretrained`` without weights: the model is built from its config on the fake device.
+
+A script's ``AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B", dtype=…)`` would
+download and read 16 GB of weights; under ``vramplan run`` it resolves the config the way
+``vramplan estimate`` does (embedded catalog alias or Hub id, a local folder's config.json, or
+the Hub when online) and builds the same class from it on ``meta`` — every parameter exists
+with its shape and dtype, none is read. transformers is patched only once the script imports
+it (an import hook), so scripts that never use it pay nothing.
+
+Follows transformers 5's loading rules for what matters to memory: ``dtype``/``torch_dtype``
+(``"auto"`` or absent: the checkpoint's ``torch_dtype`` from its config, transformers 5's
+default), ``attn_implementation``. ``quantization_config`` is not emulated here yet: the run
+stops with a message naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import TraceError
+
+
+def _config_dict(name: str) -> dict[str, Any]:
+    from ..models.catalog import resolve
+
+    spec = resolve(str(name))
+    return {k: v for k, v in spec.config.items() if k not in ("auto_map", "quantization_config")}
+
+
+def _dtype(value: Any, config: Any) -> torch.dtype | None:
+    if isinstance(value, torch.dtype):
+        return value
+    if value in (None, "auto"):
+        value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(value, torch.dtype):
+            return value
+    if isinstance(value, str):
+        t = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(t, torch.dtype):
+            return t
+    return None
+
+
+def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
+    if kwargs.get("quantization_config") is not None or kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit"):
+        raise TraceError("from_pretrained(quantization_config=…) is not emulated by vramplan run yet",
+                         hint="use vramplan estimate MODEL --quant nf4/int8 for quantised weights")
+    dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config)
+    extra: dict[str, Any] = {}
+    if kwargs.get("attn_implementation"):
+        extra["attn_implementation"] = kwargs["attn_implementation"]
+    if dtype is not None:
+        extra["dtype"] = dtype
+    with torch.device("meta"):
+        model = klass._from_config(config, **extra)
+    model.eval()  # from_pretrained returns a model in eval mode
+    return model
+
+
+def _config(name: Any) -> Any:
+    from transformers import AutoConfig
+
+    cfg = _config_dict(name)
+    model_type = cfg.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def _patch_model(mu: Any) -> None:
+    def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config")
+        if config is None or isinstance(config, str):
+            config = _config(config or name_or_path)
+        return _build(klass, config, kwargs)
+
+    _swap(mu.PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+
+
+def _patch_auto(af: Any) -> None:
+    def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config")
+        if config is None or isinstance(config, str):
+            config = _config(config or name_or_path)
+        model_class = af._get_model_class(config, klass._model_mapping)
+        return _build(model_class, config, kwargs)
+
+    # each Auto class carries its own copy of the method (``auto_class_update``): patch them all
+    stack = [af._BaseAutoModelClass]
+    while stack:
+        c = stack.pop()
+        if "from_pretrained" in c.__dict__:
+            _swap(c, "from_pretrained", classmethod(from_pretrained))
+        stack.extend(c.__subclasses__())
+
+
+def _patch_config(ca: Any) -> None:
+    def from_pretrained(klass: Any, name_or_path: Any, **kwargs: Any) -> Any:
+        config = _config(name_or_path)
+        if kwargs.get("return_unused_kwargs"):
+            unused = {k: v for k, v in kwargs.items()
+                      if k not in ("return_unused_kwargs", "trust_remote_code", "revision", "token", "cache_dir")}
+            return config, unused
+        return config
+
+    _swap(ca.AutoConfig, "from_pretrained", classmethod(from_pretrained))
+
+
+_SAVED: list[tuple[Any, str, Any]] = []
+
+
+def _swap(owner: Any, name: str, value: Any) -> None:
+    if any(o is owner and n == name for o, n, _ in _SAVED):
+        return
+    _SAVED.append((owner, name, owner.__dict__[name]))
+    setattr(owner, name, value)
+
+
+def _unpatch() -> None:
+    while _SAVED:
+        owner, name, value = _SAVED.pop()
+        setattr(owner, name, value)
+
+
+_TARGETS = {
+    "transformers.modeling_utils": _patch_model,
+    "transformers.models.auto.auto_factory": _patch_auto,
+    "transformers.models.auto.configuration_auto": _patch_config,
+}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches transformers' loaders right after the script imports them."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = _TARGETS.get(fullname)
+        if patch is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+@contextlib.contextmanager
+def weightless_from_pretrained() -> Iterator[None]:
+    """Within the block, transformers' ``from_pretrained`` builds on meta from the config."""
+    finder = _Finder()
+    for name, patch in _TARGETS.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        _unpatch()

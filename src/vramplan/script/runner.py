@@ -1,0 +1,531 @@
+"""Run a user's unmodified script with the target GPU emulated, and record what it allocates.
+
+The script runs in this process (``runpy``, as ``__main__``, with its own ``sys.argv``) under
+a trace session (:mod:`vramplan.trace.session`): tensors it creates on or moves to ``cuda``
+become fake device tensors (meta storage; CUDA semantics emulated as in ``vramplan trace``),
+``torch.cuda`` answers for the target GPU (:mod:`.device`), and everything on the host —
+datasets, tokenizers, Python — runs for real.
+
+What the runner adds on top of a trace session, since it does not drive the loop itself:
+
+- **phases** from the script's own calls: a top-level module call starts forward,
+  ``backward()`` starts backward (gradient clipping and unscaling that follow belong to it),
+  ``Optimizer.step`` starts optimizer (PyTorch's global optimizer step hooks; ``zero_grad``
+  after it belongs to it);
+- **iterations**: an optimizer step ends one; the run stops (the script is interrupted)
+  after ``steps`` optimizer steps — or after ``steps`` top-level forward calls when the
+  script never creates an optimizer (inference);
+- **categories**: a module called from outside any module (a *root* model) has its
+  parameters and buffers labelled weights; gradients and optimizer states are labelled at
+  each step; host tensors copied to the device are inputs;
+- ``torch.autocast("cuda")`` regions drive the trace's autocast emulation; ``GradScaler``
+  steps the optimizer without reading ``found_inf`` back from the device (no overflow, the
+  common case; the scale tensors are still allocated as on a GPU);
+- values the script reads back for logging: ``isnan``/``isinf`` of activations are false (no
+  overflow) and a float ``.item()`` (a loss, a gradient norm) reads 1.0 — both stated in the
+  report's notes; integer and boolean reads that could steer allocations still stop the run;
+- transformers' ``from_pretrained`` builds the model from its config on the fake device,
+  never reading weights (:mod:`.pretrained`);
+- ``torch.distributed.init_process_group`` stops with a pointer to multi-GPU support.
+
+An op or API the emulation cannot serve stops the run with one line naming it and the
+user's ``file:line`` (:class:`~vramplan.errors.TraceError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TraceError, VramplanError
+from ..events import Action, Category
+from ..trace.cuda import DeviceProfile
+from ..trace.recorder import PHASE_INDEX
+from ..trace.result import TraceResult
+from ..trace.session import TraceSession
+from ..workload import Phase
+from .device import DeviceFacts, LiveAllocator, emulated_cuda
+from .pretrained import weightless_from_pretrained
+
+Progress = Callable[[str], None]
+
+
+class _Stop(BaseException):
+    """Raised inside the script once enough steps ran (a BaseException: user code that
+    catches ``Exception`` cannot swallow it)."""
+
+
+class _Timeout(BaseException):
+    pass
+
+
+@dataclass
+class ScriptRun:
+    """What happened while the script ran."""
+
+    steps: int = 0
+    forwards: int = 0
+    optimizers: int = 0
+    roots: list[str] = field(default_factory=list)
+    params: int = 0
+    trainable: int = 0
+    stopped_by: str = ""
+    """``steps`` (enough optimizer steps), ``forwards`` (inference), ``end`` (the script ended)."""
+    notes: list[str] = field(default_factory=list)
+
+
+class _Hooks:
+    """Global hooks that turn a script's calls into phases, iterations and categories."""
+
+    def __init__(self, sess: TraceSession, run: ScriptRun, steps: int, progress: Progress | None,
+                 started: float) -> None:
+        self.sess = sess
+        self.run = run
+        self.steps = steps
+        self.progress = progress
+        self.started = started
+        self._roots: set[int] = set()
+        self._depth = 0
+        self._autocast_depth = 0
+        self._handles: list[Any] = []
+        self._last_report = started
+
+    # --- progress -----------------------------------------------------------------------
+    def report(self, what: str) -> None:
+        now = time.monotonic()
+        if self.progress is not None and now - self.started > 1.0 and now - self._last_report > 0.5:
+            self._last_report = now
+            self.progress(f"{what} · step {self.run.steps}/{self.steps} · {now - self.started:.1f} s")
+
+    # --- modules ------------------------------------------------------------------------
+    def module_pre(self, mod: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            if id(mod) not in self._roots:
+                self._add_root(mod)
+            if not self.sess.dispatch.in_backward:
+                self._set_phase(Phase.FORWARD)
+        self._depth += 1
+
+    def module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self.run.forwards += 1
+            self.report("forward")
+            if self.run.optimizers == 0 and self.run.forwards >= self.steps and not torch.is_grad_enabled():
+                self.run.stopped_by = "forwards"
+                raise _Stop
+
+    def _add_root(self, mod: nn.Module) -> None:
+        self._roots.add(id(mod))
+        for m in mod.modules():
+            self._roots.add(id(m))
+        name = type(mod).__name__
+        if any(True for _ in mod.parameters()):
+            self.run.roots.append(name)
+        self.sess.modules.add_root(mod, name)
+        rec = self.sess.rec
+        seen: set[int] = set()
+        for p in mod.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self.run.params += p.numel()
+            if p.requires_grad:
+                self.run.trainable += p.numel()
+            if p.device.type == "meta":
+                rec.relabel(p, Category.PARAMETER)
+        for b in mod.buffers():
+            if b.device.type == "meta":
+                rec.relabel(b, Category.BUFFER)
+
+    # --- optimizer ----------------------------------------------------------------------
+    def step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self.sess.label_grads(params)
+        self._set_phase(Phase.OPTIMIZER)
+
+    def step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.sess.label_optimizer(opt)
+        self.run.steps += 1
+        self.report("optimizer step")
+        if self.run.steps >= self.steps:
+            self.run.stopped_by = "steps"
+            raise _Stop
+        self.sess.start_iteration(self.run.steps + 1)
+
+    def optimizer_created(self) -> None:
+        self.run.optimizers += 1
+
+    # --- phases -------------------------------------------------------------------------
+    def _set_phase(self, phase: Phase) -> None:
+        rec = self.sess.rec
+        if rec.phase != PHASE_INDEX[phase]:
+            rec.phase = PHASE_INDEX[phase]
+            rec.module = 0
+            rec.mark(str(phase))
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        self.report("backward")
+        with self.sess.backward():
+            yield
+
+    # --- autocast -----------------------------------------------------------------------
+    def autocast_enter(self, dtype: torch.dtype) -> None:
+        ac = self.sess.autocast
+        if ac is None:
+            return
+        if self._autocast_depth == 0:
+            ac.dtype = dtype
+            ac.enter()
+        self._autocast_depth += 1
+
+    def autocast_active(self) -> bool:
+        return self._autocast_depth > 0
+
+    def autocast_dtype(self) -> torch.dtype:
+        ac = self.sess.autocast
+        return ac.dtype if ac is not None else torch.bfloat16
+
+    def autocast_exit(self) -> None:
+        ac = self.sess.autocast
+        if ac is None or self._autocast_depth == 0:
+            return
+        self._autocast_depth -= 1
+        if self._autocast_depth == 0:
+            ac.exit()
+
+
+@contextlib.contextmanager
+def _patched(hooks: _Hooks) -> Iterator[None]:
+    """Install the hooks and patches; undo them all afterwards."""
+    import torch.amp.autocast_mode as am
+    import torch.optim.optimizer as oo
+
+    stack = contextlib.ExitStack()
+    reg_pre = nn.modules.module.register_module_forward_pre_hook
+    reg_post = nn.modules.module.register_module_forward_hook
+    handles = [reg_pre(hooks.module_pre), reg_post(hooks.module_post, always_call=True),
+               oo.register_optimizer_step_pre_hook(hooks.step_pre),
+               oo.register_optimizer_step_post_hook(hooks.step_post)]
+    for h in handles:
+        stack.callback(h.remove)
+
+    tensor_backward = torch.Tensor.backward
+    autograd_backward = torch.autograd.backward
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        with hooks.backward():
+            return tensor_backward(self, *args, **kwargs)
+
+    def autograd_bwd(*args: Any, **kwargs: Any) -> Any:
+        with hooks.backward():
+            return autograd_backward(*args, **kwargs)
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    torch.autograd.backward = autograd_bwd  # type: ignore[assignment]
+    stack.callback(lambda: setattr(torch.Tensor, "backward", tensor_backward))
+    stack.callback(lambda: setattr(torch.autograd, "backward", autograd_backward))
+
+    opt_init = oo.Optimizer.__init__
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        opt_init(self, *args, **kwargs)
+        optimizers.add(self)
+        hooks.optimizer_created()
+
+    oo.Optimizer.__init__ = init  # type: ignore[method-assign]
+    stack.callback(lambda: setattr(oo.Optimizer, "__init__", opt_init))
+    stack.enter_context(_parameters_keep_identity(optimizers))
+
+    ac_enter, ac_exit = am.autocast.__enter__, am.autocast.__exit__
+
+    def enter(self: Any) -> Any:
+        if getattr(self, "device", None) == "cuda" and getattr(self, "_enabled", False):
+            hooks.autocast_enter(self.fast_dtype)
+            self._vramplan_cuda = True
+            return self
+        return ac_enter(self)
+
+    def exit_(self: Any, *exc: Any) -> Any:
+        if getattr(self, "_vramplan_cuda", False):
+            hooks.autocast_exit()
+            return False
+        return ac_exit(self, *exc)
+
+    am.autocast.__enter__ = enter  # type: ignore[method-assign]
+    am.autocast.__exit__ = exit_  # type: ignore[method-assign]
+    stack.callback(lambda: setattr(am.autocast, "__enter__", ac_enter))
+    stack.callback(lambda: setattr(am.autocast, "__exit__", ac_exit))
+
+    # autocast state queries for the emulated device ("cuda", and "meta": what fake tensors report)
+    is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(device_type: Any = None) -> bool:
+        if device_type in (None, "cuda", "meta"):
+            return hooks.autocast_active()
+        return bool(is_enabled(device_type))
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        if device_type in ("cuda", "meta"):
+            return hooks.autocast_dtype()
+        return get_dtype(device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    torch.get_autocast_dtype = get_autocast_dtype  # type: ignore[assignment]
+    stack.callback(lambda: setattr(torch, "is_autocast_enabled", is_enabled))
+    stack.callback(lambda: setattr(torch, "get_autocast_dtype", get_dtype))
+
+    stack.enter_context(_patched_grad_scaler())
+    stack.enter_context(_patched_distributed())
+    with stack:
+        yield
+
+
+@contextlib.contextmanager
+def _parameters_keep_identity(optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
+    """``model.to("cuda")`` on a GPU keeps each Parameter object (only its data moves), so an
+    optimizer built before the move (accelerate's ``prepare`` does exactly that) still steps
+    the model's parameters. Moving to the fake device makes new Parameters: point every
+    optimizer built so far at them, as the real move would have."""
+    orig = nn.Module._apply
+    depth = [0]
+
+    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return orig(self, fn, *args, **kwargs)
+        before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        depth[0] += 1
+        try:
+            out = orig(self, fn, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        moved = {id(p): m._parameters[name] for m, name, p in before if m._parameters.get(name) is not p}
+        if moved:
+            for opt in list(optimizers):
+                for group in opt.param_groups:
+                    group["params"] = [moved.get(id(p), p) for p in group["params"]]
+                state = opt.state
+                items = [(moved.get(id(k), k), v) for k, v in state.items()]
+                state.clear()
+                state.update(items)
+        return out
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = orig  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _patched_grad_scaler() -> Iterator[None]:
+    """``GradScaler.step`` reads ``found_inf`` back to the host (``.item()``), which fake tensors
+    cannot answer: take the no-overflow branch (what nearly every step does)."""
+    from torch.amp import grad_scaler as gs
+
+    orig = gs.GradScaler._maybe_opt_step
+
+    def step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+    gs.GradScaler._maybe_opt_step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        gs.GradScaler._maybe_opt_step = orig  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _patched_distributed() -> Iterator[None]:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    orig = dist.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise TraceError(
+            "the script calls torch.distributed.init_process_group (multi-process training); "
+            "vramplan run emulates one process on one GPU",
+            hint="run the single-GPU version of the script, or use --dp/--zero/--tp with vramplan "
+                 "estimate until multi-GPU traces land",
+        )
+
+    dist.init_process_group = init_process_group  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.init_process_group = orig  # type: ignore[assignment]
+
+
+_FINITE = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+_FROM_DATA = frozenset({"tensor", "as_tensor", "scalar_tensor"})
+
+
+def _on_cuda(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.split(":")[0] == "cuda"
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+class _InputMode(torch.overrides.TorchFunctionMode):
+    """Host tensors copied to the device are step inputs; small integer ones keep their
+    values as shadows (token ids, lengths) for data-dependent ops."""
+
+    def __init__(self, sess: TraceSession) -> None:
+        super().__init__()
+        self.sess = sess
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _FROM_DATA and _on_cuda(kwargs.get("device")):
+            # torch.tensor(data, device="cuda"): the values are the host data's; keep them
+            host = func(*args, **{**kwargs, "device": "cpu"})
+            out = host.to(kwargs["device"])
+            if host.numel() <= 1 << 20:
+                self.sess.values.set_shadow(out, host)
+            return out
+        out = func(*args, **kwargs)
+        if name in _FINITE and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and not self.sess.values.has_shadow(out) and out.numel() <= 1 << 16:
+            # activations are finite (no overflow): what the step does nearly always
+            self.sess.values.set_shadow(out, torch.full(out.shape, name == "isfinite", dtype=torch.bool))
+            self.sess.dispatch.rules_used["finite"] += 1
+        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            src = args[0]
+            if src.device.type == "cpu" and out.device.type == "meta":
+                self.sess.rec.relabel(out, Category.INPUT)
+                if not src.is_floating_point() and src.numel() <= 1 << 20:
+                    self.sess.values.set_shadow(out, src)
+        return out
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Interrupt the script after ``seconds`` (SIGALRM; main thread on POSIX only)."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise _Timeout
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@contextlib.contextmanager
+def _argv(path: Path, argv: Sequence[str]) -> Iterator[None]:
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.parent))
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+
+def _user_frame(tb: Any, path: Path) -> str:
+    """``file:line`` of the innermost frame in the user's script (or its folder)."""
+    folder = str(path.parent.resolve())
+    best = ""
+    for fs in traceback.extract_tb(tb):
+        f = os.path.abspath(fs.filename)
+        if f == str(path.resolve()) or (f.startswith(folder + os.sep) and "site-packages" not in f):
+            best = f"{os.path.relpath(f)}:{fs.lineno}"
+    return best or str(path)
+
+
+def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
+                 steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
+                 alloc_conf: str | None = None, progress: Progress | None = None) -> tuple[TraceResult, ScriptRun]:
+    """Run the script at ``path`` with ``argv`` and trace it (see the module docstring)."""
+    from ..trace.run import _emulation_notes, summarize
+
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"no such script: {p}", hint="vramplan run -- python path/to/train.py ARGS")
+    if steps < 1:
+        raise VramplanError(f"steps must be at least 1, got {steps}", hint="--steps 2")
+    if timeout is not None and timeout <= 0:
+        raise VramplanError(f"timeout must be positive seconds, got {timeout}", hint="--timeout 300")
+    started = time.monotonic()
+    sess = TraceSession(profile, autocast_dtype=autocast_dtype)
+    sess.dispatch.float_reads = 1.0
+    run = ScriptRun()
+    hooks = _Hooks(sess, run, steps, progress, started)
+    live = LiveAllocator(sess.rec.log, alloc_conf)
+
+    def on_sync(kind: str) -> None:
+        action = Action.SYNC if kind == "synchronize" else Action.EMPTY_CACHE
+        sess.rec.emit_action(action, f"torch.cuda.{kind}")
+
+    try:
+        with sess, emulated_cuda(facts, live, on_sync), _patched(hooks), weightless_from_pretrained(), \
+                _InputMode(sess), _argv(p, argv), _deadline(timeout):
+            sess.start_iteration(1)
+            hooks._set_phase(Phase.FORWARD)
+            try:
+                runpy.run_path(str(p), run_name="__main__")
+                run.stopped_by = "end"
+            except _Stop:
+                pass
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise TraceError(f"the script exited with status {e.code} after {run.steps} step(s)",
+                                     hint="check the script's arguments (after --)") from None
+                run.stopped_by = "end"
+    except _Timeout:
+        raise TraceError(
+            f"the script did not finish {steps} step(s) within {timeout:g} s (reached step {run.steps}, "
+            f"{run.forwards} forward call(s))", hint="raise --timeout, or lower --steps") from None
+    except TraceError as e:
+        where = _user_frame(e.__traceback__, p)
+        if where == str(p) or where in e.message:
+            raise
+        raise TraceError(f"{where}: {e.message}", hint=e.hint) from None
+    except VramplanError:
+        raise
+    except Exception as e:
+        where = _user_frame(e.__traceback__, p)
+        text = str(e).strip().splitlines()
+        raise TraceError(f"{where}: {type(e).__name__}: {text[0][:300] if text else ''}",
+                         hint="the emulated GPU cannot run this call; see vramplan run --help") from e
+    if run.steps == 0 and run.forwards == 0:
+        raise TraceError(f"{p} ran no model on the GPU (no forward call on a cuda module was seen)",
+                         hint="move the model and its inputs to 'cuda' as you would on a GPU")
+    notes = list(sess.notes)
+    what = {"steps": f"stopped after {run.steps} optimizer step(s)",
+            "forwards": f"stopped after {run.forwards} forward call(s) (no optimizer: inference)",
+            "end": f"the script ended after {run.steps} optimizer step(s) and {run.forwards} forward call(s)"}
+    notes.append(f"script {p.name}: {what.get(run.stopped_by, '')}; models {', '.join(run.roots) or '-'}")
+    notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
+    result = summarize(sess, params=run.params, trainable=run.trainable, flops=None, notes=notes)
+    return result, run

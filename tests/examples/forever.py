@@ -1,0 +1,5 @@
+from torch import nn
+
+model = nn.Linear(8, 8).cuda()
+while True:
+    pass
