@@ -60,6 +60,23 @@ def _versions(py: Path) -> dict[str, str | None]:
     return json.loads(r.stdout) if r.returncode == 0 else {}
 
 
+def _dev_requirements() -> list[str]:
+    """The package's dependencies and its ``dev`` extra (expanded), torch left out."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    reqs: list[str] = list(project["dependencies"])
+    todo = list(extras["dev"])
+    while todo:
+        r = todo.pop()
+        if r.startswith(project["name"] + "["):
+            todo += [x for e in r[r.index("[") + 1:r.index("]")].split(",") for x in extras[e.strip()]]
+        else:
+            reqs.append(r)
+    return [r for r in reqs if not r.replace(" ", "").startswith("torch")]
+
+
 def _junit(path: Path) -> dict[str, object]:
     suites = ET.parse(path).getroot()
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -98,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         t0 = time.monotonic()
+        pin = f"torch=={args.torch}"
         steps = [
             [sys.executable, "-m", "venv", str(venv)],
-            [str(pip), "install", "-q", f"torch=={args.torch}"],
-            [str(pip), "install", "-q", "-e", f"{ROOT}[dev]"],
+            [str(pip), "install", "-q", pin],
+            # the dev dependencies with torch held at the version under test (the package's
+            # own torch floor would otherwise make pip replace it), then the package itself
+            [str(pip), "install", "-q", pin, *_dev_requirements()],
+            [str(pip), "install", "-q", "--no-deps", "-e", str(ROOT)],
         ]
         for cmd in steps:
             r = _run(cmd)
@@ -110,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                               error=(r.stderr.strip().splitlines() or [""])[-1][:300])
                 return _finish(record, 1)
         record["install_s"] = round(time.monotonic() - t0, 1)
-        record["versions"] = _versions(py)
+        record["versions"] = versions = _versions(py)
+        if not str(versions.get("torch") or "").startswith(args.torch):
+            record.update(status="install mismatch", error=f"venv has torch {versions.get('torch')}")
+            return _finish(record, 1)
 
         junit = venv / "junit.xml"
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
