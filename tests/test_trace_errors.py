@@ -179,3 +179,48 @@ def test_a_flop_formula_that_rejects_the_shapes_does_not_fail_the_trace(monkeypa
     r = trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=train, options=opts)
     assert r.peak_allocated == ok.peak_allocated > 0 and r.flops is not None and r.flops < ok.flops
     assert any("FLOPs not counted for aten.addmm.default ×1" in n for n in r.notes)
+
+
+class ReadsActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(self.router(x).argmax(-1).max())  # a value of model data: no sound answer
+        return x[:n]
+
+
+def test_value_of_model_data_names_the_users_file_line_and_the_override() -> None:
+    import inspect
+
+    with pytest.raises(TraceError) as e:
+        trace_model(ReadsActivation, torch.randn(2, 8), workload=INFER, options=NO_WS)
+    line = inspect.getsourcelines(ReadsActivation.forward)[1] + 1
+    msg = str(e.value)
+    assert f"test_trace_errors.py:{line}" in msg and "--routing-skew" in msg and "\n" not in msg
+
+
+def test_cli_trace_of_unservable_model_exits_2_with_the_line(tmp_path, capsys, monkeypatch) -> None:
+    from vramplan.cli.main import main
+
+    (tmp_path / "usermodel.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        if self.fc(x).mean().item() > 0:\n"
+        "            return x\n"
+        "        return -x\n"
+        "def build():\n"
+        "    return M(), torch.randn(2, 8)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["trace", "usermodel.py:build", "--task", "infer", "--precision", "fp32"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "usermodel.py:8" in err and "Traceback" not in err

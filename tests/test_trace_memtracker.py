@@ -35,7 +35,10 @@ def _bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                     vocab_size=256, max_position_embeddings=128, attn_implementation="eager")
+                     vocab_size=256, max_position_embeddings=128, attn_implementation="eager",
+                     # dropout differs by device: CUDA's fused kernel keeps a bool mask, the CPU path
+                     # (MemTracker's fake CPU) a float one; tests/test_trace_zoo.py checks the CUDA rule
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return BertForMaskedLM(cfg)
 
 

@@ -207,6 +207,10 @@ class Workload:
     parallel: Parallel = field(default_factory=Parallel)
     image_size: int = 224
     """Input resolution for vision models."""
+    routing_skew: float = 1.0
+    """Traced data-dependent routing (MoE): the load of each expert relative to uniform
+    routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
+    receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
 
     def __post_init__(self) -> None:
         # Coerce strings to enums so that Workload(task="train") works.
@@ -227,6 +231,11 @@ class Workload:
                 raise WorkloadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
             raise WorkloadError(f"--new-tokens must be >= 0, got {self.new_tokens!r}")
+        if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) \
+                or not (1.0 <= float(self.routing_skew) <= 64.0):
+            raise WorkloadError(f"--routing-skew must be a number in [1, 64], got {self.routing_skew!r}",
+                                hint="1.0 is uniform expert load; 1.25 gives every expert 25 % more tokens")
+        object.__setattr__(self, "routing_skew", float(self.routing_skew))
         if not (0.0 < self.checkpoint_fraction <= 1.0):
             raise WorkloadError(f"checkpoint fraction must be in (0, 1], got {self.checkpoint_fraction!r}")
         if self.task is Task.GENERATE and self.new_tokens == 0:

@@ -61,6 +61,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
     g.add_argument("--kv-dtype", choices=_choices(KVDtype), default="auto")
     g.add_argument("--attention", choices=_choices(Attention), default="sdpa")
     g.add_argument("--image-size", type=int, default=224, help="input resolution for vision models")
+    g.add_argument("--routing-skew", type=float, default=1.0,
+                   help="traced MoE routing: each expert's load relative to uniform top-k routing "
+                        "(1.25 = every expert 25%% over its k/n share, as a full capacity factor 1.25)")
     par = p.add_argument_group("parallelism (per-GPU memory is reported)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel size")
     par.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (FSDP: 2=SHARD_GRAD_OP, 3=FULL_SHARD)")
@@ -95,7 +98,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         optimizer_impl=args.optimizer_impl, checkpointing=args.checkpointing,
         checkpoint_fraction=args.checkpoint_fraction, peft=args.peft, lora_rank=args.lora_rank,
         lora_targets=targets, quant=args.quant, kv_dtype=args.kv_dtype, attention=args.attention,
-        image_size=args.image_size, parallel=parallel,
+        image_size=args.image_size, routing_skew=getattr(args, "routing_skew", 1.0), parallel=parallel,
     )
 
 

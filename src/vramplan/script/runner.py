@@ -35,6 +35,7 @@ user's ``file:line`` (:class:`~vramplan.errors.TraceError`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import runpy
 import signal
@@ -160,6 +161,7 @@ class _Hooks:
 
     def step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.sess.label_optimizer(opt)
+        gc.collect()  # as a traced step: storages kept only by reference cycles die at the step's end
         self.run.steps += 1
         self.report("optimizer step")
         if self.run.steps >= self.steps:
@@ -471,7 +473,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
                  alloc_conf: str | None = None, progress: Progress | None = None) -> tuple[TraceResult, ScriptRun]:
     """Run the script at ``path`` with ``argv`` and trace it (see the module docstring)."""
-    from ..trace.run import _emulation_notes, summarize
+    from ..trace.run import _collect_deterministically, _emulation_notes, summarize
 
     p = Path(path)
     if not p.is_file():
@@ -492,8 +494,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with sess, emulated_cuda(facts, live, on_sync), _patched(hooks), weightless_from_pretrained(), \
-                _InputMode(sess), _argv(p, argv), _deadline(timeout):
+        with _collect_deterministically(), sess, emulated_cuda(facts, live, on_sync), _patched(hooks), \
+                weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:

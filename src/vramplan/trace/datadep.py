@@ -10,15 +10,26 @@ op                        answer without values
 ========================  ======================================================================
 nonzero / argwhere /      every element counts as non-zero (the no-padding, all-valid case;
 ``torch.where(mask)``     an upper bound), except masks derived from ``one_hot`` over ``n``
-                          classes: a fraction ``1/n`` — uniform MoE routing, each expert gets
-                          ``tokens·top_k/n`` tokens
+                          classes or equality masks ``idx == e`` of indices below ``n``
+                          (``topk``/``argmax``/``sort`` over ``n``): a fraction ``1/n`` —
+                          uniform MoE routing, each expert gets ``tokens·top_k/n`` tokens
+                          (times ``Workload.routing_skew``, capped at every token)
+mask.sum() / count        of such a mask: ``numel·share`` (a known value, so ``.item()`` works)
 x[bool_mask],             as nonzero of the mask
 masked_select
 unique (all variants)     every element distinct
+torchvision nms           every box kept (an upper bound; detectors keep ``post_nms_top_n`` /
+                          ``detections_per_img`` of them right after)
 repeat_interleave(r)      every repeat is 1
-bincount                  ``max(minlength, index bound or numel)`` bins
-.item(), bool(t), .cpu()  no answer: raises :class:`~vramplan.errors.TraceError` (control flow on
-                          model data cannot be traced without values)
+bincount                  ``max(minlength, index bound or numel)`` bins; the counts of indices
+                          below ``n`` are known under the routing rule: ``numel/n`` each (the
+                          remainder to the first bins; with a skew, bin 0 takes
+                          ``skew·numel/n`` and the rest share what is left), so ``.tolist()``
+                          and ``torch.split`` by counts work; ``torch.histc`` of such indices
+                          gets the same counts
+.item(), bool(t), .cpu()  no answer: raises :class:`~vramplan.errors.TraceError` naming the op
+                          and the user's ``file:line`` (control flow on model data cannot be
+                          traced without values)
 ========================  ======================================================================
 """
 
@@ -41,8 +52,12 @@ RULE_TEXT: dict[str, str] = {
     "masked_select": "assumed every mask element true (one_hot-derived masks: 1/n)",
     "index_bool": "boolean-mask indexing assumed every element selected (one_hot-derived masks: 1/n)",
     "unique": "assumed every element distinct",
+    "nms": "non-maximum suppression without box values keeps every box (upper bound; detectors cap it next)",
     "repeat_interleave": "assumed every repeat count is 1",
-    "bincount": "assumed max(minlength, index bound) bins",
+    "bincount": "assumed max(minlength, index bound) bins; counts of routed indices uniform over the bins "
+                "(times the routing skew for the first)",
+    "eq_mask": "equality masks of indices below n select 1/n of the elements (uniform routing, times the routing skew)",
+    "mask_count": "counts of routed masks taken as numel x share (uniform routing, times the routing skew)",
     "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
     "host_float": "floats the script reads back (.item() of losses, norms) taken as 1.0",
     "finite": "isnan/isinf/isfinite of activations taken as finite (no overflow)",
@@ -134,6 +149,33 @@ def bincount(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     return _meta((bins,), dtype)
 
 
+def uniform_counts(total: int, bins: int, skew: float) -> torch.Tensor:
+    """``total`` items over ``bins`` classes under the routing rule (sums to ``total``)."""
+    bins = max(bins, 1)
+    first = min(total, math.ceil(skew * total / bins)) if skew > 1.0 else None
+    counts = torch.zeros(bins, dtype=torch.int64)
+    if first is not None and bins > 1:
+        counts[0] = first
+        rest, n = total - first, bins - 1
+        counts[1:] = rest // n
+        counts[1:1 + rest % n] += 1
+    else:
+        counts[:] = total // bins
+        counts[: total % bins] += 1
+    return counts
+
+
+def rule_values(name: str, values: Values, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """Values of a rule's output where the rule determines them (else None)."""
+    if name == "nonzero":
+        return full_grid_values(args[0], out)
+    if name == "bincount" and isinstance(out, torch.Tensor) and out.dtype == torch.int64:
+        x = args[0]
+        if values.get_bound(x) is not None and out.numel() <= SHADOW_LIMIT:
+            return uniform_counts(x.numel(), out.numel(), values.routing_skew)
+    return None
+
+
 def _has_bool_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
@@ -155,10 +197,22 @@ INDEX_OPS = frozenset({aten.index.Tensor, aten._unsafe_index.Tensor})
 """Ops that become data-dependent only with boolean indices (checked per call)."""
 
 
+def nms(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``torchvision.ops.nms`` without box values: every box kept (an upper bound; detectors
+    cap what they keep — ``post_nms_top_n``, ``detections_per_img`` — right after)."""
+    return _meta((int(args[0].shape[0]),), torch.int64)
+
+
+NAMED_RULES: dict[str, tuple[str, Rule]] = {"torchvision::nms": ("nms", nms)}
+"""Rules for ops of libraries that may not be imported (matched by schema name)."""
+
+
 def needs_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Rule] | None:
     rule = RULES.get(func)
     if rule is not None:
         return rule
+    if func.namespace != "aten":
+        return NAMED_RULES.get(func._schema.name)
     if func in INDEX_OPS and _has_bool_index(args, kwargs):
         return ("index_bool", index_bool)
     return None

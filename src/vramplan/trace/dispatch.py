@@ -14,6 +14,7 @@ Per op (below autograd, so backward ops and autograd's own buffers are seen too)
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import Counter
 from typing import Any
@@ -24,12 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import TraceError
 from ..events import Category
 from ..workload import Phase
+from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
-from .datadep import NO_VALUE_OPS, SKIP_OPS, full_grid_values, needs_rule
+from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values, uniform_counts
 from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
 from .values import SHADOW_LIMIT, Values, to_cpu_args
+from .where import user_frame
 
 aten = torch.ops.aten
 
@@ -59,6 +62,7 @@ position, default dim; None = all elements)."""
 HINT_COPY_OPS = frozenset({
     aten._to_copy.default, aten.clone.default, aten.index.Tensor, aten.index_select.default,
     aten.gather.default, aten._unsafe_view.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
+    aten.to.dtype, aten.to.dtype_layout,  # (aten.to reaches the mode under inference mode)
 })
 """Ops that carry their first input's density/bound hint to their output."""
 EMPTY_OPS = frozenset({
@@ -69,6 +73,20 @@ NO_META_KERNEL_INPLACE = frozenset(
     getattr(aten, n).default for n in ("_fused_sgd_", "_fused_adagrad_") if hasattr(aten, n)
 )
 """Fused optimizer kernels without a meta kernel: in-place, they allocate nothing."""
+TO_OPS = frozenset({aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other})
+"""Copies that may leave the device (``.cpu()``: values needed); ``aten.to`` reaches the mode
+itself under inference mode."""
+EQ_OPS = frozenset({aten.eq.Scalar, aten.eq.Tensor})
+ROUTING_OPS = EQ_OPS | frozenset({aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default,
+                                  aten.count_nonzero.dim_IntList, aten.any.default, aten.histc.default})
+"""Ops that the routing rule gives densities or counts (:meth:`TraceMode._routing`)."""
+HOST_ARGS: dict[Any, tuple[int, ...]] = {
+    getattr(aten, n).default: pos for n, pos in (
+        ("_pack_padded_sequence", (1,)), ("_pad_packed_sequence", (1,)), ("_pack_padded_sequence_backward", (2,)),
+    ) if hasattr(aten, n)
+}
+"""Ops whose tensor arguments at these positions live on the host in a CUDA run (PyTorch
+checks "should be a 1D CPU int64 tensor"): they get real CPU tensors in the trace too."""
 _RANDOM = torch.Tag.nondeterministic_seeded
 _BACKWARD = PHASE_INDEX[Phase.BACKWARD]
 _RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
@@ -116,6 +134,8 @@ class TraceMode(TorchDispatchMode):
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
         self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.rnn_dropout_state = False
+        """cuDNN's dropout state (:mod:`.rnn`) was allocated."""
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
@@ -142,14 +162,19 @@ class TraceMode(TorchDispatchMode):
             return None
         if func in NO_META_KERNEL_INPLACE:
             return None
+        if func in rnn.OPS:
+            return self._cudnn_rnn(func, args)
+        host = HOST_ARGS.get(func)
+        if host is not None:
+            args = self._host_args(func, args, host)
         if _any_meta(args) and _any_host(args):
-            args = self._lift(args)
+            args = self._lift(args, host or ())
         values = self.values
         cpu_args: Any = None
         if values.shadow or not _any_meta(args):
             cpu_args = self._shadow_args(func, args, kwargs)
 
-        if func in NO_VALUE_OPS or (func is aten._to_copy.default and _to_host(args, kwargs)):
+        if func in NO_VALUE_OPS or (func in TO_OPS and _to_host(args, kwargs)):
             return self._value_op(func, args, kwargs, cpu_args)
 
         rule = needs_rule(func, args, kwargs)
@@ -160,8 +185,7 @@ class TraceMode(TorchDispatchMode):
         elif rule is not None:
             self.rules_used[rule[0]] += 1
             out = rule[1](values, func, args, kwargs)
-            if rule[0] == "nonzero":
-                cpu_out = full_grid_values(args[0], out)
+            cpu_out = rule_values(rule[0], values, args, kwargs, out)
         else:
             key = self.cache.key(func, args, kwargs)
             hit, out = self.cache.get(key, args) if key is not None else (False, None)
@@ -176,12 +200,20 @@ class TraceMode(TorchDispatchMode):
                 cpu_out = func(*cpu_args[0], **cpu_args[1])
 
         self._track(out)
+        if func in EMPTY_OPS and isinstance(out, torch.Tensor) and _index_like(out):
+            # uninitialised index memory: a correct program reads only what it then writes
+            # (invert_permutation's empty_like + scatter_), so zeros are as good as any value
+            cpu_out = torch.zeros(out.shape, dtype=out.dtype)
         if cpu_out is not None:
             _attach(values, out, cpu_out)
         elif values.shadow:
             self._drop_mutated(func, args)
+        if cpu_out is None and isinstance(out, torch.Tensor) and func in ROUTING_OPS:
+            self._routing(func, args, out)
         if func in INDEX_BOUND_OPS:
             self._set_bound(func, args, kwargs, out)
+        elif rule is not None and rule[0] == "nms" and isinstance(out, torch.Tensor):
+            values.set_bound(out, int(args[0].shape[0]))
         elif func in HINT_COPY_OPS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             _copy_hints(values, args[0], out)
 
@@ -209,13 +241,61 @@ class TraceMode(TorchDispatchMode):
             # linear/matmul reach the mode undecomposed under inference_mode: 2·out·K
             self.flops += 2 * out.numel() * int(args[0].shape[-1])
 
-    def _lift(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _host_args(self, func: Any, args: tuple[Any, ...], host: tuple[int, ...]) -> tuple[Any, ...]:
+        """Arguments that CUDA kernels read on the host (``pack_padded_sequence``'s lengths, a
+        packed sequence's batch sizes) stay real CPU tensors: a fake one is replaced by its
+        known values, or the trace stops and says what to pass."""
+        out = list(args)
+        for i in host:
+            a = out[i] if i < len(out) else None
+            if isinstance(a, torch.Tensor) and a.device.type == "meta":
+                v = self.values.cpu_view(a)
+                if v is None:
+                    raise TraceError(
+                        f"{func} at {user_frame()} needs its argument '{func._schema.arguments[i].name}' on the "
+                        "host with real values, and this one was computed from model data on the GPU",
+                        hint="pass sequence lengths as a Python list or a CPU tensor built from the inputs, "
+                             "not from activations",
+                    )
+                out[i] = v.clone()
+        return tuple(out)
+
+    def _cudnn_rnn(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """cuDNN's RNN forward/backward (:mod:`.rnn`): outputs, reserve, transient buffers."""
+        rec = self.rec
+        if func is rnn.FORWARD:
+            out, transient = rnn.forward(args)
+            for t in out[:4]:
+                rec.track(t)
+            self._transient(transient)
+            return out
+        out, data_pass, weight_pass = rnn.backward(args)
+        fills = [rec.synthetic_alloc(n, Category.TEMPORARY, d, op="cudnn.rnn") for n, d in data_pass if d.startswith("zero")]
+        for t in out[:3]:
+            if isinstance(t, torch.Tensor):
+                rec.track(t)
+        self._transient([x for x in data_pass if not x[1].startswith("zero")])
+        rec.track_many(out[3])
+        self._transient(weight_pass)
+        for eid in fills:
+            rec.synthetic_free(eid, Category.TEMPORARY, op="cudnn.rnn")
+        return out
+
+    def _transient(self, bufs: list[tuple[int, str]]) -> None:
+        ids = [self.rec.synthetic_alloc(n, Category.WORKSPACE, d, op="cudnn.rnn") for n, d in bufs if n > 0]
+        for eid in ids:
+            self.rec.synthetic_free(eid, Category.WORKSPACE, op="cudnn.rnn")
+
+    def _lift(self, args: tuple[Any, ...], keep: tuple[int, ...] = ()) -> tuple[Any, ...]:
         """Host tensors met beside fake ones (a label tensor captured by the user's loss
         closure, say) would be on the GPU in the real run: replace them by fake copies that
-        keep their values, recorded as inputs at first use (once per host tensor)."""
+        keep their values, recorded as inputs at first use (once per host tensor). Arguments
+        at ``keep`` positions are host arguments of the op and stay."""
         out: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0:
+        for i, a in enumerate(args):
+            if i in keep:
+                out.append(a)
+            elif isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0:
                 hit = self._lifted.get(id(a))
                 if hit is not None and hit[0]() is a:
                     m = hit[1]
@@ -271,13 +351,43 @@ class TraceMode(TorchDispatchMode):
         if self.float_reads is not None and func is aten._local_scalar_dense.default and args[0].is_floating_point():
             self.rules_used["host_float"] += 1
             return self.float_reads
-        what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func is aten._to_copy.default \
+        what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func in TO_OPS \
             else "reading a tensor's value (.item(), bool(tensor), if tensor: ...)"
         raise TraceError(
-            f"data-dependent control flow in {self._where()}: {what} needs data, "
-            "which a trace on fake tensors does not have",
-            hint="make the branch depend on shapes or configuration, not on tensor values",
+            f"data-dependent control flow at {user_frame()} ({self._where()}): {what} needs values computed "
+            "from model data, which a trace on fake tensors does not have",
+            hint="make the branch depend on shapes or configuration; pass such values as inputs (a Python list "
+                 "or a CPU tensor); per-expert token counts are known when they come from bincount / (idx == e)"
+                 ".sum() of top-k indices (uniform routing, --routing-skew to change it)",
         )
+
+    def _routing(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        """The routing rule (:mod:`.datadep`) for masks and counts without values:
+        ``idx == e`` over indices below ``n`` selects ``share(n)`` of the elements, and a
+        full or partial count of such a mask is ``share·(elements counted)``."""
+        values = self.values
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.device.type != "meta":
+            return
+        if func in EQ_OPS:
+            bound = values.get_bound(x)
+            if bound is not None and out.dtype == torch.bool:
+                self.rules_used["eq_mask"] += 1
+                values.set_density(out, values.class_share(bound))
+            return
+        if func is aten.histc.default:  # per-expert counts as torch.histc(idx.float(), bins=n, ...)
+            if values.get_bound(x) is not None and out.dim() == 1 and out.numel() <= SHADOW_LIMIT:
+                self.rules_used["bincount"] += 1
+                values.set_shadow(out, uniform_counts(x.numel(), out.numel(), values.routing_skew).to(out.dtype))
+            return
+        d = values.get_density(x)
+        if d < 1.0 and func is aten.any.default:  # `if mask.any():` — an expert with tokens
+            self.rules_used["mask_count"] += 1
+            values.set_shadow(out, torch.ones((), dtype=torch.bool))
+        elif d < 1.0 and not out.is_floating_point() and out.numel() <= SHADOW_LIMIT:
+            per = x.numel() // max(out.numel(), 1)
+            self.rules_used["mask_count"] += 1
+            values.set_shadow(out, torch.full(tuple(out.shape), max(1, math.ceil(per * d)), dtype=out.dtype))
 
     def _drop_mutated(self, func: Any, args: tuple[Any, ...]) -> None:
         idx = self._mutated.get(func)
@@ -335,7 +445,7 @@ class TraceMode(TorchDispatchMode):
 
     def _no_kernel(self, func: Any, e: Exception) -> TraceError:
         return TraceError(
-            f"op {func} has no meta kernel, so {self._where()} cannot run on fake tensors",
+            f"op {func} has no meta kernel, so {self._where()} at {user_frame()} cannot run on fake tensors",
             hint="register one with @torch.library.register_fake for custom ops "
                  "(a CUDA-only extension cannot be traced otherwise)",
         )
@@ -365,8 +475,15 @@ def _any_host(args: Any) -> bool:
 
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     dev = kwargs.get("device")
-    return isinstance(args[0], torch.Tensor) and args[0].device.type == "meta" and dev is not None \
-        and torch.device(dev).type != "meta"
+    if dev is None and len(args) > 1:  # to.device(self, device, ...) / to.other(self, other, ...)
+        dev = args[1].device if isinstance(args[1], torch.Tensor) else args[1]
+    if not isinstance(dev, (str, torch.device)):
+        return False
+    return isinstance(args[0], torch.Tensor) and args[0].device.type == "meta" and torch.device(dev).type != "meta"
+
+
+def _index_like(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" and not t.is_floating_point() and not t.is_complex() and t.numel() <= SHADOW_LIMIT
 
 
 def _meta_and_small(out: Any) -> bool:

@@ -6,6 +6,10 @@
   that ran under autocast (function modes do not follow autograd into its device thread, so
   :mod:`.session` enters a recompute instance around each recomputed region);
 - ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` in user code → the trace device (meta);
+- ``torch._VF.lstm/gru/rnn_tanh/rnn_relu`` → cuDNN's ``_cudnn_rnn`` (:mod:`.rnn`);
+- ``torch.dropout`` (training, ``0 < p < 1``) → ``native_dropout`` with its bool mask, as
+  CUDA's fused path (meta would take the CPU path's float noise tensor);
+- ``pin_memory`` → a plain host tensor (page-locked memory is not GPU memory);
 - ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
   that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
 """
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
+from ..events import Category
+from . import rnn
 from .autocast import Autocast, handles
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
@@ -27,6 +33,7 @@ from .sdpa import run_sdpa
 
 _META = torch.device("meta")
 _SDPA = "scaled_dot_product_attention"
+_DROPOUT = ("dropout", "dropout_")
 
 
 def _is_cuda(d: Any) -> bool:
@@ -35,6 +42,19 @@ def _is_cuda(d: Any) -> bool:
     if isinstance(d, str):
         return d.split(":")[0] == "cuda"
     return False
+
+
+def _fused_dropout(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, bool] | None:
+    """(input, p, inplace) of a ``F.dropout`` / ``torch.dropout(_)`` call that CUDA runs fused."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    inplace = name == "dropout_" or bool(args[3] if len(args) > 3 else kwargs.get("inplace", False))
+    if x.device.type == "meta" and train is True and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0:
+        return x, float(p), inplace
+    return None
 
 
 class CudaFunctionMode(TorchFunctionMode):
@@ -61,8 +81,12 @@ class CudaFunctionMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _META}
+        if kwargs.get("pin_memory"):  # page-locked host memory: a host tensor, never GPU memory
+            kwargs = {**kwargs, "pin_memory": False}
         if name == "to" or name == "cuda":
             return self._to(func, name, args, kwargs)
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            return args[0]
         ac = self.autocast
         if ac is not None and handles(name):
             if ac.enabled:
@@ -75,7 +99,31 @@ class CudaFunctionMode(TorchFunctionMode):
             return out
         if name == "one_hot":
             return self._one_hot(func, args, kwargs)
+        if name in _DROPOUT:
+            drop = _fused_dropout(name, args, kwargs)
+            if drop is not None:
+                # CUDA's at::dropout takes the fused kernel (Dropout.cpp, is_fused_kernel_acceptable):
+                # native_dropout keeps a bool mask; on meta it would keep a float noise tensor
+                x, p, inplace = drop
+                out = torch.ops.aten.native_dropout.default(x, p, True)[0]
+                return x.copy_(out) if inplace else out
+        if name in rnn.MODES and not kwargs:
+            half = ac is not None and (ac.enabled or (self.recompute_autocast and torch.is_grad_enabled()))
+            out = rnn.call_cudnn_rnn(name, args, self._host_values, autocast=half, dropout_state=self._dropout_state)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
+
+    def _dropout_state(self) -> None:
+        """cuDNN's dropout state: allocated once per device and cached for the process."""
+        tr = self.trace
+        if not tr.rnn_dropout_state:
+            tr.rnn_dropout_state = True
+            tr.rec.synthetic_alloc(rnn.DROPOUT_STATE_BYTES, Category.WORKSPACE, "cudnn dropout state",
+                                   op="cudnn.rnn.dropout_state")
+
+    def _host_values(self, t: torch.Tensor) -> torch.Tensor | None:
+        return t if t.device.type != "meta" else self.trace.values.cpu_view(t)
 
     def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name == "cuda":

@@ -7,9 +7,10 @@ figures from the event log.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from .result import TraceResult
 from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan
 from .values import SHADOW_LIMIT
+from .where import user_frame_of
 
 
 @dataclass(frozen=True)
@@ -253,9 +255,10 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
     profile = profile_for(gpu, workspaces=opts.workspaces)
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
     sess.dispatch.cache.enabled = opts.meta_cache
+    sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
     trainable = [q for q in p.model.parameters() if q.requires_grad]
-    with quiet(), sess:
+    with quiet(), _collect_deterministically(), sess:
         sess.add_model(p.model, p.root)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
@@ -279,18 +282,41 @@ def _trace(p: Prepared, w: Workload, gpu: GPU | None, iterations: int, opts: Tra
             sess.dispatch.count_flops = opts.count_flops and it == 1
             try:
                 runner(sess, plan)
-                gc.collect(1)  # storages kept only by (young) reference cycles die at the iteration end
+                gc.collect()  # storages kept only by reference cycles die at the iteration end
             except VramplanError:
                 raise
             except Exception as e:
-                raise TraceError(f"tracing failed in {_where(sess)} on torch {torch.__version__}: "
+                at = user_frame_of(e)
+                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch {torch.__version__}: "
                                  f"{type(e).__name__}: {_line(e)}",
-                                 hint="the model's step must run on fake (meta) tensors; "
-                                      "--method analytic does not trace") from e
+                                 hint="the model's step must run on fake (meta) tensors: change that line to "
+                                      "depend on shapes, not values, or register a fake kernel for a custom op") from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     return summarize(sess, params=p.params, trainable=p.trainable,
                      flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+
+
+@contextlib.contextmanager
+def _collect_deterministically() -> Iterator[None]:
+    """Storages kept alive only by reference cycles die when the garbage collector runs, and
+    automatic collections run after a count of allocations that depends on everything the
+    process did before (imports, earlier traces): their FREE events would move from one run
+    to the next. During a trace automatic collection is off and a full collection runs at
+    each iteration's end; objects from before the trace are frozen (``gc.freeze``) so that
+    collection only scans the trace's own objects."""
+    enabled = gc.isenabled()
+    freeze = gc.get_freeze_count() == 0  # (someone else's frozen objects stay frozen)
+    gc.disable()
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 def _where(sess: TraceSession) -> str:
@@ -319,6 +345,10 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
                    "shapes (the FLOP total is low; memory is unaffected)")
     for rule, n in sorted(sess.dispatch.rules_used.items()):
         out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
+    routed = {"eq_mask", "mask_count", "bincount", "nonzero"} & set(sess.dispatch.rules_used)
+    if routed and sess.values.routing_skew != 1.0:
+        out.append(f"routing skew {sess.values.routing_skew:g}: each expert's share is {sess.values.routing_skew:g}x "
+                   "the uniform k/n (capped at every token)")
     return out
 
 

@@ -47,6 +47,7 @@ class TraceSession:
             st.enter_context(_patched_compile(self.notes))
             st.enter_context(_patched_checkpoint(self))
             st.enter_context(_patched_cuda_calls(self.rec))
+            st.enter_context(_patched_autocast_query(self))
             st.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
             st.enter_context(self.functions)
@@ -257,6 +258,24 @@ def _patched_cuda_calls(rec: Recorder) -> Iterator[None]:
         yield
     finally:
         torch.cuda.synchronize, torch.cuda.empty_cache = sync, empty  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _patched_autocast_query(sess: TraceSession) -> Iterator[None]:
+    """``torch._C._is_any_autocast_enabled()`` is true inside an emulated autocast region, as
+    it is inside ``torch.autocast("cuda")`` (``nn.LSTM`` skips its input/weight dtype check
+    then, since cuDNN's autocast wrapper casts both to fp16)."""
+    orig = torch._C._is_any_autocast_enabled
+
+    def query() -> bool:
+        ac = sess.autocast
+        return bool(orig()) or (ac is not None and ac.enabled)
+
+    torch._C._is_any_autocast_enabled = query  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._C._is_any_autocast_enabled = orig  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

@@ -117,3 +117,109 @@ def memtracker_peak(make_model: Any, make_inputs: Any, *, iterations: int = 2, l
                 mt.reset_mod_stats()
         snap = mt.get_tracker_snapshot("peak")
     return int(sum(v["Total"] for v in snap.values()))
+
+
+def real_peak(make_model: Any, make_inputs: Any, *, task: str = "train", iterations: int = 2,
+              loss_fn: Any = None, lr: float = 1e-4, seed: int = 0) -> int:
+    """Peak bytes of live CPU tensor storages while the trace's step (:mod:`.steps`) runs for
+    real on the CPU: model weights, inputs, activations, gradients, optimizer states
+    (``AdamW(foreach=True)``) and every op's outputs — the reference the model-zoo tests
+    compare traces with. Kernel-internal scratch memory is not seen (as in the trace,
+    where CUDA's workspaces are emulated separately)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small CPU kernels: threads only contend on a loaded machine
+    try:
+        return _real_peak(make_model, make_inputs, task, iterations, loss_fn, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _real_peak(make_model: Any, make_inputs: Any, task: str, iterations: int, loss_fn: Any, lr: float,
+               seed: int) -> int:
+    import torch
+
+    from .run import _flat_tensors
+    from .steps import loss_of
+
+    torch.manual_seed(seed)
+    tracker = _StoragePeak()
+    model = make_model()
+    model.train(task == "train")
+    inputs = make_inputs()
+    if isinstance(inputs, dict):
+        batch: Any = ((), inputs)
+    elif isinstance(inputs, (list, tuple)):
+        batch = (tuple(inputs), {})
+    else:
+        batch = ((inputs,), {})
+    for t in [*model.parameters(), *model.buffers(), *_flat_tensors(batch)]:
+        tracker.add(t)
+    with tracker:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, foreach=True) if task == "train" else None
+        for _ in range(iterations):
+            if opt is not None:
+                out = model(*batch[0], **batch[1])
+                loss = loss_of(out, batch, loss_fn)
+                del out
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                with torch.inference_mode():
+                    out = model(*batch[0], **batch[1])
+                    del out
+    return tracker.peak
+
+
+def _storage_peak_mode() -> Any:
+    import weakref
+    from functools import partial
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class StoragePeak(TorchDispatchMode):
+        """Live bytes of CPU storages made by ops (or registered with :meth:`add`)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, Any] = {}
+            self.current = 0
+            self.peak = 0
+
+        def add(self, t: torch.Tensor) -> None:
+            if t.device.type != "cpu" or t.is_sparse:
+                return
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.live:
+                return
+            n = st.nbytes()
+            self.current += n
+            self.peak = max(self.peak, self.current)
+            self.live[key] = weakref.ref(st, partial(self._freed, key, n))
+
+        def _freed(self, key: int, n: int, _ref: object) -> None:
+            if self.live.pop(key, None) is not None:
+                self.current -= n
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            stack = [out]
+            while stack:
+                o = stack.pop()
+                if isinstance(o, torch.Tensor):
+                    self.add(o)
+                elif isinstance(o, (list, tuple)):
+                    stack.extend(o)
+            return out
+
+    return StoragePeak
+
+
+def _StoragePeak() -> Any:  # noqa: N802 (a class built on first use: torch imported lazily)
+    return _storage_peak_mode()()

@@ -36,6 +36,8 @@ class Values:
         self.shadow: dict[int, torch.Tensor] = {}
         self.density: dict[int, float] = {}
         self.bound: dict[int, int] = {}
+        self.routing_skew = 1.0
+        """Each class's share relative to uniform (``Workload.routing_skew``)."""
 
     def forget(self, key: int) -> None:
         self.shadow.pop(key, None)
@@ -76,6 +78,10 @@ class Values:
         if t.device.type != "meta":
             return 1.0
         return self.density.get(_key(t), 1.0)
+
+    def class_share(self, classes: int) -> float:
+        """Fraction of elements that equal one given class out of ``classes`` (routing rule)."""
+        return min(1.0, self.routing_skew / max(classes, 1))
 
     def set_density(self, t: torch.Tensor, d: float) -> None:
         if t.device.type == "meta" and 0.0 < d < 1.0:
