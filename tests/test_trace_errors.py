@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -139,6 +141,44 @@ def test_sharded_layouts_are_refused_not_misreported() -> None:
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2, dp=2))
     r = trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=4), options=NO_WS)
     assert any("dp=4 traced as one replica" in n for n in r.notes)
+
+
+def test_trace_failure_names_the_torch_version_and_the_op() -> None:
+    with pytest.raises(TraceError) as e:
+        trace_model(nn.Linear(8, 4), torch.randn(2, 5), workload=INFER, options=NO_WS)
+    msg = str(e.value)
+    assert f"on torch {torch.__version__}" in msg and "last op aten." in msg and "\n" not in msg
+
+
+def test_unknown_checkpoint_internals_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose checkpoint module lacks the generator we emulate recompute through: the
+    trace refuses (naming the version) instead of recomputing outside the CUDA emulation."""
+    import torch.utils.checkpoint as ckpt
+
+    for name in ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl"):
+        monkeypatch.delattr(ckpt, name, raising=False)
+    hooks = dict(nn.modules.module._global_forward_pre_hooks)
+    with pytest.raises(TraceError, match=re.escape(f"torch {torch.__version__}: torch.utils.checkpoint")):
+        trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=INFER, options=NO_WS)
+    assert dict(nn.modules.module._global_forward_pre_hooks) == hooks  # the session's set-up was undone
+
+
+def test_a_flop_formula_that_rejects_the_shapes_does_not_fail_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's sdpa_flop_count refused grouped-query attention: FLOPs are a by-product,
+    the memory trace goes on and the report says which ops were not counted."""
+    from torch.utils.flop_counter import flop_registry
+
+    def refuses(*args: object, **kwargs: object) -> int:
+        raise AssertionError("shapes are incompatible")
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, refuses)
+    train = Workload(task="train", precision="fp32")
+    opts = TraceOptions(workspaces=False, count_flops=True)
+    ok = trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=train, options=opts)
+    monkeypatch.setitem(flop_registry, torch.ops.aten.addmm, refuses)
+    r = trace_model(nn.Linear(8, 4), torch.randn(2, 8), workload=train, options=opts)
+    assert r.peak_allocated == ok.peak_allocated > 0 and r.flops is not None and r.flops < ok.flops
+    assert any("FLOPs not counted for aten.addmm.default ×1" in n for n in r.notes)
 
 
 class ReadsActivation(nn.Module):

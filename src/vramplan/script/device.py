@@ -153,6 +153,9 @@ def emulated_cuda(facts: DeviceFacts, live: LiveAllocator,
         def query(self) -> bool:
             return True
 
+        def is_capturing(self) -> bool:
+            return False
+
         def __enter__(self) -> _Stream:
             return self
 
@@ -217,9 +220,23 @@ def emulated_cuda(facts: DeviceFacts, live: LiveAllocator,
     for k, v in patches.items():
         setattr(cuda, k, v)
     cuda._lazy_init = lambda: None  # type: ignore[attr-defined]
+    # On a CUDA build of torch (no driver here) ``torch.accelerator`` reports CUDA, and the
+    # optimizers' graph-capture check (torch/optim/optimizer.py, 2.13/2.14) then asks it for
+    # the current stream, which would reach the real CUDA runtime. Answer from the emulation.
+    acc = getattr(torch, "accelerator", None)
+    acc_patches: dict[str, Any] = {
+        "current_stream": lambda device=None: default_stream,
+        "current_device_index": lambda: current[0],
+        "synchronize": lambda device=None: on_sync("synchronize"),
+    }
+    acc_saved = {k: getattr(acc, k) for k in acc_patches if acc is not None and hasattr(acc, k)}
+    for k in acc_saved:
+        setattr(acc, k, acc_patches[k])
     try:
         yield
     finally:
+        for k, v in acc_saved.items():
+            setattr(acc, k, v)
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])

@@ -401,6 +401,10 @@ class _InputMode(torch.overrides.TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            # page-locked host memory is not GPU memory; on a CUDA build of torch (no driver
+            # here) the real call would reach the CUDA runtime (DataLoader(pin_memory=True))
+            return args[0]
         if name in _FROM_DATA and _on_cuda(kwargs.get("device")):
             # torch.tensor(data, device="cuda"): the values are the host data's; keep them
             host = func(*args, **{**kwargs, "device": "cpu"})

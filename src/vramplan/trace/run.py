@@ -291,7 +291,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                 raise
             except Exception as e:
                 at = user_frame_of(e)
-                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''}: "
+                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch {torch.__version__}: "
                                  f"{type(e).__name__}: {_line(e)}",
                                  hint="the model's step must run on fake (meta) tensors: change that line to "
                                       "depend on shapes, not values, or register a fake kernel for a custom op") from e
@@ -343,6 +343,10 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
         out.append(f"SDPA kernels: {used}")
     if cublas:
         out.append(f"cuBLAS workspace {cublas:,} B per (thread, stream), forward and backward threads")
+    if sess.dispatch.flops_skipped:
+        ops = ", ".join(f"{k} ×{v}" for k, v in sorted(sess.dispatch.flops_skipped.items()))
+        out.append(f"FLOPs not counted for {ops}: torch {torch.__version__}'s flop formula rejected their "
+                   "shapes (the FLOP total is low; memory is unaffected)")
     for rule, n in sorted(sess.dispatch.rules_used.items()):
         out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
     routed = {"eq_mask", "mask_count", "bincount", "nonzero"} & set(sess.dispatch.rules_used)

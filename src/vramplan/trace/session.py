@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase
 from .autocast import Autocast
@@ -39,17 +40,21 @@ class TraceSession:
     # --- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> TraceSession:
         st = self._stack
-        self.modules.install()
-        st.callback(self.modules.remove)
-        st.enter_context(_patched_fused_devices())
-        st.enter_context(_patched_compile(self.notes))
-        st.enter_context(_patched_checkpoint(self))
-        st.enter_context(_patched_cuda_calls(self.rec))
-        st.enter_context(_patched_autocast_query(self))
-        st.enter_context(warnings.catch_warnings())
-        warnings.simplefilter("ignore")
-        st.enter_context(self.functions)
-        st.enter_context(self.dispatch)
+        try:
+            self.modules.install()
+            st.callback(self.modules.remove)
+            st.enter_context(_patched_fused_devices())
+            st.enter_context(_patched_compile(self.notes))
+            st.enter_context(_patched_checkpoint(self))
+            st.enter_context(_patched_cuda_calls(self.rec))
+            st.enter_context(_patched_autocast_query(self))
+            st.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            st.enter_context(self.functions)
+            st.enter_context(self.dispatch)
+        except BaseException:
+            st.close()  # a refused set-up (e.g. unknown checkpoint internals) undoes the patches
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -179,32 +184,61 @@ def _patched_checkpoint(sess: TraceSession) -> Iterator[None]:
 
     Non-reentrant: the ``context_fn`` recompute context is composed with the mode (autocast on
     iff the region's forward ran under autocast). Reentrant: ``CheckpointFunction.backward``
-    runs under the mode."""
+    runs under the mode.
+
+    The non-reentrant generator that ``checkpoint()`` calls moved in torch 2.14
+    (torch/utils/checkpoint.py): up to 2.13 it is ``_checkpoint_without_reentrant_generator(fn,
+    preserve_rng_state, context_fn, ..., *args, **kwargs)``; from 2.14 ``checkpoint()`` calls
+    ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, context_fn=...)`` and
+    the old name is a shim over it. Patching the old name alone on 2.14 left recompute outside
+    the mode (no autocast, no CUDA emulation), so recompute saved other tensors than the
+    forward (``CheckpointError``) or mixed dtypes in SDPA. We patch the function that
+    ``checkpoint()`` reaches, and only that one (the 2.14 shim reaches it too)."""
     import torch.utils.checkpoint as ckpt
 
-    gen = ckpt._checkpoint_without_reentrant_generator
     reentrant_bwd = ckpt.CheckpointFunction.backward
 
-    def generator(fn: Any, preserve_rng_state: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        def composed() -> tuple[Any, Any]:
+    def composed(context_fn: Any) -> Any:
+        def fn() -> tuple[Any, Any]:
             fwd_ctx, rec_ctx = context_fn()
             ac = sess.autocast
             mode = sess.functions.for_recompute(ac is not None and ac.enabled)
             return fwd_ctx, _both(rec_ctx, mode)
+        return fn
 
-        return gen(fn, preserve_rng_state, composed, *args, **kwargs)
+    name, patched = _checkpoint_generator_patch(ckpt, composed)
+    orig = getattr(ckpt, name)
 
     def backward(ctx: Any, *args: Any) -> Any:
         with sess.functions.for_recompute(sess.autocast is not None):
             return reentrant_bwd(ctx, *args)
 
-    ckpt._checkpoint_without_reentrant_generator = generator  # type: ignore[assignment]
+    setattr(ckpt, name, patched)
     ckpt.CheckpointFunction.backward = staticmethod(backward)  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        ckpt._checkpoint_without_reentrant_generator = gen  # type: ignore[assignment]
+        setattr(ckpt, name, orig)
         ckpt.CheckpointFunction.backward = staticmethod(reentrant_bwd)  # type: ignore[method-assign, assignment]
+
+
+def _checkpoint_generator_patch(ckpt: Any, composed: Any) -> tuple[str, Any]:
+    """(name, replacement) of the non-reentrant generator ``checkpoint()`` calls on this torch."""
+    impl = getattr(ckpt, "_checkpoint_without_reentrant_generator_impl", None)
+    if impl is not None:  # torch >= 2.14: context_fn is keyword-only
+        def generator_impl(fn: Any, args: Any, kwargs: Any, **options: Any) -> Any:
+            options["context_fn"] = composed(options.get("context_fn", ckpt.noop_context_fn))
+            return impl(fn, args, kwargs, **options)
+        return "_checkpoint_without_reentrant_generator_impl", generator_impl
+    gen = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        raise TraceError(f"torch {torch.__version__}: torch.utils.checkpoint has no non-reentrant generator "
+                         "vramplan knows, so checkpoint recompute cannot be emulated",
+                         hint="vramplan's trace is tested on torch 2.13 and 2.14; --method analytic does not trace")
+
+    def generator(fn: Any, preserve_rng_state: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return gen(fn, preserve_rng_state, composed(context_fn), *args, **kwargs)
+    return "_checkpoint_without_reentrant_generator", generator
 
 
 @contextlib.contextmanager
