@@ -20,12 +20,6 @@ except ImportError:  # Python 3.10: pytest's own dependency
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
-# Broken on main until issue 9's device profile (branch i9) lands: engine.device imports
-# planner.space (an engine ↔ planner cycle, upward) and trace imports hardware. Strict: the test
-# fails as soon as they are kept, so the marks must then be removed.
-PENDING_I9 = {"layers", "acyclic", "trace-no-hardware"}
-
-
 @pytest.fixture(scope="module")
 def lint_output() -> str:
     exe = Path(sys.executable).with_name("lint-imports")
@@ -37,11 +31,7 @@ def lint_output() -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("contract", [
-    pytest.param(c, id=c["id"], marks=pytest.mark.xfail(strict=True, reason="until issue 9's device profile lands"))
-    if c["id"] in PENDING_I9 else pytest.param(c, id=c["id"])
-    for c in CONTRACTS
-])
+@pytest.mark.parametrize("contract", [pytest.param(c, id=c["id"]) for c in CONTRACTS])
 def test_contract_is_kept(contract: dict[str, object], lint_output: str) -> None:
     status = re.search(rf"^{re.escape(str(contract['name']))} (KEPT|BROKEN)$", lint_output, re.M)
     assert status is not None, f"contract {contract['id']} not reported:\n{lint_output}"

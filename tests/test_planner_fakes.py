@@ -11,6 +11,7 @@ import dataclasses
 
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
+from vramplan.precision import precision_model
 from vramplan.results import Breakdown, MemoryReport, OverheadItem, Peak, Verdict
 from vramplan.workload import Attention, Checkpointing, Method, Optimizer, Peft, Phase, Workload
 
@@ -61,8 +62,8 @@ def formula(spec: ModelSpec, w: Workload) -> Breakdown:
     elif w.peft is Peft.LORA:
         weights, trainable = 2.0 * n_params, 0.005 * n_params
     else:
-        weights, trainable = float(w.param_bytes) * n_params, n_params
-    pb = 4 if w.peft is not Peft.NONE else w.param_bytes
+        weights, trainable = float(precision_model(w).weight) * n_params, n_params
+    pb = 4 if w.peft is not Peft.NONE else precision_model(w).weight
     states = {Optimizer.ADAMW: 2 * pb, Optimizer.ADAM: 2 * pb, Optimizer.ADAMW_8BIT: 2,
               Optimizer.ADAFACTOR: 0.1 * pb, Optimizer.SGD: 0}.get(w.optimizer, 2 * pb)
     grads = trainable * pb
@@ -79,11 +80,11 @@ def formula(spec: ModelSpec, w: Workload) -> Breakdown:
         weights *= 0.1
     if not w.training:
         grads = opt = 0
-        weights = float(w.compute_bytes) * n_params
+        weights = float(precision_model(w).compute) * n_params
     per_token = {Checkpointing.NONE: 34, Checkpointing.SELECTIVE: 12, Checkpointing.FULL: 2}[w.checkpointing]
     if w.checkpointing is not Checkpointing.NONE:
         per_token = per_token * w.checkpoint_fraction + 34 * (1 - w.checkpoint_fraction)
-    cb = w.compute_bytes
+    cb = precision_model(w).compute
     tokens = w.batch * w.seq
     act = tokens * spec.hidden * spec.layers * per_token * cb / 2 / p.tp
     if w.attention is Attention.EAGER:

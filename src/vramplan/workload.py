@@ -332,21 +332,6 @@ class Workload:
         return self.precision in (Precision.FP16_MIXED, Precision.BF16_MIXED)
 
     @property
-    def param_bytes(self) -> int:
-        """Bytes per stored (unquantised) base parameter: the precision model's ``weight``
-        (:func:`vramplan.precision.precision_model`; 2 under PEFT, whose base is 16-bit)."""
-        from .precision import precision_model
-
-        return precision_model(self).weight
-
-    @property
-    def compute_bytes(self) -> int:
-        """Bytes per element of activations: the precision model's ``compute``."""
-        from .precision import precision_model
-
-        return precision_model(self).compute
-
-    @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
