@@ -197,3 +197,17 @@ def test_trl_sft_script_runs_with_its_model_states() -> None:
     params = r.params
     assert r.method.value == "trace" and any("stopped after 2 optimizer step(s)" in n for n in r.notes)
     assert r.model_states.weights >= 4 * params and r.model_states.optimizer >= 8 * params
+
+
+def test_scripts_make_no_network_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    calls: list[object] = []
+
+    def refuse(addr: object, *args: object, **kwargs: object) -> None:
+        calls.append(addr)
+        raise OSError("no network in tests")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    vramplan.run_script(EX / "hf_trainer.py", ["--bf16"], gpu="h100-sxm", steps=1)
+    assert calls == []

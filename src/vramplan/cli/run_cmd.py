@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="optimizer steps to run (default 2: the first builds optimizer states); "
                    "for an inference script, forward calls")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default 300)")
+    p.add_argument("--online", action="store_true",
+                   help="let the script's Hugging Face libraries reach the Hub (default: offline)")
     p.add_argument("--alloc-conf", default=None, metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to simulate")
     p.add_argument("--snapshot", metavar="FILE.pickle", help="write the predicted trace in PyTorch's snapshot format")
     add_output_args(p)
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     args.method = "trace"
     check_extras(args)
     report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=args.gpus,
-                        alloc_conf=args.alloc_conf, progress=lambda line: hint(f"vramplan run: {line}"))
+                        alloc_conf=args.alloc_conf, online=args.online,
+                        progress=lambda line: hint(f"vramplan run: {line}"))
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())
     write_extras(report, args)
     return 0

@@ -26,9 +26,11 @@ def run_script(
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
     workspaces: bool = True,
+    online: bool = False,
 ) -> MemoryReport:
     """Run the script at ``path`` (with ``argv``) on an emulated ``gpu`` until ``steps``
-    optimizer steps (or forward calls, for inference) and predict its memory.
+    optimizer steps (or forward calls, for inference) and predict its memory. ``online``: let
+    Hugging Face libraries in the script reach the Hub (off by default: no network).
 
     The script sees ``torch.cuda`` of the target GPU (``gpus`` of them); its memory queries
     are answered by the allocator simulation. Weights are never read. ``workspaces=False``
@@ -50,7 +52,7 @@ def run_script(
     facts = DeviceFacts(name=g.name, sm=dev.sm, total_memory=dev.usable, outside_allocator=dev.overhead_bytes,
                         sm_count=g.sm_count or 0, count=gpus)
     tr, run = trace_script(path, argv, profile=dev, facts=facts, steps=steps, timeout=timeout,
-                           alloc_conf=alloc_conf, progress=progress)
+                           alloc_conf=alloc_conf, progress=progress, online=online)
     w = base if run.steps > 0 else Workload(task=Task.INFER)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     return finish(core, Path(path).name, w, g, dev, notes=[], user_model=True)

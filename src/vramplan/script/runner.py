@@ -427,6 +427,36 @@ class _InputMode(torch.overrides.TorchFunctionMode):
         return out
 
 
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextlib.contextmanager
+def _offline(online: bool) -> Iterator[None]:
+    """No network unless asked: Hugging Face libraries in the script work offline (they would
+    otherwise look up model cards, chat templates and telemetry on the Hub)."""
+    if online:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in _OFFLINE_ENV}
+    os.environ.update({k: "1" for k in _OFFLINE_ENV})
+    hub = sys.modules.get("huggingface_hub.constants")
+    was = getattr(hub, "HF_HUB_OFFLINE", None)
+    if hub is not None:
+        setattr(hub, "HF_HUB_OFFLINE", True)  # noqa: B010  (read once at import: set it if loaded)
+
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        hub = sys.modules.get("huggingface_hub.constants")
+        if hub is not None:
+            setattr(hub, "HF_HUB_OFFLINE", bool(was) if was is not None else False)  # noqa: B010
+
+
 @contextlib.contextmanager
 def _deadline(seconds: float | None) -> Iterator[None]:
     """Interrupt the script after ``seconds`` (SIGALRM; main thread on POSIX only)."""
@@ -471,7 +501,8 @@ def _user_frame(tb: Any, path: Path) -> str:
 
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
-                 alloc_conf: str | None = None, progress: Progress | None = None) -> tuple[TraceResult, ScriptRun]:
+                 alloc_conf: str | None = None, progress: Progress | None = None,
+                 online: bool = False) -> tuple[TraceResult, ScriptRun]:
     """Run the script at ``path`` with ``argv`` and trace it (see the module docstring)."""
     from ..trace.run import _collect_deterministically, _emulation_notes, summarize
 
@@ -495,8 +526,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with _collect_deterministically(), sess, emulated_cuda(facts, live, on_sync), _patched(hooks), \
-                weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
+        with _offline(online), _collect_deterministically(), sess, emulated_cuda(facts, live, on_sync), \
+                _patched(hooks), weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:
