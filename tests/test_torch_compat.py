@@ -38,7 +38,7 @@ def test_auto_falls_back_and_says_so(tmp_path, capsys, monkeypatch):
     rc = main(["estimate", _config(tmp_path), "--task", "train", "--seq", "32", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["method"] == "analytic"
-    assert any(f"on torch {torch.__version__}" in n for n in out["notes"])
+    assert f"on torch {torch.__version__}" in out["fallback"]["reason"]  # typed, not a note
 
 
 def test_checkpoint_without_known_internals_is_refused_by_name(tmp_path, capsys, monkeypatch):

@@ -86,7 +86,7 @@ class TraceTimeoutError(TraceError):
     """User code under a trace ran past its time limit (``--timeout``), e.g. a loop that never ends."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, hint="check the code for a loop that never ends, or raise --timeout")
+        super().__init__(message, hint="check the code for a loop that never ends, or raise `timeout`")
 
 
 class SnapshotError(VramplanError):

@@ -299,23 +299,23 @@ class Workload:
             for name, default in (("optimizer", Optimizer.ADAMW), ("optimizer_impl", OptimizerImpl.FOREACH),
                                   ("checkpointing", Checkpointing.NONE), ("grad_accum", 1)):
                 if getattr(self, name) != default:
-                    notes.append(f"--{name.replace('_', '-')} applies to training; ignored for --task {task}")
+                    notes.append(f"`{name}` applies to training; ignored for `task={task}`")
         if self.new_tokens and task is not Task.GENERATE:
-            notes.append(f"--new-tokens applies to --task generate; ignored for --task {task}")
+            notes.append(f"`new_tokens` applies to `task=generate`; ignored for `task={task}`")
         if self.kv_dtype is not KVDtype.AUTO and task is not Task.GENERATE:
-            notes.append(f"--kv-dtype sets the KV cache of --task generate; ignored for --task {task}")
+            notes.append(f"`kv_dtype` sets the KV cache of `task=generate`; ignored for `task={task}`")
         if self.peft is Peft.NONE:
             if self.lora_rank != 16:
-                notes.append("--lora-rank applies with --peft lora or qlora; ignored without --peft")
+                notes.append("`lora_rank` applies with `peft=lora` or qlora; ignored without `peft`")
             if tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
-                notes.append("--lora-targets applies with --peft lora or qlora; ignored without --peft")
+                notes.append("`lora_targets` applies with `peft=lora` or qlora; ignored without `peft`")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:
-            notes.append("--checkpoint-fraction applies with --checkpointing; ignored without it")
+            notes.append("`checkpoint_fraction` applies with `checkpointing`; ignored without it")
         if p.microbatches and p.pp == 1:
-            notes.append("--microbatches applies to pipeline parallelism; ignored without --pp 2 or more")
+            notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.zero and p.dp == 1:
-            notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with --dp 1 nothing is sharded "
-                         "(add --dp N for N GPUs)")
+            notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with `dp=1` nothing is sharded "
+                         "(add `dp=N` for N GPUs)")
         if self.tokens > PLAUSIBLE_TOKENS:
             notes.append(f"a micro-batch of {self.tokens:,} tokens (batch {self.batch:,} x seq {self.seq:,}) is far "
                          f"beyond any real job (the largest published global batches are ~{PLAUSIBLE_TOKENS // 2**20}M "

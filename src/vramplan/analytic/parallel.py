@@ -88,8 +88,8 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             hint="use `method=trace`",
         )
     if w.image_size != 224 and spec.family is not Family.VIT:  # 224: the Workload default
-        raise WorkloadError(f"--image-size applies to vision models; {name} ({spec.family}) takes token sequences",
-                            hint="drop --image-size (--seq sets the input length)")
+        raise WorkloadError(f"`image_size` applies to vision models; {name} ({spec.family}) takes token sequences",
+                            hint="drop `image_size` (`seq` sets the input length)")
     if w.task is Task.GENERATE and not spec.is_decoder:
         article = "an" if str(spec.family)[0] in "aeiou" else "a"
         raise WorkloadError(f"{name} is {article} {spec.family} model and does not generate text",

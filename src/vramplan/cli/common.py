@@ -61,9 +61,9 @@ def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) 
     if f.name == "precision":
         g.add_argument(flag, choices=["auto", *_choices(Precision)], default=default, help=text)
     elif f.name == "checkpointing":
+        auto = ("auto: full with --peft (TRL's SFTConfig turns gradient checkpointing on), none otherwise")
         g.add_argument(flag, choices=["auto", *_choices(Checkpointing)], default=default,
-                       help=f"{text}; auto: full with --peft (TRL's SFTConfig turns gradient checkpointing "
-                            "on), none otherwise")
+                       help=f"{doc.replace('%', '%%')} {auto} (default: auto)")
     elif isinstance(default, bool):
         g.add_argument(flag, action="store_true", help=text)
     elif isinstance(default, Enum):

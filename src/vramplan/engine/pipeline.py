@@ -85,8 +85,8 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
             core = analytic_core(spec, w, dev)
     notes += bf16_notes(dev, w, core.method) if g is not None else []
     if alloc_conf and core.method is Method.ANALYTIC:
-        notes.append(f"--alloc-conf {alloc_conf} is not simulated by the analytic method: reserved is "
-                     "allocated plus an assumed slack (use --method trace)")
+        notes.append(f"`alloc_conf={alloc_conf}` is not simulated by the analytic method: reserved is "
+                     "allocated plus an assumed slack (use `method=trace`)")
     return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback, spec=spec)
 
 

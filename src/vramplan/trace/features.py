@@ -102,7 +102,7 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         from peft import LoraConfig, get_peft_model
     except ImportError:  # peft is in the models extra
         raise TraceError("tracing LoRA / QLoRA needs peft, which is not installed",
-                         hint="pip install 'vramplan[models]' adds it; --method analytic works without it") from None
+                         hint="pip install 'vramplan[models]' adds it; `method=analytic` works without it") from None
     targets: list[str] | None = lora_targets(model, w)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     note = ""

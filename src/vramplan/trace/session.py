@@ -234,7 +234,7 @@ def _checkpoint_generator_patch(ckpt: Any, composed: Any) -> tuple[str, Any]:
     if gen is None:
         raise TraceError(f"torch {torch.__version__}: torch.utils.checkpoint has no non-reentrant generator "
                          "vramplan knows, so checkpoint recompute cannot be emulated",
-                         hint="vramplan's trace is tested on torch 2.13 and 2.14; --method analytic does not trace")
+                         hint="vramplan's trace is tested on torch 2.13 and 2.14; `method=analytic` does not trace")
 
     def generator(fn: Any, preserve_rng_state: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
         return gen(fn, preserve_rng_state, composed(context_fn), *args, **kwargs)
