@@ -206,6 +206,7 @@ HUB_EXACT = {
     "phi-3-mini": 3_821_079_552,
     "gpt2": 124_439_808,
     "resnet-50": 25_557_032,
+    "deepseek-r1-distill-llama-8b": 8_030_261_248,  # Llama-3.1-8B layout
 }
 
 
