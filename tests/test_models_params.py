@@ -94,7 +94,7 @@ def small_decoder(draw: st.DrawFn, model_type: str) -> tuple[dict[str, Any], str
         cfg["mlp_bias"] = draw(st.booleans())
     if model_type == "qwen2_moe":
         cfg["qkv_bias"] = draw(st.booleans())
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         cfg["num_local_experts"] = draw(st.integers(2, 4))
         cfg["num_experts_per_tok"] = draw(st.integers(1, 2))
     if model_type in ("qwen2_moe", "qwen3_moe"):
@@ -207,6 +207,7 @@ HUB_EXACT = {
     "gpt2": 124_439_808,
     "resnet-50": 25_557_032,
     "deepseek-r1-distill-llama-8b": 8_030_261_248,  # Llama-3.1-8B layout
+    "gpt-oss-20b": 20_914_757_184,
 }
 
 
@@ -242,6 +243,14 @@ def test_published_figure_agrees_with_exact_count(alias: str) -> None:
     if e.published_active is not None:
         active = resolve(alias).active_params
         assert abs(active - e.published_active) <= 0.12 * e.published_active
+
+
+def test_gpt_oss_active_count_matches_openai_without_embedding() -> None:
+    # OpenAI's model card: 3.61B active for gpt-oss-20b, counting the unembedding but not the
+    # embedding; vramplan's active count includes the embedding.
+    spec = resolve("gpt-oss-20b")
+    embedding = spec.vocab * spec.hidden
+    assert spec.active_params - embedding == 3_608_307_264
 
 
 def test_moe_active_counts_only_routed_experts() -> None:
