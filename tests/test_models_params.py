@@ -207,6 +207,7 @@ HUB_EXACT = {
     "gpt2": 124_439_808,
     "resnet-50": 25_557_032,
     "deepseek-r1-distill-llama-8b": 8_030_261_248,  # Llama-3.1-8B layout
+    "deepseek-r1-distill-qwen-7b": 7_615_616_512,  # Qwen2.5-7B layout
     "gpt-oss-20b": 20_914_757_184,
 }
 
