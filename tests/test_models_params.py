@@ -209,6 +209,7 @@ HUB_EXACT = {
     "deepseek-r1-distill-llama-8b": 8_030_261_248,  # Llama-3.1-8B layout
     "deepseek-r1-distill-qwen-7b": 7_615_616_512,  # Qwen2.5-7B layout
     "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 
@@ -246,12 +247,13 @@ def test_published_figure_agrees_with_exact_count(alias: str) -> None:
         assert abs(active - e.published_active) <= 0.12 * e.published_active
 
 
-def test_gpt_oss_active_count_matches_openai_without_embedding() -> None:
-    # OpenAI's model card: 3.61B active for gpt-oss-20b, counting the unembedding but not the
+@pytest.mark.parametrize(("alias", "active"), [("gpt-oss-20b", 3_608_307_264),
+                                                ("gpt-oss-120b", 5_132_849_472)])
+def test_gpt_oss_active_count_matches_openai_without_embedding(alias: str, active: int) -> None:
+    # OpenAI's model card: 3.61B / 5.13B active, counting the unembedding but not the
     # embedding; vramplan's active count includes the embedding.
-    spec = resolve("gpt-oss-20b")
-    embedding = spec.vocab * spec.hidden
-    assert spec.active_params - embedding == 3_608_307_264
+    spec = resolve(alias)
+    assert spec.active_params - spec.vocab * spec.hidden == active
 
 
 def test_moe_active_counts_only_routed_experts() -> None:
