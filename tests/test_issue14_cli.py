@@ -389,7 +389,8 @@ def test_a10g_has_a_bf16_rate_with_a_source(capsys):
     assert "SMs x boost clock x 512" in g["sources"]["bf16_tflops"]
 
 
-@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b", "gpt-oss-20b", "gpt-oss-120b",
+                                  "deepseek-r1-distill-qwen-7b", "deepseek-r1-distill-llama-8b"])
 def test_current_models_have_exact_parameter_counts(capsys, name):
     import torch
     import transformers

@@ -54,7 +54,8 @@ def test_list_models_in_catalog_order_and_filter() -> None:
     names = [s.name for s in list_models()]
     assert names == list(catalog_entries())
     moe = list_models("moe")
-    assert {s.name for s in moe} == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b"}
+    assert {s.name for s in moe} == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b",
+                                     "gpt-oss-20b", "gpt-oss-120b"}
     assert all(s.family is Family.MLA for s in list_models(Family.MLA))
 
 

@@ -94,7 +94,7 @@ def small_decoder(draw: st.DrawFn, model_type: str) -> tuple[dict[str, Any], str
         cfg["mlp_bias"] = draw(st.booleans())
     if model_type == "qwen2_moe":
         cfg["qkv_bias"] = draw(st.booleans())
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         cfg["num_local_experts"] = draw(st.integers(2, 4))
         cfg["num_experts_per_tok"] = draw(st.integers(1, 2))
     if model_type in ("qwen2_moe", "qwen3_moe"):
@@ -206,6 +206,10 @@ HUB_EXACT = {
     "phi-3-mini": 3_821_079_552,
     "gpt2": 124_439_808,
     "resnet-50": 25_557_032,
+    "deepseek-r1-distill-llama-8b": 8_030_261_248,  # Llama-3.1-8B layout
+    "deepseek-r1-distill-qwen-7b": 7_615_616_512,  # Qwen2.5-7B layout
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 
@@ -241,6 +245,15 @@ def test_published_figure_agrees_with_exact_count(alias: str) -> None:
     if e.published_active is not None:
         active = resolve(alias).active_params
         assert abs(active - e.published_active) <= 0.12 * e.published_active
+
+
+@pytest.mark.parametrize(("alias", "active"), [("gpt-oss-20b", 3_608_307_264),
+                                                ("gpt-oss-120b", 5_132_849_472)])
+def test_gpt_oss_active_count_matches_openai_without_embedding(alias: str, active: int) -> None:
+    # OpenAI's model card: 3.61B / 5.13B active, counting the unembedding but not the
+    # embedding; vramplan's active count includes the embedding.
+    spec = resolve(alias)
+    assert spec.active_params - spec.vocab * spec.hidden == active
 
 
 def test_moe_active_counts_only_routed_experts() -> None:

@@ -36,7 +36,7 @@ def kv_heads(v: ConfigView, arch: ParamLayout) -> int:
 def moe_layers(v: ConfigView, arch: ParamLayout) -> list[bool]:
     """Per layer: does it use the sparse MoE block (True) or a dense MLP (False)?"""
     n = v.integer("num_hidden_layers")
-    if arch.moe == "mixtral":
+    if arch.moe in ("mixtral", "gpt_oss"):
         return [True] * n
     if arch.moe in ("qwen2_moe", "qwen3_moe"):
         experts = v.integer("num_experts")
@@ -51,7 +51,7 @@ def moe_layers(v: ConfigView, arch: ParamLayout) -> list[bool]:
 
 
 def n_experts(v: ConfigView, arch: ParamLayout) -> int:
-    if arch.moe == "mixtral":
+    if arch.moe in ("mixtral", "gpt_oss"):
         return v.integer("num_local_experts")
     if arch.moe in ("qwen2_moe", "qwen3_moe"):
         return v.integer("num_experts")
@@ -61,7 +61,7 @@ def n_experts(v: ConfigView, arch: ParamLayout) -> int:
 
 
 def expert_intermediate(v: ConfigView, arch: ParamLayout) -> int:
-    if arch.moe == "mixtral":
+    if arch.moe in ("mixtral", "gpt_oss"):
         return v.integer("intermediate_size")
     return v.integer("moe_intermediate_size") if arch.moe else 0
 
@@ -95,6 +95,8 @@ def _attention(v: ConfigView, arch: ParamLayout) -> int:
         n += d
     if arch.qk_norm:
         n += 2 * hd
+    if arch.attn_sinks:
+        n += h
     return n
 
 
@@ -142,7 +144,12 @@ def count_decoder(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int
     inactive = 0
     sparse = moe_layers(v, arch)
     experts = n_experts(v, arch)
-    expert = 3 * d * expert_intermediate(v, arch)
+    width = expert_intermediate(v, arch)
+    expert = 3 * d * width
+    router = d
+    if arch.moe == "gpt_oss":  # gate_up_proj_bias (2I), down_proj_bias (d); router bias
+        expert += 2 * width + d
+        router += 1
     shared = shared_intermediate(v, arch)
     k = v.integer("num_experts_per_tok", 0) if arch.moe else 0
     dense_width = v.integer("intermediate_size")
@@ -151,7 +158,7 @@ def count_decoder(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int
         if not is_moe:
             total += _dense_mlp(v, arch, dense_width)
             continue
-        total += experts * expert + experts * d  # experts + router
+        total += experts * expert + experts * router  # experts + router
         if shared:
             total += 3 * d * shared
             if arch.moe == "qwen2_moe":

@@ -47,7 +47,9 @@ class ParamLayout:
     norms_per_layer: int = 2
     """RMSNorms per decoder layer (Gemma 2/3 add pre/post-feedforward norms: 4)."""
     moe: str = ""
-    """MoE layout: mixtral | qwen2_moe | qwen3_moe | deepseek ('' = dense)."""
+    """MoE layout: mixtral | qwen2_moe | qwen3_moe | deepseek | gpt_oss ('' = dense)."""
+    attn_sinks: bool = False
+    """One learned attention-sink logit per query head (gpt-oss)."""
     sliding: str = "none"
     """Which layers use ``sliding_window``: all | qwen | alternate | pattern | none."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -79,6 +81,10 @@ ARCHS: dict[str, ParamLayout] = {
                       qkv_bias="qkv_bias", sliding="qwen", defaults={"qkv_bias": True}),
     "qwen3_moe": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="qwen3_moe",
                       qk_norm=True, sliding="qwen", defaults={"num_key_value_heads": 4}, **_AB),
+    # gpt-oss: experts with biased gate_up/down projections, a biased router, attention sinks;
+    # transformers models/gpt_oss/modeling_gpt_oss.py
+    "gpt_oss": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="gpt_oss",
+                    attn_sinks=True, sliding="alternate", **_AB),
     "deepseek_v2": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "deepseek_v3": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "gpt2": ParamLayout(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),
