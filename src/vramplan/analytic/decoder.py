@@ -80,9 +80,15 @@ def build(spec: ModelSpec) -> Arch:
                       top_k=spec.experts_per_token or 1, shared_intermediate=shared_i,
                       router_fp32=spec.family is Family.MLA)
         moe_lins = _moe_linears(h, moe_ffn)
+        moe_small = layer_norms + attn_small
+        if spec.model_type == "gpt_oss":
+            # transformers models/gpt_oss/modeling_gpt_oss.py: expert biases (gate_up 2i and down h
+            # per expert), a router bias per expert and one attention sink per head
+            e = moe_ffn.experts
+            moe_small += e * (2 * moe_i + h) + e + spec.heads
         groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
             name="moe", count=spec.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
-            ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=layer_norms + attn_small,
+            ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small,
         ))
     if n_dense:
         groups.insert(0, LayerGroup(
