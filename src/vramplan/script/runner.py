@@ -54,6 +54,7 @@ from torch import nn
 
 from ..errors import TraceError, VramplanError
 from ..events import Action, Category
+from ..trace.construct import _is_cuda as is_cuda
 from ..trace.cuda import DeviceProfile
 from ..trace.recorder import PHASE_INDEX
 from ..trace.result import TraceResult
@@ -212,6 +213,12 @@ class _Hooks:
             ac.exit()
 
 
+def _replace(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
+    """``owner.name = value`` until ``stack`` closes (then the original is put back)."""
+    stack.callback(setattr, owner, name, getattr(owner, name))
+    setattr(owner, name, value)
+
+
 @contextlib.contextmanager
 def _patched(hooks: _Hooks) -> Iterator[None]:
     """Install the hooks and patches; undo them all afterwards."""
@@ -238,10 +245,8 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
         with hooks.backward():
             return autograd_backward(*args, **kwargs)
 
-    torch.Tensor.backward = backward  # type: ignore[method-assign]
-    torch.autograd.backward = autograd_bwd  # type: ignore[assignment]
-    stack.callback(lambda: setattr(torch.Tensor, "backward", tensor_backward))
-    stack.callback(lambda: setattr(torch.autograd, "backward", autograd_backward))
+    _replace(stack, torch.Tensor, "backward", backward)
+    _replace(stack, torch.autograd, "backward", autograd_bwd)
 
     opt_init = oo.Optimizer.__init__
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -251,8 +256,7 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
         optimizers.add(self)
         hooks.optimizer_created()
 
-    oo.Optimizer.__init__ = init  # type: ignore[method-assign]
-    stack.callback(lambda: setattr(oo.Optimizer, "__init__", opt_init))
+    _replace(stack, oo.Optimizer, "__init__", init)
     stack.enter_context(_parameters_keep_identity(optimizers))
 
     ac_enter, ac_exit = am.autocast.__enter__, am.autocast.__exit__
@@ -270,10 +274,8 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
             return False
         return ac_exit(self, *exc)
 
-    am.autocast.__enter__ = enter  # type: ignore[method-assign]
-    am.autocast.__exit__ = exit_  # type: ignore[method-assign]
-    stack.callback(lambda: setattr(am.autocast, "__enter__", ac_enter))
-    stack.callback(lambda: setattr(am.autocast, "__exit__", ac_exit))
+    _replace(stack, am.autocast, "__enter__", enter)
+    _replace(stack, am.autocast, "__exit__", exit_)
 
     # autocast state queries for the emulated device ("cuda", and "meta": what fake tensors report)
     is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
@@ -288,10 +290,8 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
             return hooks.autocast_dtype()
         return get_dtype(device_type)
 
-    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
-    torch.get_autocast_dtype = get_autocast_dtype  # type: ignore[assignment]
-    stack.callback(lambda: setattr(torch, "is_autocast_enabled", is_enabled))
-    stack.callback(lambda: setattr(torch, "get_autocast_dtype", get_dtype))
+    _replace(stack, torch, "is_autocast_enabled", is_autocast_enabled)
+    _replace(stack, torch, "get_autocast_dtype", get_autocast_dtype)
 
     stack.enter_context(_patched_grad_scaler())
     stack.enter_context(_patched_distributed())
@@ -328,11 +328,9 @@ def _parameters_keep_identity(optimizers: weakref.WeakSet[Any]) -> Iterator[None
                 state.update(items)
         return out
 
-    nn.Module._apply = _apply  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        _replace(stack, nn.Module, "_apply", _apply)
         yield
-    finally:
-        nn.Module._apply = orig  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -341,16 +339,12 @@ def _patched_grad_scaler() -> Iterator[None]:
     cannot answer: take the no-overflow branch (what nearly every step does)."""
     from torch.amp import grad_scaler as gs
 
-    orig = gs.GradScaler._maybe_opt_step
-
     def step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
         return optimizer.step(*args, **kwargs)
 
-    gs.GradScaler._maybe_opt_step = step  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        _replace(stack, gs.GradScaler, "_maybe_opt_step", step)
         yield
-    finally:
-        gs.GradScaler._maybe_opt_step = orig  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -360,7 +354,6 @@ def _patched_distributed() -> Iterator[None]:
     if not dist.is_available():
         yield
         return
-    orig = dist.init_process_group
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         raise TraceError(
@@ -370,23 +363,13 @@ def _patched_distributed() -> Iterator[None]:
                  "`vramplan estimate --dp/--zero/--tp` until multi-GPU traces land",
         )
 
-    dist.init_process_group = init_process_group  # type: ignore[assignment]
-    try:
+    with contextlib.ExitStack() as stack:
+        _replace(stack, dist, "init_process_group", init_process_group)
         yield
-    finally:
-        dist.init_process_group = orig  # type: ignore[assignment]
 
 
 _FINITE = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
 _FROM_DATA = frozenset({"tensor", "as_tensor", "scalar_tensor"})
-
-
-def _on_cuda(d: Any) -> bool:
-    if isinstance(d, torch.device):
-        return d.type == "cuda"
-    if isinstance(d, str):
-        return d.split(":")[0] == "cuda"
-    return isinstance(d, int) and not isinstance(d, bool)
 
 
 class _InputMode(torch.overrides.TorchFunctionMode):
@@ -405,7 +388,7 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             # page-locked host memory is not GPU memory; on a CUDA build of torch (no driver
             # here) the real call would reach the CUDA runtime (DataLoader(pin_memory=True))
             return args[0]
-        if name in _FROM_DATA and _on_cuda(kwargs.get("device")):
+        if name in _FROM_DATA and is_cuda(kwargs.get("device")):
             # torch.tensor(data, device="cuda"): the values are the host data's; keep them
             host = func(*args, **{**kwargs, "device": "cpu"})
             out = host.to(kwargs["device"])
