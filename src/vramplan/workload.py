@@ -53,8 +53,23 @@ class OptimizerImpl(_StrEnum):
 
 class Checkpointing(_StrEnum):
     NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
+    FULL = "full"  # every layer (or every k-th: `checkpoint_every`)
+    SELECTIVE = "selective"  # Megatron-style: attention core recomputed
+    OP = "op"  # torchtitan's op-level selective AC (save list + every other matmul)
+
+
+class Loss(_StrEnum):
+    FULL = "full"  # transformers' ForCausalLMLoss: full-vocabulary logits upcast to fp32
+    CHUNKED = "chunked"  # torchtune's CEWithChunkedOutputLoss: logits in `loss_chunks` chunks
+    LIGER = "liger"  # Liger Kernel's fused linear + cross-entropy (chunked over tokens)
+    CCE = "cce"  # Cut Cross-Entropy: logits never materialised
+
+
+class DtypeChoice(_StrEnum):
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
 
 
 class Peft(_StrEnum):
@@ -204,6 +219,27 @@ class Workload:
     """Activation checkpointing: none, full (recompute each layer) or selective (attention only)."""
     checkpoint_fraction: float = 1.0
     """Fraction of layers checkpointed when checkpointing is on (1.0 = all)."""
+    checkpoint_every: int = 1
+    """Checkpoint every k-th layer (torchtitan's `selective_ac_option=k`; 1 = every layer)."""
+    activation_offload: bool = False
+    """Offload saved activations to CPU memory during forward (torchtune/Unsloth style);
+    the host RAM they take is reported."""
+    keep_grads: bool = False
+    """Gradients survive between steps, zeroed in place (`zero_grad(set_to_none=False)`);
+    by default they are freed after the optimizer step (`set_to_none=True`)."""
+    keep_outputs: bool = False
+    """The step's outputs (logits) stay alive through backward (a loop that holds `out`)."""
+    loss: Loss = Loss.FULL
+    """Loss implementation: full (transformers, fp32 full-vocabulary logits), chunked
+    (torchtune's chunked cross-entropy), liger (fused linear + cross-entropy) or cce (Cut
+    Cross-Entropy, logits never materialised)."""
+    loss_chunks: int = 8
+    """Chunks of the chunked cross-entropy (torchtune's `num_output_chunks`)."""
+    optimizer_in_backward: bool = False
+    """The optimizer steps each parameter from its gradient hook during backward, and the
+    gradient is freed right after (torchtune's `optimizer_in_bwd`)."""
+    compile: bool = False
+    """torch.compile the model: the activations AOTAutograd's partitioner saves."""
     peft: Peft = Peft.NONE
     """Parameter-efficient fine-tuning: LoRA adapters on frozen weights, or QLoRA (NF4 base)."""
     lora_rank: int = 16
@@ -211,8 +247,17 @@ class Workload:
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
     """Module names LoRA wraps (a tuple, or one comma-separated string); all-linear for every
     linear layer but the head."""
+    peft_base_dtype: DtypeChoice = DtypeChoice.AUTO
+    """Storage dtype of the frozen base under LoRA (auto: the compute dtype; fp32 for a
+    base loaded in fp32 and run under autocast)."""
     quant: Quant = Quant.NONE
     """Weight quantisation of the base model (inference, or the frozen base under PEFT)."""
+    bnb_compute_dtype: DtypeChoice = DtypeChoice.AUTO
+    """bitsandbytes 4-bit compute dtype (auto: the workload's compute dtype; transformers'
+    `BitsAndBytesConfig` defaults to fp32)."""
+    bnb_single_quant: bool = False
+    """bitsandbytes 4-bit without double quantisation of the absmax constants (QLoRA uses
+    double quantisation)."""
     kv_dtype: KVDtype = KVDtype.AUTO
     """Storage dtype of the KV cache (auto: the compute dtype)."""
     attention: Attention = Attention.SDPA
@@ -233,12 +278,13 @@ class Workload:
         for name, cls in (
             ("task", Task), ("precision", Precision), ("optimizer", Optimizer),
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
-            ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention),
+            ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
+            ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         if isinstance(self.lora_targets, str):
             object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
-        for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size"):
+        for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size", "checkpoint_every", "loss_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
@@ -297,7 +343,9 @@ class Workload:
         task, p = self.task, self.parallel
         if task is not Task.TRAIN:
             for name, default in (("optimizer", Optimizer.ADAMW), ("optimizer_impl", OptimizerImpl.FOREACH),
-                                  ("checkpointing", Checkpointing.NONE), ("grad_accum", 1)):
+                                  ("checkpointing", Checkpointing.NONE), ("grad_accum", 1),
+                                  ("checkpoint_every", 1), ("activation_offload", False), ("keep_grads", False),
+                                  ("keep_outputs", False), ("optimizer_in_backward", False)):
                 if getattr(self, name) != default:
                     notes.append(f"`{name}` applies to training; ignored for `task={task}`")
         if self.new_tokens and task is not Task.GENERATE:
@@ -311,6 +359,16 @@ class Workload:
                 notes.append("`lora_targets` applies with `peft=lora` or qlora; ignored without `peft`")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:
             notes.append("`checkpoint_fraction` applies with `checkpointing`; ignored without it")
+        if self.checkpointing is Checkpointing.NONE and self.checkpoint_every != 1:
+            notes.append("`checkpoint_every` applies with `checkpointing`; ignored without it")
+        if self.loss is not Loss.CHUNKED and self.loss_chunks != 8:
+            notes.append("`loss_chunks` applies with `loss=chunked`; ignored otherwise")
+        if self.peft is Peft.NONE and self.peft_base_dtype is not DtypeChoice.AUTO:
+            notes.append("`peft_base_dtype` applies with `peft=lora`; ignored without `peft`")
+        if self.quant not in (Quant.INT4, Quant.NF4) and (
+                self.bnb_compute_dtype is not DtypeChoice.AUTO or self.bnb_single_quant):
+            notes.append("`bnb_compute_dtype` and `bnb_single_quant` apply to 4-bit quantisation "
+                         "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
         if p.microbatches and p.pp == 1:
             notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.zero and p.dp == 1:
