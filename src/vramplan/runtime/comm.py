@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 
 from vramplan.hardware.gpu import GPU
+from vramplan.models.shape import ModelShape
 from vramplan.precision import precision_model
 from vramplan.workload import Checkpointing, Peft, Task, Workload
 
 from .rates import Efficiency
-from .shape import Shape
 
 _PCIE_X16 = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9, 6: 121.0e9}
 """Nominal PCIe x16 bandwidth per direction, bytes/s (PCI-SIG)."""
@@ -98,7 +98,7 @@ class CommTime:
 
 
 def communication(
-    s: Shape, w: Workload, gpu: GPU, *, trainable: int, base_bytes_per_param: float,
+    s: ModelShape, w: Workload, gpu: GPU, *, trainable: int, base_bytes_per_param: float,
     t_microbatch: float, t_backward: float, decode_tokens: int = 0, eff: Efficiency,
 ) -> CommTime:
     """Communication of one step on one rank.

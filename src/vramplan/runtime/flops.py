@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramplan.models.shape import ModelShape
 from vramplan.workload import Checkpointing, Peft, Workload
 
-from .shape import Shape, keys_per_query
+from .shape import keys_per_query
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class StepFlops:
         return self.forward + self.backward + self.recompute
 
 
-def attention_flops(s: Shape, w: Workload, batch: int, seq: int) -> float:
+def attention_flops(s: ModelShape, w: Workload, batch: int, seq: int) -> float:
     """Forward FLOPs of the attention core (scores and weighted sum) over all layers."""
     sliding = s.sliding_layers if s.sliding_window else 0
     total = 0.0
@@ -43,12 +44,12 @@ def attention_flops(s: Shape, w: Workload, batch: int, seq: int) -> float:
     return total
 
 
-def forward_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int = 0) -> float:
+def forward_flops(s: ModelShape, w: Workload, batch: int, seq: int, adapter_params: int = 0) -> float:
     tokens = batch * seq
     return 2.0 * (s.matmul_params + adapter_params) * tokens + attention_flops(s, w, batch, seq)
 
 
-def train_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int = 0) -> StepFlops:
+def train_flops(s: ModelShape, w: Workload, batch: int, seq: int, adapter_params: int = 0) -> StepFlops:
     """FLOPs of forward, backward and recomputation for one training micro-batch."""
     tokens = batch * seq
     attn = attention_flops(s, w, batch, seq)
@@ -68,7 +69,7 @@ def train_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int
     return StepFlops(fwd, bwd, recompute)
 
 
-def decode_flops(s: Shape, w: Workload, batch: int, context: float) -> float:
+def decode_flops(s: ModelShape, w: Workload, batch: int, context: float) -> float:
     """FLOPs of generating one token for ``batch`` sequences that attend ``context`` keys."""
     sliding = s.sliding_layers if s.sliding_window else 0
     attn = 0.0

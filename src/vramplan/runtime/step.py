@@ -14,6 +14,7 @@ from typing import Any
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
+from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
@@ -22,7 +23,7 @@ from .comm import communication
 from .flops import StepFlops, decode_flops, forward_flops, train_flops
 from .offload import offload_time
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
-from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
+from .shape import adapter_params
 from .traffic import (
     activation_bytes,
     cast_bytes,
@@ -115,24 +116,15 @@ def step_time(
                 hint="use `method=trace`",
             )
     if spec is not None and spec.family in SEQUENCE_FAMILIES:
-        s = shape_of(spec)
+        s = model_shape(spec)
     else:
-        s = _opaque_shape(params or (spec.params if spec else 0))
+        s = opaque_shape(spec.name if spec else "model", params or (spec.params if spec else 0))
     if params:
         s = _with_params(s, params)
     return _StepModel(spec, s, w, gpu, flops, trainable_params, eff).run()
 
 
-def _opaque_shape(params: int) -> Shape:
-    """A model known only by its parameter count (FLOPs come from a trace)."""
-    return Shape(
-        params=params, active_params=params, matmul_params=params, head_params=0, layers=0, hidden=0,
-        heads=1, kv_heads=1, qk_dim=0, v_dim=0, ffn=0, vocab=0, causal=False, sliding_window=None,
-        sliding_layers=0, kv_elems=0, n_experts=0, experts_per_token=0,
-    )
-
-
-def _with_params(s: Shape, params: int) -> Shape:
+def _with_params(s: ModelShape, params: int) -> ModelShape:
     if params == s.params:
         return s
     from dataclasses import replace
@@ -143,7 +135,7 @@ def _with_params(s: Shape, params: int) -> Shape:
 class _StepModel:
     """One evaluation; split into methods per task so each stays short."""
 
-    def __init__(self, spec: ModelSpec | None, s: Shape, w: Workload, gpu: GPU,
+    def __init__(self, spec: ModelSpec | None, s: ModelShape, w: Workload, gpu: GPU,
                  flops: float | None, trainable: int | None, eff: Efficiency) -> None:
         self.spec, self.s, self.w, self.gpu, self.eff = spec, s, w, gpu, eff
         self.traced_flops = flops
@@ -152,13 +144,13 @@ class _StepModel:
         p = w.parallel
         self.split = p.tp * p.pp * p.cp
         self.notes: list[str] = [n for n in (self.rate.note,) if n]
-        self.seq = tokens_per_sample(spec, w) if spec is not None else w.seq
+        self.seq = s.tokens_per_sample(w) if spec is not None else w.seq
         self.sequence_model = spec is not None and spec.family in SEQUENCE_FAMILIES
         self.text_model = self.sequence_model and spec is not None and spec.family is not Family.VIT
         """Reports tokens per second (ViTs and CNNs report samples)."""
         self.adapters = 0
         if w.peft is not Peft.NONE:
-            self.adapters = adapter_params(spec, w) if spec is not None and spec.hidden else (trainable or 0)
+            self.adapters = adapter_params(s, w) if spec is not None and spec.hidden else (trainable or 0)
         if trainable is None:
             trainable = self.adapters if w.peft is not Peft.NONE else s.params
         self.trainable = trainable
