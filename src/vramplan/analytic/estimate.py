@@ -49,7 +49,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     if workspace < 0:
         raise WorkloadError(f"workspace bytes must be >= 0, got {workspace}")
-    seq = vit.tokens(w.image_size, spec.patch_size or 16) if spec.family is Family.VIT else w.seq
+    seq = arch.shape.tokens_per_sample(w)
     tokens = tokens_per_rank(w, seq) if spec.family is not Family.VIT else w.batch * seq
     positions = w.batch if arch.head.kind == "cls" else tokens
 

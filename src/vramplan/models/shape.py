@@ -130,7 +130,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         params=spec.params, active_params=active, matmul_params=matmul or active, head_params=head,
         layers=spec.layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         qk_dim=qk, v_dim=v, intermediate=spec.intermediate, moe_intermediate=moe_i, ffn=ffn,
-        vocab=spec.vocab, causal=decoder, sliding_window=spec.sliding_window,
+        vocab=0 if spec.family is Family.VIT else spec.vocab, causal=decoder, sliding_window=spec.sliding_window,
         sliding_layers=spec.sliding_layers, kv_elems=kv_elems, n_experts=spec.n_experts,
         experts_per_token=spec.experts_per_token, shared_experts=spec.shared_experts,
         tie_embeddings=spec.tie_embeddings, patch_size=spec.patch_size or DEFAULT_PATCH,
