@@ -14,16 +14,16 @@ from typing import Any
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
+from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layout_of, train_flops
 from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
 
+from .adapters import adapter_params
 from .comm import communication
-from .flops import StepFlops, decode_flops, forward_flops, train_flops
 from .offload import offload_time
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
-from .shape import adapter_params
 from .traffic import (
     activation_bytes,
     cast_bytes,
@@ -154,6 +154,7 @@ class _StepModel:
         if trainable is None:
             trainable = self.adapters if w.peft is not Peft.NONE else s.params
         self.trainable = trainable
+        self.layout = layout_of(s, adapters=self.adapters, trains_base=w.peft is Peft.NONE)
 
     # -- helpers -------------------------------------------------------------------
     def _efficient_rate(self, tokens: float) -> float:
@@ -185,7 +186,7 @@ class _StepModel:
             per_mb = self.traced_flops / w.grad_accum * self.split
             f = StepFlops(per_mb / 3, per_mb * 2 / 3)
         else:
-            f = train_flops(s, w, b, seq, self.adapters)
+            f = train_flops(self.layout, w, b, seq)
         fwd_b, bwd_b, rec_b, cast_b = train_bytes(s, w, b, seq, self.trainable)
         mb = self._phase(f.total / self.split, (fwd_b + bwd_b + rec_b) / self.split, cast_b / self.split,
                          b * seq / p.cp)
@@ -234,7 +235,7 @@ class _StepModel:
     def _forward(self, b: int, seq: int) -> tuple[float, float, float]:
         """(flops, overlappable bytes, serial cast bytes) of an inference forward, per GPU."""
         w, s = self.w, self.s
-        flops = forward_flops(s, w, b, seq)
+        flops = forward_flops(self.layout, w, b, seq)
         touched = touched_params(s, b * seq)
         read = touched * matmul_weight_bytes(w) + activation_bytes(s, w, b, seq, training=False)
         return flops / self.split, read / self.split, touched * cast_bytes(w) / self.split
@@ -262,10 +263,12 @@ class _StepModel:
             return self._infer()
         w, s, p = self.w, self.s, self.w.parallel
         b, seq, n = w.batch, self.seq, w.new_tokens
-        pre_flops, pre_read, pre_cast = self._forward(b, seq)
+        _, pre_read, pre_cast = self._forward(b, seq)
+        prefill, decode = generate_flops(self.layout, w, seq)
+        pre_flops = prefill / self.split
         pre = self._phase(pre_flops, pre_read, pre_cast, b * seq / p.cp)
         ctx = seq + (n + 1) / 2  # mean context over the decode steps
-        dec_flops = decode_flops(s, w, b, ctx) / self.split
+        dec_flops = decode / max(n, 1) / self.split  # the mean decode step
         dec_read, dec_cast = decode_bytes(s, w, b, ctx, _kv_bytes(w))
         dec = self._phase(dec_flops, dec_read / self.split, dec_cast / self.split, b)
         comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),

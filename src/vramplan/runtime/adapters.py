@@ -1,22 +1,9 @@
-"""Runtime helpers on the one model shape (:class:`vramplan.models.shape.ModelShape`)."""
+"""LoRA adapter parameters of a model known by its shape (the runtime model's count)."""
 
 from __future__ import annotations
 
 from vramplan.models.shape import ModelShape
-from vramplan.workload import ALL_LINEAR, Attention, Workload
-
-
-def keys_per_query(s: ModelShape, seq: int, w: Workload, window: int | None) -> float:
-    """Average keys each query attends to in one layer, as the kernel computes them.
-
-    Causal flash/SDPA kernels skip fully masked blocks, so they do ~half of s² work;
-    eager attention computes the whole s×s score matrix and masks it.
-    """
-    if not s.causal or w.attention is Attention.EAGER:
-        return float(seq)
-    if window is None or window >= seq:
-        return (seq + 1) / 2
-    return (window * (window + 1) / 2 + (seq - window) * window) / seq
+from vramplan.workload import ALL_LINEAR, Workload
 
 
 def adapter_params(s: ModelShape, w: Workload) -> int:
