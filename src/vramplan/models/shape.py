@@ -40,7 +40,8 @@ class ModelShape:
     """Active parameters that take part in a matmul per token (the input embedding lookup does
     not; a tied embedding does, as the output head)."""
     head_params: int
-    """Parameters of the output head matmul (vocab × hidden), 0 for encoders/ViT."""
+    """Parameters of the output head matmul (vocab × hidden: a decoder's LM head, an encoder's
+    masked-LM decoder), 0 for ViT."""
     layers: int
     hidden: int
     heads: int
@@ -120,10 +121,11 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         ffn = spec.intermediate
     active = spec.active_params or spec.params
     decoder = spec.is_decoder
-    head = spec.vocab * hidden if decoder else 0
-    embed_lookup = 0 if spec.tie_embeddings or not decoder else spec.vocab * hidden
-    if spec.family is Family.ENCODER:
-        embed_lookup = spec.vocab * hidden
+    # the head matmul: a decoder's logits over the vocabulary (tied or not), an encoder's masked-LM
+    # decoder (tied to the word embeddings, BertForMaskedLM); an untied input embedding is a lookup
+    lm_head = decoder or spec.family is Family.ENCODER
+    head = spec.vocab * hidden if lm_head else 0
+    embed_lookup = 0 if spec.tie_embeddings or spec.family is Family.ENCODER or not decoder else spec.vocab * hidden
     matmul = max(active - embed_lookup, 0) if hidden else active
     return ModelShape(
         name=spec.name, family=spec.family, model_type=spec.model_type,
