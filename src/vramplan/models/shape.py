@@ -201,7 +201,13 @@ def tokens(w: Workload, per_sample: int | None = None) -> Tokens:
                   microbatches=w.grad_accum, dp=p.dp)
 
 
+def samples_per_rank(global_batch: int, dp: int) -> int | None:
+    """Samples per step on each of ``dp`` data-parallel ranks sharing ``global_batch`` (micro-batch ×
+    accumulation); None when the global batch does not split evenly."""
+    return global_batch // dp if global_batch % dp == 0 else None
+
+
 __all__ = [
     "DECODER_FAMILIES", "SEQUENCE_FAMILIES", "ModelShape", "Tokens", "model_shape", "opaque_shape",
-    "tokens", "vit_tokens",
+    "samples_per_rank", "tokens", "vit_tokens",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layout_of, train_flops
-from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape
+from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape, tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
@@ -144,7 +144,8 @@ class _StepModel:
         p = w.parallel
         self.split = p.tp * p.pp * p.cp
         self.notes: list[str] = [n for n in (self.rate.note,) if n]
-        self.seq = s.tokens_per_sample(w) if spec is not None else w.seq
+        self.tokens = tokens(w, s.tokens_per_sample(w) if spec is not None else w.seq)
+        self.seq = self.tokens.per_sample
         self.sequence_model = spec is not None and spec.family in SEQUENCE_FAMILIES
         self.text_model = self.sequence_model and spec is not None and spec.family is not Family.VIT
         """Reports tokens per second (ViTs and CNNs report samples)."""
@@ -189,7 +190,7 @@ class _StepModel:
             f = train_flops(self.layout, w, b, seq)
         fwd_b, bwd_b, rec_b, cast_b = train_bytes(s, w, b, seq, self.trainable)
         mb = self._phase(f.total / self.split, (fwd_b + bwd_b + rec_b) / self.split, cast_b / self.split,
-                         b * seq / p.cp)
+                         self.tokens.per_rank)
         t_mb = mb.total
         t_bwd = t_mb * f.backward / max(f.total, 1.0)
         m = w.grad_accum
@@ -224,12 +225,12 @@ class _StepModel:
             self.notes.append(
                 f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
             )
-        tokens = b * seq * m * p.dp if self.text_model else 0
+        tokens = self.tokens.global_tokens if self.text_model else 0
         return self._result(
             total=busy + t_opt + comm.exposed + off.exposed, compute=m * mb.t_c, memory=m * mb.t_mem + t_opt,
             comm=comm, off=off, bubble=bubble, contrib=contrib, flops=m * f.total / self.split,
             bytes_moved=m * (fwd_b + bwd_b + rec_b + cast_b) / self.split + opt_bytes,
-            tokens=tokens, samples=b * m * p.dp,
+            tokens=tokens, samples=self.tokens.global_batch,
         )
 
     def _forward(self, b: int, seq: int) -> tuple[float, float, float]:
@@ -246,14 +247,14 @@ class _StepModel:
         flops, read, cast = self._forward(b, seq)
         if self.traced_flops is not None:
             flops = self.traced_flops
-        ph = self._phase(flops, read, cast, b * seq / p.cp)
+        ph = self._phase(flops, read, cast, self.tokens.per_rank)
         comm = communication(self.s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),
                              t_microbatch=ph.total, t_backward=0.0, eff=self.eff)
         bubble = (p.pp - 1) / p.pp * ph.total if p.pp > 1 else 0.0
         contrib = {"compute": ph.compute_part, "memory": ph.memory_part + bubble,
                    "communication": comm.exposed, "offload": 0.0}
         self.notes += list(comm.notes)
-        tokens = b * seq * p.dp if self.text_model else 0
+        tokens = self.tokens.micro_batch * p.dp if self.text_model else 0
         return self._result(total=ph.total + bubble + comm.exposed, compute=ph.t_c, memory=ph.t_mem, comm=comm,
                             off=None, bubble=bubble, contrib=contrib, flops=flops, bytes_moved=read + cast,
                             tokens=tokens, samples=b * p.dp)
@@ -266,7 +267,7 @@ class _StepModel:
         _, pre_read, pre_cast = self._forward(b, seq)
         prefill, decode = generate_flops(self.layout, w, seq)
         pre_flops = prefill / self.split
-        pre = self._phase(pre_flops, pre_read, pre_cast, b * seq / p.cp)
+        pre = self._phase(pre_flops, pre_read, pre_cast, self.tokens.per_rank)
         ctx = seq + (n + 1) / 2  # mean context over the decode steps
         dec_flops = decode / max(n, 1) / self.split  # the mean decode step
         dec_read, dec_cast = decode_bytes(s, w, b, ctx, _kv_bytes(w))
