@@ -60,10 +60,10 @@ def warm_up() -> None:
     trace_workload(tiny_spec("llama-3.1-8b"), STEP.replace(seq=64))
 
 
-def vramplan_8b() -> tuple[float, int]:
+def vramplan_8b() -> tuple[float, int, int]:
     t = time.perf_counter()
     r = trace_workload(resolve("llama-3.1-8b"), STEP)
-    return time.perf_counter() - t, r.peak_allocated
+    return time.perf_counter() - t, r.peak_allocated, len(r.events)
 
 
 def memtracker_8b() -> float:
@@ -142,9 +142,12 @@ def main() -> int:
                     help="also trace Mixtral-8x7B (<= 5 s) and DeepSeek-V3 (<= 20 s; ~4 min today) in fresh processes")
     args = ap.parse_args()
     warm_up()
-    ours, peak = vramplan_8b()
+    ours, peak, events = vramplan_8b()
     print(f"Llama-3.1-8B step traced: peak {peak / GiB:.2f} GiB requested bytes")
     line("Llama-3.1-8B trace", f"{ours:.2f} s", "<= 5 s", ours <= 5.0)
+    _, peak2, events2 = vramplan_8b()
+    line("same trace again in this process", f"{events2:,} vs {events:,} events", "identical",
+         (events2, peak2) == (events, peak))
     if not args.quick:
         ref = memtracker_8b()
         line("MemTracker+FakeTensorMode, same step", f"{ref:.2f} s (ratio {ref / ours:.1f}x)", ">= 5x", ref / ours >= 5)
