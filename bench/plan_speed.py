@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -85,19 +86,25 @@ def plan_wall(extra: list[str], label: str) -> None:
 def end_to_end() -> None:
     """``fit`` and ``plan`` on Llama-3.1-8B / RTX 4090 / LoRA through the CLI, each a fresh
     process (medians of 3), with ``python -c "import torch"`` measured alongside."""
-    def median(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess[str]]:
-        times, out = [], None
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def median(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess[str]]:
+        times, cpus, out = [], [], None
         for _ in range(3):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), cpu()
             out = subprocess.run(cmd, capture_output=True, text=True)
             times.append(time.perf_counter() - t)
+            cpus.append(cpu() - c)
         assert out is not None
-        return sorted(times)[1], out
+        return sorted(times)[1], sorted(cpus)[1], out
 
-    torch_s, _ = median([sys.executable, "-c", "import torch"])
-    print(f"end to end, medians of 3 (python -c 'import torch': {torch_s:.2f} s in the same run):")
+    torch_s, torch_cpu, _ = median([sys.executable, "-c", "import torch"])
+    print(f"end to end, medians of 3 (python -c 'import torch': {torch_s:.2f} s, {torch_cpu:.2f} s CPU, "
+          "in the same run):")
     for sub in ("fit", "plan"):
-        wall, out = median(_cli() + [sub, *LORA_4090])
+        wall, used, out = median(_cli() + [sub, *LORA_4090])
         if out.returncode != 0:
             print(f"  {sub}: failed: {out.stderr.strip()[-300:]}")
             continue
@@ -107,7 +114,7 @@ def end_to_end() -> None:
         if sub == "fit":
             what += f"; max batch {d.get('max_batch')}, max seq {d.get('max_seq')}"
         ok = "OK" if wall <= E2E_TARGET_S else "MISSED"
-        print(f"  vramplan {sub} {' '.join(LORA_4090)}: {wall:.1f} s ({what}) vs target ≤ {E2E_TARGET_S:.0f} s "
+        print(f"  vramplan {sub} {' '.join(LORA_4090)}: {wall:.1f} s, {used:.1f} s CPU ({what}) vs target ≤ {E2E_TARGET_S:.0f} s "
               f"-> ratio {wall / E2E_TARGET_S:.2f} ({ok}); {wall / torch_s:.1f}× import torch")
 
 
