@@ -84,7 +84,7 @@ def build(spec: ModelSpec) -> Arch:
             # transformers models/gpt_oss/modeling_gpt_oss.py: expert biases (gate_up 2i and down h
             # per expert), a router bias per expert and one attention sink per head
             e = moe_ffn.experts
-            moe_small += e * (2 * moe_i + h) + e + spec.heads
+            moe_small += e * (2 * moe_i + h) + e + heads
         groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
             name="moe", count=shape.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
             ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small,
