@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vramplan.models.shape import ModelShape, model_shape
+from vramplan.models.shape import ModelShape
 from vramplan.models.spec import Family, ModelSpec
 
 from ._config import act_saves, get_bool, get_float, get_int
@@ -26,7 +26,7 @@ _SANDWICH = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg, shape = spec.config, model_shape(spec)
+    cfg, shape = spec.config, spec.shape
     h, heads = shape.hidden, shape.heads
     head_dim, kv_heads = shape.head_dim, shape.kv_heads
     mt = spec.model_type

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
-from vramplan.models.shape import model_shape
 from vramplan.models.spec import Family, ModelSpec
 
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp32")
@@ -123,7 +122,7 @@ def layer_specs(spec: ModelSpec, *, tp: int = 1, pp: int = 1, kv_cache_dtype: st
     n = stage_layers(spec.layers, pp)
     if spec.family is Family.MLA and spec.kv_lora_rank:
         return tuple(LayerKV("mla", 1, spec.kv_lora_rank + spec.qk_rope_head_dim, vb) for _ in range(n))
-    shape = model_shape(spec)
+    shape = spec.shape
     heads = kv_heads_per_rank(shape.kv_heads, tp, engine)
     head_size = shape.head_dim
     n_sliding = 0
