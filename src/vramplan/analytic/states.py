@@ -66,6 +66,10 @@ class States:
     casts_layer: int = 0
     dequant: int = 0
     """16-bit copy of the largest quantised matrix while it multiplies."""
+    largest_grad: int = 0
+    """Gradient bytes of the largest trainable tensor (``optimizer_in_backward`` holds one at a time)."""
+    step_temp: int = 0
+    """Temporaries of one optimizer step over that tensor alone (per-parameter optimizers)."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -149,6 +153,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
+        largest_grad=largest * rg.trainable_bytes // g_shard,
+        step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
     )
 
 
