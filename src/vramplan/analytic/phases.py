@@ -58,7 +58,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     if w.checkpointing is Checkpointing.FULL and a.checkpointed:
         kept_casts = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
         casts_bwd = kept_casts + st.casts_layer
-    temps = st.dequant + workspace
+    temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
     # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
     # accumulation to its parameter's step inside backward, with that step's temporaries
     step_temp = st.step_temp if w.optimizer_in_backward else 0
@@ -69,7 +69,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         weights=w_live, gradients=held + st.ddp_buckets, optimizer=st.optimizer,
         activations=acts + a.head + lm.forward_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
-        temporaries=st.casts_all + lm.forward_transient + temps + workspace, kv_cache=cache * stage.in_flight,
+        temporaries=st.casts_all + lm.forward_transient + 2 * workspace, kv_cache=cache * stage.in_flight,
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
@@ -89,7 +89,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
             weights=w_live, optimizer=st.optimizer, gradients=held + st.ddp_buckets,
             activations=acts + a.head + lm.backward_saved + kept,
-            temporaries=casts_bwd + lm.backward_transient + temps + workspace,
+            temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
         ))
     if w.optimizer_in_backward:
         return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)

@@ -99,7 +99,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     if w.quant is Quant.NONE:
         linear_b = linear * rg.weight
     else:
-        double = w.peft is Peft.QLORA
+        double = w.peft is Peft.QLORA and not w.bnb_single_quant
         linear_b = sum(
             n * quantised_bytes(local(lin, w), local(lin, w) // max(1, lin.d_in), w.quant, double=double)
             for lin, n in lins
@@ -138,11 +138,14 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
 
     casts_all = casts_layer = 0
     if rg.autocast and rg.weight == 4:  # fp32 weights: autocast caches a 16-bit copy of each
-        casts_all = rg.compute * (linear + head_used)
-        casts_layer = rg.compute * max((sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)
+        # (quantised linears are not fp32 parameters: only the head and the adapters are cast)
+        quantised = w.quant is not Quant.NONE
+        casts_all = rg.compute * ((0 if quantised else linear) + head_used + adapters)
+        casts_layer = rg.compute * (layer_adapters + (0 if quantised else max(
+            (sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)))
     elif rg.autocast and adapters:
         casts_all, casts_layer = rg.compute * adapters, rg.compute * layer_adapters
-    dequant = rg.compute * _largest(lins, w) if w.quant is not Quant.NONE else 0
+    dequant = _dequant_bytes(w, rg) * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
     per_layer = layer if tr.full else layer_adapters
     return States(
@@ -156,6 +159,18 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
     )
+
+
+def _dequant_bytes(w: Workload, rg: Regime) -> int:
+    """Bytes per element of the temporaries around one quantised matmul. 4-bit
+    (bitsandbytes ``MatMul4Bit``): the weight dequantised to its load dtype, then
+    ``.to(compute dtype)``; under autocast ``F.linear`` casts that to the autocast dtype."""
+    if w.quant not in (Quant.NF4, Quant.INT4):
+        return rg.compute
+    load, cd = rg.weight, rg.bnb_bytes
+    to_compute = load + (cd if rg.bnb_dtype != rg.weight_dtype else 0)
+    cast = cd + (rg.compute if rg.autocast and rg.bnb_dtype != rg.compute_dtype else 0)
+    return max(load, to_compute, cast)
 
 
 def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,

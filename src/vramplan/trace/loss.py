@@ -67,10 +67,22 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
         hf = getter()
     head = hf.get_output_embeddings() if callable(getattr(hf, "get_output_embeddings", None)) else None
     backbone = getattr(hf, "base_model", None)
-    if not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module) or backbone is hf:
+    if (not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module) or backbone is hf
+            or type(hf).__name__ not in _causal_lm_classes()):
         raise TraceError(f"the loss implementation needs a transformers causal LM (a backbone and an output "
                          f"head); {type(hf).__name__} is not one", hint="use `loss=full`")
     return hf, backbone, head
+
+
+def _causal_lm_classes() -> frozenset[str]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return frozenset()
+    names: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((v,) if isinstance(v, str) else v)
+    return frozenset(names)
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
