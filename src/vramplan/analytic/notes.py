@@ -107,7 +107,9 @@ def _optimizer(w: Workload, rg: Regime) -> str:
             return "Fused Adam(W): no list-wide temporaries at the step."
         return "For-loop Adam(W): one denominator of the largest parameter at a time."
     if o in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
-        paged = (" Paged states live in unified memory and can page out to CPU under pressure; counted on the GPU."
+        paged = (" Paged: the state buffers of tensors of >= 1e5 elements live in CUDA unified memory "
+                 "(cudaMallocManaged), outside PyTorch's allocator: not counted here (they take GPU memory while "
+                 "resident and page out to CPU under pressure); absmax and small tensors' states are counted."
                  if o is Optimizer.PAGED_ADAMW_8BIT else "")
         return "bitsandbytes 8-bit Adam: 2 B/param + fp32 absmax per 2048-block, 32-bit for tensors < 4096." + paged
     if o is Optimizer.ADAFACTOR:

@@ -31,6 +31,7 @@ from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 2048
+BNB_PAGED_MIN = 100_000
 
 
 def quantised_bytes(elems: int, rows: int, q: Quant, *, double: bool = False) -> int:
@@ -190,16 +191,33 @@ def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
             div = (p.tp if tp else 1) * (p.ep if expert else 1)
             total += 4 * count * (d_in + d_out) // div
         return master + total
-    # adamw-8bit / paged-adamw-8bit
+    # adamw-8bit / paged-adamw-8bit: the paged variant's state buffers of tensors of at least
+    # 1e5 elements live in CUDA unified memory, outside the caching allocator (bitsandbytes
+    # optim/optimizer.py get_state_buffer); their absmax and smaller tensors' states do not
+    paged = o is Optimizer.PAGED_ADAMW_8BIT
     total = 8 * vectors
     for d_in, d_out, count, tp, expert in matrices:
         div = (p.tp if tp else 1) * (p.ep if expert else 1)
         elems = count * d_in * d_out // div
+        per = d_in * d_out // div
         if d_in * d_out >= BNB_MIN_8BIT:
-            total += 2 * elems + 2 * 4 * math.ceil(elems / BNB_BLOCK)
+            total += (0 if paged and per >= BNB_PAGED_MIN else 2 * elems) + 2 * 4 * math.ceil(elems / BNB_BLOCK)
         else:
-            total += 8 * elems
+            total += 0 if paged and per >= BNB_PAGED_MIN else 8 * elems
     return master + total
+
+
+def paged_state_bytes(w: Workload, matrices: list[tuple[int, int, int, bool, bool]]) -> int:
+    """Bytes of paged-adamw-8bit state buffers in CUDA unified memory (outside the allocator)."""
+    if w.optimizer is not Optimizer.PAGED_ADAMW_8BIT:
+        return 0
+    p, total = w.parallel, 0
+    for d_in, d_out, count, tp, expert in matrices:
+        div = (p.tp if tp else 1) * (p.ep if expert else 1)
+        per = d_in * d_out // div
+        if per >= BNB_PAGED_MIN:
+            total += count * per * (2 if d_in * d_out >= BNB_MIN_8BIT else 8)
+    return total
 
 
 def _optimizer_temp(w: Workload, rg: Regime, shard: int, largest: int) -> int:
