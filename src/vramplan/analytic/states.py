@@ -40,7 +40,10 @@ def quantised_bytes(elems: int, rows: int, q: Quant, *, double: bool = False) ->
         return elems + 4 * rows
     blocks = math.ceil(elems / 64)
     absmax = blocks + 4 * math.ceil(blocks / 256) if double else 4 * blocks
-    return math.ceil(elems / 2) + absmax
+    # bitsandbytes QuantState: the 16-entry fp32 code, and with double quantisation the
+    # second level's 256-entry fp32 code and fp32 offset
+    consts = 4 * 16 + (4 * 256 + 4 if double else 0)
+    return math.ceil(elems / 2) + absmax + consts
 
 
 @dataclass(frozen=True)
