@@ -24,11 +24,11 @@ from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Task, Workload
 from . import analysis, features
 from .construct import fake_construction
+from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
 from .session import TraceSession
-from .loss import loss_note
 from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
