@@ -6,14 +6,17 @@ step is ~6·N·tokens. Attention adds ``2·b·s·s_kv·heads·(d_qk + d_v)`` per
 (``4·b·s²·h`` for standard heads), where causal flash/SDPA kernels halve ``s_kv``.
 A frozen base under LoRA skips its weight gradients: ~4·N·tokens instead of 6.
 Full activation checkpointing re-runs the forward of the checkpointed layers once;
-selective checkpointing re-runs the attention core only.
+selective checkpointing re-runs the attention core only. Cut Cross-Entropy (``loss=cce``)
+re-computes the logits block by block in its backward (cut_cross_entropy/cce_backward.py):
+one more head forward; the other loss implementations do the head's usual three matmuls
+(Liger all of them inside the forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramplan.workload import Checkpointing, Peft, Workload
+from vramplan.workload import Checkpointing, Loss, Peft, Workload
 
 from .shape import Shape, keys_per_query
 
@@ -65,6 +68,8 @@ def train_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int
         recompute = frac * attn
     else:
         recompute = 0.0
+    if w.loss is Loss.CCE:
+        recompute += 2.0 * s.head_params * tokens
     return StepFlops(fwd, bwd, recompute)
 
 
