@@ -341,3 +341,23 @@ def test_cut_cross_entropy_recomputes_the_logits_in_backward() -> None:
     assert cce.total - full.total == pytest.approx(2 * 4096 * 128256 * 2048)
     for loss in ("chunked", "liger"):  # the same three head matmuls, in other places
         assert train_flops(s, w.replace(loss=loss), 1, 2048).total == full.total
+
+
+# --------------------------------------------------------------------------- fused attention backward
+@pytest.mark.parametrize(("gpu", "precision", "kernel", "size"), [
+    ("t4", "fp16", "efficient", 4 * 2 * 4 * 128 * 64),  # fp32 dQ tiles: ⌈T⌉₆₄ × ⌈D=16⌉₆₄ per (b, h)
+    ("h100-sxm", "bf16", "cudnn", 4 * 2 * 4 * 128 * 16 + 4 * 2 * 4 * 128),
+])
+def test_fused_attention_backward_allocates_its_fp32_dq_workspace(gpu: str, precision: str, kernel: str,
+                                                                  size: int) -> None:
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.hardware.target import device_profile
+    from vramplan.trace.testing import tiny_spec
+
+    r = trace_workload(tiny_spec("llama-3.1-8b"), Workload(task="train", batch=2, seq=128, precision=precision),
+                       device=device_profile(get_gpu(gpu)))
+    assert any(f"{kernel} ×" in n for n in r.notes)
+    log = r.events
+    sizes = {log.size[k] for k in range(len(log))
+             if log.strings[log.op[k]] == "sdpa.bwd_workspace" and log.action[k] == int(Action.ALLOC)}
+    assert sizes == {size}
