@@ -176,7 +176,8 @@ class LigerFusedLinearCE(torch.autograd.Function):
 # --- Cut Cross-Entropy -------------------------------------------------------------------------
 class CutCrossEntropy(torch.autograd.Function):
     """The allocations of CCE 25.1.1 ``LinearCrossEntropyFunction`` (``impl="cce"``, mean
-    reduction, ``filter_eps="auto"``; every label valid, so ``valids`` is None)."""
+    reduction, ``linear_cross_entropy``'s default ``filter_eps="high"``, so the per-vocabulary
+    logit average is kept; every label valid, so ``valids`` is None)."""
 
     @staticmethod
     def forward(ctx: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
