@@ -361,3 +361,65 @@ def test_fused_attention_backward_allocates_its_fp32_dq_workspace(gpu: str, prec
     sizes = {log.size[k] for k in range(len(log))
              if log.strings[log.op[k]] == "sdpa.bwd_workspace" and log.action[k] == int(Action.ALLOC)}
     assert sizes == {size}
+
+
+# --------------------------------------------------------------------------- Liger on a real CPU
+_LIGER_REAL = """
+import json, sys
+import torch
+from torch import nn
+from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+from vramplan.trace.testing import real_peak
+
+BT, H, V = {bt}, {h}, {v}
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+        self.loss = LigerFusedLinearCrossEntropyLoss()
+
+    def forward(self, x, target):
+        return self.loss(self.head.weight, self.lin(x), target)
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(BT, H, generator=g), torch.randint(0, V, (BT,), generator=g))
+
+print(json.dumps(real_peak(Model, inputs, loss_fn=lambda out: out)))
+"""
+
+
+class _LigerEmulated(nn.Module):
+    def __init__(self, h: int, v: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(h, h)
+        self.head = nn.Linear(h, v, bias=False)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from vramplan.trace.loss import LigerFusedLinearCE
+
+        return LigerFusedLinearCE.apply(self.lin(x), self.head.weight, target, None, False, False)
+
+
+def test_liger_emulation_matches_liger_run_on_a_cpu_with_tritons_interpreter() -> None:
+    """Liger's own code (its Triton kernels under ``TRITON_INTERPRET=1``, which runs them on the
+    CPU without allocating torch tensors) against the trace of the emulation, CPU-side decisions."""
+    pytest.importorskip("liger_kernel")
+    import json
+    import subprocess
+    import sys
+
+    bt, h, v = 256, 64, 1024  # 16 chunks of 16 tokens
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _LIGER_REAL.format(bt=bt, h=h, v=v)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.skip(f"Liger does not run under Triton's interpreter here: {proc.stderr.strip().splitlines()[-1:]}")
+    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(bt, h, generator=g), torch.randint(0, v, (bt,), generator=g))
+    w = Workload(task="train", precision="fp32", optimizer="adamw")
+    r = trace_model(lambda: _LigerEmulated(h, v), inputs, workload=w, loss_fn=lambda out: out, options=NO_WS)
+    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)

@@ -124,7 +124,9 @@ class LigerFusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,  # type: ignore[override]
-                autocast_dtype: torch.dtype | None, sm80: bool) -> torch.Tensor:
+                autocast_dtype: torch.dtype | None, sm80: bool, cuda: bool = True) -> torch.Tensor:
+        """``cuda=False``: the decisions Liger's code takes on a CPU tensor (no ``mm(out=)``, no
+        in-place ``addmm``), for the comparison with a real CPU run."""
         bt, hidden = x.shape
         vocab = weight.shape[0]
         chunk = liger_chunk(bt, vocab, hidden)
@@ -136,7 +138,7 @@ class LigerFusedLinearCE(torch.autograd.Function):
         mask.sum()  # total_n_non_ignore (.item())
         del mask
         mm_dtype = autocast_dtype or x.dtype
-        use_mm_out = x.dtype == weight.dtype and x.dtype == mm_dtype
+        use_mm_out = cuda and x.dtype == weight.dtype and x.dtype == mm_dtype
         storage = torch.empty((chunk, vocab), dtype=x.dtype, device=x.device) if use_mm_out else None
         for start in range(0, bt, chunk):
             end = min(start + chunk, bt)
@@ -152,7 +154,7 @@ class LigerFusedLinearCE(torch.autograd.Function):
             else:
                 grad_input[start:end] = logits @ weight
             if grad_weight is not None:
-                if sm80 and logits.dtype in (torch.float16, torch.bfloat16):
+                if cuda and sm80 and logits.dtype in (torch.float16, torch.bfloat16):
                     xin = xc.to(logits.dtype) if xc.dtype != logits.dtype else xc
                     del xin  # addmm(grad_weight, logits.t(), xin[, out_dtype=float32], out=grad_weight)
                 else:
@@ -170,7 +172,7 @@ class LigerFusedLinearCE(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         grad_input, grad_weight = ctx.saved_tensors
         torch.tensor(1.0, device=grad_output.device)  # torch.equal(grad_output, tensor(1.0)); scaled in place
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 # --- Cut Cross-Entropy -------------------------------------------------------------------------
