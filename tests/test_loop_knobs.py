@@ -331,19 +331,19 @@ def test_fused_loss_on_a_model_that_is_not_a_causal_lm_is_one_line() -> None:
 
 # --------------------------------------------------------------------------- step time
 def test_cut_cross_entropy_recomputes_the_logits_in_backward() -> None:
+    from vramplan.models.flops import layout_of, train_flops
+    from vramplan.models.shape import model_shape
     from vramplan.models.spec import Family, ModelSpec
-    from vramplan.runtime.flops import train_flops
-    from vramplan.runtime.shape import shape_of
 
     spec = ModelSpec(name="llama-3.1-8b", hub_id=None, family=Family.DENSE, source="test", config={},
                      hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
                      vocab=128256, max_positions=131072, params=8_030_261_248, active_params=8_030_261_248)
-    s, w = shape_of(spec), Workload(batch=1, seq=2048)
-    full = train_flops(s, w, 1, 2048)
-    cce = train_flops(s, w.replace(loss="cce"), 1, 2048)
+    f, w = layout_of(model_shape(spec)), Workload(batch=1, seq=2048)
+    full = train_flops(f, w, 1, 2048)
+    cce = train_flops(f, w.replace(loss="cce"), 1, 2048)
     assert cce.total - full.total == pytest.approx(2 * 4096 * 128256 * 2048)
     for loss in ("chunked", "liger"):  # the same three head matmuls, in other places
-        assert train_flops(s, w.replace(loss=loss), 1, 2048).total == full.total
+        assert train_flops(f, w.replace(loss=loss), 1, 2048).total == full.total
 
 
 # --------------------------------------------------------------------------- fused attention backward
