@@ -116,7 +116,9 @@ def test_8bit_and_paged_optimizer_states(llama) -> None:
     opt = [p for p in r.phases if p.phase is Phase.OPTIMIZER][0].breakdown.optimizer
     assert opt < r.trainable_params * 8 / 3  # far below AdamW's 8 bytes/param
     paged = trace_workload(llama, w.replace(optimizer="paged-adamw-8bit"), options=NO_WS)
-    assert all(p.breakdown.optimizer == 0 for p in paged.phases)
+    # bitsandbytes pages the state buffers of tensors of >= 1e5 elements only: none here
+    # (tests/test_loop_knobs.py covers a model with paged states)
+    assert [p.breakdown.optimizer for p in paged.phases] == [p.breakdown.optimizer for p in r.phases]
     assert any("unified memory" in n for n in paged.notes)
 
 

@@ -76,7 +76,7 @@ def _dtype(name: str) -> torch.dtype:
 def apply_precision(model: nn.Module, w: Workload) -> list[str]:
     model.to(param_dtype(w))
     if w.mixed and w.peft is not Peft.NONE:
-        return [f"{w.precision} with PEFT: frozen base stored in {_name(compute_dtype(w))}, CUDA autocast emulated"]
+        return [f"{w.precision} with PEFT: frozen base stored in {_name(param_dtype(w))}, CUDA autocast emulated"]
     if w.mixed:
         return [f"{w.precision}: fp32 weights, CUDA autocast to {_name(compute_dtype(w))} emulated"]
     return []
@@ -140,10 +140,14 @@ def _peft_version() -> str:
 def apply_quant(model: nn.Module, w: Workload) -> list[str]:
     if w.quant is Quant.NONE:
         return []
-    double = w.peft is Peft.QLORA
-    n = quantize_linears(model, w.quant, compute_dtype(w), double_quant=double)
+    double = w.peft is Peft.QLORA and not w.bnb_single_quant
+    pm = precision_model(w)
+    four_bit = w.quant in (Quant.NF4, Quant.INT4)
+    compute = _dtype(pm.bnb_dtype) if four_bit else compute_dtype(w)
+    n = quantize_linears(model, w.quant, compute, double_quant=double, storage_dtype=param_dtype(w))
     what = f"{w.quant}{' with double quantisation' if double else ''}"
-    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept)"]
+    how = f", computing in {_name(compute)}" if four_bit else ""
+    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how})"]
 
 
 def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:
