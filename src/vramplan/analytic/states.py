@@ -103,7 +103,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
     gathered = 0
     if p.zero == 3 and w.training:
-        gathered = 2 * max(layer, embed, head) * rg.weight
+        gathered = 2 * max(layer, embed, head) * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else weights // p.dp
 
     # --- gradients and optimizer states -----------------------------------------------
