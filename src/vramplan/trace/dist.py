@@ -417,6 +417,37 @@ def ddp_on_fake() -> Iterator[None]:
         ddp_mod._verify_param_shape_across_processes = orig  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def dtensor_metadata_unrecorded() -> Iterator[None]:
+    """DTensor derives an op's output shape by running it on fake tensors of the *global*
+    shape (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    torch/distributed/tensor/_sharding_prop.py); under the trace's dispatch mode those
+    meta kernels would be recorded as full-size allocations (and cached ones kept alive).
+    That bookkeeping allocates nothing on a GPU: it runs with the trace's modes set aside."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    name = "_propagate_tensor_meta_non_cached"
+    orig = getattr(ShardingPropagator, name, None)
+    if orig is None:
+        yield
+        return
+
+    def unrecorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return orig(self, *args, **kwargs)
+
+    setattr(ShardingPropagator, name, unrecorded)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, orig)
+
+
 # --------------------------------------------------------------------------- one rank
 @dataclass
 class RankContext:
@@ -451,4 +482,5 @@ def rank_session(sess: Any, world: World) -> Iterator[RankContext]:
         st.enter_context(recorded_resizes(sess.rec))
         st.enter_context(fsdp_on_meta(sess.rec))
         st.enter_context(ddp_on_fake())
+        st.enter_context(dtensor_metadata_unrecorded())
         yield RankContext(world=world, mesh=mesh, streams=streams)
