@@ -151,3 +151,60 @@ def _ddp(model: nn.Module, layout: Layout, ctx: RankContext) -> tuple[nn.Module,
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class LocalShardOptimizer:
+    """The optimizer over the local shards of DTensor parameters (FSDP2).
+
+    ``torch.optim`` over DTensors runs each ``_foreach_*`` op through DTensor's dispatch,
+    which for ``Shard(0)`` parameters with ``Shard(0)`` gradients and states (FSDP2's layout)
+    applies the same foreach op to the local tensors — no communication, the same
+    allocations — after a sharding propagation that costs Python time linear in the number of
+    parameters for every op (most of a Llama-8B trace). Here the optimizer runs on plain
+    parameters that share the local shards' storage, with the local gradients handed over
+    before each step: the memory is the same, without that bookkeeping."""
+
+    def __init__(self, params: list[nn.Parameter], make: Any) -> None:
+        self.params = params
+        self.local = [_local_param(p) for p in params]
+        self.inner = make(self.local)
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def param_groups(self) -> Any:
+        return self.inner.param_groups
+
+    def step(self, closure: Any = None) -> Any:
+        for p, q in zip(self.params, self.local, strict=True):
+            g = p.grad
+            q.grad = None if g is None else _local(g)
+        out = self.inner.step()
+        for q in self.local:
+            q.grad = None
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        for q in self.local:
+            q.grad = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _local_param(p: nn.Parameter) -> nn.Parameter:
+    local = _local(p)
+    if local is p:
+        return p
+    return nn.Parameter(local.detach(), requires_grad=p.requires_grad)
+
+
+def sharded_params(params: list[nn.Parameter]) -> bool:
+    """Whether any parameter is a DTensor (the optimizer then runs on local shards)."""
+    return any(_local(p) is not p for p in params)

@@ -25,7 +25,7 @@ from ..workload import Attention, Task, Workload
 from . import analysis, features
 from .construct import fake_construction
 from .dist import rank_session
-from .layout import apply_layout, layout_of
+from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
@@ -283,10 +283,13 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         opt: Any = None
         if w.training:
             if optimizer is not None:
-                opt = optimizer(trainable)
+                make = optimizer
             else:
-                opt, opt_notes = make_optimizer(w, trainable)
-                notes += opt_notes
+                def make(params: list[nn.Parameter]) -> Any:
+                    made, opt_notes = make_optimizer(w, params)
+                    notes.extend(opt_notes)
+                    return made
+            opt = LocalShardOptimizer(trainable, make) if sharded_params(trainable) else make(trainable)
         plan = StepPlan(
             model=model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
