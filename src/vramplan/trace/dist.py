@@ -35,9 +35,9 @@ import contextlib
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -369,6 +369,9 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
         yield
         return
     group_cls, param_cls = fpg.FSDPParamGroup, fp.FSDPParam
+    chunker = getattr(fp, "_chunk_with_empty", None)
+    if chunker is not None:
+        fp._chunk_with_empty = _lazy_chunk_with_empty
     validate = getattr(group_cls, "_validate_no_meta_params", None)
     init_outputs = getattr(param_cls, "init_all_gather_outputs", None)
     if validate is not None:
@@ -393,6 +396,50 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
             group_cls._validate_no_meta_params = validate
         if init_outputs is not None:
             param_cls.init_all_gather_outputs = init_outputs
+        if chunker is not None:
+            fp._chunk_with_empty = chunker
+
+
+class _LazyChunks(Sequence[torch.Tensor]):
+    """``_chunk_with_empty(tensor, n, dim)`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py:
+    ``torch.chunk`` padded with empty tensors to ``n``), each chunk made when it is indexed.
+    FSDP2 reads only chunk 0 (the padded size) and this rank's chunk, so sharding costs the
+    same for 8 and 1,024 ranks instead of ``n`` views (and empties) per parameter."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
+        self.tensor, self.n, self.dim = tensor, n, dim
+        size = tensor.size(dim)
+        self.step = -(-size // n)  # torch.chunk: ceil(size / chunks) per chunk
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        start = i * self.step
+        if start < self.size:
+            return self.tensor.narrow(self.dim, start, min(self.step, self.size - start))
+        return self[0].new_empty(0)
+
+
+def _lazy_chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+    if tensor.dim() == 0 or tensor.size(dim) == 0:
+        out = list(torch.chunk(tensor, num_chunks, dim=dim))
+        while len(out) < num_chunks:
+            out.append(out[0].new_empty(0))
+        return out
+    return _LazyChunks(tensor, num_chunks, dim)
 
 
 @contextlib.contextmanager
