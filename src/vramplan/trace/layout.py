@@ -22,6 +22,7 @@ Tensor / pipeline / context / expert parallelism and offload are refused here wi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,8 @@ class Layout:
     gradient_as_bucket_view: bool = False
 
 
-def layout_of(w: Workload) -> Layout | None:
-    """The layout the trace runs for ``w`` (None: one unsharded GPU)."""
+def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
+    """The layout the trace runs for ``w`` as rank ``rank`` (None: one unsharded GPU)."""
     p = w.parallel
     if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp:
         raise TraceError("tensor / pipeline / context / expert parallelism are not traced yet",
@@ -60,7 +61,7 @@ def layout_of(w: Workload) -> Layout | None:
     engine = dp_engine(w)
     if engine == "none" or (not w.training and p.zero != 3):
         return None  # one GPU, or inference replicas: every rank runs the same unsharded model
-    world = world_of(dp=p.dp)
+    world = dataclasses.replace(world_of(dp=p.dp), rank=rank)
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
     if engine == "ddp":

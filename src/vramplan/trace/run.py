@@ -50,6 +50,9 @@ class TraceOptions:
     extrapolate_decode: bool = True
     """Generation: trace the first decode steps, write the rest from their exact progression
     (see :mod:`.decode`); False traces every step."""
+    rank: int = 0
+    """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
+    holds the same; the last one may hold less of a weight whose rows do not divide)."""
 
 
 @dataclass
@@ -260,7 +263,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
-    layout = layout_of(w)
+    layout = layout_of(w, rank=opts.rank)
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
