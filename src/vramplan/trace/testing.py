@@ -236,7 +236,7 @@ def _storage_peak_mode() -> Any:
                     mode.peak = max(mode.peak, mode.current)
                 return out
 
-            cls.resize_ = resize_  # type: ignore[method-assign]
+            cls.resize_ = resize_  # type: ignore[method-assign,assignment]
             try:
                 yield
             finally:
