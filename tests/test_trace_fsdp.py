@@ -115,3 +115,25 @@ def test_world_size_costs_nothing() -> None:
     assert len(shape(big)) == pytest.approx(len(shape(small)), rel=0.02)
     # (FSDP pads each weight to a multiple of the world size: 256 rows over 1,024 ranks is 1 row each)
     assert _optimizer_states(big)[2] * 32 < _optimizer_states(small)[2]
+
+
+def test_ddp_bucket_view_keeps_one_copy_of_the_gradients() -> None:
+    spec = _small("llama-3.1-8b")
+    w = _w(dp=8).replace(batch=2, seq=256)
+    view = w.replace(gradient_as_bucket_view=True)
+    rv = trace_workload(spec, view, iterations=1, options=FAST)
+    a, av = estimate(spec, w), estimate(spec, view)
+    assert _optimizer_states(rv) == (av.states.weights, av.states.gradients, av.states.optimizer)
+    assert any("gradient_as_bucket_view=True" in n for n in rv.notes)
+    opt = {p.phase.value: p.breakdown.gradients for p in a.phases}["optimizer"]
+    opt_view = {p.phase.value: p.breakdown.gradients for p in av.phases}["optimizer"]
+    assert opt == 2 * opt_view == 2 * av.states.gradients  # buckets beside the gradients, or holding them
+    traced = {p.phase.value: p.breakdown.gradients for p in rv.phases}
+    assert traced["forward"] == traced["optimizer"] == av.states.gradients  # the buckets live all along
+
+
+def test_bucket_cap_is_validated() -> None:
+    from vramplan.errors import WorkloadError
+
+    with pytest.raises(WorkloadError, match="bucket_cap_mb"):
+        Parallel(dp=2, bucket_cap_mb=0)

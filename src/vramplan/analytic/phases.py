@@ -36,6 +36,12 @@ def _peak(phase: Phase, *instants: Breakdown) -> PhasePeak:
     return PhasePeak(phase=phase, allocated=bd.total, breakdown=bd)
 
 
+def _with_buckets(st: States, grads: int) -> int:
+    """Gradient memory with DDP's buckets: beside the gradients, or holding them
+    (``gradient_as_bucket_view``)."""
+    return max(grads, st.ddp_buckets) if st.ddp_view else grads + st.ddp_buckets
+
+
 def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
              cache: int = 0) -> tuple[PhasePeak, ...]:
     """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs)."""
@@ -58,30 +64,30 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     temps = st.dequant + workspace
 
     forward = Breakdown(
-        weights=w_live, gradients=held + st.ddp_buckets, optimizer=st.optimizer,
+        weights=w_live, gradients=_with_buckets(st, held), optimizer=st.optimizer,
         activations=acts + a.head + logits + capped + lsm + a.mask,
         temporaries=st.casts_all + upcast + temps, kv_cache=cache * stage.in_flight,
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
             weights=w_live, optimizer=st.optimizer,
-            gradients=max(held, st.head_grads + st.layer_grads) + st.unsharded_grads + st.ddp_buckets,
+            gradients=_with_buckets(st, max(held, st.head_grads + st.layer_grads) + st.unsharded_grads),
             activations=acts + a.recompute, temporaries=casts_bwd + a.transient + temps + workspace,
         ),
         Breakdown(  # the first layer's backward
             weights=w_live, optimizer=st.optimizer,
-            gradients=st.gradients + st.unsharded_grads + st.ddp_buckets,
+            gradients=_with_buckets(st, st.gradients + st.unsharded_grads),
             activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full,
             temporaries=st.casts_layer + a.transient + temps + workspace,
         ),
     ]
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
-            weights=w_live, optimizer=st.optimizer, gradients=held + st.ddp_buckets,
+            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held),
             activations=acts + a.head + capped + lsm, temporaries=casts_bwd + 8 * e + temps + workspace,
         ))
     optimizer = Breakdown(
-        weights=st.weights, gradients=st.gradients + st.ddp_buckets, optimizer=st.optimizer,
+        weights=st.weights, gradients=_with_buckets(st, st.gradients), optimizer=st.optimizer,
         temporaries=st.opt_temp + 2 * workspace,
     )
     return (

@@ -60,6 +60,9 @@ class States:
     unsharded_grads: int = 0
     """ZeRO ≥ 2: one layer's full gradients before the reduce-scatter."""
     ddp_buckets: int = 0
+    """DDP's all-reduce buckets (as large as the gradients; kept for the whole run)."""
+    ddp_view: bool = False
+    """``gradient_as_bucket_view``: the gradients are views into the buckets (no second copy)."""
     opt_temp: int = 0
     casts_all: int = 0
     """Autocast's 16-bit copies of every linear weight used in the forward."""
@@ -148,6 +151,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         layer_grads=per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
+        ddp_view=p.gradient_as_bucket_view,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
     )
 

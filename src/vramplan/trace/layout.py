@@ -65,7 +65,7 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
     if engine == "ddp":
-        return Layout(world, "ddp")
+        return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
                      hint="use `method=analytic`, or `zero=3` (FSDP2)")
 
