@@ -137,3 +137,29 @@ def test_bucket_cap_is_validated() -> None:
 
     with pytest.raises(WorkloadError, match="bucket_cap_mb"):
         Parallel(dp=2, bucket_cap_mb=0)
+
+
+def test_hsdp_shards_within_the_group_and_replicates_across() -> None:
+    """HSDP on a 2-D mesh (2 replicas × 4 shards): each rank holds 1/4 of the states."""
+    import torch
+    from torch import nn
+
+    from vramplan.target import DEFAULT_PROFILE
+    from vramplan.trace.dist import World, rank_session
+    from vramplan.trace.layout import Layout, apply_layout
+    from vramplan.trace.session import TraceSession
+
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(3)))
+    layout = Layout(World((("dp_replicate", 2), ("dp", 4)), rank=5), "fsdp2")
+    sess = TraceSession(DEFAULT_PROFILE)
+    with rank_session(sess, layout.world) as ctx:
+        _, notes = apply_layout(model, layout, ctx, Workload(task="train", precision="fp32"), torch.float32)
+        shards = [p.to_local().shape for p in model.parameters()]
+        x = torch.empty(4, 64, device="meta")
+        model(x).sum().backward()  # the replicas' all-reduce runs on its own stream
+        assert all(p.grad is not None and p.grad.to_local().shape == (16, 64) for p in model.parameters())
+    log = sess.rec.log
+    assert len({log.stream[k] for k in range(len(log)) if log.size[k]}) >= 3
+    assert shards == [(16, 64)] * 3
+    assert "HSDP: 2 replicas × shards over 4" in notes[0]

@@ -14,6 +14,8 @@ distributed code (no simulation of it):
   built-in hook requires, so the same all-reduce runs through a Python comm hook
   (``bucket.buffer()`` divided by the world size and all-reduced in place, as the built-in
   ``_AllReduceBySumCommHook`` does: no extra memory).
+- HSDP (``dp_shard`` < ``dp``, where the workload has it): ``fully_shard`` over a 2-D
+  ``(dp_replicate, dp)`` mesh — sharded within a group, all-reduced across replicas.
 - DeepSpeed's ZeRO-1/2 (the default engine for those stages) is not PyTorch's: refused here.
 
 Tensor / pipeline / context / expert parallelism and offload are refused here with a hint
@@ -61,7 +63,11 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     engine = dp_engine(w)
     if engine == "none" or (not w.training and p.zero != 3):
         return None  # one GPU, or inference replicas: every rank runs the same unsharded model
-    world = dataclasses.replace(world_of(dp=p.dp), rank=rank)
+    shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
+    if engine == "fsdp" and 0 < shard < p.dp:
+        world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard), rank=rank)
+    else:
+        world = dataclasses.replace(world_of(dp=p.dp), rank=rank)
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
     if engine == "ddp":
@@ -109,7 +115,8 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
         except ImportError:
             raise TraceError(f"torch {torch.__version__} has no FSDP2 (fully_shard)",
                              hint="tracing ZeRO-2/3 layouts needs torch >= 2.4; `method=analytic` works without") from None
-    mesh = ctx.submesh("dp")
+    hsdp = "dp_replicate" in layout.world.names
+    mesh = ctx.submesh("dp_replicate", "dp") if hsdp else ctx.submesh("dp")  # a 2-D mesh: HSDP
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": layout.reshard_after_forward}
     mp = ""
     if w.mixed:
@@ -121,7 +128,8 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
     fully_shard(model, **kw)
     n = layout.world.dim("dp")
     stage = "ZeRO-3 / FULL_SHARD" if layout.reshard_after_forward else "ZeRO-2 / SHARD_GRAD_OP"
-    return [f"FSDP2 ({stage}) over dp={n}: fully_shard on {len(blocks)} blocks and the root"
+    over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+    return [f"FSDP2 ({stage}) over {over}: fully_shard on {len(blocks)} blocks and the root"
             f"{mp}; rank {layout.world.rank} traced on the fake process group"]
 
 
