@@ -122,6 +122,9 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
     if w.mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)}, reduce_dtype=float32)"
+    rec = ctx.streams.rec
+    for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are
+        rec.ignore(p)
     blocks = transformer_blocks(model)
     for blk in blocks:
         fully_shard(blk, **kw)
