@@ -163,3 +163,14 @@ def test_hsdp_shards_within_the_group_and_replicates_across() -> None:
     assert len({log.stream[k] for k in range(len(log)) if log.size[k]}) >= 3
     assert shards == [(16, 64)] * 3
     assert "HSDP: 2 replicas × shards over 4" in notes[0]
+
+
+@pytest.mark.parametrize("kw", [{"peft": "lora"}, {"precision": "bf16"}, {"precision": "fp32"},
+                                {"checkpointing": "full"}, {"grad_accum": 2}],
+                         ids=["lora", "bf16", "fp32", "full-ckpt", "accum2"])
+def test_fsdp2_states_exact_across_workload_features(kw: dict) -> None:
+    spec = _small("llama-3.1-8b")
+    w = Workload(**{"task": "train", "batch": 2, "seq": 128, "precision": "bf16-mixed", **kw}).replace(dp=8, zero=3)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
