@@ -5,6 +5,8 @@ single-GPU trace of the same step, in one run:
    (target ≤ 15 s); the same step unsharded on one GPU is the reference.
 2. Llama-3.1-70B, FSDP2 over 64 ranks (target ≤ 30 s), against its one-GPU trace.
 3. World size costs nothing: rank 0 of 8 vs rank 0 of 1,024 (target: ratio ≤ 1.1).
+4. Real-run agreement: FSDP2 and DDP run for real over 2 gloo CPU processes vs the trace of
+   each rank (``trace.testing.dist_agreement``; target: within 1 %).
 
 Checkpointing: torchtitan's op-level selective checkpointing (``checkpointing=op``) once the
 trace implements it (``vramplan.trace.sac``); until then full checkpointing, and the run says
@@ -70,11 +72,24 @@ def world_size() -> None:
          "<= 1.1x", t1024 / t8 <= 1.1)
 
 
+def agreement() -> None:
+    from vramplan.trace.testing import dist_agreement
+
+    for layout, rank, real, traced in dist_agreement(world=2):
+        err = (traced - real) / real
+        line(f"{layout} over 2 gloo processes, rank {rank}: trace vs real",
+             f"{err:+.4%} ({traced:,} / {real:,} B)", "within 1 %", abs(err) < 0.01)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip the Llama-3.1-70B pair")
+    ap.add_argument("--agreement-only", action="store_true", help="only the real gloo run agreement")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    if args.agreement_only:
+        agreement()
+        return
     ck = checkpointing()
     print(f"checkpointing={ck}" + ("" if ck == "op" else " (op-level selective checkpointing is not in this tree)"))
     warm_up()
@@ -82,6 +97,7 @@ def main() -> None:
     if not args.quick:
         pair("llama-3.1-70b", 64, 30.0)
     world_size()
+    agreement()
 
 
 if __name__ == "__main__":

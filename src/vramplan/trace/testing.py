@@ -352,3 +352,57 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             f.write(str(tracker.peak))
     finally:
         dist.destroy_process_group()
+
+
+def block_model(width: int = 128, blocks: int = 3) -> Any:
+    """A small residual MLP (input linear, ``blocks`` up/GELU/down blocks in a ``ModuleList``,
+    output linear): the model of the real-run agreement checks for FSDP2 and DDP (no attention,
+    so no kernel choice differs between the CPU run and the emulated GPU)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(width, width)
+            self.layers = nn.ModuleList(Block() for _ in range(blocks))
+            self.out = nn.Linear(width, width)
+
+        def forward(self, x: Any) -> Any:
+            h = self.inp(x)
+            for blk in self.layers:
+                h = blk(h)
+            return self.out(h)
+
+    return Net()
+
+
+def block_inputs(width: int = 128, batch: int = 8, rows: int = 128) -> Any:
+    import torch
+
+    return torch.randn(batch, rows, width)
+
+
+def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
+    """(layout, rank, real storage peak, traced peak) for FSDP2 (ZeRO-3) and DDP over ``world``
+    gloo processes, on :func:`block_model` (fp32, no CUDA workspaces: a CPU run has none)."""
+    from ..workload import Precision, Task, Workload
+    from .run import TraceOptions, trace_model
+
+    out = []
+    for layout, parallel in (("fsdp2", {"dp": world, "zero": 3}), ("ddp", {"dp": world})):
+        real = real_dist_peaks(block_model, block_inputs, world=world, layout=layout, bucket_cap_mb=0.25)
+        w = Workload(task=Task.TRAIN, precision=Precision.FP32).replace(**parallel)
+        for rank, peak in enumerate(real):
+            opts = TraceOptions(workspaces=False, count_flops=False, rank=rank)
+            traced = trace_model(block_model, block_inputs(), workload=w, options=opts).peak_allocated
+            out.append((layout, rank, peak, traced))
+    return out
