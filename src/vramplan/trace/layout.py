@@ -63,6 +63,9 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     engine = dp_engine(w)
     if engine == "none" or (not w.training and p.zero != 3):
         return None  # one GPU, or inference replicas: every rank runs the same unsharded model
+    if getattr(w, "optimizer_in_backward", False):
+        raise TraceError("the optimizer in backward is not traced with FSDP/DDP (its per-parameter hooks would "
+                         "see unsharded gradients)", hint="use `method=analytic`, or drop `optimizer_in_backward`")
     shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
     if engine == "fsdp" and 0 < shard < p.dp:
         world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard), rank=rank)
