@@ -109,7 +109,7 @@ def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) 
         g.add_argument(flag, choices=["auto", *_choices(Checkpointing)], default=default,
                        help=f"{doc.replace('%', '%%')} {auto} (default: auto)", action=_Store)
     elif isinstance(default, bool):
-        g.add_argument(flag, action=_Switch, default=False, help=f"{text}; --no-{flag[2:]} turns it off")
+        g.add_argument(flag, action=_Switch, default=False, help=text)
     elif isinstance(default, Enum):
         g.add_argument(flag, choices=_choices(type(default)), default=default.value, help=text, action=_Store)
     elif isinstance(default, tuple):
@@ -160,7 +160,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         given = explicit_fields(args)
         names = [f.name for f in dataclasses.fields(Workload) if f.name not in ("parallel", "recipe")]
         names += [f.name for f in dataclasses.fields(Parallel)]
-        by_recipe = {d.field for d in defaults(args.recipe, peft=args.peft, task=args.task)}
+        by_recipe = {d.field for d in defaults(args.recipe, peft=args.peft, task=args.task, dp=args.dp)}
         fields = {n: getattr(args, n) for n in names if n in given or n not in by_recipe}
         if fields.get("checkpointing") == "auto":  # not given: the recipe's, else none
             del fields["checkpointing"]

@@ -36,12 +36,14 @@ def get(name: str | Recipe) -> RecipeSpec:
     return CATALOG[as_enum(Recipe, name, "recipe")]
 
 
-def defaults(name: str | Recipe, *, peft: str | Peft = Peft.NONE, task: str | Task = Task.TRAIN) -> tuple[Default, ...]:
-    """The knob defaults the recipe sets for this PEFT mode (none outside training)."""
+def defaults(name: str | Recipe, *, peft: str | Peft = Peft.NONE, task: str | Task = Task.TRAIN,
+             dp: int = 1) -> tuple[Default, ...]:
+    """The knob defaults the recipe sets for this PEFT mode and data-parallel size (none
+    outside training)."""
     spec = get(name)
     if as_enum(Task, task, "task") is not Task.TRAIN:
         return ()
-    return spec.defaults(as_enum(Peft, peft, "peft"))
+    return spec.defaults(as_enum(Peft, peft, "peft"), dp if isinstance(dp, int) else 1)
 
 
 def apply(name: str | Recipe, /, **fields: Any) -> Workload:
@@ -49,9 +51,10 @@ def apply(name: str | Recipe, /, **fields: Any) -> Workload:
     defaults for every knob not given, checked against what the framework can run."""
     spec = get(name)
     if "parallel" in fields:
-        raise WorkloadError("give the layout as flat fields (`dp`, `zero`, …), not `parallel`", field="parallel")
+        raise WorkloadError("give the layout as flat fields such as `dp` and `zero`, not a Parallel value", field="dp")
     recipe_defaults = {d.field: d.value for d in defaults(spec.name, peft=fields.get("peft", Peft.NONE),
-                                                           task=fields.get("task", Task.TRAIN))}
+                                                           task=fields.get("task", Task.TRAIN),
+                                                           dp=fields.get("dp", 1))}
     merged = {**recipe_defaults, **fields, "recipe": spec.name}
     par = {k: merged.pop(k) for k in list(merged) if k in _PARALLEL}
     w = Workload(**merged, parallel=Parallel(**par))
@@ -99,7 +102,7 @@ def summary(w: Workload) -> LoopSummary:
     applied: list[tuple[str, Any]] = []
     overridden: list[tuple[str, Any, Any]] = []
     seen: set[str] = set()
-    for d in defaults(w.recipe, peft=w.peft, task=w.task):
+    for d in defaults(w.recipe, peft=w.peft, task=w.task, dp=w.parallel.dp):
         value = _value(w, d.field)
         seen.add(d.field)
         if value == d.value:

@@ -37,8 +37,9 @@ class RecipeSpec:
     framework: str
     """The framework and the version whose sources the defaults are read from."""
     summary: str
-    defaults: Callable[[Peft], tuple[Default, ...]]
-    """The knob defaults for training, per PEFT mode (LoRA recipes differ from full fine-tuning)."""
+    defaults: Callable[[Peft, int], tuple[Default, ...]]
+    """The knob defaults for training, per PEFT mode (LoRA recipes differ from full
+    fine-tuning) and data-parallel size (FSDP only over several GPUs)."""
     restrictions: tuple[Restriction, ...] = ()
     caveats: Callable[[Workload], tuple[str, ...]] = field(default=lambda w: ())
     """What the framework does that the estimate does not model, for this workload: notes

@@ -50,7 +50,7 @@ _HF_LOSS = (f"{_HF}/trainer.py#L2130-L2217 (`compute_loss`: the model's own loss
             "is returned, so the outputs are freed before `backward` at trainer.py#L2126)")
 
 
-def _hf_trainer(peft: Peft) -> tuple[Default, ...]:
+def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("optimizer", Opt.ADAMW, _HF_OPTIM),
         Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
@@ -71,7 +71,7 @@ _TRL_HEAD = (f"{_TRL}/trainer/sft_trainer.py#L1141-L1146 (`add_fused_lm_head`: l
              f"{_TRL}/kernels/chunked_logprob.py#L31 TOKEN_CHUNK_SIZE=4096 tokens, logits never materialised)")
 
 
-def _trl_sft(peft: Peft) -> tuple[Default, ...]:
+def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("optimizer", Opt.ADAMW, _HF_OPTIM),
         Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
@@ -95,7 +95,7 @@ def _trl_caveats(w: Workload) -> tuple[str, ...]:
 
 
 # --- accelerate and Lightning: the user's own loop ---------------------------------------
-def _accelerate(peft: Peft) -> tuple[Default, ...]:
+def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_ACC}/optimizer.py#L112-L118 (`AcceleratedOptimizer.zero_grad`: "
                 "set_to_none None -> True)"),
@@ -103,7 +103,7 @@ def _accelerate(peft: Peft) -> tuple[Default, ...]:
     )
 
 
-def _lightning(peft: Peft) -> tuple[Default, ...]:
+def _lightning(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_PL}/core/module.py#L1391 (`optimizer_zero_grad` calls "
                 f"`optimizer.zero_grad()`; {_SET_TO_NONE_TORCH})"),
@@ -119,7 +119,7 @@ _TT_QLORA = f"{_TT}/recipes/configs/llama3_1/8B_qlora_single_device.yaml"
 _TT_CHUNKS = f"{_TT}/torchtune/modules/loss/ce_chunked_output_loss.py#L30 (num_output_chunks=8)"
 
 
-def _torchtune(peft: Peft) -> tuple[Default, ...]:
+def _torchtune(peft: Peft, dp: int) -> tuple[Default, ...]:
     if peft is Peft.NONE:
         cfg = _TT_FULL
         return (
@@ -153,7 +153,7 @@ def _torchtune(peft: Peft) -> tuple[Default, ...]:
 
 
 # --- torchtitan -----------------------------------------------------------------------------
-def _torchtitan(peft: Peft) -> tuple[Default, ...]:
+def _torchtitan(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("precision", Precision.BF16_MIXED, f"{_TITAN_CFG} (`Training.mixed_precision_param` 'bfloat16' "
                 "via fully_shard or autocast; fp32 parameters)"),
@@ -164,7 +164,8 @@ def _torchtitan(peft: Peft) -> tuple[Default, ...]:
                 "selective_ac_option 'op')"),
         Default("loss", Loss.FULL, f"{_TITAN_LOSS} (`cross_entropy_loss`: `pred.flatten(0, 1).float()`)"),
         Default("compile", False, f"{_TITAN_8B} ([training] compile = false)"),
-        Default("zero", 3, f"{_TITAN_CFG} (`Parallelism.data_parallel_shard_degree` -1: FSDP2 over every rank)"),
+        *([Default("zero", 3, f"{_TITAN_CFG} (`Parallelism.data_parallel_shard_degree` -1: FSDP2 over every "
+                   "rank)")] if dp > 1 else []),
         Default("keep_grads", False, "torchtitan/train.py (`optimizers.zero_grad()`; " + _SET_TO_NONE_TORCH + ")"),
     )
 
@@ -172,8 +173,8 @@ def _torchtitan(peft: Peft) -> tuple[Default, ...]:
 def _torchtitan_caveats(w: Workload) -> tuple[str, ...]:
     out = []
     if w.parallel.dp == 1:
-        out.append("torchtitan shards the model with FSDP2 over all GPUs (`data_parallel_shard_degree=-1`); with "
-                   "`dp=1` nothing is sharded: give `dp=N` for N GPUs")
+        out.append("torchtitan shards the model with FSDP2 over all GPUs (`data_parallel_shard_degree=-1`); on one "
+                   "GPU it applies no FSDP and mixed precision by autocast: give `dp=N` for N GPUs")
     if w.parallel.zero == 3 and w.parallel.dp > 1:
         out.append("torchtitan's FSDP2 (`fully_shard`, reshard after forward, prefetch) is estimated as ZeRO-3 "
                    "sharding; its all-gather buffers follow vramplan's ZeRO-3 model")
@@ -181,7 +182,7 @@ def _torchtitan_caveats(w: Workload) -> tuple[str, ...]:
 
 
 # --- DeepSpeed ------------------------------------------------------------------------------
-def _deepspeed(peft: Peft) -> tuple[Default, ...]:
+def _deepspeed(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_DS}/runtime/engine.py#L3495-L3500 (`zero_grad`: `param.grad = None`)"),
         Default("zero", 0, f"{_DS}/runtime/zero/config.py#L95 (`stage` default 0)"),
@@ -196,7 +197,7 @@ def _deepspeed_caveats(w: Workload) -> tuple[str, ...]:
 
 
 # --- Unsloth ----------------------------------------------------------------------------------
-def _unsloth(peft: Peft) -> tuple[Default, ...]:
+def _unsloth(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("checkpointing", Checkpointing.FULL, f"{_UNSLOTH} (`FastLlamaModel.get_peft_model`: "
                 "`use_gradient_checkpointing=\"unsloth\"`)"),
@@ -229,7 +230,7 @@ _TRAINER_LOSS = Restriction(
 CATALOG: dict[Recipe, RecipeSpec] = {
     Recipe.PLAIN: RecipeSpec(Recipe.PLAIN, "vramplan's own loop",
                              "zero_grad(set_to_none=True), logits freed before backward, full-vocabulary fp32 loss",
-                             lambda peft: ()),
+                             lambda peft, dp: ()),
     Recipe.HF_TRAINER: RecipeSpec(
         Recipe.HF_TRAINER, "Hugging Face transformers Trainer 5.24.0",
         "fused AdamW, no checkpointing, the model's full-vocabulary loss, gradients freed after the step",

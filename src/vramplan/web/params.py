@@ -206,6 +206,10 @@ def parse_workload(q: Mapping[str, str]) -> Workload:
         v = _convert(f, raw)
         (par if f.parallel else values)[f.name] = v
     try:
+        if str(values.get("recipe", "plain")) != "plain":  # the recipe fills the knobs the query leaves out
+            from ..recipes import apply
+
+            return apply(values.pop("recipe"), **values, **par)
         return Workload(**values, parallel=Parallel(**par))
     except VramplanError as e:
         raise FieldError(cli_message(e), field=field_of(e)) from None
