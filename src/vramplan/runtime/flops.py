@@ -5,15 +5,19 @@ Conventions (Kaplan et al. 2020; Narayanan et al. 2021): a matmul parameter cost
 step is ~6·N·tokens. Attention adds ``2·b·s·s_kv·heads·(d_qk + d_v)`` per layer forward
 (``4·b·s²·h`` for standard heads), where causal flash/SDPA kernels halve ``s_kv``.
 A frozen base under LoRA skips its weight gradients: ~4·N·tokens instead of 6.
-Full activation checkpointing re-runs the forward of the checkpointed layers once;
-selective checkpointing re-runs the attention core only.
+Full activation checkpointing re-runs the forward of the checkpointed layers once (every
+layer, or every k-th: ``checkpoint_every``); selective checkpointing re-runs the attention
+core only; torchtitan's op-level policy saves every other matmul and the attention kernels
+(``_op_sac_save_list``, ``mm_count % 2``, torchtitan distributed/activation_checkpoint.py),
+so it re-runs half of the layer matmuls. Cut Cross-Entropy recomputes the logits blockwise in
+its backward (arXiv 2411.09009 §4): one more head matmul.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramplan.workload import Checkpointing, Peft, Workload
+from vramplan.workload import Checkpointing, Loss, Peft, Workload
 
 from .shape import Shape, keys_per_query
 
@@ -57,15 +61,27 @@ def train_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int
         bwd = 4.0 * s.matmul_params * tokens + 2.0 * attn
     else:  # frozen base: activation gradients only; adapters get both
         bwd = 2.0 * s.matmul_params * tokens + 4.0 * adapter_params * tokens + 2.0 * attn
-    frac = w.checkpoint_fraction
+    frac = checkpointed_fraction(w)
+    head = 2.0 * s.head_params * tokens
     if w.checkpointing is Checkpointing.FULL:
-        head = 2.0 * s.head_params * tokens
         recompute = frac * max(fwd - head, 0.0)
     elif w.checkpointing is Checkpointing.SELECTIVE:
         recompute = frac * attn
+    elif w.checkpointing is Checkpointing.OP:
+        recompute = frac * 0.5 * max(fwd - head - attn, 0.0)
     else:
         recompute = 0.0
+    if w.loss is Loss.CCE:
+        recompute += head
     return StepFlops(fwd, bwd, recompute)
+
+
+def checkpointed_fraction(w: Workload) -> float:
+    """Share of the layers whose activations are recomputed: ``checkpoint_fraction``, of
+    which every ``checkpoint_every``-th layer."""
+    if w.checkpointing is Checkpointing.NONE:
+        return 0.0
+    return w.checkpoint_fraction / w.checkpoint_every
 
 
 def decode_flops(s: Shape, w: Workload, batch: int, context: float) -> float:

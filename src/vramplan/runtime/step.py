@@ -20,7 +20,7 @@ from vramplan.workload import KVDtype, Peft, Task, Workload
 
 from .comm import communication
 from .flops import StepFlops, decode_flops, forward_flops, train_flops
-from .offload import offload_time
+from .offload import OffloadTime, activation_offload_time, offload_time
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
 from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
 from .traffic import (
@@ -28,6 +28,7 @@ from .traffic import (
     cast_bytes,
     decode_bytes,
     matmul_weight_bytes,
+    offloaded_activation_bytes,
     optimizer_bytes_per_param,
     touched_params,
     train_bytes,
@@ -217,6 +218,11 @@ class _StepModel:
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
             ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
         )
+        act_off = activation_offload_time(
+            self.gpu, bytes_per_microbatch=offloaded_activation_bytes(s, w, b, seq) / self.split, microbatches=m,
+            t_microbatch=t_mb, eff=eff)
+        if act_off.total:
+            off = OffloadTime(off.total + act_off.total, off.exposed + act_off.exposed, off.notes + act_off.notes)
         busy = m * t_mb + bubble
         contrib = {
             "compute": mb.compute_part / t_mb * busy if t_mb else 0.0,
