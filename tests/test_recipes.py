@@ -10,7 +10,16 @@ import pytest
 from vramplan import recipes
 from vramplan.cli.main import main
 from vramplan.errors import WorkloadError
-from vramplan.workload import Checkpointing, Loss, Optimizer, OptimizerImpl, Peft, Precision, Recipe, Workload
+from vramplan.workload import (
+    Checkpointing,
+    Loss,
+    Optimizer,
+    OptimizerImpl,
+    Peft,
+    Precision,
+    Recipe,
+    Workload,
+)
 
 ALL = [r.value for r in Recipe]
 PEFTS = ["none", "lora", "qlora"]
@@ -213,3 +222,16 @@ def test_web_query_applies_the_recipe() -> None:
 
 def test_peft_none_recipes_keep_plain_peft_defaults() -> None:
     assert recipes.apply("unsloth").peft is Peft.NONE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "peft"), [*((r, "none") for r in ALL), ("trl-sft", "lora"), ("torchtune", "lora"),
+                                            ("unsloth", "qlora"), ("hf-trainer", "qlora")])
+def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
+    """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences)."""
+    import vramplan
+
+    r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, seq=128, method="trace", search_max_batch=False)
+    assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
+    assert r.peak.allocated > r.breakdown.weights > 0
+    assert tuple(recipes.notes(r.workload)) == tuple(n for n in r.notes if n in recipes.notes(r.workload))
