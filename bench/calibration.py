@@ -84,11 +84,13 @@ def make_model():  # type: ignore[no-untyped-def]
     return BertForSequenceClassification(_config())
 
 
-def overhead_bytes() -> int:
+def overhead_bytes(*, gemm: bool = True) -> int:
+    """Memory outside the allocator; ``gemm=False`` before any matmul ran (no cuBLAS handle)."""
     from vramplan.hardware.catalog import get_gpu
     from vramplan.hardware.overhead import device_overhead
 
-    return sum(o.bytes for o in device_overhead(get_gpu(GPU), torch_version=TORCH, lazy_loading=False))
+    return sum(o.bytes for o in device_overhead(get_gpu(GPU), torch_version=TORCH, lazy_loading=False)
+               if gemm or not o.name.startswith("cuBLAS"))
 
 
 def weights_reserved() -> int:
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out: list[dict[str, object]] = []
     ctx = overhead_bytes()
-    wr = weights_reserved() + ctx
+    wr = weights_reserved() + overhead_bytes(gemm=False)  # loading runs no matmul: no cuBLAS handle yet
     out.append({"row": WEIGHTS_ROW[0], "hf_optim": "-", "measured_mib": WEIGHTS_ROW[1],
                 "predicted_mib": round(wr / MiB), "error": wr / MiB / WEIGHTS_ROW[1] - 1,
                 "allocated_mib": None, "reserved_mib": None, "peak_phase": "-"})
@@ -157,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out[-1]), flush=True)
     if args.json:
         return 0
-    print(f"outside the allocator (torch {TORCH}, no lazy loading, {GPU}): {ctx / MiB:,.0f} MiB "
-          "(the measured context row, 1,343 MiB, less the allocator's first 2 MiB segment)")
+    print(f"outside the allocator (torch {TORCH}, no lazy loading, {GPU}): {ctx / MiB:,.0f} MiB = the measured "
+          "context row (1,343 MiB) less the allocator's first 2 MiB segment, plus the cuBLAS handle once a "
+          "matmul ran")
     if args.markdown:
         print("| configuration | HF `optim` | measured (MiB) | predicted (MiB) | error |")
         print("| --- | --- | ---: | ---: | ---: |")
