@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from ..results import BREAKDOWN_KEYS, MemoryReport, ModuleStat
 from ..units import GiB
+from ..workload import Workload
 from .doc import Doc, KeyValues, Notes, Table
 
 _LABELS = {
@@ -81,12 +82,18 @@ def _knob(field: str, value: object) -> str:
 
 
 def loop_line(r: MemoryReport) -> str | None:
+    """The report header's loop line (None: the plain loop with every default)."""
+    text = loop_text(r.workload)
+    return f"loop: {text}" if text else None
+
+
+def loop_text(w: Workload) -> str | None:
     """The loop's knobs that differ from vramplan's defaults: the recipe and the defaults it
     applied, the values given instead of its defaults, and any other knob set (None: the
     plain loop with every default)."""
     from ..recipes import get, is_default, summary
 
-    s = summary(r.workload)
+    s = summary(w)
     if s.empty:
         return None
     parts = []
@@ -99,7 +106,7 @@ def loop_line(r: MemoryReport) -> str | None:
             f"{_knob(k, v)} (recipe: {_knob(k, d).split(' ', 1)[1]})" for k, v, d in s.overridden))
     if s.other:
         parts.append(", ".join(_knob(k, v) for k, v in s.other))
-    return "loop: " + " · ".join(parts)
+    return " · ".join(parts)
 
 
 def _outermost(mods: Sequence[ModuleStat]) -> list[ModuleStat]:
