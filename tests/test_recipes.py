@@ -225,8 +225,7 @@ def test_peft_none_recipes_keep_plain_peft_defaults() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "peft"), [*((r, "none") for r in ALL), ("trl-sft", "lora"), ("torchtune", "lora"),
-                                            ("unsloth", "qlora"), ("hf-trainer", "qlora")])
+@pytest.mark.parametrize(("name", "peft"), [*((r, "none") for r in ALL), ("trl-sft", "lora"), ("unsloth", "qlora")])
 def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
     """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences)."""
     import vramplan
