@@ -166,7 +166,8 @@ def _torchtitan(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("compile", False, f"{_TITAN_8B} ([training] compile = false)"),
         *([Default("zero", 3, f"{_TITAN_CFG} (`Parallelism.data_parallel_shard_degree` -1: FSDP2 over every "
                    "rank)")] if dp > 1 else []),
-        Default("keep_grads", False, "torchtitan/train.py (`optimizers.zero_grad()`; " + _SET_TO_NONE_TORCH + ")"),
+        Default("keep_grads", False, "https://github.com/pytorch/torchtitan/blob/e9f53473bd120ca46cd5d34f15e7725287c35c66/"
+                "torchtitan/train.py (`train_step` starts with `self.optimizers.zero_grad()`; " + _SET_TO_NONE_TORCH + ")"),
     )
 
 
