@@ -61,8 +61,8 @@ def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("loss", Loss.FULL, _HF_LOSS),
         Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (step after backward, then zero_grad)"),
         Default("compile", False, f"{_HF}/training_args.py#L940 (`torch_compile` default False)"),
-        Default("activation_offload", False, f"{_HF}/training_args.py#L908-L924 (offload only via "
-                "`activation_checkpointing_kwargs`)"),
+        Default("activation_offload", False, f"{_HF}/training_args.py#L916-L925 (offload only with "
+                "`activation_checkpointing_kwargs={'offload': True}`)"),
     )
 
 
@@ -99,7 +99,7 @@ def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_ACC}/optimizer.py#L112-L118 (`AcceleratedOptimizer.zero_grad`: "
                 "set_to_none None -> True)"),
-        Default("compile", False, f"{_ACC}/accelerator.py (`dynamo_backend` default 'no')"),
+        Default("compile", False, f"{_ACC}/accelerator.py#L255 (`dynamo_backend` defaults to 'no')"),
     )
 
 
@@ -107,8 +107,8 @@ def _lightning(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_PL}/core/module.py#L1391 (`optimizer_zero_grad` calls "
                 f"`optimizer.zero_grad()`; {_SET_TO_NONE_TORCH})"),
-        Default("keep_outputs", False, f"{_PL}/loops/optimization/automatic.py (`training_step` returns the loss; "
-                "the closure runs backward on it)"),
+        Default("keep_outputs", False, f"{_PL}/loops/optimization/automatic.py#L62-L73 (`training_step` "
+                "returns the loss; the closure keeps only it for backward)"),
     )
 
 
@@ -187,7 +187,8 @@ def _deepspeed(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_DS}/runtime/engine.py#L3495-L3500 (`zero_grad`: `param.grad = None`)"),
         Default("zero", 0, f"{_DS}/runtime/zero/config.py#L95 (`stage` default 0)"),
-        Default("optimizer_in_backward", False, f"{_DS}/runtime/engine.py (`step()` after `backward()`)"),
+        Default("optimizer_in_backward", False, f"{_DS}/runtime/engine.py#L3382-L3567 (`backward()`, then "
+                "`step()`)"),
     )
 
 
