@@ -28,7 +28,7 @@ _HF = "https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers
 _TRL = "https://github.com/huggingface/trl/blob/v1.16.0/trl"
 _ACC = "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate"
 _PL = "https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.6/src/lightning/pytorch"
-_TT = "https://github.com/meta-pytorch/torchtune/blob/v0.6.1"
+_TT = "https://github.com/pytorch/torchtune/blob/v0.6.1"
 _TITAN_CFG = ("https://github.com/pytorch/torchtitan/blob/000204a4a8bf3d0f31adc44fc29855fbb6ea13d8/"
               "torchtitan/config/job_config.py")
 _TITAN_8B = ("https://github.com/pytorch/torchtitan/blob/01424cb254492cd6f5924e26d28227d75913e122/"
