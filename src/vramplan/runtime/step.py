@@ -16,7 +16,7 @@ from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
-from vramplan.workload import KVDtype, Peft, Task, Workload
+from vramplan.workload import Checkpointing, KVDtype, Loss, Peft, Task, Workload
 
 from .comm import communication
 from .flops import StepFlops, decode_flops, forward_flops, train_flops
@@ -233,6 +233,7 @@ class _StepModel:
         self.notes += list(comm.notes) + list(off.notes)
         if w.peft is not Peft.NONE:
             self.notes.append("frozen base: backward skips its weight gradients (~4·N·tokens instead of 6)")
+        self.notes += loop_notes(w)
         if p.pp > 1:
             self.notes.append(
                 f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
@@ -366,3 +367,19 @@ def _kv_bytes(w: Workload) -> float:
 
 
 __all__ = ["Bound", "StepTime", "step_time"]
+
+
+def loop_notes(w: Workload) -> list[str]:
+    """How the loop's knobs enter the step time (those with no modelled cost say so)."""
+    out = []
+    if w.optimizer_in_backward:
+        out.append("optimizer in backward: the same optimizer work, run from the gradient hooks (no time cost modelled)")
+    if w.loss is Loss.CHUNKED:
+        out.append("chunked cross-entropy: the same FLOPs and bytes as the full loss")
+    elif w.loss is Loss.CCE:
+        out.append("Cut Cross-Entropy: logits never written to memory; the backward recomputes the head matmul")
+    elif w.loss is Loss.LIGER:
+        out.append("Liger fused linear cross-entropy: gradients computed in the forward, no extra FLOPs")
+    if w.checkpointing is Checkpointing.OP:
+        out.append("op-level selective checkpointing: half the layer matmuls and the ops between them recomputed")
+    return out
