@@ -45,7 +45,16 @@ from vramplan.workload import Method
 
 from . import work
 from .jobs import Jobs, Stale
-from .params import FieldError, Query, cli_message, field_of, fields, parse_query, read_upload, recipe_defaults
+from .params import (
+    FieldError,
+    Query,
+    cli_message,
+    field_of,
+    fields,
+    parse_query,
+    read_upload,
+    recipe_defaults,
+)
 
 Handler = Callable[..., Awaitable[Response]]
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
