@@ -8,13 +8,13 @@ import pytest
 
 from test_planner_fakes import H100, LLAMA, RTX4090, FakeEstimator, GiB, formula, screen_for
 from vramplan import recipes
+from vramplan.models.flops import layout_of, train_flops
+from vramplan.models.shape import model_shape
 from vramplan.planner.evaluator import Evaluator
 from vramplan.planner.knobs import KNOBS, saving_knobs
 from vramplan.planner.space import candidates, describe
 from vramplan.results import MemoryReport
 from vramplan.runtime import step_time
-from vramplan.runtime.flops import train_flops
-from vramplan.runtime.shape import shape_of
 from vramplan.workload import Checkpointing, Loss, Workload
 
 ALL_KNOBS = frozenset(KNOBS)
@@ -101,14 +101,15 @@ def test_plan_ranks_knob_variants_by_step_time_and_says_what_it_searched() -> No
 
 
 def test_each_knob_has_a_step_time_cost() -> None:
-    s = shape_of(LLAMA)
+    s = model_shape(LLAMA)
+    lay = layout_of(s)
     base = Workload(batch=4, seq=2048)
-    f = {k: train_flops(s, base.replace(**ch), 4, 2048).recompute for k, ch in {
+    f = {k: train_flops(lay, base.replace(**ch), 4, 2048).recompute for k, ch in {
         "none": {}, "full": {"checkpointing": "full"}, "every2": {"checkpointing": "full", "checkpoint_every": 2},
         "op": {"checkpointing": "op"}, "cce": {"loss": "cce"}}.items()}
     assert f["none"] == 0 and f["full"] > f["op"] > 0
     assert f["every2"] == pytest.approx(f["full"] / 2)
-    assert f["cce"] == pytest.approx(2.0 * s.head_params * 4 * 2048)  # the head matmul again
+    assert f["cce"] == pytest.approx(2.0 * lay.head * 4 * 2048)  # the head matmul again
     t0 = step_time(LLAMA, base, H100)
     t_off = step_time(LLAMA, base.replace(checkpointing="full", activation_offload=True), H100)
     t_ck = step_time(LLAMA, base.replace(checkpointing="full"), H100)
