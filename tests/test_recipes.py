@@ -82,7 +82,8 @@ def test_explicit_values_beat_the_recipe() -> None:
 def test_recipe_defaults_apply_to_training_only() -> None:
     w = recipes.apply("torchtune", task="infer")
     assert w.recipe is Recipe.TORCHTUNE and w.loss is Loss.FULL and not w.optimizer_in_backward
-    assert recipes.notes(w) == () and w.setting_notes() == ()
+    assert w.setting_notes() == () and recipes.notes(w) == ("recipe torchtune sets training-loop knobs; none applies "
+                                                             "to `task=infer`",)
 
 
 @pytest.mark.parametrize(("name", "changes", "field"), [

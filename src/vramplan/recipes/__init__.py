@@ -92,7 +92,9 @@ def allows(w: Workload) -> bool:
 def notes(w: Workload) -> tuple[str, ...]:
     """What the recipe's framework does that the estimate does not model, for the report."""
     if not w.training:
-        return ()
+        if w.recipe is Recipe.PLAIN:
+            return ()
+        return (f"recipe {w.recipe} sets training-loop knobs; none applies to `task={w.task}`",)
     return CATALOG[w.recipe].caveats(w)
 
 
