@@ -35,8 +35,8 @@ _TITAN_8B = ("https://github.com/pytorch/torchtitan/blob/01424cb254492cd6f5924e2
              "torchtitan/models/llama3/train_configs/llama3_8b.toml")
 _TITAN_LOSS = "https://github.com/pytorch/torchtitan/blob/000204a4a8bf3d0f31adc44fc29855fbb6ea13d8/torchtitan/components/loss.py"
 _DS = "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed"
-_UNSLOTH = "https://github.com/unslothai/unsloth/blob/9fbe0b6da363f96d9e06790340bde617a645d563/unsloth/models/llama.py"
-_UNSLOTH_ZOO = "https://github.com/unslothai/unsloth-zoo/blob/38856a1e64e181304b0e338fc80739b1b002502c/unsloth_zoo"
+_UNSLOTH = "https://github.com/unslothai/unsloth/blob/015bdef0d94a241bcd94eec7a405b1700632180d/unsloth/models/llama.py"
+_UNSLOTH_ZOO = "https://github.com/unslothai/unsloth-zoo/blob/ce232d6cef9cb8cd34cd3727906131622177436b/unsloth_zoo"
 
 _SET_TO_NONE_TORCH = ("torch.optim.Optimizer.zero_grad(set_to_none=True) and nn.Module.zero_grad(set_to_none=True) "
                       "are torch's defaults since 2.0")
@@ -201,12 +201,12 @@ def _deepspeed_caveats(w: Workload) -> tuple[str, ...]:
 # --- Unsloth ----------------------------------------------------------------------------------
 def _unsloth(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
-        Default("checkpointing", Checkpointing.FULL, f"{_UNSLOTH} (`FastLlamaModel.get_peft_model`: "
+        Default("checkpointing", Checkpointing.FULL, f"{_UNSLOTH}#L3061-L3079 (`FastLlamaModel.get_peft_model`: "
                 "`use_gradient_checkpointing=\"unsloth\"`)"),
-        Default("activation_offload", True, f"{_UNSLOTH_ZOO}/gradient_checkpointing.py (\"unsloth\" checkpointing "
-                "offloads each checkpointed layer's input to CPU)"),
-        Default("loss", Loss.LIGER, f"{_UNSLOTH_ZOO}/fused_losses/cross_entropy_loss.py (`unsloth_fused_ce_loss`: "
-                "linear + cross-entropy chunked over tokens)"),
+        Default("activation_offload", True, f"{_UNSLOTH_ZOO}/gradient_checkpointing.py#L259-L282 "
+                "(`Unsloth_Offloaded_Gradient_Checkpointer`: each checkpointed layer's input to CPU and back)"),
+        Default("loss", Loss.LIGER, f"{_UNSLOTH_ZOO}/fused_losses/cross_entropy_loss.py#L535 "
+                "(`unsloth_fused_ce_loss`: linear + cross-entropy chunked over tokens)"),
         Default("optimizer", Opt.ADAMW, _HF_OPTIM + " (Unsloth trains with TRL's SFTTrainer)"),
         Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
         Default("keep_grads", False, _HF_ZERO_GRAD),
