@@ -9,8 +9,10 @@ activation checkpointing re-runs the forward of the checkpointed layers once (ev
 every k-th: ``checkpoint_every``); selective checkpointing re-runs their attention core;
 torchtitan's op-level policy saves every other matmul and the attention kernels
 (``_op_sac_save_list``, ``mm_count % 2``, torchtitan distributed/activation_checkpoint.py), so
-it re-runs half of the layer matmuls. Cut Cross-Entropy recomputes the logits blockwise in its
-backward (arXiv 2411.09009 §4): one more head matmul. Generation computes the logits of the last prompt
+it re-runs half of the layer matmuls. Cut Cross-Entropy (``loss=cce``) recomputes the
+logits block by block in its backward (cut_cross_entropy/cce_backward.py): one more head forward;
+the other loss implementations do the head's usual matmuls (Liger all of them inside the
+forward). Generation computes the logits of the last prompt
 position (transformers' ``logits_to_keep``), then one token per decode step against a growing
 (or windowed) context.
 
