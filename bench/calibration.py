@@ -18,7 +18,8 @@ report header as "given instead of its defaults"), never tuned:
   "adamw_torch_fused" (transformers v4.20 training_args.py `optim` default);
 - `model.zero_grad()` kept the gradients zeroed in place: `nn.Module.zero_grad` defaulted to
   `set_to_none=False` before torch 2.0 (torch 1.12 torch/nn/modules/module.py);
-- BERT ran eager attention (transformers added SDPA to BERT in 2024).
+- BERT ran eager attention (transformers added SDPA to BERT in 2024), adding an fp32 extended
+  attention mask to the scores of every layer (`extended_mask_2022`).
 
 The doc does not name its torch version. Two predictions are printed: with today's autograd
 (the trace as it runs on torch 2.x), and with torch <= 1.10's softmax, which kept its input for
@@ -163,6 +164,30 @@ def softmax_keeps_input() -> Iterator[None]:
         torch.nn.functional.softmax = original
 
 
+@contextlib.contextmanager
+def extended_mask_2022() -> Iterator[None]:
+    """transformers 4.x's BertModel built an all-ones attention mask when none was given and
+    added its extended form, `(1 - mask) * finfo.min` in the model's dtype (fp32: zeros), to the
+    scores of every layer (modeling_bert.py `get_extended_attention_mask`, v4.16); today's BERT
+    skips an all-ones mask. Under AMP the add turns fp16 scores into fp32. While tracing, BERT's
+    eager attention gets that (batch, 1, 1, keys) fp32 mask when it has none."""
+    import torch
+    from transformers.models.bert import modeling_bert
+
+    original = modeling_bert.eager_attention_forward
+
+    def eager(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if attention_mask is None:
+            attention_mask = torch.zeros(key.shape[0], 1, 1, key.shape[2], dtype=torch.float32, device=key.device)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    modeling_bert.eager_attention_forward = eager
+    try:
+        yield
+    finally:
+        modeling_bert.eager_attention_forward = original
+
+
 def predict(row: Row, *, torch110: bool = False) -> dict[str, object]:
     import torch
 
@@ -175,7 +200,7 @@ def predict(row: Row, *, torch110: bool = False) -> dict[str, object]:
               optimizer_impl="for-loop", keep_grads=True)
     inputs = {"input_ids": torch.randint(100, 30000, (row.batch, SEQ)),
               "labels": torch.randint(0, 2, (row.batch,))}
-    with softmax_keeps_input() if torch110 else contextlib.nullcontext():
+    with extended_mask_2022(), softmax_keeps_input() if torch110 else contextlib.nullcontext():
         r = vramplan.trace(make_model, inputs, workload=w, gpu=GPU, name="bert-large (seq-cls)")
     used = r.peak.reserved + overhead_bytes()
     return {"row": row.label, "hf_optim": row.hf_optim, "measured_mib": row.measured_mib,
