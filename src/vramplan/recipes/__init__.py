@@ -57,9 +57,22 @@ def apply(name: str | Recipe, /, **fields: Any) -> Workload:
                                                            dp=fields.get("dp", 1))}
     merged = {**recipe_defaults, **fields, "recipe": spec.name}
     par = {k: merged.pop(k) for k in list(merged) if k in _PARALLEL}
-    w = Workload(**merged, parallel=Parallel(**par))
+    try:
+        w = Workload(**merged, parallel=Parallel(**par))
+    except WorkloadError as e:
+        if e.field == "grad_accum" and recipe_defaults.get("optimizer_in_backward") and \
+                "optimizer_in_backward" not in fields:  # the recipe's default, not the user's choice
+            raise _no_accumulation(spec.name) from None
+        raise
     check(w)
     return w
+
+
+def _no_accumulation(name: Recipe) -> WorkloadError:
+    return WorkloadError(
+        f"recipe {name} steps the optimizer inside backward by default, which needs no gradient accumulation "
+        "(torchtune recipes/full_finetune_single_device.py L147-L156, v0.6.1)",
+        hint="drop `grad_accum`, or turn `optimizer_in_backward` off", field="grad_accum")
 
 
 def check(w: Workload) -> None:
@@ -73,11 +86,6 @@ def check(w: Workload) -> None:
             choices = " | ".join(_text(v) for v in r.allowed)
             raise WorkloadError(f"recipe {spec.name} cannot run `{r.field}={_text(value)}`: {r.why}",
                                 hint=f"use {choices}, or `recipe=plain` for your own loop", field=r.field)
-    if w.recipe is Recipe.TORCHTUNE and w.optimizer_in_backward and w.grad_accum > 1:
-        raise WorkloadError(
-            "torchtune's `optimizer_in_bwd` requires gradient_accumulation_steps=1 "
-            "(recipes/full_finetune_single_device.py L147-L156, v0.6.1)",
-            hint="drop `grad_accum`, or turn `optimizer_in_backward` off", field="grad_accum")
 
 
 def allows(w: Workload) -> bool:
