@@ -102,6 +102,13 @@ class KVDtype(_StrEnum):
     INT4 = "int4"
 
 
+class Engine(_StrEnum):
+    AUTO = "auto"  # DDP without ZeRO; DeepSpeed accounting for ZeRO-1/2, FSDP for ZeRO-3
+    DDP = "ddp"  # torch DistributedDataParallel (no sharding)
+    FSDP = "fsdp"  # FSDP2 fully_shard (ZeRO-3 = reshard after forward, ZeRO-2 = keep gathered)
+    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO 1/2/3 with its bucket buffers and host RAM
+
+
 class Method(_StrEnum):
     AUTO = "auto"
     ANALYTIC = "analytic"
@@ -161,8 +168,18 @@ class Parallel:
     """Keep optimizer states (and fp32 master weights) in CPU memory."""
     offload_params: bool = False
     """Keep parameters in CPU memory, gathered per layer (ZeRO-3 / FSDP offload)."""
+    dp_shard: int = 0
+    """HSDP: ranks per shard group of the data-parallel ranks (0 = all of them, plain FSDP/ZeRO;
+    8 = shard inside a node and replicate across nodes)."""
+    engine: Engine = Engine.AUTO
+    """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2)
+    or deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", as_enum(Engine, self.engine, "engine"))
+        if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 0:
+            raise WorkloadError(f"`dp_shard` must be 0 (all data-parallel ranks) or a positive integer, "
+                                f"got {self.dp_shard!r}", field="dp_shard")
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -177,6 +194,29 @@ class Parallel:
         if self.offload_params and self.zero != 3:
             raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="set `zero=3`",
                                 field="offload_params")
+        if self.dp_shard:
+            if self.dp % self.dp_shard:
+                raise WorkloadError(f"`dp_shard={self.dp_shard}` does not divide `dp={self.dp}`",
+                                    hint="dp = replicas × shard-group size: use a divisor of dp, or 0", field="dp_shard")
+            if self.zero == 0:
+                raise WorkloadError("`dp_shard` (HSDP) shards within groups of data-parallel ranks; "
+                                    "with ZeRO stage 0 nothing is sharded", hint="set `zero=3` (or 2), or drop `dp_shard`",
+                                    field="dp_shard")
+            if self.engine is Engine.DEEPSPEED:
+                raise WorkloadError("`dp_shard` (HSDP) is FSDP's hybrid sharding; DeepSpeed's counterpart "
+                                    "(MiCS / hpZ) is not modelled", hint="use `engine=fsdp`, or drop `dp_shard`",
+                                    field="dp_shard")
+        if self.engine is Engine.DDP and self.zero:
+            raise WorkloadError(f"DDP does not shard: `engine=ddp` with `zero={self.zero}`",
+                                hint="use `engine=fsdp` or deepspeed, or `zero=0`", field="engine")
+        if self.engine is Engine.FSDP and self.zero == 1:
+            raise WorkloadError("FSDP has no ZeRO-1 (optimizer states only)",
+                                hint="use `zero=2` (reshard_after_forward=False) or 3, or `engine=deepspeed`",
+                                field="zero")
+        if self.engine is Engine.FSDP and self.offload_optimizer and not self.offload_params:
+            raise WorkloadError("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together",
+                                hint="add `offload_params` (with `zero=3`), or use `engine=deepspeed`",
+                                field="offload_optimizer")
         if self.ep > 1 and self.dp % self.ep:
             raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
                                 hint=f"use `dp={self.ep}` or a multiple of it", field="ep")
@@ -184,6 +224,22 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that ZeRO/FSDP shards over: the shard group under HSDP, else every data-parallel rank."""
+        return self.dp_shard or self.dp
+
+    @property
+    def framework(self) -> Engine:
+        """The engine that runs this layout (``auto`` resolved)."""
+        if self.engine is not Engine.AUTO:
+            return self.engine
+        if self.zero == 0:
+            return Engine.DDP
+        if self.zero in (1, 2) or (self.offload_optimizer and not self.offload_params):
+            return Engine.DEEPSPEED
+        return Engine.FSDP
 
     @property
     def in_flight(self) -> int:

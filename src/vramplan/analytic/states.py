@@ -104,12 +104,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     gathered = 0
     if p.zero == 3 and w.training:
         gathered = 2 * max(layer, embed, head) * rg.weight
-        weights = 0 if p.offload_params else weights // p.dp
+        weights = 0 if p.offload_params else weights // p.shard_group
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
-    g_shard = p.dp if p.zero >= 2 else 1
-    o_shard = p.dp if p.zero >= 1 else 1
+    g_shard = p.shard_group if p.zero >= 2 else 1
+    o_shard = p.shard_group if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
