@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vramplan.workload import Optimizer, OptimizerImpl, Peft, Quant, Workload
+from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
+from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
 from .parallel import Stage, local
@@ -60,6 +61,7 @@ class States:
     unsharded_grads: int = 0
     """ZeRO ≥ 2: one layer's full gradients before the reduce-scatter."""
     ddp_buckets: int = 0
+    """DDP's gradient buckets, or DeepSpeed's reduce buckets (``engine=deepspeed``)."""
     opt_temp: int = 0
     casts_all: int = 0
     """Autocast's 16-bit copies of every linear weight used in the forward."""
@@ -141,13 +143,23 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     dequant = rg.compute * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
     per_layer = layer if tr.full else layer_adapters
+    buckets = trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0
+    if p.engine is Engine.DEEPSPEED and w.training and p.zero:
+        # DeepSpeed's own buffers and gathering granularity (analytic/deepspeed.py)
+        buckets = ds.reduce_buckets(p.zero, rg.compute)
+        if p.zero == 3:
+            gathered = ds.gathered(max(_largest(lins, w), embed, head), rg.weight)
+            if not p.offload_params:
+                weights += ds.persistent(small + head_small, p.shard_group, rg.weight)
+            if rg.master and not p.offload_optimizer:
+                opt_temp = ds.step_fp32_grads(3, trainable // o_shard)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered,
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
         layer_grads=per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
-        ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
+        ddp_buckets=buckets,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
     )
 
