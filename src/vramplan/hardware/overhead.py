@@ -157,7 +157,8 @@ def device_overhead(
     buffers on or off (None: where the GPU has NVSwitch multicast).
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise VramplanError(f"world size must be a positive integer, got {world_size!r}")
+        raise VramplanError(f"`world_size` must be a positive integer, got {world_size!r}",
+                            hint="use `world_size=1` for one GPU, or the number of GPUs of the job", field="world_size")
     if nccl_channels is not None and nccl_channels < 1:
         raise VramplanError(f"NCCL channels must be >= 1, got {nccl_channels!r}")
     version = _parse_version(torch_version)
