@@ -10,6 +10,7 @@ quantisation × KV-cache dtype × tensor parallelism. Every variant is a validat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from vramplan.hardware.target import supports_bf16, supports_fp8
 from vramplan.workload import (
     Attention,
     Checkpointing,
+    Engine,
     KVDtype,
     Optimizer,
     OptimizerImpl,
@@ -206,6 +208,9 @@ def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candid
 def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, object]) -> Iterator[Candidate]:
     try:
         par = Parallel(**{**_parallel_fields(w.parallel), **sharding})  # type: ignore[arg-type]
+        if par.engine is Engine.AUTO and par.dp > 1 and w.task is Task.TRAIN:
+            # a plan names the framework it runs on (what `emit` writes), and is predicted with its buffers
+            par = dataclasses.replace(par, engine=par.framework)
         yield Candidate(w.replace(parallel=par, **changes), n)
     except VramplanError:
         return
@@ -275,12 +280,15 @@ def _parallel_words(w: Workload, n: int) -> list[str]:
     if p.dp > 1 and p.dp_shard and p.dp_shard < p.dp:
         words.append(f"HSDP {p.dp // p.dp_shard}×{p.dp_shard}")
     elif p.dp > 1:
-        kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
+        if p.engine is Engine.DEEPSPEED:
+            kind = f"DeepSpeed ZeRO-{p.zero}"
+        elif p.engine is Engine.FSDP:
+            kind = "FSDP" if p.zero == 3 else "FSDP (no reshard)"
+        else:
+            kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
         words.append(f"{kind} ×{p.dp}")
     elif p.zero:
         words.append(f"ZeRO-{p.zero}")
-    if p.engine.value != "auto":
-        words.append(p.engine.value)
     if p.tp > 1:
         words.append(f"TP {p.tp}" + (" + SP" if p.sp else ""))
     if p.cp > 1:
