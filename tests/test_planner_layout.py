@@ -14,7 +14,7 @@ from vramplan.cli.main import main
 from vramplan.errors import PlanError
 from vramplan.models.catalog import resolve
 from vramplan.planner.emit import emit
-from vramplan.planner.layout import CARRIES, read_layout, sniff
+from vramplan.planner.layout import CARRIES, read_layout
 from vramplan.planner.plan import plan
 from vramplan.planner.results import Plan
 from vramplan.workload import Parallel, Workload
