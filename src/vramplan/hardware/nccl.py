@@ -174,11 +174,11 @@ def communicator_items(gpu: GPU | None, comms: Sequence[Communicator], *, channe
     for c in comms:
         if c.size <= 1:
             continue
-        where = f"{c.size} ranks, {c.local} on this node"
+        where = f"{c.size} ranks, {c.local} local"
         if c.pattern == "collective":
             ch = channels or (CHANNELS_NVLINK if _nvlink(gpu) else CHANNELS_PCIE)
             items.append(OverheadItem(
-                f"NCCL {c.name} communicator buffers ({where})", collective_bytes(ch),
+                f"NCCL {c.name} communicator ({where})", collective_bytes(ch),
                 f"{ch} channels × {CONNECTIONS_PER_CHANNEL} connections (ring + tree) × (SIMPLE 4 MiB "
                 f"NCCL_BUFFSIZE + LL 512 KiB + LL128 4,800 KiB = {per_conn:,} B), NCCL src/init.cc defaults; "
                 f"channels: {'given' if channels else CHANNELS_SOURCE}"))
@@ -187,7 +187,7 @@ def communicator_items(gpu: GPU | None, comms: Sequence[Communicator], *, channe
                 nch = NVLS_CHANNELS_SM100 if gpu is not None and gpu.sm and gpu.sm[0] >= 10 else NVLS_CHANNELS_SM90
                 b = nch * 2 * NVLS_CHUNKSIZE * NCCL_STEPS * c.local
                 items.append(OverheadItem(
-                    f"NCCL {c.name} NVLS multicast buffers", b,
+                    f"NCCL {c.name} NVLS buffers", b,
                     f"{nch} NVLS channels × 2 × NVLS_CHUNKSIZE 128 KiB × NCCL_STEPS 8 × {c.local} heads "
                     "(src/transport/nvls.cc ncclNvlsBufferSetup; one head per local GPU assumed); "
                     "NCCL_NVLS_ENABLE=0 removes it"))
@@ -196,9 +196,9 @@ def communicator_items(gpu: GPU | None, comms: Sequence[Communicator], *, channe
             near = min(peers, c.local - 1)
             chunk_nvl = P2P_NVL_CHUNKSIZE if _nvlink(gpu) else P2P_CHUNKSIZE
             b = P2P_CHANNELS_PER_PEER * NCCL_STEPS * (near * chunk_nvl + (peers - near) * P2P_CHUNKSIZE)
-            what = "pipeline neighbours" if c.pattern == "p2p" else "all-to-all peers"
+            what = "neighbours" if c.pattern == "p2p" else "peers"
             items.append(OverheadItem(
-                f"NCCL {c.name} point-to-point buffers ({peers} {what})", b,
+                f"NCCL {c.name} p2p buffers ({peers} {what})", b,
                 f"per peer {P2P_CHANNELS_PER_PEER} channels × NCCL_STEPS 8 × P2P chunk (NCCL_P2P_NVL_CHUNKSIZE "
                 f"512 KiB on the node over NVLink, NCCL_P2P_NET/PCI_CHUNKSIZE 128 KiB otherwise; src/init.cc); "
                 f"{near} peer(s) on this node; channels per peer: assumption"))
