@@ -49,10 +49,10 @@ def run_script(
     if g is None:
         raise VramplanError("running a script needs a target GPU to emulate", hint="e.g. `gpu=h100-sxm`", field="gpu")
     if not isinstance(world, int) or world < 1:
-        raise VramplanError(f"`world` must be a positive number of processes, got {world!r}", field="world")
+        raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
     if world > 1 and world % gpus:
         raise VramplanError(f"a world of {world} processes does not fill nodes of {gpus} GPU(s)",
-                            hint=f"use `world` = nodes × {gpus}", field="world")
+                            hint=f"declare nodes × {gpus} processes")
     base = Workload(task=Task.TRAIN, parallel=Parallel(dp=world))
     dev = profile(g, base)  # the one device profile: the emulation, torch.cuda's answers, the verdict
     if not workspaces:

@@ -129,10 +129,10 @@ _TORCH_OPTIMIZERS: dict[Optimizer, tuple[str, dict[str, Any]]] = {
 
 def deepspeed(plan: Plan) -> Emitted:
     w = plan.workload
-    if w.precision in (Precision.BF16, Precision.FP16):
-        raise PlanError(f"DeepSpeed keeps fp32 master weights: plan `{plan.label}` was predicted in pure {w.precision}",
-                        hint="pick a plan with mixed precision (`pick=N`), or `emit=fsdp`", field="emit")
     notes = [_header(plan)]
+    if w.precision in (Precision.BF16, Precision.FP16):
+        notes.append(f"DeepSpeed keeps fp32 master weights: this config runs {w.precision}-mixed, not the pure "
+                     f"{w.precision} the plan was predicted for")
     if backend(w) not in ("deepspeed", "none"):
         notes.append(f"this plan was predicted for {backend(w)}; DeepSpeed's buffers differ (re-plan with "
                      "`engine=deepspeed` for its figure)")
@@ -327,32 +327,34 @@ def fsdp(plan: Plan) -> Emitted:
 _TT_DTYPE = {Precision.BF16_MIXED: "bfloat16", Precision.FP16_MIXED: "float16", Precision.FP32: "float32"}
 
 
-def torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
+def torchtitan_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """torchtitan's job config (``torchtitan/config/job_config.py``: [training], [parallelism],
-    [activation_checkpoint], [optimizer]) for the plan; refuses what torchtitan cannot express."""
+    [activation_checkpoint], [optimizer]) for the plan, and what in the plan it cannot express."""
     w, p = plan.workload, plan.workload.parallel
+    notes: list[str] = []
     if w.precision not in _TT_DTYPE:
-        raise PlanError(f"torchtitan keeps fp32 parameters and computes in `mixed_precision_param`: plan "
-                        f"`{plan.label}` is pure {w.precision}", hint="pick a mixed-precision plan (`pick=N`)",
-                        field="emit")
+        notes.append(f"torchtitan keeps fp32 sharded parameters and computes in mixed_precision_param: the plan's "
+                     f"pure {w.precision} runs as {w.precision}-mixed")
     if w.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
-        raise PlanError(f"torchtitan builds Adam / AdamW; plan `{plan.label}` uses {w.optimizer}",
-                        hint="pick an Adam(W) plan (`pick=N`), or `emit=fsdp`", field="emit")
-    if w.checkpointing is Checkpointing.SELECTIVE or w.peft is not Peft.NONE or p.zero in (1,) or \
-            p.offload_optimizer != p.offload_params or backend(w) == "deepspeed" or (p.tp > 1 and not p.sp):
-        raise PlanError(f"torchtitan has no equivalent of plan `{plan.label}` (Megatron-style selective "
-                        "checkpointing, PEFT, ZeRO-1, optimizer-only offload, DeepSpeed and TP without sequence "
-                        "parallelism are not its options)",
-                        hint="pick another plan (`pick=N`), or `emit=fsdp` / `emit=deepspeed`", field="emit")
+        notes.append(f"torchtitan builds Adam / AdamW: the plan's {w.optimizer} is written as AdamW")
+    if w.checkpointing is Checkpointing.SELECTIVE:
+        notes.append("torchtitan has no Megatron-style selective checkpointing: written as its op-level one")
+    if w.peft is not Peft.NONE:
+        notes.append(f"torchtitan has no {w.peft}: the config trains the full model")
+    if p.zero == 1 or backend(w) == "deepspeed" or p.offload_optimizer != p.offload_params:
+        notes.append("ZeRO-1/2 with optimizer-only offload is DeepSpeed's: torchtitan shards with FSDP2")
+    if p.tp > 1 and not p.sp:
+        notes.append("torchtitan's tensor parallelism always shards norms over the sequence (SP)")
     shard = p.shard_group if p.zero else 1
     replicate = p.dp // shard
     ac: dict[str, Any] = {"mode": "none"}
     if w.checkpointing is Checkpointing.FULL:
         every = max(1, round(1 / w.checkpoint_fraction)) * w.checkpoint_every
         ac = {"mode": "full"} if every == 1 else {"mode": "selective", "selective_ac_option": str(every)}
-    elif w.checkpointing is Checkpointing.OP:
+    elif w.checkpointing in (Checkpointing.OP, Checkpointing.SELECTIVE):
         ac = {"mode": "selective", "selective_ac_option": "op"}
-    training: dict[str, Any] = {"seq_len": w.seq, "mixed_precision_param": _TT_DTYPE[w.precision],
+    dtype = _TT_DTYPE.get(w.precision) or ("float16" if w.precision is Precision.FP16 else "bfloat16")
+    training: dict[str, Any] = {"seq_len": w.seq, "mixed_precision_param": dtype,
                                 "mixed_precision_reduce": "float32"}
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
@@ -369,9 +371,10 @@ def torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     if p.offload_params:
         training["enable_cpu_offload"] = True
     impl = {OptimizerImpl.FUSED: "fused", OptimizerImpl.FOREACH: "foreach", OptimizerImpl.FOR_LOOP: "for-loop"}
-    optimizer = {"name": "AdamW" if w.optimizer is Optimizer.ADAMW else "Adam", "lr": 3e-4,
+    optimizer = {"name": "Adam" if w.optimizer is Optimizer.ADAM else "AdamW", "lr": 3e-4,
                  "implementation": impl[w.optimizer_impl]}
-    return {"training": training, "parallelism": parallelism, "activation_checkpoint": ac, "optimizer": optimizer}
+    return {"training": training, "parallelism": parallelism, "activation_checkpoint": ac,
+            "optimizer": optimizer}, notes
 
 
 def to_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
@@ -397,10 +400,8 @@ def torchtitan(plan: Plan) -> Emitted:
     nodes, per = _nodes(plan.num_gpus)
     head = (f"# {_header(plan)}\n# NGPU={per} torchrun --nnodes {nodes} --nproc_per_node {per} "
             "-m torchtitan.train --job.config_file job.toml  (add [model] name/flavor and [job])\n")
-    notes = [_header(plan)]
-    if plan.workload.parallel.sp:
-        notes.append("torchtitan's tensor-parallel plan shards norms and dropout over the sequence (SP) always")
-    return Emitted("torchtitan", head + to_toml(torchtitan_config(plan)), "job.toml", tuple(notes))
+    cfg, caveats = torchtitan_config(plan)
+    return Emitted("torchtitan", head + to_toml(cfg), "job.toml", (_header(plan), *caveats))
 
 
 # ------------------------------------------------------------------------------ HF Trainer

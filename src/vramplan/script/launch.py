@@ -79,13 +79,15 @@ def _accelerate_config_processes(path: str) -> tuple[int | None, int | None]:
 
     p = Path(path)
     if not p.is_file():
-        raise VramplanError(f"no such accelerate config: {p}", hint="check --config_file")
+        raise VramplanError(f"no such accelerate config: {p}", hint="check the path of accelerate's config file")
     try:
         cfg = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise VramplanError(f"{p} is not valid YAML ({str(e).splitlines()[0]})", hint="check --config_file") from None
+        raise VramplanError(f"{p} is not valid YAML ({str(e).splitlines()[0]})",
+                            hint="give accelerate the file `accelerate config` wrote") from None
     if not isinstance(cfg, dict):
-        raise VramplanError(f"{p} is not an accelerate config (a YAML mapping)", hint="check --config_file")
+        raise VramplanError(f"{p} is not an accelerate config (a YAML mapping)",
+                            hint="give accelerate the file `accelerate config` wrote")
     n, m = cfg.get("num_processes"), cfg.get("num_machines")
     return (n if isinstance(n, int) else None), (m if isinstance(m, int) else None)
 
@@ -110,7 +112,7 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
     else:
         if not rest or rest[0] != "launch":
             raise VramplanError("accelerate: only `accelerate launch SCRIPT` runs a script",
-                                hint="vramplan run -- accelerate launch --num_processes 8 train.py")
+                                hint="e.g. `vramplan run -- accelerate launch --num_processes 8 train.py`")
         opts, tail = _options(rest[1:], "accelerate launch", _ACCELERATE_FLAGS)
         n_cfg, m_cfg = (None, None)
         if "--config-file" in opts:
@@ -121,7 +123,7 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
             else (m_cfg or 1)
         if world % nodes:
             raise VramplanError(f"accelerate launch: {world} processes do not split over {nodes} machines",
-                                hint="use --num_processes = machines × GPUs per machine")
+                                hint="give accelerate launch machines × GPUs-per-machine processes")
         per_node = world // nodes
     if not tail or not tail[0].endswith(".py"):
         raise VramplanError(f"expected a script after {launcher}'s options", hint=f"{launcher} … train.py ARGS")

@@ -381,8 +381,8 @@ def _patched_distributed(world: int = 1) -> Iterator[None]:
         raise TraceError(
             "the script calls torch.distributed.init_process_group (multi-process training); "
             "vramplan run emulates one process unless a world is declared",
-            hint="launch it as you would: vramplan run -- torchrun --nproc-per-node 8 train.py "
-                 "(rank 0 of the world is emulated)",
+            hint="launch it as you would (rank 0 of the world is emulated): "
+                 "`vramplan run -- torchrun --nproc-per-node 8 train.py`",
         )
 
     with contextlib.ExitStack() as stack:
@@ -621,7 +621,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     sess.dispatch.float_reads = 1.0
     run = ScriptRun()
     if not isinstance(world, int) or world < 1:
-        raise VramplanError(f"`world` must be a positive number of processes, got {world!r}", field="world")
+        raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
     hooks = _Hooks(sess, run, steps, progress, started)
     hooks.world = world
     live = LiveAllocator(sess.rec.log, alloc_conf)
