@@ -21,6 +21,18 @@ accounting (16-bit weights and gradients, fp32 master + Adam states, sharded by 
 
 Host RAM is what DeepSpeed's own estimators give (``estimate_zero2_model_states_mem_needs``,
 ``estimate_zero3_model_states_mem_needs``): per node, with their 1.5 buffer factor.
+
+Why analytic, not traced (tried 2026-12-01, deepspeed 0.19.8, torch 2.13 CPU): DeepSpeed's
+engine *does* initialise and step on PyTorch's fake process group — ``init_process_group("fake",
+store=FakeStore(), rank=0, world_size=8)`` then ``deepspeed.initialize(model, optimizer=
+torch.optim.AdamW(…), config={"zero_optimization": {"stage": 2 or 3}}, dist_init_required=False)``
+runs forward, ``engine.backward`` and ``engine.step`` with ``DeepSpeedZeroOptimizer`` /
+``DeepSpeedZeroOptimizer_Stage3``. What blocks a trace: DeepSpeed picks its accelerator at import
+(the CPU one on a machine without CUDA) and allocates its flat buffers, buckets and partitions
+with ``device=get_accelerator().current_device_name()`` — host tensors, not our emulated CUDA
+device — so tracing needs a DeepSpeed accelerator that answers "cuda" and maps to the trace
+device; and ``"optimizer": {"type": "AdamW"}`` in the config JIT-builds DeepSpeed's fused Adam C++
+op (``op_builder``), which a trace must replace by torch's.
 """
 
 from __future__ import annotations
