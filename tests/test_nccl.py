@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vramplan.engine import overhead_items
 from vramplan.errors import VramplanError
@@ -98,3 +100,32 @@ def test_bad_communicators_are_user_errors():
         Communicator("dp", 4, 1, "ring")
     with pytest.raises(VramplanError):
         mesh_communicators(dp=0)
+
+
+_POW2 = st.sampled_from([1, 2, 4, 8, 16])
+
+
+@given(dp=_POW2, tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+       shard=st.sampled_from([0, 2, 8]))
+def test_mesh_invariants(dp, tp, pp, cp, shard):
+    if shard and dp % shard:
+        return
+    comms = mesh_communicators(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=shard)
+    by = _names(comms)
+    world = dp * tp * pp * cp
+    # the groups of the mesh dimensions multiply to the world
+    prod = 1
+    for name in ("tp", "cp", "dp", "dp_shard", "dp_replicate", "pp"):
+        prod *= by[name].size if name in by else 1
+    assert prod == world
+    for c in comms:
+        assert 2 <= c.size <= world and 1 <= c.local <= min(c.size, 8)
+    # tensor parallelism is innermost: its ranks are on one node whenever it fits one
+    if tp > 1:
+        assert by["tp"].local == tp
+    # one communicator per dimension of size > 1, and exactly one collective group spans the world
+    dims = sum(1 for n in (tp, cp, pp) if n > 1) + (0 if dp == 1 else (1 if not shard or shard == dp else
+                                                                      (2 if shard > 1 else 1)))
+    assert len([c for c in comms if c.name != "world"]) == dims
+    if world > 1:
+        assert len([c for c in comms if c.size == world and c.pattern == "collective"]) == 1

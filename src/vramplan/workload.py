@@ -427,6 +427,10 @@ class Workload:
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
         if p.microbatches and p.pp == 1:
             notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
+        if p.engine is not Engine.AUTO and p.dp == 1:
+            notes.append(f"`engine={p.engine}` runs data parallelism: with `dp=1` it changes nothing (add `dp=N`)")
+        if p.dp_shard and p.dp_shard == p.dp:
+            notes.append("`dp_shard` equal to `dp` is plain FSDP (one shard group): no replicas")
         if p.zero and p.dp == 1:
             notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with `dp=1` nothing is sharded "
                          "(add `dp=N` for N GPUs)")
