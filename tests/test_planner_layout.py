@@ -159,3 +159,11 @@ def test_cli_estimate_with_an_emitted_layout_gives_the_plans_prediction(template
                  "--json", *extra]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["peak"]["allocated"] == estimate(SPEC, p.workload).peak.allocated
+
+
+def test_cli_flag_contradicting_the_layout_is_an_error(template, tmp_path, capsys):
+    f = tmp_path / "ds_config.json"
+    f.write_text(emit(_plan(template, dp=8, zero=2, engine="deepspeed"), "deepspeed").text)
+    assert main(["estimate", "llama-3.2-1b", "--method", "analytic", "--layout", str(f), "--dp", "4"]) == 2
+    assert "--dp 4 contradicts the deepspeed layout file, which says 8" in capsys.readouterr().err
+    assert main(["estimate", "llama-3.2-1b", "--method", "analytic", "--layout", str(f), "--dp", "8", "--json"]) == 0

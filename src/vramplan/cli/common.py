@@ -120,10 +120,28 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         from ..planner.layout import read_file
 
         layout = read_file(args.layout, w)
+        check_layout_flags(w, layout.workload, layout.format)
         for n in layout.notes:
             hint(f"note: {n}")
         w = layout.workload
     return w
+
+
+def check_layout_flags(given: Workload, read: Workload, fmt: str) -> None:
+    """A flag set away from its default that the layout file contradicts is an error, not a
+    silent override."""
+    from ..errors import WorkloadError
+    from ..planner.layout import CARRIES
+
+    dw, dp = Workload(task=given.task), Parallel()
+    for name in sorted(CARRIES[fmt]):
+        par = name in Parallel.__dataclass_fields__
+        mine = getattr(given.parallel if par else given, name)
+        theirs = getattr(read.parallel if par else read, name)
+        default = getattr(dp if par else dw, name)
+        if mine != default and mine != theirs:
+            raise WorkloadError(f"`{name}={mine}` contradicts the {fmt} layout file, which says {theirs}",
+                                hint=f"drop `{name}`, or edit the file", field=name)
 
 
 def note_settings(w: Workload) -> None:
