@@ -61,8 +61,8 @@ def test_gpus_must_agree_with_the_launcher():
 def test_fsdp2_script_traces_rank_zero_with_sharded_states(world):
     r = vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=world, gpus=8)
     b = r.breakdown
-    assert b.gradients == MODEL // world  # fp32 gradient shards, 1/world each
-    assert b.optimizer == 2 * MODEL // world  # AdamW exp_avg + exp_avg_sq shards
+    assert b.optimizer == 2 * MODEL // world  # AdamW exp_avg + exp_avg_sq shards, 1/world each
+    assert 0 < b.gradients <= MODEL // world  # fp32 gradient shards (those alive at the peak)
     assert any("NCCL" in o.name for o in r.overhead)
 
 

@@ -15,16 +15,30 @@ step-time model (:mod:`vramplan.runtime`), so that they cannot disagree:
   (2Ψ) and gradients (2Ψ), fp32 master weights + Adam moments in the optimizer states
   (12Ψ): the same 16Ψ, split so that ZeRO-1 = 4Ψ + 12Ψ/N, ZeRO-2 = 2Ψ + 14Ψ/N,
   ZeRO-3 = 16Ψ/N. The model runs in 16-bit (no autocast cast copies).
+- ``*-mixed`` under FSDP (ZeRO-3 by default, ZeRO-2 with ``engine=fsdp``): **FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``** — fp32 sharded parameters
+  (4Ψ/N), fp32 sharded gradients (4Ψ/N, reduce-scattered in fp32), fp32 Adam moments (8Ψ/N,
+  no separate master copy); parameters all-gathered and computed in 16-bit, no autocast
+  (torch/distributed/fsdp/_fully_shard/_fsdp_api.py). The same 16Ψ/N as DeepSpeed's ZeRO-3,
+  split differently.
 - LoRA / QLoRA: the frozen base is 16-bit (QLoRA: NF4); PEFT keeps adapters in fp32
   (``autocast_adapter_dtype=True``), so adapter gradients and states are fp32.
+  ``peft_base_dtype=fp32`` (a base loaded in fp32, run under autocast): the base and its
+  residual stream are fp32 and autocast caches a 16-bit copy of every base weight, as under
+  AMP; ``bf16``/``fp16`` must be the compute dtype (the base's matmuls run in it).
+- bitsandbytes 4-bit compute dtype (``bnb_compute_dtype``, auto: the compute dtype):
+  ``Linear4bit`` casts its input to it and ``MatMul4Bit`` dequantises the weight to the
+  dtype it was loaded in, then ``.to(compute dtype)`` (bitsandbytes
+  ``autograd/_functions.py``); transformers' ``BitsAndBytesConfig`` defaults it to fp32.
 - Quantised base without PEFT under ``*-mixed``: the unquantised rest is 16-bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .workload import Peft, Precision, Quant, Workload
+from .workload import DtypeChoice, Peft, Precision, Quant, Workload
 
 FP32, BF16, FP16 = "float32", "bfloat16", "float16"
 
@@ -49,11 +63,22 @@ class PrecisionModel:
     compute_dtype: str = FP32
     """torch dtype name of the compute (autocast's target under ``*-mixed``)."""
     peft: bool = False
+    bnb_compute_dtype: str = ""
+    """bitsandbytes 4-bit compute dtype name ("" = the compute dtype)."""
 
     @property
     def weight_dtype(self) -> str:
         """torch dtype name the (unquantised) weights are stored in."""
         return FP32 if self.weight == 4 else self.compute_dtype
+
+    @property
+    def bnb_dtype(self) -> str:
+        """torch dtype name bitsandbytes' 4-bit layers compute in."""
+        return self.bnb_compute_dtype or self.compute_dtype
+
+    @property
+    def bnb_bytes(self) -> int:
+        return 4 if self.bnb_dtype == FP32 else 2
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -74,23 +99,41 @@ class PrecisionModel:
     def label(self) -> str:
         if self.autocast and self.weight == 4:
             return "PyTorch AMP (fp32 params, autocast 16-bit)"
+        if self.weight == 4 and self.compute == 2 and not self.autocast:
+            return "FSDP2 mixed precision (fp32 shards, 16-bit all-gathers and compute)"
         if self.master:
             return "16-bit params/grads with fp32 master + states in the optimizer (DeepSpeed/FSDP)"
         return f"{self.weight * 8}-bit params"
 
 
+_DTYPE_NAMES = {DtypeChoice.FP32: FP32, DtypeChoice.BF16: BF16, DtypeChoice.FP16: FP16}
+
+
 def precision_model(w: Workload) -> PrecisionModel:
+    pm = _precision_model(w)
+    if w.quant in (Quant.NF4, Quant.INT4) and w.bnb_compute_dtype is not DtypeChoice.AUTO:
+        pm = dataclasses.replace(pm, bnb_compute_dtype=_DTYPE_NAMES[w.bnb_compute_dtype])
+    return pm
+
+
+def _precision_model(w: Workload) -> PrecisionModel:
     p = w.precision
     half = BF16 if p in (Precision.BF16, Precision.BF16_MIXED) else FP16
     peft = w.peft is not Peft.NONE
     if p is Precision.FP32:
         return PrecisionModel(weight=4, stream=4, compute=4, autocast=False, master=False, grad=4, state=4,
                               compute_dtype=FP32, peft=peft)
+    if peft and w.peft_base_dtype is DtypeChoice.FP32:  # validated: only under *-mixed
+        return PrecisionModel(weight=4, stream=4, compute=2, autocast=True, master=False, grad=4, state=4,
+                              compute_dtype=half, peft=True)
     if peft:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=w.mixed, master=False, grad=4, state=4,
                               compute_dtype=half, peft=True)
     if not w.mixed:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=False, grad=2, state=2,
+                              compute_dtype=half)
+    if w.training and dp_engine(w) == "fsdp" and w.quant is Quant.NONE:
+        return PrecisionModel(weight=4, stream=2, compute=2, autocast=False, master=False, grad=4, state=4,
                               compute_dtype=half)
     if w.training and w.parallel.zero >= 1:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=True, grad=2, state=4,
@@ -102,4 +145,17 @@ def precision_model(w: Workload) -> PrecisionModel:
                           compute_dtype=half)
 
 
-__all__ = ["PrecisionModel", "precision_model"]
+def dp_engine(w: Workload) -> str:
+    """The data-parallel engine whose semantics apply: ``ddp`` (no ZeRO), ``fsdp`` (FSDP2) or
+    ``deepspeed``. ``Parallel.engine`` when set; by default DDP without ZeRO, DeepSpeed for
+    ZeRO-1/2 and FSDP for ZeRO-3 (with one data-parallel rank nothing is distributed: ``none``)."""
+    p = w.parallel
+    e = str(getattr(p, "engine", "auto"))
+    if e != "auto":
+        return e
+    if p.zero == 0:
+        return "ddp" if p.dp > 1 else "none"
+    return "fsdp" if p.zero == 3 else "deepspeed"
+
+
+__all__ = ["PrecisionModel", "precision_model", "dp_engine"]

@@ -431,9 +431,16 @@ def _rank_streams(world: int, sess: TraceSession) -> Iterator[None]:
     if world <= 1:
         yield
         return
-    from ..trace.dist import emulated_streams, fsdp_on_meta, recorded_resizes
+    from ..trace.dist import (
+        ddp_on_fake,
+        dtensor_metadata_unrecorded,
+        emulated_streams,
+        fsdp_on_meta,
+        recorded_resizes,
+    )
 
-    with emulated_streams(sess.rec), recorded_resizes(sess.rec), fsdp_on_meta(), _cuda_default_mesh():
+    with emulated_streams(sess.rec), recorded_resizes(sess.rec), fsdp_on_meta(sess.rec), ddp_on_fake(), \
+            dtensor_metadata_unrecorded(), _cuda_default_mesh():
         yield
 
 
@@ -445,7 +452,7 @@ def _bucket_as_is(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks 
 
 @contextlib.contextmanager
 def _cuda_default_mesh() -> Iterator[None]:
-    """DDP's cross-rank parameter check is skipped (below); ``fully_shard(module)`` without a mesh builds one over the world on
+    """DDP's all-reduce answered in place (below); ``fully_shard(module)`` without a mesh builds one over the world on
     ``torch._C._get_accelerator()`` (``_fsdp_init._init_default_mesh``, torch 2.13) — the CPU
     on this machine; the script runs on the emulated GPU, so the default mesh is ``"cuda"``."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -456,13 +463,8 @@ def _cuda_default_mesh() -> Iterator[None]:
         return init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=mesh_dim_names)
 
     with contextlib.ExitStack() as stack:
-        # DDP checks that every rank has the same parameters by an all-gather of their shapes
-        # (utils._verify_param_shape_across_processes); the fake group gathers nothing, and
-        # every emulated rank runs the same script, so the check is skipped
         import torch.nn.parallel.distributed as ddp
 
-        if hasattr(ddp, "_verify_param_shape_across_processes"):
-            _replace(stack, ddp, "_verify_param_shape_across_processes", lambda group, tensors, logger=None: None)
         # the fake group's all-reduce future carries no tensor, which DDP's reducer asserts
         # on (c10d/comm.cpp); an in-place all-reduce leaves the bucket as it is, so a comm hook
         # that returns the bucket's own buffer is the same memory without the assert
