@@ -38,7 +38,7 @@ Accelerate's ``mixed_precision`` names the 16-bit type only: the base says pure 
 
 
 @dataclass(frozen=True)
-class Layout:
+class ReadLayout:
     workload: Workload
     format: str
     notes: tuple[str, ...] = ()
@@ -73,7 +73,7 @@ def _apply(base: Workload, changes: dict[str, Any]) -> Workload:
 
 
 # ------------------------------------------------------------------------------ DeepSpeed
-def read_deepspeed(text: str, base: Workload) -> Layout:
+def read_deepspeed(text: str, base: Workload) -> ReadLayout:
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
@@ -115,11 +115,11 @@ def read_deepspeed(text: str, base: Workload) -> Layout:
     for k, default in modelled.items():
         if k in z and z[k] != default and not (isinstance(z[k], float) and z[k] == float(default)):
             notes.append(f"zero_optimization.{k} = {z[k]!r}: the prediction assumes DeepSpeed's default {default!r}")
-    return Layout(_apply(base, changes), "deepspeed", tuple(notes))
+    return ReadLayout(_apply(base, changes), "deepspeed", tuple(notes))
 
 
 # ------------------------------------------------------------------------------ Accelerate
-def read_accelerate(text: str, base: Workload) -> Layout:
+def read_accelerate(text: str, base: Workload) -> ReadLayout:
     import yaml
 
     try:
@@ -148,14 +148,14 @@ def read_accelerate(text: str, base: Workload) -> Layout:
         raise _bad("accelerate", f"distributed_type {kind} is not one vramplan models (NO, MULTI_GPU, DEEPSPEED, FSDP)")
     mp = str(cfg.get("mixed_precision", "no")).lower()
     changes["precision"] = _mixed(base, mp) if mp in ("bf16", "fp16") else Precision.FP32
-    return Layout(_apply(base, changes), "accelerate")
+    return ReadLayout(_apply(base, changes), "accelerate")
 
 
 # ------------------------------------------------------------------------------ FSDP2 snippet
 _OPT_LINE = re.compile(r"(torch\.optim|bnb\.optim)\.(\w+)\(params[^)]*\)")
 
 
-def read_fsdp(text: str, base: Workload) -> Layout:
+def read_fsdp(text: str, base: Workload) -> ReadLayout:
     if "fully_shard" not in text:
         raise _bad("fsdp", "no fully_shard call")
 
@@ -198,11 +198,11 @@ def read_fsdp(text: str, base: Workload) -> Layout:
         if kind is not None:
             changes["optimizer"] = kind
             changes["optimizer_impl"] = OptimizerImpl.FUSED if "fused=True" in m.group(0) else OptimizerImpl.FOREACH
-    return Layout(_apply(base, changes), "fsdp")
+    return ReadLayout(_apply(base, changes), "fsdp")
 
 
 # ------------------------------------------------------------------------------ torchtitan
-def read_torchtitan(text: str, base: Workload) -> Layout:
+def read_torchtitan(text: str, base: Workload) -> ReadLayout:
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -264,15 +264,15 @@ def read_torchtitan(text: str, base: Workload) -> Layout:
         str(opt.get("implementation", "fused")), OptimizerImpl.FOREACH)
     if pp > 1:
         changes["microbatches"] = base.parallel.microbatches
-    return Layout(_apply(base, changes), "torchtitan")
+    return ReadLayout(_apply(base, changes), "torchtitan")
 
 
-READERS: dict[str, Callable[[str, Workload], Layout]] = {
+READERS: dict[str, Callable[[str, Workload], ReadLayout]] = {
     "deepspeed": read_deepspeed, "accelerate": read_accelerate, "fsdp": read_fsdp, "torchtitan": read_torchtitan,
 }
 
 
-def read_layout(fmt: str, text: str, base: Workload) -> Layout:
+def read_layout(fmt: str, text: str, base: Workload) -> ReadLayout:
     """``base`` with the fields the ``fmt`` config states (:data:`CARRIES`) taken from ``text``."""
     if fmt not in READERS:
         raise PlanError(f"unknown layout format {fmt!r}", hint=f"choose one of {', '.join(READ_FORMATS)}",
@@ -296,7 +296,7 @@ def sniff(path: Path, text: str) -> str:
                     field="layout")
 
 
-def read_file(path: str | Path, base: Workload) -> Layout:
+def read_file(path: str | Path, base: Workload) -> ReadLayout:
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"no such layout file: {p}", hint="give the path of a config `--emit` wrote", field="layout")
@@ -304,4 +304,4 @@ def read_file(path: str | Path, base: Workload) -> Layout:
     return read_layout(sniff(p, text), text, base)
 
 
-__all__ = ["CARRIES", "READ_FORMATS", "Layout", "read_file", "read_layout", "sniff"]
+__all__ = ["CARRIES", "READ_FORMATS", "ReadLayout", "read_file", "read_layout", "sniff"]
