@@ -54,6 +54,20 @@ def test_flag_names_follow_the_parser_dests():
     (["estimate", "llama-3.2-1b", "--tp", "3", "--method", "analytic"], "error: --tp 3 does not divide"),
     (["plan", "gpt2", "--gpu", "h100", "--gpus", "0"], "error: --gpus must be positive"),
     (["rules", "bandwidth", "--bus", "0", "--rate", "21"], "error: --bus must be a positive number of bits"),
+    # issue 12: layouts against GPUs, heads, layers; world size 0; HSDP and engine contradictions
+    (["plan", "llama-3.2-1b", "--gpu", "h100", "--gpus", "6", "--tp", "4", "--method", "analytic"],
+     "error: tp × pp × cp = 4 × 1 × 1 = 4 GPUs does not divide --gpus 6 (use --gpus of 4, 8, 12"),
+    (["plan", "llama-3.2-1b", "--gpu", "h100", "--gpus", "4", "--dp", "4", "--tp", "2", "--method", "analytic"],
+     "exceeds --gpus 4 (use --gpus 8, or --dp 2)"),
+    (["gpu", "h100", "--world-size", "0"], "error: --world-size must be a positive integer, got 0 (use --world-size 1"),
+    (["estimate", "llama-3.2-1b", "--dp", "0", "--method", "analytic"], "error: --dp must be a positive integer"),
+    (["estimate", "llama-3.2-1b", "--pp", "5", "--method", "analytic"], "error: --pp 5 does not divide 16 layers"),
+    (["estimate", "llama-3.2-1b", "--dp", "6", "--zero", "3", "--dp-shard", "4", "--method", "analytic"],
+     "error: --dp-shard 4 does not divide --dp 6"),
+    (["estimate", "llama-3.2-1b", "--dp", "2", "--zero", "1", "--engine", "fsdp", "--method", "analytic"],
+     "error: FSDP has no ZeRO-1"),
+    (["estimate", "llama-3.2-1b", "--dp", "2", "--zero", "2", "--engine", "ddp", "--method", "analytic"],
+     "error: DDP does not shard"),
 ])
 def test_cli_shows_flags(argv, expected, capsys):
     assert main(argv) == 2

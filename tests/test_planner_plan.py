@@ -27,7 +27,7 @@ from vramplan.planner.plan import plan
 from vramplan.planner.pricing import offers, plan_price
 from vramplan.planner.rank import rank_gpus
 from vramplan.planner.space import candidates, describe, for_gpu, micro_batches
-from vramplan.workload import Method, Peft, Precision, Workload
+from vramplan.workload import Method, Parallel, Peft, Precision, Workload
 
 
 def _plan(spec=SMALL, w=None, g=RTX4090, **kw):
@@ -210,3 +210,21 @@ def test_plan_result_to_dict_is_json_ready():
     d = json.loads(json.dumps(r.to_dict()))
     assert d["plans"][0]["memory"] == r.plans[0].memory and isinstance(d["plans"][0]["memory"], int)
     assert d["candidates"] == r.candidates and math.isfinite(d["plans"][0]["step_time"])
+
+
+def test_searched_layouts_divide_the_gpu_count_and_keep_tp_in_a_node():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from vramplan.planner.space import layouts
+
+    @given(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 32, 64]))
+    def check(n):
+        out = layouts(Workload(), n)
+        assert out[0] == (1, 1, 1) and len(set(out)) == len(out)
+        for tp, pp, cp in out:
+            assert n % (tp * pp * cp) == 0 and tp * cp <= 8
+
+    check()
+    assert layouts(Workload(parallel=Parallel(tp=4)), 8) == [(4, 1, 1)]
+    assert layouts(Workload(parallel=Parallel(tp=4)), 6) == []

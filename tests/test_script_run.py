@@ -90,7 +90,10 @@ def test_cli_runs_a_script_and_reports_json() -> None:
 @pytest.mark.parametrize("argv, match", [
     (["--", "python", str(EX / "distributed.py")], "init_process_group"),
     (["--", "python", "nope.py"], "no such script"),
-    (["--", "torchrun", "train.py"], "torchrun launches several processes"),
+    (["--", "torchrun", "train.py"], "no such script: train.py"),
+    (["--", "torchrun", "--nproc-per-node", "gpu", "train.py"], "give the number: --nproc-per-node 8"),
+    (["--gpus", "4", "--", "torchrun", "--nproc-per-node", "8", str(EX / "fsdp2_loop.py")],
+     "--gpus 4 contradicts torchrun's 8 process(es) per node"),
     (["--steps", "0", "--", "python", str(EX / "inference.py")], "--steps must be"),
     (["--gpu", "nope", "--", "python", str(EX / "inference.py")], "nope"),
 ])

@@ -117,6 +117,13 @@ class KVDtype(_StrEnum):
     INT4 = "int4"
 
 
+class Engine(_StrEnum):
+    AUTO = "auto"  # DDP without ZeRO; DeepSpeed accounting for ZeRO-1/2, FSDP for ZeRO-3
+    DDP = "ddp"  # torch DistributedDataParallel (no sharding)
+    FSDP = "fsdp"  # FSDP2 fully_shard (ZeRO-3 = reshard after forward, ZeRO-2 = keep gathered)
+    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO 1/2/3 with its bucket buffers and host RAM
+
+
 class Method(_StrEnum):
     AUTO = "auto"
     ANALYTIC = "analytic"
@@ -180,12 +187,22 @@ class Parallel:
     """DDP gradient bucket size in MiB (DistributedDataParallel's `bucket_cap_mb`; the first bucket is 1 MiB)."""
     gradient_as_bucket_view: bool = False
     """DDP gradients are views into its all-reduce buckets (no second copy of the gradients)."""
+    dp_shard: int = 0
+    """HSDP: ranks per shard group of the data-parallel ranks (0 = all of them, plain FSDP/ZeRO;
+    8 = shard inside a node and replicate across nodes)."""
+    engine: Engine = Engine.AUTO
+    """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2)
+    or deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
                 or not self.bucket_cap_mb > 0:
             raise WorkloadError(f"`bucket_cap_mb` must be a positive number of MiB, got {self.bucket_cap_mb!r}",
                                 hint="DDP's default is 25", field="bucket_cap_mb")
+        object.__setattr__(self, "engine", as_enum(Engine, self.engine, "engine"))
+        if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 0:
+            raise WorkloadError(f"`dp_shard` must be 0 (all data-parallel ranks) or a positive integer, "
+                                f"got {self.dp_shard!r}", field="dp_shard")
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -200,6 +217,29 @@ class Parallel:
         if self.offload_params and self.zero != 3:
             raise WorkloadError("parameter offload needs ZeRO stage 3 / FSDP FULL_SHARD", hint="set `zero=3`",
                                 field="offload_params")
+        if self.dp_shard:
+            if self.dp % self.dp_shard:
+                raise WorkloadError(f"`dp_shard={self.dp_shard}` does not divide `dp={self.dp}`",
+                                    hint="dp = replicas × shard-group size: use a divisor of dp, or 0", field="dp_shard")
+            if self.zero == 0:
+                raise WorkloadError("`dp_shard` (HSDP) shards within groups of data-parallel ranks; "
+                                    "with ZeRO stage 0 nothing is sharded", hint="set `zero=3` (or 2), or drop `dp_shard`",
+                                    field="dp_shard")
+            if self.engine is Engine.DEEPSPEED:
+                raise WorkloadError("`dp_shard` (HSDP) is FSDP's hybrid sharding; DeepSpeed's counterpart "
+                                    "(MiCS / hpZ) is not modelled", hint="use `engine=fsdp`, or drop `dp_shard`",
+                                    field="dp_shard")
+        if self.engine is Engine.DDP and self.zero:
+            raise WorkloadError(f"DDP does not shard: `engine=ddp` with `zero={self.zero}`",
+                                hint="use `engine=fsdp` or deepspeed, or `zero=0`", field="engine")
+        if self.engine is Engine.FSDP and self.zero == 1:
+            raise WorkloadError("FSDP has no ZeRO-1 (optimizer states only)",
+                                hint="use `zero=2` (reshard_after_forward=False) or 3, or `engine=deepspeed`",
+                                field="zero")
+        if self.engine is Engine.FSDP and self.offload_optimizer and not self.offload_params:
+            raise WorkloadError("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together",
+                                hint="add `offload_params` (with `zero=3`), or use `engine=deepspeed`",
+                                field="offload_optimizer")
         if self.ep > 1 and self.dp % self.ep:
             raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
                                 hint=f"use `dp={self.ep}` or a multiple of it", field="ep")
@@ -207,6 +247,22 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that ZeRO/FSDP shards over: the shard group under HSDP, else every data-parallel rank."""
+        return self.dp_shard or self.dp
+
+    @property
+    def framework(self) -> Engine:
+        """The engine that runs this layout (``auto`` resolved)."""
+        if self.engine is not Engine.AUTO:
+            return self.engine
+        if self.zero == 0:
+            return Engine.DDP
+        if self.zero in (1, 2) or (self.offload_optimizer and not self.offload_params):
+            return Engine.DEEPSPEED
+        return Engine.FSDP
 
     @property
     def in_flight(self) -> int:
@@ -428,6 +484,10 @@ class Workload:
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
         if p.microbatches and p.pp == 1:
             notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
+        if p.engine is not Engine.AUTO and p.dp == 1:
+            notes.append(f"`engine={p.engine}` runs data parallelism: with `dp=1` it changes nothing (add `dp=N`)")
+        if p.dp_shard and p.dp_shard == p.dp:
+            notes.append("`dp_shard` equal to `dp` is plain FSDP (one shard group): no replicas")
         if p.zero and p.dp == 1:
             notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with `dp=1` nothing is sharded "
                          "(add `dp=N` for N GPUs)")

@@ -6,7 +6,7 @@ from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import PhasePeak
-from vramplan.workload import Attention, Loss, Task, Workload
+from vramplan.workload import Attention, Engine, Loss, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
 from . import decoder, encoder, kv, vit
@@ -87,9 +87,32 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     return AnalyticEstimate(
         phases=phases, peak=max(phases, key=lambda p: p.allocated), params=total_params,
         trainable_params=trainable_params, flops_per_step=step_flops(arch, w, tr, seq),
-        notes=notes(arch, w, rg, tr, stage.index, workspace), states=states,
+        notes=notes(arch, w, rg, tr, stage.index, workspace) + _deepspeed_notes(arch, w, total_params),
+        states=states,
         activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
     )
+
+
+def _deepspeed_notes(arch: Arch, w: Workload, total_params: int) -> tuple[str, ...]:
+    p = w.parallel
+    if p.engine is not Engine.DEEPSPEED or not w.training or not p.zero:
+        return ()
+    from vramplan.units import GiB
+
+    from . import deepspeed as ds
+
+    largest = max([arch.embed_params, *(lin.params for g in arch.groups for lin in g.linears)])
+    host = ds.host_ram(w, total_params, largest)
+    s = ds.DEFAULTS
+    two = s.overlap(p.zero) and p.zero < 3
+    buckets = (f"{'two reduce buckets (overlap_comm)' if two else 'one reduce bucket'} of "
+               f"reduce_bucket_size {s.reduce_bucket_size:.0e} elements in the model dtype")
+    extra = (f"; ZeRO-3 gathers per submodule plus stage3_prefetch_bucket_size {s.prefetch_bucket_size:.0e} "
+             f"elements, parameters of <= {s.param_persistence_threshold:.0e} elements stay whole, the step's fp32 "
+             f"gradient is at most sub_group_size {s.sub_group_size:.0e}") if p.zero == 3 else ""
+    return (f"DeepSpeed ZeRO-{p.zero} (deepspeed 0.19.8 defaults): {buckets}{extra}.",
+            f"Host RAM per node by DeepSpeed's estimate_zero{3 if p.zero == 3 else 2}_model_states_mem_needs: "
+            f"{host / GiB:.1f} GiB (with its 1.5 buffer factor).")
 
 
 def _infer_mask(arch: Arch, w: Workload, seq: int) -> int:

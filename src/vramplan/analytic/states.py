@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vramplan.workload import Optimizer, OptimizerImpl, Peft, Quant, Workload
+from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
+from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
 from .parallel import Stage, local
@@ -64,7 +65,8 @@ class States:
     unsharded_grads: int = 0
     """ZeRO ≥ 2: one layer's full gradients before the reduce-scatter."""
     ddp_buckets: int = 0
-    """DDP's all-reduce buckets (as large as the gradients; kept for the whole run)."""
+    """DDP's all-reduce buckets (as large as the gradients; kept for the whole run), or
+    DeepSpeed's reduce buckets (``engine=deepspeed``)."""
     ddp_view: bool = False
     """``gradient_as_bucket_view``: the gradients are views into the buckets (no second copy)."""
     opt_temp: int = 0
@@ -115,12 +117,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     gathered = 0
     if p.zero == 3 and w.training:
         gathered = 2 * max(layer, embed, head) * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
-        weights = 0 if p.offload_params else weights // p.dp
+        weights = 0 if p.offload_params else weights // p.shard_group
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
-    g_shard = p.dp if p.zero >= 2 else 1
-    o_shard = p.dp if p.zero >= 1 else 1
+    g_shard = p.shard_group if p.zero >= 2 else 1
+    o_shard = p.shard_group if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
@@ -155,14 +157,24 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     dequant = _dequant_bytes(w, rg) * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
     per_layer = layer if tr.full else layer_adapters
+    buckets = trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0
+    if p.engine is Engine.DEEPSPEED and w.training and p.zero:
+        # DeepSpeed's own buffers and gathering granularity (analytic/deepspeed.py)
+        buckets = ds.reduce_buckets(p.zero, rg.compute)
+        if p.zero == 3:
+            gathered = ds.gathered(max(_largest(lins, w), embed, head), min(rg.weight, rg.compute))
+            if not p.offload_params:
+                weights += ds.persistent(small + head_small, p.shard_group, rg.weight)
+            if rg.master and not p.offload_optimizer:
+                opt_temp = ds.step_fp32_grads(3, trainable // o_shard)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered,
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
         layer_grads=per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
-        ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
-        ddp_view=p.gradient_as_bucket_view,
+        ddp_buckets=buckets,
+        ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),

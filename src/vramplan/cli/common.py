@@ -132,6 +132,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
     pdocs = field_docs(Parallel)
     for f in dataclasses.fields(Parallel):
         _add_field(par, f, pdocs[f.name])
+    par.add_argument("--layout", metavar="FILE", default=None,
+                     help="take the layout (and what else it states) from a config `vramplan plan --emit` wrote: "
+                     "DeepSpeed .json, Accelerate .yaml, torchtitan .toml or the FSDP2 .py; flags give the rest")
     if gpu:
         h = p.add_argument_group("target")
         h.add_argument("--gpu", help="catalog GPU to check the fit against (see `vramplan gpus`)")
@@ -168,7 +171,33 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
     fields["checkpointing"] = checkpointing_arg(args)
-    return Workload(**fields, parallel=parallel)
+    w = Workload(**fields, parallel=parallel)
+    if getattr(args, "layout", None):
+        from ..planner.layout import read_file
+
+        layout = read_file(args.layout, w)
+        check_layout_flags(w, layout.workload, layout.format)
+        for n in layout.notes:
+            hint(f"note: {n}")
+        w = layout.workload
+    return w
+
+
+def check_layout_flags(given: Workload, read: Workload, fmt: str) -> None:
+    """A flag set away from its default that the layout file contradicts is an error, not a
+    silent override."""
+    from ..errors import WorkloadError
+    from ..planner.layout import CARRIES
+
+    dw, dp = Workload(task=given.task), Parallel()
+    for name in sorted(CARRIES[fmt]):
+        par = name in Parallel.__dataclass_fields__
+        mine = getattr(given.parallel if par else given, name)
+        theirs = getattr(read.parallel if par else read, name)
+        default = getattr(dp if par else dw, name)
+        if mine != default and mine != theirs:
+            raise WorkloadError(f"`{name}={mine}` contradicts the {fmt} layout file, which says {theirs}",
+                                hint=f"drop `{name}`, or edit the file", field=name)
 
 
 def note_settings(w: Workload) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
-EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan", "trainer", "alloc-conf")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

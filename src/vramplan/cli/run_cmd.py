@@ -20,10 +20,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run a training or inference script as written, with the target GPU emulated "
         "(no GPU, no weights read), until N optimizer steps (or N forward calls for inference), and "
         "predict its memory: breakdown, phases, allocator replay, verdict. Everything after -- is "
-        "the command: python SCRIPT.py ARGS.",
+        "the command: python SCRIPT.py ARGS, or torchrun / accelerate launch … SCRIPT.py ARGS "
+        "(rank 0 of the world they declare is emulated, on PyTorch's fake process group).",
     )
     p.add_argument("--gpu", default="h100-sxm", help="GPU to emulate (default h100-sxm; see vramplan gpus)")
-    p.add_argument("--gpus", type=int, default=1, help="torch.cuda.device_count() the script sees (default 1)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="torch.cuda.device_count() the script sees (default 1; with torchrun / accelerate launch, "
+                   "their processes per node)")
     p.add_argument("--steps", type=int, default=2,
                    help="optimizer steps to run (default 2: the first builds optimizer states); "
                    "for an inference script, forward calls")
@@ -47,9 +50,6 @@ def script_and_args(command: list[str]) -> tuple[Path, list[str]]:
         raise VramplanError("python -m MODULE is not supported yet", hint="give the script's path: -- python path/to/train.py")
     if not cmd or not cmd[0].endswith(".py"):
         raise VramplanError("expected a script after --", hint="vramplan run --gpu h100-sxm -- python train.py ARGS")
-    if cmd[0] in ("torchrun", "accelerate"):
-        raise VramplanError(f"{cmd[0]} launches several processes; vramplan run emulates one",
-                            hint="-- python train.py (one GPU)")
     path = Path(cmd[0])
     if path.is_dir():
         raise VramplanError(f"{path} is a directory", hint="name the script: -- python DIR/train.py")
@@ -62,21 +62,28 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.script import run_script
     from ..report.estimate import to_doc
     from ..report.render import emit
+    from ..script.launch import LAUNCHERS, parse_launch
     from .estimate_cmd import check_extras, hint, write_extras
 
-    if args.command and args.command[0] in ("torchrun", "accelerate") or \
-            (len(args.command) > 1 and args.command[0] == "--" and args.command[1] in ("torchrun", "accelerate")):
-        launcher = args.command[0] if args.command[0] != "--" else args.command[1]
-        raise VramplanError(f"{launcher} launches several processes; vramplan run emulates one GPU process",
-                            hint="-- python train.py (multi-GPU scripts are not emulated yet)")
-    path, argv = script_and_args(args.command)
+    if args.gpus is not None and args.gpus < 1:
+        raise VramplanError(f"`gpus` must be at least 1, got {args.gpus}", hint="use `gpus=1`", field="gpus")
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    world = 1
+    if cmd and Path(cmd[0]).name in LAUNCHERS:
+        launch = parse_launch(cmd, gpus=args.gpus)
+        path, argv, world, gpus = launch.script, list(launch.argv), launch.world, launch.per_node
+        hint(f"vramplan run: {launch.launcher} declares {world} process(es), {gpus} per node: "
+             "emulating rank 0 on PyTorch's fake process group")
+    else:
+        path, argv = script_and_args(args.command)
+        gpus = args.gpus or 1
     if args.steps < 1:
         raise VramplanError(f"--steps must be >= 1, got {args.steps}")
     if args.timeout <= 0:
         raise VramplanError(f"--timeout must be positive seconds, got {args.timeout:g}")
     args.method = "trace"
     check_extras(args)
-    report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=args.gpus,
+    report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
                         alloc_conf=args.alloc_conf, online=args.online,
                         progress=lambda line: hint(f"vramplan run: {line}"))
     emit(to_doc(report), args.format, sys.stdout, report.to_dict())

@@ -12,10 +12,11 @@ from ..workload import Attention, Method, Precision, Workload
 
 
 def profile(g: GPU | None, w: Workload) -> DeviceProfile:
-    """The device profile of ``g`` for ``w``'s world size (NCCL buffers depend on it)."""
+    """The device profile of ``g`` for ``w``'s layout (NCCL buffers depend on its process groups)."""
     from ..hardware.target import device_profile
+    from .verdict import communicators
 
-    return device_profile(g, world_size=w.parallel.world_size)
+    return device_profile(g, world_size=w.parallel.world_size, communicators=communicators(w))
 
 
 def kernel_workload(w: Workload, dev: DeviceProfile) -> Workload:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from ..hardware.gpu import GPU
+from ..hardware.nccl import Communicator, mesh_communicators
 from ..results import OverheadItem
 from ..workload import Workload
+
+
+def communicators(w: Workload) -> tuple[Communicator, ...]:
+    """The NCCL communicators one rank of ``w``'s layout joins (one per process group)."""
+    p = w.parallel
+    return mesh_communicators(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp_shard=p.dp_shard)
 
 
 def overhead_items(gpu: GPU | None, w: Workload) -> tuple[OverheadItem, ...]:
@@ -12,7 +19,7 @@ def overhead_items(gpu: GPU | None, w: Workload) -> tuple[OverheadItem, ...]:
     items as the device profile's (``hardware.target.device_profile(gpu).overhead``)."""
     from ..hardware.overhead import device_overhead
 
-    return tuple(device_overhead(gpu, world_size=w.parallel.world_size))
+    return tuple(device_overhead(gpu, world_size=w.parallel.world_size, communicators=communicators(w)))
 
 
-__all__ = ["overhead_items"]
+__all__ = ["communicators", "overhead_items"]

@@ -14,13 +14,14 @@ The model (all figures in :data:`CONTEXT_MEASUREMENTS` and the constants below):
   default): CUDA reserves local memory for every thread that can be resident, so this part
   scales with the GPU's size;
 * cuBLAS/cuBLASLt handle and GEMM kernels, cuDNN handle (opt-in): stated assumptions;
-* NCCL (world size > 1): channels × 2 ring peers × (SIMPLE 4 MiB + LL 512 KiB + LL128
-  4,800 KiB) per communicator.
+* NCCL (world size > 1): one item per communicator (process group) of the mesh, from NCCL's
+  buffer sizes (:mod:`vramplan.hardware.nccl`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vramplan.errors import VramplanError
@@ -29,6 +30,14 @@ from vramplan.target import CUBLAS_WORKSPACE_HOPPER, CUBLAS_WORKSPACE_PRE_HOPPER
 from vramplan.units import GiB, KiB, MiB
 
 from .gpu import GPU
+from .nccl import (
+    GPUS_PER_NODE,
+    LL128_BUFFSIZE,
+    LL_BUFFSIZE,
+    SIMPLE_BUFFSIZE,
+    Communicator,
+    communicator_items,
+)
 
 STACK_BYTES_PER_THREAD = 1 * KiB
 """``cudaLimitStackSize`` default (CUDA Runtime API, cudaDeviceSetLimit)."""
@@ -89,21 +98,10 @@ CUDNN_HANDLE_LAZY = 64 * MiB
 CUDNN_SOURCE = ("assumption (no public measurement found): cudnnCreate plus the convolution kernels "
                 "used; eager loading of all cuDNN sub-libraries costs several times more")
 
-NCCL_SIMPLE_BUFFSIZE = 4 * MiB
-"""NCCL ``DEFAULT_BUFFSIZE`` (1 << 22), env NCCL_BUFFSIZE (src/init.cc)."""
-NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
-"""``DEFAULT_LL_BUFFSIZE`` = LL_LINES_PER_THREAD 8 × LL_MAX_NTHREADS 512 × NCCL_STEPS 8 ×
-16-byte lines = 512 KiB."""
-NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
-"""``DEFAULT_LL128_BUFFSIZE`` = 120 elems/thread × 640 threads × 8 steps × 8 B = 4,800 KiB."""
-NCCL_PEERS_PER_CHANNEL = 2
-"""A ring channel connects each rank to its previous and next rank."""
-NCCL_CHANNELS_NVLINK = 16
-NCCL_CHANNELS_PCIE = 4
-NCCL_CHANNELS_SOURCE = ("typical channel counts in NCCL INFO logs (assumption; bound them with "
-                        "NCCL_MAX_NCHANNELS); NVLS/CollNet buffers on NVSwitch systems, P2P "
-                        "send/recv buffers and one communicator per process group come on top")
-
+NCCL_SIMPLE_BUFFSIZE = SIMPLE_BUFFSIZE
+NCCL_LL_BUFFSIZE = LL_BUFFSIZE
+NCCL_LL128_BUFFSIZE = LL128_BUFFSIZE
+"""NCCL's per-connection buffer sizes (defined with their sources in :mod:`.nccl`)."""
 
 def _parse_version(v: str | None) -> tuple[int, int] | None:
     if v is None:
@@ -138,18 +136,6 @@ def _measurement(gpu: GPU | None, version: tuple[int, int] | None, lazy: bool) -
 def _measured_stack(m: ContextMeasurement) -> int:
     return m.sm_count * MAX_THREADS_PER_SM[m.compute_capability] * STACK_BYTES_PER_THREAD
 
-
-def nccl_buffer_bytes(gpu: GPU | None, world_size: int, channels: int | None = None) -> tuple[int, int]:
-    """(bytes, channels) of one NCCL communicator's ring buffers on one rank."""
-    if world_size <= 1:
-        return 0, 0
-    if channels is None:
-        nvlink = gpu is not None and "pcie" not in (gpu.interconnect or "pcie").lower().split("/")[0]
-        channels = NCCL_CHANNELS_NVLINK if nvlink else NCCL_CHANNELS_PCIE
-    per_peer = NCCL_SIMPLE_BUFFSIZE + NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
-    return channels * NCCL_PEERS_PER_CHANNEL * per_peer, channels
-
-
 def device_overhead(
     gpu: GPU | None,
     *,
@@ -158,15 +144,21 @@ def device_overhead(
     lazy_loading: bool = True,
     cudnn: bool = False,
     nccl_channels: int | None = None,
+    communicators: Sequence[Communicator] | None = None,
+    nvls: bool | None = None,
 ) -> tuple[OverheadItem, ...]:
     """Memory nvidia-smi counts that the caching allocator does not, per GPU (rank).
 
     ``torch_version`` None means a current PyTorch (≥ 2.0). ``lazy_loading`` is
     CUDA_MODULE_LOADING=LAZY, PyTorch's default since 1.13 (ignored for older versions).
-    ``cudnn`` adds the cuDNN handle (convolution models). ``world_size`` > 1 adds NCCL.
+    ``cudnn`` adds the cuDNN handle (convolution models). ``world_size`` > 1 adds one NCCL
+    communicator over the world; ``communicators`` (:func:`vramplan.hardware.nccl.mesh_communicators`)
+    lists them instead, one per process group of the mesh. ``nvls`` forces NVLink SHARP
+    buffers on or off (None: where the GPU has NVSwitch multicast).
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise VramplanError(f"world size must be a positive integer, got {world_size!r}")
+        raise VramplanError(f"`world_size` must be a positive integer, got {world_size!r}",
+                            hint="use `world_size=1` for one GPU, or the number of GPUs of the job", field="world_size")
     if nccl_channels is not None and nccl_channels < 1:
         raise VramplanError(f"NCCL channels must be >= 1, got {nccl_channels!r}")
     version = _parse_version(torch_version)
@@ -206,14 +198,9 @@ def device_overhead(
     if cudnn:
         items.append(OverheadItem("cuDNN handle + convolution kernels",
                                   CUDNN_HANDLE_LAZY if lazy else CUDNN_HANDLE_EAGER, CUDNN_SOURCE))
-    nccl, ch = nccl_buffer_bytes(gpu, world_size, nccl_channels)
-    if nccl:
-        per_peer = NCCL_SIMPLE_BUFFSIZE + NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
-        items.append(OverheadItem(
-            f"NCCL ring buffers (world size {world_size})", nccl,
-            f"{ch} channels × {NCCL_PEERS_PER_CHANNEL} peers × (SIMPLE 4 MiB NCCL_BUFFSIZE + LL 512 KiB "
-            f"+ LL128 4,800 KiB = {per_peer:,} B), NCCL src/init.cc defaults; channels: "
-            f"{'given' if nccl_channels else NCCL_CHANNELS_SOURCE}"))
+    if communicators is None:
+        communicators = (Communicator("world", world_size, min(world_size, GPUS_PER_NODE)),) if world_size > 1 else ()
+    items.extend(communicator_items(gpu, communicators, channels=nccl_channels, nvls=nvls))
     return tuple(items)
 
 

@@ -9,8 +9,11 @@ the allocator (:func:`~vramplan.hardware.overhead.device_overhead`) and the usab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..target import DEFAULT_PROFILE, DEFAULT_SM, DeviceProfile
 from .gpu import GPU
+from .nccl import Communicator
 
 NO_BF16_ARCHS = ("volta", "turing", "pascal")
 """No native bf16 (sm < 8.0): PyTorch emulates it, SDPA has no fused bf16 kernel."""
@@ -33,13 +36,14 @@ def kernel_sm(gpu: GPU) -> tuple[int, int]:
     return (9, 0) if gpu.vendor == "amd" else DEFAULT_SM
 
 
-def device_profile(gpu: GPU | None, *, world_size: int = 1, workspaces: bool = True) -> DeviceProfile:
+def device_profile(gpu: GPU | None, *, world_size: int = 1, workspaces: bool = True,
+                   communicators: Sequence[Communicator] | None = None) -> DeviceProfile:
     """The profile of ``gpu`` (None: an sm80, A100-class GPU with no capacity, no verdict)."""
     from .overhead import cublas_workspace_bytes, device_overhead
 
     if gpu is None:
         p = DeviceProfile(cublas_workspace=cublas_workspace_bytes(None),
-                          overhead=tuple(device_overhead(None, world_size=world_size)))
+                          overhead=tuple(device_overhead(None, world_size=world_size, communicators=communicators)))
         return p if workspaces else p.without_workspaces()
     from .catalog import usable_capacity
 
@@ -50,7 +54,7 @@ def device_profile(gpu: GPU | None, *, world_size: int = 1, workspaces: bool = T
         name=gpu.key, sm=sm, vendor=gpu.vendor, arch=gpu.arch, bf16=supports_bf16(gpu), fp8=supports_fp8(gpu),
         cublas_workspace=cublas_workspace_bytes(gpu), prefer_cudnn_attention=nvidia and sm[0] in (9, 10),
         has_cudnn_attention=nvidia, cudnn_conv_workspace=nvidia, usable=usable, usable_source=source,
-        overhead=tuple(device_overhead(gpu, world_size=world_size)),
+        overhead=tuple(device_overhead(gpu, world_size=world_size, communicators=communicators)),
     )
     return p if workspaces else p.without_workspaces()
 

@@ -12,14 +12,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vramplan.analytic.deepspeed import DEFAULTS as DS_DEFAULTS
 from vramplan.errors import PlanError
 from vramplan.models.shape import tokens
 from vramplan.units import GiB
-from vramplan.workload import Checkpointing, Optimizer, OptimizerImpl, Peft, Precision, Workload
+from vramplan.workload import (
+    Checkpointing,
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    Peft,
+    Precision,
+    Workload,
+)
 
 from .results import Plan
+from .space import GPUS_PER_NODE
 
-FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan", "trainer", "alloc-conf")
 FRAGMENTATION_ADVICE = 0.05
 """Recommend expandable segments above this predicted fragmentation (1 − allocated/reserved)."""
 TIGHT_FIT = 0.10
@@ -39,7 +49,7 @@ class Emitted:
 def emit(plan: Plan, fmt: str) -> Emitted:
     """Runnable configuration for ``plan`` in ``fmt`` (one of :data:`FORMATS`)."""
     makers = {"deepspeed": deepspeed, "accelerate": accelerate, "fsdp": fsdp, "trainer": trainer,
-              "alloc-conf": alloc_conf}
+              "alloc-conf": alloc_conf, "torchtitan": torchtitan}
     if fmt not in makers:
         raise PlanError(f"unknown `emit` format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if fmt != "alloc-conf" and not plan.workload.training:
@@ -49,13 +59,17 @@ def emit(plan: Plan, fmt: str) -> Emitted:
 
 
 def backend(w: Workload) -> str:
-    """none | ddp | deepspeed | fsdp: the framework that runs this sharding best."""
+    """none | ddp | deepspeed | fsdp: the framework the plan was predicted for (``engine``, or
+    the one that runs this sharding best)."""
     p = w.parallel
-    if p.zero == 0:
-        return "ddp" if p.dp > 1 else "none"
-    if p.zero in (1, 2) or (p.offload_optimizer and not p.offload_params):
-        return "deepspeed"
-    return "fsdp"
+    if p.zero == 0 and p.dp == 1 and p.engine is Engine.AUTO:
+        return "none"
+    return p.framework.value
+
+
+def _nodes(n: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) for ``n`` GPUs on nodes of 8."""
+    return (1, n) if n <= GPUS_PER_NODE else (math.ceil(n / GPUS_PER_NODE), GPUS_PER_NODE)
 
 
 def _header(plan: Plan) -> str:
@@ -77,7 +91,16 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
     elif w.precision in (Precision.FP16_MIXED, Precision.FP16):
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    zero: dict[str, Any] = {"stage": p.zero, "overlap_comm": True, "contiguous_gradients": True}
+    # DeepSpeed's own sizes, written out: the prediction assumed them (analytic/deepspeed.py)
+    ds_ = DS_DEFAULTS
+    zero: dict[str, Any] = {"stage": p.zero, "overlap_comm": ds_.overlap(p.zero),
+                            "contiguous_gradients": ds_.contiguous_gradients,
+                            "reduce_bucket_size": ds_.reduce_bucket_size, "allgather_bucket_size": ds_.allgather_bucket_size}
+    if p.zero == 3:
+        zero.update({"stage3_prefetch_bucket_size": ds_.prefetch_bucket_size,
+                     "stage3_max_live_parameters": ds_.max_live_parameters,
+                     "stage3_param_persistence_threshold": ds_.param_persistence_threshold,
+                     "sub_group_size": ds_.sub_group_size})
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if p.offload_params:
@@ -108,6 +131,14 @@ _TORCH_OPTIMIZERS: dict[Optimizer, tuple[str, dict[str, Any]]] = {
 def deepspeed(plan: Plan) -> Emitted:
     w = plan.workload
     notes = [_header(plan)]
+    if w.precision in (Precision.BF16, Precision.FP16):
+        notes.append(f"DeepSpeed keeps fp32 master weights: this config runs {w.precision}-mixed, not the pure "
+                     f"{w.precision} the plan was predicted for")
+    if backend(w) not in ("deepspeed", "none"):
+        notes.append(f"this plan was predicted for {backend(w)}; DeepSpeed's buffers differ (re-plan with "
+                     "`engine=deepspeed` for its figure)")
+    if w.parallel.tp * w.parallel.pp * w.parallel.cp > 1:
+        notes.append("tensor / pipeline / context parallelism are not in a DeepSpeed JSON: see `emit=torchtitan`")
     if w.optimizer in _TORCH_OPTIMIZERS and not w.parallel.offload_optimizer:
         notes.append(f"optimizer {w.optimizer}: DeepSpeed builds torch.optim.{_TORCH_OPTIMIZERS[w.optimizer][0]} "
                      "by name (Adafactor needs torch >= 2.5); set its lr in the JSON")
@@ -129,7 +160,7 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
     p = w.parallel
     kind = backend(w)
     n = plan.num_gpus
-    machines = max(1, math.ceil(n / 8))
+    machines = _nodes(n)[0]
     mixed = {Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP16_MIXED: "fp16",
              Precision.FP16: "fp16"}.get(w.precision, "no")
     cfg: dict[str, Any] = {
@@ -151,7 +182,7 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
             "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_activation_checkpointing": w.checkpointing is not Checkpointing.NONE,
             "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": p.offload_params,
-            "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_reshard_after_forward": p.zero == 3, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
     return cfg
 
@@ -161,6 +192,11 @@ def accelerate(plan: Plan) -> Emitted:
     text += to_yaml(accelerate_config(plan))
     notes = [f"micro-batch {plan.workload.batch} per GPU, gradient accumulation {plan.workload.grad_accum}: "
              "set them in your script / TrainingArguments"]
+    p = plan.workload.parallel
+    if p.tp * p.pp * p.cp > 1:
+        notes.append("tensor / pipeline / context parallelism are not in an Accelerate config: see `emit=torchtitan`")
+    if p.dp_shard:
+        notes.append("HSDP: set fsdp_sharding_strategy HYBRID_SHARD (FSDP1) or a 2-D mesh (see `emit=fsdp`)")
     return Emitted("accelerate", text, "accelerate.yaml", tuple(notes))
 
 
@@ -217,25 +253,33 @@ def fsdp(plan: Plan) -> Emitted:
     notes = [_header(plan)]
     if p.zero in (1, 2):
         notes.append("FSDP2 has no ZeRO-1; reshard_after_forward=False is its ZeRO-2 (SHARD_GRAD_OP)")
+    if backend(w) not in ("fsdp", "none", "ddp"):
+        notes.append(f"this plan was predicted for {backend(w)}; FSDP's buffers differ (re-plan with "
+                     "`engine=fsdp` for its figure)")
+    if p.tp * p.pp * p.cp > 1:
+        notes.append("tensor / pipeline / context parallelism are not in this snippet: see `emit=torchtitan`")
     if p.offload_optimizer and not p.offload_params:
         notes.append("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together; "
                      "DeepSpeed (`emit=deepspeed`) offloads the optimizer alone")
     src = [
         f'"""{_header(plan)}',
         "",
-        f"Launch: torchrun --nproc_per_node {min(plan.num_gpus, 8)} train.py  (micro-batch {w.batch}, "
-        f"gradient accumulation {w.grad_accum})",
+        f"Launch: torchrun --nnodes {_nodes(plan.num_gpus)[0]} --nproc_per_node {_nodes(plan.num_gpus)[1]} "
+        f"train.py  (micro-batch {w.batch}, gradient accumulation {w.grad_accum})",
         '"""',
         "from functools import partial",
         "",
         "import torch",
         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper",
+        "from torch.distributed.device_mesh import init_device_mesh",
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
         "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
         *imports,
         "",
         f"MICRO_BATCH = {w.batch}",
         f"GRAD_ACCUM = {w.grad_accum}",
+        *([f"REPLICATE, SHARD = {p.dp // p.dp_shard}, {p.dp_shard}  # HSDP: shard inside a node, replicate across"]
+          if p.dp_shard else []),
         "",
         "",
         "def _save_matmuls(ctx, op, *args, **kwargs):",
@@ -252,6 +296,9 @@ def fsdp(plan: Plan) -> Emitted:
     ]
     if p.offload_params or p.offload_optimizer:
         src.append("    kwargs['offload_policy'] = CPUOffloadPolicy(pin_memory=True)")
+    if p.dp_shard:
+        src.append('    kwargs["mesh"] = init_device_mesh("cuda", (REPLICATE, SHARD), '
+                   'mesh_dim_names=("dp_replicate", "dp_shard"))')
     src += ["    for i, block in enumerate(layers):"]
     if every:
         wrap = ("checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))"
@@ -275,6 +322,87 @@ def fsdp(plan: Plan) -> Emitted:
         notes.append(f"{w.peft}: wrap the model with peft.get_peft_model before shard() "
                      "(see `emit=trainer` for the LoraConfig)")
     return Emitted("fsdp", "\n".join(src) + "\n", "fsdp_setup.py", tuple(notes))
+
+
+# ------------------------------------------------------------------------------ torchtitan
+_TT_DTYPE = {Precision.BF16_MIXED: "bfloat16", Precision.FP16_MIXED: "float16", Precision.FP32: "float32"}
+
+
+def torchtitan_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """torchtitan's job config (``torchtitan/config/job_config.py``: [training], [parallelism],
+    [activation_checkpoint], [optimizer]) for the plan, and what in the plan it cannot express."""
+    w, p = plan.workload, plan.workload.parallel
+    notes: list[str] = []
+    if w.precision not in _TT_DTYPE:
+        notes.append(f"torchtitan keeps fp32 sharded parameters and computes in mixed_precision_param: the plan's "
+                     f"pure {w.precision} runs as {w.precision}-mixed")
+    if w.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
+        notes.append(f"torchtitan builds Adam / AdamW: the plan's {w.optimizer} is written as AdamW")
+    if w.checkpointing is Checkpointing.SELECTIVE:
+        notes.append("torchtitan has no Megatron-style selective checkpointing: written as its op-level one")
+    if w.peft is not Peft.NONE:
+        notes.append(f"torchtitan has no {w.peft}: the config trains the full model")
+    if p.zero == 1 or backend(w) == "deepspeed" or p.offload_optimizer != p.offload_params:
+        notes.append("ZeRO-1/2 with optimizer-only offload is DeepSpeed's: torchtitan shards with FSDP2")
+    if p.tp > 1 and not p.sp:
+        notes.append("torchtitan's tensor parallelism always shards norms over the sequence (SP)")
+    shard = p.shard_group if p.zero else 1
+    replicate = p.dp // shard
+    ac: dict[str, Any] = {"mode": "none"}
+    if w.checkpointing is Checkpointing.FULL:
+        every = max(1, round(1 / w.checkpoint_fraction)) * w.checkpoint_every
+        ac = {"mode": "full"} if every == 1 else {"mode": "selective", "selective_ac_option": str(every)}
+    elif w.checkpointing in (Checkpointing.OP, Checkpointing.SELECTIVE):
+        ac = {"mode": "selective", "selective_ac_option": "op"}
+    dtype = _TT_DTYPE.get(w.precision) or ("float16" if w.precision is Precision.FP16 else "bfloat16")
+    training: dict[str, Any] = {"seq_len": w.seq, "mixed_precision_param": dtype,
+                                "mixed_precision_reduce": "float32"}
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
+        "fsdp_reshard_after_forward": "never" if p.zero == 2 else "default",
+        "tensor_parallel_degree": p.tp, "context_parallel_degree": p.cp, "pipeline_parallel_degree": p.pp,
+    }
+    if p.pp > 1:
+        training["local_batch_size"] = w.batch * w.grad_accum
+        parallelism["pipeline_parallel_microbatch_size"] = w.batch
+        parallelism["pipeline_parallel_schedule"] = "1F1B"
+    else:
+        training["local_batch_size"] = w.batch
+        training["global_batch_size"] = w.batch * w.grad_accum * p.dp
+    if p.offload_params:
+        training["enable_cpu_offload"] = True
+    impl = {OptimizerImpl.FUSED: "fused", OptimizerImpl.FOREACH: "foreach", OptimizerImpl.FOR_LOOP: "for-loop"}
+    optimizer = {"name": "Adam" if w.optimizer is Optimizer.ADAM else "AdamW", "lr": 3e-4,
+                 "implementation": impl[w.optimizer_impl]}
+    return {"training": training, "parallelism": parallelism, "activation_checkpoint": ac,
+            "optimizer": optimizer}, notes
+
+
+def to_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
+    """TOML for one level of tables of scalars (what a torchtitan job config needs)."""
+    out = []
+    for table, values in cfg.items():
+        out.append(f"[{table}]")
+        for k, v in values.items():
+            out.append(f"{k} = {_toml_scalar(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def torchtitan(plan: Plan) -> Emitted:
+    nodes, per = _nodes(plan.num_gpus)
+    head = (f"# {_header(plan)}\n# NGPU={per} torchrun --nnodes {nodes} --nproc_per_node {per} "
+            "-m torchtitan.train --job.config_file job.toml  (add [model] name/flavor and [job])\n")
+    cfg, caveats = torchtitan_config(plan)
+    return Emitted("torchtitan", head + to_toml(cfg), "job.toml", (_header(plan), *caveats))
 
 
 # ------------------------------------------------------------------------------ HF Trainer

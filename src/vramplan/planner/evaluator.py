@@ -87,7 +87,7 @@ class Screen:
         self.method = method
         self._overhead_fn = overhead or _default_overhead
         self._usable_fn = usable or _default_usable
-        self._oh: dict[tuple[str, int], int] = {}
+        self._oh: dict[tuple[str, int, int, int, int, int, int], int] = {}
         self._us: dict[str, int] = {}
 
     def report(self, w: Workload) -> MemoryReport:
@@ -97,7 +97,8 @@ class Screen:
         return self.report(w).peak.reserved + self.overhead(gpu, w)
 
     def overhead(self, gpu: GPU, w: Workload) -> int:
-        key = (gpu.key, w.parallel.world_size)
+        p = w.parallel
+        key = (gpu.key, p.dp, p.tp, p.pp, p.cp, p.ep, p.dp_shard)
         if key not in self._oh:
             self._oh[key] = self._overhead_fn(gpu, w)
         return self._oh[key]

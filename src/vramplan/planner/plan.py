@@ -67,6 +67,7 @@ def plan(
     if sort not in SORTS:
         raise PlanError(f"unknown sort {sort!r}", hint=f"choose one of {', '.join(SORTS)}")
     w = workload or Workload()
+    check_layout(w, max_gpus)
     m = as_enum(Method, method, "method")
     insts = list(instances) if instances is not None else load_instances()
     ev = screen.ev if screen is not None else Evaluator(spec, alloc_conf=alloc_conf, estimator=estimator)
@@ -101,6 +102,24 @@ def plan(
         candidates=len(cands), evaluations=ev.counts(), sort=sort, global_batch=global_batch,
         budget=budget, notes=tuple(notes),
     )
+
+
+def check_layout(w: Workload, gpus: int) -> None:
+    """The workload's mesh must fit the GPU count: tp × pp × cp divides it, dp × tp × pp × cp
+    does not exceed it."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise PlanError(f"`max_gpus` must be at least 1, got {gpus!r}", field="max_gpus")
+    p = w.parallel
+    model = p.tp * p.pp * p.cp
+    if gpus % model:
+        ok = ", ".join(str(model * k) for k in range(1, 4))
+        raise PlanError(f"tp × pp × cp = {p.tp} × {p.pp} × {p.cp} = {model} GPUs does not divide `max_gpus={gpus}`",
+                        hint=f"use `max_gpus` of {ok}…, or a tp/pp/cp whose product divides {gpus}",
+                        field="max_gpus")
+    if p.world_size > gpus:
+        raise PlanError(f"the mesh dp × tp × pp × cp = {p.dp} × {p.tp} × {p.pp} × {p.cp} = {p.world_size} GPUs "
+                        f"exceeds `max_gpus={gpus}`",
+                        hint=f"use `max_gpus={p.world_size}`, or `dp={max(1, gpus // model)}`", field="max_gpus")
 
 
 def _within_budget(fitting: list[Plan], budget: float | None, g: GPU) -> list[Plan]:

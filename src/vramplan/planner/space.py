@@ -13,6 +13,7 @@ quantisation × KV-cache dtype × tensor parallelism. Every variant is a validat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from vramplan.models.shape import samples_per_rank, tokens
 from vramplan.workload import (
     Attention,
     Checkpointing,
+    Engine,
     KVDtype,
     Loss,
     Optimizer,
@@ -124,24 +126,55 @@ def _pefts(w: Workload, allow_peft: bool) -> list[Peft]:
     return [Peft.NONE, Peft.LORA, Peft.QLORA]
 
 
-def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str, object]]:
-    """Parallel settings for ``n`` GPUs, keeping the user's TP/PP/CP."""
+GPUS_PER_NODE = 8
+"""Tensor and context parallelism stay inside one node (NVLink); HSDP shards inside it."""
+TP_SIZES = (2, 4, 8)
+PP_SIZES = (2, 4, 8)
+CP_SIZES = (2, 4)
+
+
+def layouts(w: Workload, n: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, cp) model-parallel layouts for ``n`` training GPUs: the user's when given
+    (any of them > 1), else none plus TP (inside a node), TP × PP and TP × CP that divide ``n``."""
     p = w.parallel
-    model_par = p.tp * p.pp * p.cp
-    if n % model_par:
-        return
-    dp = n // model_par
-    base = {"dp": dp, "offload_optimizer": False, "offload_params": False}
+    if (p.tp, p.pp, p.cp) != (1, 1, 1):
+        return [(p.tp, p.pp, p.cp)] if n % (p.tp * p.pp * p.cp) == 0 else []
+    tps = [1, *(t for t in TP_SIZES if t <= GPUS_PER_NODE)]
+    out = [(1, 1, 1)]
+    out += [(t, 1, 1) for t in tps[1:] if n % t == 0]
+    out += [(t, pp, 1) for pp in PP_SIZES for t in tps if n % (t * pp) == 0]
+    out += [(t, 1, c) for c in CP_SIZES for t in tps if t * c <= GPUS_PER_NODE and n % (t * c) == 0]
+    return list(dict.fromkeys(out))
+
+
+def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str, object]]:
+    """Parallel settings for ``n`` GPUs: data parallelism × the model-parallel layouts; HSDP
+    (shard inside a node, replicate across nodes) where the data-parallel ranks span nodes."""
+    p = w.parallel
     if w.task is not Task.TRAIN:
-        yield {**base, "zero": 0}
+        model_par = p.tp * p.pp * p.cp
+        if n % model_par == 0:
+            yield {"dp": n // model_par, "zero": 0, "offload_optimizer": False, "offload_params": False}
         return
-    stages = [0] if dp == 1 else ([0, 3] if compact else [0, 1, 2, 3])
-    for z in stages:
-        yield {**base, "zero": z}
-    yield {**base, "zero": 2, "offload_optimizer": True}
-    if not compact:
-        yield {**base, "zero": 3, "offload_optimizer": True}
-        yield {**base, "zero": 3, "offload_optimizer": True, "offload_params": True}
+    for tp, pp, cp in layouts(w, n):
+        dp = n // (tp * pp * cp)
+        searched = (tp, pp, cp) != (p.tp, p.pp, p.cp)
+        base: dict[str, object] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1 if searched else p.sp,
+                                   "dp_shard": 0, "offload_optimizer": False, "offload_params": False}
+        if searched:  # a layout the search adds: the common shardings only
+            for z in ([0] if dp == 1 else [1, 3]):
+                yield {**base, "zero": z}
+            continue
+        stages = [0] if dp == 1 else ([0, 3] if compact else [0, 1, 2, 3])
+        for z in stages:
+            yield {**base, "zero": z}
+        shard = GPUS_PER_NODE // (tp * cp)
+        if dp > shard > 1 and dp % shard == 0:
+            yield {**base, "zero": 3, "dp_shard": shard}
+        yield {**base, "zero": 2, "offload_optimizer": True}
+        if not compact:
+            yield {**base, "zero": 3, "offload_optimizer": True}
+            yield {**base, "zero": 3, "offload_optimizer": True, "offload_params": True}
 
 
 def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
@@ -159,11 +192,13 @@ def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool
             per_rank = _per_rank(w, dp, global_batch)
             if per_rank is None:
                 continue
+            searched = (sh["tp"], sh["pp"], sh["cp"]) != (w.parallel.tp, w.parallel.pp, w.parallel.cp)
+            small = compact or searched  # model-parallel layouts the user did not ask for: a compact product
             basic = {_checkpointing(w, True)[0], (Checkpointing.NONE, 1.0, 1), (Checkpointing.FULL, 1.0, 1)}
             for prec, (ck, frac, every), (opt, impl), loop, peft, mb in itertools.product(
-                _precisions(w, gpu), _checkpointing(w, compact, knobs), _optimizers(w, compact),
-                _loops(w, compact, knobs),
-                _pefts(w, allow_peft), micro_batches(per_rank)[:2 if compact else None],
+                _precisions(w, gpu)[:1 if searched else None], _checkpointing(w, small, knobs),
+                _optimizers(w, small), _loops(w, small, knobs),
+                _pefts(w, allow_peft), micro_batches(per_rank)[:2 if small else None],
             ):
                 if loop.get("optimizer_in_backward") and (per_rank // mb > 1 or sh["zero"] or sh["dp"] != 1):
                     continue  # a step per backward: no accumulation; per-parameter hooks, no sharded step
@@ -208,6 +243,9 @@ def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, o
 
     try:
         par = Parallel(**{**_parallel_fields(w.parallel), **sharding})  # type: ignore[arg-type]
+        if par.engine is Engine.AUTO and par.dp > 1 and w.task is Task.TRAIN:
+            # a plan names the framework it runs on (what `emit` writes), and is predicted with its buffers
+            par = dataclasses.replace(par, engine=par.framework)
         cand = w.replace(parallel=par, **changes)
     except VramplanError:
         return
@@ -294,13 +332,22 @@ def _ordinal(k: int) -> str:
 def _parallel_words(w: Workload, n: int) -> list[str]:
     p = w.parallel
     words = []
-    if p.dp > 1:
-        kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
+    if p.dp > 1 and p.dp_shard and p.dp_shard < p.dp:
+        words.append(f"HSDP {p.dp // p.dp_shard}×{p.dp_shard}")
+    elif p.dp > 1:
+        if p.engine is Engine.DEEPSPEED:
+            kind = f"DeepSpeed ZeRO-{p.zero}"
+        elif p.engine is Engine.FSDP:
+            kind = "FSDP" if p.zero == 3 else "FSDP (no reshard)"
+        else:
+            kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
         words.append(f"{kind} ×{p.dp}")
     elif p.zero:
         words.append(f"ZeRO-{p.zero}")
     if p.tp > 1:
-        words.append(f"TP {p.tp}")
+        words.append(f"TP {p.tp}" + (" + SP" if p.sp else ""))
+    if p.cp > 1:
+        words.append(f"CP {p.cp}")
     if p.pp > 1:
         words.append(f"PP {p.pp}")
     if p.offload_params:

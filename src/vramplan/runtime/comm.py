@@ -120,14 +120,21 @@ def communication(
         if p.zero == 3:
             adapters = trainable if w.peft is not Peft.NONE else 0
             params = (s.params * base_bytes_per_param + adapters * cb) / stage
-            per_mb = 2 * all_gather(params, p.dp, link, eff) + all_gather(grads, p.dp, link, eff)
+            shard = p.shard_group
+            slink = link if shard == p.dp else link_for(gpu, shard, shard * p.tp * p.cp > eff.gpus_per_node, eff)
+            per_mb = 2 * all_gather(params, shard, slink, eff) + all_gather(grads, shard, slink, eff)
             hidden = min(per_mb, eff.overlap_fsdp * t_microbatch)
             total += m * per_mb
             exposed += m * (per_mb - hidden)
             notes.append(
-                f"ZeRO-3/FSDP over {p.dp} GPUs ({link.name}): params all-gathered twice and grads "
+                f"ZeRO-3/FSDP over {shard} GPUs ({slink.name}): params all-gathered twice and grads "
                 f"reduce-scattered every micro-batch, up to {eff.overlap_fsdp:.0%} hidden by prefetch"
             )
+            if shard < p.dp:  # HSDP: the gradient shards are all-reduced across the replicas once a step
+                ar = all_reduce(grads / shard, p.dp // shard, link, eff)
+                total += ar
+                exposed += max(ar - eff.overlap_ddp * t_backward, 0.0)
+                notes.append(f"HSDP: {p.dp // shard} replicas all-reduce the gradient shards ({link.name})")
         elif p.zero in (1, 2):
             rs = all_gather(grads, p.dp, link, eff)
             times = m if p.zero == 2 else 1  # ZeRO-2 cannot accumulate unsharded grads

@@ -197,14 +197,14 @@ class _StepModel:
         m = w.grad_accum
         bubble = (p.pp - 1) * t_mb if p.pp > 1 else 0.0
 
-        local_trainable = self.trainable / (p.tp * p.pp) / (p.dp if p.zero >= 1 else 1)
+        local_trainable = self.trainable / (p.tp * p.pp) / (p.shard_group if p.zero >= 1 else 1)
         opt_bytes = 0.0 if p.offload_optimizer else local_trainable * optimizer_bytes_per_param(w)
         t_opt = opt_bytes / self.bw
         comm = communication(
             s, w, self.gpu, trainable=self.trainable, base_bytes_per_param=self._gathered_bytes(),
             t_microbatch=t_mb, t_backward=t_bwd, eff=eff,
         )
-        local_params = s.params / (p.tp * p.pp * p.dp) if p.zero == 3 else s.params / (p.tp * p.pp)
+        local_params = s.params / (p.tp * p.pp * p.shard_group) if p.zero == 3 else s.params / (p.tp * p.pp)
         off = offload_time(
             self.gpu, optimizer=p.offload_optimizer, params=p.offload_params,
             local_trainable=local_trainable, local_params=local_params,

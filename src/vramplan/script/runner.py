@@ -26,7 +26,10 @@ What the runner adds on top of a trace session, since it does not drive the loop
   report's notes; integer and boolean reads that could steer allocations still stop the run;
 - transformers' ``from_pretrained`` builds the model from its config on the fake device,
   never reading weights (:mod:`.pretrained`);
-- ``torch.distributed.init_process_group`` stops with a pointer to multi-GPU support.
+- ``torch.distributed.init_process_group`` stops with a pointer to the launchers, unless a
+  world is declared (``torchrun`` / ``accelerate launch``, :mod:`.launch`): then the script
+  runs as rank 0 of it on PyTorch's fake process group, so DDP / FSDP2 / DeviceMesh code
+  traces one rank's memory.
 
 An op or API the emulation cannot serve stops the run with one line naming it and the
 user's ``file:line`` (:class:`~vramplan.errors.TraceError`).
@@ -105,6 +108,8 @@ class _Hooks:
         self._autocast_depth = 0
         self._handles: list[Any] = []
         self._last_report = started
+        self.world = 1
+        """Ranks of the declared world (the script is rank 0)."""
 
     # --- progress -----------------------------------------------------------------------
     def report(self, what: str) -> None:
@@ -293,8 +298,19 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
     _replace(stack, torch, "is_autocast_enabled", is_autocast_enabled)
     _replace(stack, torch, "get_autocast_dtype", get_autocast_dtype)
 
+    # ``model.to(rank)``: an int is a CUDA ordinal, which a CPU build of torch cannot parse
+    mod_to = nn.Module.to
+
+    def module_to(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            args = (f"cuda:{args[0]}", *args[1:])
+        if isinstance(kwargs.get("device"), int) and not isinstance(kwargs["device"], bool):
+            kwargs = {**kwargs, "device": f"cuda:{kwargs['device']}"}
+        return mod_to(self, *args, **kwargs)
+
+    _replace(stack, nn.Module, "to", module_to)
     stack.enter_context(_patched_grad_scaler())
-    stack.enter_context(_patched_distributed())
+    stack.enter_context(_patched_distributed(hooks.world))
     with stack:
         yield
 
@@ -348,7 +364,11 @@ def _patched_grad_scaler() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patched_distributed() -> Iterator[None]:
+def _patched_distributed(world: int = 1) -> Iterator[None]:
+    """One process (``world`` 1): ``init_process_group`` stops with a pointer to the launchers.
+    Rank 0 of a declared world: the fake process group is already up (:func:`_rank_zero`), so
+    the script's ``init_process_group`` (its backend and rendezvous) is answered by it, and
+    ``destroy_process_group`` is left to the runner's teardown."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -356,15 +376,113 @@ def _patched_distributed() -> Iterator[None]:
         return
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if world > 1:
+            return None
         raise TraceError(
             "the script calls torch.distributed.init_process_group (multi-process training); "
-            "vramplan run emulates one process on one GPU",
-            hint="run the single-GPU version of the script, or estimate the layout with "
-                 "`vramplan estimate --dp/--zero/--tp` until multi-GPU traces land",
+            "vramplan run emulates one process unless a world is declared",
+            hint="launch it as you would (rank 0 of the world is emulated): "
+                 "`vramplan run -- torchrun --nproc-per-node 8 train.py`",
         )
 
     with contextlib.ExitStack() as stack:
-        _replace(stack, dist, "init_process_group", init_process_group)
+        import torch.distributed.distributed_c10d as c10d
+
+        for owner in (dist, c10d):
+            _replace(stack, owner, "init_process_group", init_process_group)
+            if world > 1:
+                _replace(stack, owner, "destroy_process_group", lambda group=None: None)
+        yield
+
+
+@contextlib.contextmanager
+def _rank_zero(world: int, per_node: int) -> Iterator[None]:
+    """Rank 0 of ``world`` ranks: the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, as torchrun sets it) and PyTorch's fake process group
+    (:func:`vramplan.trace.dist.fake_world`), torn down afterwards."""
+    if world <= 1:
+        yield
+        return
+    from ..trace.dist import World, fake_world
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           # DDP copies inputs already on the device through a side stream (torch.nn.parallel
+           # ._functions._get_stream) that needs a real accelerator; the copy is a no-op here
+           "PYTORCH_DDP_USE_SIDE_STREAM": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with fake_world(World((("world", world),))):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _rank_streams(world: int, sess: TraceSession) -> Iterator[None]:
+    """In a declared world: FSDP2's all-gather / reduce-scatter streams get their own ids (and
+    allocator pools), its resized parameter storages become FREE/ALLOC events, and FSDP2 may
+    train parameters on the trace device (i12a's :mod:`vramplan.trace.dist`)."""
+    if world <= 1:
+        yield
+        return
+    from ..trace.dist import (
+        ddp_on_fake,
+        dtensor_metadata_unrecorded,
+        emulated_streams,
+        fsdp_on_meta,
+        recorded_resizes,
+    )
+
+    with emulated_streams(sess.rec), recorded_resizes(sess.rec), fsdp_on_meta(sess.rec), ddp_on_fake(), \
+            dtensor_metadata_unrecorded(), _cuda_default_mesh():
+        yield
+
+
+def _bucket_as_is(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; strings fail
+    fut: Any = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+@contextlib.contextmanager
+def _cuda_default_mesh() -> Iterator[None]:
+    """DDP's all-reduce answered in place (below); ``fully_shard(module)`` without a mesh builds one over the world on
+    ``torch._C._get_accelerator()`` (``_fsdp_init._init_default_mesh``, torch 2.13) — the CPU
+    on this machine; the script runs on the emulated GPU, so the default mesh is ``"cuda"``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> Any:
+        import torch.distributed as dist
+
+        return init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=mesh_dim_names)
+
+    with contextlib.ExitStack() as stack:
+        import torch.nn.parallel.distributed as ddp
+
+        # the fake group's all-reduce future carries no tensor, which DDP's reducer asserts
+        # on (c10d/comm.cpp); an in-place all-reduce leaves the bucket as it is, so a comm hook
+        # that returns the bucket's own buffer is the same memory without the assert
+        ddp_init = ddp.DistributedDataParallel.__init__
+
+        def ddp_init_with_hook(self: Any, *args: Any, **kwargs: Any) -> None:
+            ddp_init(self, *args, **kwargs)
+            self.register_comm_hook(None, _bucket_as_is)
+
+        _replace(stack, ddp.DistributedDataParallel, "__init__", ddp_init_with_hook)
+        for mod_name in ("torch.distributed.fsdp._fully_shard._fsdp_init",
+                         "torch.distributed.fsdp._fully_shard._fully_shard"):
+            try:
+                mod = __import__(mod_name, fromlist=["_init_default_mesh"])
+            except ImportError:
+                continue
+            if hasattr(mod, "_init_default_mesh"):
+                _replace(stack, mod, "_init_default_mesh", default_mesh)
         yield
 
 
@@ -485,8 +603,11 @@ def _user_frame(tb: Any, path: Path) -> str:
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
                  alloc_conf: str | None = None, progress: Progress | None = None,
-                 online: bool = False) -> tuple[TraceResult, ScriptRun]:
-    """Run the script at ``path`` with ``argv`` and trace it (see the module docstring)."""
+                 online: bool = False, world: int = 1) -> tuple[TraceResult, ScriptRun]:
+    """Run the script at ``path`` with ``argv`` and trace it (see the module docstring).
+
+    ``world`` > 1: the script is rank 0 of that many processes (a torchrun / accelerate
+    launch), on PyTorch's fake process group; ``facts.count`` is the GPUs per node."""
     from ..trace.run import _collect_deterministically, _emulation_notes, summarize
 
     p = Path(path)
@@ -501,7 +622,10 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     sess = TraceSession(profile, autocast_dtype=autocast_dtype)
     sess.dispatch.float_reads = 1.0
     run = ScriptRun()
+    if not isinstance(world, int) or world < 1:
+        raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
     hooks = _Hooks(sess, run, steps, progress, started)
+    hooks.world = world
     live = LiveAllocator(sess.rec.log, alloc_conf)
 
     def on_sync(kind: str) -> None:
@@ -509,8 +633,9 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with _offline(online), _collect_deterministically(), sess, emulated_cuda(facts, live, on_sync), \
-                _patched(hooks), weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
+        with _offline(online), _collect_deterministically(), _rank_zero(world, facts.count), sess, \
+                emulated_cuda(facts, live, on_sync), _rank_streams(world, sess), _patched(hooks), \
+                weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:

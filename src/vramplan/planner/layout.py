@@ -1,0 +1,307 @@
+"""Read a layout back from the configs ``emit`` writes (and that people keep): a DeepSpeed
+JSON, an Accelerate YAML, the FSDP2 snippet, a torchtitan job TOML → a :class:`Workload`.
+
+Each format carries only part of a job; :data:`CARRIES` says which fields. The rest comes
+from ``base`` (the command line: model, ``seq``, checkpointing where the format has none).
+Where a format cannot tell two settings apart (Accelerate's ``mixed_precision: bf16`` is
+autocast over fp32 *or* bf16 weights), the base's setting is kept when it agrees with the
+file. Settings the prediction does not model (non-default DeepSpeed bucket sizes) are
+returned as notes, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramplan.analytic.deepspeed import DEFAULTS as DS_DEFAULTS
+from vramplan.errors import PlanError
+from vramplan.workload import Checkpointing, Engine, Optimizer, OptimizerImpl, Precision, Workload
+
+READ_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan")
+CARRIES: dict[str, frozenset[str]] = {
+    "deepspeed": frozenset({"batch", "grad_accum", "precision", "optimizer", "dp", "zero", "engine",
+                            "offload_optimizer", "offload_params"}),
+    "accelerate": frozenset({"dp", "zero", "engine", "offload_optimizer", "offload_params"}),
+    "fsdp": frozenset({"batch", "grad_accum", "precision", "optimizer", "optimizer_impl", "dp", "zero", "engine",
+                       "offload_optimizer", "offload_params", "dp_shard"}),
+    "torchtitan": frozenset({"batch", "grad_accum", "precision", "seq", "optimizer", "optimizer_impl", "dp", "zero",
+                             "engine", "dp_shard", "tp", "pp", "cp", "sp", "microbatches", "offload_optimizer",
+                             "offload_params"}),
+}
+"""The Workload / Parallel fields each format states (the rest come from the base workload).
+Accelerate's ``mixed_precision`` names the 16-bit type only: the base says pure or mixed."""
+
+
+@dataclass(frozen=True)
+class ReadLayout:
+    workload: Workload
+    format: str
+    notes: tuple[str, ...] = ()
+
+
+def _bad(fmt: str, what: str) -> PlanError:
+    return PlanError(f"not a {fmt} config: {what}", hint=f"give the file `vramplan plan … --emit {fmt}` writes",
+                     field="layout")
+
+
+def _mixed(base: Workload, half: str) -> Precision:
+    """A 16-bit setting: the base's when it is that half type (pure or mixed), else mixed."""
+    pure, mixed = (Precision.BF16, Precision.BF16_MIXED) if half == "bf16" else (Precision.FP16, Precision.FP16_MIXED)
+    return base.precision if base.precision in (pure, mixed) else mixed
+
+
+def _dp(world: int, base: Workload, fmt: str) -> int:
+    model = base.parallel.tp * base.parallel.pp * base.parallel.cp
+    if world % model:
+        raise PlanError(f"{fmt}: {world} processes are not a multiple of tp × pp × cp = {model}",
+                        hint="give the same `tp`, `pp`, `cp` as when the config was written", field="layout")
+    return world // model
+
+
+def _apply(base: Workload, changes: dict[str, Any]) -> Workload:
+    from vramplan.workload import Parallel
+
+    par = {k: changes.pop(k) for k in list(changes) if k in Parallel.__dataclass_fields__}
+    import dataclasses
+
+    return base.replace(parallel=dataclasses.replace(base.parallel, **par), **changes)
+
+
+# ------------------------------------------------------------------------------ DeepSpeed
+def read_deepspeed(text: str, base: Workload) -> ReadLayout:
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad("deepspeed", f"invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict) or "zero_optimization" not in cfg:
+        raise _bad("deepspeed", "no zero_optimization block")
+    z = cfg["zero_optimization"]
+    notes: list[str] = []
+    micro = int(cfg.get("train_micro_batch_size_per_gpu", base.batch))
+    accum = int(cfg.get("gradient_accumulation_steps", 1))
+    total = cfg.get("train_batch_size")
+    dp = int(total) // (micro * accum) if total else base.parallel.dp
+    if total and int(total) % (micro * accum):
+        raise _bad("deepspeed", f"train_batch_size {total} is not micro-batch {micro} × accumulation {accum} × GPUs")
+    changes: dict[str, Any] = {"batch": micro, "grad_accum": accum, "dp": dp, "zero": int(z.get("stage", 0)),
+                               "engine": Engine.DEEPSPEED, "dp_shard": 0,
+                               "offload_optimizer": (z.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"),
+                               "offload_params": (z.get("offload_param") or {}).get("device") in ("cpu", "nvme")}
+    if (cfg.get("bf16") or {}).get("enabled"):
+        changes["precision"] = _mixed(base, "bf16")
+    elif (cfg.get("fp16") or {}).get("enabled"):
+        changes["precision"] = _mixed(base, "fp16")
+    else:
+        changes["precision"] = Precision.FP32
+    opt = (cfg.get("optimizer") or {}).get("type", "")
+    named = {"adamw": Optimizer.ADAMW, "adam": Optimizer.ADAM, "adafactor": Optimizer.ADAFACTOR}
+    if opt.lower() == "sgd":
+        momentum = (cfg["optimizer"].get("params") or {}).get("momentum", 0)
+        changes["optimizer"] = Optimizer.SGD_MOMENTUM if momentum else Optimizer.SGD
+    elif opt.lower() in named:
+        changes["optimizer"] = named[opt.lower()]
+    elif opt:
+        notes.append(f"optimizer {opt!r} is not one vramplan models; kept `optimizer={base.optimizer}`")
+    d = DS_DEFAULTS
+    modelled = {"reduce_bucket_size": d.reduce_bucket_size, "stage3_prefetch_bucket_size": d.prefetch_bucket_size,
+                "stage3_max_live_parameters": d.max_live_parameters, "contiguous_gradients": d.contiguous_gradients,
+                "stage3_param_persistence_threshold": d.param_persistence_threshold,
+                "sub_group_size": d.sub_group_size, "overlap_comm": d.overlap(changes["zero"])}
+    for k, default in modelled.items():
+        if k in z and z[k] != default and not (isinstance(z[k], float) and z[k] == float(default)):
+            notes.append(f"zero_optimization.{k} = {z[k]!r}: the prediction assumes DeepSpeed's default {default!r}")
+    return ReadLayout(_apply(base, changes), "deepspeed", tuple(notes))
+
+
+# ------------------------------------------------------------------------------ Accelerate
+def read_accelerate(text: str, base: Workload) -> ReadLayout:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _bad("accelerate", f"invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict) or "distributed_type" not in cfg:
+        raise _bad("accelerate", "no distributed_type")
+    kind = str(cfg["distributed_type"]).upper()
+    n = int(cfg.get("num_processes", 1))
+    changes: dict[str, Any] = {"dp": _dp(n, base, "accelerate"), "dp_shard": 0, "offload_optimizer": False,
+                               "offload_params": False}
+    if kind in ("NO", "MULTI_GPU"):
+        changes.update(zero=0, engine=Engine.DDP if n > 1 else Engine.AUTO)
+    elif kind == "DEEPSPEED":
+        ds = cfg.get("deepspeed_config") or {}
+        changes.update(zero=int(ds.get("zero_stage", 2)), engine=Engine.DEEPSPEED,
+                       offload_optimizer=ds.get("offload_optimizer_device", "none") != "none",
+                       offload_params=ds.get("offload_param_device", "none") != "none")
+    elif kind == "FSDP":
+        fs = cfg.get("fsdp_config") or {}
+        off = bool(fs.get("fsdp_offload_params", False))
+        changes.update(zero=3 if fs.get("fsdp_reshard_after_forward", True) else 2, engine=Engine.FSDP,
+                       offload_params=off, offload_optimizer=off)
+    else:
+        raise _bad("accelerate", f"distributed_type {kind} is not one vramplan models (NO, MULTI_GPU, DEEPSPEED, FSDP)")
+    mp = str(cfg.get("mixed_precision", "no")).lower()
+    changes["precision"] = _mixed(base, mp) if mp in ("bf16", "fp16") else Precision.FP32
+    return ReadLayout(_apply(base, changes), "accelerate")
+
+
+# ------------------------------------------------------------------------------ FSDP2 snippet
+_OPT_LINE = re.compile(r"(torch\.optim|bnb\.optim)\.(\w+)\(params[^)]*\)")
+
+
+def read_fsdp(text: str, base: Workload) -> ReadLayout:
+    if "fully_shard" not in text:
+        raise _bad("fsdp", "no fully_shard call")
+
+    def const(name: str) -> int | None:
+        m = re.search(rf"^{name}\s*=\s*(\d+)", text, re.M)
+        return int(m.group(1)) if m else None
+
+    launch = re.search(r"--nnodes\s+(\d+)\s+--nproc_per_node\s+(\d+)", text)
+    if not launch:
+        raise _bad("fsdp", "no `torchrun --nnodes N --nproc_per_node M` line")
+    world = int(launch.group(1)) * int(launch.group(2))
+    reshard = re.search(r"reshard_after_forward=(True|False)", text)
+    offload = "kwargs['offload_policy'] = CPUOffloadPolicy" in text
+    hsdp = re.search(r"^REPLICATE, SHARD = (\d+), (\d+)", text, re.M)
+    dp = _dp(world, base, "fsdp")
+    zero = 3 if not reshard or reshard.group(1) == "True" else 2
+    changes: dict[str, Any] = {"dp": dp, "zero": zero, "engine": Engine.FSDP, "offload_params": offload,
+                               "offload_optimizer": offload, "dp_shard": int(hsdp.group(2)) if hsdp else 0}
+    pdt = re.search(r"MixedPrecisionPolicy\(param_dtype=([\w.]+), reduce_dtype=([\w.]+)\)", text)
+    if not pdt:
+        raise _bad("fsdp", "no MixedPrecisionPolicy(param_dtype=…, reduce_dtype=…)")
+    param, reduce = pdt.group(1), pdt.group(2)
+    halves = {"torch.bfloat16": (Precision.BF16, Precision.BF16_MIXED), "torch.float16": (Precision.FP16,
+                                                                                         Precision.FP16_MIXED)}
+    if param in halves:  # fp32 gradient reduction: mixed precision (fp32 master weights); 16-bit: pure
+        changes["precision"] = halves[param][1] if reduce == "torch.float32" else halves[param][0]
+    else:
+        changes["precision"] = Precision.FP32
+    if (mb := const("MICRO_BATCH")) is not None:
+        changes["batch"] = mb
+    if (ga := const("GRAD_ACCUM")) is not None:
+        changes["grad_accum"] = ga
+    m = _OPT_LINE.search(text)
+    if m:
+        kind = {"AdamW": Optimizer.ADAMW, "Adam": Optimizer.ADAM, "Adafactor": Optimizer.ADAFACTOR,
+                "AdamW8bit": Optimizer.ADAMW_8BIT, "PagedAdamW8bit": Optimizer.PAGED_ADAMW_8BIT,
+                "Lion": Optimizer.LION}.get(m.group(2))
+        if m.group(2) == "SGD":
+            kind = Optimizer.SGD_MOMENTUM if "momentum=" in m.group(0) else Optimizer.SGD
+        if kind is not None:
+            changes["optimizer"] = kind
+            changes["optimizer_impl"] = OptimizerImpl.FUSED if "fused=True" in m.group(0) else OptimizerImpl.FOREACH
+    return ReadLayout(_apply(base, changes), "fsdp")
+
+
+# ------------------------------------------------------------------------------ torchtitan
+def read_torchtitan(text: str, base: Workload) -> ReadLayout:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise PlanError("reading a torchtitan TOML needs Python 3.11 or newer (tomllib)",
+                        hint="run vramplan on Python 3.11+", field="layout") from None
+    try:
+        cfg = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise _bad("torchtitan", f"invalid TOML ({e})") from None
+    par, tr = cfg.get("parallelism"), cfg.get("training", {})
+    if not isinstance(par, dict):
+        raise _bad("torchtitan", "no [parallelism] table")
+    replicate = int(par.get("data_parallel_replicate_degree", 1))
+    shard = int(par.get("data_parallel_shard_degree", 1))
+    if shard < 1:
+        raise _bad("torchtitan", "data_parallel_shard_degree -1 (the rest of the GPUs): write the number")
+    tp, pp, cp = (int(par.get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                                "context_parallel_degree"))
+    dp = replicate * shard
+    offload = bool(tr.get("enable_cpu_offload", False))
+    changes: dict[str, Any] = {
+        "dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1,
+        "zero": 0 if shard == 1 else (2 if par.get("fsdp_reshard_after_forward") == "never" else 3),
+        "dp_shard": shard if replicate > 1 and shard > 1 else 0, "offload_params": offload, "offload_optimizer": offload,
+    }
+    changes["engine"] = Engine.FSDP if shard > 1 else (Engine.DDP if dp > 1 else Engine.AUTO)
+    local = int(tr.get("local_batch_size", tr.get("batch_size", base.batch)))
+    if pp > 1:
+        mb = int(par.get("pipeline_parallel_microbatch_size", 1))
+        changes.update(batch=mb, grad_accum=local // mb)
+    else:
+        gb = int(tr.get("global_batch_size", local * dp) or local * dp)
+        if gb % (local * dp):
+            raise _bad("torchtitan", f"global_batch_size {gb} is not local_batch_size {local} × {dp} DP ranks × steps")
+        changes.update(batch=local, grad_accum=gb // (local * dp))
+    if "seq_len" in tr:
+        changes["seq"] = int(tr["seq_len"])
+    dtype = tr.get("mixed_precision_param", "bfloat16")
+    changes["precision"] = {"bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}.get(dtype,
+                                                                                                   Precision.FP32)
+    ac = cfg.get("activation_checkpoint", {})
+    mode, option = ac.get("mode", "none"), str(ac.get("selective_ac_option", "2"))
+    if mode == "full":
+        changes.update(checkpointing=Checkpointing.FULL, checkpoint_fraction=1.0, checkpoint_every=1)
+    elif mode == "selective" and option == "op":
+        changes.update(checkpointing=Checkpointing.OP)
+    elif mode == "selective" and option.isdigit():
+        k = int(option)
+        if base.checkpointing is Checkpointing.FULL and round(1 / base.checkpoint_fraction) * base.checkpoint_every == k:
+            pass  # the base says the same thing (every k-th layer) its own way
+        else:
+            changes.update(checkpointing=Checkpointing.FULL, checkpoint_fraction=1.0, checkpoint_every=k)
+    else:
+        changes["checkpointing"] = Checkpointing.NONE
+    opt = cfg.get("optimizer", {})
+    name = str(opt.get("name", "AdamW"))
+    changes["optimizer"] = Optimizer.ADAMW if name == "AdamW" else Optimizer.ADAM
+    changes["optimizer_impl"] = {"fused": OptimizerImpl.FUSED, "for-loop": OptimizerImpl.FOR_LOOP}.get(
+        str(opt.get("implementation", "fused")), OptimizerImpl.FOREACH)
+    if pp > 1:
+        changes["microbatches"] = base.parallel.microbatches
+    return ReadLayout(_apply(base, changes), "torchtitan")
+
+
+READERS: dict[str, Callable[[str, Workload], ReadLayout]] = {
+    "deepspeed": read_deepspeed, "accelerate": read_accelerate, "fsdp": read_fsdp, "torchtitan": read_torchtitan,
+}
+
+
+def read_layout(fmt: str, text: str, base: Workload) -> ReadLayout:
+    """``base`` with the fields the ``fmt`` config states (:data:`CARRIES`) taken from ``text``."""
+    if fmt not in READERS:
+        raise PlanError(f"unknown layout format {fmt!r}", hint=f"choose one of {', '.join(READ_FORMATS)}",
+                        field="layout")
+    return READERS[fmt](text, base)
+
+
+def sniff(path: Path, text: str) -> str:
+    """The format of a config file, from its name and content."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return "deepspeed"
+    if suffix in (".yaml", ".yml"):
+        return "accelerate"
+    if suffix == ".toml":
+        return "torchtitan"
+    if suffix == ".py" or "fully_shard" in text:
+        return "fsdp"
+    raise PlanError(f"cannot tell the format of {path.name}",
+                    hint="name it .json (DeepSpeed), .yaml (Accelerate), .toml (torchtitan) or .py (FSDP2)",
+                    field="layout")
+
+
+def read_file(path: str | Path, base: Workload) -> ReadLayout:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"no such layout file: {p}", hint="give the path of a config `--emit` wrote", field="layout")
+    text = p.read_text()
+    return read_layout(sniff(p, text), text, base)
+
+
+__all__ = ["CARRIES", "READ_FORMATS", "ReadLayout", "read_file", "read_layout", "sniff"]

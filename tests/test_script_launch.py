@@ -1,0 +1,77 @@
+"""torchrun / accelerate launch scripts in `vramplan run`: rank 0 of the declared world, on
+PyTorch's fake process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import vramplan
+from vramplan.errors import VramplanError
+from vramplan.script.launch import parse_launch
+
+EX = Path(__file__).parent / "examples"
+FSDP = str(EX / "fsdp2_loop.py")
+DDP = str(EX / "ddp_loop.py")
+MODEL = 4 * 1024 * 1024 * 4  # four fp32 1024×1024 linears
+
+
+@pytest.mark.parametrize("cmd, world, per_node, argv", [
+    (["torchrun", "--nproc-per-node", "8", FSDP, "--lr", "1"], 8, 8, ("--lr", "1")),
+    (["--", "torchrun", "--nproc_per_node=4", "--nnodes", "2", "--standalone", FSDP], 8, 4, ()),
+    (["torchrun", "--nnodes", "1:4", "--nproc-per-node", "8", "--rdzv-endpoint", "h:29400", FSDP], 32, 8, ()),
+    (["torchrun", FSDP], 1, 1, ()),
+    (["accelerate", "launch", "--num_processes", "16", "--num_machines", "2", "--multi_gpu", FSDP], 16, 8, ()),
+    (["accelerate", "launch", "--num-processes=2", FSDP, "x"], 2, 2, ("x",)),
+])
+def test_launchers_declare_the_world(cmd, world, per_node, argv):
+    launch = parse_launch(cmd)
+    assert (launch.world, launch.per_node, launch.argv) == (world, per_node, argv)
+    assert launch.script == Path(FSDP)
+
+
+def test_accelerate_config_file_gives_the_process_count(tmp_path):
+    cfg = tmp_path / "accelerate.yaml"
+    cfg.write_text("distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\n")
+    launch = parse_launch(["accelerate", "launch", "--config_file", str(cfg), FSDP])
+    assert (launch.world, launch.per_node) == (16, 8)
+
+
+@pytest.mark.parametrize("cmd, match", [
+    (["torchrun", "--nproc-per-node", "auto", FSDP], "counts the GPUs"),
+    (["torchrun", "--nproc-per-node", "0", FSDP], "positive integer"),
+    (["torchrun", "-m", "pkg.train"], "-m MODULE"),
+    (["accelerate", "config"], "only `accelerate launch"),
+    (["accelerate", "launch", "--num_processes", "6", "--num_machines", "4", FSDP], "do not split"),
+    (["torchrun", "--nproc-per-node"], "needs a value"),
+])
+def test_bad_launch_lines_are_user_errors(cmd, match):
+    with pytest.raises(VramplanError, match=match):
+        parse_launch(cmd)
+
+
+def test_gpus_must_agree_with_the_launcher():
+    with pytest.raises(VramplanError, match="contradicts"):
+        parse_launch(["torchrun", "--nproc-per-node", "8", FSDP], gpus=4)
+    assert parse_launch(["torchrun", "--nproc-per-node", "8", FSDP], gpus=8).world == 8
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_fsdp2_script_traces_rank_zero_with_sharded_states(world):
+    r = vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=world, gpus=8)
+    b = r.breakdown
+    assert b.optimizer == 2 * MODEL // world  # AdamW exp_avg + exp_avg_sq shards, 1/world each
+    assert 0 < b.gradients <= MODEL // world  # fp32 gradient shards (those alive at the peak)
+    assert any("NCCL" in o.name for o in r.overhead)
+
+
+def test_ddp_script_traces_rank_zero_with_whole_states():
+    r = vramplan.run_script(EX / "ddp_loop.py", [], gpu="h100-sxm", world=8, gpus=8)
+    b = r.breakdown
+    assert b.gradients == MODEL and b.optimizer == 2 * MODEL
+
+
+def test_world_must_fill_nodes():
+    with pytest.raises(VramplanError, match="does not fill nodes"):
+        vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=12, gpus=8)
