@@ -426,3 +426,13 @@ def test_liger_emulation_matches_liger_run_on_a_cpu_with_tritons_interpreter() -
     w = Workload(task="train", precision="fp32", optimizer="adamw")
     r = trace_model(lambda: _LigerEmulated(h, v), inputs, workload=w, loss_fn=lambda out: out, options=NO_WS)
     assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_optimizer_in_backward_keeps_no_gradients_as_model_states() -> None:
+    from vramplan.engine import estimate as engine_estimate
+
+    spec = _small()
+    w = Workload(task="train", batch=1, seq=16, precision="bf16", optimizer_in_backward=True)
+    for method in ("analytic", "trace"):
+        r = engine_estimate(spec, w, method=method)
+        assert r.model_states.gradients == 0 and r.model_states.optimizer > 0, method
