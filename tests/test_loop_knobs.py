@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from vramplan.analytic.estimate import estimate
@@ -436,3 +438,14 @@ def test_optimizer_in_backward_keeps_no_gradients_as_model_states() -> None:
     for method in ("analytic", "trace"):
         r = engine_estimate(spec, w, method=method)
         assert r.model_states.gradients == 0 and r.model_states.optimizer > 0, method
+
+
+@settings(max_examples=200, deadline=None)
+@given(bt=st.integers(1, 1 << 20), vocab=st.integers(1, 1 << 18), hidden=st.integers(1, 1 << 14))
+def test_liger_chunk_is_one_rule_in_trace_and_analytic(bt: int, vocab: int, hidden: int) -> None:
+    from vramplan.analytic.loss import liger_chunk as analytic_chunk
+
+    chunk = liger_chunk(bt, vocab, hidden)
+    assert chunk == analytic_chunk(bt, vocab, hidden)
+    assert 1 <= chunk <= bt
+    assert chunk == bt or chunk & (chunk - 1) == 0  # a power of two unless one chunk covers everything
