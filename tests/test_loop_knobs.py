@@ -73,10 +73,6 @@ def _phase(r, phase: Phase) -> int:
     return next(p.allocated for p in r.phases if p.phase is phase)
 
 
-def _grad_bytes(r) -> int:
-    return sum(2 * n for n in [r.trainable_params])  # bf16 gradients
-
-
 # --------------------------------------------------------------------------- hand-computed deltas
 def test_keep_grads_adds_the_gradient_bytes_to_the_forward() -> None:
     base, kept = _trace(), _trace(keep_grads=True)
