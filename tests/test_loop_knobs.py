@@ -74,9 +74,12 @@ def _phase(r, phase: Phase) -> int:
 
 
 # --------------------------------------------------------------------------- hand-computed deltas
-def test_keep_grads_adds_the_gradient_bytes_to_the_forward() -> None:
-    base, kept = _trace(), _trace(keep_grads=True)
-    assert _phase(kept, Phase.FORWARD) - _phase(base, Phase.FORWARD) == 2 * base.trainable_params
+@pytest.mark.parametrize(("precision", "grad_bytes"), [("bf16", 2), ("fp32", 4)])
+def test_keep_grads_adds_the_gradient_bytes_to_forward_and_backward(precision: str, grad_bytes: int) -> None:
+    base, kept = _trace(precision=precision), _trace(precision=precision, keep_grads=True)
+    grads = grad_bytes * base.trainable_params
+    assert _phase(kept, Phase.FORWARD) - _phase(base, Phase.FORWARD) == grads
+    assert _phase(kept, Phase.BACKWARD) - _phase(base, Phase.BACKWARD) == grads
     # zeroed in place, never freed: the optimizer step sees the same gradients
     assert _phase(kept, Phase.OPTIMIZER) == _phase(base, Phase.OPTIMIZER)
 
