@@ -162,8 +162,16 @@ class Parallel:
     """Keep optimizer states (and fp32 master weights) in CPU memory."""
     offload_params: bool = False
     """Keep parameters in CPU memory, gathered per layer (ZeRO-3 / FSDP offload)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (DistributedDataParallel's `bucket_cap_mb`; the first bucket is 1 MiB)."""
+    gradient_as_bucket_view: bool = False
+    """DDP gradients are views into its all-reduce buckets (no second copy of the gradients)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or not self.bucket_cap_mb > 0:
+            raise WorkloadError(f"`bucket_cap_mb` must be a positive number of MiB, got {self.bucket_cap_mb!r}",
+                                hint="DDP's default is 25", field="bucket_cap_mb")
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
