@@ -66,6 +66,20 @@ class Loss(_StrEnum):
     CCE = "cce"  # Cut Cross-Entropy: logits never materialised
 
 
+class Recipe(_StrEnum):
+    """A framework's training loop as a bundle of knob defaults (``vramplan.recipes``)."""
+
+    PLAIN = "plain"  # vramplan's own loop: the Workload defaults
+    HF_TRAINER = "hf-trainer"
+    TRL_SFT = "trl-sft"
+    ACCELERATE = "accelerate"
+    LIGHTNING = "lightning"
+    TORCHTUNE = "torchtune"
+    TORCHTITAN = "torchtitan"
+    DEEPSPEED = "deepspeed"
+    UNSLOTH = "unsloth"
+
+
 class DtypeChoice(_StrEnum):
     AUTO = "auto"
     FP32 = "fp32"
@@ -279,6 +293,10 @@ class Workload:
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
+    recipe: Recipe = Recipe.PLAIN
+    """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft,
+    accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
+    loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
     def __post_init__(self) -> None:
         # Coerce strings to enums so that Workload(task="train") works.
@@ -289,7 +307,7 @@ class Workload:
             ("task", Task), ("precision", Precision), ("optimizer", Optimizer),
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
-            ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice),
+            ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         if isinstance(self.lora_targets, str):
