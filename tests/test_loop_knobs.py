@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from vramplan.analytic.estimate import estimate
@@ -71,14 +73,13 @@ def _phase(r, phase: Phase) -> int:
     return next(p.allocated for p in r.phases if p.phase is phase)
 
 
-def _grad_bytes(r) -> int:
-    return sum(2 * n for n in [r.trainable_params])  # bf16 gradients
-
-
 # --------------------------------------------------------------------------- hand-computed deltas
-def test_keep_grads_adds_the_gradient_bytes_to_the_forward() -> None:
-    base, kept = _trace(), _trace(keep_grads=True)
-    assert _phase(kept, Phase.FORWARD) - _phase(base, Phase.FORWARD) == 2 * base.trainable_params
+@pytest.mark.parametrize(("precision", "grad_bytes"), [("bf16", 2), ("fp32", 4)])
+def test_keep_grads_adds_the_gradient_bytes_to_forward_and_backward(precision: str, grad_bytes: int) -> None:
+    base, kept = _trace(precision=precision), _trace(precision=precision, keep_grads=True)
+    grads = grad_bytes * base.trainable_params
+    assert _phase(kept, Phase.FORWARD) - _phase(base, Phase.FORWARD) == grads
+    assert _phase(kept, Phase.BACKWARD) - _phase(base, Phase.BACKWARD) == grads
     # zeroed in place, never freed: the optimizer step sees the same gradients
     assert _phase(kept, Phase.OPTIMIZER) == _phase(base, Phase.OPTIMIZER)
 
@@ -426,3 +427,24 @@ def test_liger_emulation_matches_liger_run_on_a_cpu_with_tritons_interpreter() -
     w = Workload(task="train", precision="fp32", optimizer="adamw")
     r = trace_model(lambda: _LigerEmulated(h, v), inputs, workload=w, loss_fn=lambda out: out, options=NO_WS)
     assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_optimizer_in_backward_keeps_no_gradients_as_model_states() -> None:
+    from vramplan.engine import estimate as engine_estimate
+
+    spec = _small()
+    w = Workload(task="train", batch=1, seq=16, precision="bf16", optimizer_in_backward=True)
+    for method in ("analytic", "trace"):
+        r = engine_estimate(spec, w, method=method)
+        assert r.model_states.gradients == 0 and r.model_states.optimizer > 0, method
+
+
+@settings(max_examples=200, deadline=None)
+@given(bt=st.integers(1, 1 << 20), vocab=st.integers(1, 1 << 18), hidden=st.integers(1, 1 << 14))
+def test_liger_chunk_is_one_rule_in_trace_and_analytic(bt: int, vocab: int, hidden: int) -> None:
+    from vramplan.analytic.loss import liger_chunk as analytic_chunk
+
+    chunk = liger_chunk(bt, vocab, hidden)
+    assert chunk == analytic_chunk(bt, vocab, hidden)
+    assert 1 <= chunk <= bt
+    assert chunk == bt or chunk & (chunk - 1) == 0  # a power of two unless one chunk covers everything

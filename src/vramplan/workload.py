@@ -311,12 +311,13 @@ class Workload:
     loss: Loss = Loss.FULL
     """Loss implementation: full (transformers, fp32 full-vocabulary logits), chunked
     (torchtune's chunked cross-entropy), liger (fused linear + cross-entropy) or cce (Cut
-    Cross-Entropy, logits never materialised)."""
+    Cross-Entropy, logits never materialised); the last three for causal language models."""
     loss_chunks: int = 8
     """Chunks of the chunked cross-entropy (torchtune's `num_output_chunks`)."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter from its gradient hook during backward, and the
-    gradient is freed right after (torchtune's `optimizer_in_bwd`)."""
+    gradient is freed right after (torchtune's `optimizer_in_bwd`; not with gradient
+    accumulation or fp16-mixed)."""
     compile: bool = False
     """torch.compile the model: the activations AOTAutograd's partitioner saves."""
     peft: Peft = Peft.NONE

@@ -71,7 +71,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
                                mask=_infer_mask(arch, w, seq))
         peak = max(p.allocated for p in phases)
         if best is None or peak > best[3]:
-            best = (stage, phases, ModelStates(st.weights, st.gradients, st.optimizer), peak)
+            best = (stage, phases, ModelStates(st.weights, 0 if w.optimizer_in_backward else st.gradients, st.optimizer), peak)
     assert best is not None  # stages() always yields one
     stage, phases, states, _ = best
     total_params = spec.params or arch.params

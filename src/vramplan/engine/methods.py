@@ -190,12 +190,13 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
 
 
 def _traced_states(tr: TraceResult) -> Breakdown:
-    """Model states of a traced training step: at the optimizer step all of them exist."""
+    """Model states of a traced training step: at the optimizer step all of them exist (with the
+    optimizer in backward there is no such phase and no gradient persists: weights and states)."""
     for p in tr.phases:
         if p.phase is Phase.OPTIMIZER:
             b = p.breakdown
             return Breakdown(weights=b.weights, gradients=b.gradients, optimizer=b.optimizer)
-    return Breakdown(weights=tr.breakdown_at_peak.weights)
+    return Breakdown(weights=tr.breakdown_at_peak.weights, optimizer=tr.breakdown_at_peak.optimizer)
 
 
 __all__ = ["MethodResult", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",

@@ -214,6 +214,13 @@ class CutCrossEntropy(torch.autograd.Function):
         return de, dc.to(c.dtype) if dc is not None else None, None
 
 
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' final-logit soft-capping (Gemma 2): ``tanh(logits / cap) * cap``."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def loss_note(w: Any) -> str:
     """What the trace ran for ``w.loss`` (one line for the report)."""
     if w.loss is Loss.CHUNKED:
@@ -235,12 +242,13 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     labels = kwargs.pop("labels", None)
     if not isinstance(labels, torch.Tensor):
         raise TraceError(f"loss={loss} needs labels in the batch (a causal LM's training inputs)", hint="use `loss=full`")
-    _hf, backbone, head = causal_lm_parts(model)
+    hf, backbone, head = causal_lm_parts(model)
     out = backbone(*args, **kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     target = shifted_labels(labels)
     if loss is Loss.CHUNKED:
-        logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+        cap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
+        logits = [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
         return (logits, out), chunked_ce(logits, target, chunks)
     weight = _head_weight(head)
     flat = hidden.reshape(-1, hidden.shape[-1])
