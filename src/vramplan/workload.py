@@ -386,6 +386,14 @@ class Workload:
         return self.task is Task.TRAIN
 
     @property
+    def checkpointed_share(self) -> float:
+        """Share of the layers under checkpointing: ``checkpoint_fraction / checkpoint_every``
+        (0 without checkpointing or outside training) — what recompute time scales with."""
+        if self.checkpointing is Checkpointing.NONE or not self.training:
+            return 0.0
+        return self.checkpoint_fraction / self.checkpoint_every
+
+    @property
     def mixed(self) -> bool:
         return self.precision in (Precision.FP16_MIXED, Precision.BF16_MIXED)
 

@@ -9,6 +9,11 @@ Checkpointing (``checkpoint_fraction`` f of the layers):
 - selective (Korthikanti et al. 2022): checkpointed layers drop the attention core (QKᵀ,
   softmax, dropout — the s² terms) and recompute it in backward. With flash/SDPA kernels
   there is no s² term, so selective saves nothing more than flash already does.
+- op (torchtitan's op-level SAC, see ``vramplan.trace.sac``): a checkpointed layer keeps its
+  input, every other matmul output and the attention kernel's outputs
+  (:func:`.blocks.op_sac_saved`); in backward the rest of the layer is recomputed.
+- ``checkpoint_every`` k: of the layers the fraction covers, those whose 1-based index is a
+  multiple of k are checkpointed (torchtitan's layer SAC); per layer group here.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .blocks import (
     head_saved,
     infer_working,
     norm_keeps_input,
+    op_sac_saved,
 )
 from .parallel import Stage
 
@@ -97,6 +103,10 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
         elif w.checkpointing is Checkpointing.SELECTIVE:
             ck = size(full_terms, shape, core=False)
             rc = full - ck
+        elif w.checkpointing is Checkpointing.OP:
+            inp = size(block_input(ctx, h), shape)
+            ck = inp + size(op_sac_saved(g, ctx), shape)
+            rc = full - (inp if norm_keeps_input(g, ctx) else 0)
         else:
             ck, rc = full, 0
         layers += k * ck + (n - k) * full
@@ -118,10 +128,11 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
 
 
 def checkpointed_layers(w: Workload, n: int) -> int:
-    """Layers of a group of ``n`` that are checkpointed (``checkpoint_fraction``, rounded)."""
+    """Layers of a group of ``n`` that are checkpointed: the first ``checkpoint_fraction``
+    (rounded), of which every ``checkpoint_every``-th (1-based multiples of k)."""
     if w.checkpointing is Checkpointing.NONE:
         return 0
-    return min(n, math.floor(w.checkpoint_fraction * n + 0.5))
+    return min(n, math.floor(w.checkpoint_fraction * n + 0.5)) // w.checkpoint_every
 
 
 def infer_layer(stage: Stage, w: Workload, ctx: Ctx, h: int, tokens: int, kv_len: int) -> int:

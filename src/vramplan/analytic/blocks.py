@@ -265,6 +265,32 @@ def block_input(ctx: Ctx, h: int) -> Terms:
     return t
 
 
+def op_sac_saved(g: LayerGroup, ctx: Ctx) -> Terms:
+    """What torchtitan's op-level SAC stores for one checkpointed layer besides its input
+    (vramplan.trace.sac): the output of every odd-numbered ``aten.mm`` of the layer (the 1st,
+    3rd, ... in block order; a LoRA-wrapped linear runs three: base, A, B) and the fused
+    attention kernel's outputs. Approximations: a linear with a bias runs ``addmm`` (not in
+    torchtitan's list) but is counted as an mm here; routed experts (grouped/looped matmuls)
+    are not counted."""
+    t = Terms()
+    c, a = ctx.rg.compute, g.attn
+    n = 0
+    for lin in g.linears:
+        if lin.expert:
+            continue
+        outs = [lin.d_out]
+        if ctx.tr.lora_on(lin):
+            outs += [ctx.tr.rank, lin.d_out]
+        for d in outs:
+            n += 1
+            if n % 2 == 1:
+                t.add(f"op SAC: {lin.name} mm output", c * d * lin.count,
+                      shard="tp" if lin.tp and d != ctx.tr.rank else "seq")
+    if ctx.attention is not Attention.EAGER:
+        t.add("op SAC: attention kernel output + fp32 logsumexp", c * a.heads * (a.v_head_dim or a.head_dim) + 4 * a.heads)
+    return t
+
+
 def norm_keeps_input(g: LayerGroup, ctx: Ctx) -> bool:
     """The first norm saves the layer input tensor itself (not a cast copy of it)."""
     r = ctx.rg.stream

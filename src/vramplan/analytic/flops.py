@@ -66,11 +66,13 @@ def step_flops(arch: Arch, w: Workload, tr: Trainable, seq: int | None = None) -
         return (trainable + frozen + core + head) / split
     fwd_layers = trainable + frozen + adapters + core
     total = 3 * (trainable + adapters + core) + 2 * frozen + (3 if tr.full else 2) * head
-    f = w.checkpoint_fraction
+    f = w.checkpointed_share
     if w.checkpointing is Checkpointing.FULL:
         total += f * fwd_layers
     elif w.checkpointing is Checkpointing.SELECTIVE:
         total += f * core
+    elif w.checkpointing is Checkpointing.OP:  # every other matmul; attention kernels saved
+        total += f * 0.5 * (trainable + frozen + adapters)
     return total * w.grad_accum / split
 
 

@@ -57,12 +57,14 @@ def train_flops(s: Shape, w: Workload, batch: int, seq: int, adapter_params: int
         bwd = 4.0 * s.matmul_params * tokens + 2.0 * attn
     else:  # frozen base: activation gradients only; adapters get both
         bwd = 2.0 * s.matmul_params * tokens + 4.0 * adapter_params * tokens + 2.0 * attn
-    frac = w.checkpoint_fraction
+    frac = w.checkpointed_share
+    head = 2.0 * s.head_params * tokens
     if w.checkpointing is Checkpointing.FULL:
-        head = 2.0 * s.head_params * tokens
         recompute = frac * max(fwd - head, 0.0)
     elif w.checkpointing is Checkpointing.SELECTIVE:
         recompute = frac * attn
+    elif w.checkpointing is Checkpointing.OP:  # torchtitan op SAC: every other matmul, attention saved
+        recompute = frac * 0.5 * max(fwd - head - attn, 0.0)
     else:
         recompute = 0.0
     return StepFlops(fwd, bwd, recompute)

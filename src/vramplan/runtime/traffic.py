@@ -85,11 +85,15 @@ def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> 
     fwd = weights + act
     bwd = weights + 2.0 * act + grads
     passes = 1.0
+    share = w.checkpointed_share
     if w.checkpointing is Checkpointing.FULL:
-        rec = w.checkpoint_fraction * (weights + act)
-        passes += w.checkpoint_fraction
+        rec = share * (weights + act)
+        passes += share
     elif w.checkpointing is Checkpointing.SELECTIVE:
-        rec = w.checkpoint_fraction * 0.1 * act
+        rec = share * 0.1 * act
+    elif w.checkpointing is Checkpointing.OP:  # half the matmuls' weights and their activations again
+        rec = share * 0.5 * (weights + act)
+        passes += 0.5 * share
     else:
         rec = 0.0
     if w.quant in _QUANT_STORAGE:
