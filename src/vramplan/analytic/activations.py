@@ -12,6 +12,10 @@ Checkpointing (``checkpoint_fraction`` f of the layers):
 - op (torchtitan's op-level SAC, see ``vramplan.trace.sac``): a checkpointed layer keeps its
   input, every other matmul output and the attention kernel's outputs
   (:func:`.blocks.op_sac_saved`); in backward the rest of the layer is recomputed.
+- ``activation_offload`` (torchtune ``OffloadActivations``, see ``vramplan.trace.offload``):
+  every saved tensor of the layers goes to pinned host memory (power-of-two blocks); the GPU
+  keeps about one layer's saved set (the forward stash, the tensors brought back in backward).
+  Approximation: each saved term counts as one tensor; autocast's weight casts are not counted.
 - ``checkpoint_every`` k: of the layers the fraction covers, those whose 1-based index is a
   multiple of k are checkpointed (torchtitan's layer SAC); per layer group here.
 """
@@ -28,6 +32,7 @@ from .arch import Arch
 from .blocks import (
     Ctx,
     Saved,
+    Terms,
     backward_transient,
     block_input,
     block_saved,
@@ -83,13 +88,16 @@ class StageActs:
     """Layers of the stage under checkpointing."""
     softcap: bool = False
     """Final-logit soft-capping keeps one more 16-bit logit-sized tensor (the tanh output)."""
+    host: int = 0
+    """``activation_offload``: pinned host bytes of the layers' offloaded saved tensors."""
 
 
 def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq: int,
                positions: int) -> StageActs:
     """``positions``: tokens (or images) whose logits the head computes, on this rank."""
     p, h = w.parallel, arch.hidden
-    layers = layer_full = recompute = transient = checkpointed = 0
+    layers = layer_full = recompute = transient = checkpointed = host = one_layer = gpu_layers = 0
+    offload = w.activation_offload and w.training
     for g, n in stage.groups:
         shape = TokenShape(tokens, seq, p.tp, p.sp)
         full_terms = block_saved(g, ctx, h)
@@ -106,7 +114,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
         elif w.checkpointing is Checkpointing.OP:
             inp = size(block_input(ctx, h), shape)
             ck = inp + size(op_sac_saved(g, ctx), shape)
-            rc = full - (inp if norm_keeps_input(g, ctx) else 0)
+            rc = full - ck  # the cached outputs and the input are reused by the recomputed layer
         else:
             ck, rc = full, 0
         layers += k * ck + (n - k) * full
@@ -114,6 +122,20 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
         recompute = max(recompute, rc if k else 0)
         at, mt = backward_transient(g, ctx)
         transient = max(transient, size(at, shape), size(mt, shape))
+        if offload:
+            # what goes to pinned host memory: what autograd saves (the checkpoint inputs of a
+            # checkpointed layer); SAC's cached outputs stay in its storage on the GPU
+            inp = block_input(ctx, h)
+            host += (n - k) * offloaded_bytes(full_terms, shape) + k * offloaded_bytes(inp, shape)
+            resident = (ck - size(inp, shape)) if k and w.checkpointing is not Checkpointing.FULL else 0
+            gpu_layers += k * resident
+            one_layer = max(one_layer, stash_bytes(full_terms, shape) if n > k else 0,
+                            stash_bytes(inp, shape) if k else 0)
+    if offload:  # GPU: SAC-cached outputs + the forward stash / the tensors brought back
+        layers = gpu_layers + one_layer
+        head_terms = head_saved(arch.head, arch.norm, ctx, h) if stage.head else Terms()
+        host += offloaded_bytes([t for t in head_terms if not t.name.startswith("lm head")],
+                                TokenShape(tokens, seq, p.tp, p.sp))
     head = size(head_saved(arch.head, arch.norm, ctx, h), TokenShape(tokens, seq, p.tp, p.sp)) if stage.head else 0
     embed = math.ceil(tokens * h / (p.tp if p.sp else 1)) if (stage.embed and arch.embed_dropout > 0) else 0
     mask = 0
@@ -123,8 +145,26 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     return StageActs(
         layers=layers, layer_full=layer_full, recompute=recompute, transient=transient,
         head=head, embed=embed, logits=positions * classes if stage.head else 0, mask=mask,
-        checkpointed=checkpointed, softcap=arch.head.softcap,
+        checkpointed=checkpointed, softcap=arch.head.softcap, host=host,
     )
+
+
+def offloaded_bytes(terms: Iterable[Saved], shape: TokenShape) -> int:
+    """Pinned host bytes of saved tensors under torchtune-style offload: each term stands for
+    one tensor, copied once per save (``packs``) into a power-of-two pinned block when it has
+    at least 1024 bytes."""
+    total = 0
+    for t in terms:
+        b = size((t,), shape)
+        if b >= 1024:
+            total += t.packs * (1 << (b - 1).bit_length())
+    return total
+
+
+def stash_bytes(terms: Iterable[Saved], shape: TokenShape) -> int:
+    """The five largest offloadable saved tensors of a layer: torchtune's forward stash bound."""
+    sizes = sorted((size((t,), shape) for t in terms), reverse=True)
+    return sum(b for b in sizes[:5] if b >= 1024)
 
 
 def checkpointed_layers(w: Workload, n: int) -> int:

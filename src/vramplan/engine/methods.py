@@ -95,10 +95,11 @@ def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFA
 
 
 # --------------------------------------------------------------------------- trace
-def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile) -> TraceResult:
+def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
+                        checkpoint_policy: Any = None) -> TraceResult:
     from ..trace.run import trace_workload
 
-    return trace_workload(spec, w, device=dev)
+    return trace_workload(spec, w, device=dev, checkpoint_policy=checkpoint_policy)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
