@@ -20,7 +20,7 @@ from vramplan.workload import KVDtype, Peft, Task, Workload
 
 from .comm import communication
 from .flops import StepFlops, decode_flops, forward_flops, train_flops
-from .offload import offload_time
+from .offload import OffloadTime, activation_offload_time, offload_time, saved_activation_bytes
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
 from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
 from .traffic import (
@@ -217,6 +217,13 @@ class _StepModel:
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
             ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
         )
+        if w.activation_offload:
+            act_off = activation_offload_time(
+                self.gpu, saved_bytes=saved_activation_bytes(
+                    s.layers // p.pp, s.hidden // p.tp, b * seq // p.cp, precision_model(w).compute,
+                    checkpointed_share=w.checkpointed_share),
+                microbatches=m, t_forward=t_mb - t_bwd, t_backward=t_bwd, eff=eff)
+            off = OffloadTime(off.total + act_off.total, off.exposed + act_off.exposed, off.notes + act_off.notes)
         busy = m * t_mb + bubble
         contrib = {
             "compute": mb.compute_part / t_mb * busy if t_mb else 0.0,
