@@ -190,6 +190,31 @@ def apply_checkpointing(model: nn.Module, w: Workload, policy: sac.Policy | None
     return [f"{sac.describe(w, policy)} of {len(keep)} layers{every} ({how}, use_reentrant=False)"]
 
 
+def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
+    """``compile``: each block of the model's largest block list compiled on its own
+    (:mod:`.compile`); returns (the compiler, whose notes come after the trace; notes)."""
+    if not w.compile:
+        return None, []
+    if not w.training:
+        return None, ["torch.compile: inference traced eagerly (no partitioning without autograd; "
+                      "Inductor's fusion not modelled)"]
+    from . import compile as tc
+
+    blocks = _largest_module_list(model)
+    if blocks is None:
+        return None, ["torch.compile requested but the model has no block list; traced eagerly"]
+    plain = [b for b in blocks if not getattr(b, "gradient_checkpointing", False)
+             and not getattr(b, "_vramplan_checkpointed", False)]
+    notes: list[str] = []
+    config = getattr(_hf_model(model), "config", None)
+    if getattr(config, "use_cache", False):
+        # a KV cache threaded through compiled blocks is Dynamo's side-effect handling, not
+        # emulated; a compiled training step has no use for it
+        config.use_cache = False
+        notes.append("torch.compile: the model's KV cache is off in training (use_cache=False)")
+    return tc.apply_compile(plain, skipped=len(blocks) - len(plain)), notes
+
+
 def _hf_model(model: nn.Module) -> Any:
     for m in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
         if m is not None and hasattr(m, "gradient_checkpointing_enable"):
@@ -209,6 +234,7 @@ def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
 
 def _wrap_checkpoint(block: nn.Module, kwargs: dict[str, Any]) -> None:
     inner = block.forward
+    block._vramplan_checkpointed = True  # type: ignore[assignment]
 
     def forward(*args: Any, **kw: Any) -> Any:
         if not torch.is_grad_enabled():

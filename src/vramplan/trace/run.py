@@ -61,6 +61,7 @@ class Prepared:
     trainable: int
     notes: list[str]
     root: str
+    compiler: Any = None
 
 
 # --------------------------------------------------------------------------- public
@@ -240,13 +241,16 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
         notes += features.apply_checkpointing(model, w, policy)
+        compiler, compile_notes = features.apply_compile(model, w)
+        notes += compile_notes
         notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
         raise
     except Exception as e:
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
-    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root)
+    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
+                    compiler=compiler)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -310,6 +314,10 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                       "depend on shapes, not values, or register a fake kernel for a custom op") from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
+    if p.compiler is not None:
+        from .compile import notes as compile_notes
+
+        notes += compile_notes(p.compiler)
     if offloaded:
         notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
