@@ -27,6 +27,7 @@ a block whose graph cannot be traced (data-dependent control flow; the note says
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,9 +43,12 @@ class BlockCompiler:
         self.pause = pause
         self.cache: dict[Any, Any] = {}
         self.saved: dict[Any, tuple[int, int]] = {}
-        """signature → (tensors saved for backward, of them parameters)."""
+        """signature → (tensors saved for backward, of them graph inputs: weights, the block input)."""
+        self.saved_bytes: dict[Any, int] = {}
+        """signature → bytes of the saved tensors the block computes (not its inputs)."""
         self.failures: list[str] = []
         self.blocks = 0
+        self.partitioner = ""
         self.skipped = 0
         """Blocks compiled; checkpointed blocks left eager."""
 
@@ -78,8 +82,10 @@ class BlockCompiler:
     def _compile(self, block: nn.Module, inner: Callable[..., Any], names: list[str], leaves: list[Any],
                  spec: Any, idx: list[int], key: Any) -> Any:
         from torch._functorch.aot_autograd import aot_function
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut
         from torch._inductor.decomposition import select_decomp_table
+
+        inductor_partition = _inductor_partition()
         from torch.nn.utils.stateless import _reparametrize_module
 
         n_state = len(names)
@@ -96,12 +102,18 @@ class BlockCompiler:
                 return inner(*args, **kwargs)
 
         def partition(joint: Any, joint_inputs: Any, **kw: Any) -> Any:
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+            try:  # Inductor's joint-graph passes first, as torch.compile runs them
+                fw, bw = inductor_partition(copy.deepcopy(joint), joint_inputs, **kw)
+                self.partitioner = "Inductor's partition_fn (joint-graph passes + min-cut)"
+            except Exception:  # noqa: BLE001 — their passes refuse some meta graphs (the flash op)
+                fw, bw = min_cut(joint, joint_inputs, **kw)
+                self.partitioner = "min_cut_rematerialization_partition (Inductor's joint-graph passes skipped)"
             out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
             params = {n for n in fw.graph.nodes if n.op == "placeholder"}
             kept = [v for v in out[kw.get("num_fwd_outputs", 0):] if isinstance(v, torch.fx.Node)]
             counts["saved"] = len(kept)
-            counts["inputs"] = sum(1 for v in kept if v in params)
+            counts["inputs"] = sum(1 for v in kept if _root(v) in params)
+            counts["bytes"] = sum(_nbytes(v) for v in kept if _root(v) not in params)
             return fw, bw
 
         fn = aot_function(f, fw_compiler=_interpreted, bw_compiler=_interpreted, partition_fn=partition,
@@ -110,7 +122,35 @@ class BlockCompiler:
         with self.pause(), torch.enable_grad():
             fn(*tensors, *(leaves[i] for i in idx))  # traces and partitions; the result is dropped
         self.saved[key] = (counts.get("saved", 0), counts.get("inputs", 0))
+        self.saved_bytes[key] = counts.get("bytes", 0)
         return fn
+
+
+def _inductor_partition() -> Callable[..., Any]:
+    """Inductor's ``partition_fn`` (``torch/_inductor/compile_fx.py``: its joint-graph passes, then
+    ``min_cut_rematerialization_partition``); on a torch without the module-level function,
+    the partitioner alone."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    try:
+        from torch._inductor import compile_fx
+    except ImportError:
+        return min_cut_rematerialization_partition
+    fn = getattr(compile_fx, "partition_fn", None)
+    return fn if callable(fn) else min_cut_rematerialization_partition
+
+
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node a chain of view ops starts from (a saved ``t(weight)`` is the weight's memory)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def _layer_kind(block: nn.Module) -> Any:
@@ -151,9 +191,10 @@ def notes(compiler: BlockCompiler) -> list[str]:
     if compiler.failures:
         return [f"torch.compile not emulated (blocks traced eagerly): AOTAutograd could not trace "
                 f"{compiler.failures[0]}"]
-    saved = ", ".join(f"{s - i} activations + {i} inputs/weights" for s, i in compiler.saved.values())
-    out = [f"torch.compile emulated per block ({n_blocks} blocks, torchtitan-style): AOTAutograd's "
-           f"min_cut_rematerialization_partition keeps {saved or 'nothing'} per block for backward; "
+    saved = ", ".join(f"{s - i} tensors ({compiler.saved_bytes[k]:,} B) + {i} of its inputs/weights"
+                      for k, (s, i) in compiler.saved.items())
+    out = [f"torch.compile emulated per block ({n_blocks} blocks, torchtitan-style): AOTAutograd with "
+           f"{compiler.partitioner} keeps {saved or 'nothing'} per block for backward; "
            "intermediates inside a block are run op by op (Inductor would fuse some away)"]
     if skipped:
         out.append(f"torch.compile: {skipped} checkpointed blocks traced eagerly (compiled checkpointed "
