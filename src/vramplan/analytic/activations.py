@@ -15,7 +15,9 @@ Checkpointing (``checkpoint_fraction`` f of the layers):
 - ``activation_offload`` (torchtune ``OffloadActivations``, see ``vramplan.trace.offload``):
   every saved tensor of the layers goes to pinned host memory (power-of-two blocks); the GPU
   keeps about one layer's saved set (the forward stash, the tensors brought back in backward).
-  Approximation: each saved term counts as one tensor; autocast's weight casts are not counted.
+  torchtune copies per save (an input read by q, k and v goes three times) and also copies the
+  weights that matmuls save (``weight.t()`` is no ``nn.Parameter``). Approximation: each saved
+  term counts as one tensor; the RoPE tables a checkpointed layer saves are not counted.
 - ``checkpoint_every`` k: of the layers the fraction covers, those whose 1-based index is a
   multiple of k are checkpointed (torchtitan's layer SAC); per layer group here.
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from vramplan.workload import Attention, Checkpointing, Workload
 
-from .arch import Arch
+from .arch import Arch, LayerGroup
 from .blocks import (
     Ctx,
     Saved,
@@ -126,7 +128,8 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
             # what goes to pinned host memory: what autograd saves (the checkpoint inputs of a
             # checkpointed layer); SAC's cached outputs stay in its storage on the GPU
             inp = block_input(ctx, h)
-            host += (n - k) * offloaded_bytes(full_terms, shape) + k * offloaded_bytes(inp, shape)
+            host += (n - k) * (offloaded_bytes(full_terms, shape) + _weight_views(g, ctx, p.tp)) \
+                + k * offloaded_bytes(inp, shape)
             resident = (ck - size(inp, shape)) if k and w.checkpointing is not Checkpointing.FULL else 0
             gpu_layers += k * resident
             one_layer = max(one_layer, stash_bytes(full_terms, shape) if n > k else 0,
@@ -158,6 +161,20 @@ def offloaded_bytes(terms: Iterable[Saved], shape: TokenShape) -> int:
         b = size((t,), shape)
         if b >= 1024:
             total += t.packs * (1 << (b - 1).bit_length())
+    return total
+
+
+def _weight_views(g: LayerGroup, ctx: Ctx, tp: int) -> int:
+    """An ``mm`` saves its weight (``weight.t()``, or autocast's 16-bit copy) for the input's
+    gradient; that is no ``nn.Parameter``, so torchtune's offloading copies it to pinned memory
+    too (routed experts not counted)."""
+    b = ctx.rg.compute if ctx.rg.autocast else ctx.rg.weight
+    total = 0
+    for lin in g.linears:
+        if not lin.expert:
+            n = lin.matrix * b // (tp if lin.tp else 1)
+            if n >= 1024:
+                total += 1 << (n - 1).bit_length()
     return total
 
 

@@ -149,17 +149,17 @@ class OffloadActivations(saved_tensors_hooks):
         if graph_id == self.curr_graph_id and self.curr_autograd_node != node:
             self.curr_autograd_node = node
             prev_ids = list(self.bwd_tensor_stash)
+        copy: _Copy = held
+        self.ledger.free(copy.nbytes)  # the tracker's CPU copy dies here, used or not
         brought_back = tid not in self.fwd_stash
         if not brought_back:
             gpu = self.fwd_stash[tid]
             refcount = 0
         else:
-            copy: _Copy = held
             if copy.stride is not None:
                 gpu = torch.empty_strided(copy.shape, copy.stride, dtype=copy.dtype, device="meta")
             else:
                 gpu = torch.empty(copy.shape, dtype=copy.dtype, device="meta")
-            self.ledger.free(copy.nbytes)
             if self.label is not None:
                 self.label(gpu)
             self.bwd_tensor_stash[tid] = gpu
