@@ -87,6 +87,12 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
         out.append(f"torchtitan op-level selective checkpointing of {w.checkpoint_fraction:.0%} of layers{every}: "
                    "each keeps its input, every other matmul output and the attention kernel outputs; the rest "
                    "is recomputed in backward.")
+    if w.compile and w.training:
+        out.append("torch.compile: the formulas count eager activations (AOTAutograd's partitioner keeps "
+                   "fewer: `method=trace` runs it).")
+    if w.activation_offload and w.training:
+        out.append("Activation offload (torchtune OffloadActivations): saved tensors of at least 1 KiB go to "
+                   "pinned host memory per save, about one layer's stay on the GPU.")
     if not tr.full:
         out.append(f"{w.peft}: frozen base in {'NF4' if w.peft is Peft.QLORA else '16-bit'}, rank-{tr.rank} adapters "
                    "in fp32 (PEFT autocast_adapter_dtype); gradients and states for adapters only; frozen "
