@@ -62,7 +62,7 @@ def estimate(
     _check(spec, w)
     if checkpoint_policy is not None:
         if m is Method.ANALYTIC:
-            raise WorkloadError("a `checkpoint_policy` function runs only under the trace",
+            raise WorkloadError("a checkpoint_policy function runs only under the trace",
                                 hint="use `method=trace` (or auto)", field="checkpoint_policy")
         m = Method.TRACE
     dev = profile(g, w)  # built once: the trace, the formulas and the verdict read it

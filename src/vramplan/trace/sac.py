@@ -126,10 +126,10 @@ def _user_policy(policy: Policy) -> Any:
         ops = list(policy)
         bad = [o for o in ops if not isinstance(o, torch._ops.OpOverload)]
         if bad:
-            raise WorkloadError(f"`checkpoint_policy` lists must hold aten op overloads (torch.ops.aten.mm.default), "
+            raise WorkloadError(f"checkpoint_policy lists must hold aten op overloads (torch.ops.aten.mm.default), "
                                 f"got {bad[0]!r}", field="checkpoint_policy")
         return ops
-    raise WorkloadError("`checkpoint_policy` must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy "
+    raise WorkloadError("checkpoint_policy must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy "
                         f"or a list of ops to save, got {type(policy).__name__}", field="checkpoint_policy")
 
 
