@@ -127,13 +127,13 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
         if offload:
             # what goes to pinned host memory: what autograd saves (the checkpoint inputs of a
             # checkpointed layer); SAC's cached outputs stay in its storage on the GPU
-            inp = block_input(ctx, h)
+            inp_terms = block_input(ctx, h)
             host += (n - k) * (offloaded_bytes(full_terms, shape) + _weight_views(g, ctx, p.tp)) \
-                + k * offloaded_bytes(inp, shape)
-            resident = (ck - size(inp, shape)) if k and w.checkpointing is not Checkpointing.FULL else 0
+                + k * offloaded_bytes(inp_terms, shape)
+            resident = (ck - size(inp_terms, shape)) if k and w.checkpointing is not Checkpointing.FULL else 0
             gpu_layers += k * resident
             one_layer = max(one_layer, stash_bytes(full_terms, shape) if n > k else 0,
-                            stash_bytes(inp, shape) if k else 0)
+                            stash_bytes(inp_terms, shape) if k else 0)
     if offload:  # GPU: SAC-cached outputs + the forward stash / the tensors brought back
         layers = gpu_layers + one_layer
         head_terms = head_saved(arch.head, arch.norm, ctx, h) if stage.head else Terms()

@@ -207,7 +207,7 @@ def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
              and not getattr(b, "_vramplan_checkpointed", False)]
     notes: list[str] = []
     config = getattr(_hf_model(model), "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         # a KV cache threaded through compiled blocks is Dynamo's side-effect handling, not
         # emulated; a compiled training step has no use for it
         config.use_cache = False
