@@ -92,6 +92,19 @@ _BACKWARD = PHASE_INDEX[Phase.BACKWARD]
 _RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
 _OPTIMIZER = PHASE_INDEX[Phase.OPTIMIZER]
 _current_node = torch._C._current_autograd_node
+_META_DEVICE = torch.device("meta")
+_REDISPATCHING: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False}
+
+
+def _redispatching(t: type) -> bool:
+    """Whether ``t`` is a wrapper subclass that unwraps to local tensors and runs the op on
+    them (DTensor: ``torch.distributed.tensor``); other subclasses (FakeTensor, used by
+    DTensor's sharding propagation) are handled as before."""
+    hit = _REDISPATCHING.get(t)
+    if hit is None:
+        hit = _REDISPATCHING[t] = any(c.__module__.startswith("torch.distributed.tensor") and c.__name__ == "DTensor"
+                                      for c in t.__mro__)
+    return hit
 
 
 def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
@@ -142,7 +155,17 @@ class TraceMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        for t in types:
+            if t is not torch.Tensor and _redispatching(t):
+                # a tensor subclass (DTensor): it unwraps to plain tensors and redispatches,
+                # and the mode records those (returning NotImplemented hands the op to it)
+                return NotImplemented
         kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and getattr(dev, "type", None) == "cuda":
+            # a CUDA factory call that reached dispatch without the function mode (which does
+            # not follow autograd into its thread: FSDP2 all-gathers from backward hooks)
+            kwargs = {**kwargs, "device": _META_DEVICE}
         rec = self.rec
         op = self._op_ids.get(func)
         if op is None:
