@@ -103,11 +103,14 @@ class BlockCompiler:
 
         def partition(joint: Any, joint_inputs: Any, **kw: Any) -> Any:
             try:  # Inductor's joint-graph passes first, as torch.compile runs them
-                fw, bw = inductor_partition(copy.deepcopy(joint), joint_inputs, **kw)
+                with _no_failure_dump():
+                    fw, bw = inductor_partition(copy.deepcopy(joint), joint_inputs, **kw)
                 self.partitioner = "Inductor's partition_fn (joint-graph passes + min-cut)"
             except Exception:  # noqa: BLE001 — their passes refuse some meta graphs (the flash op)
                 fw, bw = min_cut(joint, joint_inputs, **kw)
-                self.partitioner = "min_cut_rematerialization_partition (Inductor's joint-graph passes skipped)"
+                self.partitioner = ("min_cut_rematerialization_partition (Inductor's joint-graph passes "
+                                    "refuse the meta graph and are skipped: on CPU the saved set is the same "
+                                    "under SDPA, 38 % larger under eager attention)")
             out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
             params = {n for n in fw.graph.nodes if n.op == "placeholder"}
             kept = [v for v in out[kw.get("num_fwd_outputs", 0):] if isinstance(v, torch.fx.Node)]
@@ -124,6 +127,26 @@ class BlockCompiler:
         self.saved[key] = (counts.get("saved", 0), counts.get("inputs", 0))
         self.saved_bytes[key] = counts.get("bytes", 0)
         return fn
+
+
+@contextlib.contextmanager
+def _no_failure_dump() -> Iterator[None]:
+    """The partitioner writes ``min_cut_failed_graph*.txt`` into the working directory when it
+    gives up (torch/_functorch/partitioners.py, ``solve_min_cut``); we fall back instead, so
+    the dump goes to the null device."""
+    import os
+
+    import torch._functorch.partitioners as parts
+
+    orig = getattr(parts, "_get_unique_path", None)
+    if orig is None:
+        yield
+        return
+    parts._get_unique_path = lambda *a, **k: os.devnull
+    try:
+        yield
+    finally:
+        parts._get_unique_path = orig
 
 
 def _inductor_partition() -> Callable[..., Any]:
