@@ -180,3 +180,16 @@ def test_policies_order_memory_and_recompute_time() -> None:
         peaks[ck], flops[ck] = a.peak.allocated, a.flops_per_step
     assert peaks["none"] > peaks["op"] > peaks["full"]
     assert flops["none"] < flops["op"] < flops["full"]
+
+
+def test_estimate_takes_a_policy_under_the_trace_only() -> None:
+    import vramplan
+
+    spec = tiny_spec("llama-3.1-8b", layers=2)
+    kw = dict(task="train", batch=1, seq=64, precision="bf16", search_max_batch=False)
+    with pytest.raises(VramplanError, match="checkpoint_policy"):
+        vramplan.estimate(spec, method="analytic", checkpoint_policy=[aten.mm.default], **kw)
+    saved = vramplan.estimate(spec, checkpoint_policy=[aten.mm.default], **kw)
+    plain = vramplan.estimate(spec, **kw)
+    assert str(saved.method) == "trace"
+    assert saved.peak.allocated < plain.peak.allocated
