@@ -124,3 +124,15 @@ def test_report_carries_host_ram_and_runtime_charges_pcie() -> None:
     on = step_time(vramplan.models.catalog.resolve("llama-3.1-8b"), rep.workload.replace(activation_offload=False),
                    vramplan.hardware.catalog.get_gpu("a100-80gb"))
     assert off.offload_total > 0 and on.offload_total == 0
+
+
+def test_offload_composes_with_compile_and_checkpointing() -> None:
+    """Tensors come back with the strides torchtune's ``empty_like`` + ``.to("cuda")`` give them,
+    so compiled graphs that view them run (a contiguous copy of a permuted tensor did not)."""
+    from vramplan.trace.testing import tiny_spec
+
+    spec = tiny_spec("llama-3.1-8b", layers=2)
+    base = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", activation_offload=True)
+    for kw in (dict(compile=True), dict(checkpointing="op"), dict(checkpointing="full", checkpoint_every=2, compile=True)):
+        r = trace_workload(spec, base.replace(**kw), options=NO_WS)
+        assert r.host_memory > 0

@@ -84,13 +84,12 @@ class _Copy:
         self.shape = tuple(t.shape)
         self.dtype = t.dtype
         self.nbytes = t.element_size() * t.nelement()
-        # empty_like keeps the strides of a dense tensor, else makes it contiguous
-        self.stride = tuple(t.stride()) if _dense(t) else None
+        # torchtune's torch.empty_like(activation, device="cpu") then .to("cuda"): the strides
+        # empty_like gives (a dense tensor's own, else dense ones in the same dimension order)
+        from torch.utils._python_dispatch import _disable_current_modes
 
-
-def _dense(t: torch.Tensor) -> bool:
-    fn = getattr(t, "is_non_overlapping_and_dense", None)
-    return bool(fn()) if callable(fn) else t.is_contiguous()
+        with _disable_current_modes():
+            self.stride = tuple(torch.empty_like(t, device="meta").stride())
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -156,10 +155,7 @@ class OffloadActivations(saved_tensors_hooks):
             gpu = self.fwd_stash[tid]
             refcount = 0
         else:
-            if copy.stride is not None:
-                gpu = torch.empty_strided(copy.shape, copy.stride, dtype=copy.dtype, device="meta")
-            else:
-                gpu = torch.empty(copy.shape, dtype=copy.dtype, device="meta")
+            gpu = torch.empty_strided(copy.shape, copy.stride, dtype=copy.dtype, device="meta")
             if self.label is not None:
                 self.label(gpu)
             self.bwd_tensor_stash[tid] = gpu
