@@ -77,7 +77,7 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
     if w.grad_accum > 1:
         out.append(f"Gradient accumulation ({w.grad_accum}): gradients stay allocated through the forward and backward.")
     out.append(_optimizer(w, rg))
-    every = f" (every {w.checkpoint_every}th layer of them)" if w.checkpoint_every > 1 else ""
+    every = f" (every {w.checkpoint_every}-th layer of them)" if w.checkpoint_every > 1 else ""
     if w.checkpointing is Checkpointing.FULL:
         out.append(f"Full checkpointing of {w.checkpoint_fraction:.0%} of layers{every}: each keeps its input; "
                    "one layer is recomputed at a time in backward.")

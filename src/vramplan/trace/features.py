@@ -186,7 +186,7 @@ def apply_checkpointing(model: nn.Module, w: Workload, policy: sac.Policy | None
             if i in keep:
                 _wrap_checkpoint(block, kwargs)
         how = "torch.utils.checkpoint around each block"
-    every = f", every {w.checkpoint_every}th layer" if w.checkpoint_every > 1 else ""
+    every = f", every {w.checkpoint_every}-th layer" if w.checkpoint_every > 1 else ""
     return [f"{sac.describe(w, policy)} of {len(keep)} layers{every} ({how}, use_reentrant=False)"]
 
 
