@@ -92,6 +92,10 @@ class StageActs:
     """Final-logit soft-capping keeps one more 16-bit logit-sized tensor (the tanh output)."""
     host: int = 0
     """``activation_offload``: pinned host bytes of the layers' offloaded saved tensors."""
+    positions: int = 0
+    """Positions whose logits the head computes (last stage)."""
+    hidden: int = 0
+    """Width of the hidden states the head reads."""
 
 
 def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq: int,
@@ -148,7 +152,8 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     return StageActs(
         layers=layers, layer_full=layer_full, recompute=recompute, transient=transient,
         head=head, embed=embed, logits=positions * classes if stage.head else 0, mask=mask,
-        checkpointed=checkpointed, softcap=arch.head.softcap, host=host,
+        checkpointed=checkpointed, softcap=arch.head.softcap, positions=positions if stage.head else 0, hidden=h,
+        host=host,
     )
 
 

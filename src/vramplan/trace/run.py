@@ -23,15 +23,16 @@ from ..events import Category
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Task, Workload
+from ..workload import Attention, Loss, Task, Workload
 from . import analysis, features, offload
 from .construct import fake_construction
+from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
 from .sac import Policy
 from .session import TraceSession
-from .steps import RUNNERS, Batch, LossFn, StepPlan
+from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
@@ -285,7 +286,15 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         for meta, real in shadows or ():
             sess.values.set_shadow(meta, real)
         opt: Any = None
-        if w.training:
+        in_backward: dict[nn.Parameter, Any] | None = None
+        if w.training and w.optimizer_in_backward:
+            in_backward = {}
+            for q in trainable:
+                in_backward[q] = optimizer([q]) if optimizer is not None else make_optimizer(w, [q])[0]
+            register_in_backward(sess, in_backward)
+            notes.append(f"optimizer in backward: {len(in_backward)} per-parameter optimizers stepped from "
+                         "post-accumulate-grad hooks, each gradient freed after its step (torchtune optimizer_in_bwd)")
+        elif w.training:
             if optimizer is not None:
                 opt = optimizer(trainable)
             else:
@@ -296,7 +305,11 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
+            keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
+            sm=profile.sm, in_backward=in_backward,
         )
+        if w.training and w.loss is not Loss.FULL:
+            notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
         runner = RUNNERS[str(w.task)]
         for it in range(1, iterations + 1):
             sess.start_iteration(it)
