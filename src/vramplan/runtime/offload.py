@@ -57,30 +57,16 @@ def offload_time(
     return OffloadTime(total, exposed, tuple(notes))
 
 
-def activation_offload_time(gpu: GPU, *, saved_bytes: float, microbatches: int, t_forward: float,
-                            t_backward: float, eff: Efficiency) -> OffloadTime:
-    """``activation_offload`` (torchtune ``OffloadActivations``): each micro-batch's saved
-    activations go down to pinned memory during the forward and come back during the
-    backward, on a side stream that overlaps compute (``eff.overlap_offload`` of it hidden)."""
-    if saved_bytes <= 0:
+def activation_offload_time(gpu: GPU, *, bytes_per_microbatch: float, microbatches: int, t_microbatch: float,
+                            eff: Efficiency) -> OffloadTime:
+    """Activation offloading (torchtune's ``OffloadActivations``, Unsloth's offloaded
+    checkpointing): saved activations go to the host in the forward and come back in the
+    backward, on a side stream that compute partly hides."""
+    if bytes_per_microbatch <= 0:
         return OffloadTime(0.0, 0.0)
     link = pcie_link(gpu, eff)
-    one_way = saved_bytes / link.bandwidth
-    total = 2 * microbatches * one_way
-    exposed = microbatches * (max(one_way - eff.overlap_offload * t_forward, 0.0)
-                              + max(one_way - eff.overlap_offload * t_backward, 0.0))
-    return OffloadTime(total, exposed, (
-        f"activation offload: {saved_bytes / 1e9:.2f} GB of saved activations per micro-batch down and back over "
-        f"{link.name} ({link.bandwidth / 1e9:.0f} GB/s effective), up to {eff.overlap_offload:.0%} hidden by "
-        "the side stream",))
-
-
-def saved_activation_bytes(layers: int, hidden: int, tokens: int, compute_bytes: int, *,
-                           checkpointed_share: float) -> float:
-    """Saved activations of one micro-batch for the time model: Korthikanti et al.'s 34·s·b·h
-    bytes per layer at 2-byte activations (flash attention: no s² term), scaled to the compute
-    dtype; a checkpointed layer keeps only its input (2·s·b·h). Approximate (the memory methods
-    count the exact tensors)."""
-    per_layer = 34.0 * tokens * hidden * compute_bytes / 2
-    kept = 2.0 * tokens * hidden * compute_bytes / 2
-    return layers * ((1 - checkpointed_share) * per_layer + checkpointed_share * kept)
+    per_mb = 2.0 * bytes_per_microbatch / link.bandwidth
+    exposed = microbatches * max(per_mb - eff.overlap_offload * t_microbatch, 0.0)
+    return OffloadTime(microbatches * per_mb, exposed, (
+        f"activation offload: saved activations down and back over {link.name} "
+        f"({link.bandwidth / 1e9:.0f} GB/s effective), up to {eff.overlap_offload:.0%} hidden behind compute",))

@@ -26,6 +26,8 @@ from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Task, Workload
 from . import analysis, features, offload
 from .construct import fake_construction
+from .dist import rank_session
+from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -52,6 +54,9 @@ class TraceOptions:
     extrapolate_decode: bool = True
     """Generation: trace the first decode steps, write the rest from their exact progression
     (see :mod:`.decode`); False traces every step."""
+    rank: int = 0
+    """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
+    holds the same; the last one may hold less of a weight whose rows do not divide)."""
 
 
 @dataclass
@@ -141,14 +146,11 @@ def _check_iterations(iterations: int) -> None:
 
 
 def _parallel_notes(w: Workload) -> list[str]:
-    """The trace runs one unsharded GPU: sharded layouts are refused rather than misreported."""
+    """Layouts the trace cannot run are refused up front rather than misreported."""
+    layout_of(w)
     p = w.parallel
-    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.sp or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one unsharded GPU; tensor/pipeline/context/expert parallelism, "
-                         "ZeRO/FSDP sharding and offload are not traced",
-                         hint="use `method=analytic` for parallel layouts")
-    if p.dp > 1:
-        return [f"dp={p.dp} traced as one replica: DDP's gradient buckets (about the gradients' size) are not included"]
+    if p.dp > 1 and not w.training and p.zero != 3:
+        return [f"dp={p.dp} inference: every rank runs the same unsharded model (one traced)"]
     return []
 
 
@@ -274,14 +276,28 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
-    trainable = [q for q in p.model.parameters() if q.requires_grad]
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
-    with quiet(), _collect_deterministically(), sess, contextlib.ExitStack() as extra:
+    layout = layout_of(w, rank=opts.rank)
+    with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
+        model = p.model
+        if layout is None:
+            stack.enter_context(sess)
+        else:
+            ctx = stack.enter_context(rank_session(sess, layout.world))
+            try:
+                model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
+            except VramplanError:
+                raise
+            except Exception as e:
+                raise TraceError(f"laying the model out as {layout.kind} failed on torch {torch.__version__}: "
+                                 f"{type(e).__name__}: {_line(e)}") from e
+            notes += layout_notes
+        trainable = [q for q in model.parameters() if q.requires_grad]
         if offloaded:
-            extra.enter_context(offload.offloading(
-                p.model, ledger, lambda t: sess.label_tensors([t], Category.ACTIVATION)))
-        sess.add_model(p.model, p.root)
+            stack.enter_context(offload.offloading(
+                model, ledger, lambda t: sess.label_tensors([t], Category.ACTIVATION)))
+        sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
             sess.values.set_shadow(meta, real)
@@ -296,12 +312,15 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                          "post-accumulate-grad hooks, each gradient freed after its step (torchtune optimizer_in_bwd)")
         elif w.training:
             if optimizer is not None:
-                opt = optimizer(trainable)
+                make = optimizer
             else:
-                opt, opt_notes = make_optimizer(w, trainable)
-                notes += opt_notes
+                def make(params: list[nn.Parameter]) -> Any:
+                    made, opt_notes = make_optimizer(w, params)
+                    notes.extend(opt_notes)
+                    return made
+            opt = LocalShardOptimizer(trainable, make) if sharded_params(trainable) else make(trainable)
         plan = StepPlan(
-            model=p.model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
+            model=model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
