@@ -201,6 +201,9 @@ class MemoryReport:
     """The model has attention (the header shows the attention implementation)."""
     events: EventLog | None = field(default=None, repr=False, compare=False)
     """The trace's allocation/free log (trace method only); not part of the JSON."""
+    host_memory: int = 0
+    """Host (CPU) RAM the step pins on this rank beyond the process itself: activations
+    offloaded with ``activation_offload`` (0 when nothing is offloaded)."""
 
     @property
     def overhead_total(self) -> int:
@@ -238,6 +241,8 @@ class MemoryReport:
         }
         if self.flops_per_step is not None:
             d["flops_per_step"] = self.flops_per_step
+        if self.host_memory:
+            d["host_memory"] = self.host_memory
         if self.fallback is not None:
             f = self.fallback
             d["fallback"] = {"requested": str(f.requested), "used": str(f.used), "reason": f.reason}

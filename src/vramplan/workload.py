@@ -295,11 +295,14 @@ class Workload:
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     """torch.optim implementation: foreach (the CUDA default, whole-list temporaries), fused or for-loop."""
     checkpointing: Checkpointing = Checkpointing.NONE
-    """Activation checkpointing: none, full (recompute each layer) or selective (attention only)."""
+    """Activation checkpointing: none; full (each layer keeps its input and is recomputed);
+    selective (Megatron-style: matmul and attention outputs kept, the rest recomputed); op
+    (torchtitan's op-level SAC: its save list, every second matmul recomputed)."""
     checkpoint_fraction: float = 1.0
     """Fraction of layers checkpointed when checkpointing is on (1.0 = all)."""
     checkpoint_every: int = 1
-    """Checkpoint every k-th layer (torchtitan's `selective_ac_option=k`; 1 = every layer)."""
+    """Checkpoint every k-th layer, those whose 1-based index is a multiple of k (torchtitan's
+    `selective_ac_option=k`; 1 = every layer)."""
     activation_offload: bool = False
     """Offload saved activations to CPU memory during forward (torchtune/Unsloth style);
     the host RAM they take is reported."""
@@ -319,7 +322,8 @@ class Workload:
     gradient is freed right after (torchtune's `optimizer_in_bwd`; not with gradient
     accumulation or fp16-mixed)."""
     compile: bool = False
-    """torch.compile the model: the activations AOTAutograd's partitioner saves."""
+    """torch.compile each layer (torchtitan-style): the trace keeps what AOTAutograd's partitioner
+    saves for backward; the analytic method counts eager activations."""
     peft: Peft = Peft.NONE
     """Parameter-efficient fine-tuning: LoRA adapters on frozen weights, or QLoRA (NF4 base)."""
     lora_rank: int = 16
@@ -502,6 +506,14 @@ class Workload:
     @property
     def training(self) -> bool:
         return self.task is Task.TRAIN
+
+    @property
+    def checkpointed_share(self) -> float:
+        """Share of the layers under checkpointing: ``checkpoint_fraction / checkpoint_every``
+        (0 without checkpointing or outside training) — what recompute time scales with."""
+        if self.checkpointing is Checkpointing.NONE or not self.training:
+            return 0.0
+        return self.checkpoint_fraction / self.checkpoint_every
 
     @property
     def mixed(self) -> bool:

@@ -31,7 +31,7 @@ ranks unless sequence parallelism splits them (norm inputs, block inputs, dropou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vramplan.workload import Attention
 
@@ -48,6 +48,8 @@ class Saved:
     shard: str = "tp"
     core: bool = False
     """Attention core (QKᵀ, softmax, dropout): recomputed under selective checkpointing."""
+    packs: int = 1
+    """Times autograd saves this tensor (each save is a separate copy under activation offload)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,16 @@ class Ctx:
 
 class Terms(list[Saved]):
     def add(self, name: str, per_token: float = 0.0, *, pair: float = 0.0,
-            shard: str = "tp", core: bool = False) -> None:
+            shard: str = "tp", core: bool = False, packs: int = 1) -> None:
         if per_token or pair:
-            self.append(Saved(name, per_token, pair, shard, core))
+            self.append(Saved(name, per_token, pair, shard, core, packs))
+
+    def saved_again(self, name: str) -> None:
+        """Another op saves the tensor of term ``name`` (the latest such term)."""
+        for i in range(len(self) - 1, -1, -1):
+            if self[i].name == name:
+                self[i] = replace(self[i], packs=self[i].packs + 1)
+                return
 
 
 # --- building blocks ---------------------------------------------------------------------
@@ -78,7 +87,8 @@ def norm(t: Terms, kind: str, in_b: int, width: int, ctx: Ctx, name: str, *,
         cast = " (fp32 cast)" if x_b != in_b else ""
         t.add(f"{name}: input{cast} + mean/rstd", x_b * width + 8 * rows, shard=shard)
         return x_b
-    t.add(f"{name}: fp32 input + rstd", 4 * width + 4 * rows, shard=shard)
+    t.add(f"{name}: fp32 input", 4 * width, shard=shard, packs=2)  # pow and mul both save x
+    t.add(f"{name}: rstd", 4 * rows, shard=shard)
     if kind == "gemma_rmsnorm":  # x.float() normalised, times (1 + weight.float()), cast back
         if trains:
             t.add(f"{name}: fp32 normalised input (weight grad)", 4 * width, shard=shard)
@@ -100,6 +110,8 @@ def linear_inputs(t: Terms, lins: tuple[Linear, ...], in_b: int, width: int, ctx
             elif not shared:
                 t.add(f"{name}: input", in_b * width, shard=shard)
                 shared = True
+            else:
+                t.saved_again(f"{name}: input")
         elif ctx.tr.lora_on(lin):
             # PEFT casts x to the fp32 adapter dtype; under autocast lora_A then casts it back.
             if rg.autocast:
@@ -269,6 +281,32 @@ def block_input(ctx: Ctx, h: int) -> Terms:
     """What a fully checkpointed layer keeps: its input hidden state."""
     t = Terms()
     t.add("checkpoint: layer input", ctx.rg.stream * h, shard="seq")
+    return t
+
+
+def op_sac_saved(g: LayerGroup, ctx: Ctx) -> Terms:
+    """What torchtitan's op-level SAC stores for one checkpointed layer besides its input
+    (vramplan.trace.sac): the output of every odd-numbered ``aten.mm`` of the layer (the 1st,
+    3rd, ... in block order; a LoRA-wrapped linear runs three: base, A, B) and the fused
+    attention kernel's outputs. Approximations: a linear with a bias runs ``addmm`` (not in
+    torchtitan's list) but is counted as an mm here; routed experts (grouped/looped matmuls)
+    are not counted."""
+    t = Terms()
+    c, a = ctx.rg.compute, g.attn
+    n = 0
+    for lin in g.linears:
+        if lin.expert:
+            continue
+        outs = [lin.d_out]
+        if ctx.tr.lora_on(lin):
+            outs += [ctx.tr.rank, lin.d_out]
+        for d in outs:
+            n += 1
+            if n % 2 == 1:
+                t.add(f"op SAC: {lin.name} mm output", c * d * lin.count,
+                      shard="tp" if lin.tp and d != ctx.tr.rank else "seq")
+    if ctx.attention is not Attention.EAGER:
+        t.add("op SAC: attention kernel output + fp32 logsumexp", c * a.heads * (a.v_head_dim or a.head_dim) + 4 * a.heads)
     return t
 
 

@@ -59,10 +59,12 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     positions = w.batch if arch.head.kind == "cls" else tokens
 
     best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int] | None = None
+    host: dict[int, int] = {}
     for stage in stages(arch, w):
         st = stage_states(arch, stage, w, rg, tr)
         if w.training:
             acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
+            host[stage.index] = acts.host * stage.in_flight
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             phases = training(st, acts, stage, w, ctx, workspace, cache)
         else:
@@ -90,6 +92,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         notes=notes(arch, w, rg, tr, stage.index, workspace) + _deepspeed_notes(arch, w, total_params),
         states=states,
         activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
+        host_memory=host.get(stage.index, 0),
     )
 
 

@@ -103,11 +103,22 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
     if w.grad_accum > 1:
         out.append(f"Gradient accumulation ({w.grad_accum}): gradients stay allocated through the forward and backward.")
     out.append(_optimizer(w, rg))
+    every = f" (every {w.checkpoint_every}-th layer of them)" if w.checkpoint_every > 1 else ""
     if w.checkpointing is Checkpointing.FULL:
-        out.append(f"Full checkpointing of {w.checkpoint_fraction:.0%} of layers: each keeps its input; "
+        out.append(f"Full checkpointing of {w.checkpoint_fraction:.0%} of layers{every}: each keeps its input; "
                    "one layer is recomputed at a time in backward.")
     elif w.checkpointing is Checkpointing.SELECTIVE:
         out.append("Selective checkpointing (Korthikanti et al.): the attention core (s² terms) is recomputed.")
+    elif w.checkpointing is Checkpointing.OP:
+        out.append(f"torchtitan op-level selective checkpointing of {w.checkpoint_fraction:.0%} of layers{every}: "
+                   "each keeps its input, every other matmul output and the attention kernel outputs; the rest "
+                   "is recomputed in backward.")
+    if w.compile and w.training:
+        out.append("torch.compile: the formulas count eager activations (AOTAutograd's partitioner keeps "
+                   "fewer: `method=trace` runs it).")
+    if w.activation_offload and w.training:
+        out.append("Activation offload (torchtune OffloadActivations): saved tensors of at least 1 KiB go to "
+                   "pinned host memory per save, about one layer's stay on the GPU.")
     if not tr.full:
         out.append(f"{w.peft}: frozen base in {'NF4' if w.peft is Peft.QLORA else '16-bit'}, rank-{tr.rank} adapters "
                    "in fp32 (PEFT autocast_adapter_dtype); gradients and states for adapters only; frozen "

@@ -61,7 +61,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     # copies survive into backward only where its linears saved them (layers not fully
     # checkpointed), plus the one layer being recomputed.
     casts_bwd = st.casts_all
-    if w.checkpointing is Checkpointing.FULL and a.checkpointed:
+    if w.checkpointing in (Checkpointing.FULL, Checkpointing.OP) and a.checkpointed:
         kept_casts = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
         casts_bwd = kept_casts + st.casts_layer
     temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs

@@ -44,3 +44,5 @@ class AnalyticEstimate:
     """KV cache bytes on this rank at the end of generation (generate / infer)."""
     stage: int = 0
     """Pipeline stage whose peak is reported (the highest)."""
+    host_memory: int = 0
+    """Pinned host RAM of offloaded activations (``activation_offload``) on this rank."""

@@ -57,6 +57,8 @@ class MethodResult:
     events: EventLog | None = None
     timeline: Timeline | None = None
     model_states: Breakdown | None = None
+    host_memory: int = 0
+    """Pinned host RAM the step holds (offloaded activations)."""
 
 
 # --------------------------------------------------------------------------- analytic
@@ -79,7 +81,7 @@ def analytic_core(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PRO
         breakdown=est.peak.breakdown, allocated=allocated, reserved=reserved,
         peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
         trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
-        notes=notes, flops_per_step=est.flops_per_step,
+        notes=notes, flops_per_step=est.flops_per_step, host_memory=est.host_memory,
         model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
                                optimizer=est.states.optimizer),
     )
@@ -95,10 +97,11 @@ def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFA
 
 
 # --------------------------------------------------------------------------- trace
-def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile) -> TraceResult:
+def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
+                        checkpoint_policy: Any = None) -> TraceResult:
     from ..trace.run import trace_workload
 
-    return trace_workload(spec, w, device=dev)
+    return trace_workload(spec, w, device=dev, checkpoint_policy=checkpoint_policy)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
@@ -186,6 +189,7 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
         notes=tuple(notes), flops_per_step=tr.flops, events=tr.events, iterations=tuple(tr.iterations),
         top_modules=tuple(tr.top_modules), top_tensors=tuple(tr.top_tensors), model_states=_traced_states(tr),
+        host_memory=tr.host_memory,
     )
 
 

@@ -42,11 +42,15 @@ def estimate(
     alloc_conf: str | None = None,
     num_gpus: int = 1,
     search_max_batch: bool = True,
+    checkpoint_policy: Any = None,
     **workload_fields: Any,
 ) -> MemoryReport:
     """Predict one workload's per-GPU memory.
 
     ``workload`` fields may also be given as keywords: ``estimate("llama-3.1-8b", batch=4)``.
+    ``checkpoint_policy``: a selective-checkpointing policy for PyTorch's
+    ``create_selective_checkpoint_contexts`` (a function or a list of ops to save), run on the
+    checkpointed layers by the trace (the analytic method cannot evaluate one).
     """
     w = _workload(workload, workload_fields)
     spec = resolve_model(model)
@@ -57,10 +61,15 @@ def estimate(
 
         parse_conf(alloc_conf)  # fail early on a bad string
     _check(spec, w)
+    if checkpoint_policy is not None:
+        if m is Method.ANALYTIC:
+            raise WorkloadError("a checkpoint_policy function runs only under the trace",
+                                hint="use `method=trace` (or auto)", field="checkpoint_policy")
+        m = Method.TRACE
     dev = profile(g, w)  # built once: the trace, the formulas and the verdict read it
-    report = _report(spec, w, g, dev, m, alloc_conf, num_gpus)
+    report = _report(spec, w, g, dev, m, alloc_conf, num_gpus, checkpoint_policy)
     if g is not None and search_max_batch and has_analytic(spec):
-        report = _with_largest_batch(report, spec, g, dev, alloc_conf)
+        report = _with_largest_batch(report, spec, g, dev, alloc_conf, checkpoint_policy)
     return report
 
 
@@ -78,7 +87,7 @@ def _workload(workload: Workload | None, fields: dict[str, Any]) -> Workload:
 
 
 def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: Method,
-            alloc_conf: str | None, num_gpus: int) -> MemoryReport:
+            alloc_conf: str | None, num_gpus: int, checkpoint_policy: Any = None) -> MemoryReport:
     """One estimate of a checked workload, without the largest-batch search."""
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
@@ -91,7 +100,8 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
         core = analytic_core(spec, w, dev)
     else:
         try:
-            core = trace_core(trace_catalog_model(spec, w, dev), w, alloc_conf, dev.allocator_capacity)
+            core = trace_core(trace_catalog_model(spec, w, dev, checkpoint_policy), w, alloc_conf,
+                              dev.allocator_capacity)
         except TraceError as e:
             if m is Method.TRACE or not has_analytic(spec):
                 raise
@@ -105,7 +115,7 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
 
 
 def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: DeviceProfile,
-                        alloc_conf: str | None) -> MemoryReport:
+                        alloc_conf: str | None, checkpoint_policy: Any = None) -> MemoryReport:
     """The verdict's largest batch, by the engine's one boundary search (the one ``fit``
     runs): the analytic curve shapes it, the report's own method confirms the boundary and
     the batch above it. A traced estimate therefore costs about two more traces."""
@@ -115,7 +125,7 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
 
     def confirm(wx: Workload) -> MemoryReport:
         if wx.batch not in cache:
-            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus)
+            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus, checkpoint_policy)
         return cache[wx.batch]
 
     def analytic(wx: Workload) -> int | None:
@@ -176,7 +186,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         notes=tuple(notes) + recipe_notes(w) + core.notes,
         top_modules=core.top_modules, top_tensors=core.top_tensors,
         iterations=core.iterations, timeline=timeline, model_states=core.model_states,
-        flops_per_step=core.flops_per_step, events=core.events, fallback=fallback, user_model=user_model,
+        flops_per_step=core.flops_per_step, host_memory=core.host_memory, events=core.events, fallback=fallback, user_model=user_model,
         **_axes(spec),
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's

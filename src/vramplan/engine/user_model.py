@@ -26,6 +26,7 @@ def trace(
     alloc_conf: str | None = None,
     iterations: int = 2,
     name: str | None = None,
+    checkpoint_policy: Any = None,
     **workload_fields: Any,
 ) -> MemoryReport:
     """Trace a user's own model (an ``nn.Module`` or a factory returning one) on fake tensors.
@@ -35,6 +36,10 @@ def trace(
     the name of a workload optimizer (``"adamw-8bit"``); default: the workload's optimizer.
     ``workload`` or keywords: :class:`~vramplan.workload.Workload` fields (precision,
     checkpointing, ...).
+    ``checkpoint_policy``: a selective activation checkpointing policy for PyTorch's
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` — a function
+    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops whose outputs are saved —
+    applied to every ``checkpoint_every``-th layer (it implies checkpointing).
     """
     from ..trace.run import trace_model
 
@@ -59,7 +64,7 @@ def trace(
         parse_conf(alloc_conf)
     dev = profile(g, w)
     tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, device=dev,
-                     iterations=iterations)
+                     iterations=iterations, checkpoint_policy=checkpoint_policy)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
     return finish(core, label, w, g, dev, notes=[], user_model=True)

@@ -150,6 +150,8 @@ def to_doc(r: MemoryReport) -> Doc:
         ms = r.model_states
         kv.append(("model states", f"{g(ms.total)} GiB persistent = weights {g(ms.weights)} + gradients "
                    f"{g(ms.gradients)} + optimizer {g(ms.optimizer)}"))
+    if r.host_memory:
+        kv.append(("host RAM", f"{g(r.host_memory)} GiB pinned CPU memory per GPU (offloaded activations)"))
     if r.iterations:
         kv.append(("per iteration", ", ".join(
             f"#{i.iteration}: {g(i.allocated)} GiB ({i.phase})" for i in r.iterations)))

@@ -168,7 +168,7 @@ def communication(
             if w.task is Task.TRAIN:
                 count += 2.0
                 if w.checkpointing is Checkpointing.FULL:
-                    count += 2.0 * w.checkpoint_fraction
+                    count += 2.0 * w.checkpointed_share
             t = m * count * layers * all_reduce(act, p.tp, link, eff)
         total += t
         exposed += t

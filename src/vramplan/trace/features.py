@@ -11,25 +11,19 @@ weights → adapters onto the trace device → gradient checkpointing.
 - QLoRA / int8 / int4 / nf4 / fp8: base ``nn.Linear`` layers (not the LM head) become
   :class:`~vramplan.trace.quant.QuantLinear` (QLoRA: NF4 with double quantisation).
 - checkpointing: transformers models through ``gradient_checkpointing_enable`` (non-reentrant),
-  other models by wrapping each block of their largest ``ModuleList``; ``selective`` saves
-  matmul and attention outputs and recomputes the rest
-  (``create_selective_checkpoint_contexts``); ``checkpoint_fraction`` < 1 checkpoints the
-  first layers only.
+  other models by wrapping each block of their largest ``ModuleList``; the policies (full,
+  every k-th, torchtitan's op-level SAC, Megatron-style selective, a user's SAC policy) are in
+  :mod:`.sac`; ``checkpoint_fraction`` < 1 checkpoints the first layers only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import TraceError
 from ..precision import precision_model
@@ -41,14 +35,8 @@ from ..workload import (
     Quant,
     Workload,
 )
+from . import sac
 from .quant import quantize_linears
-
-aten = torch.ops.aten
-_SAVE_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_mm.default,
-})
 
 
 def param_dtype(w: Workload) -> torch.dtype:
@@ -175,17 +163,15 @@ def to_trace_device(model: nn.Module) -> None:
         model.to("meta")
 
 
-def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save matmul and attention outputs, recompute everything else (torchtitan's op-level SAC)."""
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_checkpointing(model: nn.Module, w: Workload) -> list[str]:
-    if w.checkpointing is Checkpointing.NONE or not w.training:
+def apply_checkpointing(model: nn.Module, w: Workload, policy: sac.Policy | None = None) -> list[str]:
+    """Checkpoint the model's layers under the workload's policy (:mod:`.sac`); ``policy``: a
+    user SAC policy for ``create_selective_checkpoint_contexts`` (implies checkpointing)."""
+    if (w.checkpointing is Checkpointing.NONE and policy is None) or not w.training:
         return []
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if w.checkpointing is Checkpointing.SELECTIVE:
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    ctx_fn = sac.context_fn(w, policy)
+    if ctx_fn is not None:
+        kwargs["context_fn"] = ctx_fn
     hf = _hf_model(model)
     if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
         if hasattr(hf, "activation_checkpointing_enable"):
@@ -197,25 +183,47 @@ def apply_checkpointing(model: nn.Module, w: Workload) -> list[str]:
         # innermost flagged modules (the decoder layers).
         layers = [m for m in flagged if not any(
             getattr(c, "gradient_checkpointing", None) is True for c in m.modules() if c is not m)]
-        keep = _fraction(len(layers), w.checkpoint_fraction)
-        for m in layers[keep:]:
-            m.gradient_checkpointing = False
+        keep = set(sac.checkpointed(len(layers), w, policy=policy is not None))
+        for i, m in enumerate(layers):
+            if i not in keep:
+                m.gradient_checkpointing = False
         how = "transformers gradient_checkpointing_enable"
-        count = keep
     else:
         blocks = _largest_module_list(model)
         if blocks is None:
             return [f"checkpointing {w.checkpointing} requested but the model has no block list; traced as written"]
-        keep = _fraction(len(blocks), w.checkpoint_fraction)
-        for block in list(blocks)[:keep]:
-            _wrap_checkpoint(block, kwargs)
+        keep = set(sac.checkpointed(len(blocks), w, policy=policy is not None))
+        for i, block in enumerate(blocks):
+            if i in keep:
+                _wrap_checkpoint(block, kwargs)
         how = "torch.utils.checkpoint around each block"
-        count = keep
-    return [f"{w.checkpointing} activation checkpointing of {count} layers ({how}, use_reentrant=False)"]
+    every = f", every {w.checkpoint_every}-th layer" if w.checkpoint_every > 1 else ""
+    return [f"{sac.describe(w, policy)} of {len(keep)} layers{every} ({how}, use_reentrant=False)"]
 
 
-def _fraction(n: int, frac: float) -> int:
-    return n if frac >= 1.0 else max(0, min(n, round(n * frac)))
+def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
+    """``compile``: each block of the model's largest block list compiled on its own
+    (:mod:`.compile`); returns (the compiler, whose notes come after the trace; notes)."""
+    if not w.compile:
+        return None, []
+    if not w.training:
+        return None, ["torch.compile: inference traced eagerly (no partitioning without autograd; "
+                      "Inductor's fusion not modelled)"]
+    from . import compile as tc
+
+    blocks = _largest_module_list(model)
+    if blocks is None:
+        return None, ["torch.compile requested but the model has no block list; traced eagerly"]
+    plain = [b for b in blocks if not getattr(b, "gradient_checkpointing", False)
+             and not getattr(b, "_vramplan_checkpointed", False)]
+    notes: list[str] = []
+    config = getattr(_hf_model(model), "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        # a KV cache threaded through compiled blocks is Dynamo's side-effect handling, not
+        # emulated; a compiled training step has no use for it
+        config.use_cache = False
+        notes.append("torch.compile: the model's KV cache is off in training (use_cache=False)")
+    return tc.apply_compile(plain, skipped=len(blocks) - len(plain)), notes
 
 
 def _hf_model(model: nn.Module) -> Any:
@@ -237,6 +245,7 @@ def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
 
 def _wrap_checkpoint(block: nn.Module, kwargs: dict[str, Any]) -> None:
     inner = block.forward
+    block._vramplan_checkpointed = True  # type: ignore[assignment]
 
     def forward(*args: Any, **kw: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -36,3 +36,5 @@ class TraceResult:
     timeline: Timeline
     """Allocated bytes by breakdown category, decimated to at most 5,000 points (peaks kept)."""
     notes: tuple[str, ...] = ()
+    host_memory: int = 0
+    """Pinned host (CPU) RAM the step holds: offloaded activations (``activation_offload``)."""

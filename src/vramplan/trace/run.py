@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ import torch
 from torch import nn
 
 from ..errors import TraceError, VramplanError, WorkloadError
+from ..events import Category
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Task, Workload
-from . import analysis, features
+from . import analysis, features, offload
 from .construct import fake_construction
 from .dist import rank_session
 from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
@@ -30,6 +32,7 @@ from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
+from .sac import Policy
 from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
@@ -64,6 +67,7 @@ class Prepared:
     trainable: int
     notes: list[str]
     root: str
+    compiler: Any = None
 
 
 # --------------------------------------------------------------------------- public
@@ -77,6 +81,7 @@ def trace_model(
     device: DeviceProfile | None = None,
     iterations: int = 2,
     options: TraceOptions | None = None,
+    checkpoint_policy: Policy | None = None,
 ) -> TraceResult:
     """Trace one step (``iterations`` times) of any ``nn.Module`` on fake tensors.
 
@@ -86,6 +91,10 @@ def trace_model(
     tuple of positional arguments, a dict of keyword arguments, or a function returning one
     of these. ``optimizer``: ``params -> torch.optim.Optimizer`` (default: the workload's).
     ``loss_fn(output[, *inputs])``: default the output's ``.loss``, else ``output.sum()``.
+    ``checkpoint_policy``: a selective-checkpointing policy for PyTorch's
+    ``create_selective_checkpoint_contexts`` (a function ``(ctx, op, *args, **kwargs) ->
+    CheckpointPolicy`` or a list of ops to save) run on the checkpointed layers (every
+    ``checkpoint_every``-th; implies checkpointing), see :mod:`.sac`.
     """
     _check_iterations(iterations)
     opts = options or TraceOptions()
@@ -101,13 +110,13 @@ def trace_model(
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    prepared = _prepare(model, batch, workload, notes, root, device)
+    prepared = _prepare(model, batch, workload, notes, root, device, checkpoint_policy)
     return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
 
 
 def trace_workload(
     spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None, iterations: int = 2,
-    options: TraceOptions | None = None,
+    options: TraceOptions | None = None, checkpoint_policy: Policy | None = None,
 ) -> TraceResult:
     """Trace a catalog model under workload ``w``: build on meta, synthetic inputs,
     the workload's checkpointing, PEFT, quantisation, precision and optimizer."""
@@ -126,7 +135,7 @@ def trace_workload(
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device)
+    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy)
     return _trace(prepared, w, device, iterations, opts)
 
 
@@ -218,13 +227,13 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
 
 
 def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-             device: DeviceProfile | None) -> Prepared:
+             device: DeviceProfile | None, policy: Policy | None = None) -> Prepared:
     with quiet():
-        return _prepare_quietly(model, batch, w, notes, root, device)
+        return _prepare_quietly(model, batch, w, notes, root, device, policy)
 
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-                     device: DeviceProfile | None) -> Prepared:
+                     device: DeviceProfile | None, policy: Policy | None) -> Prepared:
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
@@ -234,14 +243,17 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
-        notes += features.apply_checkpointing(model, w)
+        notes += features.apply_checkpointing(model, w, policy)
+        compiler, compile_notes = features.apply_compile(model, w)
+        notes += compile_notes
         notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
         raise
     except Exception as e:
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
-    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root)
+    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
+                    compiler=compiler)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -264,6 +276,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
+    ledger = offload.HostLedger()
+    offloaded = w.activation_offload and w.training
     layout = layout_of(w, rank=opts.rank)
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
@@ -280,6 +294,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                  f"{type(e).__name__}: {_line(e)}") from e
             notes += layout_notes
         trainable = [q for q in model.parameters() if q.requires_grad]
+        if offloaded:
+            stack.enter_context(offload.offloading(
+                model, ledger, lambda t: sess.label_tensors([t], Category.ACTIVATION)))
         sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
@@ -329,8 +346,17 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                       "depend on shapes, not values, or register a fake kernel for a custom op") from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
-    return summarize(sess, params=p.params, trainable=p.trainable,
-                     flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+    if p.compiler is not None:
+        from .compile import notes as compile_notes
+
+        notes += compile_notes(p.compiler)
+    if offloaded:
+        notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
+                     f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
+                     "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
+    result = summarize(sess, params=p.params, trainable=p.trainable,
+                       flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+    return dataclasses.replace(result, host_memory=ledger.reserved) if offloaded else result
 
 
 @contextlib.contextmanager

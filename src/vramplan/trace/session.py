@@ -285,10 +285,26 @@ def _patched_autocast_query(sess: TraceSession) -> Iterator[None]:
         torch._C._is_any_autocast_enabled = orig  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def _both(first: Any, second: Any) -> Iterator[None]:
-    with first, second:
-        yield
+class _both:  # noqa: N801 (used like the context-manager function it replaced)
+    """``first`` then ``second`` entered, exited in reverse; re-enterable, and it keeps both
+    alive as long as it lives. The checkpoint frame holds its recompute context until the
+    frame dies, and with it the SAC storage of outputs the recompute never reached (early
+    stop); a generator-based context manager dropped ``first`` after the recompute and freed
+    that storage too early."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.first)
+        stack.enter_context(self.second)
+        self._stack = stack
+
+    def __exit__(self, *exc: Any) -> Any:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
 
 
 @contextlib.contextmanager
