@@ -111,6 +111,11 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     g_shard = p.dp if p.zero >= 2 else 1
     o_shard = p.dp if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
+    if tr.full and embed and p.tp > 1 and g_shard == 1:
+        # DTensor's embedding backward has no row-wise (vocabulary) strategy
+        # (torch/distributed/tensor/_ops/_embedding_ops.py, embedding_dense_backward_strategy,
+        # torch 2.13): the gradient of a RowwiseParallel embedding is the whole table (Replicate)
+        gradients += (arch.vocab * h - arch.vocab * h // p.tp) * rg.grad
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
     if tr.full:

@@ -31,6 +31,7 @@ from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values, uniform_co
 from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
+from .tensor_parallel import is_dtensor_type
 from .values import SHADOW_LIMIT, Values, to_cpu_args
 from .where import user_frame
 
@@ -130,6 +131,7 @@ class TraceMode(TorchDispatchMode):
         value could steer what is allocated); a number answers every such read (``vramplan run``:
         scripts log losses and gradient norms)."""
         self._blas_seen: set[tuple[int, int]] = set()
+        self._defer: dict[Any, bool] = {}
         self._op_ids: dict[Any, int] = {}
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
@@ -142,6 +144,13 @@ class TraceMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        defer = self._defer.get(types)
+        if defer is None:
+            defer = self._defer[types] = any(is_dtensor_type(t) for t in types)
+        if defer:
+            # a DTensor op: DTensor's own dispatch runs it on the local shards, whose ops come
+            # back to this mode (as FakeTensorMode lets tensor subclasses go first)
+            return NotImplemented
         kwargs = kwargs or {}
         rec = self.rec
         op = self._op_ids.get(func)

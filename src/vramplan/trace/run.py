@@ -21,8 +21,8 @@ from ..errors import TraceError, VramplanError, WorkloadError
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Task, Workload
-from . import analysis, features
+from ..workload import Attention, Peft, Quant, Task, Workload
+from . import analysis, features, tensor_parallel
 from .construct import fake_construction
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -58,6 +58,7 @@ class Prepared:
     trainable: int
     notes: list[str]
     root: str
+    loss_parallel: bool = False
 
 
 # --------------------------------------------------------------------------- public
@@ -95,8 +96,12 @@ def trace_model(
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    prepared = _prepare(model, batch, workload, notes, root, device)
-    return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
+    with parallel_world(workload) as mesh:
+        if mesh is not None and workload.parallel.sp:
+            batch = (batch[0], tensor_parallel.position_ids(batch[1]))
+        prepared = _prepare(model, batch, workload, notes, root, device, mesh)
+        return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn,
+                      shadows=shadows)
 
 
 def trace_workload(
@@ -120,8 +125,11 @@ def trace_workload(
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device)
-    return _trace(prepared, w, device, iterations, opts)
+    with parallel_world(w) as mesh:
+        if mesh is not None and w.parallel.sp:
+            batch_kwargs = tensor_parallel.position_ids(batch_kwargs)
+        prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, mesh)
+        return _trace(prepared, w, device, iterations, opts)
 
 
 # --------------------------------------------------------------------------- internals
@@ -131,15 +139,33 @@ def _check_iterations(iterations: int) -> None:
 
 
 def _parallel_notes(w: Workload) -> list[str]:
-    """The trace runs one unsharded GPU: sharded layouts are refused rather than misreported."""
+    """Layouts the trace does not run yet are refused rather than misreported."""
     p = w.parallel
-    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.sp or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one unsharded GPU; tensor/pipeline/context/expert parallelism, "
-                         "ZeRO/FSDP sharding and offload are not traced",
-                         hint="use `method=analytic` for parallel layouts")
+    if p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
+        raise TraceError("the trace runs one GPU or rank 0 of a tensor-parallel group; pipeline/context/expert "
+                         "parallelism, ZeRO/FSDP sharding and offload are not traced",
+                         hint="use `method=analytic` for these parallel layouts")
+    if p.tp > 1:
+        if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
+            raise TraceError(f"tensor parallelism is traced for full-weight models; `peft={w.peft}` / "
+                             f"`quant={w.quant}` with `tp={p.tp}` is not", hint="use `method=analytic`")
+        if w.task is Task.GENERATE:
+            raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
+                             hint="use `method=analytic`, or `vramplan serve` for an inference engine")
     if p.dp > 1:
         return [f"dp={p.dp} traced as one replica: DDP's gradient buckets (about the gradients' size) are not included"]
     return []
+
+
+@contextlib.contextmanager
+def parallel_world(w: Workload) -> Iterator[Any]:
+    """The fake process group and mesh a parallel layout is traced on (None for one GPU)."""
+    tp = w.parallel.tp
+    if tp == 1:
+        yield None
+        return
+    with tensor_parallel.fake_world(tp, (tp,), ("tp",)) as mesh:
+        yield mesh
 
 
 def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
@@ -215,13 +241,14 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
 
 
 def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-             device: DeviceProfile | None) -> Prepared:
+             device: DeviceProfile | None, mesh: Any = None) -> Prepared:
     with quiet():
-        return _prepare_quietly(model, batch, w, notes, root, device)
+        return _prepare_quietly(model, batch, w, notes, root, device, mesh)
 
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-                     device: DeviceProfile | None) -> Prepared:
+                     device: DeviceProfile | None, mesh: Any) -> Prepared:
+    loss_parallel = False
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
@@ -231,6 +258,9 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
+        if mesh is not None:  # torchtitan's order: tensor parallelism, then activation checkpointing
+            notes += tensor_parallel.apply_tensor_parallel(model, mesh, sp=w.parallel.sp)
+            loss_parallel = tensor_parallel.find_layout(model).head is not None
         notes += features.apply_checkpointing(model, w)
         notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
@@ -238,7 +268,8 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     except Exception as e:
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
-    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root)
+    return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
+                    loss_parallel=loss_parallel)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -285,7 +316,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             sess.start_iteration(it)
             sess.dispatch.count_flops = opts.count_flops and it == 1
             try:
-                runner(sess, plan)
+                with tensor_parallel.loss_parallel_region(p.loss_parallel):
+                    runner(sess, plan)
                 gc.collect()  # storages kept only by reference cycles die at the iteration end
             except VramplanError:
                 raise
