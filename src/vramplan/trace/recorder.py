@@ -43,6 +43,12 @@ def describe(t: torch.Tensor) -> str:
     return f"{name}[{','.join(str(s) for s in t.shape)}]"
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (any other tensor is its own)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 class Recorder:
     """Turns storage lifetimes into an :class:`EventLog` (columnar, interned strings)."""
 
@@ -121,7 +127,10 @@ class Recorder:
 
     # --- storages --------------------------------------------------------------------
     def track(self, t: torch.Tensor, cat: int = UNDECIDED) -> int | None:
-        """Record ``t``'s storage if new; returns its storage key (None if not a device tensor)."""
+        """Record ``t``'s storage if new; returns its storage key (None if not a device tensor).
+        A DTensor stands for this rank's shard: its local tensor is recorded."""
+        if type(t) is not torch.Tensor:
+            t = local_tensor(t)
         if t.device.type != "meta":
             return None
         st = t.untyped_storage()

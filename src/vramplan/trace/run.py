@@ -146,9 +146,10 @@ def _parallel_notes(w: Workload) -> list[str]:
                          "parallelism, ZeRO/FSDP sharding and offload are not traced",
                          hint="use `method=analytic` for these parallel layouts")
     if p.tp > 1:
-        if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
-            raise TraceError(f"tensor parallelism is traced for full-weight models; `peft={w.peft}` / "
-                             f"`quant={w.quant}` with `tp={p.tp}` is not", hint="use `method=analytic`")
+        knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
+        if knob:
+            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not",
+                             hint="use `method=analytic`")
         if w.task is Task.GENERATE:
             raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
                              hint="use `method=analytic`, or `vramplan serve` for an inference engine")

@@ -175,7 +175,7 @@ def _replicate_rest(model: nn.Module, mesh: Any) -> int:
         if any(isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
             raise TraceError(f"{type(mod).__name__} has sharded and whole parameters after the plan",
                              hint="use `method=analytic` for this architecture")
-        distribute_module(mod, mesh, _replicate_own, input_fn=wrap, output_fn=unwrap)
+        distribute_module(mod, mesh, _replicate_own, input_fn=wrap, output_fn=unwrap)  # type: ignore[arg-type]
         n += len(own)
     return n
 
