@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Peft, Quant, Task, Workload
-from . import analysis, features, tensor_parallel
+from . import analysis, features, pipeline_parallel, tensor_parallel
 from .construct import fake_construction
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -116,6 +117,8 @@ def trace_workload(
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     notes: list[str] = _parallel_notes(w)
+    if w.parallel.pp > 1:
+        return _trace_pipeline(spec, w, device, iterations, opts, notes)
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
@@ -132,6 +135,41 @@ def trace_workload(
         return _trace(prepared, w, device, iterations, opts)
 
 
+def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                    opts: TraceOptions, notes: list[str]) -> TraceResult:
+    """Trace each pipeline stage that differs (:mod:`.pipeline_parallel`); the worst is the result,
+    every traced stage's peak is in its notes."""
+    from ..models.build import build_model
+
+    pp = w.parallel.pp
+    attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
+    results: list[tuple[int, TraceResult]] = []
+    for rank in pipeline_parallel.stage_ranks(pp):
+        full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+        params = sum(q.numel() for q in full.parameters())
+        stage_mod, st = pipeline_parallel.split(full, rank, pp)
+        act = features.param_dtype(w)
+        out = features.compute_dtype(w) if w.mixed else act
+        runner = pipeline_parallel.make_runner(
+            stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
+            vocab=spec.vocab, act_dtype=act, out_dtype=out)
+        with tensor_parallel.fake_world(pp, (pp,), ("pp",), rank=rank):
+            prepared = _prepare(stage_mod, ((), {}), w, list(notes), f"{spec.name} stage {rank}", device)
+            prepared.params = params
+            prepared.trainable = params
+            results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
+    rank, worst = max(results, key=lambda r: r[1].peak_allocated)
+    lo_hi = {r: (r * spec.layers // pp, (r + 1) * spec.layers // pp) for r, _ in results}
+    peaks = "; ".join(f"stage {r} (layers {lo_hi[r][0]}–{lo_hi[r][1] - 1}{', embeddings' if r == 0 else ''}"
+                      f"{', head + loss' if r == pp - 1 else ''}) {t.peak_allocated:,} B" for r, t in results)
+    extra = (f"pipeline parallelism traced per stage: PyTorch's torch.distributed.pipelining "
+             f"{pipeline_parallel.SCHEDULE} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
+             f"peak allocated {peaks}; the report shows stage {rank}, the worst"
+             + ("; middle stages hold the first stage's layers without its embeddings and fewer micro-batches "
+                "in flight" if pp > 2 else ""))
+    return dataclasses.replace(worst, notes=(extra, *worst.notes))
+
+
 # --------------------------------------------------------------------------- internals
 def _check_iterations(iterations: int) -> None:
     if not isinstance(iterations, int) or iterations < 1:
@@ -141,10 +179,13 @@ def _check_iterations(iterations: int) -> None:
 def _parallel_notes(w: Workload) -> list[str]:
     """Layouts the trace does not run yet are refused rather than misreported."""
     p = w.parallel
-    if p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one GPU or rank 0 of a tensor-parallel group; pipeline/context/expert "
+    if p.cp > 1 or p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
+        raise TraceError("the trace runs one GPU, a tensor-parallel rank or pipeline stages; context/expert "
                          "parallelism, ZeRO/FSDP sharding and offload are not traced",
                          hint="use `method=analytic` for these parallel layouts")
+    if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
+        raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
+                         f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
     if p.tp > 1:
         knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
         if knob:
@@ -285,7 +326,8 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 
 def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions, *,
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
-           shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TraceResult:
+           shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+           runner: Callable[[TraceSession, StepPlan], None] | None = None) -> TraceResult:
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
@@ -312,7 +354,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
         )
-        runner = RUNNERS[str(w.task)]
+        runner = runner or RUNNERS[str(w.task)]
         for it in range(1, iterations + 1):
             sess.start_iteration(it)
             sess.dispatch.count_flops = opts.count_flops and it == 1

@@ -214,8 +214,8 @@ def loss_parallel_region(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
-    """Rank 0 of a ``world_size`` process group on PyTorch's fake backend
+def fake_world(world_size: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], rank: int = 0) -> Iterator[Any]:
+    """Rank ``rank`` (default 0) of a ``world_size`` process group on PyTorch's fake backend
     (``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is
     communicated) and a CPU ``DeviceMesh`` over it; the group is destroyed on exit."""
     import torch.distributed as dist
@@ -225,7 +225,8 @@ def fake_world(world_size: int, mesh_shape: tuple[int, ...], names: tuple[str, .
     if dist.is_initialized():
         raise TraceError("a torch.distributed process group is already initialised in this process",
                          hint="trace parallel layouts from a process that has not called init_process_group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # (meta: the traced tensors; batched P2P asks the backend of the tensors' device)
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     finally:
