@@ -135,12 +135,14 @@ def trace_workload(
         return _trace(prepared, w, device, iterations, opts)
 
 
-def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
-                    opts: TraceOptions, notes: list[str]) -> TraceResult:
-    """Trace each pipeline stage that differs (:mod:`.pipeline_parallel`); the worst is the result,
-    every traced stage's peak is in its notes."""
+def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
+                          iterations: int = 2, options: TraceOptions | None = None,
+                          notes: list[str] | None = None) -> list[tuple[int, TraceResult]]:
+    """(pipeline rank, its trace) for each stage that differs (:mod:`.pipeline_parallel`)."""
     from ..models.build import build_model
 
+    _check_iterations(iterations)
+    opts = options or TraceOptions()
     pp = w.parallel.pp
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     results: list[tuple[int, TraceResult]] = []
@@ -154,13 +156,20 @@ def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, 
             stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
             vocab=spec.vocab, act_dtype=act, out_dtype=out)
         with tensor_parallel.fake_world(pp, (pp,), ("pp",), rank=rank):
-            prepared = _prepare(stage_mod, ((), {}), w, list(notes), f"{spec.name} stage {rank}", device)
-            prepared.params = params
-            prepared.trainable = params
+            prepared = _prepare(stage_mod, ((), {}), w, list(notes or ()), f"{spec.name} stage {rank}", device)
+            prepared.params = prepared.trainable = params
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
+    return results
+
+
+def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                    opts: TraceOptions, notes: list[str]) -> TraceResult:
+    """The worst traced pipeline stage, every traced stage's peak in its notes."""
+    pp = w.parallel.pp
+    results = trace_pipeline_stages(spec, w, device=device, iterations=iterations, options=opts, notes=notes)
     rank, worst = max(results, key=lambda r: r[1].peak_allocated)
-    lo_hi = {r: (r * spec.layers // pp, (r + 1) * spec.layers // pp) for r, _ in results}
-    peaks = "; ".join(f"stage {r} (layers {lo_hi[r][0]}–{lo_hi[r][1] - 1}{', embeddings' if r == 0 else ''}"
+    per = spec.layers // pp
+    peaks = "; ".join(f"stage {r} (layers {r * per}–{(r + 1) * per - 1}{', embeddings' if r == 0 else ''}"
                       f"{', head + loss' if r == pp - 1 else ''}) {t.peak_allocated:,} B" for r, t in results)
     extra = (f"pipeline parallelism traced per stage: PyTorch's torch.distributed.pipelining "
              f"{pipeline_parallel.SCHEDULE} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
