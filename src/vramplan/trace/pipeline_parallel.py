@@ -85,7 +85,7 @@ def split(model: nn.Module, rank: int, pp: int) -> tuple[nn.Module, StageSpec]:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and hasattr(attn, "layer_idx"):
             attn.layer_idx = i
-    cfg = model.config
+    cfg: Any = model.config
     cfg.num_hidden_layers = per
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) == n:
