@@ -111,11 +111,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     g_shard = p.dp if p.zero >= 2 else 1
     o_shard = p.dp if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
-    if tr.full and embed and p.tp > 1 and g_shard == 1:
-        # DTensor's embedding backward has no row-wise (vocabulary) strategy
-        # (torch/distributed/tensor/_ops/_embedding_ops.py, embedding_dense_backward_strategy,
-        # torch 2.13): the gradient of a RowwiseParallel embedding is the whole table (Replicate)
-        gradients += (arch.vocab * h - arch.vocab * h // p.tp) * rg.grad
+    gradients += replicated_embedding_grad(arch, stage, w, rg, tr)
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
     if tr.full:
@@ -155,6 +151,20 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
     )
+
+
+def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> int:
+    """Bytes a tensor-parallel rank holds beyond its shard of the token-embedding gradient.
+
+    DTensor's embedding backward has no row-wise (vocabulary) strategy
+    (torch/distributed/tensor/_ops/_embedding_ops.py, ``embedding_dense_backward_strategy``,
+    torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
+    Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
+    ZeRO/FSDP sharding only, the layout the trace checks it on."""
+    p = w.parallel
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training):
+        return 0
+    return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 
 
 def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
