@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Peft, Quant, Task, Workload
-from . import analysis, features, pipeline_parallel, tensor_parallel
+from . import analysis, context_parallel, features, pipeline_parallel, tensor_parallel
 from .construct import fake_construction
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -59,7 +60,8 @@ class Prepared:
     trainable: int
     notes: list[str]
     root: str
-    loss_parallel: bool = False
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    """Entered around the traced iterations (loss-parallel cross-entropy, ring attention)."""
 
 
 # --------------------------------------------------------------------------- public
@@ -129,9 +131,14 @@ def trace_workload(
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
     with parallel_world(w) as mesh:
-        if mesh is not None and w.parallel.sp:
+        if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
             batch_kwargs = tensor_parallel.position_ids(batch_kwargs)
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, mesh)
+        if w.parallel.cp > 1:
+            prepared.step_context = functools.partial(context_parallel.ring_attention, mesh, batch_kwargs)
+            prepared.notes.append(
+                f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
+                f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
         return _trace(prepared, w, device, iterations, opts)
 
 
@@ -188,10 +195,13 @@ def _check_iterations(iterations: int) -> None:
 def _parallel_notes(w: Workload) -> list[str]:
     """Layouts the trace does not run yet are refused rather than misreported."""
     p = w.parallel
-    if p.cp > 1 or p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one GPU, a tensor-parallel rank or pipeline stages; context/expert "
+    if p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
+        raise TraceError("the trace runs one GPU, a tensor- or context-parallel rank or pipeline stages; expert "
                          "parallelism, ZeRO/FSDP sharding and offload are not traced",
                          hint="use `method=analytic` for these parallel layouts")
+    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
+        raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
+                         "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
     if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
                          f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
@@ -211,11 +221,12 @@ def _parallel_notes(w: Workload) -> list[str]:
 @contextlib.contextmanager
 def parallel_world(w: Workload) -> Iterator[Any]:
     """The fake process group and mesh a parallel layout is traced on (None for one GPU)."""
-    tp = w.parallel.tp
-    if tp == 1:
+    tp, cp = w.parallel.tp, w.parallel.cp
+    if tp == 1 and cp == 1:
         yield None
         return
-    with tensor_parallel.fake_world(tp, (tp,), ("tp",)) as mesh:
+    size, name = (tp, "tp") if tp > 1 else (cp, "cp")
+    with tensor_parallel.fake_world(size, (size,), (name,)) as mesh:
         yield mesh
 
 
@@ -299,7 +310,7 @@ def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
                      device: DeviceProfile | None, mesh: Any) -> Prepared:
-    loss_parallel = False
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
@@ -309,9 +320,10 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
-        if mesh is not None:  # torchtitan's order: tensor parallelism, then activation checkpointing
+        if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
             notes += tensor_parallel.apply_tensor_parallel(model, mesh, sp=w.parallel.sp)
-            loss_parallel = tensor_parallel.find_layout(model).head is not None
+            if tensor_parallel.find_layout(model).head is not None:
+                step_context = tensor_parallel.loss_parallel
         notes += features.apply_checkpointing(model, w)
         notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
@@ -320,7 +332,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    loss_parallel=loss_parallel)
+                    step_context=step_context)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -364,21 +376,22 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
         )
         runner = runner or RUNNERS[str(w.task)]
-        for it in range(1, iterations + 1):
-            sess.start_iteration(it)
-            sess.dispatch.count_flops = opts.count_flops and it == 1
-            try:
-                with tensor_parallel.loss_parallel_region(p.loss_parallel):
+        with p.step_context() if p.step_context is not None else contextlib.nullcontext():
+            for it in range(1, iterations + 1):
+                sess.start_iteration(it)
+                sess.dispatch.count_flops = opts.count_flops and it == 1
+                try:
                     runner(sess, plan)
-                gc.collect()  # storages kept only by reference cycles die at the iteration end
-            except VramplanError:
-                raise
-            except Exception as e:
-                at = user_frame_of(e)
-                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch {torch.__version__}: "
-                                 f"{type(e).__name__}: {_line(e)}",
-                                 hint="the model's step must run on fake (meta) tensors: change that line to "
-                                      "depend on shapes, not values, or register a fake kernel for a custom op") from e
+                    gc.collect()  # storages kept only by reference cycles die at the iteration end
+                except VramplanError:
+                    raise
+                except Exception as e:
+                    at = user_frame_of(e)
+                    raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch "
+                                     f"{torch.__version__}: {type(e).__name__}: {_line(e)}",
+                                     hint="the model's step must run on fake (meta) tensors: change that line to "
+                                          "depend on shapes, not values, or register a fake kernel for a custom op"
+                                     ) from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     return summarize(sess, params=p.params, trainable=p.trainable,

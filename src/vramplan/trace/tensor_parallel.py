@@ -200,17 +200,12 @@ def position_ids(batch_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**batch_kwargs, "position_ids": pos}
 
 
-@contextlib.contextmanager
-def loss_parallel_region(enabled: bool) -> Iterator[None]:
+def loss_parallel() -> contextlib.AbstractContextManager[Any]:
     """``torch.distributed.tensor.parallel.loss_parallel()``: the cross-entropy of vocabulary-
     sharded logits without gathering them (torchtitan's default), around forward and backward."""
-    if not enabled:
-        yield
-        return
-    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.distributed.tensor.parallel import loss_parallel as region
 
-    with loss_parallel():
-        yield
+    return region()
 
 
 @contextlib.contextmanager
