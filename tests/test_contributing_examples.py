@@ -75,6 +75,12 @@ def test_add_a_model_family(tmp_path, monkeypatch):
     # both methods agree on the model states of a plain AdamW step
     assert analytic.model_states is not None and traced.model_states is not None
     assert analytic.model_states.total == pytest.approx(traced.model_states.total, rel=0.01)
+    # the step-time model reads the same shape and counts the analytic method's FLOPs
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.runtime import step_time
+
+    t = step_time(spec, Workload(seq=128), get_gpu("h100-sxm"))
+    assert t.flops == pytest.approx(analytic.flops_per_step, rel=0.02)
 
 
 def test_bring_your_own_optimizer_snippet_runs():

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
+from vramplan.models.flops import attention_flops, layout_of, train_flops
+from vramplan.models.shape import model_shape
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.runtime import DEFAULT_EFFICIENCY, Bound, Efficiency, step_time
+from vramplan.runtime.adapters import adapter_params
 from vramplan.runtime.comm import Link, all_gather, all_reduce, link_for
-from vramplan.runtime.flops import attention_flops, train_flops
-from vramplan.runtime.shape import adapter_params, shape_of
 from vramplan.runtime.traffic import optimizer_bytes_per_param
 from vramplan.workload import Workload
 
@@ -32,17 +33,17 @@ W = Workload(batch=4, seq=2048)
 
 
 def test_training_is_six_n_tokens_plus_attention():
-    s = shape_of(LLAMA)
-    f = train_flops(s, W, 4, 2048)
+    s = model_shape(LLAMA)
+    f = train_flops(layout_of(s), W, 4, 2048)
     tokens = 4 * 2048
-    attn = attention_flops(s, W, 4, 2048)
+    attn = attention_flops(layout_of(s), W, 4, 2048)
     assert f.total == pytest.approx(6 * s.matmul_params * tokens + 3 * attn)
     # the embedding lookup is no matmul; the untied head is
     assert s.matmul_params == LLAMA.params - LLAMA.vocab * LLAMA.hidden
 
 
 def test_causal_flash_attention_does_half_the_eager_work():
-    s = shape_of(LLAMA)
+    s = layout_of(model_shape(LLAMA))
     sdpa = attention_flops(s, W, 1, 4096)
     eager = attention_flops(s, W.replace(attention="eager"), 1, 4096)
     assert sdpa / eager == pytest.approx(0.5, rel=1e-3)
@@ -50,21 +51,23 @@ def test_causal_flash_attention_does_half_the_eager_work():
 
 
 def test_lora_backward_skips_weight_grads_and_checkpointing_adds_a_forward():
-    s = shape_of(LLAMA)
-    full = train_flops(s, W, 1, 2048)
-    lora = train_flops(s, W.replace(peft="lora"), 1, 2048, adapter_params(LLAMA, W.replace(peft="lora")))
+    s = model_shape(LLAMA)
+    f = layout_of(s)
+    full = train_flops(f, W, 1, 2048)
+    adapters = adapter_params(s, W.replace(peft="lora"))
+    lora = train_flops(layout_of(s, adapters=adapters, trains_base=False), W.replace(peft="lora"), 1, 2048)
     assert 0.6 < lora.total / full.total < 0.72  # ≈ 4N/6N plus attention and adapters
-    ckpt = train_flops(s, W.replace(checkpointing="full"), 1, 2048)
+    ckpt = train_flops(f, W.replace(checkpointing="full"), 1, 2048)
     head = 2 * s.head_params * 2048
     assert ckpt.recompute == pytest.approx(full.forward - head)
-    half = train_flops(s, W.replace(checkpointing="full", checkpoint_fraction=0.5), 1, 2048)
+    half = train_flops(f, W.replace(checkpointing="full", checkpoint_fraction=0.5), 1, 2048)
     assert half.recompute == pytest.approx(ckpt.recompute / 2)
 
 
 def test_lora_adapter_count_matches_rank_times_dims():
     w = W.replace(peft="lora", lora_rank=16)
     per_layer = 16 * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096))
-    assert adapter_params(LLAMA, w) == per_layer * 32
+    assert adapter_params(model_shape(LLAMA), w) == per_layer * 32
 
 
 def test_large_training_step_is_compute_bound_with_plausible_mfu():

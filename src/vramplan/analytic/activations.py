@@ -30,7 +30,7 @@ from .blocks import (
     infer_working,
     norm_keeps_input,
 )
-from .parallel import Stage
+from .parallel import Stage, tokens_per_rank
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     embed = math.ceil(tokens * h / (p.tp if p.sp else 1)) if (stage.embed and arch.embed_dropout > 0) else 0
     mask = 0
     if ctx.attention is Attention.EAGER and arch.head.kind == "lm":
-        mask = w.batch * (seq // p.cp) * seq * ctx.rg.stream
+        mask = tokens_per_rank(w, seq) * seq * ctx.rg.stream
     classes = arch.head.classes // (p.tp if arch.head.kind != "cls" else 1)
     return StageActs(
         layers=layers, layer_full=layer_full, recompute=recompute, transient=transient,

@@ -1,16 +1,18 @@
 """The structure of a transformer as the analytic estimator sees it.
 
-A family module (:mod:`.decoder`, :mod:`.encoder`, :mod:`.vit`) turns a
-:class:`~vramplan.models.spec.ModelSpec` into an :class:`Arch`: groups of identical layers,
-each a list of :class:`Linear` weights plus the shapes that decide saved activations. Sizes
-here are *whole-model* (before tensor/pipeline/expert parallel splits); :mod:`.parallel`
-divides them per rank.
+A family module (:mod:`.decoder`, :mod:`.encoder`, :mod:`.vit`) lays the one model shape
+(:class:`~vramplan.models.shape.ModelShape`, whose dimensions every method reads) out as an
+:class:`Arch`: groups of identical layers, each a list of :class:`Linear` weights plus what
+decides saved activations (norm kinds, dropout, fp32 softmax, activation saves). Sizes here are
+*whole-model* (before tensor/pipeline/expert parallel splits); :mod:`.parallel` divides them per
+rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramplan.models.shape import ModelShape
 from vramplan.models.spec import Family
 
 
@@ -141,10 +143,10 @@ class Head:
 
 @dataclass(frozen=True)
 class Arch:
-    family: Family
-    name: str
-    hidden: int
-    vocab: int
+    """The layer structure of one model shape, as the analytic formulas read it."""
+
+    shape: ModelShape
+    """The dimensions (read from here: ``family``, ``name``, ``hidden``)."""
     groups: tuple[LayerGroup, ...]
     head: Head
     embed_params: int
@@ -154,6 +156,23 @@ class Arch:
     extra_params: int = 0
     """Published parameters not placed in the structure (biases, poolers, buffers): replicated."""
     embed_dropout: float = 0.0
+
+    @property
+    def family(self) -> Family:
+        return self.shape.family
+
+    @property
+    def name(self) -> str:
+        return self.shape.name
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden
+
+    @property
+    def vocab(self) -> int:
+        """Vocabulary size (0 for a ViT)."""
+        return self.shape.vocab
 
     @property
     def layers(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from vramplan.models.shape import ModelShape, model_shape
 from vramplan.models.spec import Family, ModelSpec
 
 from ._config import act_saves, get_bool, get_float, get_int
@@ -25,10 +26,9 @@ _SANDWICH = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg = spec.config
-    h, heads = spec.hidden, spec.heads
-    head_dim = spec.head_dim or h // heads
-    kv_heads = spec.kv_heads or heads
+    cfg, shape = spec.config, model_shape(spec)
+    h, heads = shape.hidden, shape.heads
+    head_dim, kv_heads = shape.head_dim, shape.kv_heads
     mt = spec.model_type
     gpt2 = mt in GPT2_LIKE
     norm = "layernorm" if gpt2 else spec.norm_kind
@@ -43,8 +43,7 @@ def build(spec: ModelSpec) -> Arch:
     if spec.family is Family.MLA:
         attn = Attn(
             kind="mla", heads=heads, kv_heads=heads,
-            head_dim=spec.qk_nope_head_dim + spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim, softmax_fp32=True, dropout=attn_drop,
+            head_dim=shape.qk_dim, v_head_dim=shape.v_dim, softmax_fp32=True, dropout=attn_drop,
             q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
             rope_dim=spec.qk_rope_head_dim, nope_dim=spec.qk_nope_head_dim,
         )
@@ -67,17 +66,17 @@ def build(spec: ModelSpec) -> Arch:
     act = act_saves(cfg, ("gelu_pytorch_tanh" if mt == "gpt_bigcode" else "gelu_new") if gpt2 else "silu")
     mlp_bias = gpt2 or get_bool(cfg, "mlp_bias")
     dense_ffn = Ffn(kind="plain" if spec.mlp_kind == "plain" or gpt2 else "gated",
-                    intermediate=spec.intermediate or 4 * h, act_saves=act, dropout=resid_drop)
+                    intermediate=shape.intermediate or 4 * h, act_saves=act, dropout=resid_drop)
     dense_lins = _mlp_linears(mt, h, dense_ffn)
     dense_small = layer_norms + attn_small + (sum(lin.d_out for lin in dense_lins) if mlp_bias else 0)
     groups: list[LayerGroup] = []
-    n_dense = spec.layers
+    n_dense = shape.layers
     if spec.is_moe:
-        n_dense = min(spec.dense_layers, spec.layers)
-        moe_i = spec.moe_intermediate or spec.intermediate
-        shared_i = get_int(cfg, "shared_expert_intermediate_size") or spec.shared_experts * moe_i
-        moe_ffn = Ffn(kind="moe", intermediate=moe_i, act_saves=act, experts=spec.n_experts,
-                      top_k=spec.experts_per_token or 1, shared_intermediate=shared_i,
+        n_dense = min(spec.dense_layers, shape.layers)
+        moe_i = shape.moe_intermediate
+        shared_i = get_int(cfg, "shared_expert_intermediate_size") or shape.shared_experts * moe_i
+        moe_ffn = Ffn(kind="moe", intermediate=moe_i, act_saves=act, experts=shape.n_experts,
+                      top_k=shape.experts_per_token or 1, shared_intermediate=shared_i,
                       router_fp32=spec.family is Family.MLA)
         moe_lins = _moe_linears(h, moe_ffn)
         moe_small = layer_norms + attn_small
@@ -87,7 +86,7 @@ def build(spec: ModelSpec) -> Arch:
             e = moe_ffn.experts
             moe_small += e * (2 * moe_i + h) + e + spec.heads
         groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
-            name="moe", count=spec.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
+            name="moe", count=shape.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
             ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small,
         ))
     if n_dense:
@@ -95,16 +94,16 @@ def build(spec: ModelSpec) -> Arch:
             name="dense", count=n_dense, linears=attn_lins + dense_lins, attn=attn,
             ffn=dense_ffn, norm=norm, post_norms=sandwich, small_params=dense_small,
         ))
-    groups = _split_sliding(spec, groups)
-    tied = spec.tie_embeddings
+    groups = _split_sliding(shape, groups)
+    tied = shape.tie_embeddings
     head = Head(
-        kind="lm", classes=spec.vocab, tied=tied,
-        linears=() if tied else (Linear("lm_head", "head", h, spec.vocab, lora=False),),
+        kind="lm", classes=shape.vocab, tied=tied,
+        linears=() if tied else (Linear("lm_head", "head", h, shape.vocab, lora=False),),
         softcap=bool(cfg.get("final_logit_softcapping")),
     )
-    embed = spec.vocab * h + (spec.max_positions * h if gpt2 else 0)
+    embed = shape.vocab * h + (spec.max_positions * h if gpt2 else 0)
     arch = Arch(
-        family=spec.family, name=spec.name, hidden=h, vocab=spec.vocab, groups=tuple(groups),
+        shape=shape, groups=tuple(groups),
         head=head, embed_params=embed, norm=norm, final_norm_params=norm_p,
         embed_dropout=get_float(cfg, "embd_pdrop") if gpt2 else 0.0,
     )
@@ -167,12 +166,12 @@ def _moe_linears(h: int, f: Ffn) -> tuple[Linear, ...]:
     return tuple(lins)
 
 
-def _split_sliding(spec: ModelSpec, groups: list[LayerGroup]) -> list[LayerGroup]:
+def _split_sliding(shape: ModelShape, groups: list[LayerGroup]) -> list[LayerGroup]:
     """Mark sliding-window layers (Mistral v0.1: all; Gemma 2/3: the local ones)."""
-    win = spec.sliding_window
-    if not win or spec.sliding_layers <= 0:
+    win = shape.sliding_window
+    if not win or shape.sliding_layers <= 0:
         return groups
-    local_left = min(spec.sliding_layers, spec.layers)
+    local_left = min(shape.sliding_layers, shape.layers)
     out: list[LayerGroup] = []
     for g in groups:
         n_local = min(local_left, g.count)

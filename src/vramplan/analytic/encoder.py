@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from vramplan.models.shape import model_shape
 from vramplan.models.spec import ModelSpec
 
 from ._config import act_saves, get_float, get_int
@@ -15,29 +16,28 @@ from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg = spec.config
-    h, heads = spec.hidden, spec.heads
-    head_dim = spec.head_dim or h // heads
+    cfg, shape = spec.config, model_shape(spec)
+    h, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
     attn = Attn(
-        heads=heads, kv_heads=spec.kv_heads or heads, head_dim=head_dim, v_head_dim=head_dim,
+        heads=heads, kv_heads=shape.kv_heads, head_dim=head_dim, v_head_dim=head_dim,
         causal=False, rope=False,
         dropout=get_float(cfg, "attention_probs_dropout_prob", "attention_dropout"),
     )
-    ffn = Ffn(kind="plain", intermediate=spec.intermediate or 4 * h, act_saves=act_saves(cfg, "gelu"),
+    ffn = Ffn(kind="plain", intermediate=shape.intermediate or 4 * h, act_saves=act_saves(cfg, "gelu"),
               dropout=get_float(cfg, "hidden_dropout_prob", "hidden_dropout"))
     lins = encoder_linears(h, attn, ffn)
     biases = sum(lin.d_out for lin in lins)
-    group = LayerGroup(name="encoder", count=spec.layers, linears=lins, attn=attn, ffn=ffn,
+    group = LayerGroup(name="encoder", count=shape.layers, linears=lins, attn=attn, ffn=ffn,
                        norm="layernorm", small_params=biases + 2 * 2 * h)
     type_vocab = get_int(cfg, "type_vocab_size", default=2)
     head = Head(
-        kind="mlm", classes=spec.vocab, tied=True,
+        kind="mlm", classes=shape.vocab, tied=True,
         linears=(Linear("transform.dense", "head_transform", h, h, tp=False, lora=False),),
-        small_params=h + 2 * h + spec.vocab,  # transform bias, LayerNorm, decoder bias
+        small_params=h + 2 * h + shape.vocab,  # transform bias, LayerNorm, decoder bias
     )
     arch = Arch(
-        family=spec.family, name=spec.name, hidden=h, vocab=spec.vocab, groups=(group,),
-        head=head, embed_params=(spec.vocab + spec.max_positions + type_vocab) * h + 2 * h,
+        shape=shape, groups=(group,),
+        head=head, embed_params=(shape.vocab + spec.max_positions + type_vocab) * h + 2 * h,
         norm="layernorm", embed_dropout=ffn.dropout,
     )
     return replace(arch, extra_params=max(0, spec.params - arch.structured_params))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vramplan.errors import WorkloadError
+from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import PhasePeak
 from vramplan.workload import Attention, Task, Workload
@@ -49,8 +50,9 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     if workspace < 0:
         raise WorkloadError(f"workspace bytes must be >= 0, got {workspace}")
-    seq = vit.tokens(w.image_size, spec.patch_size or 16) if spec.family is Family.VIT else w.seq
-    tokens = tokens_per_rank(w, seq) if spec.family is not Family.VIT else w.batch * seq
+    counts = token_counts(w, arch.shape.tokens_per_sample(w))
+    seq = counts.per_sample
+    tokens = counts.per_rank if spec.family is not Family.VIT else counts.micro_batch
     positions = w.batch if arch.head.kind == "cls" else tokens
 
     best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int] | None = None
@@ -61,7 +63,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             phases = training(st, acts, stage, w, ctx, workspace, cache)
         else:
-            gen_tokens = tokens if w.task is Task.INFER else tokens_per_rank(w, seq)
+            gen_tokens = tokens if w.task is Task.INFER else counts.per_rank
             phases = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,
                                mask=_infer_mask(arch, w, seq))
         peak = max(p.allocated for p in phases)
@@ -91,5 +93,5 @@ def _infer_mask(arch: Arch, w: Workload, seq: int) -> int:
     """HF builds a 4-D additive float mask for eager attention (b × 1 × s × s)."""
     if w.attention is not Attention.EAGER or arch.head.kind != "lm":
         return 0
-    return w.batch * seq * seq * regime(w).stream // w.parallel.cp
+    return tokens_per_rank(w, seq) * seq * regime(w).stream
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
+from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.workload import Task, Workload
 
@@ -71,7 +72,7 @@ def local(lin: Linear, w: Workload) -> int:
 
 def tokens_per_rank(w: Workload, seq: int | None = None) -> int:
     """Tokens of one micro-batch on one rank (context parallel splits the sequence)."""
-    return w.batch * (seq if seq is not None else w.seq) // w.parallel.cp
+    return tokens(w, seq).per_rank
 
 
 def _divisors(n: int, limit: int = 8) -> str:

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from vramplan.models.shape import model_shape, vit_tokens
 from vramplan.models.spec import ModelSpec
 
 from ._config import act_saves, get_float
 from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
 from .encoder import encoder_linears
-
-
-def tokens(image_size: int, patch_size: int) -> int:
-    return (image_size // patch_size) ** 2 + 1
 
 
 def num_labels(spec: ModelSpec) -> int:
@@ -28,26 +25,25 @@ def num_labels(spec: ModelSpec) -> int:
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg = spec.config
-    h, heads = spec.hidden, spec.heads
-    head_dim = spec.head_dim or h // heads
-    attn = Attn(heads=heads, kv_heads=spec.kv_heads or heads, head_dim=head_dim, v_head_dim=head_dim,
+    cfg, shape = spec.config, model_shape(spec)
+    h, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
+    attn = Attn(heads=heads, kv_heads=shape.kv_heads, head_dim=head_dim, v_head_dim=head_dim,
                 causal=False, rope=False, dropout=get_float(cfg, "attention_probs_dropout_prob"))
-    ffn = Ffn(kind="plain", intermediate=spec.intermediate or 4 * h, act_saves=act_saves(cfg, "gelu"),
+    ffn = Ffn(kind="plain", intermediate=shape.intermediate or 4 * h, act_saves=act_saves(cfg, "gelu"),
               dropout=get_float(cfg, "hidden_dropout_prob"))
     lins = encoder_linears(h, attn, ffn)
     qkv_bias = cfg.get("qkv_bias", True) is not False
     biases = sum(lin.d_out for lin in lins if qkv_bias or lin.role not in ("q", "k", "v"))
-    group = LayerGroup(name="encoder", count=spec.layers, linears=lins, attn=attn, ffn=ffn,
+    group = LayerGroup(name="encoder", count=shape.layers, linears=lins, attn=attn, ffn=ffn,
                        norm="layernorm", small_params=biases + 2 * 2 * h)
     labels = num_labels(spec)
-    patch, size = spec.patch_size or 16, spec.image_size or 224
-    embed = spec.num_channels * patch * patch * h + h + h + tokens(size, patch) * h
+    patch, size = shape.patch_size, shape.image_size
+    embed = spec.num_channels * patch * patch * h + h + h + vit_tokens(size, patch) * h
     head = Head(kind="cls", classes=labels,
                 linears=(Linear("classifier", "head", h, labels, tp=False, lora=False),),
                 small_params=labels)
     arch = Arch(
-        family=spec.family, name=spec.name, hidden=h, vocab=0, groups=(group,), head=head,
+        shape=shape, groups=(group,), head=head,
         embed_params=embed, norm="layernorm", final_norm_params=2 * h,
         embed_dropout=ffn.dropout,
     )

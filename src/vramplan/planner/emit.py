@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramplan.errors import PlanError
+from vramplan.models.shape import tokens
 from vramplan.units import GiB
 from vramplan.workload import Checkpointing, Optimizer, OptimizerImpl, Peft, Precision, Workload
 
@@ -67,7 +68,7 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
     w = plan.workload
     p = w.parallel
     cfg: dict[str, Any] = {
-        "train_batch_size": w.batch * w.grad_accum * p.dp,
+        "train_batch_size": tokens(w).global_batch,
         "train_micro_batch_size_per_gpu": w.batch,
         "gradient_accumulation_steps": w.grad_accum,
         "gradient_clipping": 1.0,

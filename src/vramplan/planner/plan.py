@@ -19,6 +19,7 @@ from typing import Any
 
 from vramplan.errors import PlanError, VramplanError
 from vramplan.hardware.gpu import GPU
+from vramplan.models.shape import samples_per_rank
 from vramplan.models.spec import ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.runtime import StepTime, step_time
@@ -136,8 +137,9 @@ class PlanBuilder:
     def baseline(self, global_batch: int | None) -> Plan:
         """The user's workload (at the global batch, when one is given)."""
         w = for_gpu(self.w, self.gpu)
-        if global_batch is not None and global_batch % (w.parallel.dp * w.batch) == 0:
-            w = w.replace(grad_accum=global_batch // (w.parallel.dp * w.batch))
+        per_rank = samples_per_rank(global_batch, w.parallel.dp) if global_batch is not None else None
+        if per_rank is not None and per_rank % w.batch == 0:
+            w = w.replace(grad_accum=per_rank // w.batch)
         r = self.screen.report(w)
         return self.make(Candidate(w, w.parallel.world_size), r)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from vramplan.errors import PlanError, VramplanError
 from vramplan.hardware.gpu import GPU
 from vramplan.hardware.target import supports_bf16, supports_fp8
+from vramplan.models.shape import samples_per_rank, tokens
 from vramplan.workload import (
     Attention,
     Checkpointing,
@@ -122,8 +123,8 @@ def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str,
 
 def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
     if global_batch is None:
-        return w.batch * w.grad_accum
-    return global_batch // dp if global_batch % dp == 0 else None
+        return tokens(w).samples_per_step
+    return samples_per_rank(global_batch, dp)
 
 
 def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool,

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 
 from vramplan.hardware.gpu import GPU
+from vramplan.models.shape import ModelShape, tokens
 from vramplan.precision import precision_model
 from vramplan.workload import Checkpointing, Peft, Task, Workload
 
 from .rates import Efficiency
-from .shape import Shape
 
 _PCIE_X16 = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9, 6: 121.0e9}
 """Nominal PCIe x16 bandwidth per direction, bytes/s (PCI-SIG)."""
@@ -98,7 +98,7 @@ class CommTime:
 
 
 def communication(
-    s: Shape, w: Workload, gpu: GPU, *, trainable: int, base_bytes_per_param: float,
+    s: ModelShape, w: Workload, gpu: GPU, *, trainable: int, base_bytes_per_param: float,
     t_microbatch: float, t_backward: float, decode_tokens: int = 0, eff: Efficiency,
 ) -> CommTime:
     """Communication of one step on one rank.
@@ -151,12 +151,12 @@ def communication(
         link = link_for(gpu, p.tp, p.tp > eff.gpus_per_node, eff)
         layers = s.layers / p.pp
         if w.task is Task.GENERATE:
-            act = w.batch * w.seq * s.hidden * cb / p.cp
+            act = float(tokens(w).per_rank * s.hidden * cb)
             per = 2 * layers * all_reduce(act, p.tp, link, eff)
             tok = 2 * layers * all_reduce(w.batch * s.hidden * cb, p.tp, link, eff)
             t = per + decode_tokens * tok
         else:
-            act = w.batch * w.seq * s.hidden * cb / p.cp
+            act = float(tokens(w).per_rank * s.hidden * cb)
             count = 2.0
             if w.task is Task.TRAIN:
                 count += 2.0
@@ -169,7 +169,7 @@ def communication(
 
     if p.pp > 1:
         link = link_for(gpu, 2, nodes_span, eff)
-        act = w.batch * w.seq * s.hidden * cb / (p.tp * p.cp)
+        act = tokens(w).per_rank * s.hidden * cb / p.tp
         passes = 2 if w.task is Task.TRAIN else 1
         t = m * passes * act / link.bandwidth
         total += t
@@ -177,7 +177,7 @@ def communication(
 
     if p.cp > 1:
         link = link_for(gpu, p.cp, nodes_span, eff)
-        kv = w.batch * (w.seq / p.cp) * s.kv_elems * cb * s.layers / p.pp
+        kv = tokens(w).per_rank * s.kv_elems * cb * s.layers / p.pp
         passes = 3 if w.task is Task.TRAIN else 1
         t = m * passes * (p.cp - 1) * kv / link.bandwidth
         total += t
@@ -186,8 +186,7 @@ def communication(
 
     if p.ep > 1 and s.n_experts:
         link = link_for(gpu, p.ep, nodes_span, eff)
-        tokens = w.batch * w.seq / p.cp
-        vol = tokens * s.experts_per_token * s.hidden * cb * (p.ep - 1) / p.ep
+        vol = tokens(w).per_rank * s.experts_per_token * s.hidden * cb * (p.ep - 1) / p.ep
         passes = 4 if w.task is Task.TRAIN else 2
         t = m * passes * (s.layers / p.pp) * (vol / link.bandwidth + eff.collective_latency)
         total += t

@@ -14,15 +14,16 @@ from typing import Any
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
+from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layout_of, train_flops
+from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape, tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
 
+from .adapters import adapter_params
 from .comm import communication
-from .flops import StepFlops, decode_flops, forward_flops, train_flops
 from .offload import offload_time
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
-from .shape import SEQUENCE_FAMILIES, Shape, adapter_params, shape_of, tokens_per_sample
 from .traffic import (
     activation_bytes,
     cast_bytes,
@@ -115,24 +116,15 @@ def step_time(
                 hint="use `method=trace`",
             )
     if spec is not None and spec.family in SEQUENCE_FAMILIES:
-        s = shape_of(spec)
+        s = model_shape(spec)
     else:
-        s = _opaque_shape(params or (spec.params if spec else 0))
+        s = opaque_shape(spec.name if spec else "model", params or (spec.params if spec else 0))
     if params:
         s = _with_params(s, params)
     return _StepModel(spec, s, w, gpu, flops, trainable_params, eff).run()
 
 
-def _opaque_shape(params: int) -> Shape:
-    """A model known only by its parameter count (FLOPs come from a trace)."""
-    return Shape(
-        params=params, active_params=params, matmul_params=params, head_params=0, layers=0, hidden=0,
-        heads=1, kv_heads=1, qk_dim=0, v_dim=0, ffn=0, vocab=0, causal=False, sliding_window=None,
-        sliding_layers=0, kv_elems=0, n_experts=0, experts_per_token=0,
-    )
-
-
-def _with_params(s: Shape, params: int) -> Shape:
+def _with_params(s: ModelShape, params: int) -> ModelShape:
     if params == s.params:
         return s
     from dataclasses import replace
@@ -143,7 +135,7 @@ def _with_params(s: Shape, params: int) -> Shape:
 class _StepModel:
     """One evaluation; split into methods per task so each stays short."""
 
-    def __init__(self, spec: ModelSpec | None, s: Shape, w: Workload, gpu: GPU,
+    def __init__(self, spec: ModelSpec | None, s: ModelShape, w: Workload, gpu: GPU,
                  flops: float | None, trainable: int | None, eff: Efficiency) -> None:
         self.spec, self.s, self.w, self.gpu, self.eff = spec, s, w, gpu, eff
         self.traced_flops = flops
@@ -152,16 +144,18 @@ class _StepModel:
         p = w.parallel
         self.split = p.tp * p.pp * p.cp
         self.notes: list[str] = [n for n in (self.rate.note,) if n]
-        self.seq = tokens_per_sample(spec, w) if spec is not None else w.seq
+        self.tokens = tokens(w, s.tokens_per_sample(w) if spec is not None else w.seq)
+        self.seq = self.tokens.per_sample
         self.sequence_model = spec is not None and spec.family in SEQUENCE_FAMILIES
         self.text_model = self.sequence_model and spec is not None and spec.family is not Family.VIT
         """Reports tokens per second (ViTs and CNNs report samples)."""
         self.adapters = 0
         if w.peft is not Peft.NONE:
-            self.adapters = adapter_params(spec, w) if spec is not None and spec.hidden else (trainable or 0)
+            self.adapters = adapter_params(s, w) if spec is not None and spec.hidden else (trainable or 0)
         if trainable is None:
             trainable = self.adapters if w.peft is not Peft.NONE else s.params
         self.trainable = trainable
+        self.layout = layout_of(s, adapters=self.adapters, trains_base=w.peft is Peft.NONE)
 
     # -- helpers -------------------------------------------------------------------
     def _efficient_rate(self, tokens: float) -> float:
@@ -193,10 +187,10 @@ class _StepModel:
             per_mb = self.traced_flops / w.grad_accum * self.split
             f = StepFlops(per_mb / 3, per_mb * 2 / 3)
         else:
-            f = train_flops(s, w, b, seq, self.adapters)
+            f = train_flops(self.layout, w, b, seq)
         fwd_b, bwd_b, rec_b, cast_b = train_bytes(s, w, b, seq, self.trainable)
         mb = self._phase(f.total / self.split, (fwd_b + bwd_b + rec_b) / self.split, cast_b / self.split,
-                         b * seq / p.cp)
+                         self.tokens.per_rank)
         t_mb = mb.total
         t_bwd = t_mb * f.backward / max(f.total, 1.0)
         m = w.grad_accum
@@ -231,18 +225,18 @@ class _StepModel:
             self.notes.append(
                 f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
             )
-        tokens = b * seq * m * p.dp if self.text_model else 0
+        tokens = self.tokens.global_tokens if self.text_model else 0
         return self._result(
             total=busy + t_opt + comm.exposed + off.exposed, compute=m * mb.t_c, memory=m * mb.t_mem + t_opt,
             comm=comm, off=off, bubble=bubble, contrib=contrib, flops=m * f.total / self.split,
             bytes_moved=m * (fwd_b + bwd_b + rec_b + cast_b) / self.split + opt_bytes,
-            tokens=tokens, samples=b * m * p.dp,
+            tokens=tokens, samples=self.tokens.global_batch,
         )
 
     def _forward(self, b: int, seq: int) -> tuple[float, float, float]:
         """(flops, overlappable bytes, serial cast bytes) of an inference forward, per GPU."""
         w, s = self.w, self.s
-        flops = forward_flops(s, w, b, seq)
+        flops = forward_flops(self.layout, w, b, seq)
         touched = touched_params(s, b * seq)
         read = touched * matmul_weight_bytes(w) + activation_bytes(s, w, b, seq, training=False)
         return flops / self.split, read / self.split, touched * cast_bytes(w) / self.split
@@ -253,14 +247,14 @@ class _StepModel:
         flops, read, cast = self._forward(b, seq)
         if self.traced_flops is not None:
             flops = self.traced_flops
-        ph = self._phase(flops, read, cast, b * seq / p.cp)
+        ph = self._phase(flops, read, cast, self.tokens.per_rank)
         comm = communication(self.s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),
                              t_microbatch=ph.total, t_backward=0.0, eff=self.eff)
         bubble = (p.pp - 1) / p.pp * ph.total if p.pp > 1 else 0.0
         contrib = {"compute": ph.compute_part, "memory": ph.memory_part + bubble,
                    "communication": comm.exposed, "offload": 0.0}
         self.notes += list(comm.notes)
-        tokens = b * seq * p.dp if self.text_model else 0
+        tokens = self.tokens.micro_batch * p.dp if self.text_model else 0
         return self._result(total=ph.total + bubble + comm.exposed, compute=ph.t_c, memory=ph.t_mem, comm=comm,
                             off=None, bubble=bubble, contrib=contrib, flops=flops, bytes_moved=read + cast,
                             tokens=tokens, samples=b * p.dp)
@@ -270,10 +264,12 @@ class _StepModel:
             return self._infer()
         w, s, p = self.w, self.s, self.w.parallel
         b, seq, n = w.batch, self.seq, w.new_tokens
-        pre_flops, pre_read, pre_cast = self._forward(b, seq)
-        pre = self._phase(pre_flops, pre_read, pre_cast, b * seq / p.cp)
+        _, pre_read, pre_cast = self._forward(b, seq)
+        prefill, decode = generate_flops(self.layout, w, seq)
+        pre_flops = prefill / self.split
+        pre = self._phase(pre_flops, pre_read, pre_cast, self.tokens.per_rank)
         ctx = seq + (n + 1) / 2  # mean context over the decode steps
-        dec_flops = decode_flops(s, w, b, ctx) / self.split
+        dec_flops = decode / max(n, 1) / self.split  # the mean decode step
         dec_read, dec_cast = decode_bytes(s, w, b, ctx, _kv_bytes(w))
         dec = self._phase(dec_flops, dec_read / self.split, dec_cast / self.split, b)
         comm = communication(s, w, self.gpu, trainable=0, base_bytes_per_param=self._gathered_bytes(),

@@ -6,10 +6,9 @@ batches) from a compute-bound one. Per-element costs are stated next to each ter
 
 from __future__ import annotations
 
+from vramplan.models.shape import ModelShape
 from vramplan.precision import precision_model
 from vramplan.workload import Attention, Checkpointing, Optimizer, OptimizerImpl, Quant, Workload
-
-from .shape import Shape
 
 _QUANT_STORAGE = {Quant.INT8: 1.0, Quant.INT4: 0.5625, Quant.NF4: 0.5625, Quant.FP8: 1.0}
 """Stored bytes per quantised weight (4-bit: 0.5 + blockwise absmax, bitsandbytes)."""
@@ -51,7 +50,7 @@ def decode_weight_bytes(w: Workload, batch: int) -> tuple[float, float]:
     return matmul_weight_bytes(w), cast_bytes(w)
 
 
-def touched_params(s: Shape, tokens: int) -> float:
+def touched_params(s: ModelShape, tokens: int) -> float:
     """Parameters whose weights a micro-batch of ``tokens`` reads (MoE: experts hit)."""
     if not s.n_experts or not s.experts_per_token or s.params <= s.active_params:
         return float(s.active_params)
@@ -62,19 +61,19 @@ def touched_params(s: Shape, tokens: int) -> float:
     return dense + experts * hit
 
 
-def activation_bytes(s: Shape, w: Workload, batch: int, seq: int, *, training: bool) -> float:
+def activation_bytes(s: ModelShape, w: Workload, batch: int, seq: int, *, training: bool) -> float:
     """Forward activation traffic of one micro-batch (elementwise ops, eager scores, logits)."""
     tokens = batch * seq
     cb = precision_model(w).compute
     total = float(tokens) * s.layers * (_PER_HIDDEN * s.hidden + _PER_FFN * s.ffn) * cb
     if w.attention is Attention.EAGER:  # scores written, softmax (fp32) read/written, read
         total += float(s.layers) * batch * s.heads * seq * seq * (3 * cb + 4)
-    if s.vocab:
-        total += float(tokens) * s.vocab * (cb + 8 if training else cb)  # fp32 CE upcast
+    if s.lm_vocab:
+        total += float(tokens) * s.lm_vocab * (cb + 8 if training else cb)  # fp32 CE upcast
     return total
 
 
-def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float, float]:
+def train_bytes(s: ModelShape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float, float]:
     """(forward, backward, recompute, serial cast) bytes of one training micro-batch on one
     replica. The backward reuses the forward's cast copies (saved for backward)."""
     tokens = batch * seq
@@ -100,7 +99,7 @@ def train_bytes(s: Shape, w: Workload, batch: int, seq: int, trainable: int) -> 
     return fwd, bwd, rec, passes * touched * cast_bytes(w)
 
 
-def decode_bytes(s: Shape, w: Workload, batch: int, context: float, kv_bytes: float) -> tuple[float, float]:
+def decode_bytes(s: ModelShape, w: Workload, batch: int, context: float, kv_bytes: float) -> tuple[float, float]:
     """(overlappable, serial cast) bytes to generate one token: the weights once, plus
     every sequence's KV cache."""
     read, cast = decode_weight_bytes(w, batch)

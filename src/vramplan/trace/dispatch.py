@@ -31,7 +31,6 @@ from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values, uniform_co
 from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
-from .tensor_parallel import is_dtensor_type
 from .values import SHADOW_LIMIT, Values, to_cpu_args
 from .where import user_frame
 
@@ -93,6 +92,19 @@ _BACKWARD = PHASE_INDEX[Phase.BACKWARD]
 _RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
 _OPTIMIZER = PHASE_INDEX[Phase.OPTIMIZER]
 _current_node = torch._C._current_autograd_node
+_META_DEVICE = torch.device("meta")
+_REDISPATCHING: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False}
+
+
+def _redispatching(t: type) -> bool:
+    """Whether ``t`` is a wrapper subclass that unwraps to local tensors and runs the op on
+    them (DTensor: ``torch.distributed.tensor``); other subclasses (FakeTensor, used by
+    DTensor's sharding propagation) are handled as before."""
+    hit = _REDISPATCHING.get(t)
+    if hit is None:
+        hit = _REDISPATCHING[t] = any(c.__module__.startswith("torch.distributed.tensor") and c.__name__ == "DTensor"
+                                      for c in t.__mro__)
+    return hit
 
 
 def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
@@ -131,7 +143,6 @@ class TraceMode(TorchDispatchMode):
         value could steer what is allocated); a number answers every such read (``vramplan run``:
         scripts log losses and gradient norms)."""
         self._blas_seen: set[tuple[int, int]] = set()
-        self._defer: dict[Any, bool] = {}
         self._op_ids: dict[Any, int] = {}
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
@@ -144,14 +155,17 @@ class TraceMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        defer = self._defer.get(types)
-        if defer is None:
-            defer = self._defer[types] = any(is_dtensor_type(t) for t in types)
-        if defer:
-            # a DTensor op: DTensor's own dispatch runs it on the local shards, whose ops come
-            # back to this mode (as FakeTensorMode lets tensor subclasses go first)
-            return NotImplemented
+        for t in types:
+            if t is not torch.Tensor and _redispatching(t):
+                # a tensor subclass (DTensor): it unwraps to plain tensors and redispatches,
+                # and the mode records those (returning NotImplemented hands the op to it)
+                return NotImplemented
         kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and getattr(dev, "type", None) == "cuda":
+            # a CUDA factory call that reached dispatch without the function mode (which does
+            # not follow autograd into its thread: FSDP2 all-gathers from backward hooks)
+            kwargs = {**kwargs, "device": _META_DEVICE}
         rec = self.rec
         op = self._op_ids.get(func)
         if op is None:

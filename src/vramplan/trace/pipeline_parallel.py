@@ -121,6 +121,22 @@ def static_warmup() -> Iterator[None]:
         base._warmup_p2p = orig  # type: ignore[attr-defined]
 
 
+def p2p_on_meta() -> None:
+    """Let the fake process group serve sends and receives of ``meta`` tensors: batched P2P
+    (``dist.batch_isend_irecv``, the schedules' transport) asks the group for the backend of
+    the tensors' device, and the trace's device tensors are ``meta``."""
+    import torch.distributed as dist
+
+    pg: Any = dist.distributed_c10d._get_default_group()
+    meta = torch.device("meta")
+    with contextlib.suppress(RuntimeError):
+        pg._get_backend(meta)
+        return
+    cuda = torch.device("cuda")
+    pg._register_backend(meta, pg._get_backend_type(cuda) if hasattr(pg, "_get_backend_type")
+                         else dist.ProcessGroup.BackendType.CUSTOM, pg._get_backend(cuda))
+
+
 def make_runner(stage_mod: nn.Module, spec: StageSpec, *, micro: int, microbatches: int, seq: int, hidden: int,
                 vocab: int, act_dtype: torch.dtype, out_dtype: torch.dtype) -> Callable[[Any, Any], None]:
     """A step runner (``runner(sess, plan)``) that runs this stage's part of one 1F1B step."""

@@ -149,11 +149,38 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 self.track(t, cat)
 
+    def resized(self, st: Any, nbytes: int) -> None:
+        """A tracked storage was resized in place (``UntypedStorage.resize_``, as FSDP frees
+        and re-allocates unsharded parameters): the old bytes are freed, the new allocated
+        under a new id (an untracked storage is tracked from here)."""
+        key = st._cdata
+        entry = self.live.get(key)
+        if entry is None:
+            if nbytes > 0:
+                eid = self._next_id
+                self._next_id += 1
+                idx = self._emit(0, eid, nbytes, UNDECIDED, self.intern(f"storage[{nbytes}]"))
+                self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
+            return
+        if entry[2] == nbytes:
+            return
+        cat = self._cat[entry[1]]
+        if entry[0]:
+            self._emit(1, entry[0], 0, cat)
+        if nbytes > 0:
+            eid = self._next_id
+            self._next_id += 1
+            entry[0], entry[1] = eid, self._emit(0, eid, nbytes, cat, self._desc[entry[1]])
+        else:
+            entry[0] = 0
+        entry[2] = nbytes
+
     def _freed(self, key: int, _ref: object) -> None:
         rec = self.live.pop(key, None)
         if rec is None or not self.active:
             return
-        self._emit(1, rec[0], 0, self._cat[rec[1]])
+        if rec[0]:  # (0: resized to nothing, already freed)
+            self._emit(1, rec[0], 0, self._cat[rec[1]])
         for cb in self.on_free:
             cb(key)
 

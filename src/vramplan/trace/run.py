@@ -24,7 +24,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Peft, Quant, Task, Workload
-from . import analysis, context_parallel, features, pipeline_parallel, tensor_parallel
+from . import analysis, context_parallel, dist, features, pipeline_parallel, tensor_parallel
 from .construct import fake_construction
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -93,6 +93,10 @@ def trace_model(
     if optimizer is not None and not callable(optimizer):
         raise TraceError(f"optimizer must be a function params -> torch.optim.Optimizer, got {optimizer!r}")
     parallel = _parallel_notes(workload)
+    if workload.parallel.pp > 1 or workload.parallel.cp > 1:
+        raise TraceError("pipeline and context parallelism are traced for catalog models (`vramplan estimate`), "
+                         "whose layers and inputs vramplan lays out; a model passed in is traced on one GPU or "
+                         "one tensor-parallel rank", hint="drop `pp`/`cp`, or use `method=analytic` on a catalog model")
     model, notes = _materialize(model_or_factory)
     notes += parallel
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
@@ -162,7 +166,8 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
         runner = pipeline_parallel.make_runner(
             stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
             vocab=spec.vocab, act_dtype=act, out_dtype=out)
-        with tensor_parallel.fake_world(pp, (pp,), ("pp",), rank=rank):
+        with dist.fake_world(dist.World((("pp", pp),), rank=rank)):
+            pipeline_parallel.p2p_on_meta()
             prepared = _prepare(stage_mod, ((), {}), w, list(notes or ()), f"{spec.name} stage {rank}", device)
             prepared.params = prepared.trainable = params
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
@@ -225,8 +230,7 @@ def parallel_world(w: Workload) -> Iterator[Any]:
     if tp == 1 and cp == 1:
         yield None
         return
-    size, name = (tp, "tp") if tp > 1 else (cp, "cp")
-    with tensor_parallel.fake_world(size, (size,), (name,)) as mesh:
+    with dist.fake_world(dist.world_of(tp=tp, cp=cp)) as mesh:
         yield mesh
 
 

@@ -71,9 +71,9 @@ class TraceSession:
         for mod in model.modules():
             rec.module = self.modules.name_of(mod)
             for p in mod.parameters(recurse=False):
-                rec.track(p, int(Category.PARAMETER))
+                rec.relabel(local_tensor(p), Category.PARAMETER)
             for b in mod.buffers(recurse=False):
-                rec.track(b, int(Category.BUFFER))
+                rec.relabel(local_tensor(b), Category.BUFFER)
         rec.module = 0
 
     def add_inputs(self, tensors: Iterable[Any]) -> None:
@@ -124,7 +124,7 @@ class TraceSession:
     def label_tensors(self, tensors: Iterable[Any], cat: Category) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                self.rec.relabel(t, cat)
+                self.rec.relabel(local_tensor(t), cat)
 
     def label_grads(self, params: Iterable[nn.Parameter]) -> None:
         self.label_tensors((p.grad for p in params if p.grad is not None), Category.GRADIENT)
@@ -137,6 +137,13 @@ class TraceSession:
 
     def label_cache(self, cache: Any) -> None:
         self.label_tensors(cache_tensors(cache), Category.KV_CACHE)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 / tensor-parallel parameters, gradients and
+    optimizer states); a plain tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:

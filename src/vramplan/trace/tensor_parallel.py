@@ -41,7 +41,6 @@ sequence after PrepareModuleInput's all-gather, as in torchtitan).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,28 +205,3 @@ def loss_parallel() -> contextlib.AbstractContextManager[Any]:
     from torch.distributed.tensor.parallel import loss_parallel as region
 
     return region()
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], rank: int = 0) -> Iterator[Any]:
-    """Rank ``rank`` (default 0) of a ``world_size`` process group on PyTorch's fake backend
-    (``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is
-    communicated) and a CPU ``DeviceMesh`` over it; the group is destroyed on exit."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise TraceError("a torch.distributed process group is already initialised in this process",
-                         hint="trace parallel layouts from a process that has not called init_process_group")
-    # (meta: the traced tensors; batched P2P asks the backend of the tensors' device)
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    finally:
-        dist.destroy_process_group()
-
-
-def is_dtensor_type(t: type) -> bool:
-    """``t`` is DTensor (or a subclass), told without importing torch.distributed."""
-    return t.__module__.startswith("torch.distributed.tensor")

@@ -1,0 +1,402 @@
+"""One rank of a distributed job, traced alone on PyTorch's fake process group.
+
+PyTorch ships a process group that does not communicate
+(``torch/testing/_internal/distributed/fake_pg.py``: ``FakeStore`` + backend ``"fake"``,
+backed by ``c10d::FakeProcessGroup``): every collective returns at once and leaves its
+output untouched, so the real FSDP2 / DDP / DTensor code of rank ``r`` of a world of ``W``
+runs in this one process. Collective *outputs* are allocated by the caller (FSDP2's
+``all_gather_copy_in`` / ``foreach_reduce``, DDP's buckets) with ordinary factory calls
+before the collective is issued, so on our ``meta`` tensors they become ALLOC events like
+any other storage — exactly as NCCL's outputs go through the caching allocator.
+
+What this module adds to a :class:`~vramplan.trace.session.TraceSession`:
+
+- :func:`fake_world` initialises the fake process group (rank ``r`` of ``W``) and a
+  ``DeviceMesh`` of device type ``"cuda"`` with named dims (``dp``, ``tp``, ``pp``, ``cp``…),
+  and tears both down afterwards (process group destroyed, mesh caches cleared) so that
+  traces repeat in one process. The world size is a number only: rank 0 of 8 and of 1,024
+  cost the same (no per-rank state is built beyond the mesh's own groups).
+- :func:`emulated_streams` answers ``torch.cuda.Stream/Event/current_stream/stream`` with
+  stand-ins: entering ``torch.cuda.stream(s)`` sets the recorder's stream, so storages that
+  FSDP2 allocates on its all-gather / reduce-scatter streams carry that stream id and the
+  allocator replay gives them their own pools (``CUDACachingAllocator.cpp``: one pool per
+  stream). Waits and events are no-ops (a trace is one serial order of the host program).
+- :func:`recorded_resizes` turns ``UntypedStorage.resize_`` on ``meta`` storages into FREE /
+  ALLOC events: FSDP2 allocates and frees its unsharded parameters by resizing their storage
+  (``_fsdp_param.py``: ``alloc_storage`` / ``free_storage``, torch ≥ 2.4), FSDP1 did the same.
+
+The ``"fake"`` backend and ``FakeStore`` exist from torch 2.1; ``DeviceMesh`` skips device
+set-up for it from 2.6 — older versions get our ``torch.cuda`` answers instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import TraceError
+from .recorder import Recorder
+
+MESH_DIMS = ("pp", "dp_replicate", "dp", "cp", "tp", "ep")
+"""Known mesh dimension names, outermost first (torchtitan's order: pp, dp_replicate,
+dp_shard, cp, tp)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The emulated world: rank ``rank`` of ``size`` ranks, laid out as a named mesh."""
+
+    dims: tuple[tuple[str, int], ...]
+    """(name, size) per mesh dimension, outermost first; sizes multiply to the world size."""
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dims:
+            raise TraceError("a distributed trace needs at least one mesh dimension")
+        for name, n in self.dims:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise TraceError(f"mesh dimension `{name}` must be a positive integer, got {n!r}")
+        names = [d for d, _ in self.dims]
+        if len(set(names)) != len(names):
+            raise TraceError(f"mesh dimension names repeat: {names}")
+        if not 0 <= self.rank < self.size:
+            raise TraceError(f"rank {self.rank} is outside a world of {self.size} ranks",
+                             hint=f"use a rank from 0 to {self.size - 1}")
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for _, k in self.dims:
+            n *= k
+        return n
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(k for _, k in self.dims)
+
+    def dim(self, name: str) -> int:
+        """Size of dimension ``name`` (1 if the mesh has none)."""
+        for d, k in self.dims:
+            if d == name:
+                return k
+        return 1
+
+
+def world_of(**sizes: int) -> World:
+    """A world from named sizes in :data:`MESH_DIMS` order; dims of size 1 are dropped
+    (except that a world of one GPU keeps ``dp=1``)."""
+    unknown = set(sizes) - set(MESH_DIMS)
+    if unknown:
+        raise TraceError(f"unknown mesh dimension(s) {sorted(unknown)}", hint=f"use {', '.join(MESH_DIMS)}")
+    dims = tuple((d, sizes[d]) for d in MESH_DIMS if d in sizes and sizes[d] != 1)
+    return World(dims or (("dp", 1),))
+
+
+def check_torch() -> None:
+    """Refuse clearly where this torch cannot run a fake world."""
+    if not torch.distributed.is_available():
+        raise TraceError(f"torch {torch.__version__} was built without torch.distributed",
+                         hint="install a torch build with distributed support (the PyPI wheels have it)")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as e:
+        raise TraceError(f"torch {torch.__version__} has no fake process group / DeviceMesh ({e})",
+                         hint="tracing a parallel layout needs torch >= 2.4; `method=analytic` works without") from None
+
+
+# --------------------------------------------------------------------------- the world
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def fake_world(world: World) -> Iterator[Any]:
+    """Initialise the fake process group and a ``"cuda"`` ``DeviceMesh`` for ``world``;
+    yields the mesh. Refuses when a process group is already initialised (a real job, or a
+    trace that did not clean up)."""
+    check_torch()
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not _lock.acquire(blocking=False):
+        raise TraceError("another distributed trace is running in this process",
+                         hint="trace parallel layouts one at a time")
+    try:
+        if dist.is_initialized():
+            raise TraceError("a torch.distributed process group is already initialised in this process",
+                             hint="trace parallel layouts in a process that has not called init_process_group")
+        with _cuda_device_queries():
+            dist.init_process_group("fake", store=FakeStore(), rank=world.rank, world_size=world.size)
+            try:
+                mesh = init_device_mesh("cuda", world.shape, mesh_dim_names=world.names)
+                yield mesh
+            finally:
+                _teardown()
+    finally:
+        _lock.release()
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with contextlib.suppress(Exception):  # mesh caches (names vary across torch versions)
+        from torch.distributed.device_mesh import _mesh_resources
+
+        for attr in ("mesh_stack", "child_to_root_mapping", "child_to_parent_mapping", "root_to_flatten_mapping",
+                     "flatten_name_to_root_dims", "mesh_dim_group_options"):
+            v: Any = getattr(_mesh_resources, attr, None)
+            if hasattr(v, "clear"):
+                v.clear()
+
+
+@contextlib.contextmanager
+def _cuda_device_queries() -> Iterator[None]:
+    """``torch.cuda`` device queries answered for one visible GPU (``DeviceMesh`` / FSDP read
+    ``current_device()``; torch < 2.6 also set the device for the fake backend)."""
+    cuda = torch.cuda
+    patches = {
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "is_initialized": lambda: True,
+        "device_count": lambda: 1,
+    }
+    saved = {k: getattr(cuda, k) for k in patches}
+    for k, v in patches.items():
+        setattr(cuda, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cuda, k, v)
+
+
+# --------------------------------------------------------------------------- streams
+class FakeStream:
+    """Stands in for ``torch.cuda.Stream``: an id the recorder stamps on allocations."""
+
+    def __init__(self, sid: int, name: str = "") -> None:
+        self.stream_id = sid
+        self.name = name
+        self.device = torch.device("cuda", 0)
+        self.device_index = 0
+        self.device_type = 1  # DeviceType.CUDA
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> FakeEvent:
+        ev = event if isinstance(event, FakeEvent) else FakeEvent()
+        ev.record(self)
+        return ev
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(("FakeStream", self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<emulated cuda stream {self.stream_id}{' ' + self.name if self.name else ''}>"
+
+
+class FakeEvent:
+    """Stands in for ``torch.cuda.Event`` (the trace is one serial order: nothing to wait for)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.stream: FakeStream | None = None
+
+    def record(self, stream: Any = None) -> FakeEvent:
+        self.stream = stream if isinstance(stream, FakeStream) else None
+        return self
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class StreamTable:
+    """The emulated streams of one trace: stream 0 is the default (compute) stream."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.streams: list[FakeStream] = [FakeStream(0, "default")]
+
+    def new(self, name: str = "") -> FakeStream:
+        s = FakeStream(len(self.streams), name)
+        self.streams.append(s)
+        return s
+
+    def current(self) -> FakeStream:
+        sid = self.rec.stream
+        return self.streams[sid] if 0 <= sid < len(self.streams) else self.streams[0]
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        rec = self.rec
+        saved = rec.stream
+        if isinstance(stream, FakeStream):
+            rec.stream = stream.stream_id
+        try:
+            yield
+        finally:
+            rec.stream = saved
+
+
+@contextlib.contextmanager
+def emulated_streams(rec: Recorder) -> Iterator[StreamTable]:
+    """Patch ``torch.cuda``'s stream and event API (see the module docstring)."""
+    table = StreamTable(rec)
+    cuda = torch.cuda
+
+    def make_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:
+        return table.new()
+
+    def stream_ctx(stream: Any = None) -> Any:
+        return table.use(stream)
+
+    patches: dict[str, Any] = {
+        "Stream": make_stream,
+        "Event": FakeEvent,
+        "current_stream": lambda device=None: table.current(),
+        "default_stream": lambda device=None: table.streams[0],
+        "stream": stream_ctx,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "is_initialized": lambda: True,
+    }
+    saved = {k: getattr(cuda, k) for k in patches}
+    # FSDP2 finds the device module from a tensor's device type (``_get_device_handle(
+    # t.device.type)`` = ``getattr(torch, type)``): our device tensors are ``meta``
+    had_meta = hasattr(torch, "meta")
+    meta_saved = getattr(torch, "meta", None)
+    torch.meta = types.SimpleNamespace(**patches, synchronize=lambda device=None: None)  # type: ignore[attr-defined]
+    acc = getattr(torch, "accelerator", None)
+    acc_saved = getattr(acc, "current_stream", None) if acc is not None else None
+    for k, v in patches.items():
+        setattr(cuda, k, v)
+    if acc is not None and acc_saved is not None:
+        acc.current_stream = lambda device=None: table.current()
+    try:
+        yield table
+    finally:
+        for k, v in saved.items():
+            setattr(cuda, k, v)
+        if acc is not None and acc_saved is not None:
+            acc.current_stream = acc_saved
+        if had_meta:
+            torch.meta = meta_saved  # type: ignore[attr-defined]
+        else:
+            del torch.meta  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- storage resizes
+@contextlib.contextmanager
+def recorded_resizes(rec: Recorder) -> Iterator[None]:
+    """``UntypedStorage.resize_`` of a ``meta`` storage becomes FREE (to 0) / ALLOC (from 0)."""
+    cls = torch.UntypedStorage
+    orig = cls.resize_
+
+    def resize_(self: Any, size: int) -> Any:
+        out = orig(self, size)
+        if self.device.type == "meta":
+            rec.resized(self, int(size))
+        return out
+
+    cls.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.resize_ = orig  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- FSDP on meta
+@contextlib.contextmanager
+def fsdp_on_meta() -> Iterator[None]:
+    """FSDP2 refuses to train parameters still on ``meta`` (``FSDPParamGroup.
+    _validate_no_meta_params``, raised at lazy init: "FSDP parameters should be materialized
+    from meta device before training"). On our trace device every tensor is ``meta`` and that
+    is the point, so the check is skipped while a trace runs (nothing else changes)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
+    except ImportError:  # torch < 2.6: FSDP2 lived in torch.distributed._composable.fsdp
+        try:
+            from torch.distributed._composable.fsdp import _fsdp_param_group as fpg  # type: ignore[no-redef,attr-defined]
+        except ImportError:
+            yield
+            return
+    cls = fpg.FSDPParamGroup
+    orig = getattr(cls, "_validate_no_meta_params", None)
+    if orig is None:
+        yield
+        return
+    cls._validate_no_meta_params = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls._validate_no_meta_params = orig  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- one rank
+@dataclass
+class RankContext:
+    """What a distributed trace hands to the code that lays the model out (FSDP, DDP, TP…)."""
+
+    world: World
+    mesh: Any
+    """The ``DeviceMesh`` (device type ``"cuda"``, dims named as ``world.dims``)."""
+    streams: StreamTable
+
+    def submesh(self, *names: str) -> Any:
+        """The mesh restricted to dims ``names`` (``mesh["dp"]``, ``mesh["dp", "tp"]``)."""
+        if names == self.world.names:
+            return self.mesh
+        missing = [n for n in names if n not in self.world.names]
+        if missing:
+            raise TraceError(f"the mesh has no dimension(s) {missing}; it has {list(self.world.names)}")
+        return self.mesh[names[0] if len(names) == 1 else names]
+
+
+@contextlib.contextmanager
+def rank_session(sess: Any, world: World) -> Iterator[RankContext]:
+    """Enter ``sess`` (a :class:`~vramplan.trace.session.TraceSession`, not yet entered) as
+    rank ``world.rank``: the fake world is set up first (outside the trace's modes, so the
+    mesh's own bookkeeping tensors are not recorded), then the session with emulated CUDA
+    streams, recorded storage resizes and FSDP on meta. All is undone at exit (the process
+    group destroyed), so a trace repeats in one process."""
+    with contextlib.ExitStack() as st:
+        mesh = st.enter_context(fake_world(world))
+        st.enter_context(sess)
+        streams = st.enter_context(emulated_streams(sess.rec))
+        st.enter_context(recorded_resizes(sess.rec))
+        st.enter_context(fsdp_on_meta())
+        yield RankContext(world=world, mesh=mesh, streams=streams)
