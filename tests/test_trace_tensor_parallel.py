@@ -60,6 +60,19 @@ def test_llama_tp8_states_equal_the_analytic_figures_exactly(name):
     assert t.model_states.weights == a.model_states.weights + _buffer_bytes(name)
 
 
+def test_a_tied_head_stays_tied_to_the_sharded_embedding():
+    spec = tiny_spec("qwen2.5-0.5b")  # tied embeddings, q/k/v biases
+    w = Workload(task="train", batch=1, seq=64, parallel=Parallel(tp=2))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.fallback is None
+    # ColwiseParallel shards the q/k/v biases, which the analytic method keeps whole: 2 layers x
+    # (64 + 32 + 32) / 2 fp32 elements fewer in the trace, nothing else apart
+    bias_half = 2 * (64 + 32 + 32) // 2 * 4
+    assert a.model_states.gradients - t.model_states.gradients == bias_half
+    assert a.model_states.optimizer - t.model_states.optimizer == 2 * bias_half
+
+
 def test_a_user_built_llama_is_sharded_too():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -160,9 +160,10 @@ def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime,
     (torch/distributed/tensor/_ops/_embedding_ops.py, ``embedding_dense_backward_strategy``,
     torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
     Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
-    ZeRO/FSDP sharding only, the layout the trace checks it on."""
+    ZeRO/FSDP sharding only, the layout the trace checks it on. A head tied to the embedding
+    adds its vocabulary-sharded gradient first, and the sum keeps that sharding."""
     p = w.parallel
-    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training):
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training) or arch.head.tied:
         return 0
     return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 

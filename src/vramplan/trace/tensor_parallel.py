@@ -111,6 +111,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
     )
 
     lay = find_layout(model)
+    mods = dict(model.named_modules())
+    tied = lay.head is not None and mods[lay.head].weight is mods[lay.embed].weight
     between = Shard(1) if sp else Replicate()
     root: dict[str, Any] = {
         lay.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
@@ -120,6 +122,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
     if lay.head is not None:
         root[lay.head] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, root)
+    if tied:
+        # each style swaps in its own sharded Parameter, which unties a tied head; both shard the
+        # vocabulary (Shard(0) of [vocab, hidden]), so the head takes the embedding's shard again
+        mods[lay.head].weight = mods[lay.embed].weight
     for block in lay.layers:
         plan: dict[str, Any] = {
             **{f"self_attn.{n}": ColwiseParallel() for n in ATTENTION[:3]},
