@@ -200,10 +200,13 @@ def _check_iterations(iterations: int) -> None:
 def _parallel_notes(w: Workload) -> list[str]:
     """Layouts the trace does not run yet are refused rather than misreported."""
     p = w.parallel
-    if p.ep > 1 or p.zero or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one GPU, a tensor- or context-parallel rank or pipeline stages; expert "
-                         "parallelism, ZeRO/FSDP sharding and offload are not traced",
-                         hint="use `method=analytic` for these parallel layouts")
+    if p.ep > 1:
+        raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
+                         "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
+                         "method divides the experts by `ep`", hint="use `method=analytic`")
+    if p.zero or p.offload_optimizer or p.offload_params:
+        raise TraceError("the trace runs one GPU, a tensor- or context-parallel rank or pipeline stages; ZeRO/FSDP "
+                         "sharding and offload are not traced", hint="use `method=analytic` for these parallel layouts")
     if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
         raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
                          "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
