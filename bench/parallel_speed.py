@@ -35,7 +35,8 @@ from vramplan.trace.testing import tiny_spec
 args = json.loads(sys.argv[2])
 par = Parallel(**args.pop("parallel"))
 w = Workload(**args, parallel=par)
-trace_workload(tiny_spec("llama-3.1-8b", layers=4), w.replace(seq=64 * par.cp))  # imports, first calls
+small = Parallel(tp=min(par.tp, 2), sp=par.sp, pp=min(par.pp, 2), cp=min(par.cp, 2))
+trace_workload(tiny_spec("llama-3.1-8b", layers=4), w.replace(seq=128, parallel=small))  # imports, first calls
 t = time.perf_counter()
 r = trace_workload(resolve(sys.argv[1]), w)
 dt = time.perf_counter() - t

@@ -105,7 +105,8 @@ def trace_model(
     root = type(model).__name__
     with parallel_world(workload) as mesh:
         if mesh is not None and workload.parallel.sp:
-            batch = (batch[0], tensor_parallel.position_ids(batch[1]))
+            kwargs, pos_shadows = tensor_parallel.position_ids(batch[1])
+            batch, shadows = (batch[0], kwargs), shadows + pos_shadows
         prepared = _prepare(model, batch, workload, notes, root, device, mesh)
         return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn,
                       shadows=shadows)
@@ -134,16 +135,17 @@ def trace_workload(
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
     with parallel_world(w) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
-            batch_kwargs = tensor_parallel.position_ids(batch_kwargs)
+            batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, mesh)
         if w.parallel.cp > 1:
             prepared.step_context = functools.partial(context_parallel.ring_attention, mesh, batch_kwargs)
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
-        return _trace(prepared, w, device, iterations, opts)
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows)
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,

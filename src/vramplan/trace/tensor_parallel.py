@@ -111,6 +111,13 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
     )
 
     lay = find_layout(model)
+    tp = mesh.size()
+    cfg = getattr(model, "config", None)
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(cfg, what, None)
+        if isinstance(n, int) and n % tp:
+            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
+                             hint="use a `tp` that divides the attention and key/value heads")
     mods = dict(model.named_modules())
     tied = lay.head is not None and mods[lay.head].weight is mods[lay.embed].weight
     between = Shard(1) if sp else Replicate()
@@ -145,7 +152,6 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
             })
         parallelize_module(block, mesh, plan)
     replicated = _replicate_rest(model, mesh)
-    tp = mesh.size()
     what = "tensor + sequence parallelism" if sp else "tensor parallelism"
     notes = [f"{what} traced as rank 0 of tp={tp}: PyTorch's parallelize_module with torchtitan's Llama plan "
              f"on {len(lay.layers)} decoder layers (q/k/v/gate/up column-, o/down row-sharded, embeddings "
@@ -195,14 +201,16 @@ def _replicate_own(name: str, mod: nn.Module, mesh: Any) -> None:
             mod.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
 
 
-def position_ids(batch_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The batch with explicit whole-sequence ``position_ids`` (see the module docstring)."""
+def position_ids(batch_kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The batch with explicit whole-sequence ``position_ids`` (see the module docstring), and
+    (meta tensor, values) shadows for them: transformers reads them (packed-sequence check)."""
     ids = batch_kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or "position_ids" in batch_kwargs:
-        return batch_kwargs
+        return batch_kwargs, []
     b, s = ids.shape[0], ids.shape[1]
-    pos = torch.arange(s, dtype=torch.long, device=ids.device).unsqueeze(0).expand(b, s)
-    return {**batch_kwargs, "position_ids": pos}
+    real = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+    pos = torch.empty(b, s, dtype=torch.long, device=ids.device)
+    return {**batch_kwargs, "position_ids": pos}, [(pos, real)]
 
 
 def loss_parallel() -> contextlib.AbstractContextManager[Any]:
