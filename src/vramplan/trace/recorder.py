@@ -49,6 +49,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    return any(c.__name__ == "FakeTensor" and c.__module__ == "torch._subclasses.fake_tensor" for c in type(t).__mro__)
+
+
 class Recorder:
     """Turns storage lifetimes into an :class:`EventLog` (columnar, interned strings)."""
 
@@ -130,6 +134,8 @@ class Recorder:
         """Record ``t``'s storage if new; returns its storage key (None if not a device tensor).
         A DTensor stands for this rank's shard: its local tensor is recorded."""
         if type(t) is not torch.Tensor:
+            if _is_fake(t):  # DTensor's sharding propagation runs ops on FakeTensors: no memory
+                return None
             t = local_tensor(t)
         if t.device.type != "meta":
             return None
