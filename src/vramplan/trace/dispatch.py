@@ -107,6 +107,17 @@ def _redispatching(t: type) -> bool:
     return hit
 
 
+_FAKE: dict[type, bool] = {torch.nn.Parameter: False}
+
+
+def _fake(t: type) -> bool:
+    hit = _FAKE.get(t)
+    if hit is None:
+        hit = _FAKE[t] = any(c.__name__ == "FakeTensor" and c.__module__ == "torch._subclasses.fake_tensor"
+                             for c in t.__mro__)
+    return hit
+
+
 def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
     """flash-attn 2 ``mha_bwd`` internals: softmax_d, dq_accum (fp32), and for GQA the
     expanded dk/dv (q dtype) that are summed into dk/dv afterwards."""
@@ -160,6 +171,9 @@ class TraceMode(TorchDispatchMode):
                 # a tensor subclass (DTensor): it unwraps to plain tensors and redispatches,
                 # and the mode records those (returning NotImplemented hands the op to it)
                 return NotImplemented
+            if t is not torch.Tensor and _fake(t):
+                # DTensor's sharding propagation runs ops on FakeTensors: shapes only, no memory
+                return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         dev = kwargs.get("device")
         if dev is not None and getattr(dev, "type", None) == "cuda":
