@@ -1,5 +1,7 @@
 """Planner speed against its targets:
 
+0. ``vramplan fit`` and ``vramplan plan`` on Llama-3.1-8B / RTX 4090 / LoRA, end to end through
+   the CLI (target ≤ 6 s each), beside ``python -c "import torch"`` in the same run;
 1. traces that ``vramplan fit llama-3.1-8b --gpu rtx-4090 --task train --peft lora`` needs
    (target ≤ 4);
 2. wall time of ``vramplan plan`` over ≥ 200 candidate configurations, end to end through
@@ -13,12 +15,15 @@
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import subprocess
 import sys
 import time
 
 TRACE_TARGET = 4
+E2E_TARGET_S = 6.0
+LORA_4090 = ["llama-3.1-8b", "--gpu", "rtx-4090", "--task", "train", "--peft", "lora", "--json"]
 PLAN_TARGET_S = 30.0
 MIN_CANDIDATES = 200
 PLAN_ARGS = ["plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--task", "train", "--json"]
@@ -78,7 +83,43 @@ def plan_wall(extra: list[str], label: str) -> None:
           f"ratio {wall / PLAN_TARGET_S:.2f} ({'OK' if ok else 'MISSED'})")
 
 
+def end_to_end() -> None:
+    """``fit`` and ``plan`` on Llama-3.1-8B / RTX 4090 / LoRA through the CLI, each a fresh
+    process (medians of 3), with ``python -c "import torch"`` measured alongside."""
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def median(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess[str]]:
+        times, cpus, out = [], [], None
+        for _ in range(3):
+            t, c = time.perf_counter(), cpu()
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            times.append(time.perf_counter() - t)
+            cpus.append(cpu() - c)
+        assert out is not None
+        return sorted(times)[1], sorted(cpus)[1], out
+
+    torch_s, torch_cpu, _ = median([sys.executable, "-c", "import torch"])
+    print(f"end to end, medians of 3 (python -c 'import torch': {torch_s:.2f} s, {torch_cpu:.2f} s CPU, "
+          "in the same run):")
+    for sub in ("fit", "plan"):
+        wall, used, out = median(_cli() + [sub, *LORA_4090])
+        if out.returncode != 0:
+            print(f"  {sub}: failed: {out.stderr.strip()[-300:]}")
+            continue
+        d = json.loads(out.stdout)
+        e = d.get("evaluations", {})
+        what = f"{e.get('total', '?')} estimates, {e.get('traces', '?')} traces"
+        if sub == "fit":
+            what += f"; max batch {d.get('max_batch')}, max seq {d.get('max_seq')}"
+        ok = "OK" if wall <= E2E_TARGET_S else "MISSED"
+        print(f"  vramplan {sub} {' '.join(LORA_4090)}: {wall:.1f} s, {used:.1f} s CPU ({what}) vs target ≤ {E2E_TARGET_S:.0f} s "
+              f"-> ratio {wall / E2E_TARGET_S:.2f} ({ok}); {wall / torch_s:.1f}× import torch")
+
+
 def main() -> int:
+    end_to_end()
     fit_traces()
     plan_wall(["--method", "analytic"], "screen only")
     plan_wall([], "default method auto: up to 3 finalists re-estimated")

@@ -33,6 +33,8 @@ def spec(tmp_path_factory):
     {"precision": "bf16", "optimizer": "sgd-momentum", "optimizer_impl": "for-loop", "grad_accum": 2},
     {"precision": "bf16-mixed", "peft": "lora", "lora_rank": 4, "checkpointing": "full"},
     {"precision": "fp32", "checkpointing": "selective", "optimizer": "adafactor"},
+    {"precision": "fp32", "keep_grads": True, "keep_outputs": True, "loss": "chunked", "loss_chunks": 4},
+    {"precision": "bf16-mixed", "optimizer_in_backward": True},
 ])
 def test_train_steps_run_and_update_weights(spec, kw):
     torch.manual_seed(0)
@@ -43,7 +45,10 @@ def test_train_steps_run_and_update_weights(spec, kw):
     step()
     step()  # a second step reuses the optimizer state
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, trainable, strict=True))
-    assert all(p.grad is None for p in trainable)  # zero_grad(set_to_none=True)
+    if kw.get("keep_grads"):  # zero_grad(set_to_none=False): zeroed in place
+        assert all(p.grad is not None and not p.grad.any() for p in trainable)
+    else:
+        assert all(p.grad is None for p in trainable)  # zero_grad(set_to_none=True)
     if kw.get("peft") == "lora":
         assert all("lora_" in n for n, p in step.model.named_parameters() if p.requires_grad)
     if kw["precision"] == "bf16":

@@ -77,3 +77,14 @@ def test_no_duplicate_class_names() -> None:
         names.update(node.name for node in tree.body if isinstance(node, ast.ClassDef))
     assert [n for n, c in names.items() if c > 1] == []
     assert "Shape" not in names  # the one shape is models.shape.ModelShape
+
+
+def test_dimension_defaults_are_decided_only_in_the_shape() -> None:
+    """`head_dim or hidden // heads`, `kv_heads or heads`, … live in models/shape.py; a method that
+    re-derives them would drift from the others."""
+    import re
+
+    pattern = re.compile(r"\b(head_dim|kv_heads|moe_intermediate|patch_size) or ")
+    offenders = [f"{path.relative_to(SRC)}:{i}" for path in SRC.rglob("*.py") if path.parent.name != "models"
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

@@ -68,6 +68,24 @@ def test_lora_trains_only_the_adapters(llama) -> None:
     assert any("LoRA r=8" in n for n in r.notes)
 
 
+def test_lora_adapters_built_on_meta_match_peft_on_the_cpu(llama) -> None:
+    """apply_peft builds a meta model's adapters on meta (no real init): same parameters, names,
+    shapes, dtypes and trainability as peft's own CPU-built adapters after the move to meta."""
+    from vramplan.models.build import build_model
+    from vramplan.trace import features
+
+    w = Workload(**BASE, peft="lora", lora_rank=8)
+
+    def params(m: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype, bool, str]]:
+        return [(n, tuple(p.shape), p.dtype, p.requires_grad, p.device.type) for n, p in m.named_parameters()]
+
+    fast, _ = features.apply_peft(build_model(llama, device="meta"), w)
+    assert all(p.device.type == "meta" for p in fast.parameters())
+    cpu_built, _ = features.apply_peft(build_model(llama, device="cpu"), w)
+    features.to_trace_device(cpu_built)
+    assert params(fast) == params(cpu_built)
+
+
 def test_qlora_stores_nf4_with_double_quantisation(llama) -> None:
     r = trace_workload(llama, Workload(**BASE, peft="qlora"), options=NO_WS)
     full = trace_workload(llama, Workload(**BASE, peft="lora"), options=NO_WS)
@@ -98,7 +116,9 @@ def test_8bit_and_paged_optimizer_states(llama) -> None:
     opt = [p for p in r.phases if p.phase is Phase.OPTIMIZER][0].breakdown.optimizer
     assert opt < r.trainable_params * 8 / 3  # far below AdamW's 8 bytes/param
     paged = trace_workload(llama, w.replace(optimizer="paged-adamw-8bit"), options=NO_WS)
-    assert all(p.breakdown.optimizer == 0 for p in paged.phases)
+    # bitsandbytes pages the state buffers of tensors of >= 1e5 elements only: none here
+    # (tests/test_loop_knobs.py covers a model with paged states)
+    assert [p.breakdown.optimizer for p in paged.phases] == [p.breakdown.optimizer for p in r.phases]
     assert any("unified memory" in n for n in paged.notes)
 
 

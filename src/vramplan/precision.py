@@ -17,14 +17,22 @@ step-time model (:mod:`vramplan.runtime`), so that they cannot disagree:
   ZeRO-3 = 16Ψ/N. The model runs in 16-bit (no autocast cast copies).
 - LoRA / QLoRA: the frozen base is 16-bit (QLoRA: NF4); PEFT keeps adapters in fp32
   (``autocast_adapter_dtype=True``), so adapter gradients and states are fp32.
+  ``peft_base_dtype=fp32`` (a base loaded in fp32, run under autocast): the base and its
+  residual stream are fp32 and autocast caches a 16-bit copy of every base weight, as under
+  AMP; ``bf16``/``fp16`` must be the compute dtype (the base's matmuls run in it).
+- bitsandbytes 4-bit compute dtype (``bnb_compute_dtype``, auto: the compute dtype):
+  ``Linear4bit`` casts its input to it and ``MatMul4Bit`` dequantises the weight to the
+  dtype it was loaded in, then ``.to(compute dtype)`` (bitsandbytes
+  ``autograd/_functions.py``); transformers' ``BitsAndBytesConfig`` defaults it to fp32.
 - Quantised base without PEFT under ``*-mixed``: the unquantised rest is 16-bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .workload import Peft, Precision, Quant, Workload
+from .workload import DtypeChoice, Peft, Precision, Quant, Workload
 
 FP32, BF16, FP16 = "float32", "bfloat16", "float16"
 
@@ -49,11 +57,22 @@ class PrecisionModel:
     compute_dtype: str = FP32
     """torch dtype name of the compute (autocast's target under ``*-mixed``)."""
     peft: bool = False
+    bnb_compute_dtype: str = ""
+    """bitsandbytes 4-bit compute dtype name ("" = the compute dtype)."""
 
     @property
     def weight_dtype(self) -> str:
         """torch dtype name the (unquantised) weights are stored in."""
         return FP32 if self.weight == 4 else self.compute_dtype
+
+    @property
+    def bnb_dtype(self) -> str:
+        """torch dtype name bitsandbytes' 4-bit layers compute in."""
+        return self.bnb_compute_dtype or self.compute_dtype
+
+    @property
+    def bnb_bytes(self) -> int:
+        return 4 if self.bnb_dtype == FP32 else 2
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -79,13 +98,26 @@ class PrecisionModel:
         return f"{self.weight * 8}-bit params"
 
 
+_DTYPE_NAMES = {DtypeChoice.FP32: FP32, DtypeChoice.BF16: BF16, DtypeChoice.FP16: FP16}
+
+
 def precision_model(w: Workload) -> PrecisionModel:
+    pm = _precision_model(w)
+    if w.quant in (Quant.NF4, Quant.INT4) and w.bnb_compute_dtype is not DtypeChoice.AUTO:
+        pm = dataclasses.replace(pm, bnb_compute_dtype=_DTYPE_NAMES[w.bnb_compute_dtype])
+    return pm
+
+
+def _precision_model(w: Workload) -> PrecisionModel:
     p = w.precision
     half = BF16 if p in (Precision.BF16, Precision.BF16_MIXED) else FP16
     peft = w.peft is not Peft.NONE
     if p is Precision.FP32:
         return PrecisionModel(weight=4, stream=4, compute=4, autocast=False, master=False, grad=4, state=4,
                               compute_dtype=FP32, peft=peft)
+    if peft and w.peft_base_dtype is DtypeChoice.FP32:  # validated: only under *-mixed
+        return PrecisionModel(weight=4, stream=4, compute=2, autocast=True, master=False, grad=4, state=4,
+                              compute_dtype=half, peft=True)
     if peft:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=w.mixed, master=False, grad=4, state=4,
                               compute_dtype=half, peft=True)

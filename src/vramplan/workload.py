@@ -8,6 +8,7 @@ the model's shape (heads divisible by TP, layers by PP) live in :func:`check_aga
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -324,6 +325,16 @@ class Workload:
         ):
             raise WorkloadError(f"torch has no fused {self.optimizer}", hint="use `optimizer_impl=foreach`",
                                 field="optimizer_impl")
+        if self.peft is not Peft.NONE and self.peft_base_dtype is not DtypeChoice.AUTO:
+            self._check_peft_base_dtype()
+        if self.optimizer_in_backward and self.task is Task.TRAIN:
+            if self.grad_accum > 1:  # torchtune refuses it too (recipes: "Gradient accumulation is not supported")
+                raise WorkloadError("the optimizer cannot step inside backward while gradients accumulate",
+                                    hint="use `grad_accum=1` with `optimizer_in_backward`", field="grad_accum")
+            if self.precision is Precision.FP16_MIXED:
+                raise WorkloadError("fp16-mixed unscales all gradients before the step; the optimizer cannot step "
+                                    "inside backward", hint="use `precision=bf16-mixed` with `optimizer_in_backward`",
+                                    field="precision")
         if self.task is not Task.TRAIN:
             p = self.parallel
             if p.zero or p.offload_optimizer:
@@ -333,6 +344,21 @@ class Workload:
             Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
         ):
             pass  # bitsandbytes supports 8-bit states on 16-bit params
+
+    def _check_peft_base_dtype(self) -> None:
+        base, p = self.peft_base_dtype, self.precision
+        if p is Precision.FP32:
+            if base is not DtypeChoice.FP32:
+                raise WorkloadError(f"a {base} base cannot run fp32 matmuls without autocast",
+                                    hint="use `precision=bf16-mixed` (or drop `peft_base_dtype`)", field="peft_base_dtype")
+            return
+        half = DtypeChoice.BF16 if p in (Precision.BF16, Precision.BF16_MIXED) else DtypeChoice.FP16
+        if base is DtypeChoice.FP32 and not self.mixed:
+            raise WorkloadError(f"an fp32 base under pure {p} has no autocast to run its matmuls in {half}",
+                                hint=f"use `precision={half}-mixed` for an fp32 base", field="peft_base_dtype")
+        if base not in (DtypeChoice.FP32, half):
+            raise WorkloadError(f"a {base} base under {p}: the base is stored in the compute dtype or in fp32",
+                                hint=f"use `peft_base_dtype={half}` or fp32", field="peft_base_dtype")
 
     # --- settings that do not apply -------------------------------------------------
     def setting_notes(self) -> tuple[str, ...]:
@@ -361,6 +387,11 @@ class Workload:
             notes.append("`checkpoint_fraction` applies with `checkpointing`; ignored without it")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_every != 1:
             notes.append("`checkpoint_every` applies with `checkpointing`; ignored without it")
+        if task is not Task.TRAIN and self.loss is not Loss.FULL:
+            notes.append(f"`loss` applies to training; ignored for `task={task}`")
+        if self.keep_grads and self.optimizer_in_backward and task is Task.TRAIN:
+            notes.append("`keep_grads` has no effect with `optimizer_in_backward`: each gradient is freed by its "
+                         "parameter's step inside backward")
         if self.loss is not Loss.CHUNKED and self.loss_chunks != 8:
             notes.append("`loss_chunks` applies with `loss=chunked`; ignored otherwise")
         if self.peft is Peft.NONE and self.peft_base_dtype is not DtypeChoice.AUTO:
@@ -428,17 +459,31 @@ def _plain(x: Any) -> Any:
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source), one line each.
 
-    These are the one description of a field: the CLI's ``--help`` is built from them."""
-    import ast
-    import inspect
-    import textwrap
+    These are the one description of a field: the CLI's ``--help`` is built from them. The
+    module's source is parsed once per process (``inspect.getsource`` tokenizes the file on
+    every call: ~10 ms each, and every subcommand's parser asks twice)."""
+    return dict(_module_field_docs(cls.__module__).get(cls.__qualname__, {}))
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+
+@functools.cache
+def _module_field_docs(module: str) -> dict[str, dict[str, str]]:
+    """Class name → field → docstring for every top-level class of ``module``."""
+    import ast
+    import sys
+
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if not path:  # pragma: no cover - source not shipped
+        return {}
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    out: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        docs = out.setdefault(cls.name, {})
+        for node, nxt in zip(cls.body, cls.body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return out

@@ -77,6 +77,10 @@ class StageActs:
     """Layers of the stage under checkpointing."""
     softcap: bool = False
     """Final-logit soft-capping keeps one more 16-bit logit-sized tensor (the tanh output)."""
+    positions: int = 0
+    """Positions whose logits the head computes (last stage)."""
+    hidden: int = 0
+    """Width of the hidden states the head reads."""
 
 
 def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq: int,
@@ -113,7 +117,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     return StageActs(
         layers=layers, layer_full=layer_full, recompute=recompute, transient=transient,
         head=head, embed=embed, logits=positions * classes if stage.head else 0, mask=mask,
-        checkpointed=checkpointed, softcap=arch.head.softcap,
+        checkpointed=checkpointed, softcap=arch.head.softcap, positions=positions if stage.head else 0, hidden=h,
     )
 
 

@@ -118,6 +118,13 @@ def _softmax_bytes(g: LayerGroup, ctx: Ctx) -> int:
     return 4 if (ctx.rg.autocast or c == 4 or g.attn.softmax_fp32) else c
 
 
+def _softmax_copy(g: LayerGroup, ctx: Ctx) -> int:
+    """``softmax(x, dtype=float32)`` on CUDA first copies a bf16 input to fp32 (only fp16 has
+    the no-copy ``half_to_float`` kernel; aten/src/ATen/native/SoftMax.cpp)."""
+    c = ctx.rg.compute
+    return 4 if _softmax_bytes(g, ctx) == 4 and c != 4 and ctx.rg.compute_dtype != "float16" else 0
+
+
 def _eager_core(t: Terms, g: LayerGroup, ctx: Ctx) -> None:
     a, c = g.attn, ctx.rg.compute
     sm = _softmax_bytes(g, ctx)
@@ -303,7 +310,7 @@ def infer_working(g: LayerGroup, ctx: Ctx, h: int) -> tuple[Terms, Terms]:
     else:
         at.add("attn: q, k, v, output", c * (2 * a.q_dim + 2 * a.kv_dim))
     if ctx.attention is Attention.EAGER:
-        at.add("attn: scores + softmax", pair=(c + _softmax_bytes(g, ctx)) * a.heads)
+        at.add("attn: scores + softmax", pair=(c + _softmax_bytes(g, ctx) + _softmax_copy(g, ctx)) * a.heads)
     mt = Terms()
     mt.add("layer input + norm output", 2 * r * h, shard="seq")
     if f.kind == "moe":

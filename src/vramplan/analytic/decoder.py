@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vramplan.models.shape import ModelShape, model_shape
+from vramplan.models.shape import ModelShape
 from vramplan.models.spec import Family, ModelSpec
 
 from ._config import act_saves, get_bool, get_float, get_int
@@ -26,7 +26,7 @@ _SANDWICH = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg, shape = spec.config, model_shape(spec)
+    cfg, shape = spec.config, spec.shape
     h, heads = shape.hidden, shape.heads
     head_dim, kv_heads = shape.head_dim, shape.kv_heads
     mt = spec.model_type
@@ -84,7 +84,7 @@ def build(spec: ModelSpec) -> Arch:
             # transformers models/gpt_oss/modeling_gpt_oss.py: expert biases (gate_up 2i and down h
             # per expert), a router bias per expert and one attention sink per head
             e = moe_ffn.experts
-            moe_small += e * (2 * moe_i + h) + e + spec.heads
+            moe_small += e * (2 * moe_i + h) + e + heads
         groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
             name="moe", count=shape.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
             ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vramplan.models.shape import model_shape
 from vramplan.models.spec import ModelSpec
 
 from ._config import act_saves, get_float, get_int
@@ -16,7 +15,7 @@ from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg, shape = spec.config, model_shape(spec)
+    cfg, shape = spec.config, spec.shape
     h, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
     attn = Attn(
         heads=heads, kv_heads=shape.kv_heads, head_dim=head_dim, v_head_dim=head_dim,

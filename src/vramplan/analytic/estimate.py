@@ -6,7 +6,7 @@ from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import PhasePeak
-from vramplan.workload import Attention, Task, Workload
+from vramplan.workload import Attention, Loss, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
 from . import decoder, encoder, kv, vit
@@ -44,6 +44,9 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
     """
     check_against_model(spec, w)
+    if w.training and w.loss is not Loss.FULL and not spec.is_decoder:
+        raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
+                            hint="use `loss=full`", field="loss")
     arch = build_arch(spec)
     rg, tr = regime(w), trainable(arch, w)
     ctx = Ctx(rg, tr, w.attention, training=w.training)

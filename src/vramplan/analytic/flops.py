@@ -26,16 +26,19 @@ def _active(lin: Linear, g: LayerGroup) -> float:
 def layout(arch: Arch, tr: Trainable) -> FlopsLayout:
     """The FLOPs layout of ``arch`` with the adapters (and trainable base) of ``tr``."""
     matmul = adapters = 0.0
+    attention: list[AttentionGroup] = []
+    causal = True
     for g in arch.groups:
         for lin in g.linears:
             matmul += _active(lin, g) * g.count
-            adapters += tr.adapter_params(lin) * g.count
-    attention = tuple(AttentionGroup(g.count, 2 * g.attn.heads * (g.attn.head_dim + g.attn.v_head_dim), g.attn.window)
-                      for g in arch.groups)
-    causal = all(g.attn.causal for g in arch.groups)
+            if not tr.full:
+                adapters += tr.adapter_params(lin) * g.count
+        a = g.attn
+        attention.append(AttentionGroup(g.count, 2 * a.heads * (a.head_dim + a.v_head_dim), a.window))
+        causal = causal and a.causal
     head = arch.head
     return FlopsLayout(
-        matmul=matmul, attention=attention, causal=causal, adapters=adapters, trains_base=tr.full,
+        matmul=matmul, attention=tuple(attention), causal=causal, adapters=adapters, trains_base=tr.full,
         head=float(head_linear(head, arch.hidden).matrix),
         head_tokens=float(sum(lin.matrix for lin in head.linears if lin.role != "head")),
         cls=head.kind == "cls",

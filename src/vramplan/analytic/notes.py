@@ -6,6 +6,7 @@ from vramplan.units import fmt_bytes
 from vramplan.workload import (
     Attention,
     Checkpointing,
+    Loss,
     Optimizer,
     OptimizerImpl,
     Peft,
@@ -33,9 +34,12 @@ def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, worksp
         out.append(f"Attention {w.attention}: fused kernel saving q, k, v, output and an fp32 logsumexp; "
                    "GQA runs natively without repeating k/v.")
     if w.quant is not Quant.NONE:
-        dq = "with double quantisation" if w.peft is Peft.QLORA else "without double quantisation"
+        dq = ("with double quantisation" if w.peft is Peft.QLORA and not w.bnb_single_quant
+              else "without double quantisation")
         out.append(f"{w.quant} storage (bitsandbytes-style, {dq} for 4-bit) for the layers' linear weights; "
-                   "embeddings, lm_head and norms stay 16-bit (a dequantised 16-bit copy of one matrix is transient).")
+                   f"embeddings, lm_head and norms stay {'fp32' if rg.weight == 4 else '16-bit'} (a dequantised "
+                   f"copy of one matrix, in {rg.bnb_dtype if w.quant in (Quant.NF4, Quant.INT4) else rg.compute_dtype}, "
+                   "is transient).")
     if any(g.ffn.kind == "moe" for g in arch.groups):
         out.append("MoE: tokens spread evenly over experts; each expert-parallel rank holds experts/ep "
                    "and processes top_k × its tokens.")
@@ -52,10 +56,32 @@ def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, worksp
     return tuple(out)
 
 
+_LOSS = {  # the default (transformers' ForCausalLMLoss) is described with the phases
+    Loss.CHUNKED: ("Loss: torchtune CEWithChunkedOutputLoss in {n} chunks — logits output as chunks, one fp32 "
+                   "upcast at a time, every chunk's fp32 log-softmax saved."),
+    Loss.LIGER: ("Loss: Liger fused linear cross-entropy — logits one chunk of tokens at a time, input and head "
+                 "gradients computed in the forward and kept for backward."),
+    Loss.CCE: ("Loss: Cut Cross-Entropy — no logits; an fp32 log-sum-exp per token, the logits recomputed "
+               "block-wise in backward."),
+}
+
+
 def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
     p = w.parallel
-    out = ["Steady state: optimizer states exist from the first step on (iteration 1's forward has none), "
-           "and zero_grad(set_to_none=True) frees gradients before each forward."]
+    if w.optimizer_in_backward:
+        zero = ("but the optimizer runs in backward (torchtune optimizer_in_bwd): one optimizer per parameter steps from its "
+                "gradient hook and frees the gradient; at most one parameter's gradient and step temporaries "
+                "are alive, and there is no optimizer phase.")
+    elif w.keep_grads:
+        zero = ("and zero_grad(set_to_none=False) zeroes the gradients in place: they stay allocated through the "
+                "next forward and backward.")
+    else:
+        zero = "and zero_grad(set_to_none=True) frees gradients before each forward."
+    out = [f"Steady state: optimizer states exist from the first step on (iteration 1's forward has none), {zero}"]
+    if w.keep_outputs:
+        out.append("The loop holds the model's outputs (logits, HF cache) until after backward.")
+    if arch.head.kind == "lm" and w.loss is not Loss.FULL:
+        out.append(_LOSS[w.loss].format(n=w.loss_chunks))
     if p.zero:
         out.append(f"ZeRO-{p.zero} over dp={p.dp}: DeepSpeed accounting — 16-bit weights and gradients, "
                    "fp32 master weights + states in the optimizer category (16Ψ in all, "
@@ -107,7 +133,9 @@ def _optimizer(w: Workload, rg: Regime) -> str:
             return "Fused Adam(W): no list-wide temporaries at the step."
         return "For-loop Adam(W): one denominator of the largest parameter at a time."
     if o in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
-        paged = (" Paged states live in unified memory and can page out to CPU under pressure; counted on the GPU."
+        paged = (" Paged: the state buffers of tensors of >= 1e5 elements live in CUDA unified memory "
+                 "(cudaMallocManaged), outside PyTorch's allocator: not counted here (they take GPU memory while "
+                 "resident and page out to CPU under pressure); absmax and small tensors' states are counted."
                  if o is Optimizer.PAGED_ADAMW_8BIT else "")
         return "bitsandbytes 8-bit Adam: 2 B/param + fp32 absmax per 2048-block, 32-bit for tensors < 4096." + paged
     if o is Optimizer.ADAFACTOR:

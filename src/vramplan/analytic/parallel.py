@@ -141,7 +141,7 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             else f"keep `seq` + `new_tokens` at {spec.max_positions} or less", field="seq",
         )
     if spec.family is Family.VIT:
-        patch = spec.patch_size or 16
+        patch = spec.shape.patch_size
         if w.image_size % patch:
             raise WorkloadError(f"`image_size={w.image_size}` is not a multiple of the patch size {patch} of {name}",
                                 hint=f"use e.g. {max(patch, w.image_size // patch * patch)}", field="image_size")

@@ -27,6 +27,7 @@ from . import kv
 from .activations import StageActs, infer_layer
 from .arch import Arch
 from .blocks import Ctx
+from .loss import LossMemory, loss_memory
 from .parallel import Stage
 from .states import States
 
@@ -38,14 +39,16 @@ def _peak(phase: Phase, *instants: Breakdown) -> PhasePeak:
 
 def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
              cache: int = 0) -> tuple[PhasePeak, ...]:
-    """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs)."""
+    """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs unless
+    the loop keeps them, ``keep_outputs``)."""
     c = ctx.rg.compute
-    e = a.logits
-    logits = e * c
-    capped = e * c if a.softcap else 0  # tanh(logits / cap) saved for backward
-    upcast = e * 4 if c != 4 else 0
-    lsm = e * 4
-    held = st.gradients if w.grad_accum > 1 else 0
+    classes = a.logits // a.positions if a.positions else 0
+    lm = loss_memory(w, tokens=a.positions, classes=classes, hidden=a.hidden, compute=c, stream=ctx.rg.stream,
+                     head_weight=ctx.rg.weight, head_trains=ctx.tr.full, autocast=ctx.rg.autocast,
+                     softcap=a.softcap) if a.logits else LossMemory(0, 0, 0, 0)
+    # keep_grads (set_to_none=False) and gradient accumulation keep every gradient through the forward
+    held = st.gradients if (w.grad_accum > 1 or w.keep_grads) and not w.optimizer_in_backward else 0
+    kept = (lm.logits_held + cache * stage.in_flight) if w.keep_outputs else 0
     w_live = st.weights + st.gathered
     acts = a.layers * stage.in_flight + a.embed
     # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
@@ -53,33 +56,43 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     # checkpointed), plus the one layer being recomputed.
     casts_bwd = st.casts_all
     if w.checkpointing is Checkpointing.FULL and a.checkpointed:
-        kept = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
-        casts_bwd = kept + st.casts_layer
-    temps = st.dequant + workspace
+        kept_casts = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
+        casts_bwd = kept_casts + st.casts_layer
+    temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
+    # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
+    # accumulation to its parameter's step inside backward, with that step's temporaries
+    step_temp = st.step_temp if w.optimizer_in_backward else 0
+    all_grads = st.largest_grad if w.optimizer_in_backward else st.gradients
+    last_grads = st.largest_grad if w.optimizer_in_backward else max(held, st.head_grads + st.layer_grads)
 
     forward = Breakdown(
         weights=w_live, gradients=held + st.ddp_buckets, optimizer=st.optimizer,
-        activations=acts + a.head + logits + capped + lsm + a.mask,
-        temporaries=st.casts_all + upcast + temps, kv_cache=cache * stage.in_flight,
+        activations=acts + a.head + lm.forward_saved + a.mask,
+        # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
+        temporaries=st.casts_all + lm.forward_transient + 2 * workspace, kv_cache=cache * stage.in_flight,
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
             weights=w_live, optimizer=st.optimizer,
-            gradients=max(held, st.head_grads + st.layer_grads) + st.unsharded_grads + st.ddp_buckets,
-            activations=acts + a.recompute, temporaries=casts_bwd + a.transient + temps + workspace,
+            gradients=last_grads + st.unsharded_grads + st.ddp_buckets,
+            activations=acts + a.recompute + kept,
+            temporaries=casts_bwd + a.transient + temps + workspace + step_temp,
         ),
         Breakdown(  # the first layer's backward
             weights=w_live, optimizer=st.optimizer,
-            gradients=st.gradients + st.unsharded_grads + st.ddp_buckets,
-            activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full,
-            temporaries=st.casts_layer + a.transient + temps + workspace,
+            gradients=all_grads + st.unsharded_grads + st.ddp_buckets,
+            activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full + kept,
+            temporaries=st.casts_layer + a.transient + temps + workspace + step_temp,
         ),
     ]
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
             weights=w_live, optimizer=st.optimizer, gradients=held + st.ddp_buckets,
-            activations=acts + a.head + capped + lsm, temporaries=casts_bwd + 8 * e + temps + workspace,
+            activations=acts + a.head + lm.backward_saved + kept,
+            temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
         ))
+    if w.optimizer_in_backward:
+        return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)
     optimizer = Breakdown(
         weights=st.weights, gradients=st.gradients + st.ddp_buckets, optimizer=st.optimizer,
         temporaries=st.opt_temp + 2 * workspace,

@@ -31,6 +31,7 @@ from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 2048
+BNB_PAGED_MIN = 100_000
 
 
 def quantised_bytes(elems: int, rows: int, q: Quant, *, double: bool = False) -> int:
@@ -39,7 +40,10 @@ def quantised_bytes(elems: int, rows: int, q: Quant, *, double: bool = False) ->
         return elems + 4 * rows
     blocks = math.ceil(elems / 64)
     absmax = blocks + 4 * math.ceil(blocks / 256) if double else 4 * blocks
-    return math.ceil(elems / 2) + absmax
+    # bitsandbytes QuantState: the 16-entry fp32 code, and with double quantisation the
+    # second level's 256-entry fp32 code and fp32 offset
+    consts = 4 * 16 + (4 * 256 + 4 if double else 0)
+    return math.ceil(elems / 2) + absmax + consts
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class States:
     casts_layer: int = 0
     dequant: int = 0
     """16-bit copy of the largest quantised matrix while it multiplies."""
+    largest_grad: int = 0
+    """Gradient bytes of the largest trainable tensor (``optimizer_in_backward`` holds one at a time)."""
+    step_temp: int = 0
+    """Temporaries of one optimizer step over that tensor alone (per-parameter optimizers)."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -95,7 +103,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     if w.quant is Quant.NONE:
         linear_b = linear * rg.weight
     else:
-        double = w.peft is Peft.QLORA
+        double = w.peft is Peft.QLORA and not w.bnb_single_quant
         linear_b = sum(
             n * quantised_bytes(local(lin, w), local(lin, w) // max(1, lin.d_in), w.quant, double=double)
             for lin, n in lins
@@ -135,11 +143,14 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
 
     casts_all = casts_layer = 0
     if rg.autocast and rg.weight == 4:  # fp32 weights: autocast caches a 16-bit copy of each
-        casts_all = rg.compute * (linear + head_used)
-        casts_layer = rg.compute * max((sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)
+        # (quantised linears are not fp32 parameters: only the head and the adapters are cast)
+        quantised = w.quant is not Quant.NONE
+        casts_all = rg.compute * ((0 if quantised else linear) + head_used + adapters)
+        casts_layer = rg.compute * (layer_adapters + (0 if quantised else max(
+            (sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)))
     elif rg.autocast and adapters:
         casts_all, casts_layer = rg.compute * adapters, rg.compute * layer_adapters
-    dequant = rg.compute * _largest(lins, w) if w.quant is not Quant.NONE else 0
+    dequant = _dequant_bytes(w, rg) * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
     per_layer = layer if tr.full else layer_adapters
     return States(
@@ -150,6 +161,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
+        largest_grad=largest * rg.trainable_bytes // g_shard,
+        step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
     )
 
 
@@ -166,6 +179,18 @@ def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime,
     if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training) or arch.head.tied:
         return 0
     return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
+
+
+def _dequant_bytes(w: Workload, rg: Regime) -> int:
+    """Bytes per element of the temporaries around one quantised matmul. 4-bit
+    (bitsandbytes ``MatMul4Bit``): the weight dequantised to its load dtype, then
+    ``.to(compute dtype)``; under autocast ``F.linear`` casts that to the autocast dtype."""
+    if w.quant not in (Quant.NF4, Quant.INT4):
+        return rg.compute
+    load, cd = rg.weight, rg.bnb_bytes
+    to_compute = load + (cd if rg.bnb_dtype != rg.weight_dtype else 0)
+    cast = cd + (rg.compute if rg.autocast and rg.bnb_dtype != rg.compute_dtype else 0)
+    return max(load, to_compute, cast)
 
 
 def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
@@ -185,16 +210,33 @@ def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
             div = (p.tp if tp else 1) * (p.ep if expert else 1)
             total += 4 * count * (d_in + d_out) // div
         return master + total
-    # adamw-8bit / paged-adamw-8bit
+    # adamw-8bit / paged-adamw-8bit: the paged variant's state buffers of tensors of at least
+    # 1e5 elements live in CUDA unified memory, outside the caching allocator (bitsandbytes
+    # optim/optimizer.py get_state_buffer); their absmax and smaller tensors' states do not
+    paged = o is Optimizer.PAGED_ADAMW_8BIT
     total = 8 * vectors
     for d_in, d_out, count, tp, expert in matrices:
         div = (p.tp if tp else 1) * (p.ep if expert else 1)
         elems = count * d_in * d_out // div
+        per = d_in * d_out // div
         if d_in * d_out >= BNB_MIN_8BIT:
-            total += 2 * elems + 2 * 4 * math.ceil(elems / BNB_BLOCK)
+            total += (0 if paged and per >= BNB_PAGED_MIN else 2 * elems) + 2 * 4 * math.ceil(elems / BNB_BLOCK)
         else:
-            total += 8 * elems
+            total += 0 if paged and per >= BNB_PAGED_MIN else 8 * elems
     return master + total
+
+
+def paged_state_bytes(w: Workload, matrices: list[tuple[int, int, int, bool, bool]]) -> int:
+    """Bytes of paged-adamw-8bit state buffers in CUDA unified memory (outside the allocator)."""
+    if w.optimizer is not Optimizer.PAGED_ADAMW_8BIT:
+        return 0
+    p, total = w.parallel, 0
+    for d_in, d_out, count, tp, expert in matrices:
+        div = (p.tp if tp else 1) * (p.ep if expert else 1)
+        per = d_in * d_out // div
+        if per >= BNB_PAGED_MIN:
+            total += count * per * (2 if d_in * d_out >= BNB_MIN_8BIT else 8)
+    return total
 
 
 def _optimizer_temp(w: Workload, rg: Regime, shard: int, largest: int) -> int:

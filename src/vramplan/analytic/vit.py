@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vramplan.models.shape import model_shape, vit_tokens
+from vramplan.models.shape import vit_tokens
 from vramplan.models.spec import ModelSpec
 
 from ._config import act_saves, get_float
@@ -25,7 +25,7 @@ def num_labels(spec: ModelSpec) -> int:
 
 
 def build(spec: ModelSpec) -> Arch:
-    cfg, shape = spec.config, model_shape(spec)
+    cfg, shape = spec.config, spec.shape
     h, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
     attn = Attn(heads=heads, kv_heads=shape.kv_heads, head_dim=head_dim, v_head_dim=head_dim,
                 causal=False, rope=False, dropout=get_float(cfg, "attention_probs_dropout_prob"))

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import VramplanError
 
@@ -31,15 +32,33 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (``importlib.metadata`` alone costs ~30 ms
+    of every command's start-up)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser._print_message(f"{parser.prog} {_version()}\n", sys.stdout)
+        parser.exit()
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the command line, only the subcommand it names is built (each
+    subcommand's flags cost a few ms; ``vramplan estimate`` need not build ``plan``'s)."""
     parser = _Parser(
         prog="vramplan",
         description="How much GPU memory will this PyTorch workload take, does it fit, "
         "and what is the cheapest, fastest way to make it fit?",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in SUBCOMMANDS:
+    named = _named_command(argv)
+    for name in SUBCOMMANDS if named is None else (named,):
         try:
             mod = importlib.import_module(f"vramplan.cli.{name}_cmd")
         except ModuleNotFoundError as e:  # a subcommand not built yet
@@ -69,6 +88,15 @@ def flag_names(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return out
 
 
+def _named_command(argv: Sequence[str] | None) -> str | None:
+    """The subcommand ``argv`` names (its first word, the top-level parser has no option that
+    takes a value), or None: no command line, no word, or a word that is no subcommand."""
+    if argv is None:
+        return None
+    word = next((w for w in argv if not w.startswith("-")), None)
+    return word if word in SUBCOMMANDS else None
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -93,8 +121,9 @@ def _glue_negative_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_glue_negative_values(sys.argv[1:] if argv is None else argv))
+    words = _glue_negative_values(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words)
+    args = parser.parse_args(words)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

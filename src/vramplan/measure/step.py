@@ -9,7 +9,12 @@ same thing; quantised weights and 8-bit optimizers use the real bitsandbytes. Wh
 step does:
 
 - train: ``grad_accum`` × (forward under autocast → loss → backward), optimizer step,
-  ``zero_grad(set_to_none=True)``; fp16-mixed uses a GradScaler;
+  ``zero_grad(set_to_none=True)``; fp16-mixed uses a GradScaler. The loop knobs act as in
+  the trace (:mod:`vramplan.trace.steps`): ``keep_outputs`` holds the outputs through
+  backward, ``keep_grads`` zeroes instead of freeing, ``optimizer_in_backward`` steps one
+  optimizer per parameter from its post-accumulate-grad hook; ``loss=chunked`` runs the
+  same code as the trace (:mod:`vramplan.trace.loss`), ``liger`` / ``cce`` the real
+  libraries (``LigerFusedLinearCrossEntropyLoss``, ``cut_cross_entropy.linear_cross_entropy``);
 - infer: one forward under ``torch.inference_mode()``;
 - generate: ``model.generate`` of exactly ``new_tokens`` tokens, greedy, with the KV cache.
 """
@@ -23,6 +28,7 @@ from typing import Any
 from vramplan.errors import WorkloadError
 from vramplan.models.spec import ModelSpec
 from vramplan.workload import (
+    Loss,
     Optimizer,
     Peft,
     Precision,
@@ -101,14 +107,17 @@ def _quantize(model: Any, w: Workload, compute: Any) -> Any:
                             hint="pip install bitsandbytes") from None
     import torch
 
-    if compute is torch.float32:
+    if w.quant in (Quant.NF4, Quant.INT4) and w.bnb_compute_dtype.value != "auto":
+        compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[w.bnb_compute_dtype.value]
+    elif compute is torch.float32:
         compute = torch.bfloat16
     skip = {"lm_head", "classifier", "score"}
 
     def convert(parent: Any) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and name not in skip:
-                weight = child.weight.data.to(compute)
+                # 4-bit: quantised from the dtype the model was loaded in (quant_state.dtype), as the trace's
+                weight = child.weight.data.to(compute) if w.quant is Quant.INT8 else child.weight.data
                 if w.quant is Quant.INT8:
                     new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
                                               has_fp16_weights=False, device="meta")
@@ -118,7 +127,8 @@ def _quantize(model: Any, w: Workload, compute: Any) -> Any:
                     new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                             compute_dtype=compute, quant_type=kind, device="meta")
                     new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=kind,
-                                                   compress_statistics=w.peft is Peft.QLORA)
+                                                   compress_statistics=w.peft is Peft.QLORA
+                                                   and not w.bnb_single_quant)
                 if child.bias is not None:
                     new.bias = torch.nn.Parameter(child.bias.data.to(compute), requires_grad=False)
                 setattr(parent, name, new.to(weight.device))
@@ -154,28 +164,80 @@ def _loss(torch: Any, out: Any) -> Any:
     return logits.float().mean()
 
 
+def _forward_loss(torch: Any, model: Any, inputs: Mapping[str, Any], w: Workload, amp: _Amp) -> tuple[Any, Any]:
+    """(outputs, loss) as ``w.loss`` computes them."""
+    if w.loss is Loss.FULL:
+        out = model(**inputs)
+        return out, _loss(torch, out)
+    from vramplan.trace.loss import causal_lm_parts, forward_and_loss, shifted_labels
+
+    if w.loss is Loss.CHUNKED:
+        return forward_and_loss(model, ((), dict(inputs)), w.loss, w.loss_chunks, autocast_dtype=None, sm=(0, 0))
+    _hf, backbone, head = causal_lm_parts(model)
+    out = backbone(**{k: v for k, v in inputs.items() if k != "labels"})
+    hidden = out.last_hidden_state
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    target = shifted_labels(inputs["labels"]).reshape(-1)
+    try:
+        if w.loss is Loss.LIGER:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            return out, LigerFusedLinearCrossEntropyLoss()(head.weight, flat, target)
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        raise WorkloadError(f"measuring loss={w.loss} needs its library",
+                            hint="pip install liger-kernel / cut-cross-entropy") from None
+    if amp.dtype is not None and flat.dtype == torch.float32:
+        flat = flat.to(amp.dtype)  # CCE's backward takes 16-bit embeddings only
+    return out, linear_cross_entropy(flat, head.weight, target)
+
+
 def _train_step(torch: Any, model: Any, inputs: Mapping[str, Any], w: Workload, amp: _Amp) -> WorkloadStep:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise WorkloadError("the model has no trainable parameters to train")
-    opt = _optimizer(params, w)
     scaler = torch.amp.GradScaler(amp.device_type) if w.precision is Precision.FP16_MIXED else None
+    if w.optimizer_in_backward:  # torchtune's optimizer_in_bwd (validated: no accumulation, no scaler)
+        optimizers = {p: _optimizer([p], w) for p in params}
+
+        def step_one(param: Any) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad(set_to_none=True)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(step_one)
+
+        def step_in_backward() -> None:
+            with amp():
+                out, loss = _forward_loss(torch, model, inputs, w, amp)
+                if not w.keep_outputs:
+                    del out
+                    out = None
+            loss.backward()
+            del loss, out
+
+        return WorkloadStep(model, step_in_backward, optimizers)
+    opt = _optimizer(params, w)
 
     def step() -> None:
         for _ in range(w.grad_accum):
             with amp():
-                loss = _loss(torch, model(**inputs)) / w.grad_accum
+                out, loss = _forward_loss(torch, model, inputs, w, amp)
+                loss = loss / w.grad_accum
+                if not w.keep_outputs:
+                    del out
+                    out = None
             if scaler is not None:
                 scaler.scale(loss).backward()
             else:
                 loss.backward()
-            del loss
+            del loss, out
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not w.keep_grads)
 
     return WorkloadStep(model, step, opt)
 

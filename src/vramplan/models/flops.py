@@ -6,7 +6,10 @@ base under LoRA skips its weight gradients (~4·N·tokens), its adapters train. 
 ``2·queries·keys·heads·(d_qk + d_v)`` per layer forward — causal flash/SDPA kernels skip the
 masked blocks (~half of s²), eager attention computes the whole square and masks it. Full
 activation checkpointing re-runs the forward of the checkpointed layers once; selective
-checkpointing re-runs their attention core. Generation computes the logits of the last prompt
+checkpointing re-runs their attention core. Cut Cross-Entropy (``loss=cce``) recomputes the
+logits block by block in its backward (cut_cross_entropy/cce_backward.py): one more head forward;
+the other loss implementations do the head's usual matmuls (Liger all of them inside the
+forward). Generation computes the logits of the last prompt
 position (transformers' ``logits_to_keep``), then one token per decode step against a growing
 (or windowed) context.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramplan.workload import Attention, Checkpointing, Task, Workload
+from vramplan.workload import Attention, Checkpointing, Loss, Task, Workload
 
 from .shape import ModelShape
 
@@ -127,6 +130,8 @@ def train_flops(f: FlopsLayout, w: Workload, batch: int, seq: int) -> StepFlops:
         recompute = frac * core
     else:
         recompute = 0.0
+    if w.loss is Loss.CCE:
+        recompute += head
     return StepFlops(forward, backward, recompute)
 
 

@@ -7,12 +7,9 @@ Only ``config.json`` is downloaded (never weights), through ``huggingface_hub``'
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import socket
 from typing import Any
-from urllib.parse import urlparse
 
 from vramplan.errors import ConfigError, UnknownNameError
 
@@ -33,6 +30,9 @@ def _reachable(timeout: float = 3.0) -> bool:
     """Can we open a TCP connection to the Hub? (Skips huggingface_hub's ~25 s of retries.)"""
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True  # only the proxy knows; let huggingface_hub try
+    import socket  # here, not at module level: every command imports this module, few fetch
+    from urllib.parse import urlparse
+
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host = url.hostname or "huggingface.co"
     port = url.port or (443 if url.scheme != "http" else 80)
@@ -63,6 +63,8 @@ def fetch_config(hub_id: str, *, subfolder: str | None = None) -> tuple[dict[str
             f"cannot fetch config for {hub_id}: huggingface_hub is not installed",
             hint="pip install 'vramplan[models]', or pass a local config.json path",
         ) from None
+    import logging
+
     local_only = offline() or not _reachable()
     hub_logger = logging.getLogger("huggingface_hub")
     level = hub_logger.level

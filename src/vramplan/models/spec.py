@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .shape import ModelShape
 
 
 class Family(str, Enum):
@@ -83,3 +87,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        """The one model shape (:func:`.shape.model_shape`), built once per spec and read by the
+        analytic method, the step-time and FLOPs models and serving."""
+        from .shape import model_shape
+
+        return model_shape(self)

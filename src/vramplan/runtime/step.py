@@ -15,7 +15,7 @@ from typing import Any
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layout_of, train_flops
-from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, model_shape, opaque_shape, tokens
+from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, opaque_shape, tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
 from vramplan.workload import KVDtype, Peft, Task, Workload
@@ -116,7 +116,7 @@ def step_time(
                 hint="use `method=trace`",
             )
     if spec is not None and spec.family in SEQUENCE_FAMILIES:
-        s = model_shape(spec)
+        s = spec.shape
     else:
         s = opaque_shape(spec.name if spec else "model", params or (spec.params if spec else 0))
     if params:

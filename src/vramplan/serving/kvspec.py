@@ -122,9 +122,9 @@ def layer_specs(spec: ModelSpec, *, tp: int = 1, pp: int = 1, kv_cache_dtype: st
     n = stage_layers(spec.layers, pp)
     if spec.family is Family.MLA and spec.kv_lora_rank:
         return tuple(LayerKV("mla", 1, spec.kv_lora_rank + spec.qk_rope_head_dim, vb) for _ in range(n))
-    total_kv = spec.kv_heads or spec.heads
-    heads = kv_heads_per_rank(total_kv, tp, engine)
-    head_size = spec.head_dim or spec.hidden // spec.heads
+    shape = spec.shape
+    heads = kv_heads_per_rank(shape.kv_heads, tp, engine)
+    head_size = shape.head_dim
     n_sliding = 0
     if sliding and spec.sliding_window and spec.sliding_layers:
         n_sliding = round(spec.sliding_layers * n / spec.layers)

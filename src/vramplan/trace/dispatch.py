@@ -52,6 +52,11 @@ CONV_OPS = frozenset({
     aten.conv_transpose2d.input, aten.conv_transpose3d.input,
 })
 FLASH_BWD = aten._scaled_dot_product_flash_attention_backward.default
+FUSED_BWD = frozenset(
+    getattr(aten, n).default for n in (
+        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    ) if hasattr(aten, n)
+)
 INDEX_BOUND_OPS: dict[Any, tuple[int, int, int | None]] = {
     aten.topk.default: (1, 2, -1), aten.sort.default: (1, 1, -1), aten.sort.stable: (1, 99, -1),
     aten.max.dim: (1, 1, -1), aten.min.dim: (1, 1, -1), aten.argmax.default: (0, 1, None),
@@ -131,6 +136,27 @@ def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
         e = q.element_size()
         out += [(e * b * tk * h * d, f"dk_expanded[{b},{tk},{h},{d}]"), (e * b * tk * h * d, f"dv_expanded[{b},{tk},{h},{d}]")]
     return out
+
+
+def _fused_bwd_workspace(func: Any, args: tuple[Any, ...]) -> tuple[int, str] | None:
+    """The fp32 dQ accumulator of the memory-efficient / cuDNN attention backward.
+
+    Memory-efficient (PyTorch aten/src/ATen/native/transformers/cuda/attention_backward.cu:
+    ``workspace = at::empty({p.workspace_size()}, Byte)`` through the caching allocator;
+    mem_eff_attention/kernel_backward.h ``workspace_elements_gq``: one fp32 accumulator tile
+    per query block and head-dim column block, only when the output dtype is not fp32 —
+    ``B·H·⌈Tq⌉₆₄·⌈D⌉₆₄·4`` bytes here, the tile sizes of the sm80 kernels). cuDNN (PyTorch
+    cudnn/MHA.cpp ``run_cudnn_SDP_bprop``: ``mha_graph->get_workspace_size()`` allocated
+    through the caching allocator; its size is cuDNN's choice): the same fp32 dQ accumulator
+    plus an fp32 softmax sum per query, an approximation of what cuDNN's backward graph asks."""
+    q = args[1] if len(args) > 1 else None
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    b, h, tq, d = q.shape
+    tq_r, d_r = -(-tq // 64) * 64, -(-d // 64) * 64
+    if "cudnn" in str(func):
+        return 4 * b * h * tq * d + 4 * b * h * tq, f"cudnn attention bwd workspace (~f32[{b},{h},{tq},{d}] + f32[{b},{h},{tq}])"
+    return 4 * b * h * tq_r * d_r, f"mem-efficient attention bwd workspace f32[{b},{h},{tq_r},{d_r}]"
 
 
 class TraceMode(TorchDispatchMode):
@@ -260,6 +286,11 @@ class TraceMode(TorchDispatchMode):
             self._conv_workspace(func, args, out)
         elif func is FLASH_BWD:
             self._flash_bwd(args)
+        elif func in FUSED_BWD and self.profile.cublas_workspace:
+            ws = _fused_bwd_workspace(func, args)
+            if ws is not None:
+                eid = self.rec.synthetic_alloc(ws[0], Category.WORKSPACE, ws[1], op="sdpa.bwd_workspace")
+                self.rec.synthetic_free(eid, Category.WORKSPACE, op="sdpa.bwd_workspace")
         if self.count_flops:
             self._count_flops(func, args, kwargs, out)
         return out

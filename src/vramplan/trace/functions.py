@@ -11,7 +11,13 @@
   CUDA's fused path (meta would take the CPU path's float noise tensor);
 - ``pin_memory`` → a plain host tensor (page-locked memory is not GPU memory);
 - ``F.one_hot`` → one ``zeros`` + scatter as on CUDA, tagged with its density (``1/n``) so
-  that routing masks built from it get the uniform-load answer (:mod:`.datadep`).
+  that routing masks built from it get the uniform-load answer (:mod:`.datadep`);
+- ``softmax(fp16 x, dtype=float32)`` → ``_softmax(x, dim, half_to_float=True)``: CUDA's
+  no-copy path (aten/src/ATen/native/SoftMax.cpp ``softmax``: only a CUDA fp16 input with
+  an fp32 ``dtype`` skips ``input.toType(dtype)``); any other input with a ``dtype`` (bf16
+  scores with ``dtype=float32``, as transformers' eager attention calls it) is first copied:
+  one more fp32 scores-sized tensor while the softmax runs (the composite op reaches the
+  trace whole, so the copy is made explicit here).
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ def _is_cuda(d: Any) -> bool:
     if isinstance(d, str):
         return d.split(":")[0] == "cuda"
     return False
+
+
+def _softmax_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, int, torch.dtype] | None:
+    """(input, dim, dtype) of a ``softmax(input, dim, dtype=...)`` on meta that changes the dtype."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dtype = kwargs.get("dtype", args[3] if len(args) > 3 and isinstance(args[3], torch.dtype) else
+                       args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else None)
+    if (x.device.type == "meta" and isinstance(dtype, torch.dtype) and dtype != x.dtype and isinstance(dim, int)
+            and x.is_floating_point() and dtype.is_floating_point):
+        return x, dim, dtype
+    return None
 
 
 def _fused_dropout(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, bool] | None:
@@ -99,6 +119,14 @@ class CudaFunctionMode(TorchFunctionMode):
             return out
         if name == "one_hot":
             return self._one_hot(func, args, kwargs)
+        if name == "softmax":
+            sm = _softmax_call(args, kwargs)
+            if sm is not None:
+                x, dim, dtype = sm
+                if x.dtype == torch.float16 and dtype == torch.float32:
+                    return torch.ops.aten._softmax.default(x, dim, True)
+                converted = x.to(dtype)
+                return torch.ops.aten._softmax.default(converted, dim, False)
         if name in _DROPOUT:
             drop = _fused_dropout(name, args, kwargs)
             if drop is not None:

@@ -8,8 +8,11 @@
 - bitsandbytes 8-bit AdamW: emulated storage — parameters of at least 4,096 elements keep
   two ``uint8`` states plus one fp32 ``absmax`` per 2,048-element block each; smaller ones
   keep fp32 states; the update is one fused in-place kernel (no temporaries). The *paged*
-  variant allocates its states in CUDA unified memory, outside the caching allocator: they
-  are left out of the events and stated in the notes.
+  variant (bitsandbytes ``optim/optimizer.py`` ``get_state_buffer``) allocates the two
+  state buffers of parameters of at least 100,000 elements with ``F.get_paged``
+  (``cudaMallocManaged``: CUDA unified memory, outside PyTorch's caching allocator); those
+  are left out of the events and stated in the notes. Smaller parameters' states and every
+  ``absmax`` are ordinary ``torch.zeros`` allocations, traced as such.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from ..workload import Optimizer, OptimizerImpl, Workload
 
 BNB_BLOCK = 2048
 BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN = 100_000
+"""bitsandbytes pages a state buffer only for parameters of at least 1e5 elements."""
 
 
 def _impl_kwargs(impl: OptimizerImpl) -> dict[str, Any]:
@@ -61,8 +66,9 @@ def make_optimizer(w: Workload, params: list[nn.Parameter]) -> tuple[Any, list[s
         o = AdamW8bit(params, paged=paged)
         notes.append("8-bit AdamW emulated (bitsandbytes storage: uint8 states + fp32 absmax per 2048-block)")
         if paged:
-            notes.append(f"paged optimizer states ({o.paged_bytes():,} B) live in CUDA unified memory, "
-                         "outside the caching allocator; they page to host memory under pressure")
+            notes.append(f"paged optimizer states ({o.paged_bytes():,} B) live in CUDA unified memory "
+                         "(cudaMallocManaged), outside the caching allocator: not in these figures; they take "
+                         "GPU memory while resident and page to host memory under pressure")
         return o, notes
     raise ValueError(f"unsupported optimizer {opt}")
 
@@ -101,11 +107,11 @@ class Lion(torch.optim.Optimizer):
                     m.mul_(b2).add_(g, alpha=1 - b2)
 
 
-def _bnb_state_bytes(n: int) -> int:
-    if n < BNB_MIN_8BIT_SIZE:
-        return 2 * 4 * n
-    blocks = -(-n // BNB_BLOCK)
-    return 2 * n + 2 * 4 * blocks
+def _bnb_paged_bytes(n: int) -> int:
+    """Bytes of a parameter's two state buffers that bitsandbytes pages (0 below 1e5 elements)."""
+    if n < BNB_PAGED_MIN:
+        return 0
+    return 2 * (4 * n if n < BNB_MIN_8BIT_SIZE else n)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -116,7 +122,7 @@ class AdamW8bit(torch.optim.Optimizer):
         self.paged = paged
 
     def paged_bytes(self) -> int:
-        return sum(_bnb_state_bytes(p.numel()) for g in self.param_groups for p in g["params"])
+        return sum(_bnb_paged_bytes(p.numel()) for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
@@ -127,19 +133,19 @@ class AdamW8bit(torch.optim.Optimizer):
                 st = self.state[p]
                 if "step" not in st:
                     st["step"] = 0
-                    if not self.paged:
-                        self._init_state(st, p)
+                    self._init_state(st, p, paged=self.paged and p.numel() >= BNB_PAGED_MIN)
                 st["step"] += 1
 
     @staticmethod
-    def _init_state(st: dict[str, Any], p: torch.Tensor) -> None:
+    def _init_state(st: dict[str, Any], p: torch.Tensor, *, paged: bool = False) -> None:
         n = p.numel()
         if n < BNB_MIN_8BIT_SIZE:
             st["state1"] = torch.zeros_like(p, dtype=torch.float32)
             st["state2"] = torch.zeros_like(p, dtype=torch.float32)
             return
         blocks = -(-n // BNB_BLOCK)
-        st["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-        st["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+        if not paged:  # paged buffers live in unified memory, outside the allocator
+            st["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+            st["state2"] = torch.zeros_like(p, dtype=torch.uint8)
         st["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         st["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)

@@ -6,9 +6,12 @@ forward/backward allocate:
 - ``nf4`` / ``int4`` (bnb ``Linear4bit``): packed ``uint8[out·in/2, 1]``, fp32 ``absmax`` per
   64-element block and a 16-entry fp32 code; with double quantisation (QLoRA) ``absmax`` is
   ``uint8`` plus fp32 second-level absmax per 256 blocks, a 256-entry code and an offset.
-  Forward/backward dequantise the whole weight into a compute-dtype temporary
-  ``[out, in]`` (``MatMul4Bit``); a single-token inference row uses the gemv kernel instead.
-  Nothing but the packed weight is saved for backward.
+  ``Linear4bit.forward`` casts the input to the compute dtype; forward/backward dequantise
+  the whole weight (``MatMul4Bit``: ``F.linear(A, dequantize_4bit(B).to(A.dtype).t())``,
+  bitsandbytes ``autograd/_functions.py``) into a ``[out, in]`` temporary of the dtype the
+  model was loaded in (``quant_state.dtype``; double quantisation first dequantises the
+  absmax to fp32), cast to the compute dtype when that differs; a single-token inference
+  row uses the gemv kernel instead. Nothing but the packed weight is saved for backward.
 - ``int8`` (bnb ``Linear8bitLt``, LLM.int8): ``int8[out, in]`` + fp32 row scales ``SCB[out]``.
   Forward: int8 activations ``[T, in]`` + fp32 row scales, an int32 ``[T, out]`` product,
   fp16 output. Backward (LoRA training): a dequantised weight temporary.
@@ -53,11 +56,14 @@ class QuantLinear(nn.Module):
     """A frozen quantised ``nn.Linear`` (storage and temporaries as bitsandbytes / fp8)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, kind: Quant,
-                 compute_dtype: torch.dtype, double_quant: bool = False, device: Any = "meta") -> None:
+                 compute_dtype: torch.dtype, double_quant: bool = False, device: Any = "meta",
+                 storage_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.kind = kind
         self.compute_dtype = compute_dtype
+        self.storage_dtype = storage_dtype or compute_dtype
+        """The dtype the weight was quantised from (bitsandbytes' ``quant_state.dtype``)."""
         self.double_quant = double_quant
         n = in_features * out_features
         dev = torch.device(device)
@@ -84,9 +90,11 @@ class QuantLinear(nn.Module):
                                  requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, kind: Quant, compute_dtype: torch.dtype, double_quant: bool) -> QuantLinear:
+    def from_linear(cls, lin: nn.Linear, kind: Quant, compute_dtype: torch.dtype, double_quant: bool,
+                    storage_dtype: torch.dtype | None = None) -> QuantLinear:
         return cls(lin.in_features, lin.out_features, bias=lin.bias is not None, kind=kind,
-                   compute_dtype=compute_dtype, double_quant=double_quant, device=lin.weight.device)
+                   compute_dtype=compute_dtype, double_quant=double_quant, device=lin.weight.device,
+                   storage_dtype=storage_dtype or lin.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, kind={self.kind}"
@@ -99,11 +107,11 @@ class QuantLinear(nn.Module):
     # --- kernels --------------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         w = self._buffer("weight")
-        if self.kind in (Quant.NF4, Quant.INT4) and self.double_quant:
-            absmax = _empty((self._buffer("absmax").numel(),), torch.float32, w)  # dequantised absmax
-            out = _empty((self.out_features, self.in_features), dtype, w)
+        if self.kind in (Quant.NF4, Quant.INT4):
+            absmax = _empty((self._buffer("absmax").numel(),), torch.float32, w) if self.double_quant else None
+            out = _empty((self.out_features, self.in_features), self.storage_dtype, w)
             del absmax
-            return out
+            return out.to(dtype) if dtype != self.storage_dtype else out
         return _empty((self.out_features, self.in_features), dtype, w)
 
     def _forward_kernel(self, x: torch.Tensor, gemv: bool) -> torch.Tensor:
@@ -140,7 +148,7 @@ class QuantLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, *, double_quant: bool,
-                     skip: tuple[str, ...] = ("lm_head",)) -> int:
+                     skip: tuple[str, ...] = ("lm_head",), storage_dtype: torch.dtype | None = None) -> int:
     """Replace every ``nn.Linear`` (except ``skip`` names and LoRA adapters) by
     :class:`QuantLinear`; returns the count."""
     count = 0
@@ -149,6 +157,7 @@ def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, 
             continue
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and child_name not in skip:
-                setattr(mod, child_name, QuantLinear.from_linear(child, kind, compute_dtype, double_quant))
+                setattr(mod, child_name, QuantLinear.from_linear(child, kind, compute_dtype, double_quant,
+                                                                 storage_dtype))
                 count += 1
     return count

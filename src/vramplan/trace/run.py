@@ -23,14 +23,15 @@ from ..errors import TraceError, VramplanError, WorkloadError
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Peft, Quant, Task, Workload
+from ..workload import Attention, Loss, Peft, Quant, Task, Workload
 from . import analysis, context_parallel, dist, features, pipeline_parallel, tensor_parallel
 from .construct import fake_construction
+from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
 from .session import TraceSession
-from .steps import RUNNERS, Batch, LossFn, StepPlan
+from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
@@ -215,6 +216,10 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
                          f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
+    if (p.tp > 1 or p.pp > 1) and w.training and (w.loss is not Loss.FULL or w.optimizer_in_backward):
+        knob = f"`loss={w.loss}`" if w.loss is not Loss.FULL else "`optimizer_in_backward`"
+        raise TraceError(f"{knob} is not traced with tensor or pipeline parallelism (the loss-parallel "
+                         "cross-entropy / the pipeline schedule own the loss and the step)", hint="use `method=analytic`")
     if p.tp > 1:
         knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
         if knob:
@@ -372,7 +377,15 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         for meta, real in shadows or ():
             sess.values.set_shadow(meta, real)
         opt: Any = None
-        if w.training:
+        in_backward: dict[nn.Parameter, Any] | None = None
+        if w.training and w.optimizer_in_backward:
+            in_backward = {}
+            for q in trainable:
+                in_backward[q] = optimizer([q]) if optimizer is not None else make_optimizer(w, [q])[0]
+            register_in_backward(sess, in_backward)
+            notes.append(f"optimizer in backward: {len(in_backward)} per-parameter optimizers stepped from "
+                         "post-accumulate-grad hooks, each gradient freed after its step (torchtune optimizer_in_bwd)")
+        elif w.training:
             if optimizer is not None:
                 opt = optimizer(trainable)
             else:
@@ -383,7 +396,11 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
+            keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
+            sm=profile.sm, in_backward=in_backward,
         )
+        if w.training and w.loss is not Loss.FULL:
+            notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
         runner = runner or RUNNERS[str(w.task)]
         with p.step_context() if p.step_context is not None else contextlib.nullcontext():
             for it in range(1, iterations + 1):

@@ -18,7 +18,8 @@ gives the true outputs and saved tensors (logsumexp fp32 ``[B,H,T]``, rng state)
   8, dropout a multiple of 1/16, more than one key.
 - math: PyTorch's own decomposition on meta (same as CUDA's math kernel).
 
-Not modelled: the memory-efficient and cuDNN kernels' internal backward workspaces.
+Backward workspaces (fp32 dQ accumulators of the memory-efficient and cuDNN kernels) are
+added by :mod:`.dispatch` (``_fused_bwd_workspace``) next to flash's ``mha_bwd`` buffers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,15 @@
 
 - training: ``grad_accum`` × (forward + loss under autocast, backward), then the optimizer
   step and ``zero_grad(set_to_none=True)``; the model outputs are dropped before backward
-  (as a training loop that keeps only the loss does);
+  (as a training loop that keeps only the loss does). The loop knobs of the workload change
+  exactly these places: ``keep_outputs`` holds the outputs until after ``backward()``;
+  ``keep_grads`` zeroes the gradients in place (``set_to_none=False``), so that from the
+  second iteration on they exist through the forward and the backward accumulates into
+  them; ``loss`` ≠ full runs the backbone and one of :mod:`.loss`'s implementations on its
+  hidden states; ``optimizer_in_backward`` steps each parameter from its
+  post-accumulate-grad hook and frees its gradient there (torchtune 0.6.1
+  ``training/memory.py`` ``register_optim_in_bwd_hooks``: ``optim_dict[p].step();
+  optim_dict[p].zero_grad()``), so no optimizer phase follows;
 - inference: one forward under ``torch.inference_mode()``;
 - generation: prefill + ``new_tokens − 1`` decode steps with a real transformers cache
   (:mod:`.kvcache`: ``DynamicCache`` by default, ``StaticCache`` on request, quantised by
@@ -21,9 +29,11 @@ import torch
 from torch import nn
 
 from ..errors import TraceError
-from ..workload import KVDtype, Phase
+from ..events import Category
+from ..workload import KVDtype, Loss, Phase
 from .decode import MODEL_STEPS, DecodeExtrapolator, eligible
 from .kvcache import make_cache
+from .loss import forward_and_loss
 from .session import TraceSession
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
@@ -52,6 +62,16 @@ class StepPlan:
     (:mod:`.decode`); False traces every step."""
     notes: list[str] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(default_factory=list)
+    keep_grads: bool = False
+    """``zero_grad(set_to_none=False)``: gradients are zeroed in place, never freed."""
+    keep_outputs: bool = False
+    """The loop holds the model's outputs until after ``backward()``."""
+    loss: Loss = Loss.FULL
+    loss_chunks: int = 8
+    sm: tuple[int, int] = (9, 0)
+    """Compute capability of the target (Liger's sm80+ in-place ``addmm``)."""
+    in_backward: dict[nn.Parameter, Any] | None = None
+    """``optimizer_in_backward``: one optimizer per parameter, stepped from its gradient hook."""
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -97,14 +117,40 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
+def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any, torch.Tensor]:
+    """(the model's outputs, the loss) as the workload's loss implementation computes them."""
+    if plan.loss is Loss.FULL or plan.loss_fn is not None:
+        out = call_model(plan.model, plan.batch)
+        return out, loss_of(out, plan.batch, plan.loss_fn)
+    dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
+    return forward_and_loss(plan.model, plan.batch, plan.loss, plan.loss_chunks, autocast_dtype=dtype, sm=plan.sm)
+
+
+def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]) -> None:
+    """torchtune's ``register_optim_in_bwd_hooks``: each parameter's optimizer steps as soon as
+    its gradient is accumulated, then frees it (``zero_grad()``, ``set_to_none=True``)."""
+
+    def step(param: nn.Parameter) -> None:
+        opt = optimizers[param]
+        if param.grad is not None:
+            sess.label_tensors([param.grad], Category.GRADIENT)
+        opt.step()
+        sess.label_optimizer(opt)
+        opt.zero_grad(set_to_none=True)
+
+    for p in optimizers:
+        p.register_post_accumulate_grad_hook(step)
+
+
 def train_step(sess: TraceSession, plan: StepPlan) -> None:
     scale = None
     for _ in range(plan.grad_accum):
         with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
-            out = call_model(plan.model, plan.batch)
-            loss = loss_of(out, plan.batch, plan.loss_fn)
+            out, loss = forward_loss(plan, sess)
             _label_model_cache(sess, out)
-            del out
+            if not plan.keep_outputs:
+                del out
+                out = None
             if plan.grad_scaler:
                 if scale is None:
                     scale = torch.full((), 65536.0, dtype=torch.float32, device="meta")
@@ -114,8 +160,10 @@ def train_step(sess: TraceSession, plan: StepPlan) -> None:
                              hint="check requires_grad / the PEFT target modules")
         with sess.backward():
             loss.backward()
-        del loss
+        del loss, out
         sess.label_grads(plan.trainable)
+    if plan.in_backward is not None:
+        return  # stepped and freed inside backward
     with sess.phase(Phase.OPTIMIZER):
         if plan.grad_scaler:
             grads = [p.grad for p in plan.trainable if p.grad is not None]
@@ -124,10 +172,13 @@ def train_step(sess: TraceSession, plan: StepPlan) -> None:
         if plan.optimizer is not None:
             plan.optimizer.step()
             sess.label_optimizer(plan.optimizer)
-            plan.optimizer.zero_grad(set_to_none=True)
+            plan.optimizer.zero_grad(set_to_none=not plan.keep_grads)
         else:
             for p in plan.trainable:
-                p.grad = None
+                if plan.keep_grads and p.grad is not None:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
 
 
 def infer_step(sess: TraceSession, plan: StepPlan) -> None:
@@ -139,6 +190,10 @@ def infer_step(sess: TraceSession, plan: StepPlan) -> None:
 
 def _label_model_cache(sess: TraceSession, out: Any) -> None:
     """A transformers model called with ``use_cache`` fills a cache of its own: kv_cache."""
+    if isinstance(out, tuple) and not hasattr(out, "past_key_values"):
+        for o in out:
+            _label_model_cache(sess, o)
+        return
     cache = getattr(out, "past_key_values", None)
     if cache is not None and not isinstance(cache, torch.Tensor):
         sess.label_cache(cache)

@@ -25,7 +25,7 @@ from functools import cache
 from typing import Any
 
 from vramplan.errors import FIELD_REF, VramplanError, did_you_mean
-from vramplan.workload import Method, Parallel, Workload
+from vramplan.workload import Method, Parallel, Workload, field_docs
 
 MAX_CONFIG_BYTES = 256 * 1024
 """Largest config.json the page accepts (a transformers config.json is a few KiB)."""
@@ -67,7 +67,7 @@ def fields() -> tuple[Field, ...]:
     out: list[Field] = []
     for cls, par in ((Workload, False), (Parallel, True)):
         hints = typing.get_type_hints(cls)
-        docs = _field_docs(cls)
+        docs = field_docs(cls)
         base = cls()
         for f in dataclasses.fields(cls):
             if f.name == "parallel":
@@ -100,25 +100,6 @@ def fields() -> tuple[Field, ...]:
             out.append(Field(key=f.name.replace("_", "-"), name=f.name, kind=kind, default=default,
                              choices=choices, parallel=par, doc=docs.get(f.name, "")))
     return tuple(out)
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal under a field), as the CLI's help will use."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):  # pragma: no cover - source not shipped
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs: dict[str, str] = {}
-    for a, b in zip(body, body[1:], strict=False):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,146 @@
+"""Start-up speed of the command line, against references measured in the same run.
+
+Prints, for each command, the median wall time of fresh processes, its target and its
+ratio to ``python -c pass`` / ``python -c "import torch"`` run alongside, and the CPU
+seconds of each (user + system: on a shared machine the steadier figure):
+
+1. ``vramplan --help`` (target ≤ 0.1 s);
+2. ``vramplan estimate llama-3.1-8b --method analytic`` (target ≤ 0.12 s);
+3. ``vramplan estimate llama-3.1-8b --task train`` (auto → trace; target ≤ 2.5 s and
+   ≤ 1.7 × ``import torch``);
+
+then where the trace's start-up goes: ``import torch``, then transformers' Llama modeling
+file, and which of ``torch._dynamo``, ``torch.distributed.tensor``, ``torchao``,
+``accelerate`` that import pulls in, with the chain of modules that pulls each
+(``python -X importtime``).
+
+Every process runs with bytecode caching on, in a private cache (``PYTHONPYCACHEPREFIX``):
+an installed package has its ``.pyc`` files, while a checkout run with
+``PYTHONDONTWRITEBYTECODE=1`` recompiles every module of vramplan on each start (~0.1 s).
+One untimed run of each command fills that cache first.
+
+    .venv/bin/python bench/startup.py [--runs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torchao", "accelerate")
+
+
+def _env(cache: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = cache
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _vramplan() -> list[str]:
+    exe = shutil.which("vramplan", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "vramplan.cli.main"]
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def median_wall(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (user + system) of ``runs`` fresh processes.
+    On a shared machine the CPU time is the steadier figure: it does not count waiting for a core."""
+    subprocess.run(cmd, env=env, check=True, capture_output=True)  # fills the bytecode cache
+    times, cpu = [], []
+    for _ in range(runs):
+        t, c = time.perf_counter(), _children_cpu()
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        times.append(time.perf_counter() - t)
+        cpu.append(_children_cpu() - c)
+    return statistics.median(times), statistics.median(cpu)
+
+
+def _importers(lines: list[str], name: str) -> list[str]:
+    """The chain of modules whose import first pulled ``name`` (from ``-X importtime``
+    output: children are listed before their parent, one indentation level deeper)."""
+    rows = []
+    for line in lines:
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        field = line.split("|")[2]
+        depth = (len(field) - len(field.lstrip(" "))) // 2
+        rows.append((depth, field.strip()))
+    at = next((i for i, (_, mod) in enumerate(rows) if mod == name), None)
+    if at is None:
+        return []
+    chain, depth = [name], rows[at][0]
+    for d, mod in rows[at + 1:]:
+        if d < depth:
+            chain.append(mod)
+            depth = d
+    return chain
+
+
+def import_breakdown(env: dict[str, str]) -> None:
+    probe = ("import sys, time; t = time.perf_counter(); import torch; a = time.perf_counter() - t; "
+             "t = time.perf_counter(); import transformers.models.llama.modeling_llama; "
+             "b = time.perf_counter() - t; "
+             f"print(a, b, *[m in sys.modules for m in {HEAVY!r}])")
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", probe], env=env, check=True,
+                         capture_output=True, text=True)
+    a, b, *present = out.stdout.split()
+    print(f"  import torch {float(a):.2f} s, then transformers' Llama modeling file {float(b):.2f} s "
+          "(one run, under -X importtime)")
+    lines = out.stderr.splitlines()
+    for name, there in zip(HEAVY, present, strict=True):
+        if there != "True":
+            print(f"  {name}: not imported")
+            continue
+        chain = _importers(lines, name)
+        via = chain[1:]
+        shown = " <- ".join(via if len(via) <= 6 else [*via[:5], "…", via[-1]])
+        print(f"  {name}: pulled by {shown}" if shown else f"  {name}: imported")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache:
+        env = _env(cache)
+        vp = _vramplan()
+        passing, passing_cpu = median_wall([sys.executable, "-c", "pass"], env, args.runs)
+        torch_s, torch_cpu = median_wall([sys.executable, "-c", "import torch"], env, max(3, args.runs // 2))
+        print(f"reference  python -c pass: {passing:.3f} s ({passing_cpu:.3f} s CPU)   python -c 'import torch': "
+              f"{torch_s:.2f} s ({torch_cpu:.2f} s CPU) (medians, same run; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+        rows = [
+            ("vramplan --help", [*vp, "--help"], 0.10, args.runs),
+            ("vramplan estimate llama-3.1-8b --method analytic",
+             [*vp, "estimate", "llama-3.1-8b", "--method", "analytic"], 0.12, args.runs),
+            ("vramplan estimate llama-3.1-8b --task train",
+             [*vp, "estimate", "llama-3.1-8b", "--task", "train"], 2.5, 3),
+        ]
+        for label, cmd, target, runs in rows:
+            dt, cpu = median_wall(cmd, env, runs)
+            ok = "PASS" if dt <= target else "MISS"
+            print(f"{ok}  {label:<52} {dt:6.3f} s ({cpu:.3f} s CPU)  target ≤ {target:g} s (ratio {dt / target:.2f}); "
+                  f"{dt / passing:5.1f}× python -c pass, {dt / torch_s:4.2f}× import torch "
+                  f"({cpu / torch_cpu:4.2f}× in CPU time)")
+        print("where the trace's start-up goes:")
+        import_breakdown(env)
+
+
+if __name__ == "__main__":
+    main()

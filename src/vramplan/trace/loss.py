@@ -1,0 +1,256 @@
+"""The loss implementations of ``Workload.loss``, with their real code's tensor sizes and lifetimes.
+
+A causal LM's step is split where each implementation splits it: the backbone runs
+(``model.base_model``, the cache it fills included), then the loss runs on its last hidden
+state and the output head's weight.
+
+- ``full`` — the model computes its own loss (transformers ``ForCausalLMLoss``, today's
+  default): full-vocabulary logits in the compute dtype, ``logits.float()``, then
+  ``cross_entropy`` (fp32 log-softmax output saved for backward). Not handled here.
+- ``chunked`` — torchtune 0.6.1: the model outputs its logits as a list of ``N`` chunks
+  (``TransformerDecoder.chunked_output``: ``[self.output(c) for c in h.chunk(N, dim=1)]``,
+  torchtune/modules/transformer.py), the recipe shifts the labels
+  (``torch.hstack((labels[..., 1:], ignore))``) and ``CEWithChunkedOutputLoss``
+  (torchtune/modules/loss/ce_chunked_output_loss.py) upcasts and cross-entropies one chunk at
+  a time (``F.cross_entropy(chunk.float(), labels, reduction="sum")``), divided by the count
+  of non-ignored labels. :func:`chunked_ce` is that code, op for op (torchtune itself does not
+  import next to torchao ≥ 0.13, so it is not called).
+- ``liger`` — Liger Kernel 0.8.5 ``LigerFusedLinearCrossEntropyFunction``
+  (liger_kernel/ops/fused_linear_cross_entropy.py): chunks of
+  ``next_pow2(ceil(BT / ceil(V / H)))`` tokens; per chunk the logits ``x_c @ Wᵀ`` are
+  materialised, the Triton kernel writes the loss and overwrites the logits with their
+  gradient in place, and ``grad_input``/``grad_weight`` are accumulated *in the forward*
+  (``zeros_like`` of the hidden states and of the weight, saved for backward). Triton does
+  not run on meta: :class:`LigerFusedLinearCE` allocates what that code allocates.
+- ``cce`` — Cut Cross-Entropy 25.1.1 (cut_cross_entropy/cce.py, cce_lse_forward.py,
+  indexed_dot.py, cce_backward.py): the logits are never materialised; the forward keeps an
+  fp32 log-sum-exp per token (+ an fp32 per-vocabulary logit average for gradient
+  filtering), the backward allocates ``de = zeros_like(e)``, ``dc = zeros_like(c,
+  dtype=e.dtype)`` (+ ``dc.to(c.dtype)``), two int32 lock tables and the vocabulary ordering
+  (``argsort(logit_avg).to(int32)``). :class:`CutCrossEntropy` allocates the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import TraceError
+from ..workload import Loss
+
+IGNORE_INDEX = -100
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def liger_chunk(bt: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of Liger's fused linear cross-entropy (``chunk_mem_const=1``)."""
+    inc = _cdiv(vocab, hidden)
+    return min(_next_pow2(_cdiv(bt, inc)), bt)
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(the transformers causal LM, its backbone, its output head); a TraceError when the model
+    is not one (the loss knob needs the hidden states and the head's weight)."""
+    hf: Any = model
+    getter = getattr(hf, "get_base_model", None)
+    if callable(getter):  # a PeftModel
+        hf = getter()
+    head = hf.get_output_embeddings() if callable(getattr(hf, "get_output_embeddings", None)) else None
+    backbone = getattr(hf, "base_model", None)
+    if (not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module) or backbone is hf
+            or type(hf).__name__ not in _causal_lm_classes()):
+        raise TraceError(f"the loss implementation needs a transformers causal LM (a backbone and an output "
+                         f"head); {type(hf).__name__} is not one", hint="use `loss=full`")
+    return hf, backbone, head
+
+
+def _causal_lm_classes() -> frozenset[str]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return frozenset()
+    names: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((v,) if isinstance(v, str) else v)
+    return frozenset(names)
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets with the last position ignored (torchtune's recipe; transformers
+    pads and shifts the same way)."""
+    ignore = torch.full((labels.shape[0], 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    return torch.hstack((labels[..., 1:], ignore))
+
+
+def _head_weight(head: nn.Module) -> torch.Tensor:
+    w = getattr(head, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TraceError(f"the output head {type(head).__name__} has no 2-D weight", hint="use `loss=full`")
+    return w
+
+
+# --- torchtune ---------------------------------------------------------------------------
+def chunked_ce(logits: list[torch.Tensor], labels: torch.Tensor, chunks: int) -> torch.Tensor:
+    """torchtune 0.6.1 ``CEWithChunkedOutputLoss.forward``, the same ops in the same order."""
+    total_elements = (labels != IGNORE_INDEX).sum()
+    label_chunks = [t.reshape(-1) for t in labels.chunk(chunks, dim=1)]
+    logit_chunks = [c.reshape(-1, c.size(-1)) for c in logits]
+    total_loss: Any = 0.0
+    for lc, tc in zip(logit_chunks, label_chunks, strict=False):
+        total_loss += F.cross_entropy(lc.float(), tc, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total_loss / total_elements
+
+
+# --- Liger ---------------------------------------------------------------------------------
+class LigerFusedLinearCE(torch.autograd.Function):
+    """The allocations of Liger 0.8.5's ``fused_linear_cross_entropy_forward``/``_backward``
+    on CUDA (defaults: mean reduction, no bias, no z-loss, ``accum_dtype=None``).
+
+    ``use_mm_out`` (input dtype = weight dtype = the autocast dtype when autocast is on): one
+    ``[chunk, V]`` logits buffer for all chunks and ``mm(out=)`` into ``grad_input``;
+    otherwise fresh logits per chunk and a ``[chunk, H]`` product copied into ``grad_input``.
+    ``grad_weight`` accumulates in place (``addmm``, with ``out_dtype=float32`` for an fp32
+    weight, sm80+); before sm80 the product is a ``[V, H]`` temporary."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,  # type: ignore[override]
+                autocast_dtype: torch.dtype | None, sm80: bool, cuda: bool = True) -> torch.Tensor:
+        """``cuda=False``: the decisions Liger's code takes on a CPU tensor (no ``mm(out=)``, no
+        in-place ``addmm``), for the comparison with a real CPU run."""
+        bt, hidden = x.shape
+        vocab = weight.shape[0]
+        chunk = liger_chunk(bt, vocab, hidden)
+        need_w = weight.requires_grad
+        grad_input = torch.zeros_like(x)
+        grad_weight = torch.zeros_like(weight) if need_w else None
+        loss_1d = torch.zeros(bt, dtype=torch.float32, device=x.device)
+        mask = target != IGNORE_INDEX
+        mask.sum()  # total_n_non_ignore (.item())
+        del mask
+        mm_dtype = autocast_dtype or x.dtype
+        use_mm_out = cuda and x.dtype == weight.dtype and x.dtype == mm_dtype
+        storage = torch.empty((chunk, vocab), dtype=x.dtype, device=x.device) if use_mm_out else None
+        for start in range(0, bt, chunk):
+            end = min(start + chunk, bt)
+            xc = x[start:end]
+            if storage is not None:
+                logits = storage[: end - start]
+                torch.mm(xc, weight.t(), out=logits)
+            else:
+                logits = xc @ weight.t()
+            # liger_cross_entropy_kernel: loss into loss_1d, d(loss)/d(logits) into `logits` in place
+            if storage is not None:
+                torch.mm(logits, weight, out=grad_input[start:end])
+            else:
+                grad_input[start:end] = logits @ weight
+            if grad_weight is not None:
+                if cuda and sm80 and logits.dtype in (torch.float16, torch.bfloat16):
+                    xin = xc.to(logits.dtype) if xc.dtype != logits.dtype else xc
+                    del xin  # addmm(grad_weight, logits.t(), xin[, out_dtype=float32], out=grad_weight)
+                else:
+                    grad_weight += torch.mm(logits.t(), xc).float()
+            del logits, xc
+        del storage
+        loss = torch.sum(loss_1d)
+        del loss_1d
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad_input, grad_weight = ctx.saved_tensors
+        torch.tensor(1.0, device=grad_output.device)  # torch.equal(grad_output, tensor(1.0)); scaled in place
+        return grad_input, grad_weight, None, None, None, None
+
+
+# --- Cut Cross-Entropy -------------------------------------------------------------------------
+class CutCrossEntropy(torch.autograd.Function):
+    """The allocations of CCE 25.1.1 ``LinearCrossEntropyFunction`` (``impl="cce"``, mean
+    reduction, ``linear_cross_entropy``'s default ``filter_eps="high"``, so the per-vocabulary
+    logit average is kept; every label valid, so ``valids`` is None)."""
+
+    @staticmethod
+    def forward(ctx: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        b = e.shape[0]
+        valid = targets != IGNORE_INDEX  # _build_flat_valids: nonzero().to(int32), dropped when all valid
+        nz = torch.empty((b, 1), dtype=torch.int64, device=e.device)
+        nz32 = nz.to(torch.int32)
+        del valid, nz, nz32
+        lse = e.new_full((b,), -float("inf"), dtype=torch.float32)
+        locks = e.new_zeros((_cdiv(b, 128),), dtype=torch.int32)  # uint32 in CCE (same bytes)
+        logit_avg = e.new_zeros((c.shape[0],), dtype=torch.float32) if (e.requires_grad or c.requires_grad) else None
+        del locks
+        neg_dot = e.new_zeros((b,), dtype=torch.float32)
+        nll = neg_dot.add_(lse)
+        loss = nll.mean()
+        del nll, neg_dot
+        ctx.save_for_backward(e, c, lse, targets, logit_avg)
+        ctx.c_requires_grad = c.requires_grad
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        e, c, lse, _targets, logit_avg = ctx.saved_tensors
+        order = torch.argsort(logit_avg).to(torch.int32) if logit_avg is not None else None
+        b, hidden = e.shape
+        de = torch.zeros_like(e)
+        dc = torch.zeros_like(c, dtype=e.dtype) if ctx.c_requires_grad else None
+        nd = _cdiv(hidden, 64)
+        de_locks = e.new_zeros((_cdiv(b, nd), nd), dtype=torch.int32)
+        dc_locks = c.new_zeros((_cdiv(c.shape[0], nd), nd), dtype=torch.int32)
+        del de_locks, dc_locks, order
+        return de, dc.to(c.dtype) if dc is not None else None, None
+
+
+def loss_note(w: Any) -> str:
+    """What the trace ran for ``w.loss`` (one line for the report)."""
+    if w.loss is Loss.CHUNKED:
+        return (f"loss: torchtune CEWithChunkedOutputLoss, {w.loss_chunks} chunks (logits output as a list of chunks, "
+                "one fp32 upcast at a time)")
+    if w.loss is Loss.LIGER:
+        return ("loss: Liger fused linear cross-entropy emulated (allocations of liger_kernel 0.8.5: logits chunk by "
+                "chunk, input/weight gradients computed in the forward)")
+    return ("loss: Cut Cross-Entropy emulated (allocations of cut-cross-entropy 25.1.1: no logits, fp32 "
+            "log-sum-exp per token)")
+
+
+# --- the step -----------------------------------------------------------------------------------
+def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], loss: Loss, chunks: int,
+                     *, autocast_dtype: torch.dtype | None, sm: tuple[int, int]) -> tuple[Any, torch.Tensor]:
+    """(what the loop holds as the model's output, the loss) for ``loss`` ≠ full."""
+    args, kwargs = batch
+    kwargs = dict(kwargs)
+    labels = kwargs.pop("labels", None)
+    if not isinstance(labels, torch.Tensor):
+        raise TraceError(f"loss={loss} needs labels in the batch (a causal LM's training inputs)", hint="use `loss=full`")
+    _hf, backbone, head = causal_lm_parts(model)
+    out = backbone(*args, **kwargs)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    target = shifted_labels(labels)
+    if loss is Loss.CHUNKED:
+        logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+        return (logits, out), chunked_ce(logits, target, chunks)
+    weight = _head_weight(head)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if loss is Loss.LIGER:
+        value = LigerFusedLinearCE.apply(flat, weight, target.reshape(-1), autocast_dtype, sm >= (8, 0))
+        return out, value
+    if autocast_dtype is not None and flat.dtype == torch.float32:
+        flat = flat.to(autocast_dtype)  # CCE's backward takes 16-bit embeddings only
+    return out, CutCrossEntropy.apply(flat, weight, target.reshape(-1))
+
+
+__all__ = ["CutCrossEntropy", "LigerFusedLinearCE", "causal_lm_parts", "chunked_ce", "forward_and_loss",
+           "liger_chunk", "loss_note", "shifted_labels"]
