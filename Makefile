@@ -54,6 +54,7 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/estimate_speed.py
+	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/replay_speed.py
 	$(BIN)/python bench/trace_speed.py
 	$(BIN)/python bench/plan_speed.py

@@ -81,7 +81,8 @@ def formula(spec: ModelSpec, w: Workload) -> Breakdown:
     if not w.training:
         grads = opt = 0
         weights = float(precision_model(w).compute) * n_params
-    per_token = {Checkpointing.NONE: 34, Checkpointing.SELECTIVE: 12, Checkpointing.FULL: 2}[w.checkpointing]
+    per_token = {Checkpointing.NONE: 34, Checkpointing.SELECTIVE: 12, Checkpointing.OP: 10,
+                 Checkpointing.FULL: 2}[w.checkpointing]
     if w.checkpointing is not Checkpointing.NONE:
         per_token = per_token * w.checkpoint_fraction + 34 * (1 - w.checkpoint_fraction)
     cb = precision_model(w).compute

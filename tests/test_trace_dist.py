@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from vramplan.errors import TraceError
@@ -60,8 +62,8 @@ def _fsdp_trace(world: D.World, *, d: int = 64, reshard: bool = True, iterations
 
 def _params_bytes(sess: TraceSession) -> int:
     log = sess.rec.log
-    return sum(log.size[k] for k in range(len(log))
-               if log.action[k] == Action.ALLOC and log.category[k] == Category.PARAMETER)
+    return sum(log.size[k] for k in range(len(log))  # (set up before the first iteration)
+               if log.action[k] == Action.ALLOC and log.category[k] == Category.PARAMETER and log.iteration[k] == 0)
 
 
 def _sized(sess: TraceSession) -> list[int]:
@@ -147,3 +149,15 @@ def test_cuda_stream_api_restored() -> None:
     _fsdp_trace(D.World((("dp", 2),)), iterations=1)
     after = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, torch.UntypedStorage.resize_)
     assert before == after and not hasattr(torch, "meta")
+
+
+@given(rows=st.integers(1, 300), cols=st.integers(1, 3), n=st.integers(1, 70))
+@settings(max_examples=60)
+def test_lazy_chunks_match_fsdp_chunk_with_empty(rows: int, cols: int, n: int) -> None:
+    common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    t = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    want = common._chunk_with_empty(t, n, dim=0)
+    got = D._lazy_chunk_with_empty(t, n, 0)
+    assert len(got) == len(want) == n
+    for i in (0, n - 1, n // 2, -1):
+        assert got[i].shape == want[i].shape and torch.equal(got[i], want[i])

@@ -142,9 +142,13 @@ def test_sharded_layouts_are_refused_not_misreported() -> None:
     with pytest.raises(TraceError, match="traced for catalog models"):
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(cp=2))
     with pytest.raises(TraceError, match="torchtitan's Llama plan"):  # TP needs named attention/MLP linears
+        trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2))
+    with pytest.raises(TraceError, match="without data parallelism"):  # TP x FSDP/DDP: not yet
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2, dp=2))
+    with pytest.raises(TraceError, match="DeepSpeed ZeRO-1 is not traced"):
+        trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=2, zero=1))
     r = trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=4), options=NO_WS)
-    assert any("dp=4 traced as one replica" in n for n in r.notes)
+    assert any("DDP over dp=4" in n for n in r.notes)
 
 
 def test_trace_failure_names_the_torch_version_and_the_op() -> None:

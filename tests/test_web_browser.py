@@ -275,3 +275,33 @@ def test_a_model_without_a_formula_is_traced(server, page, capsys):
     assert want["method"] == "trace"
     assert figures(pg) == {k: want["peak"][k] for k in ("allocated", "reserved", "device_used")}
     assert pg.text_content("#status") == "trace" and not pg.is_visible("#stale")
+
+
+def test_recipe_fills_the_form_and_an_explicit_value_wins(server, page, capsys):
+    pg = page
+    pg.goto(f"{server}/?model=llama-3.1-8b&gpu=h100-sxm&method=analytic")
+    pg.wait_for_selector("#recipe")
+    before = renders(pg)
+    pg.select_option("#recipe", "torchtune")
+    wait_render(pg, before)
+    # the form shows the recipe's defaults, and the answer is the CLI's with --recipe torchtune
+    assert pg.input_value("#loss") == "chunked" and pg.is_checked("#optimizer-in-backward")
+    assert pg.input_value("#precision") == "bf16"
+    wait_shown(pg, recipe="torchtune", loss="chunked", optimizer_in_backward=True)
+    want = cli_json(capsys, "estimate", "llama-3.1-8b", "--recipe", "torchtune", "--gpu", "h100-sxm",
+                    "--method", "analytic", "--json")
+    assert figures(pg) == {k: want["peak"][k] for k in ("allocated", "reserved", "device_used")}
+    assert "recipe=torchtune" in pg.url and "loss=" not in pg.url
+    # vramplan's own default, given explicitly, beats the recipe's; a switch turned off is sent as off
+    pg.click("#more summary")
+    pg.select_option("#loss", "full")
+    wait_shown(pg, loss="full")
+    pg.uncheck("#optimizer-in-backward")
+    wait_shown(pg, loss="full", optimizer_in_backward=False)
+    assert "loss=full" in pg.url and "optimizer-in-backward=0" in pg.url
+    assert pg.text_content("#cli") == ("vramplan estimate llama-3.1-8b --loss full --no-optimizer-in-backward "
+                                       "--recipe torchtune --gpu h100-sxm --method analytic --json")
+    # back to the plain loop: the recipe's defaults the user kept give way
+    pg.select_option("#recipe", "plain")
+    wait_shown(pg, recipe="plain")
+    assert pg.input_value("#precision") == "auto" and "recipe=" not in pg.url

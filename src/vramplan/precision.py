@@ -15,6 +15,12 @@ step-time model (:mod:`vramplan.runtime`), so that they cannot disagree:
   (2Ψ) and gradients (2Ψ), fp32 master weights + Adam moments in the optimizer states
   (12Ψ): the same 16Ψ, split so that ZeRO-1 = 4Ψ + 12Ψ/N, ZeRO-2 = 2Ψ + 14Ψ/N,
   ZeRO-3 = 16Ψ/N. The model runs in 16-bit (no autocast cast copies).
+- ``*-mixed`` under FSDP (ZeRO-3 by default, ZeRO-2 with ``engine=fsdp``): **FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``** — fp32 sharded parameters
+  (4Ψ/N), fp32 sharded gradients (4Ψ/N, reduce-scattered in fp32), fp32 Adam moments (8Ψ/N,
+  no separate master copy); parameters all-gathered and computed in 16-bit, no autocast
+  (torch/distributed/fsdp/_fully_shard/_fsdp_api.py). The same 16Ψ/N as DeepSpeed's ZeRO-3,
+  split differently.
 - LoRA / QLoRA: the frozen base is 16-bit (QLoRA: NF4); PEFT keeps adapters in fp32
   (``autocast_adapter_dtype=True``), so adapter gradients and states are fp32.
   ``peft_base_dtype=fp32`` (a base loaded in fp32, run under autocast): the base and its
@@ -93,6 +99,8 @@ class PrecisionModel:
     def label(self) -> str:
         if self.autocast and self.weight == 4:
             return "PyTorch AMP (fp32 params, autocast 16-bit)"
+        if self.weight == 4 and self.compute == 2 and not self.autocast:
+            return "FSDP2 mixed precision (fp32 shards, 16-bit all-gathers and compute)"
         if self.master:
             return "16-bit params/grads with fp32 master + states in the optimizer (DeepSpeed/FSDP)"
         return f"{self.weight * 8}-bit params"
@@ -124,6 +132,9 @@ def _precision_model(w: Workload) -> PrecisionModel:
     if not w.mixed:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=False, grad=2, state=2,
                               compute_dtype=half)
+    if w.training and dp_engine(w) == "fsdp" and w.quant is Quant.NONE:
+        return PrecisionModel(weight=4, stream=2, compute=2, autocast=False, master=False, grad=4, state=4,
+                              compute_dtype=half)
     if w.training and w.parallel.zero >= 1:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=True, grad=2, state=4,
                               compute_dtype=half)
@@ -134,4 +145,17 @@ def _precision_model(w: Workload) -> PrecisionModel:
                           compute_dtype=half)
 
 
-__all__ = ["PrecisionModel", "precision_model"]
+def dp_engine(w: Workload) -> str:
+    """The data-parallel engine whose semantics apply: ``ddp`` (no ZeRO), ``fsdp`` (FSDP2) or
+    ``deepspeed``. ``Parallel.engine`` when set; by default DDP without ZeRO, DeepSpeed for
+    ZeRO-1/2 and FSDP for ZeRO-3 (with one data-parallel rank nothing is distributed: ``none``)."""
+    p = w.parallel
+    e = str(getattr(p, "engine", "auto"))
+    if e != "auto":
+        return e
+    if p.zero == 0:
+        return "ddp" if p.dp > 1 else "none"
+    return "fsdp" if p.zero == 3 else "deepspeed"
+
+
+__all__ = ["PrecisionModel", "precision_model", "dp_engine"]

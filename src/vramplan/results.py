@@ -225,6 +225,7 @@ class MemoryReport:
             "method": str(self.method),
             "predicts": self.predicts,
             "workload": self.workload.to_dict(),
+            "loop": _loop(self.workload),
             "breakdown": {**self.breakdown.as_dict(), "overhead": self.overhead_total},
             "overhead": [dataclasses.asdict(o) for o in self.overhead],
             "peak": dataclasses.asdict(self.peak),
@@ -264,3 +265,9 @@ class MemoryReport:
             ]
         return jsonable(d)
 
+
+def _loop(w: Workload) -> dict[str, Any]:
+    """The report header's loop account (recipe, defaults applied, values given instead)."""
+    from .recipes import summary
+
+    return summary(w).to_dict()

@@ -66,6 +66,20 @@ class Loss(_StrEnum):
     CCE = "cce"  # Cut Cross-Entropy: logits never materialised
 
 
+class Recipe(_StrEnum):
+    """A framework's training loop as a bundle of knob defaults (``vramplan.recipes``)."""
+
+    PLAIN = "plain"  # vramplan's own loop: the Workload defaults
+    HF_TRAINER = "hf-trainer"
+    TRL_SFT = "trl-sft"
+    ACCELERATE = "accelerate"
+    LIGHTNING = "lightning"
+    TORCHTUNE = "torchtune"
+    TORCHTITAN = "torchtitan"
+    DEEPSPEED = "deepspeed"
+    UNSLOTH = "unsloth"
+
+
 class DtypeChoice(_StrEnum):
     AUTO = "auto"
     FP32 = "fp32"
@@ -162,8 +176,16 @@ class Parallel:
     """Keep optimizer states (and fp32 master weights) in CPU memory."""
     offload_params: bool = False
     """Keep parameters in CPU memory, gathered per layer (ZeRO-3 / FSDP offload)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (DistributedDataParallel's `bucket_cap_mb`; the first bucket is 1 MiB)."""
+    gradient_as_bucket_view: bool = False
+    """DDP gradients are views into its all-reduce buckets (no second copy of the gradients)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or not self.bucket_cap_mb > 0:
+            raise WorkloadError(f"`bucket_cap_mb` must be a positive number of MiB, got {self.bucket_cap_mb!r}",
+                                hint="DDP's default is 25", field="bucket_cap_mb")
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -270,6 +292,10 @@ class Workload:
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
+    recipe: Recipe = Recipe.PLAIN
+    """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft,
+    accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
+    loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
     def __post_init__(self) -> None:
         # Coerce strings to enums so that Workload(task="train") works.
@@ -280,7 +306,7 @@ class Workload:
             ("task", Task), ("precision", Precision), ("optimizer", Optimizer),
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
-            ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice),
+            ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         if isinstance(self.lora_targets, str):

@@ -37,6 +37,12 @@ def _peak(phase: Phase, *instants: Breakdown) -> PhasePeak:
     return PhasePeak(phase=phase, allocated=bd.total, breakdown=bd)
 
 
+def _with_buckets(st: States, grads: int) -> int:
+    """Gradient memory with DDP's buckets: beside the gradients, or holding them
+    (``gradient_as_bucket_view``)."""
+    return max(grads, st.ddp_buckets) if st.ddp_view else grads + st.ddp_buckets
+
+
 def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
              cache: int = 0) -> tuple[PhasePeak, ...]:
     """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs unless
@@ -66,7 +72,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     last_grads = st.largest_grad if w.optimizer_in_backward else max(held, st.head_grads + st.layer_grads)
 
     forward = Breakdown(
-        weights=w_live, gradients=held + st.ddp_buckets, optimizer=st.optimizer,
+        weights=w_live, gradients=_with_buckets(st, held), optimizer=st.optimizer,
         activations=acts + a.head + lm.forward_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
         temporaries=st.casts_all + lm.forward_transient + 2 * workspace, kv_cache=cache * stage.in_flight,
@@ -74,27 +80,27 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
             weights=w_live, optimizer=st.optimizer,
-            gradients=last_grads + st.unsharded_grads + st.ddp_buckets,
+            gradients=_with_buckets(st, last_grads + st.unsharded_grads),
             activations=acts + a.recompute + kept,
             temporaries=casts_bwd + a.transient + temps + workspace + step_temp,
         ),
         Breakdown(  # the first layer's backward
             weights=w_live, optimizer=st.optimizer,
-            gradients=all_grads + st.unsharded_grads + st.ddp_buckets,
+            gradients=_with_buckets(st, all_grads + st.unsharded_grads),
             activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full + kept,
             temporaries=st.casts_layer + a.transient + temps + workspace + step_temp,
         ),
     ]
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
-            weights=w_live, optimizer=st.optimizer, gradients=held + st.ddp_buckets,
+            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held),
             activations=acts + a.head + lm.backward_saved + kept,
             temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
         ))
     if w.optimizer_in_backward:
         return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)
     optimizer = Breakdown(
-        weights=st.weights, gradients=st.gradients + st.ddp_buckets, optimizer=st.optimizer,
+        weights=st.weights, gradients=_with_buckets(st, st.gradients), optimizer=st.optimizer,
         temporaries=st.opt_temp + 2 * workspace,
     )
     return (

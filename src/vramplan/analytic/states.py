@@ -64,6 +64,9 @@ class States:
     unsharded_grads: int = 0
     """ZeRO ≥ 2: one layer's full gradients before the reduce-scatter."""
     ddp_buckets: int = 0
+    """DDP's all-reduce buckets (as large as the gradients; kept for the whole run)."""
+    ddp_view: bool = False
+    """``gradient_as_bucket_view``: the gradients are views into the buckets (no second copy)."""
     opt_temp: int = 0
     casts_all: int = 0
     """Autocast's 16-bit copies of every linear weight used in the forward."""
@@ -111,7 +114,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
     gathered = 0
     if p.zero == 3 and w.training:
-        gathered = 2 * max(layer, embed, head) * rg.weight
+        gathered = 2 * max(layer, embed, head) * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else weights // p.dp
 
     # --- gradients and optimizer states -----------------------------------------------
@@ -160,6 +163,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         layer_grads=per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0,
+        ddp_view=p.gradient_as_bucket_view,
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),

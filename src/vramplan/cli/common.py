@@ -51,6 +51,49 @@ def _default_text(value: Any) -> str:
     return str(value)
 
 
+_EXPLICIT = "_explicit_fields"
+
+
+def _mark(namespace: argparse.Namespace, dest: str) -> None:
+    given = getattr(namespace, _EXPLICIT, None)
+    if given is None:
+        given = set()
+        setattr(namespace, _EXPLICIT, given)
+    given.add(dest)
+
+
+class _Store(argparse._StoreAction):
+    """A workload flag's value, remembering that it was given (a recipe's default must not
+    be replaced by an argparse default, only by what the user typed)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _mark(namespace, self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Switch(argparse.Action):
+    """``--keep-grads`` / ``--no-keep-grads``: on, or explicitly off (to turn off a recipe's default)."""
+
+    def __init__(self, option_strings: list[str], dest: str, default: Any = False, help: str | None = None,
+                 **kwargs: Any) -> None:
+        longs = [*option_strings, *("--no-" + o[2:] for o in option_strings if o.startswith("--"))]
+        super().__init__(longs, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _mark(namespace, self.dest)
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
+    """The workload fields the user gave on the command line (not argparse defaults)."""
+    return frozenset(getattr(args, _EXPLICIT, ()) or ())
+
+
 def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) -> None:
     """One flag from one dataclass field: name, type, choices, default and help all from the field."""
     flag = "--" + f.name.replace("_", "-")
@@ -59,19 +102,20 @@ def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) 
         default = "auto"
     text = f"{doc.replace('%', '%%')} (default: {_default_text(default)})"
     if f.name == "precision":
-        g.add_argument(flag, choices=["auto", *_choices(Precision)], default=default, help=text)
+        g.add_argument(flag, choices=["auto", *_choices(Precision)], default=default, help=text, action=_Store)
     elif f.name == "checkpointing":
-        auto = ("auto: full with --peft (TRL's SFTConfig turns gradient checkpointing on), none otherwise")
+        auto = ("auto: the --recipe's default; with the plain recipe full with --peft (TRL's SFTConfig turns "
+                "gradient checkpointing on), none otherwise")
         g.add_argument(flag, choices=["auto", *_choices(Checkpointing)], default=default,
-                       help=f"{doc.replace('%', '%%')} {auto} (default: auto)")
+                       help=f"{doc.replace('%', '%%')} {auto} (default: auto)", action=_Store)
     elif isinstance(default, bool):
-        g.add_argument(flag, action="store_true", help=text)
+        g.add_argument(flag, action=_Switch, default=False, help=text)
     elif isinstance(default, Enum):
-        g.add_argument(flag, choices=_choices(type(default)), default=default.value, help=text)
+        g.add_argument(flag, choices=_choices(type(default)), default=default.value, help=text, action=_Store)
     elif isinstance(default, tuple):
-        g.add_argument(flag, default=_default_text(default), metavar="A,B,…", help=text)
+        g.add_argument(flag, default=_default_text(default), metavar="A,B,…", help=text, action=_Store)
     elif isinstance(default, (int, float, str)):
-        g.add_argument(flag, type=type(default), default=default, help=text)
+        g.add_argument(flag, type=type(default), default=default, help=text, action=_Store)
     else:  # a new kind of field: give it a flag here (and a test in test_cli_errors.py)
         raise TypeError(f"no flag rule for Workload field {f.name!r} (default {default!r})")
 
@@ -108,7 +152,19 @@ def checkpointing_arg(args: argparse.Namespace) -> str:
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The Workload the flags describe (validated by Workload itself)."""
+    """The Workload the flags describe (validated by Workload itself). With ``--recipe``, the
+    recipe's defaults fill every knob whose flag was not given (``vramplan.recipes.apply``)."""
+    if str(getattr(args, "recipe", "plain")) != "plain":
+        from ..recipes import apply, defaults
+
+        given = explicit_fields(args)
+        names = [f.name for f in dataclasses.fields(Workload) if f.name not in ("parallel", "recipe")]
+        names += [f.name for f in dataclasses.fields(Parallel)]
+        by_recipe = {d.field for d in defaults(args.recipe, peft=args.peft, task=args.task, dp=args.dp)}
+        fields = {n: getattr(args, n) for n in names if n in given or n not in by_recipe}
+        if fields.get("checkpointing") == "auto":  # not given: the recipe's, else none
+            del fields["checkpointing"]
+        return apply(args.recipe, **fields)
     parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
     fields["checkpointing"] = checkpointing_arg(args)

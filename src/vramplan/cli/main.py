@@ -89,12 +89,11 @@ def flag_names(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
 
 
 def _named_command(argv: Sequence[str] | None) -> str | None:
-    """The subcommand ``argv`` names (its first word, the top-level parser has no option that
-    takes a value), or None: no command line, no word, or a word that is no subcommand."""
-    if argv is None:
+    """The subcommand ``argv`` starts with, or None (no command line, or it starts with an
+    option such as ``--help``: the top-level help lists every subcommand)."""
+    if not argv:
         return None
-    word = next((w for w in argv if not w.startswith("-")), None)
-    return word if word in SUBCOMMANDS else None
+    return argv[0] if argv[0] in SUBCOMMANDS else None
 
 
 def _version() -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import TraceError, WorkloadError
 from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
+from ..recipes import notes as recipe_notes
 from ..results import Fallback, MemoryReport, Peak, Verdict
 from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
@@ -47,7 +48,7 @@ def estimate(
 
     ``workload`` fields may also be given as keywords: ``estimate("llama-3.1-8b", batch=4)``.
     """
-    w = workload.replace(**workload_fields) if workload is not None else Workload(**workload_fields)
+    w = _workload(workload, workload_fields)
     spec = resolve_model(model)
     g = resolve_gpu(gpu)
     m = as_enum(Method, method, "method")
@@ -61,6 +62,19 @@ def estimate(
     if g is not None and search_max_batch and has_analytic(spec):
         report = _with_largest_batch(report, spec, g, dev, alloc_conf)
     return report
+
+
+def _workload(workload: Workload | None, fields: dict[str, Any]) -> Workload:
+    """The workload to estimate: ``workload`` with ``fields`` changed, or ``fields`` alone;
+    ``recipe=NAME`` among the fields fills the knobs not given with that recipe's defaults."""
+    if workload is not None:
+        return workload.replace(**fields)
+    recipe = fields.pop("recipe", None)
+    if recipe is not None:
+        from ..recipes import apply
+
+        return apply(recipe, **fields)
+    return Workload(**fields)
 
 
 def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: Method,
@@ -127,6 +141,9 @@ def has_analytic(spec: ModelSpec) -> bool:
 
 
 def _check(spec: ModelSpec, w: Workload) -> None:
+    from ..recipes import check
+
+    check(w)  # a knob the recipe's framework cannot run
     if spec.family is Family.OTHER:
         if w.task is Task.GENERATE and not spec.vocab:
             raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",
@@ -156,7 +173,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         model=name, params=core.params, trainable_params=core.trainable_params, workload=w,
         method=core.method, breakdown=core.breakdown, overhead=overhead, peak=peak,
         peak_phase=core.peak_phase, phases=core.phases, verdict=verdict, allocator=core.allocator,
-        notes=tuple(notes) + core.notes,
+        notes=tuple(notes) + recipe_notes(w) + core.notes,
         top_modules=core.top_modules, top_tensors=core.top_tensors,
         iterations=core.iterations, timeline=timeline, model_states=core.model_states,
         flops_per_step=core.flops_per_step, events=core.events, fallback=fallback, user_model=user_model,

@@ -43,8 +43,15 @@ def trace(
         workload_fields["optimizer"] = optimizer
     if workload is not None:
         w = workload.replace(**workload_fields) if workload_fields else workload
+    elif "recipe" in workload_fields:  # the recipe fills the knobs not given
+        from ..recipes import apply
+
+        w = apply(workload_fields.pop("recipe"), task=as_enum(Task, task, "task"), **workload_fields)
     else:
         w = Workload(task=as_enum(Task, task, "task"), **workload_fields)
+    from ..recipes import check
+
+    check(w)
     g = resolve_gpu(gpu)
     if alloc_conf:
         from ..allocator import parse_conf

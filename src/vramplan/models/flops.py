@@ -5,8 +5,11 @@ forward and 4 backward (activation + weight gradient), so a training step is ~6�
 base under LoRA skips its weight gradients (~4·N·tokens), its adapters train. Attention adds
 ``2·queries·keys·heads·(d_qk + d_v)`` per layer forward — causal flash/SDPA kernels skip the
 masked blocks (~half of s²), eager attention computes the whole square and masks it. Full
-activation checkpointing re-runs the forward of the checkpointed layers once; selective
-checkpointing re-runs their attention core. Cut Cross-Entropy (``loss=cce``) recomputes the
+activation checkpointing re-runs the forward of the checkpointed layers once (every layer, or
+every k-th: ``checkpoint_every``); selective checkpointing re-runs their attention core;
+torchtitan's op-level policy saves every other matmul and the attention kernels
+(``_op_sac_save_list``, ``mm_count % 2``, torchtitan distributed/activation_checkpoint.py), so
+it re-runs half of the layer matmuls. Cut Cross-Entropy (``loss=cce``) recomputes the
 logits block by block in its backward (cut_cross_entropy/cce_backward.py): one more head forward;
 the other loss implementations do the head's usual matmuls (Liger all of them inside the
 forward). Generation computes the logits of the last prompt
@@ -123,16 +126,26 @@ def train_flops(f: FlopsLayout, w: Workload, batch: int, seq: int) -> StepFlops:
     forward = layers + adapters + core + head
     weight_grads = layers + head if f.trains_base else 0.0
     backward = layers + 2 * adapters + 2 * core + head + weight_grads
-    frac = w.checkpoint_fraction
+    frac = checkpointed_fraction(w)
     if w.checkpointing is Checkpointing.FULL:
         recompute = frac * (layers + adapters + core)
     elif w.checkpointing is Checkpointing.SELECTIVE:
         recompute = frac * core
+    elif w.checkpointing is Checkpointing.OP:  # every other matmul and the attention kernel saved
+        recompute = frac * 0.5 * (layers + adapters)
     else:
         recompute = 0.0
-    if w.loss is Loss.CCE:
+    if w.loss is Loss.CCE:  # Cut Cross-Entropy recomputes the logits blockwise in its backward
         recompute += head
     return StepFlops(forward, backward, recompute)
+
+
+def checkpointed_fraction(w: Workload) -> float:
+    """Share of the layers whose activations are recomputed: ``checkpoint_fraction``, of
+    which every ``checkpoint_every``-th layer (torchtitan's ``selective_ac_option=k``)."""
+    if w.checkpointing is Checkpointing.NONE:
+        return 0.0
+    return w.checkpoint_fraction / w.checkpoint_every
 
 
 def generate_flops(f: FlopsLayout, w: Workload, prompt: int | None = None) -> tuple[float, float]:

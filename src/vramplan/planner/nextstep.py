@@ -7,8 +7,13 @@ Changes are tried in order of what they cost the user, and the first that fits w
 2. full activation checkpointing (~1/3 more compute, same results);
 3. an 8-bit AdamW (bitsandbytes; states in 8 bits, a small numerical change);
 4. both;
-5. the same job sharded over 2, 4 or 8 GPUs with ZeRO-3 / FSDP (more GPUs);
-6. LoRA, then QLoRA, with checkpointing (a different job: adapters are trained, not the model).
+5. the loop's own savings, each with checkpointing: chunked cross-entropy (the same loss, the
+   fp32 logits 1/8 at a time), the optimizer step inside backward (gradients freed one by
+   one; no accumulation), activation offload to host RAM (slower: PCIe);
+6. the same job sharded over 2, 4 or 8 GPUs with ZeRO-3 / FSDP (more GPUs);
+7. LoRA, then QLoRA, with checkpointing (a different job: adapters are trained, not the model).
+
+A change the workload's recipe cannot run (``vramplan.recipes``) is not suggested.
 
 Each candidate is screened with the analytic method (milliseconds; the figure named is its
 predicted device memory), so a suggestion is a starting point to confirm with `estimate`.
@@ -22,7 +27,8 @@ from dataclasses import dataclass
 from vramplan.errors import VramplanError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
-from vramplan.workload import Checkpointing, Method, Optimizer, Peft, Task, Workload
+from vramplan.recipes import allows
+from vramplan.workload import Checkpointing, Loss, Method, Optimizer, Peft, Task, Workload
 
 from .evaluator import Estimator, Evaluator
 
@@ -68,6 +74,7 @@ def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, 
         if not has_ckpt and spec.layers:
             yield ("--checkpointing full --optimizer adamw-8bit", "more compute and 8-bit optimizer states",
                    {**ckpt, "optimizer": Optimizer.ADAMW_8BIT})
+    yield from _loop_savings(w, spec, ckpt, has_ckpt)
     if w.parallel.dp == 1 and w.parallel.world_size == 1:
         for n in (2, 4, 8):
             yield (f"--dp {n} --zero 3" + ("" if has_ckpt else " --checkpointing full"),
@@ -78,6 +85,21 @@ def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, 
     if w.peft is not Peft.QLORA and spec.is_decoder:
         yield ("--peft qlora" + ("" if has_ckpt else " --checkpointing full"),
                "LoRA on 4-bit base weights: slower (dequantisation)", {**ckpt, "peft": Peft.QLORA})
+
+
+def _loop_savings(w: Workload, spec: ModelSpec, ckpt: dict[str, object],
+                  has_ckpt: bool) -> Iterator[tuple[str, str, dict[str, object]]]:
+    more = "" if has_ckpt or not spec.layers else " --checkpointing full"
+    base = {} if has_ckpt or not spec.layers else ckpt
+    if w.loss is Loss.FULL and spec.vocab:
+        yield (f"--loss chunked{more}", "torchtune's chunked cross-entropy: the same loss, 1/8 of the fp32 logits "
+               "at a time", {**base, "loss": Loss.CHUNKED})
+    if not w.optimizer_in_backward and w.grad_accum == 1 and w.peft is Peft.NONE and w.parallel.world_size == 1:
+        yield (f"--optimizer-in-backward{more}", "each gradient freed right after its update (no accumulation "
+               "or clipping)", {**base, "optimizer_in_backward": True})
+    if not w.activation_offload and spec.layers:
+        yield (f"--activation-offload{more}", "saved activations in host RAM: slower (PCIe copies)",
+               {**base, "activation_offload": True})
 
 
 def _halvings(b: int) -> list[int]:
@@ -94,6 +116,8 @@ def cheapest_fix(spec: ModelSpec, w: Workload, gpu: GPU, *, estimator: Estimator
     for flags, why, changes in _ladder(w, spec):
         try:
             cand = w.replace(**changes)
+            if not allows(cand):
+                continue
             r = ev.report(cand, gpu=gpu, method=Method.ANALYTIC)
         except VramplanError:
             continue

@@ -27,6 +27,7 @@ from vramplan.units import GiB, fmt_bytes
 from vramplan.workload import Method, Peft, Precision, Workload, as_enum
 
 from .evaluator import Estimator, Evaluator, Screen
+from .knobs import KNOBS, saving_knobs
 from .pareto import (
     SORTS,
     complexity,
@@ -70,8 +71,9 @@ def plan(
     insts = list(instances) if instances is not None else load_instances()
     ev = screen.ev if screen is not None else Evaluator(spec, alloc_conf=alloc_conf, estimator=estimator)
     sc = screen or Screen(ev, screen_method(ev, w, m))
+    knobs = saving_knobs(ev, w)
     cands = candidates(w, g, max_gpus=max_gpus, allow_peft=allow_peft, global_batch=global_batch,
-                       compact=sc.method is not Method.ANALYTIC)
+                       compact=sc.method is not Method.ANALYTIC, knobs=knobs)
     if budget is not None and plan_price(g, 1, insts) is None:
         raise PlanError(
             f"no on-demand price is listed for {g.key}, so `budget` cannot be checked",
@@ -90,7 +92,7 @@ def plan(
         raise PlanError(f"every plan that fit by the analytic screen is too large when traced on {g.key}",
                         hint="use `method=analytic` to see the screened plans, or a larger `max_gpus`")
     finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
-    notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals)
+    notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals) + knob_notes(w, knobs)
     counts = sorted({c.num_gpus for c in cands})
     if global_batch is not None and max(counts) < max_gpus:
         notes.append(f"global batch {global_batch} splits evenly over {counts} GPU(s) only")
@@ -259,6 +261,23 @@ def _nothing_fits(spec: ModelSpec, g: GPU, max_gpus: int, screened: list[Plan], 
         f"{nearest.label}{where} needs {fmt_bytes(nearest.memory)} per GPU",
         hint="try " + ", ".join(tips),
     )
+
+
+def knob_notes(w: Workload, knobs: frozenset[str]) -> list[str]:
+    """Which of the loop's memory savings were searched, and which were not."""
+    if not w.training:
+        return []
+    words = {"loss": "chunked cross-entropy", "optimizer_in_backward": "optimizer step in backward",
+             "activation_offload": "activation offload", "op": "op-level selective checkpointing",
+             "every": "checkpointing every 2nd layer"}
+    left = [words[k] for k in KNOBS if k not in knobs]
+    searched = [words[k] for k in KNOBS if k in knobs]
+    out = []
+    if searched:
+        out.append("loop savings searched: " + ", ".join(searched))
+    if left:
+        out.append("not searched (no lower predicted peak for this workload by the analytic screen): " + ", ".join(left))
+    return out
 
 
 def caveats(w: Workload, plans: Sequence[Plan]) -> list[str]:

@@ -1,9 +1,12 @@
 """The space of workload variants the planner searches, and their names in words.
 
-Training: precision × checkpointing (none / selective / half / full) × optimizer (as given,
-fused, 8-bit, Adafactor) × PEFT (only with ``allow_peft``) × sharding over the GPU count
-(DDP, ZeRO-1/2/3, optimizer and parameter offload) × micro-batch / accumulation (the
-per-rank samples per step, or ``global_batch``, stay fixed). Inference: weight
+Training: precision × checkpointing (none / selective / torchtitan's op-level / every 2nd
+layer / half / full) × optimizer (as given, fused, 8-bit, Adafactor) × the loop's memory
+savings (as given, chunked cross-entropy, optimizer step in backward, activation offload)
+× PEFT (only with ``allow_peft``) × sharding over the GPU count (DDP, ZeRO-1/2/3, optimizer
+and parameter offload) × micro-batch / accumulation (the per-rank samples per step, or
+``global_batch``, stay fixed). A workload's recipe limits the space to what its framework
+can run (``vramplan.recipes.allows``). Inference: weight
 quantisation × KV-cache dtype × tensor parallelism. Every variant is a validated
 :class:`Workload`; invalid combinations are skipped, not guessed.
 """
@@ -11,7 +14,7 @@ quantisation × KV-cache dtype × tensor parallelism. Every variant is a validat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from vramplan.errors import PlanError, VramplanError
@@ -22,6 +25,7 @@ from vramplan.workload import (
     Attention,
     Checkpointing,
     KVDtype,
+    Loss,
     Optimizer,
     OptimizerImpl,
     Parallel,
@@ -77,11 +81,30 @@ def _precisions(w: Workload, gpu: GPU) -> list[Precision]:
     return [p] if alt is None else [p, alt]
 
 
-def _checkpointing(w: Workload, compact: bool = False) -> list[tuple[Checkpointing, float]]:
-    opts = [(Checkpointing.NONE, 1.0), (Checkpointing.FULL, 1.0)] if compact else [
-        (Checkpointing.NONE, 1.0), (Checkpointing.SELECTIVE, 1.0), (Checkpointing.FULL, 0.5), (Checkpointing.FULL, 1.0)]
-    mine = (w.checkpointing, w.checkpoint_fraction if w.checkpointing is not Checkpointing.NONE else 1.0)
+def _checkpointing(w: Workload, compact: bool = False,
+                   knobs: Collection[str] = ()) -> list[tuple[Checkpointing, float, int]]:
+    opts = [(Checkpointing.NONE, 1.0, 1), (Checkpointing.FULL, 1.0, 1)] if compact else [
+        (Checkpointing.NONE, 1.0, 1), (Checkpointing.SELECTIVE, 1.0, 1),
+        *([(Checkpointing.OP, 1.0, 1)] if "op" in knobs else []),
+        *([(Checkpointing.FULL, 1.0, 2)] if "every" in knobs else []),
+        (Checkpointing.FULL, 0.5, 1), (Checkpointing.FULL, 1.0, 1)]
+    on = w.checkpointing is not Checkpointing.NONE
+    mine = (w.checkpointing, w.checkpoint_fraction if on else 1.0, w.checkpoint_every if on else 1)
     return opts if mine in opts else [mine, *opts]
+
+
+def _loops(w: Workload, compact: bool = False, knobs: Collection[str] = ()) -> list[dict[str, object]]:
+    """The loop's memory savings to try: as given, then chunked cross-entropy (torchtune's,
+    a decoder's fp32 logits 1/8 at a time), the optimizer step inside backward (each gradient
+    freed after its update; needs no accumulation) and activation offload to host RAM."""
+    opts: list[dict[str, object]] = [{}]
+    if w.loss is Loss.FULL and "loss" in knobs:
+        opts.append({"loss": Loss.CHUNKED})
+    if not w.optimizer_in_backward and "optimizer_in_backward" in knobs:
+        opts.append({"optimizer_in_backward": True})
+    if not w.activation_offload and not compact and "activation_offload" in knobs:
+        opts.append({"activation_offload": True})
+    return opts
 
 
 def _optimizers(w: Workload, compact: bool = False) -> list[tuple[Optimizer, OptimizerImpl]]:
@@ -128,22 +151,31 @@ def _per_rank(w: Workload, dp: int, global_batch: int | None) -> int | None:
 
 
 def training_space(w: Workload, gpu: GPU, counts: list[int], *, allow_peft: bool,
-                   global_batch: int | None, compact: bool = False) -> Iterator[Candidate]:
+                   global_batch: int | None, compact: bool = False,
+                   knobs: Collection[str] = ()) -> Iterator[Candidate]:
     for n in counts:
         for sh in _shardings(w, n, compact):
             dp = int(sh["dp"])  # type: ignore[call-overload]
             per_rank = _per_rank(w, dp, global_batch)
             if per_rank is None:
                 continue
-            for prec, (ck, frac), (opt, impl), peft, mb in itertools.product(
-                _precisions(w, gpu), _checkpointing(w, compact), _optimizers(w, compact),
+            basic = {_checkpointing(w, True)[0], (Checkpointing.NONE, 1.0, 1), (Checkpointing.FULL, 1.0, 1)}
+            for prec, (ck, frac, every), (opt, impl), loop, peft, mb in itertools.product(
+                _precisions(w, gpu), _checkpointing(w, compact, knobs), _optimizers(w, compact),
+                _loops(w, compact, knobs),
                 _pefts(w, allow_peft), micro_batches(per_rank)[:2 if compact else None],
             ):
+                if loop.get("optimizer_in_backward") and (per_rank // mb > 1 or sh["zero"] or sh["dp"] != 1):
+                    continue  # a step per backward: no accumulation; per-parameter hooks, no sharded step
+                if loop and ((opt, impl) != (w.optimizer, w.optimizer_impl) or (ck, frac, every) not in basic):
+                    continue  # loop savings with the given optimizer and plain/full checkpointing: a small space
+                if loop.get("optimizer_in_backward") and peft is not Peft.NONE:
+                    continue  # adapters' gradients are tiny: nothing to free early
                 if peft is not Peft.NONE and opt in (Optimizer.ADAFACTOR,):
                     continue  # adapters are tiny: optimizer choice does not matter, keep the space small
                 changes: dict[str, object] = dict(
-                    precision=prec, checkpointing=ck, checkpoint_fraction=frac, optimizer=opt,
-                    optimizer_impl=impl, peft=peft, batch=mb, grad_accum=per_rank // mb,
+                    precision=prec, checkpointing=ck, checkpoint_fraction=frac, checkpoint_every=every,
+                    optimizer=opt, optimizer_impl=impl, peft=peft, batch=mb, grad_accum=per_rank // mb, **loop,
                 )
                 if peft is Peft.QLORA:
                     changes["quant"] = Quant.NF4
@@ -172,11 +204,15 @@ def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candid
 
 
 def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, object]) -> Iterator[Candidate]:
+    from vramplan.recipes import allows
+
     try:
         par = Parallel(**{**_parallel_fields(w.parallel), **sharding})  # type: ignore[arg-type]
-        yield Candidate(w.replace(parallel=par, **changes), n)
+        cand = w.replace(parallel=par, **changes)
     except VramplanError:
         return
+    if allows(cand):  # what the recipe's framework can run
+        yield Candidate(cand, n)
 
 
 def _parallel_fields(p: Parallel) -> dict[str, object]:
@@ -187,8 +223,11 @@ def _parallel_fields(p: Parallel) -> dict[str, object]:
 
 def candidates(w: Workload, gpu: GPU, *, max_gpus: int = 1, allow_peft: bool = False,
                global_batch: int | None = None, counts: list[int] | None = None,
-               compact: bool = False) -> list[Candidate]:
+               compact: bool = False, knobs: Collection[str] = ()) -> list[Candidate]:
     """Every valid variant of ``w`` on 1…``max_gpus`` GPUs (or exactly ``counts``).
+
+    ``knobs``: the loop's memory savings to search (``planner.knobs.KNOBS``; the plan passes
+    those that lower this workload's predicted peak).
 
     ``compact``: a smaller space (no selective/partial checkpointing, fused or Adafactor
     optimizers, ZeRO-1/2 or ZeRO-3 offload) for models that must be screened by tracing.
@@ -198,7 +237,8 @@ def candidates(w: Workload, gpu: GPU, *, max_gpus: int = 1, allow_peft: bool = F
     if global_batch is not None and global_batch < 1:
         raise PlanError(f"`global_batch` must be a positive integer, got {global_batch}", field="global_batch")
     cs = counts or gpu_counts(max_gpus)
-    space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch, compact=compact) \
+    space = training_space(w, gpu, cs, allow_peft=allow_peft, global_batch=global_batch, compact=compact,
+                           knobs=knobs) \
         if w.task is Task.TRAIN else inference_space(w, gpu, cs)
     out = list(dict.fromkeys(space))
     if not out and global_batch is not None:
@@ -213,9 +253,19 @@ def describe(w: Workload, n: int) -> str:
     parts = [str(w.precision)]
     if w.checkpointing is Checkpointing.FULL:
         frac = "" if w.checkpoint_fraction >= 1.0 else f"{w.checkpoint_fraction:.0%} "
-        parts.append(f"{frac}full checkpointing")
+        every = "" if w.checkpoint_every == 1 else f" of every {_ordinal(w.checkpoint_every)} layer"
+        parts.append(f"{frac}full checkpointing{every}")
     elif w.checkpointing is Checkpointing.SELECTIVE:
         parts.append("selective checkpointing")
+    elif w.checkpointing is Checkpointing.OP:
+        parts.append("op-level selective checkpointing")
+    if w.training:
+        if w.loss is not Loss.FULL:
+            parts.append(f"{w.loss} loss" if w.loss is not Loss.CHUNKED else f"chunked loss ({w.loss_chunks})")
+        if w.optimizer_in_backward:
+            parts.append("optimizer in backward")
+        if w.activation_offload:
+            parts.append("activation offload")
     if w.training:
         opt = str(w.optimizer)
         if w.optimizer_impl is OptimizerImpl.FUSED:
@@ -235,6 +285,10 @@ def describe(w: Workload, n: int) -> str:
     parts += _parallel_words(w, n)
     batch = f"batch {w.batch}" + (f" × {w.grad_accum} accum" if w.grad_accum > 1 else "")
     return " + ".join(parts) + f", {batch}"
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'nd' if k % 10 == 2 and k % 100 != 12 else 'rd' if k % 10 == 3 and k % 100 != 13 else 'th'}"
 
 
 def _parallel_words(w: Workload, n: int) -> list[str]:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from ..results import BREAKDOWN_KEYS, MemoryReport, ModuleStat
 from ..units import GiB
+from ..workload import Workload
 from .doc import Doc, KeyValues, Notes, Table
 
 _LABELS = {
@@ -75,6 +76,39 @@ def workload_line(r: MemoryReport) -> str:
     return " · ".join(parts)
 
 
+def _knob(field: str, value: object) -> str:
+    text = ("on" if value else "off") if isinstance(value, bool) else str(value)
+    return f"{field.replace('_', '-')} {text}"
+
+
+def loop_line(r: MemoryReport) -> str | None:
+    """The report header's loop line (None: the plain loop with every default)."""
+    text = loop_text(r.workload)
+    return f"loop: {text}" if text else None
+
+
+def loop_text(w: Workload) -> str | None:
+    """The loop's knobs that differ from vramplan's defaults: the recipe and the defaults it
+    applied, the values given instead of its defaults, and any other knob set (None: the
+    plain loop with every default)."""
+    from ..recipes import get, is_default, summary
+
+    s = summary(w)
+    if s.empty:
+        return None
+    parts = []
+    applied = [_knob(k, v) for k, v in s.applied if not is_default(k, v)]
+    if s.recipe.value != "plain":
+        parts.append(f"recipe {s.recipe} ({get(s.recipe).framework})"
+                     + (f" applied {', '.join(applied)}" if applied else " applied vramplan's defaults"))
+    if s.overridden:
+        parts.append("given instead of its defaults " + ", ".join(
+            f"{_knob(k, v)} (recipe: {_knob(k, d).split(' ', 1)[1]})" for k, v, d in s.overridden))
+    if s.other:
+        parts.append(", ".join(_knob(k, v) for k, v in s.other))
+    return " · ".join(parts)
+
+
 def _outermost(mods: Sequence[ModuleStat]) -> list[ModuleStat]:
     """Drop a module nested in another listed one at about the same peak (the peak of
     ``model.layers.31.mlp`` is that of ``model.layers.31`` and of ``model``): one row per place."""
@@ -92,7 +126,8 @@ def to_doc(r: MemoryReport) -> Doc:
         title=f"vramplan {'trace' if r.user_model else 'estimate'}: {r.model} — "
         f"{count(r.params)} params"
         + (f" ({count(r.trainable_params)} trainable)" if r.trainable_params != r.params else ""),
-        subtitle=f"{workload_line(r)}\nmethod: {r.method} · sizes in GiB (2^30 bytes), per GPU",
+        subtitle="\n".join(line for line in (
+            workload_line(r), loop_line(r), f"method: {r.method} · sizes in GiB (2^30 bytes), per GPU") if line),
     )
     pk = r.peak
     b = r.breakdown

@@ -10,6 +10,7 @@ from vramplan.planner.results import Boundary, FitResult, Plan, PlanResult, Rank
 from vramplan.units import GiB
 
 from .doc import Doc, KeyValues, Notes, Table
+from .estimate import loop_text
 
 PLAN_COLUMNS = ["#", "plan", "GPUs", "GiB/GPU", "step time", "tokens/s", "$/h", "$/M tok",
                 "bound", "vs. as given", "checked"]
@@ -71,6 +72,9 @@ def fit_doc(r: FitResult) -> Doc:
     items.append(("method", str(r.method)))
     items.append(("task", f"{w.task}, {w.precision}, {w.optimizer}, checkpointing {w.checkpointing}"
                   + (f", {w.peft}" if w.peft.value != "none" else "")))
+    loop = loop_text(w)
+    if loop:
+        items.append(("loop", loop))
     doc.add(KeyValues(items))
     rows = [_boundary_row(b) for b in (r.batch, r.seq) if b is not None]
     doc.add(Table(["axis", "largest that fits", "GiB there", "next step", "GiB there", "limited by"], rows,
@@ -99,6 +103,9 @@ def plan_doc(r: PlanResult, top: int = 10) -> Doc:
     doc.add(Table(_columns(r.plans, PLAN_COLUMNS), rows, title=title, align=["r", "l"] + ["r"] * 9))
     e = r.evaluations
     kv = [("evaluations", f"{e.total} ({e.traces} traces, {e.analytic} analytic)")]
+    loop = loop_text(b.workload)
+    if loop:
+        kv.append(("loop as given", loop))
     if r.budget is not None:
         kv.append(("budget", f"${r.budget:,.2f}/h"))
     bases = {p.price.basis for p in r.plans[:top] if p.price}

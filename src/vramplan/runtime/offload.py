@@ -55,3 +55,18 @@ def offload_time(
             f"{cpu_rate / 1e9:.2f} G params/s per rank (assumed; host-memory-bound CPU-Adam)"
         )
     return OffloadTime(total, exposed, tuple(notes))
+
+
+def activation_offload_time(gpu: GPU, *, bytes_per_microbatch: float, microbatches: int, t_microbatch: float,
+                            eff: Efficiency) -> OffloadTime:
+    """Activation offloading (torchtune's ``OffloadActivations``, Unsloth's offloaded
+    checkpointing): saved activations go to the host in the forward and come back in the
+    backward, on a side stream that compute partly hides."""
+    if bytes_per_microbatch <= 0:
+        return OffloadTime(0.0, 0.0)
+    link = pcie_link(gpu, eff)
+    per_mb = 2.0 * bytes_per_microbatch / link.bandwidth
+    exposed = microbatches * max(per_mb - eff.overlap_offload * t_microbatch, 0.0)
+    return OffloadTime(microbatches * per_mb, exposed, (
+        f"activation offload: saved activations down and back over {link.name} "
+        f"({link.bandwidth / 1e9:.0f} GB/s effective), up to {eff.overlap_offload:.0%} hidden behind compute",))

@@ -18,17 +18,18 @@ from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layo
 from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, opaque_shape, tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import precision_model
-from vramplan.workload import KVDtype, Peft, Task, Workload
+from vramplan.workload import Checkpointing, KVDtype, Loss, Peft, Task, Workload
 
 from .adapters import adapter_params
 from .comm import communication
-from .offload import offload_time
+from .offload import OffloadTime, activation_offload_time, offload_time
 from .rates import DEFAULT_EFFICIENCY, Efficiency, compute_rate, matmul_efficiency, memory_bandwidth
 from .traffic import (
     activation_bytes,
     cast_bytes,
     decode_bytes,
     matmul_weight_bytes,
+    offloaded_activation_bytes,
     optimizer_bytes_per_param,
     touched_params,
     train_bytes,
@@ -211,6 +212,11 @@ class _StepModel:
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,
             ranks_per_node=min(p.world_size, eff.gpus_per_node), eff=eff,
         )
+        act_off = activation_offload_time(
+            self.gpu, bytes_per_microbatch=offloaded_activation_bytes(s, w, b, seq) / self.split, microbatches=m,
+            t_microbatch=t_mb, eff=eff)
+        if act_off.total:
+            off = OffloadTime(off.total + act_off.total, off.exposed + act_off.exposed, off.notes + act_off.notes)
         busy = m * t_mb + bubble
         contrib = {
             "compute": mb.compute_part / t_mb * busy if t_mb else 0.0,
@@ -221,6 +227,7 @@ class _StepModel:
         self.notes += list(comm.notes) + list(off.notes)
         if w.peft is not Peft.NONE:
             self.notes.append("frozen base: backward skips its weight gradients (~4·N·tokens instead of 6)")
+        self.notes += loop_notes(w)
         if p.pp > 1:
             self.notes.append(
                 f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
@@ -356,3 +363,19 @@ def _kv_bytes(w: Workload) -> float:
 
 
 __all__ = ["Bound", "StepTime", "step_time"]
+
+
+def loop_notes(w: Workload) -> list[str]:
+    """How the loop's knobs enter the step time (those with no modelled cost say so)."""
+    out = []
+    if w.optimizer_in_backward:
+        out.append("optimizer in backward: the same optimizer work, run from the gradient hooks (no time cost modelled)")
+    if w.loss is Loss.CHUNKED:
+        out.append("chunked cross-entropy: the same FLOPs and bytes as the full loss")
+    elif w.loss is Loss.CCE:
+        out.append("Cut Cross-Entropy: logits never written to memory; the backward recomputes the head matmul")
+    elif w.loss is Loss.LIGER:
+        out.append("Liger fused linear cross-entropy: gradients computed in the forward, no extra FLOPs")
+    if w.checkpointing is Checkpointing.OP:
+        out.append("op-level selective checkpointing: half the layer matmuls and the ops between them recomputed")
+    return out

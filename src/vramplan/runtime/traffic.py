@@ -6,9 +6,18 @@ batches) from a compute-bound one. Per-element costs are stated next to each ter
 
 from __future__ import annotations
 
+from vramplan.models.flops import checkpointed_fraction
 from vramplan.models.shape import ModelShape
 from vramplan.precision import precision_model
-from vramplan.workload import Attention, Checkpointing, Optimizer, OptimizerImpl, Quant, Workload
+from vramplan.workload import (
+    Attention,
+    Checkpointing,
+    Loss,
+    Optimizer,
+    OptimizerImpl,
+    Quant,
+    Workload,
+)
 
 _QUANT_STORAGE = {Quant.INT8: 1.0, Quant.INT4: 0.5625, Quant.NF4: 0.5625, Quant.FP8: 1.0}
 """Stored bytes per quantised weight (4-bit: 0.5 + blockwise absmax, bitsandbytes)."""
@@ -68,9 +77,21 @@ def activation_bytes(s: ModelShape, w: Workload, batch: int, seq: int, *, traini
     total = float(tokens) * s.layers * (_PER_HIDDEN * s.hidden + _PER_FFN * s.ffn) * cb
     if w.attention is Attention.EAGER:  # scores written, softmax (fp32) read/written, read
         total += float(s.layers) * batch * s.heads * seq * seq * (3 * cb + 4)
-    if s.lm_vocab:
+    if s.lm_vocab and not (training and w.loss is Loss.CCE):  # Cut Cross-Entropy keeps logits on chip
         total += float(tokens) * s.lm_vocab * (cb + 8 if training else cb)  # fp32 CE upcast
     return total
+
+
+def offloaded_activation_bytes(s: ModelShape, w: Workload, batch: int, seq: int) -> float:
+    """Bytes of saved activations activation offloading sends to the host per micro-batch
+    (and fetches back in the backward): the inputs of checkpointed layers, and for layers
+    not checkpointed their forward activations (taken as the forward activation traffic)."""
+    if not w.activation_offload:
+        return 0.0
+    frac = checkpointed_fraction(w) if w.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else 0.0
+    act = activation_bytes(s, w, batch, seq, training=True)
+    inputs = float(batch * seq) * s.layers * s.hidden * precision_model(w).compute
+    return frac * inputs + (1.0 - frac) * act
 
 
 def train_bytes(s: ModelShape, w: Workload, batch: int, seq: int, trainable: int) -> tuple[float, float, float, float]:
@@ -84,9 +105,13 @@ def train_bytes(s: ModelShape, w: Workload, batch: int, seq: int, trainable: int
     fwd = weights + act
     bwd = weights + 2.0 * act + grads
     passes = 1.0
+    frac = checkpointed_fraction(w)
     if w.checkpointing is Checkpointing.FULL:
-        rec = w.checkpoint_fraction * (weights + act)
-        passes += w.checkpoint_fraction
+        rec = frac * (weights + act)
+        passes += frac
+    elif w.checkpointing is Checkpointing.OP:  # half the matmuls and the pointwise ops between them
+        rec = frac * 0.5 * (weights + act)
+        passes += 0.5 * frac
     elif w.checkpointing is Checkpointing.SELECTIVE:
         rec = w.checkpoint_fraction * 0.1 * act
     else:

@@ -32,11 +32,12 @@ set-up for it from 2.6 — older versions get our ``torch.cuda`` answers instead
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -136,6 +137,7 @@ def fake_world(world: World) -> Iterator[Any]:
         if dist.is_initialized():
             raise TraceError("a torch.distributed process group is already initialised in this process",
                              hint="trace parallel layouts in a process that has not called init_process_group")
+        hook = sys.excepthook  # init_process_group prefixes it with "[rank0]:" (each time)
         with _cuda_device_queries():
             dist.init_process_group("fake", store=FakeStore(), rank=world.rank, world_size=world.size)
             try:
@@ -143,6 +145,7 @@ def fake_world(world: World) -> Iterator[Any]:
                 yield mesh
             finally:
                 _teardown()
+                sys.excepthook = hook
     finally:
         _lock.release()
 
@@ -341,29 +344,155 @@ def recorded_resizes(rec: Recorder) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- FSDP on meta
 @contextlib.contextmanager
-def fsdp_on_meta() -> Iterator[None]:
-    """FSDP2 refuses to train parameters still on ``meta`` (``FSDPParamGroup.
-    _validate_no_meta_params``, raised at lazy init: "FSDP parameters should be materialized
-    from meta device before training"). On our trace device every tensor is ``meta`` and that
-    is the point, so the check is skipped while a trace runs (nothing else changes)."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
-    except ImportError:  # torch < 2.6: FSDP2 lived in torch.distributed._composable.fsdp
-        try:
-            from torch.distributed._composable.fsdp import _fsdp_param_group as fpg  # type: ignore[no-redef,attr-defined]
-        except ImportError:
-            yield
-            return
-    cls = fpg.FSDPParamGroup
-    orig = getattr(cls, "_validate_no_meta_params", None)
-    if orig is None:
+def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
+    """FSDP2 on the trace device.
+
+    - FSDP2 refuses to train parameters still on ``meta`` (``FSDPParamGroup.
+      _validate_no_meta_params`` at lazy init: "FSDP parameters should be materialized from
+      meta device before training"). On our trace device every tensor is ``meta`` and that is
+      the point, so the check is skipped while a trace runs.
+    - The unsharded parameters FSDP2 gathers are its per-parameter ``all_gather_outputs``
+      (``FSDPParam.init_all_gather_outputs``, then ``alloc_storage`` / ``free_storage`` by
+      resizing): they are recorded as parameters (the report's weights), each re-allocation
+      too (a resize keeps the category).
+    """
+    fpg: Any = None
+    fp: Any = None
+    for base in ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp"):  # 2.6+ / 2.4-2.5
+        with contextlib.suppress(ImportError):
+            import importlib
+
+            fpg = importlib.import_module(f"{base}._fsdp_param_group")
+            fp = importlib.import_module(f"{base}._fsdp_param")
+            break
+    if fpg is None or fp is None:
         yield
         return
-    cls._validate_no_meta_params = lambda self: None  # type: ignore[method-assign]
+    group_cls, param_cls = fpg.FSDPParamGroup, fp.FSDPParam
+    chunker = getattr(fp, "_chunk_with_empty", None)
+    if chunker is not None:
+        fp._chunk_with_empty = _lazy_chunk_with_empty
+    validate = getattr(group_cls, "_validate_no_meta_params", None)
+    init_outputs = getattr(param_cls, "init_all_gather_outputs", None)
+    if validate is not None:
+        group_cls._validate_no_meta_params = lambda self: None
+    if init_outputs is not None:
+        from ..events import Category
+
+        def init_all_gather_outputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+            fresh = len(getattr(self, "all_gather_outputs", ())) == 0
+            out = init_outputs(self, *args, **kwargs)
+            if fresh:
+                for t in self.all_gather_outputs:
+                    if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                        rec.relabel(t, Category.PARAMETER)
+            return out
+
+        param_cls.init_all_gather_outputs = init_all_gather_outputs
     try:
         yield
     finally:
-        cls._validate_no_meta_params = orig  # type: ignore[method-assign]
+        if validate is not None:
+            group_cls._validate_no_meta_params = validate
+        if init_outputs is not None:
+            param_cls.init_all_gather_outputs = init_outputs
+        if chunker is not None:
+            fp._chunk_with_empty = chunker
+
+
+class _LazyChunks(Sequence[torch.Tensor]):
+    """``_chunk_with_empty(tensor, n, dim)`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py:
+    ``torch.chunk`` padded with empty tensors to ``n``), each chunk made when it is indexed.
+    FSDP2 reads only chunk 0 (the padded size) and this rank's chunk, so sharding costs the
+    same for 8 and 1,024 ranks instead of ``n`` views (and empties) per parameter."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
+        self.tensor, self.n, self.dim = tensor, n, dim
+        size = tensor.size(dim)
+        self.step = -(-size // n)  # torch.chunk: ceil(size / chunks) per chunk
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        start = i * self.step
+        if start < self.size:
+            return self.tensor.narrow(self.dim, start, min(self.step, self.size - start))
+        return self[0].new_empty(0)
+
+
+def _lazy_chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+    if tensor.dim() == 0 or tensor.size(dim) == 0:
+        out = list(torch.chunk(tensor, num_chunks, dim=dim))
+        while len(out) < num_chunks:
+            out.append(out[0].new_empty(0))
+        return out
+    return _LazyChunks(tensor, num_chunks, dim)
+
+
+@contextlib.contextmanager
+def ddp_on_fake() -> Iterator[None]:
+    """DDP's constructor all-gathers every rank's parameter shapes and compares them
+    (``torch/distributed/utils.py``: ``_verify_param_shape_across_processes``); on the fake
+    process group the gathered shapes are never written, so the check would fail. Every
+    emulated rank holds the same model by construction: the check is skipped."""
+    try:
+        import torch.nn.parallel.distributed as ddp_mod
+    except ImportError:
+        yield
+        return
+    orig = getattr(ddp_mod, "_verify_param_shape_across_processes", None)
+    if orig is None:
+        yield
+        return
+    ddp_mod._verify_param_shape_across_processes = lambda *a, **k: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        ddp_mod._verify_param_shape_across_processes = orig  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def dtensor_metadata_unrecorded() -> Iterator[None]:
+    """DTensor derives an op's output shape by running it on fake tensors of the *global*
+    shape (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    torch/distributed/tensor/_sharding_prop.py); under the trace's dispatch mode those
+    meta kernels would be recorded as full-size allocations (and cached ones kept alive).
+    That bookkeeping allocates nothing on a GPU: it runs with the trace's modes set aside."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    name = "_propagate_tensor_meta_non_cached"
+    orig = getattr(ShardingPropagator, name, None)
+    if orig is None:
+        yield
+        return
+
+    def unrecorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return orig(self, *args, **kwargs)
+
+    setattr(ShardingPropagator, name, unrecorded)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, orig)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -398,5 +527,7 @@ def rank_session(sess: Any, world: World) -> Iterator[RankContext]:
         st.enter_context(sess)
         streams = st.enter_context(emulated_streams(sess.rec))
         st.enter_context(recorded_resizes(sess.rec))
-        st.enter_context(fsdp_on_meta())
+        st.enter_context(fsdp_on_meta(sess.rec))
+        st.enter_context(ddp_on_fake())
+        st.enter_context(dtensor_metadata_unrecorded())
         yield RankContext(world=world, mesh=mesh, streams=streams)

@@ -155,6 +155,16 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 self.track(t, cat)
 
+    def ignore(self, t: torch.Tensor) -> None:
+        """Never record ``t``'s storage (nor views of it): memory that is not on the device in
+        the real run (the unsharded meta model FSDP shards from)."""
+        if t.device.type != "meta":
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.live:
+            self.live[key] = [0, -1, 0, weakref.ref(st, partial(self._freed, key))]
+
     def resized(self, st: Any, nbytes: int) -> None:
         """A tracked storage was resized in place (``UntypedStorage.resize_``, as FSDP frees
         and re-allocates unsharded parameters): the old bytes are freed, the new allocated
@@ -168,7 +178,7 @@ class Recorder:
                 idx = self._emit(0, eid, nbytes, UNDECIDED, self.intern(f"storage[{nbytes}]"))
                 self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
             return
-        if entry[2] == nbytes:
+        if entry[2] == nbytes or entry[1] < 0:  # (unchanged, or an ignored storage)
             return
         cat = self._cat[entry[1]]
         if entry[0]:
@@ -193,7 +203,7 @@ class Recorder:
     def relabel(self, t: torch.Tensor, cat: Category) -> None:
         """Give ``t``'s storage a category (tracks it first if unseen)."""
         key = self.track(t, int(cat))
-        if key is not None:
+        if key is not None and self.live[key][1] >= 0:
             self._cat[self.live[key][1]] = int(cat)
 
     def close(self) -> None:

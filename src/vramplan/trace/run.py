@@ -26,6 +26,8 @@ from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Peft, Quant, Task, Workload
 from . import analysis, context_parallel, dist, features, pipeline_parallel, tensor_parallel
 from .construct import fake_construction
+from .dist import rank_session
+from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
 from .optim import make_optimizer
 from .recorder import resolve_categories
@@ -51,6 +53,9 @@ class TraceOptions:
     extrapolate_decode: bool = True
     """Generation: trace the first decode steps, write the rest from their exact progression
     (see :mod:`.decode`); False traces every step."""
+    rank: int = 0
+    """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
+    holds the same; the last one may hold less of a weight whose rows do not divide)."""
 
 
 @dataclass
@@ -201,15 +206,21 @@ def _check_iterations(iterations: int) -> None:
 
 
 def _parallel_notes(w: Workload) -> list[str]:
-    """Layouts the trace does not run yet are refused rather than misreported."""
+    """Layouts the trace cannot run are refused up front rather than misreported."""
     p = w.parallel
+    if not _model_parallel(w):
+        layout_of(w)  # data parallelism (FSDP2 / DDP): trace.layout decides
+        if p.dp > 1 and not w.training and p.zero != 3:
+            return [f"dp={p.dp} inference: every rank runs the same unsharded model (one traced)"]
+        return []
     if p.ep > 1:
         raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
                          "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
                          "method divides the experts by `ep`", hint="use `method=analytic`")
-    if p.zero or p.offload_optimizer or p.offload_params:
-        raise TraceError("the trace runs one GPU, a tensor- or context-parallel rank or pipeline stages; ZeRO/FSDP "
-                         "sharding and offload are not traced", hint="use `method=analytic` for these parallel layouts")
+    if p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training):
+        raise TraceError("tensor / pipeline / context parallelism are traced without data parallelism (one rank of "
+                         "the model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet",
+                         hint="use `method=analytic` for this layout, or trace `dp=1`")
     if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
         raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
                          "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
@@ -229,8 +240,16 @@ def _parallel_notes(w: Workload) -> list[str]:
             raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
                              hint="use `method=analytic`, or `vramplan serve` for an inference engine")
     if p.dp > 1:
-        return [f"dp={p.dp} traced as one replica: DDP's gradient buckets (about the gradients' size) are not included"]
+        return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
+
+
+def _model_parallel(w: Workload) -> bool:
+    """Tensor / pipeline / context / expert parallelism: traced by this package's own modules
+    (:mod:`.tensor_parallel`, :mod:`.pipeline_parallel`, :mod:`.context_parallel`), not by
+    :mod:`.layout` (FSDP2 / DDP)."""
+    p = w.parallel
+    return p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp
 
 
 @contextlib.contextmanager
@@ -370,9 +389,23 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
-    trainable = [q for q in p.model.parameters() if q.requires_grad]
-    with quiet(), _collect_deterministically(), sess:
-        sess.add_model(p.model, p.root)
+    layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
+        model = p.model
+        if layout is None:
+            stack.enter_context(sess)
+        else:
+            ctx = stack.enter_context(rank_session(sess, layout.world))
+            try:
+                model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
+            except VramplanError:
+                raise
+            except Exception as e:
+                raise TraceError(f"laying the model out as {layout.kind} failed on torch {torch.__version__}: "
+                                 f"{type(e).__name__}: {_line(e)}") from e
+            notes += layout_notes
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
             sess.values.set_shadow(meta, real)
@@ -387,12 +420,18 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                          "post-accumulate-grad hooks, each gradient freed after its step (torchtune optimizer_in_bwd)")
         elif w.training:
             if optimizer is not None:
-                opt = optimizer(trainable)
+                make = optimizer
             else:
-                opt, opt_notes = make_optimizer(w, trainable)
-                notes += opt_notes
+                def make(params: list[nn.Parameter]) -> Any:
+                    made, opt_notes = make_optimizer(w, params)
+                    notes.extend(opt_notes)
+                    return made
+            # FSDP2's Shard(0) parameters step on their local shards; tensor-parallel ones keep
+            # DTensor's optimizer (a RowwiseParallel embedding's gradient is Replicate)
+            local = layout is not None and sharded_params(trainable)
+            opt = LocalShardOptimizer(trainable, make) if local else make(trainable)
         plan = StepPlan(
-            model=p.model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
+            model=model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,

@@ -176,7 +176,9 @@ def _real_peak(make_model: Any, make_inputs: Any, task: str, iterations: int, lo
 
 
 def _storage_peak_mode() -> Any:
+    import contextlib
     import weakref
+    from collections.abc import Iterator
     from functools import partial
 
     import torch
@@ -188,26 +190,61 @@ def _storage_peak_mode() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.live: dict[int, Any] = {}
+            self.sizes: dict[int, int] = {}
             self.current = 0
             self.peak = 0
+            self.redispatch_dtensors = False
+            """Hand DTensor ops to DTensor, which runs them on its local tensors (seen here)."""
 
         def add(self, t: torch.Tensor) -> None:
             if t.device.type != "cpu" or t.is_sparse:
                 return
             st = t.untyped_storage()
+            if st.device.type != "cpu":  # a FakeTensor (DTensor's shape propagation): no memory
+                return
             key = st._cdata
             if key in self.live:
                 return
             n = st.nbytes()
             self.current += n
             self.peak = max(self.peak, self.current)
-            self.live[key] = weakref.ref(st, partial(self._freed, key, n))
+            self.sizes[key] = n
+            self.live[key] = weakref.ref(st, partial(self._freed, key))
 
-        def _freed(self, key: int, n: int, _ref: object) -> None:
+        def _freed(self, key: int, _ref: object) -> None:
             if self.live.pop(key, None) is not None:
-                self.current -= n
+                self.current -= self.sizes.pop(key, 0)
+
+        @contextlib.contextmanager
+        def resizes(self) -> Iterator[None]:
+            """Count ``UntypedStorage.resize_`` of tracked storages (FSDP's unsharded parameters)."""
+            cls = torch.UntypedStorage
+            orig = cls.resize_
+            mode = self
+
+            def resize_(st: Any, size: int) -> Any:
+                out = orig(st, size)
+                key = st._cdata
+                if key in mode.sizes:
+                    mode.current += int(size) - mode.sizes[key]
+                    mode.sizes[key] = int(size)
+                    mode.peak = max(mode.peak, mode.current)
+                elif st.device.type == "cpu":
+                    mode.current += int(size)
+                    mode.sizes[key] = int(size)
+                    mode.live[key] = weakref.ref(st, partial(mode._freed, key))
+                    mode.peak = max(mode.peak, mode.current)
+                return out
+
+            cls.resize_ = resize_  # type: ignore[method-assign,assignment]
+            try:
+                yield
+            finally:
+                cls.resize_ = orig  # type: ignore[method-assign]
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if self.redispatch_dtensors and any(t.__name__ == "DTensor" for t in types):
+                return NotImplemented
             out = func(*args, **(kwargs or {}))
             stack = [out]
             while stack:
@@ -223,3 +260,149 @@ def _storage_peak_mode() -> Any:
 
 def _StoragePeak() -> Any:  # noqa: N802 (a class built on first use: torch imported lazily)
     return _storage_peak_mode()()
+
+
+def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: str, iterations: int = 2,
+                    lr: float = 1e-4, bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True,
+                    timeout: float = 300.0) -> list[int]:
+    """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of the
+    trace's training step on ``world`` processes with the gloo backend: ``layout`` ``fsdp2``
+    (``fully_shard`` on each child of the model's largest ``ModuleList`` and the root) or
+    ``ddp`` (``DistributedDataParallel``). ``make_model`` / ``make_inputs`` must be picklable
+    (module-level functions): each process calls them. Storage resizes (FSDP2 frees and
+    re-allocates its unsharded parameters that way) are counted."""
+    import os
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, tmp, env)
+        ctx = mp.start_processes(_dist_worker, args=args, nprocs=world, join=False, start_method="spawn")
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"the {world}-process gloo run did not finish in {timeout:g} s")
+        out = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}")) as f:
+                out.append(int(f.read()))
+    return out
+
+
+def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_inputs: Any, iterations: int, lr: float,
+                 bucket_cap_mb: float, reshard_after_forward: bool, tmp: str, env: dict[str, str]) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from .run import _flat_tensors
+        from .steps import loss_of
+
+        torch.manual_seed(0)
+        tracker = _StoragePeak()
+        tracker.redispatch_dtensors = True
+        model = make_model()
+        model.train()
+        inputs = make_inputs()
+        batch: Any = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
+        if layout == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            for blk in max(lists, key=len) if lists else []:
+                fully_shard(blk, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            step_model: nn.Module = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            step_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        for t in [*model.parameters(), *model.buffers(), *_flat_tensors(batch)]:
+            tracker.add(getattr(t, "_local_tensor", t))
+        with tracker, tracker.resizes():
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+            for _ in range(iterations):
+                out = step_model(*batch[0], **batch[1])
+                loss = loss_of(out, batch, None)
+                del out
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(str(tracker.peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def block_model(width: int = 128, blocks: int = 3) -> Any:
+    """A small residual MLP (input linear, ``blocks`` up/GELU/down blocks in a ``ModuleList``,
+    output linear): the model of the real-run agreement checks for FSDP2 and DDP (no attention,
+    so no kernel choice differs between the CPU run and the emulated GPU)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(width, width)
+            self.layers = nn.ModuleList(Block() for _ in range(blocks))
+            self.out = nn.Linear(width, width)
+
+        def forward(self, x: Any) -> Any:
+            h = self.inp(x)
+            for blk in self.layers:
+                h = blk(h)
+            return self.out(h)
+
+    return Net()
+
+
+def block_inputs(width: int = 128, batch: int = 8, rows: int = 128) -> Any:
+    import torch
+
+    return torch.randn(batch, rows, width)
+
+
+def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
+    """(layout, rank, real storage peak, traced peak) for FSDP2 (ZeRO-3) and DDP over ``world``
+    gloo processes, on :func:`block_model` (fp32, no CUDA workspaces: a CPU run has none)."""
+    from ..workload import Precision, Task, Workload
+    from .run import TraceOptions, trace_model
+
+    out = []
+    for layout, parallel in (("fsdp2", {"dp": world, "zero": 3}), ("ddp", {"dp": world})):
+        real = real_dist_peaks(block_model, block_inputs, world=world, layout=layout, bucket_cap_mb=0.25)
+        w = Workload(task=Task.TRAIN, precision=Precision.FP32).replace(**parallel)
+        for rank, peak in enumerate(real):
+            opts = TraceOptions(workspaces=False, count_flops=False, rank=rank)
+            traced = trace_model(block_model, block_inputs(), workload=w, options=opts).peak_allocated
+            out.append((layout, rank, peak, traced))
+    return out

@@ -45,7 +45,16 @@ from vramplan.workload import Method
 
 from . import work
 from .jobs import Jobs, Stale
-from .params import FieldError, Query, cli_message, field_of, fields, parse_query, read_upload
+from .params import (
+    FieldError,
+    Query,
+    cli_message,
+    field_of,
+    fields,
+    parse_query,
+    read_upload,
+    recipe_defaults,
+)
 
 Handler = Callable[..., Awaitable[Response]]
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
@@ -246,6 +255,7 @@ def catalog_body() -> dict[str, Any]:
     body = catalog_json(list_models(), gpus, {g.key: usable_capacity(g)[0] for g in gpus})
     body["fields"] = [{"key": f.key, "kind": f.kind, "default": f.default, "choices": list(f.choices),
                        "parallel": f.parallel, "doc": f.doc} for f in fields()]
+    body["recipes"] = recipe_defaults()
     body["legend"] = legend_json()
     body["emit_formats"] = list(EMIT_FORMATS)
     return body

@@ -176,6 +176,21 @@ def check_model(name: str) -> str:
     return alias
 
 
+def recipe_defaults() -> dict[str, dict[str, dict[str, str]]]:
+    """Each recipe's knob defaults per PEFT mode, as the form's values (query key → text; a
+    switch on is "1", off ""): the page shows them and sends only values that differ."""
+    from ..recipes import CATALOG, defaults
+    from ..workload import Peft
+
+    def text(v: Any) -> str:
+        if isinstance(v, bool):
+            return "1" if v else ""
+        return str(getattr(v, "value", v))
+
+    return {str(r.value): {str(p.value): {d.field.replace("_", "-"): text(d.value) for d in defaults(r, peft=p)}
+                           for p in Peft} for r in CATALOG}
+
+
 def parse_workload(q: Mapping[str, str]) -> Workload:
     """The Workload of the query; a value that cannot be read names its key."""
     values: dict[str, Any] = {}
@@ -187,6 +202,10 @@ def parse_workload(q: Mapping[str, str]) -> Workload:
         v = _convert(f, raw)
         (par if f.parallel else values)[f.name] = v
     try:
+        if str(values.get("recipe", "plain")) != "plain":  # the recipe fills the knobs the query leaves out
+            from ..recipes import apply
+
+            return apply(values.pop("recipe"), **values, **par)
         return Workload(**values, parallel=Parallel(**par))
     except VramplanError as e:
         raise FieldError(cli_message(e), field=field_of(e)) from None

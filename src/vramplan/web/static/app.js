@@ -4,7 +4,7 @@
 
 const GiB = 2 ** 30;
 const MAIN = ["task", "batch", "seq", "new-tokens", "grad-accum", "precision", "optimizer", "checkpointing",
-  "checkpoint-fraction", "peft", "quant"];
+  "checkpoint-fraction", "peft", "quant", "recipe"];
 const PAGE_KEYS = ["model", "config", "gpu", "method", "tab", "gpus", "budget", "allow-peft", "sort"];
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
 const SVGNS = "http://www.w3.org/2000/svg";
@@ -23,10 +23,19 @@ function readUrl() {
   return s;
 }
 
+function recipeDefaults(state = page.state) {
+  // the knobs the chosen --recipe sets (server: web.params.recipe_defaults), for this PEFT mode
+  const r = state.recipe || "plain";
+  const byPeft = (page.catalog && page.catalog.recipes && page.catalog.recipes[r]) || {};
+  return byPeft[state.peft || "none"] || {};
+}
+
 function isDefault(key, value) {
   if (key in DEFAULTS) return false; // always written: a link names its model and GPU
   const f = page.fields.find((x) => x.key === key);
   if (!f) return value === "" || value == null;
+  const rd = recipeDefaults()[key]; // a recipe's default: only a different value is sent
+  if (rd !== undefined) return f.kind === "bool" ? truthy(value) === truthy(rd) : String(rd) === String(value);
   if (f.kind === "bool") return !truthy(value);
   return String(f.default) === String(value);
 }
@@ -268,7 +277,7 @@ function cliLine(cmd, method, extra = "") {
   for (const f of page.fields) {
     const v = s[f.key];
     if (v == null || v === "" || isDefault(f.key, v)) continue;
-    parts.push(f.kind === "bool" ? `--${f.key}` : `--${f.key} ${v}`);
+    parts.push(f.kind === "bool" ? (truthy(v) ? `--${f.key}` : `--no-${f.key}`) : `--${f.key} ${v}`);
   }
   if (s.gpu && !extra.includes("--rank-gpus")) parts.push(`--gpu ${s.gpu}`);
   if (method && method !== "auto") parts.push(`--method ${method}`);
@@ -564,7 +573,7 @@ function fillForm() {
     if (!k) continue;
     const f = page.fields.find((x) => x.key === k);
     let v = page.state[k];
-    if (v == null) v = f ? f.default : "";
+    if (v == null) v = recipeDefaults()[k] ?? (f ? f.default : "");
     if (input.type === "checkbox") input.checked = truthy(v);
     else if (input.type !== "file") input.value = v;
   }
@@ -577,11 +586,22 @@ let debounce = null;
 function onInput(e) {
   const input = e.target;
   if (!input.name || input.type === "file") return;
-  const v = input.type === "checkbox" ? (input.checked ? "1" : "") : input.value;
+  const v = input.type === "checkbox" ? (input.checked ? "1" : "0") : input.value; // "0": off, sent when a recipe has it on
   if (input.name === "model") {
     if (e.type === "input" && !page.catalog.models.some((m) => m.alias === v)) return; // still typing
     delete page.state.config;
     document.getElementById("config-info").textContent = "";
+  }
+  if (input.name === "recipe" || input.name === "peft") {
+    // the old recipe's defaults the user kept give way to the new ones (shown in the form)
+    const before = recipeDefaults();
+    const after = recipeDefaults({ ...page.state, [input.name]: v });
+    for (const k of new Set([...Object.keys(before), ...Object.keys(after)])) {
+      const cur = page.state[k];
+      if (cur == null || String(cur) === String(before[k] ?? "") || (before[k] === "" && !truthy(cur))) delete page.state[k];
+    }
+    page.state[input.name] = v;
+    fillForm();
   }
   page.state[input.name] = v;
   clearTimeout(debounce);

@@ -1,0 +1,76 @@
+"""What a recipe is: knob defaults with their sources, the knob values the framework can run,
+and what vramplan does not model of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..workload import Peft, Recipe, Workload
+
+
+@dataclass(frozen=True)
+class Default:
+    """One knob value a framework sets when the user does not, and the line that sets it."""
+
+    field: str
+    """The `Workload` (or `Parallel`) field."""
+    value: Any
+    source: str
+    """A link to the framework's source line (tag or commit in the URL), or a file and line with the version."""
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """Values of one knob the framework can run; another value is an error naming these."""
+
+    field: str
+    allowed: tuple[Any, ...]
+    why: str
+    """Why others are not possible, with the source (one clause)."""
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    name: Recipe
+    framework: str
+    """The framework and the version whose sources the defaults are read from."""
+    summary: str
+    defaults: Callable[[Peft, int], tuple[Default, ...]]
+    """The knob defaults for training, per PEFT mode (LoRA recipes differ from full
+    fine-tuning) and data-parallel size (FSDP only over several GPUs)."""
+    restrictions: tuple[Restriction, ...] = ()
+    caveats: Callable[[Workload], tuple[str, ...]] = field(default=lambda w: ())
+    """What the framework does that the estimate does not model, for this workload: notes
+    in the report (never silently ignored)."""
+
+
+@dataclass(frozen=True)
+class LoopSummary:
+    """The report header's account of the loop: the recipe, the defaults it applied, the
+    values given instead of its defaults, and every other knob that differs from vramplan's
+    own default."""
+
+    recipe: Recipe
+    applied: tuple[tuple[str, Any], ...]
+    overridden: tuple[tuple[str, Any, Any], ...]
+    """(field, value given, the recipe's default)."""
+    other: tuple[tuple[str, Any], ...]
+
+    @property
+    def empty(self) -> bool:
+        return self.recipe is Recipe.PLAIN and not (self.applied or self.overridden or self.other)
+
+    def to_dict(self) -> dict[str, Any]:
+        from .._json import jsonable
+
+        return {
+            "recipe": str(self.recipe),
+            "applied": {k: jsonable(v) for k, v in self.applied},
+            "overridden": {k: {"value": jsonable(v), "recipe_default": jsonable(d)} for k, v, d in self.overridden},
+            "other": {k: jsonable(v) for k, v in self.other},
+        }
+
+
+Catalog = Mapping[Recipe, RecipeSpec]

@@ -1,0 +1,279 @@
+"""The recipes: each framework's training-loop defaults, read from its source (version named
+in every link). Only what the framework sets by itself is a default; what a user chooses in
+the framework (batch, sequence, PEFT, precision flags) stays the user's.
+
+Precision is a default only where the framework converts the model itself (torchtune's
+``dtype: bf16``, torchtitan's FSDP/autocast ``mixed_precision_param``). Trainer, TRL,
+accelerate, Lightning, DeepSpeed and Unsloth compute in the dtype the model was loaded in
+unless mixed precision is switched on (transformers 5 loads a checkpoint in its config's
+dtype: ``from_pretrained`` ``dtype="auto"``, modeling_utils.py L4187, v5.24.0), which the
+recipe cannot know: ``precision`` stays as given (``auto``: bf16-mixed).
+"""
+
+from __future__ import annotations
+
+from ..workload import (
+    Checkpointing,
+    Loss,
+    OptimizerImpl,
+    Peft,
+    Precision,
+    Recipe,
+    Workload,
+)
+from ..workload import Optimizer as Opt
+from ._model import Default, RecipeSpec, Restriction
+
+_HF = "https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers"
+_TRL = "https://github.com/huggingface/trl/blob/v1.16.0/trl"
+_ACC = "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate"
+_PL = "https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.6/src/lightning/pytorch"
+_TT = "https://github.com/pytorch/torchtune/blob/v0.6.1"
+_TITAN_CFG = ("https://github.com/pytorch/torchtitan/blob/000204a4a8bf3d0f31adc44fc29855fbb6ea13d8/"
+              "torchtitan/config/job_config.py")
+_TITAN_8B = ("https://github.com/pytorch/torchtitan/blob/01424cb254492cd6f5924e26d28227d75913e122/"
+             "torchtitan/models/llama3/train_configs/llama3_8b.toml")
+_TITAN_LOSS = "https://github.com/pytorch/torchtitan/blob/000204a4a8bf3d0f31adc44fc29855fbb6ea13d8/torchtitan/components/loss.py"
+_DS = "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed"
+_UNSLOTH = "https://github.com/unslothai/unsloth/blob/015bdef0d94a241bcd94eec7a405b1700632180d/unsloth/models/llama.py"
+_UNSLOTH_ZOO = "https://github.com/unslothai/unsloth-zoo/blob/ce232d6cef9cb8cd34cd3727906131622177436b/unsloth_zoo"
+
+_SET_TO_NONE_TORCH = ("torch.optim.Optimizer.zero_grad(set_to_none=True) and nn.Module.zero_grad(set_to_none=True) "
+                      "are torch's defaults since 2.0")
+_NOT_PRECISION = ("`precision` is not set by the {fw} recipe: it computes in the dtype the model was loaded in "
+                  "unless mixed precision is switched on; vramplan uses `precision={p}`")
+
+# --- Hugging Face Trainer -------------------------------------------------------------
+_HF_ZERO_GRAD = f"{_HF}/trainer.py#L1954 (`model.zero_grad()`: set_to_none=True)"
+_HF_OPTIM = f"{_HF}/training_args.py#L806-L813 (`optim` = adamw_torch_fused on torch >= 2.8, else adamw_torch)"
+_HF_LOSS = (f"{_HF}/trainer.py#L2130-L2217 (`compute_loss`: the model's own loss, ForCausalLMLoss; only the loss "
+            "is returned, so the outputs are freed before `backward` at trainer.py#L2126)")
+
+
+def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("optimizer", Opt.ADAMW, _HF_OPTIM),
+        Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
+        Default("checkpointing", Checkpointing.NONE,
+                f"{_HF}/training_args.py#L908 (`activation_checkpointing` default None: off)"),
+        Default("keep_grads", False, _HF_ZERO_GRAD),
+        Default("keep_outputs", False, _HF_LOSS),
+        Default("loss", Loss.FULL, _HF_LOSS),
+        Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (step after backward, then zero_grad)"),
+        Default("compile", False, f"{_HF}/training_args.py#L940 (`torch_compile` default False)"),
+        Default("activation_offload", False, f"{_HF}/training_args.py#L916-L925 (offload only with "
+                "`activation_checkpointing_kwargs={'offload': True}`)"),
+    )
+
+
+# --- TRL SFTTrainer ---------------------------------------------------------------------
+_TRL_HEAD = (f"{_TRL}/trainer/sft_trainer.py#L1141-L1146 (`add_fused_lm_head`: log-probs in tiles of "
+             f"{_TRL}/kernels/chunked_logprob.py#L31 TOKEN_CHUNK_SIZE=4096 tokens, logits never materialised)")
+
+
+def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("optimizer", Opt.ADAMW, _HF_OPTIM),
+        Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
+        Default("checkpointing", Checkpointing.FULL,
+                f"{_TRL}/trainer/base_config.py#L62 (`gradient_checkpointing` default True)"),
+        Default("keep_grads", False, _HF_ZERO_GRAD),
+        Default("keep_outputs", False, _HF_LOSS),
+        Default("loss", Loss.CCE, _TRL_HEAD),
+        Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (Trainer's loop)"),
+        Default("compile", False, f"{_HF}/training_args.py#L940"),
+        Default("activation_offload", False, f"{_TRL}/trainer/sft_config.py#L291 (`activation_offloading` False)"),
+    )
+
+
+def _trl_caveats(w: Workload) -> tuple[str, ...]:
+    if w.loss is not Loss.CCE:
+        return ()
+    return ("TRL's fused LM head (tiles of 4,096 tokens by a vocabulary chunk, trl 1.16 "
+            "trl/kernels/chunked_logprob.py) is estimated as Cut Cross-Entropy (`loss=cce`): neither materialises "
+            "the logits; its tile buffers are not counted",)
+
+
+# --- accelerate and Lightning: the user's own loop ---------------------------------------
+def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("keep_grads", False, f"{_ACC}/optimizer.py#L112-L118 (`AcceleratedOptimizer.zero_grad`: "
+                "set_to_none None -> True)"),
+        Default("compile", False, f"{_ACC}/accelerator.py#L255 (`dynamo_backend` defaults to 'no')"),
+    )
+
+
+def _lightning(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("keep_grads", False, f"{_PL}/core/module.py#L1391 (`optimizer_zero_grad` calls "
+                f"`optimizer.zero_grad()`; {_SET_TO_NONE_TORCH})"),
+        Default("keep_outputs", False, f"{_PL}/loops/optimization/automatic.py#L62-L73 (`training_step` "
+                "returns the loss; the closure keeps only it for backward)"),
+    )
+
+
+# --- torchtune ------------------------------------------------------------------------------
+_TT_FULL = f"{_TT}/recipes/configs/llama3_1/8B_full_single_device.yaml"
+_TT_LORA = f"{_TT}/recipes/configs/llama3_1/8B_lora_single_device.yaml"
+_TT_QLORA = f"{_TT}/recipes/configs/llama3_1/8B_qlora_single_device.yaml"
+_TT_CHUNKS = f"{_TT}/torchtune/modules/loss/ce_chunked_output_loss.py#L30 (num_output_chunks=8)"
+
+
+def _torchtune(peft: Peft, dp: int) -> tuple[Default, ...]:
+    if peft is Peft.NONE:
+        cfg = _TT_FULL
+        return (
+            Default("precision", Precision.BF16, f"{cfg}#L78 (`dtype: bf16`: weights, grads, states in bf16)"),
+            Default("optimizer", Opt.PAGED_ADAMW_8BIT, f"{cfg}#L60 (bitsandbytes.optim.PagedAdamW8bit)"),
+            Default("optimizer_in_backward", True, f"{cfg}#L66 (`optimizer_in_bwd: True`)"),
+            Default("loss", Loss.CHUNKED, f"{cfg}#L63 (CEWithChunkedOutputLoss)"),
+            Default("loss_chunks", 8, _TT_CHUNKS),
+            Default("checkpointing", Checkpointing.FULL, f"{cfg}#L74 (`enable_activation_checkpointing: True`)"),
+            Default("activation_offload", False, f"{cfg}#L75"),
+            Default("compile", False, f"{cfg}#L68"),
+            Default("keep_grads", False, f"{_TT}/recipes/full_finetune_single_device.py#L713 "
+                    "(`zero_grad(set_to_none=True)`)"),
+        )
+    cfg = _TT_LORA if peft is Peft.LORA else _TT_QLORA
+    lines = {"precision": 89, "opt": 62, "loss": 71, "ckpt": 92, "off": 93, "compile": 78} if peft is Peft.LORA \
+        else {"precision": 88, "opt": 61, "loss": 70, "ckpt": 91, "off": 92, "compile": 77}
+    return (
+        Default("precision", Precision.BF16, f"{cfg}#L{lines['precision']} (`dtype: bf16`)"),
+        Default("optimizer", Opt.ADAMW, f"{cfg}#L{lines['opt'] - 1}-L{lines['opt'] + 1} (torch.optim.AdamW, fused)"),
+        Default("optimizer_impl", OptimizerImpl.FUSED, f"{cfg}#L{lines['opt'] + 1} (`fused: True`)"),
+        Default("optimizer_in_backward", False, f"{_TT}/recipes/lora_finetune_single_device.py (no optimizer_in_bwd)"),
+        Default("loss", Loss.CHUNKED, f"{cfg}#L{lines['loss']} (CEWithChunkedOutputLoss)"),
+        Default("loss_chunks", 8, _TT_CHUNKS),
+        Default("checkpointing", Checkpointing.FULL, f"{cfg}#L{lines['ckpt']}"),
+        Default("activation_offload", False, f"{cfg}#L{lines['off']}"),
+        Default("compile", False, f"{cfg}#L{lines['compile']}"),
+        Default("keep_grads", False, f"{_TT}/recipes/lora_finetune_single_device.py#L717 "
+                "(`zero_grad(set_to_none=True)`)"),
+    )
+
+
+# --- torchtitan -----------------------------------------------------------------------------
+def _torchtitan(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("precision", Precision.BF16_MIXED, f"{_TITAN_CFG} (`Training.mixed_precision_param` 'bfloat16' "
+                "via fully_shard or autocast; fp32 parameters)"),
+        Default("optimizer", Opt.ADAMW, f"{_TITAN_CFG} (`Optimizer.name` 'AdamW')"),
+        Default("optimizer_impl", OptimizerImpl.FUSED, f"{_TITAN_CFG} (`Optimizer.implementation` 'fused')"),
+        Default("optimizer_in_backward", False, f"{_TITAN_CFG} (`Optimizer.early_step_in_backward` False)"),
+        Default("checkpointing", Checkpointing.OP, f"{_TITAN_8B} ([activation_checkpoint] mode 'selective', "
+                "selective_ac_option 'op')"),
+        Default("loss", Loss.FULL, f"{_TITAN_LOSS} (`cross_entropy_loss`: `pred.flatten(0, 1).float()`)"),
+        Default("compile", False, f"{_TITAN_8B} ([training] compile = false)"),
+        *([Default("zero", 3, f"{_TITAN_CFG} (`Parallelism.data_parallel_shard_degree` -1: FSDP2 over every "
+                   "rank)")] if dp > 1 else []),
+        Default("keep_grads", False, "https://github.com/pytorch/torchtitan/blob/e9f53473bd120ca46cd5d34f15e7725287c35c66/"
+                "torchtitan/train.py (`train_step` starts with `self.optimizers.zero_grad()`; " + _SET_TO_NONE_TORCH + ")"),
+    )
+
+
+def _torchtitan_caveats(w: Workload) -> tuple[str, ...]:
+    out = []
+    if w.parallel.dp == 1:
+        out.append("torchtitan shards the model with FSDP2 over all GPUs (`data_parallel_shard_degree=-1`); on one "
+                   "GPU it applies no FSDP and mixed precision by autocast: give `dp=N` for N GPUs")
+    if w.parallel.zero == 3 and w.parallel.dp > 1:
+        out.append("torchtitan's FSDP2 (`fully_shard`, reshard after forward, prefetch) is estimated as ZeRO-3 "
+                   "sharding; its all-gather buffers follow vramplan's ZeRO-3 model")
+    return tuple(out)
+
+
+# --- DeepSpeed ------------------------------------------------------------------------------
+def _deepspeed(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("keep_grads", False, f"{_DS}/runtime/engine.py#L3495-L3500 (`zero_grad`: `param.grad = None`)"),
+        Default("zero", 0, f"{_DS}/runtime/zero/config.py#L95 (`stage` default 0)"),
+        Default("optimizer_in_backward", False, f"{_DS}/runtime/engine.py#L3382-L3567 (`backward()`, then "
+                "`step()`)"),
+    )
+
+
+def _deepspeed_caveats(w: Workload) -> tuple[str, ...]:
+    return ("DeepSpeed's engine specifics are not modelled (contiguous gradient and reduce buckets, "
+            "`reduce_bucket_size`/`allgather_bucket_size`, the BF16/FP16 optimizer's fp32 gradient copies): "
+            "ZeRO stages follow vramplan's ZeRO semantics",)
+
+
+# --- Unsloth ----------------------------------------------------------------------------------
+def _unsloth(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("checkpointing", Checkpointing.FULL, f"{_UNSLOTH}#L3061-L3079 (`FastLlamaModel.get_peft_model`: "
+                "`use_gradient_checkpointing=\"unsloth\"`)"),
+        Default("activation_offload", True, f"{_UNSLOTH_ZOO}/gradient_checkpointing.py#L259-L282 "
+                "(`Unsloth_Offloaded_Gradient_Checkpointer`: each checkpointed layer's input to CPU and back)"),
+        Default("loss", Loss.LIGER, f"{_UNSLOTH_ZOO}/fused_losses/cross_entropy_loss.py#L535 "
+                "(`unsloth_fused_ce_loss`: linear + cross-entropy chunked over tokens)"),
+        Default("optimizer", Opt.ADAMW, _HF_OPTIM + " (Unsloth trains with TRL's SFTTrainer)"),
+        Default("optimizer_impl", OptimizerImpl.FUSED, _HF_OPTIM),
+        Default("keep_grads", False, _HF_ZERO_GRAD),
+    )
+
+
+def _unsloth_caveats(w: Workload) -> tuple[str, ...]:
+    return ("Unsloth's fused CE (chunked over tokens) is estimated as Liger's fused linear cross-entropy "
+            "(`loss=liger`); its Triton kernels (RoPE, RMSNorm, LoRA MLP) save activations like the model's "
+            "own code here",)
+
+
+_NO_OPT_IN_BWD = Restriction(
+    "optimizer_in_backward", (False,),
+    "the Trainer steps the optimizer after backward (transformers trainer.py L1945-L1954, v5.24.0)")
+_NO_OP_SAC_TRAINER = Restriction(
+    "checkpointing", (Checkpointing.NONE, Checkpointing.FULL),
+    "the Trainer checkpoints whole decoder layers (`activation_checkpointing`, training_args.py L908, v5.24.0)")
+_TRAINER_LOSS = Restriction(
+    "loss", (Loss.FULL, Loss.LIGER, Loss.CCE),
+    "the model's own loss, Liger's (`use_liger_kernel`) or a fused head; torchtune's chunked loss is not a Trainer option")
+
+CATALOG: dict[Recipe, RecipeSpec] = {
+    Recipe.PLAIN: RecipeSpec(Recipe.PLAIN, "vramplan's own loop",
+                             "zero_grad(set_to_none=True), logits freed before backward, full-vocabulary fp32 loss",
+                             lambda peft, dp: ()),
+    Recipe.HF_TRAINER: RecipeSpec(
+        Recipe.HF_TRAINER, "Hugging Face transformers Trainer 5.24.0",
+        "fused AdamW, no checkpointing, the model's full-vocabulary loss, gradients freed after the step",
+        _hf_trainer, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
+        lambda w: (_NOT_PRECISION.format(fw="hf-trainer", p=w.precision),)),
+    Recipe.TRL_SFT: RecipeSpec(
+        Recipe.TRL_SFT, "TRL SFTTrainer 1.16.0 on transformers 5.24.0",
+        "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
+        _trl_sft, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
+        lambda w: (*_trl_caveats(w), _NOT_PRECISION.format(fw="trl-sft", p=w.precision)
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)")),
+    Recipe.ACCELERATE: RecipeSpec(
+        Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
+        _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)
+                                    + " (`mixed_precision` default 'no')",)),
+    Recipe.LIGHTNING: RecipeSpec(
+        Recipe.LIGHTNING, "Lightning 2.6.6, automatic optimization",
+        "gradients freed by zero_grad, the loss returned from training_step", _lightning, (),
+        lambda w: (_NOT_PRECISION.format(fw="lightning", p=w.precision) + " (Trainer `precision` default '32-true')",)),
+    Recipe.TORCHTUNE: RecipeSpec(
+        Recipe.TORCHTUNE, "torchtune 0.6.1, llama3_1 single-device configs",
+        "pure bf16; full: paged 8-bit AdamW stepped in backward; LoRA: fused AdamW; chunked cross-entropy, "
+        "activation checkpointing", _torchtune,
+        (Restriction("checkpointing", (Checkpointing.NONE, Checkpointing.FULL),
+                     "single-device recipes checkpoint whole layers (`enable_activation_checkpointing`)"),),
+        lambda w: ()),
+    Recipe.TORCHTITAN: RecipeSpec(
+        Recipe.TORCHTITAN, "torchtitan main, llama3_8b.toml",
+        "op-level selective checkpointing, fused AdamW, FSDP2 bf16 mixed precision, fp32 loss", _torchtitan,
+        (Restriction("peft", (Peft.NONE,), "torchtitan pre-trains and fine-tunes all weights; it has no LoRA"),
+         Restriction("loss", (Loss.FULL,), "its loss is `cross_entropy_loss` on fp32 logits (components/loss.py)")),
+        _torchtitan_caveats),
+    Recipe.DEEPSPEED: RecipeSpec(
+        Recipe.DEEPSPEED, "DeepSpeed 0.19.8 engine", "ZeRO stage from the config (default 0), gradients set to None",
+        _deepspeed, (Restriction("optimizer_in_backward", (False,),
+                                 "the engine steps the optimizer in `engine.step()` after backward"),),
+        _deepspeed_caveats),
+    Recipe.UNSLOTH: RecipeSpec(
+        Recipe.UNSLOTH, "Unsloth (main) on TRL's SFTTrainer",
+        "offloaded gradient checkpointing, fused chunked cross-entropy, fused AdamW", _unsloth,
+        (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER),
+        lambda w: (*_unsloth_caveats(w), _NOT_PRECISION.format(fw="unsloth", p=w.precision))),
+}
+

@@ -1,0 +1,225 @@
+"""A workload's parallel layout applied to the model of one traced rank, with PyTorch's own
+distributed code (no simulation of it):
+
+- FSDP (``zero=3``, or ``zero=2`` with ``engine=fsdp``; :func:`vramplan.precision.dp_engine`): FSDP2 — ``fully_shard`` on each transformer block (the model's
+  ``_no_split_modules`` classes, as accelerate's FSDP2 plugin wraps; else the blocks of its
+  largest ``ModuleList``) and on the root, over the ``dp`` mesh dimension.
+  ``reshard_after_forward`` is True for ZeRO-3 (FULL_SHARD), False for ZeRO-2
+  (SHARD_GRAD_OP). Under ``*-mixed`` precision a ``MixedPrecisionPolicy(param_dtype=<16-bit>,
+  reduce_dtype=float32)`` (torchtitan's default: 16-bit compute and all-gathers, fp32
+  gradient reduce-scatter, fp32 sharded parameters, gradients and optimizer states).
+- ``zero=0`` with ``dp > 1``: ``DistributedDataParallel`` with its gradient buckets
+  (``bucket_cap_mb``, default 25 MiB; the first bucket 1 MiB) — the C++ ``Reducer`` allocates
+  them on the device. The fake process group's all-reduce future carries no tensor, which the
+  built-in hook requires, so the same all-reduce runs through a Python comm hook
+  (``bucket.buffer()`` divided by the world size and all-reduced in place, as the built-in
+  ``_AllReduceBySumCommHook`` does: no extra memory).
+- HSDP (``dp_shard`` < ``dp``, where the workload has it): ``fully_shard`` over a 2-D
+  ``(dp_replicate, dp)`` mesh — sharded within a group, all-reduced across replicas.
+- DeepSpeed's ZeRO-1/2 (the default engine for those stages) is not PyTorch's: refused here.
+
+Tensor / pipeline / context / expert parallelism and offload are refused here with a hint
+(they are traced by the modules that own them, or estimated analytically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TraceError
+from ..precision import dp_engine
+from ..workload import Workload
+from .dist import RankContext, World, world_of
+
+DDP_BUCKET_MB = 25
+"""``DistributedDataParallel(bucket_cap_mb=None)`` → 25 MiB (torch/nn/parallel/distributed.py)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the traced rank's model is laid out."""
+
+    world: World
+    kind: str
+    """``fsdp2`` or ``ddp``."""
+    reshard_after_forward: bool = True
+    bucket_cap_mb: float = DDP_BUCKET_MB
+    gradient_as_bucket_view: bool = False
+
+
+def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
+    """The layout the trace runs for ``w`` as rank ``rank`` (None: one unsharded GPU)."""
+    p = w.parallel
+    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp:
+        raise TraceError("tensor / pipeline / context / expert parallelism are not traced yet",
+                         hint="use `method=analytic` for these layouts")
+    if p.offload_params or p.offload_optimizer:
+        raise TraceError("CPU offload is not traced yet", hint="use `method=analytic` for offloaded layouts")
+    engine = dp_engine(w)
+    if engine == "none" or (not w.training and p.zero != 3):
+        return None  # one GPU, or inference replicas: every rank runs the same unsharded model
+    if getattr(w, "optimizer_in_backward", False):
+        raise TraceError("the optimizer in backward is not traced with FSDP/DDP (its per-parameter hooks would "
+                         "see unsharded gradients)", hint="use `method=analytic`, or drop `optimizer_in_backward`")
+    shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
+    if engine == "fsdp" and 0 < shard < p.dp:
+        world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard), rank=rank)
+    else:
+        world = dataclasses.replace(world_of(dp=p.dp), rank=rank)
+    if engine == "fsdp":
+        return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
+    if engine == "ddp":
+        return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
+    raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
+                     hint="use `method=analytic`, or `zero=3` (FSDP2)")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP wraps one by one: instances of the model's ``_no_split_modules``
+    classes (transformers' decoder layers), else the children of its largest ``ModuleList``."""
+    names: set[str] = set()
+    for m in model.modules():
+        ns = getattr(m, "_no_split_modules", None)
+        if isinstance(ns, (list, tuple, set)):
+            names.update(str(n) for n in ns)
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if blocks:
+            return blocks
+    best: nn.ModuleList | None = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and (best is None or len(m) > len(best)):
+            best = m
+    return list(best) if best is not None else []
+
+
+def apply_layout(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
+                 compute_dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+    """Lay ``model`` out on this rank; returns (the module to call, notes)."""
+    if layout.kind == "fsdp2":
+        return model, _fsdp2(model, layout, ctx, w, compute_dtype)
+    return _ddp(model, layout, ctx)
+
+
+def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, compute_dtype: torch.dtype) -> list[str]:
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined,no-redef]
+                MixedPrecisionPolicy,
+                fully_shard,
+            )
+        except ImportError:
+            raise TraceError(f"torch {torch.__version__} has no FSDP2 (fully_shard)",
+                             hint="tracing ZeRO-2/3 layouts needs torch >= 2.4; `method=analytic` works without") from None
+    hsdp = "dp_replicate" in layout.world.names
+    mesh = ctx.submesh("dp_replicate", "dp") if hsdp else ctx.submesh("dp")  # a 2-D mesh: HSDP
+    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": layout.reshard_after_forward}
+    mp = ""
+    if w.mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)}, reduce_dtype=float32)"
+    rec = ctx.streams.rec
+    for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are
+        rec.ignore(p)
+    blocks = transformer_blocks(model)
+    for blk in blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    n = layout.world.dim("dp")
+    stage = "ZeRO-3 / FULL_SHARD" if layout.reshard_after_forward else "ZeRO-2 / SHARD_GRAD_OP"
+    over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+    return [f"FSDP2 ({stage}) over {over}: fully_shard on {len(blocks)} blocks and the root"
+            f"{mp}; rank {layout.world.rank} traced on the fake process group"]
+
+
+def _ddp(model: nn.Module, layout: Layout, ctx: RankContext) -> tuple[nn.Module, list[str]]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = ctx.submesh("dp").get_group()
+    world = layout.world.dim("dp")
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=layout.bucket_cap_mb,
+                                  gradient_as_bucket_view=layout.gradient_as_bucket_view)
+
+    def allreduce_hook(state: Any, bucket: Any) -> Any:
+        buf = bucket.buffer()
+        buf.div_(world)
+        dist.all_reduce(buf, group=group)
+        fut: Any = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    allreduce_hook.__annotations__.clear()  # DDP checks them against dist.GradBucket (not strings)
+    ddp.register_comm_hook(None, allreduce_hook)
+    note = (f"DDP over dp={world}: gradient buckets of {layout.bucket_cap_mb:g} MiB (first 1 MiB), "
+            f"gradient_as_bucket_view={layout.gradient_as_bucket_view}; rank {layout.world.rank} traced "
+            "on the fake process group")
+    return ddp, [note]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class LocalShardOptimizer:
+    """The optimizer over the local shards of DTensor parameters (FSDP2).
+
+    ``torch.optim`` over DTensors runs each ``_foreach_*`` op through DTensor's dispatch,
+    which for ``Shard(0)`` parameters with ``Shard(0)`` gradients and states (FSDP2's layout)
+    applies the same foreach op to the local tensors — no communication, the same
+    allocations — after a sharding propagation that costs Python time linear in the number of
+    parameters for every op (most of a Llama-8B trace). Here the optimizer runs on plain
+    parameters that share the local shards' storage, with the local gradients handed over
+    before each step: the memory is the same, without that bookkeeping."""
+
+    def __init__(self, params: list[nn.Parameter], make: Any) -> None:
+        self.params = params
+        self.local = [_local_param(p) for p in params]
+        self.inner = make(self.local)
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def param_groups(self) -> Any:
+        return self.inner.param_groups
+
+    def step(self, closure: Any = None) -> Any:
+        for p, q in zip(self.params, self.local, strict=True):
+            g = p.grad
+            q.grad = None if g is None else _local(g)
+        out = self.inner.step()
+        for q in self.local:
+            q.grad = None
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        for q in self.local:
+            q.grad = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _local_param(p: nn.Parameter) -> nn.Parameter:
+    local = _local(p)
+    if local is p:
+        return p
+    return nn.Parameter(local.detach(), requires_grad=p.requires_grad)
+
+
+def sharded_params(params: list[nn.Parameter]) -> bool:
+    """Whether any parameter is a DTensor (the optimizer then runs on local shards)."""
+    return any(_local(p) is not p for p in params)

@@ -1,0 +1,240 @@
+"""Recipes: cited knob defaults per framework, explicit values win, restrictions, the report header."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from vramplan import recipes
+from vramplan.cli.main import main
+from vramplan.errors import WorkloadError
+from vramplan.workload import (
+    Checkpointing,
+    Loss,
+    Optimizer,
+    OptimizerImpl,
+    Peft,
+    Precision,
+    Recipe,
+    Workload,
+)
+
+ALL = [r.value for r in Recipe]
+PEFTS = ["none", "lora", "qlora"]
+
+
+def _valid(recipe: str, peft: str) -> bool:
+    return not (recipe == "torchtitan" and peft != "none")
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("peft", PEFTS)
+def test_bundle_applies_every_default_with_its_source(name: str, peft: str) -> None:
+    if not _valid(name, peft):
+        with pytest.raises(WorkloadError, match="peft"):
+            recipes.apply(name, peft=peft)
+        return
+    w = recipes.apply(name, peft=peft)
+    assert w.recipe is Recipe(name)
+    defaults = recipes.defaults(name, peft=peft)
+    for d in defaults:
+        value = getattr(w.parallel, d.field) if d.field in {f.name for f in dataclasses.fields(w.parallel)} \
+            else getattr(w, d.field)
+        assert value == d.value, (name, d.field)
+        # a link to the framework's source (a tag or commit in it), or a file with its line and version
+        assert "github.com" in d.source or ".py" in d.source, d
+        assert d.source.count("github.com") == 0 or any(t in d.source for t in ("/blob/v", "/blob/2.", "/blob/")), d
+    s = recipes.summary(w)
+    assert not s.overridden and {k for k, _ in s.applied} == {d.field for d in defaults}
+    if name == "plain":
+        assert w == Workload(peft=peft) and s.empty
+
+
+def test_framework_defaults_read_from_their_sources() -> None:
+    hf = recipes.apply("hf-trainer")
+    assert (hf.optimizer, hf.optimizer_impl, hf.checkpointing, hf.loss) == (
+        Optimizer.ADAMW, OptimizerImpl.FUSED, Checkpointing.NONE, Loss.FULL)
+    assert not hf.keep_grads and not hf.keep_outputs
+    assert recipes.apply("trl-sft").checkpointing is Checkpointing.FULL  # base_config.py gradient_checkpointing=True
+    tt = recipes.apply("torchtune")
+    assert (tt.precision, tt.optimizer, tt.optimizer_in_backward, tt.loss, tt.loss_chunks, tt.checkpointing) == (
+        Precision.BF16, Optimizer.PAGED_ADAMW_8BIT, True, Loss.CHUNKED, 8, Checkpointing.FULL)
+    lora = recipes.apply("torchtune", peft="lora")
+    assert (lora.optimizer, lora.optimizer_impl, lora.optimizer_in_backward) == (Optimizer.ADAMW, OptimizerImpl.FUSED,
+                                                                                False)
+    titan = recipes.apply("torchtitan")
+    assert titan.checkpointing is Checkpointing.OP and titan.parallel.zero == 0  # no FSDP on one GPU
+    assert recipes.apply("torchtitan", dp=8).parallel.zero == 3  # FSDP2 over every rank
+    un = recipes.apply("unsloth", peft="qlora")
+    assert un.checkpointing is Checkpointing.FULL and un.activation_offload and un.loss is Loss.LIGER
+
+
+def test_explicit_values_beat_the_recipe() -> None:
+    w = recipes.apply("torchtune", loss="full", optimizer_in_backward=False, precision="bf16-mixed")
+    assert (w.loss, w.optimizer_in_backward, w.precision) == (Loss.FULL, False, Precision.BF16_MIXED)
+    s = recipes.summary(w)
+    assert {k for k, _, _ in s.overridden} == {"loss", "optimizer_in_backward", "precision"}
+    assert ("loss", Loss.FULL, Loss.CHUNKED) in s.overridden
+
+
+def test_recipe_defaults_apply_to_training_only() -> None:
+    w = recipes.apply("torchtune", task="infer")
+    assert w.recipe is Recipe.TORCHTUNE and w.loss is Loss.FULL and not w.optimizer_in_backward
+    assert w.setting_notes() == () and recipes.notes(w) == ("recipe torchtune sets training-loop knobs; none applies "
+                                                             "to `task=infer`",)
+
+
+@pytest.mark.parametrize(("name", "changes", "field"), [
+    ("hf-trainer", {"optimizer_in_backward": True}, "optimizer_in_backward"),
+    ("hf-trainer", {"checkpointing": "op"}, "checkpointing"),
+    ("trl-sft", {"loss": "chunked"}, "loss"),
+    ("torchtitan", {"peft": "lora"}, "peft"),
+    ("torchtitan", {"loss": "cce"}, "loss"),
+    ("deepspeed", {"optimizer_in_backward": True}, "optimizer_in_backward"),
+    ("torchtune", {"grad_accum": 2}, "grad_accum"),  # optimizer_in_bwd needs gradient_accumulation_steps=1
+])
+def test_a_knob_the_framework_cannot_run_is_one_line_naming_the_choices(name: str, changes: dict[str, object],
+                                                                        field: str) -> None:
+    with pytest.raises(WorkloadError) as e:
+        recipes.apply(name, **changes)
+    assert e.value.field == field and "\n" not in str(e.value)
+    if field == "grad_accum":  # Workload itself refuses accumulation with the optimizer in backward
+        assert "optimizer_in_backward" in e.value.hint and name in str(e.value)
+        return
+    # the same check guards a Workload built directly, in the estimate pipeline
+    w = recipes.apply(name).replace(**changes)  # Workload.replace validates the fields, not the recipe
+    assert not recipes.allows(w)
+
+
+def test_unknown_recipe_lists_the_recipes() -> None:
+    with pytest.raises(WorkloadError, match="plain \\| hf-trainer .* unsloth"):
+        recipes.apply("megatron")
+    with pytest.raises(WorkloadError, match="recipe"):
+        Workload(recipe="megatron")  # type: ignore[arg-type]
+
+
+def test_caveats_say_what_is_not_modelled() -> None:
+    assert any("FSDP2" in n for n in recipes.notes(recipes.apply("torchtitan")))
+    assert any("engine specifics" in n for n in recipes.notes(recipes.apply("deepspeed")))
+    assert any("Cut Cross-Entropy" in n for n in recipes.notes(recipes.apply("trl-sft")))
+    assert any("precision" in n for n in recipes.notes(recipes.apply("hf-trainer")))
+    assert recipes.notes(recipes.apply("plain")) == ()
+
+
+# --- CLI ----------------------------------------------------------------------------------
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("peft", PEFTS)
+def test_estimate_with_every_recipe_on_llama_8b(name: str, peft: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "estimate", "llama-3.1-8b", "--task", "train", "--recipe", name, "--peft", peft,
+                        "--method", "analytic", "--json")
+    if not _valid(name, peft):
+        assert rc == 2 and err.count("\n") == 1 and "--peft" in err and "use none" in err
+        return
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["workload"]["recipe"] == name and d["loop"]["recipe"] == name
+    assert set(d["loop"]["applied"]) == {x.field for x in recipes.defaults(name, peft=peft)}
+    assert d["loop"]["overridden"] == {}
+
+
+def test_explicit_flag_beats_the_recipe_and_switches_turn_off(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "estimate", "llama-3.1-8b", "--recipe", "torchtune", "--no-optimizer-in-backward",
+                        "--loss", "full", "--checkpointing", "none", "--method", "analytic", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    w = d["workload"]
+    assert (w["optimizer_in_backward"], w["loss"], w["checkpointing"]) == (False, "full", "none")
+    assert w["optimizer"] == "paged-adamw-8bit" and w["precision"] == "bf16"  # not given: the recipe's
+    assert set(d["loop"]["overridden"]) == {"optimizer_in_backward", "loss", "checkpointing"}
+    # a flag left at its argparse default does not override the recipe: --loss-chunks was not given
+    assert w["loss_chunks"] == 8
+
+
+def test_checkpointing_auto_follows_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    # plain: --peft turns checkpointing on (auto); hf-trainer: its default, off
+    _, out, _ = _run(capsys, "estimate", "llama-3.1-8b", "--peft", "lora", "--method", "analytic", "--json")
+    assert json.loads(out)["workload"]["checkpointing"] == "full"
+    _, out, _ = _run(capsys, "estimate", "llama-3.1-8b", "--peft", "lora", "--recipe", "hf-trainer",
+                     "--method", "analytic", "--json")
+    assert json.loads(out)["workload"]["checkpointing"] == "none"
+
+
+def test_unknown_recipe_flag_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # argparse's choices, through the one-line parser error
+        main(["estimate", "llama-3.1-8b", "--recipe", "megatron"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'megatron'" in err and "unsloth" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ("--recipe", "hf-trainer", "--checkpointing", "op"),
+    ("--recipe", "torchtitan", "--peft", "lora"),
+    ("--recipe", "torchtune", "--grad-accum", "4"),
+])
+def test_a_knob_the_recipe_cannot_take_is_one_line_exit_2(argv: tuple[str, ...],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "estimate", "llama-3.1-8b", "--method", "analytic", *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert argv[2] in err  # names the flag to change
+
+
+def test_report_header_names_the_recipe_and_what_it_applied(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "estimate", "llama-3.1-8b", "--recipe", "torchtune", "--loss", "full",
+                      "--keep-grads", "--method", "analytic", "--format", "markdown")
+    assert rc == 0
+    head = out[:1500]
+    assert "loop: recipe torchtune (torchtune 0.6.1" in head
+    assert "optimizer-in-backward on" in head and "precision bf16" in head
+    assert "loss full (recipe: chunked)" in head
+    assert "keep-grads on (recipe: off)" in head
+    # the plain loop with every default: no loop line
+    _, out, _ = _run(capsys, "estimate", "llama-3.1-8b", "--method", "analytic")
+    assert "loop:" not in out
+    # a knob set without a recipe is listed too
+    _, out, _ = _run(capsys, "estimate", "llama-3.1-8b", "--keep-outputs", "--method", "analytic")
+    assert "loop: keep-outputs on" in out
+
+
+def test_engine_estimate_takes_recipe_as_a_keyword() -> None:
+    import vramplan
+
+    r = vramplan.estimate("llama-3.1-8b", recipe="torchtune", batch=2, loss="full", method="analytic")
+    assert r.workload.recipe is Recipe.TORCHTUNE and r.workload.loss is Loss.FULL and r.workload.optimizer_in_backward
+    with pytest.raises(WorkloadError):
+        vramplan.estimate("llama-3.1-8b", Workload(recipe="torchtitan", peft="lora"), method="analytic")
+
+
+def test_web_query_applies_the_recipe() -> None:
+    from vramplan.web.params import FieldError, fields, parse_workload
+
+    assert any(f.key == "recipe" and "torchtune" in f.choices for f in fields())
+    w = parse_workload({"recipe": "torchtune", "batch": "2"})
+    assert w.optimizer_in_backward and w.loss is Loss.CHUNKED and w.batch == 2
+    with pytest.raises(FieldError) as e:
+        parse_workload({"recipe": "torchtitan", "peft": "lora"})
+    assert e.value.field == "peft"
+
+
+def test_peft_none_recipes_keep_plain_peft_defaults() -> None:
+    assert recipes.apply("unsloth").peft is Peft.NONE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "peft"), [*((r, "none") for r in ALL), ("trl-sft", "lora"), ("unsloth", "qlora")])
+def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
+    """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences)."""
+    import vramplan
+
+    r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, seq=128, method="trace", search_max_batch=False)
+    assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
+    assert r.peak.allocated > r.breakdown.weights > 0
+    assert tuple(recipes.notes(r.workload)) == tuple(n for n in r.notes if n in recipes.notes(r.workload))

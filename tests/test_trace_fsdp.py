@@ -1,0 +1,176 @@
+"""FSDP2 and DDP traced per rank on the fake process group, against the analytic figures.
+
+Exact: each rank's parameters, gradients and optimizer states at the optimizer step (FSDP2
+shards are 1/dp of every weight: Llama's dimensions divide 8 and 64 so no padding). Within a
+tolerance: the peak, whose activations and temporaries the analytic model writes per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_trace_agreement import _optimizer_states, _small, estimate
+from vramplan.errors import TraceError
+from vramplan.events import Action, Category
+from vramplan.models.catalog import resolve
+from vramplan.trace.run import TraceOptions, trace_workload
+from vramplan.workload import Parallel, Workload
+
+FAST = TraceOptions(count_flops=False)
+
+
+def _w(**parallel: int) -> Workload:
+    return Workload(task="train", batch=1, seq=64, precision="bf16-mixed").replace(**parallel)
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 8, "zero": 3}, {"dp": 64, "zero": 3}, {"dp": 8}],
+                         ids=["fsdp2-8", "fsdp2-64", "ddp-8"])
+def test_small_llama_states_exact_peak_close(parallel: dict[str, int]) -> None:
+    spec = _small("llama-3.1-8b")
+    w = _w(**parallel).replace(batch=2, seq=256)
+    r = trace_workload(spec, w)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+    assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.08, (r.peak_allocated, a.peak.allocated)
+
+
+CATALOG = [
+    ("llama-3.1-8b", {"dp": 8, "zero": 3}),
+    ("llama-3.1-8b", {"dp": 64, "zero": 3}),
+    ("llama-3.1-8b", {"dp": 8}),
+    ("llama-3.1-70b", {"dp": 64, "zero": 3}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "parallel"), CATALOG, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CATALOG])
+def test_catalog_llama_states_equal_analytic(name: str, parallel: dict[str, int]) -> None:
+    spec = resolve(name)
+    w = _w(**parallel)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+
+
+def test_llama_8b_fsdp2_states_equal_analytic() -> None:
+    """The catalog 8B at 8 ranks (not marked slow: one short FSDP2 trace)."""
+    spec = resolve("llama-3.1-8b")
+    w = _w(dp=8, zero=3)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+    assert any("FSDP2 (ZeRO-3 / FULL_SHARD) over dp=8: fully_shard on 32 blocks" in n for n in r.notes)
+
+
+def test_fsdp2_comm_buffers_live_on_their_streams() -> None:
+    """FSDP2 (torch 2.13 _fsdp_collectives.py): the flat all-gather buffers (and the 16-bit
+    casts of the shards) are allocated on the all-gather copy-in stream, the unsharded
+    parameters are copied out on the default stream, and the reduce-scattered gradient shards
+    are allocated on the reduce-scatter stream."""
+    spec = _small("llama-3.1-8b")
+    r = trace_workload(spec, _w(dp=8, zero=3), iterations=1, options=FAST)
+    log = r.events
+    rows = [(log.stream[k], Category(log.category[k]), log.phase[k]) for k in range(len(log))
+            if log.action[k] == Action.ALLOC and log.size[k]]
+    gathered = {s for s, c, ph in rows if c is Category.PARAMETER and ph != 0}
+    assert gathered == {0}
+    side = {s for s, c, ph in rows if s != 0}
+    assert len(side) == 2  # all-gather copy-in and reduce-scatter
+    grads = {s for s, c, _ in rows if c is Category.GRADIENT}
+    ag = {s for s, c, ph in rows if s != 0 and c is Category.TEMPORARY}
+    assert len(grads) == 1 and len(ag) == 1 and grads != ag and grads | ag == side
+    assert {ph for s, _, ph in rows if s in ag} == {1, 2}  # gathered again in backward
+
+
+def test_zero2_keeps_parameters_gathered_until_backward() -> None:
+    if not hasattr(Parallel, "engine"):
+        pytest.skip("`engine` (fsdp for ZeRO-2) not in this tree")
+    spec = _small("llama-3.1-8b")
+    z3 = trace_workload(spec, _w(dp=8, zero=3).replace(engine="fsdp"), iterations=1, options=FAST)
+    z2 = trace_workload(spec, _w(dp=8, zero=2).replace(engine="fsdp"), iterations=1, options=FAST)
+    assert any("SHARD_GRAD_OP" in n for n in z2.notes)
+    fwd = {p.phase: p.breakdown.weights for p in z2.phases}
+    fwd3 = {p.phase: p.breakdown.weights for p in z3.phases}
+    assert max(fwd.values()) > max(fwd3.values())
+
+
+def test_untraced_engines_are_refused() -> None:
+    spec = _small("llama-3.1-8b")
+    with pytest.raises(TraceError, match="DeepSpeed ZeRO-2 is not traced"):
+        trace_workload(spec, _w(dp=8, zero=2), iterations=1)
+    with pytest.raises(TraceError, match="offload"):
+        trace_workload(spec, _w(dp=8, zero=3, offload_params=True), iterations=1)
+
+
+def test_world_size_costs_nothing() -> None:
+    """Rank 0 of 8 and of 1,024: the same events, only the shard sizes differ."""
+    spec = _small("llama-3.1-8b")
+    small = trace_workload(spec, _w(dp=8, zero=3), iterations=1, options=FAST)
+    big = trace_workload(spec, _w(dp=1024, zero=3), iterations=1, options=FAST)
+
+    def shape(r) -> list[tuple[int, int]]:
+        log = r.events
+        return [(log.action[k], log.stream[k]) for k in range(len(log)) if log.size[k] or log.action[k] != Action.ALLOC]
+
+    assert len(shape(big)) == pytest.approx(len(shape(small)), rel=0.02)
+    # (FSDP pads each weight to a multiple of the world size: 256 rows over 1,024 ranks is 1 row each)
+    assert _optimizer_states(big)[2] * 32 < _optimizer_states(small)[2]
+
+
+def test_ddp_bucket_view_keeps_one_copy_of_the_gradients() -> None:
+    spec = _small("llama-3.1-8b")
+    w = _w(dp=8).replace(batch=2, seq=256)
+    view = w.replace(gradient_as_bucket_view=True)
+    rv = trace_workload(spec, view, iterations=1, options=FAST)
+    a, av = estimate(spec, w), estimate(spec, view)
+    assert _optimizer_states(rv) == (av.states.weights, av.states.gradients, av.states.optimizer)
+    assert any("gradient_as_bucket_view=True" in n for n in rv.notes)
+    opt = {p.phase.value: p.breakdown.gradients for p in a.phases}["optimizer"]
+    opt_view = {p.phase.value: p.breakdown.gradients for p in av.phases}["optimizer"]
+    assert opt == 2 * opt_view == 2 * av.states.gradients  # buckets beside the gradients, or holding them
+    traced = {p.phase.value: p.breakdown.gradients for p in rv.phases}
+    assert traced["forward"] == traced["optimizer"] == av.states.gradients  # the buckets live all along
+
+
+def test_bucket_cap_is_validated() -> None:
+    from vramplan.errors import WorkloadError
+
+    with pytest.raises(WorkloadError, match="bucket_cap_mb"):
+        Parallel(dp=2, bucket_cap_mb=0)
+
+
+def test_hsdp_shards_within_the_group_and_replicates_across() -> None:
+    """HSDP on a 2-D mesh (2 replicas × 4 shards): each rank holds 1/4 of the states."""
+    import torch
+    from torch import nn
+
+    from vramplan.target import DEFAULT_PROFILE
+    from vramplan.trace.dist import World, rank_session
+    from vramplan.trace.layout import Layout, apply_layout
+    from vramplan.trace.session import TraceSession
+
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(3)))
+    layout = Layout(World((("dp_replicate", 2), ("dp", 4)), rank=5), "fsdp2")
+    sess = TraceSession(DEFAULT_PROFILE)
+    with rank_session(sess, layout.world) as ctx:
+        _, notes = apply_layout(model, layout, ctx, Workload(task="train", precision="fp32"), torch.float32)
+        shards = [p.to_local().shape for p in model.parameters()]
+        x = torch.empty(4, 64, device="meta")
+        model(x).sum().backward()  # the replicas' all-reduce runs on its own stream
+        assert all(p.grad is not None and p.grad.to_local().shape == (16, 64) for p in model.parameters())
+    log = sess.rec.log
+    assert len({log.stream[k] for k in range(len(log)) if log.size[k]}) >= 3
+    assert shards == [(16, 64)] * 3
+    assert "HSDP: 2 replicas × shards over 4" in notes[0]
+
+
+@pytest.mark.parametrize("kw", [{"peft": "lora"}, {"precision": "bf16"}, {"precision": "fp32"},
+                                {"checkpointing": "full"}, {"grad_accum": 2}],
+                         ids=["lora", "bf16", "fp32", "full-ckpt", "accum2"])
+def test_fsdp2_states_exact_across_workload_features(kw: dict) -> None:
+    spec = _small("llama-3.1-8b")
+    w = Workload(**{"task": "train", "batch": 2, "seq": 128, "precision": "bf16-mixed", **kw}).replace(dp=8, zero=3)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
