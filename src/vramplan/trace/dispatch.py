@@ -113,6 +113,7 @@ def _redispatching(t: type) -> bool:
 
 
 _FAKE: dict[type, bool] = {torch.nn.Parameter: False}
+_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 
 
 def _fake(t: type) -> bool:
@@ -200,6 +201,8 @@ class TraceMode(TorchDispatchMode):
             if t is not torch.Tensor and _fake(t):
                 # DTensor's sharding propagation runs ops on FakeTensors: shapes only, no memory
                 return func(*args, **(kwargs or {}))
+        if _FAKE_KEY is not None and torch._C._get_dispatch_mode(_FAKE_KEY) is not None:
+            return func(*args, **(kwargs or {}))  # (the meta kernels a FakeTensorMode runs inside)
         kwargs = kwargs or {}
         dev = kwargs.get("device")
         if dev is not None and getattr(dev, "type", None) == "cuda":
