@@ -177,8 +177,8 @@ def _torchtitan_caveats(w: Workload) -> tuple[str, ...]:
         out.append("torchtitan shards the model with FSDP2 over all GPUs (`data_parallel_shard_degree=-1`); on one "
                    "GPU it applies no FSDP and mixed precision by autocast: give `dp=N` for N GPUs")
     if w.parallel.zero == 3 and w.parallel.dp > 1:
-        out.append("torchtitan's FSDP2 (`fully_shard`, reshard after forward, prefetch) is estimated as ZeRO-3 "
-                   "sharding; its all-gather buffers follow vramplan's ZeRO-3 model")
+        out.append("torchtitan's FSDP2 is `dp=N` with `zero=3`: the trace runs `fully_shard` on a fake process "
+                   "group; the analytic method counts it as ZeRO-3 sharding")
     return tuple(out)
 
 
