@@ -124,6 +124,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     g_shard = p.shard_group if p.zero >= 2 else 1
     o_shard = p.shard_group if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
+    gradients += replicated_embedding_grad(arch, stage, w, rg, tr)
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
     if tr.full:
@@ -179,6 +180,21 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
     )
+
+
+def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> int:
+    """Bytes a tensor-parallel rank holds beyond its shard of the token-embedding gradient.
+
+    DTensor's embedding backward has no row-wise (vocabulary) strategy
+    (torch/distributed/tensor/_ops/_embedding_ops.py, ``embedding_dense_backward_strategy``,
+    torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
+    Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
+    ZeRO/FSDP sharding only, the layout the trace checks it on. A head tied to the embedding
+    adds its vocabulary-sharded gradient first, and the sum keeps that sharding."""
+    p = w.parallel
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training) or arch.head.tied:
+        return 0
+    return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 
 
 def _dequant_bytes(w: Workload, rg: Regime) -> int:

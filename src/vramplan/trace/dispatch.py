@@ -112,6 +112,18 @@ def _redispatching(t: type) -> bool:
     return hit
 
 
+_FAKE: dict[type, bool] = {torch.nn.Parameter: False}
+_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+
+
+def _fake(t: type) -> bool:
+    hit = _FAKE.get(t)
+    if hit is None:
+        hit = _FAKE[t] = any(c.__name__ == "FakeTensor" and c.__module__ == "torch._subclasses.fake_tensor"
+                             for c in t.__mro__)
+    return hit
+
+
 def _flash_bwd_buffers(args: tuple[Any, ...]) -> list[tuple[int, str]]:
     """flash-attn 2 ``mha_bwd`` internals: softmax_d, dq_accum (fp32), and for GQA the
     expanded dk/dv (q dtype) that are summed into dk/dv afterwards."""
@@ -186,6 +198,11 @@ class TraceMode(TorchDispatchMode):
                 # a tensor subclass (DTensor): it unwraps to plain tensors and redispatches,
                 # and the mode records those (returning NotImplemented hands the op to it)
                 return NotImplemented
+            if t is not torch.Tensor and _fake(t):
+                # DTensor's sharding propagation runs ops on FakeTensors: shapes only, no memory
+                return func(*args, **(kwargs or {}))
+        if _FAKE_KEY is not None and torch._C._get_dispatch_mode(_FAKE_KEY) is not None:
+            return func(*args, **(kwargs or {}))  # (the meta kernels a FakeTensorMode runs inside)
         kwargs = kwargs or {}
         dev = kwargs.get("device")
         if dev is not None and getattr(dev, "type", None) == "cuda":

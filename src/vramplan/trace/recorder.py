@@ -43,6 +43,16 @@ def describe(t: torch.Tensor) -> str:
     return f"{name}[{','.join(str(s) for s in t.shape)}]"
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (any other tensor is its own)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return any(c.__name__ == "FakeTensor" and c.__module__ == "torch._subclasses.fake_tensor" for c in type(t).__mro__)
+
+
 class Recorder:
     """Turns storage lifetimes into an :class:`EventLog` (columnar, interned strings)."""
 
@@ -121,7 +131,12 @@ class Recorder:
 
     # --- storages --------------------------------------------------------------------
     def track(self, t: torch.Tensor, cat: int = UNDECIDED) -> int | None:
-        """Record ``t``'s storage if new; returns its storage key (None if not a device tensor)."""
+        """Record ``t``'s storage if new; returns its storage key (None if not a device tensor).
+        A DTensor stands for this rank's shard: its local tensor is recorded."""
+        if type(t) is not torch.Tensor:
+            if _is_fake(t):  # DTensor's sharding propagation runs ops on FakeTensors: no memory
+                return None
+            t = local_tensor(t)
         if t.device.type != "meta":
             return None
         st = t.untyped_storage()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,8 +24,16 @@ from ..events import Category
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Loss, Task, Workload
-from . import analysis, features, offload
+from ..workload import Attention, Loss, Peft, Quant, Task, Workload
+from . import (
+    analysis,
+    context_parallel,
+    dist,
+    features,
+    offload,
+    pipeline_parallel,
+    tensor_parallel,
+)
 from .construct import fake_construction
 from .dist import rank_session
 from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
@@ -68,6 +77,8 @@ class Prepared:
     notes: list[str]
     root: str
     compiler: Any = None
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    """Entered around the traced iterations (loss-parallel cross-entropy, ring attention)."""
 
 
 # --------------------------------------------------------------------------- public
@@ -104,14 +115,23 @@ def trace_model(
     if optimizer is not None and not callable(optimizer):
         raise TraceError(f"optimizer must be a function params -> torch.optim.Optimizer, got {optimizer!r}")
     parallel = _parallel_notes(workload)
+    if workload.parallel.pp > 1 or workload.parallel.cp > 1:
+        raise TraceError("pipeline and context parallelism are traced for catalog models (`vramplan estimate`), "
+                         "whose layers and inputs vramplan lays out; a model passed in is traced on one GPU or "
+                         "one tensor-parallel rank", hint="drop `pp`/`cp`, or use `method=analytic` on a catalog model")
     model, notes = _materialize(model_or_factory)
     notes += parallel
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    prepared = _prepare(model, batch, workload, notes, root, device, checkpoint_policy)
-    return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn, shadows=shadows)
+    with parallel_world(workload) as mesh:
+        if mesh is not None and workload.parallel.sp:
+            kwargs, pos_shadows = tensor_parallel.position_ids(batch[1])
+            batch, shadows = (batch[0], kwargs), shadows + pos_shadows
+        prepared = _prepare(model, batch, workload, notes, root, device, checkpoint_policy, mesh)
+        return _trace(prepared, workload, device, iterations, opts, optimizer=optimizer, loss_fn=loss_fn,
+                      shadows=shadows)
 
 
 def trace_workload(
@@ -126,6 +146,8 @@ def trace_workload(
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     notes: list[str] = _parallel_notes(w)
+    if w.parallel.pp > 1:
+        return _trace_pipeline(spec, w, device, iterations, opts, notes, checkpoint_policy)
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
@@ -135,8 +157,65 @@ def trace_workload(
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy)
-    return _trace(prepared, w, device, iterations, opts)
+    shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with parallel_world(w) as mesh:
+        if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
+            batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
+        prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy, mesh)
+        if w.parallel.cp > 1:
+            prepared.step_context = functools.partial(context_parallel.ring_attention, mesh, batch_kwargs)
+            prepared.notes.append(
+                f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
+                f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows)
+
+
+def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
+                          iterations: int = 2, options: TraceOptions | None = None,
+                          notes: list[str] | None = None,
+                          checkpoint_policy: Policy | None = None) -> list[tuple[int, TraceResult]]:
+    """(pipeline rank, its trace) for each stage that differs (:mod:`.pipeline_parallel`)."""
+    from ..models.build import build_model
+
+    _check_iterations(iterations)
+    opts = options or TraceOptions()
+    pp = w.parallel.pp
+    attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
+    results: list[tuple[int, TraceResult]] = []
+    for rank in pipeline_parallel.stage_ranks(pp):
+        full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+        params = sum(q.numel() for q in full.parameters())
+        stage_mod, st = pipeline_parallel.split(full, rank, pp)
+        act = features.param_dtype(w)
+        out = features.compute_dtype(w) if w.mixed else act
+        runner = pipeline_parallel.make_runner(
+            stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
+            vocab=spec.vocab, act_dtype=act, out_dtype=out)
+        with dist.fake_world(dist.World((("pp", pp),), rank=rank)):
+            pipeline_parallel.p2p_on_meta()
+            prepared = _prepare(stage_mod, ((), {}), w, list(notes or ()), f"{spec.name} stage {rank}", device,
+                                checkpoint_policy)
+            prepared.params = prepared.trainable = params
+            results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
+    return results
+
+
+def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                    opts: TraceOptions, notes: list[str], checkpoint_policy: Policy | None = None) -> TraceResult:
+    """The worst traced pipeline stage, every traced stage's peak in its notes."""
+    pp = w.parallel.pp
+    results = trace_pipeline_stages(spec, w, device=device, iterations=iterations, options=opts, notes=notes,
+                                    checkpoint_policy=checkpoint_policy)
+    rank, worst = max(results, key=lambda r: r[1].peak_allocated)
+    per = spec.layers // pp
+    peaks = "; ".join(f"stage {r} (layers {r * per}–{(r + 1) * per - 1}{', embeddings' if r == 0 else ''}"
+                      f"{', head + loss' if r == pp - 1 else ''}) {t.peak_allocated:,} B" for r, t in results)
+    extra = (f"pipeline parallelism traced per stage: PyTorch's torch.distributed.pipelining "
+             f"{pipeline_parallel.SCHEDULE} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
+             f"peak allocated {peaks}; the report shows stage {rank}, the worst"
+             + ("; middle stages hold the first stage's layers without its embeddings and fewer micro-batches "
+                "in flight" if pp > 2 else ""))
+    return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 
 # --------------------------------------------------------------------------- internals
@@ -147,11 +226,60 @@ def _check_iterations(iterations: int) -> None:
 
 def _parallel_notes(w: Workload) -> list[str]:
     """Layouts the trace cannot run are refused up front rather than misreported."""
-    layout_of(w)
     p = w.parallel
-    if p.dp > 1 and not w.training and p.zero != 3:
-        return [f"dp={p.dp} inference: every rank runs the same unsharded model (one traced)"]
+    if not _model_parallel(w):
+        layout_of(w)  # data parallelism (FSDP2 / DDP): trace.layout decides
+        if p.dp > 1 and not w.training and p.zero != 3:
+            return [f"dp={p.dp} inference: every rank runs the same unsharded model (one traced)"]
+        return []
+    if p.ep > 1:
+        raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
+                         "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
+                         "method divides the experts by `ep`", hint="use `method=analytic`")
+    if p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training):
+        raise TraceError("tensor / pipeline / context parallelism are traced without data parallelism (one rank of "
+                         "the model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet",
+                         hint="use `method=analytic` for this layout, or trace `dp=1`")
+    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
+        raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
+                         "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
+    if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
+        raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
+                         f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
+    if (p.tp > 1 or p.pp > 1) and w.training and (w.loss is not Loss.FULL or w.optimizer_in_backward):
+        knob = f"`loss={w.loss}`" if w.loss is not Loss.FULL else "`optimizer_in_backward`"
+        raise TraceError(f"{knob} is not traced with tensor or pipeline parallelism (the loss-parallel "
+                         "cross-entropy / the pipeline schedule own the loss and the step)", hint="use `method=analytic`")
+    if p.tp > 1:
+        knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
+        if knob:
+            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not",
+                             hint="use `method=analytic`")
+        if w.task is Task.GENERATE:
+            raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
+                             hint="use `method=analytic`, or `vramplan serve` for an inference engine")
+    if p.dp > 1:
+        return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
+
+
+def _model_parallel(w: Workload) -> bool:
+    """Tensor / pipeline / context / expert parallelism: traced by this package's own modules
+    (:mod:`.tensor_parallel`, :mod:`.pipeline_parallel`, :mod:`.context_parallel`), not by
+    :mod:`.layout` (FSDP2 / DDP)."""
+    p = w.parallel
+    return p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp
+
+
+@contextlib.contextmanager
+def parallel_world(w: Workload) -> Iterator[Any]:
+    """The fake process group and mesh a parallel layout is traced on (None for one GPU)."""
+    tp, cp = w.parallel.tp, w.parallel.cp
+    if tp == 1 and cp == 1:
+        yield None
+        return
+    with dist.fake_world(dist.world_of(tp=tp, cp=cp)) as mesh:
+        yield mesh
 
 
 def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
@@ -227,13 +355,14 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
 
 
 def _prepare(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-             device: DeviceProfile | None, policy: Policy | None = None) -> Prepared:
+             device: DeviceProfile | None, policy: Policy | None = None, mesh: Any = None) -> Prepared:
     with quiet():
-        return _prepare_quietly(model, batch, w, notes, root, device, policy)
+        return _prepare_quietly(model, batch, w, notes, root, device, policy, mesh)
 
 
 def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[str], root: str,
-                     device: DeviceProfile | None, policy: Policy | None) -> Prepared:
+                     device: DeviceProfile | None, policy: Policy | None, mesh: Any) -> Prepared:
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
@@ -243,6 +372,10 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
+        if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
+            notes += tensor_parallel.apply_tensor_parallel(model, mesh, sp=w.parallel.sp)
+            if tensor_parallel.find_layout(model).head is not None:
+                step_context = tensor_parallel.loss_parallel
         notes += features.apply_checkpointing(model, w, policy)
         compiler, compile_notes = features.apply_compile(model, w)
         notes += compile_notes
@@ -253,7 +386,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    compiler=compiler)
+                    compiler=compiler, step_context=step_context)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -268,7 +401,8 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 
 def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions, *,
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
-           shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> TraceResult:
+           shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+           runner: Callable[[TraceSession, StepPlan], None] | None = None) -> TraceResult:
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
@@ -278,7 +412,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     notes = list(p.notes)
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
-    layout = layout_of(w, rank=opts.rank)
+    layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
@@ -318,7 +452,10 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                     made, opt_notes = make_optimizer(w, params)
                     notes.extend(opt_notes)
                     return made
-            opt = LocalShardOptimizer(trainable, make) if sharded_params(trainable) else make(trainable)
+            # FSDP2's Shard(0) parameters step on their local shards; tensor-parallel ones keep
+            # DTensor's optimizer (a RowwiseParallel embedding's gradient is Replicate)
+            local = layout is not None and sharded_params(trainable)
+            opt = LocalShardOptimizer(trainable, make) if local else make(trainable)
         plan = StepPlan(
             model=model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
@@ -329,21 +466,23 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         )
         if w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
-        runner = RUNNERS[str(w.task)]
-        for it in range(1, iterations + 1):
-            sess.start_iteration(it)
-            sess.dispatch.count_flops = opts.count_flops and it == 1
-            try:
-                runner(sess, plan)
-                gc.collect()  # storages kept only by reference cycles die at the iteration end
-            except VramplanError:
-                raise
-            except Exception as e:
-                at = user_frame_of(e)
-                raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch {torch.__version__}: "
-                                 f"{type(e).__name__}: {_line(e)}",
-                                 hint="the model's step must run on fake (meta) tensors: change that line to "
-                                      "depend on shapes, not values, or register a fake kernel for a custom op") from e
+        runner = runner or RUNNERS[str(w.task)]
+        with p.step_context() if p.step_context is not None else contextlib.nullcontext():
+            for it in range(1, iterations + 1):
+                sess.start_iteration(it)
+                sess.dispatch.count_flops = opts.count_flops and it == 1
+                try:
+                    runner(sess, plan)
+                    gc.collect()  # storages kept only by reference cycles die at the iteration end
+                except VramplanError:
+                    raise
+                except Exception as e:
+                    at = user_frame_of(e)
+                    raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch "
+                                     f"{torch.__version__}: {type(e).__name__}: {_line(e)}",
+                                     hint="the model's step must run on fake (meta) tensors: change that line to "
+                                          "depend on shapes, not values, or register a fake kernel for a custom op"
+                                     ) from e
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     if p.compiler is not None:

@@ -1,0 +1,54 @@
+"""Context parallelism in a trace: PyTorch's own ring attention on a fake process group.
+
+``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)``
+(torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.13) shards the
+step's sequence-shaped inputs in place and replaces ``F.scaled_dot_product_attention`` by a
+wrapper that turns query/key/value into sequence-sharded DTensors; DTensor then runs the
+flash / memory-efficient attention ops of the trace's SDPA emulation through its ring
+attention handlers: ``cp`` rounds of attention on the local query against each rank's
+key/value shard, the shards passed around the ring with functional collectives, the partial
+outputs merged in fp32. Every buffer of that is an op on the local shards, recorded as any.
+
+As in torchtitan (``torchtitan/train.py``: inputs, labels and the rotary table are the
+buffers, inputs and labels not restored), the batch's ``input_ids``, ``labels`` and explicit
+``position_ids`` are the buffers. transformers reads positions from ``position_ids``; the
+load-balanced ("zig-zag") sharding would hand rank 0 two non-adjacent chunks, which
+transformers takes for packed sequences and answers with a mask that ring attention does not
+support, so the trace shards contiguously (``_cp_options.enable_load_balance = False``): the
+buffers of each round are the same size either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import TraceError
+
+BUFFER_KEYS = ("input_ids", "labels", "position_ids")
+
+
+@contextlib.contextmanager
+def ring_attention(mesh: Any, batch_kwargs: dict[str, Any]) -> Iterator[None]:
+    """Enter ``context_parallel`` over ``mesh`` with the batch's sequence tensors as buffers."""
+    try:
+        from torch.distributed.tensor.experimental import _attention as cp_impl
+        from torch.distributed.tensor.experimental import context_parallel
+    except ImportError as e:  # pragma: no cover - torch without the experimental API
+        raise TraceError(f"torch {torch.__version__} has no context_parallel", hint="use `method=analytic`") from e
+    buffers = [batch_kwargs[k] for k in BUFFER_KEYS if isinstance(batch_kwargs.get(k), torch.Tensor)]
+    if not buffers:
+        raise TraceError("context parallelism shards token inputs (input_ids); this model takes none",
+                         hint="use `method=analytic`")
+    options = cp_impl._cp_options
+    balance = options.enable_load_balance
+    options.enable_load_balance = False
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                              no_restore_buffers=set(buffers)):
+            yield
+    finally:
+        options.enable_load_balance = balance

@@ -1,0 +1,221 @@
+"""Tensor (and sequence) parallelism in a trace: PyTorch's own DTensor ``parallelize_module``.
+
+Rank 0 of the tensor-parallel group is traced: its parameters are the DTensor shards
+``parallelize_module`` leaves, every op of the step runs on the local shards, and the
+collectives DTensor issues (all-reduce, all-gather, reduce-scatter of activations) are the
+``_c10d_functional`` ops of a fake process group (they allocate their outputs, as NCCL's
+functional collectives do, and communicate nothing).
+
+The plan is torchtitan's for Llama (``torchtitan/models/llama3/infra/parallelize.py``,
+``apply_tp``, read at commit 018740b) mapped onto transformers' module names:
+
+============================  ================================================
+transformers                  style (torchtitan's name)
+============================  ================================================
+``model.embed_tokens``        RowwiseParallel, input Replicate, output Shard(1) (``tok_embeddings``)
+``model.norm``                SequenceParallel (``norm``)
+``lm_head``                   ColwiseParallel, input Shard(1), output Shard(-1) kept as a
+                              DTensor for the loss-parallel cross-entropy (``output``)
+``input_layernorm``           SequenceParallel (``attention_norm``)
+``self_attn``                 PrepareModuleInput: hidden_states Shard(1) → Replicate (``attention``)
+``q_proj``/``k_proj``/``v_proj``  ColwiseParallel (``wq``/``wk``/``wv``)
+``o_proj``                    RowwiseParallel, output Shard(1) (``wo``)
+``post_attention_layernorm``  SequenceParallel (``ffn_norm``)
+``mlp``                       PrepareModuleInput: Shard(1) → Replicate (``feed_forward``)
+``gate_proj``/``up_proj``     ColwiseParallel (``w1``/``w3``)
+``down_proj``                 RowwiseParallel, output Shard(1) (``w2``)
+============================  ================================================
+
+torchtitan always shards the sequence between blocks (sequence parallelism). Without
+``sp`` the plan is the Megatron one: the same column/row splits, embeddings and block
+outputs all-reduced to Replicate, norms replicated. Parameters the plan leaves whole (norms,
+rotary buffers are not parameters) become Replicate DTensors so that one optimizer steps
+over a single tensor type (PyTorch's foreach kernels refuse a mix of DTensor and Tensor).
+
+transformers derives the rotary positions and the causal mask from the length of the
+embedding output; under sequence parallelism that is the local shard, so the traced batch
+carries explicit ``position_ids`` for the whole sequence (the attention sees the whole
+sequence after PrepareModuleInput's all-gather, as in torchtitan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TraceError
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where the plan's modules are in a transformers decoder."""
+
+    layers: nn.ModuleList
+    layer_path: str
+    """Dotted path of the decoder layers (``model.layers``)."""
+    embed: str
+    norm: str | None
+    head: str | None
+
+
+def find_layout(model: nn.Module) -> TensorParallelLayout:
+    """The decoder layers, embeddings, final norm and head of a Llama-style transformers model.
+
+    Raises :class:`TraceError` for any other model (the plan names its modules)."""
+    layers_path, layers = "", None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and all(_is_llama_block(b) for b in mod):
+            layers_path, layers = name, mod
+            break
+    if layers is None:
+        raise TraceError(
+            f"tensor parallelism is traced with torchtitan's Llama plan, which needs decoder layers with "
+            f"self_attn.{{{','.join(ATTENTION)}}} and mlp.{{{','.join(MLP)}}}; {type(model).__name__} has none",
+            hint="use `method=analytic` for tensor parallelism of other architectures")
+    base = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
+    prefix = f"{base}." if base else ""
+    mods = dict(model.named_modules())
+    embed = f"{prefix}embed_tokens"
+    if not isinstance(mods.get(embed), nn.Embedding):
+        raise TraceError(f"{type(model).__name__} has no `{embed}` embedding where torchtitan's Llama plan "
+                         "shards the vocabulary", hint="use `method=analytic`")
+    norm = f"{prefix}norm" if f"{prefix}norm" in mods else None
+    head = "lm_head" if isinstance(mods.get("lm_head"), nn.Linear) else None
+    return TensorParallelLayout(layers=layers, layer_path=layers_path, embed=embed, norm=norm, head=head)
+
+
+def _is_llama_block(block: nn.Module) -> bool:
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    return all(isinstance(getattr(attn, n, None), nn.Linear) for n in ATTENTION) and all(
+        isinstance(getattr(mlp, n, None), nn.Linear) for n in MLP)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]:
+    """Shard ``model`` in place over the 1-D tensor-parallel ``mesh`` (rank 0's view)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    lay = find_layout(model)
+    tp = mesh.size()
+    cfg = getattr(model, "config", None)
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(cfg, what, None)
+        if isinstance(n, int) and n % tp:
+            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
+                             hint="use a `tp` that divides the attention and key/value heads")
+    mods = dict(model.named_modules())
+    tied = lay.head is not None and mods[lay.head].weight is mods[lay.embed].weight
+    between = Shard(1) if sp else Replicate()
+    root: dict[str, Any] = {
+        lay.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+    }
+    if sp and lay.norm is not None:
+        root[lay.norm] = SequenceParallel()
+    if lay.head is not None:
+        root[lay.head] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, root)
+    if tied:
+        # each style swaps in its own sharded Parameter, which unties a tied head; both shard the
+        # vocabulary (Shard(0) of [vocab, hidden]), so the head takes the embedding's shard again
+        mods[lay.head].weight = mods[lay.embed].weight
+    for block in lay.layers:
+        plan: dict[str, Any] = {
+            **{f"self_attn.{n}": ColwiseParallel() for n in ATTENTION[:3]},
+            "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=between),
+        }
+        if sp:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                use_local_output=True),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True),
+            })
+        parallelize_module(block, mesh, plan)
+    replicated = _replicate_rest(model, mesh)
+    what = "tensor + sequence parallelism" if sp else "tensor parallelism"
+    notes = [f"{what} traced as rank 0 of tp={tp}: PyTorch's parallelize_module with torchtitan's Llama plan "
+             f"on {len(lay.layers)} decoder layers (q/k/v/gate/up column-, o/down row-sharded, embeddings "
+             f"vocabulary-sharded{', lm_head column-sharded with a loss-parallel cross-entropy' if lay.head else ''})"]
+    if replicated:
+        notes.append(f"{replicated} parameter tensor(s) the plan leaves whole (norms) are replicated on every rank")
+    return notes
+
+
+def _replicate_rest(model: nn.Module, mesh: Any) -> int:
+    """``distribute_module`` every module whose own parameters the plan left whole (norms):
+    its parameters become Replicate DTensors, its tensor inputs are wrapped as Replicate
+    and its outputs handed back as local tensors. Returns how many parameters it wrapped."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def wrap(mod: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def unwrap(mod: nn.Module, out: Any, mesh: Any) -> Any:
+        if isinstance(out, DTensor):
+            return out.to_local()
+        if isinstance(out, tuple):
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in out)
+        return out
+
+    n = 0
+    for mod in list(model.modules()):
+        own = [p for p in mod.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+        if any(isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+            raise TraceError(f"{type(mod).__name__} has sharded and whole parameters after the plan",
+                             hint="use `method=analytic` for this architecture")
+        distribute_module(mod, mesh, _replicate_own, input_fn=wrap, output_fn=unwrap)  # type: ignore[arg-type]
+        n += len(own)
+    return n
+
+
+def _replicate_own(name: str, mod: nn.Module, mesh: Any) -> None:
+    """``distribute_module``'s partition_fn: this module's own parameters as Replicate DTensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for pname, p in list(mod.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            d = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
+            mod.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def position_ids(batch_kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The batch with explicit whole-sequence ``position_ids`` (see the module docstring), and
+    (meta tensor, values) shadows for them: transformers reads them (packed-sequence check)."""
+    ids = batch_kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or "position_ids" in batch_kwargs:
+        return batch_kwargs, []
+    b, s = ids.shape[0], ids.shape[1]
+    real = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+    pos = torch.empty(b, s, dtype=torch.long, device=ids.device)
+    return {**batch_kwargs, "position_ids": pos}, [(pos, real)]
+
+
+def loss_parallel() -> contextlib.AbstractContextManager[Any]:
+    """``torch.distributed.tensor.parallel.loss_parallel()``: the cross-entropy of vocabulary-
+    sharded logits without gathering them (torchtitan's default), around forward and backward."""
+    from torch.distributed.tensor.parallel import loss_parallel as region
+
+    return region()

@@ -1,0 +1,48 @@
+"""Context parallelism traced with PyTorch's own ring attention on a fake process group (issue 12)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from vramplan import Parallel, Workload, estimate
+from vramplan.errors import TraceError
+from vramplan.trace.run import trace_workload
+from vramplan.trace.testing import tiny_spec
+from vramplan.workload import Method, Phase
+
+
+def _forward_activations(r):
+    return [p for p in r.phases if p.phase is Phase.FORWARD][0].breakdown.activations
+
+
+def test_ring_attention_runs_on_the_local_shard():
+    spec = tiny_spec("llama-3.1-8b")
+    tr = trace_workload(spec, Workload(task="train", batch=1, seq=512, parallel=Parallel(cp=4)), iterations=1)
+    log = tr.events
+    ops = collections.Counter(log.strings[log.op[k]] for k in range(len(log)) if log.action[k] == 0)
+    # the key/value shards travel around the ring through functional collectives
+    assert ops["_c10d_functional.all_to_all_single.default"] > 0 or ops["_c10d_functional.all_gather_into_tensor.default"] > 0
+    assert ops["aten._scaled_dot_product_flash_attention_backward.default"] > 0
+    assert any("rank 0 of cp=4" in n for n in tr.notes)
+
+
+def test_activations_shrink_with_the_context_parallel_size_and_states_do_not():
+    spec = tiny_spec("llama-3.1-8b")
+    one = estimate(spec, Workload(task="train", batch=1, seq=1024), method="trace", search_max_batch=False)
+    cp4 = estimate(spec, Workload(task="train", batch=1, seq=1024, parallel=Parallel(cp=4)), method="trace",
+                   search_max_batch=False)
+    assert cp4.method is Method.TRACE and cp4.fallback is None
+    assert 0.2 < _forward_activations(cp4) / _forward_activations(one) < 0.3
+    a = estimate(spec, Workload(task="train", batch=1, seq=1024, parallel=Parallel(cp=4)), method="analytic",
+                 search_max_batch=False)
+    assert (cp4.model_states.gradients, cp4.model_states.optimizer) == (a.model_states.gradients, a.model_states.optimizer)
+    assert abs(_forward_activations(cp4) / _forward_activations(a) - 1) < 0.1
+
+
+def test_context_with_tensor_parallelism_is_not_traced():
+    spec = tiny_spec("llama-3.1-8b")
+    with pytest.raises(TraceError, match="context parallelism is traced alone"):
+        estimate(spec, Workload(task="train", seq=256, parallel=Parallel(cp=2, tp=2)), method="trace",
+                 search_max_batch=False)

@@ -1,0 +1,118 @@
+"""Tensor / sequence parallelism traced as rank 0 of a fake process group (issue 12)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vramplan import Parallel, Workload, estimate
+from vramplan.cli.main import main
+from vramplan.errors import TraceError
+from vramplan.trace.run import trace_model
+from vramplan.trace.testing import tiny_spec
+from vramplan.workload import Method
+
+
+def _buffer_bytes(spec_name: str) -> int:
+    """Bytes of the real model's buffers (rotary tables), which the analytic method does not count."""
+    from vramplan.models.build import build_model
+    from vramplan.models.catalog import resolve
+
+    model = build_model(resolve(spec_name), task="train", attention="sdpa", device="meta", dtype=torch.float32)
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tiny_llama_states_equal_the_analytic_figures(sp):
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="train", batch=2, seq=64, parallel=Parallel(tp=2, sp=sp))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE and t.fallback is None
+    assert t.model_states.gradients == a.model_states.gradients
+    assert t.model_states.optimizer == a.model_states.optimizer
+    assert 0 <= t.model_states.weights - a.model_states.weights <= 4096  # rotary buffers only
+    assert any("rank 0 of tp=2" in n for n in t.notes)
+    # rank 0 holds about half of the unsharded states (norms are replicated)
+    one = estimate(spec, Workload(task="train", batch=2, seq=64), method="trace", search_max_batch=False)
+    assert one.model_states.optimizer / 2 < t.model_states.optimizer < one.model_states.optimizer * 0.6
+
+
+def test_sequence_parallel_shards_the_activations():
+    spec = tiny_spec("llama-3.1-8b")
+    base = Workload(task="train", batch=2, seq=256, parallel=Parallel(tp=2))
+    plain = estimate(spec, base, method="trace", search_max_batch=False)
+    sp = estimate(spec, base.replace(parallel=Parallel(tp=2, sp=True)), method="trace", search_max_batch=False)
+    fwd = {p.phase: p.breakdown.activations for p in plain.phases}
+    fwd_sp = {p.phase: p.breakdown.activations for p in sp.phases}
+    assert fwd_sp["forward"] < fwd["forward"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b"])
+def test_llama_tp8_states_equal_the_analytic_figures_exactly(name):
+    w = Workload(task="train", batch=1, seq=128, parallel=Parallel(tp=8, sp=True))
+    t = estimate(name, w, method="trace", search_max_batch=False)
+    a = estimate(name, w, method="analytic", search_max_batch=False)
+    assert t.fallback is None
+    assert t.model_states.gradients == a.model_states.gradients
+    assert t.model_states.optimizer == a.model_states.optimizer
+    assert t.model_states.weights == a.model_states.weights + _buffer_bytes(name)
+
+
+def test_a_tied_head_stays_tied_to_the_sharded_embedding():
+    spec = tiny_spec("qwen2.5-0.5b")  # tied embeddings, q/k/v biases
+    w = Workload(task="train", batch=1, seq=64, parallel=Parallel(tp=2))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.fallback is None
+    # ColwiseParallel shards the q/k/v biases, which the analytic method keeps whole: 2 layers x
+    # (64 + 32 + 32) / 2 fp32 elements fewer in the trace, nothing else apart
+    bias_half = 2 * (64 + 32 + 32) // 2 * 4
+    assert a.model_states.gradients - t.model_states.gradients == bias_half
+    assert a.model_states.optimizer - t.model_states.optimizer == 2 * bias_half
+
+
+def test_a_user_built_llama_is_sharded_too():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=256)
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    one = trace_model(lambda: LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids},
+                      workload=Workload(task="train"), iterations=1)
+    tp = trace_model(lambda: LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids},
+                     workload=Workload(task="train", parallel=Parallel(tp=2)), iterations=1)
+    assert tp.params == one.params  # the model's own count, not the shard's
+    w1 = [p for p in one.phases if p.phase == "optimizer"][0].breakdown.optimizer
+    w2 = [p for p in tp.phases if p.phase == "optimizer"][0].breakdown.optimizer
+    # everything but the 5 norm vectors (64 floats each, replicated) is split in two
+    assert w1 - w2 == (w1 - 2 * 4 * 5 * 64) // 2
+
+
+def test_a_model_without_the_llama_layout_is_refused_and_auto_falls_back():
+    spec = tiny_spec("gpt2")
+    w = Workload(task="train", batch=1, seq=32, parallel=Parallel(tp=2))
+    with pytest.raises(TraceError, match="torchtitan's Llama plan"):
+        estimate(spec, w, method="trace", search_max_batch=False)
+    r = estimate(spec, w, method="auto", search_max_batch=False)
+    assert r.method is Method.ANALYTIC and r.fallback is not None
+
+
+def test_the_fake_process_group_is_gone_after_a_trace():
+    import torch.distributed as dist
+
+    estimate(tiny_spec("llama-3.1-8b"), Workload(task="train", batch=1, seq=32, parallel=Parallel(tp=2)),
+             method="trace", search_max_batch=False)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tp", "3"], "does not divide 32 attention heads"),
+    (["--pp", "5"], "does not divide 32 layers"),
+    (["--tp", "8", "--peft", "lora"], "--peft lora with --tp 8 is not"),
+])
+def test_bad_layouts_are_one_line_and_exit_2(argv, words, capsys):
+    assert main(["estimate", "llama-3.1-8b", "--method", "trace", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
