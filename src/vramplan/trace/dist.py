@@ -214,6 +214,11 @@ class FakeStream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:
+        """Never inside a CUDA-graph capture (torch >= 2.14's optimizer asks the current
+        accelerator stream before every step)."""
+        return False
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and other.stream_id == self.stream_id
 
