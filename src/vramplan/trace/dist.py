@@ -179,11 +179,21 @@ def _cuda_device_queries() -> Iterator[None]:
     saved = {k: getattr(cuda, k) for k in patches}
     for k, v in patches.items():
         setattr(cuda, k, v)
+    # torch >= 2.14's optimizer asks ``torch.accelerator.current_stream()`` whether a CUDA graph
+    # is being captured before each step: answer with the emulated default stream, never the
+    # real driver (the emulated streams of a rank session override this in turn)
+    acc = getattr(torch, "accelerator", None)
+    acc_saved = getattr(acc, "current_stream", None) if acc is not None else None
+    if acc is not None and acc_saved is not None:
+        default = FakeStream(0, "default")
+        acc.current_stream = lambda device=None: default
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(cuda, k, v)
+        if acc is not None and acc_saved is not None:
+            acc.current_stream = acc_saved
 
 
 # --------------------------------------------------------------------------- streams
