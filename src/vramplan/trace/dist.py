@@ -531,14 +531,22 @@ class RankContext:
 
 
 @contextlib.contextmanager
-def rank_session(sess: Any, world: World) -> Iterator[RankContext]:
+def rank_session(sess: Any, world: World, mesh: Any = None) -> Iterator[RankContext]:
     """Enter ``sess`` (a :class:`~vramplan.trace.session.TraceSession`, not yet entered) as
     rank ``world.rank``: the fake world is set up first (outside the trace's modes, so the
     mesh's own bookkeeping tensors are not recorded), then the session with emulated CUDA
     streams, recorded storage resizes and FSDP on meta. All is undone at exit (the process
-    group destroyed), so a trace repeats in one process."""
+    group destroyed), so a trace repeats in one process.
+
+    ``mesh``: the ``DeviceMesh`` of a fake world the caller already entered for ``world``
+    (TP × FSDP: the model was tensor-parallelised on its ``tp`` dimension before the session
+    started); the caller then tears it down."""
     with contextlib.ExitStack() as st:
-        mesh = st.enter_context(fake_world(world))
+        if mesh is None:
+            mesh = st.enter_context(fake_world(world))
+        elif tuple(getattr(mesh, "mesh_dim_names", None) or ()) != world.names:
+            raise TraceError(f"the mesh's dimensions {getattr(mesh, 'mesh_dim_names', None)} are not the "
+                             f"world's {list(world.names)}")
         st.enter_context(sess)
         streams = st.enter_context(emulated_streams(sess.rec))
         st.enter_context(recorded_resizes(sess.rec))
