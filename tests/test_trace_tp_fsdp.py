@@ -125,3 +125,31 @@ def test_catalog_8b_tp8_dp8_states_and_peak() -> None:
     a = estimate(spec, w)
     assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
     assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.03, (r.peak_allocated, a.peak.allocated)
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 4, "tp": 2}, {"dp": 4, "tp": 2, "sp": True},
+                                      {"dp": 4, "tp": 2, "sp": True, "gradient_as_bucket_view": True}],
+                         ids=["ddp", "ddp-sp", "ddp-sp-view"])
+def test_tp_times_ddp_states_exact(parallel: dict[str, object]) -> None:
+    """DDP given the dp slice of the 2-D mesh (PyTorch's ``_pre_dp_module_transform``): DDP holds
+    the TP-local parameters, so the embedding's gradient is its vocabulary shard (the whole
+    Replicate table lives only during its backward), unlike TP alone."""
+    spec = _small("llama-3.1-8b")
+    w = _w(**parallel).replace(batch=2, seq=256)
+    r = trace_workload(spec, w)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+    assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.08, (r.peak_allocated, a.peak.allocated)
+    assert any("DDP over dp=4" in n for n in r.notes) and any("rank 0 of tp=2" in n for n in r.notes)
+    alone = estimate(spec, w.replace(dp=1))
+    assert alone.states.gradients > a.states.gradients  # TP alone keeps the whole embedding gradient
+
+
+@pytest.mark.slow
+def test_catalog_8b_tp8_ddp8_states_equal_analytic() -> None:
+    spec = resolve("llama-3.1-8b")
+    w = _w(dp=8, tp=8, sp=True)
+    r = trace_workload(spec, w, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+    assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.02, (r.peak_allocated, a.peak.allocated)

@@ -175,10 +175,14 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
 
     per_layer = layer if tr.full else layer_adapters
     embed_grad_full = 0
-    if fsdp2 and p.tp > 1 and tr.full and stage.embed and not arch.head.tied:
+    ddp_tp = p.dp > 1 and p.zero == 0 and p.framework is Engine.DDP
+    if (fsdp2 or ddp_tp) and p.tp > 1 and tr.full and stage.embed and not arch.head.tied and w.training:
         # FSDPParam redistributes the Replicate gradient to the parameter's Shard(0) before the
-        # reduce-scatter (_fsdp_param.py _get_grad_inner_tensor, torch 2.13): both live a moment
-        embed_grad_full = (arch.vocab * h + arch.vocab * h // p.tp + head) * min(rg.weight, rg.compute)
+        # reduce-scatter (_fsdp_param.py _get_grad_inner_tensor, torch 2.13), DDP × TP's
+        # DTensor.from_local backward does the same: both live a moment (with FSDP2 the head's
+        # unsharded 16-bit gradient too, reduce-scattered with the root unit after it)
+        g = min(rg.weight, rg.compute) if fsdp2 else rg.grad
+        embed_grad_full = (arch.vocab * h + arch.vocab * h // p.tp + (head if fsdp2 else 0)) * g
     buckets = trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0
     if p.engine is Engine.DEEPSPEED and w.training and p.zero:
         # DeepSpeed's own buffers and gathering granularity (analytic/deepspeed.py)
@@ -215,9 +219,12 @@ def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime,
     torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
     Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
     ZeRO/FSDP sharding only, the layout the trace checks it on. A head tied to the embedding
-    adds its vocabulary-sharded gradient first, and the sum keeps that sharding."""
+    adds its vocabulary-sharded gradient first, and the sum keeps that sharding. Under DDP
+    (``dp > 1``) the parameters DDP holds are the TP-local tensors (``_pre_dp_module_transform``):
+    ``DTensor.from_local``'s backward hands the local shard of that gradient to them, so only
+    the moment of the embedding's backward holds the whole table (``States.embed_grad_full``)."""
     p = w.parallel
-    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training) or arch.head.tied:
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and p.dp == 1 and w.training) or arch.head.tied:
         return 0
     return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 

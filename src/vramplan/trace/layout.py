@@ -146,8 +146,13 @@ def _ddp(model: nn.Module, layout: Layout, ctx: RankContext) -> tuple[nn.Module,
 
     group = ctx.submesh("dp").get_group()
     world = layout.world.dim("dp")
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=layout.bucket_cap_mb,
-                                  gradient_as_bucket_view=layout.gradient_as_bucket_view)
+    # TP × DDP: DDP given the dp slice of a 2-D mesh runs PyTorch's own composition
+    # (torch/nn/parallel/distributed.py → tensor/parallel/ddp.py ``_pre_dp_module_transform``:
+    # DTensor parameters become local ones, rebuilt as DTensors around each forward)
+    where: dict[str, Any] = {"device_mesh": ctx.submesh("dp")} if "tp" in layout.world.names else {
+        "process_group": group}
+    ddp = DistributedDataParallel(model, bucket_cap_mb=layout.bucket_cap_mb,
+                                  gradient_as_bucket_view=layout.gradient_as_bucket_view, **where)
 
     def allreduce_hook(state: Any, bucket: Any) -> Any:
         buf = bucket.buffer()
