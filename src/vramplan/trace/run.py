@@ -166,8 +166,9 @@ def trace_workload(
             batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy, mesh)
         if w.parallel.cp > 1:
-            prepared.step_context = functools.partial(context_parallel.ring_attention, submesh(mesh, "cp"),
-                                                      batch_kwargs)
+            ring = functools.partial(context_parallel.ring_attention, submesh(mesh, "cp"), batch_kwargs)
+            prepared.step_context = ring if prepared.step_context is None else functools.partial(
+                _both, ring, prepared.step_context)  # TP × CP: ring attention and the loss-parallel loss
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
@@ -247,9 +248,10 @@ def _parallel_notes(w: Workload) -> list[str]:
                          hint="use `method=analytic` for this layout, or trace `dp=1`")
     if sharded:
         data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
-    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
-        raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
-                         "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
+    if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
+        raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
+                         f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
+                         hint="use `method=analytic`")
     if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
                          f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
@@ -303,6 +305,14 @@ def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
     world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
     with dist.fake_world(world) as mesh:
         yield mesh
+
+
+@contextlib.contextmanager
+def _both(*contexts: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            stack.enter_context(make())
+        yield
 
 
 def submesh(mesh: Any, name: str) -> Any:
