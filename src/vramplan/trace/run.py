@@ -157,6 +157,8 @@ def trace_workload(
     used = attention_used(model)
     if used not in ("none", attention):
         notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    if w.parallel.cp > 1:
+        context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
@@ -415,6 +417,10 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
             notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
                 step_context = tensor_parallel.loss_parallel
+            seq = _sequence_length(batch) // w.parallel.cp
+            if w.parallel.sp and seq:
+                masks = functools.partial(tensor_parallel.full_length_masks, seq)
+                step_context = masks if step_context is None else functools.partial(_both, masks, step_context)
         notes += features.apply_checkpointing(model, w, policy)
         compiler, compile_notes = features.apply_compile(model, w)
         notes += compile_notes
@@ -426,6 +432,14 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     model.train(w.training)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
                     compiler=compiler, step_context=step_context, mesh=mesh)
+
+
+def _sequence_length(batch: Batch) -> int:
+    """The token sequence length of a batch (``input_ids``, else the first 2-D positional tensor; 0 if none)."""
+    ids = batch[1].get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((x for x in batch[0] if isinstance(x, torch.Tensor) and x.dim() == 2), None)
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
