@@ -77,7 +77,8 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
-                     hint="use `method=analytic`, or `zero=3` (FSDP2)")
+                     hint="use `method=analytic`, " + ("`engine=fsdp` (FSDP2 SHARD_GRAD_OP) " if p.zero == 2 else "")
+                     + "or `zero=3` (FSDP2)")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -246,7 +246,8 @@ def _parallel_notes(w: Workload) -> list[str]:
     sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
     if sharded and (p.pp > 1 or p.cp > 1):
         raise TraceError("pipeline / context parallelism are traced without data parallelism (one rank of the "
-                         "model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet",
+                         "model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet "
+                         "(torchtitan shards FSDP over the flattened dp × cp mesh and splits stages before sharding)",
                          hint="use `method=analytic` for this layout, or trace `dp=1`")
     if sharded:
         data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
@@ -264,10 +265,15 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.tp > 1:
         knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
         if knob:
-            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not",
-                             hint="use `method=analytic`")
+            why = ("torchtitan's plan has no adapters; PEFT's LoRA under TP (peft 0.21) shards its adapters along "
+                   "transformers' own tp_plan, a different plan" if w.peft is not Peft.NONE else
+                   "torchtitan's plan shards bf16/fp32 linears, not quantised storage")
+            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not "
+                             f"({why})", hint="use `method=analytic`")
         if w.task is Task.GENERATE:
-            raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
+            raise TraceError(f"generation with `tp={p.tp}` is not traced: transformers' TP generation uses its own "
+                             "tp_plan (logits all-gathered), and the traced decode loop under DTensor keeps the "
+                             "prefill's activations alive (not exact yet)",
                              hint="use `method=analytic`, or `vramplan serve` for an inference engine")
     if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
