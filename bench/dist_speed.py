@@ -71,9 +71,13 @@ def pair(name: str, dp: int, target: float) -> float:
 
 
 def tp_fsdp(name: str, tp: int, dp: int, one_gpu: float) -> None:
+    """The 2-D trace against the one-GPU trace and against TP alone (what DTensor's dispatch of
+    the TP plan costs is in both; what FSDP2 adds on top is the second ratio)."""
+    ta, pa = timed(name, step().replace(tp=tp, sp=True))
     tn, pn = timed(name, step().replace(tp=tp, sp=True, dp=dp, zero=3))
+    line(f"{name} TP {tp} (sp) alone, rank 0", f"{ta:6.1f} s  peak {pa / GiB:6.1f} GiB", "", None)
     line(f"{name} TP {tp} x FSDP2 {dp} (sp), rank 0", f"{tn:6.1f} s  peak {pn / GiB:6.1f} GiB", "", None)
-    line(f"{name} TP {tp} x FSDP2 {dp} / one GPU", f"{tn / one_gpu:6.2f}x", "", None)
+    line(f"{name} TP {tp} x FSDP2 {dp} / one GPU; / TP alone", f"{tn / one_gpu:6.2f}x; {tn / ta:.2f}x", "", None)
 
 
 def cpu_seconds(name: str, w: Workload) -> float:
