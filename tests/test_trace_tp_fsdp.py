@@ -93,12 +93,14 @@ CATALOG = [
     ("llama-3.1-70b", {"dp": 8, "zero": 3, "tp": 8, "sp": True}),
     ("llama-3.1-70b", {"dp": 64, "zero": 3, "tp": 8, "sp": True}),
     ("llama-3.1-70b", {"dp": 64, "zero": 2, "tp": 8, "sp": True, "engine": "fsdp"}),
+    ("llama-3.1-8b", {"dp": 16, "dp_shard": 8, "zero": 3, "tp": 8, "sp": True}),  # HSDP 2 × 8, × TP 8
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "parallel"), CATALOG,
-                         ids=[f"{n}-tp{p['tp']}-dp{p['dp']}-z{p['zero']}" for n, p in CATALOG])
+                         ids=[f"{n}-tp{p['tp']}-dp{p['dp']}-z{p['zero']}{'-hsdp' if 'dp_shard' in p else ''}"
+                              for n, p in CATALOG])
 def test_catalog_llama_tp_fsdp_states_equal_analytic(name: str, parallel: dict[str, object]) -> None:
     spec = resolve(name)
     w = _w(**parallel)
@@ -153,3 +155,22 @@ def test_catalog_8b_tp8_ddp8_states_equal_analytic() -> None:
     a = estimate(spec, w)
     assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
     assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.02, (r.peak_allocated, a.peak.allocated)
+
+
+def test_a_user_built_llama_is_laid_out_in_2d_too() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vramplan.trace.run import trace_model
+    from vramplan.workload import Parallel
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=256)
+    ids = torch.zeros(1, 32, dtype=torch.long)
+
+    def optimizer(parallel: Parallel) -> int:
+        r = trace_model(lambda: LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids},
+                        workload=Workload(task="train", parallel=parallel), iterations=1)
+        return [p for p in r.phases if p.phase == "optimizer"][0].breakdown.optimizer
+
+    assert optimizer(Parallel(tp=2, dp=4, zero=3)) * 4 == optimizer(Parallel(tp=2))
