@@ -157,3 +157,27 @@ def test_context_parallelism_refuses_what_the_ring_cannot_run(name, words):
         estimate(spec, w, method="trace", search_max_batch=False)
     r = estimate(spec, w, method="auto", search_max_batch=False)
     assert r.method is Method.ANALYTIC and r.fallback is not None
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_inference_under_tensor_parallelism_matches_the_analytic_weights(sp):
+    """A forward without an optimizer (task infer): rank 0 holds its shard of the weights."""
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="infer", batch=1, seq=256, parallel=Parallel(tp=2, sp=sp))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    one = estimate(spec, w.replace(parallel=Parallel()), method="trace", search_max_batch=False)
+    assert t.fallback is None and t.model_states.gradients == t.model_states.optimizer == 0
+    assert 0 <= t.model_states.weights - a.model_states.weights <= 4096  # rotary buffers only
+    assert t.model_states.weights < 0.6 * one.model_states.weights
+
+
+@pytest.mark.xfail(strict=True, reason="open: under TP without an optimizer, buffers allocated in RowwiseParallel "
+                   "modules (aten.empty in layer 0's down_proj) outlive their layer in the trace; the same keeps "
+                   "prefill activations alive in generation, which is refused until this is found")
+def test_tensor_parallel_inference_peak_is_close_to_the_analytic_one():
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="infer", batch=1, seq=256, parallel=Parallel(tp=2))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert abs(t.peak.allocated / a.peak.allocated - 1) < 0.05, (t.peak.allocated, a.peak.allocated)
