@@ -493,21 +493,29 @@ def dtensor_metadata_unrecorded() -> Iterator[None]:
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
-    name = "_propagate_tensor_meta_non_cached"
-    orig = getattr(ShardingPropagator, name, None)
-    if orig is None:
+    # torch >= 2.13 also propagates sharding through an op's decomposition on meta tensors of
+    # the global shape (``propagate_op_sharding_non_cached`` → ``_decompositions.py``
+    # ``propagate_strategy`` / ``to_meta``), and its lru_cache keeps them: the whole
+    # propagation is bookkeeping
+    names = ("_propagate_tensor_meta_non_cached", "propagate_op_sharding_non_cached")
+    saved = {n: getattr(ShardingPropagator, n) for n in names if getattr(ShardingPropagator, n, None) is not None}
+    if not saved:
         yield
         return
 
-    def unrecorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _disable_current_modes():
-            return orig(self, *args, **kwargs)
+    def unrecorded(orig: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():
+                return orig(self, *args, **kwargs)
+        return run
 
-    setattr(ShardingPropagator, name, unrecorded)
+    for n, orig in saved.items():
+        setattr(ShardingPropagator, n, unrecorded(orig))
     try:
         yield
     finally:
-        setattr(ShardingPropagator, name, orig)
+        for n, orig in saved.items():
+            setattr(ShardingPropagator, n, orig)
 
 
 # --------------------------------------------------------------------------- one rank

@@ -476,6 +476,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         model = p.model
         if layout is None:
             stack.enter_context(sess)
+            if p.mesh is not None:  # TP / CP alone: DTensor's sharding propagation is not the GPU's
+                stack.enter_context(dist.dtensor_metadata_unrecorded())
         else:
             ctx = stack.enter_context(rank_session(sess, layout.world, mesh=p.mesh))
             try:
