@@ -174,3 +174,15 @@ def test_a_user_built_llama_is_laid_out_in_2d_too() -> None:
         return [p for p in r.phases if p.phase == "optimizer"][0].breakdown.optimizer
 
     assert optimizer(Parallel(tp=2, dp=4, zero=3)) * 4 == optimizer(Parallel(tp=2))
+
+
+def test_fsdp2_pads_an_expert_stack_when_dp_exceeds_the_experts() -> None:
+    """8 experts in one [8, …] parameter over 16 ranks: torch.chunk gives ranks 0–7 one expert
+    each and pads ranks 8–15 to one; rank 0 holds 1/8 of the stack, not 1/16."""
+    spec = _small("mixtral-8x7b")
+    w = _w(dp=16, zero=3).replace(batch=2, seq=128)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    a = estimate(spec, w)
+    assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+    half = estimate(spec, w.replace(dp=8))
+    assert a.states.optimizer > 0.9 * half.states.optimizer  # the experts dominate and do not shrink
