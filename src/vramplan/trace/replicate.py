@@ -711,6 +711,8 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
         notes.append(note)
     events = _write(model, steps, logs[2], vocab)
     paths = _paths(traces[2].paths, container, layers)
+    for path in sorted(paths):  # (per-module attribution looks every module up in the strings)
+        events.intern(path)
     return Replicated(events=events, paths=paths, params=counts[0], trainable=counts[1], flops=total_flops,
                       notes=tuple(notes))
 

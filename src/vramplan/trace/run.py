@@ -39,6 +39,7 @@ from .construct import fake_construction
 from .dist import rank_session
 from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
+from .metacache import MetaCache
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
@@ -171,10 +172,11 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
                       opts: TraceOptions, policy: Policy | None) -> TraceResult | str:
     """Three reduced traces extrapolated to the model's layers (:mod:`.replicate`), or why not."""
     quick = dataclasses.replace(opts, replicate_layers=False)
+    cache = MetaCache()  # (the three models run the same ops on the same shapes)
 
     def tracer(reduced: ModelSpec) -> replicate.Traced:
         paths: set[str] = set()
-        r = _trace_catalog(reduced, w, device, iterations, quick, policy, paths)
+        r = _trace_catalog(reduced, w, device, iterations, quick, policy, paths, cache)
         return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
 
     got = replicate.trace(spec, tracer)
@@ -190,7 +192,7 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
 
 def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
                    opts: TraceOptions, checkpoint_policy: Policy | None,
-                   paths: set[str] | None = None) -> TraceResult:
+                   paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
@@ -216,7 +218,7 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
-        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths)
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache)
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
@@ -452,12 +454,15 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
            shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
            runner: Callable[[TraceSession, StepPlan], None] | None = None,
-           paths: set[str] | None = None) -> TraceResult:
-    """``paths``: filled with the traced module paths (for :mod:`.replicate`)."""
+           paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
+    """``paths``: filled with the traced module paths; ``cache``: a meta cache shared with
+    other traces (both for :mod:`.replicate`)."""
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
+    if cache is not None:
+        sess.dispatch.cache = cache
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
