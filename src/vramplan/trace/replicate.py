@@ -120,12 +120,13 @@ def _per_layer_config(spec: ModelSpec) -> str | None:
     if cfg.get("use_sliding_window") and isinstance(cfg.get("max_window_layers"), int) and cfg["max_window_layers"] < n:
         return "sliding window on some layers"
     try:
-        from ..models.build import quiet
         import transformers
+
+        from ..models.build import quiet
 
         c = {k: v for k, v in cfg.items() if k != "model_type"}
         with quiet():
-            built = transformers.AutoConfig.for_model(cfg.get("model_type"), **c)
+            built = transformers.AutoConfig.for_model(str(cfg.get("model_type")), **c)
     except Exception:  # noqa: BLE001 — the model build reports its own errors
         return None
     for key, value in vars(built).items():
@@ -280,7 +281,7 @@ class _Aligner:
         return int(bad[0]) if len(bad) else n
 
     def run(self) -> list[tuple[int, int, int]] | None:
-        a, b, c = self.a, self.b, self.c
+        a, b = self.a, self.b
         out: list[tuple[int, int, int]] = []
         i = j = 0
         while i < len(a):
@@ -462,7 +463,7 @@ def _fit(shape: _Shape, toks: Sequence[_Tokens], logs: Sequence[EventLog]) -> _M
     rule[~has1] = _NONE
     rule[has1 & (bb1 >= 0) & (bb2 == bb1)] = _BASE
     cp = has1 & (bb1 < 0) & (bb2 < 0) & (bq1 == bq2) & (bj1 == bj2) & (bc1 == 1)
-    for kind, ((_, second), _f) in _BASE_RULES.items():
+    for kind, ((_, second), _nth) in _BASE_RULES.items():
         rule[cp & (bc2 == second)] = kind
     if np.any(rule < 0):
         return "a reference of the shortest trace's events has no rule"
@@ -494,7 +495,7 @@ def _fit(shape: _Shape, toks: Sequence[_Tokens], logs: Sequence[EventLog]) -> _M
         r[allbase] = _BASE
         fixed[allbase] = o1[0][allbase]
         obs = (o1, o21, o22)
-        for kind, (pat, _f) in _COPY_RULES.items():
+        for kind, (pat, _copy_of) in _COPY_RULES.items():
             ok = h & (r < 0)
             copies = [(o, want) for o, want in zip(obs, pat, strict=True) if want]
             bases = [o for o, want in zip(obs, pat, strict=True) if not want]
@@ -553,9 +554,9 @@ def _write(m: _Model, k: int, src_log: EventLog, vocab: _Vocab) -> EventLog:
     fixed, rq, rj = m.base_ref
     sel = r == _BASE
     tpos[bp[sel]] = sh.base_pos(fixed[sel], k)
-    for kind, (_pat, which) in _BASE_RULES.items():
+    for kind, (_seen, nth) in _BASE_RULES.items():
         sel = r == kind
-        tpos[bp[sel]] = copy_pos(rq[sel], which(k), rj[sel])
+        tpos[bp[sel]] = copy_pos(rq[sel], nth(k), rj[sel])
     for p, ln in enumerate(ls.tolist()):
         rr = m.copy_rule[p]
         fixed, rq, rj = m.copy_ref[p]
@@ -569,9 +570,9 @@ def _write(m: _Model, k: int, src_log: EventLog, vocab: _Vocab) -> EventLog:
             idx[sl] = m.copy_alpha[p] + m.copy_u[p] * c + m.copy_v[p] * k  # (-1: no layer)
             tp = np.full(ln, -1, np.int64)
             tp[s] = fixed_pos[s]
-            for kind, (_pat, which) in _COPY_RULES.items():
+            for kind, (_pat, copy_of) in _COPY_RULES.items():
                 s2 = rr == kind
-                cc = which(c, k)
+                cc = copy_of(c, k)
                 tp[s2] = fixed_pos[s2] if not 1 <= cc <= k else copy_pos(rq[s2], cc, rj[s2])
             tpos[sl] = tp
     out = EventLog()
@@ -664,8 +665,10 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
     toks = [t for t in read if t is not None]
     if len(toks) != 3:
         return "ids are not allocation ordinals"
-    tgs = [_targets(log) for log in logs]
-    pts = align(toks[0].tok, toks[1].tok, toks[2].tok, tgs[0], tgs[1])
+    ta, tb = _targets(logs[0]), _targets(logs[1])
+    if ta is None or tb is None:
+        return "ids are not allocation ordinals"
+    pts = align(toks[0].tok, toks[1].tok, toks[2].tok, ta, tb)
     if not pts:
         return "the longer trace is not the shorter one with blocks inserted"
     shape = _Shape(n=len(toks[0].tok), xs=np.asarray([p[0] for p in pts], np.int64),

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
+FULL_TRACE_ENV = "VRAMPLAN_FULL_TRACE"
+
 
 @dataclass(frozen=True)
 class TraceOptions:
@@ -68,10 +71,11 @@ class TraceOptions:
     rank: int = 0
     """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
     holds the same; the last one may hold less of a weight whose rows do not divide)."""
-    replicate_layers: bool = True
-    """Catalog models: trace the model with 1, 2 and 3 of its identical decoder layers and write
-    the other layers' events from their exact progression (see :mod:`.replicate`); where that
-    does not verify, or False, every layer is traced."""
+    replicate_layers: bool = dataclasses.field(default_factory=lambda: os.environ.get(FULL_TRACE_ENV, "") in ("", "0"))
+    """Catalog models: trace the model with 2, 3 and 4 of its identical decoder layers (after a
+    dense prefix) and write the other layers' events from their exact progression (see
+    :mod:`.replicate`); where that does not verify, or False, every layer is traced. The
+    environment variable ``VRAMPLAN_FULL_TRACE=1`` turns it off for every trace (debugging)."""
 
 
 @dataclass
