@@ -48,8 +48,13 @@ def _env(cache: str) -> dict[str, str]:
 
 
 def _vramplan() -> list[str]:
+    """The installed ``vramplan`` script, if it calls the console entry point
+    (``vramplan.cli.main:entry``); an install from before that change calls ``main`` and would
+    time the interpreter's teardown: then ``python -m vramplan.cli.main``, which calls ``entry``."""
     exe = shutil.which("vramplan", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "vramplan.cli.main"]
+    if exe and "import entry" in Path(exe).read_text(errors="replace"):
+        return [exe]
+    return [sys.executable, "-m", "vramplan.cli.main"]
 
 
 def _children_cpu() -> float:
