@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -30,3 +31,27 @@ def test_a_trace_summary_does_not_import_numpy_ma() -> None:
             "_distinct(np.array([3, 1, 3], dtype=np.int64)); print('numpy.ma' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def _probe(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return out.stdout.strip()
+
+
+def test_the_analytic_command_imports_only_what_it_uses() -> None:
+    code = ("import io, sys; from vramplan.cli.main import main; from vramplan import workload; "
+            "sys.stdout = io.StringIO(); rc = main(['estimate', 'llama-3.1-8b', '--method', 'analytic']); "
+            "sys.stdout = sys.__stdout__; "
+            "print(rc, workload._module_field_docs.cache_info().misses, "
+            "*[m for m in ('torch', 'numpy', 'pathlib', 'difflib') if m in sys.modules])")
+    assert _probe(code) == "0 0"  # no flag help read from workload.py's source, none of those imported
+
+
+@pytest.mark.parametrize("flag", ["--help", "--hel", "-h"])
+def test_help_still_shows_each_flags_docstring(flag: str) -> None:
+    from vramplan.workload import Workload, field_docs
+
+    code = f"from vramplan.cli.main import build_parser; build_parser(['estimate', {flag!r}]).parse_args(['estimate', {flag!r}])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert " ".join(field_docs(Workload)["batch"].split()[:4]) in " ".join(out.stdout.split())

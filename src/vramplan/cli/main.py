@@ -65,15 +65,27 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     named = _named_command(argv)
-    for name in SUBCOMMANDS if named is None else (named,):
-        try:
-            mod = importlib.import_module(f"vramplan.cli.{name}_cmd")
-        except ModuleNotFoundError as e:  # a subcommand not built yet
-            if e.name != f"vramplan.cli.{name}_cmd":
-                raise
-            continue
-        mod.register(sub)
+    from .common import HELP_TEXT
+
+    token = HELP_TEXT.set(argv is None or _asks_help(argv))
+    try:
+        for name in SUBCOMMANDS if named is None else (named,):
+            try:
+                mod = importlib.import_module(f"vramplan.cli.{name}_cmd")
+            except ModuleNotFoundError as e:  # a subcommand not built yet
+                if e.name != f"vramplan.cli.{name}_cmd":
+                    raise
+                continue
+            mod.register(sub)
+    finally:
+        HELP_TEXT.reset(token)
     return parser
+
+
+def _asks_help(argv: Sequence[str]) -> bool:
+    """Whether the command line may print help: ``-h`` or ``--help`` (or an abbreviation that
+    argparse would take for it)."""
+    return any(w == "-h" or (len(w) > 2 and "--help".startswith(w)) for w in argv)
 
 
 def flag_names(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> dict[str, str]:
