@@ -12,7 +12,10 @@ seconds of each (user + system: on a shared machine the steadier figure):
 then where the trace's start-up goes: ``import torch``, then transformers' Llama modeling
 file, and which of ``torch._dynamo``, ``torch.distributed.tensor``, ``torchao``,
 ``accelerate`` that import pulls in, with the chain of modules that pulls each
-(``python -X importtime``).
+(``python -X importtime``); whether torch's own first meta-tensor op (one ``nn.Linear``
+forward on ``meta``, no transformers) imports ``torch._dynamo`` regardless, and what it costs;
+and the interpreter's teardown after ``import torch`` that the ``vramplan`` entry point skips
+(``os._exit`` after ``atexit``).
 
 Every process runs with bytecode caching on, in a private cache (``PYTHONPYCACHEPREFIX``):
 an installed package has its ``.pyc`` files, while a checkout run with
@@ -118,6 +121,29 @@ def import_breakdown(env: dict[str, str]) -> None:
         print(f"  {name}: pulled by {shown}" if shown else f"  {name}: imported")
 
 
+def dynamo_by_torch(env: dict[str, str]) -> None:
+    """torch imports ``torch._dynamo`` on the first call of a ``torch._disable_dynamo``-wrapped
+    function: its meta kernels' type-promotion wrappers (torch/_prims_common/wrappers.py) and
+    ``Optimizer``; so a meta trace pays for it whoever imports it first."""
+    probe = ("import sys, time; import torch; had = 'torch._dynamo' in sys.modules; t = time.perf_counter(); "
+             "torch.nn.Linear(8, 8, device='meta')(torch.empty(2, 8, device='meta')); "
+             "print(had, 'torch._dynamo' in sys.modules, time.perf_counter() - t)")
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True)
+    had, has, dt = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True,
+                                  text=True).stdout.split()
+    print(f"  torch's first meta op (nn.Linear forward on meta, no transformers): torch._dynamo imported "
+          f"before {had}, after {has}; that op took {float(dt):.2f} s")
+
+
+def teardown(env: dict[str, str], runs: int) -> None:
+    """The interpreter's teardown after ``import torch``: a normal exit against ``os._exit``."""
+    normal, normal_cpu = median_wall([sys.executable, "-c", "import torch"], env, runs)
+    fast, fast_cpu = median_wall([sys.executable, "-c", "import os, torch; os._exit(0)"], env, runs)
+    print(f"  teardown: python -c 'import torch' {normal:.2f} s ({normal_cpu:.2f} s CPU), ending with os._exit "
+          f"{fast:.2f} s ({fast_cpu:.2f} s CPU) (medians of {runs}): {normal - fast:.2f} s ({normal_cpu - fast_cpu:.2f} s "
+          "CPU) of interpreter teardown, which `vramplan` skips")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
@@ -145,6 +171,8 @@ def main() -> None:
                   f"({cpu / torch_cpu:4.2f}× in CPU time)")
         print("where the trace's start-up goes:")
         import_breakdown(env)
+        dynamo_by_torch(env)
+        teardown(env, max(3, args.runs // 2))
 
 
 if __name__ == "__main__":
