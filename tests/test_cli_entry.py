@@ -67,8 +67,9 @@ def entry_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
         gc.enable()
 
 
-@pytest.mark.parametrize(("argv", "paused"), [(["estimate", "x"], True), (["plan", "x"], True),
-                                              (["web"], False), (["run", "s.py"], False), ([], False)])
+@pytest.mark.parametrize(("argv", "paused"), [(["estimate", "x"], True), (["plan", "x"], True), ([], True),
+                                              (["--help"], True), (["web"], False), (["run", "s.py"], False),
+                                              (["measure", "x"], False)])
 def test_collection_is_paused_for_vramplans_own_commands(monkeypatch: pytest.MonkeyPatch, entry_calls: list,
                                                          argv: list[str], paused: bool) -> None:
     monkeypatch.setattr(sys, "argv", ["vramplan", *argv])
@@ -76,6 +77,13 @@ def test_collection_is_paused_for_vramplans_own_commands(monkeypatch: pytest.Mon
     with pytest.raises(_Exited):
         cli.entry()
     assert entry_calls == [("gc enabled in main", not paused), ("atexit", None), ("os._exit", 3)]
+
+
+def test_help_and_usage_errors_end_the_same_way() -> None:
+    proc = _run("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: vramplan")
+    proc = _run("estimate", "llama-3.1-8b", "--batch", "x")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stdout == ""
 
 
 def test_live_threads_get_pythons_normal_exit(monkeypatch: pytest.MonkeyPatch, entry_calls: list) -> None:

@@ -25,10 +25,10 @@ SUBCOMMANDS = (
     "estimate", "trace", "fit", "plan", "models", "gpus", "gpu", "replay", "snapshot",
     "measure", "rules", "run", "serve", "web",
 )
-GC_PAUSED = frozenset(SUBCOMMANDS) - {"measure", "run", "web"}
-"""Commands that run with automatic garbage collection paused (:func:`entry`): vramplan's own
-code, which ends in seconds to minutes. Not ``web`` (a server), nor ``run`` and ``measure``
-(a user's script, a real GPU step)."""
+GC_KEPT = frozenset({"measure", "run", "web"})
+"""Commands that keep automatic garbage collection (:func:`entry` pauses it for the others,
+vramplan's own code, which ends in seconds to minutes): ``web`` (a server), ``run`` and
+``measure`` (a user's script, a real GPU step)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,7 +178,7 @@ def entry() -> NoReturn:
     """The ``vramplan`` command (console script): :func:`main`, with a short-lived process's
     two start-up costs removed; what it prints and its exit status are :func:`main`'s.
 
-    - Automatic garbage collection is paused for the commands in :data:`GC_PAUSED`. Importing
+    - Automatic garbage collection is paused, except for the commands in :data:`GC_KEPT`. Importing
       torch and transformers creates ~10^6 long-lived objects, and CPython's collector scans
       all of them again each time the heap grows by a quarter: ~0.9 s of an 8B train estimate,
       which finds no garbage. A trace still collects at the end of each iteration
@@ -189,9 +189,14 @@ def entry() -> NoReturn:
       when no other thread is alive; otherwise Python's normal exit waits for them.
     """
     words = sys.argv[1:]
-    if words and words[0] in GC_PAUSED:
+    if not (words and words[0] in GC_KEPT):
         gc.disable()
-    code = main(words)
+    try:
+        code = main(words)
+    except SystemExit as e:  # argparse: --help, --version, a usage error
+        if not isinstance(e.code, int):
+            raise
+        code = e.code
     _exit(code)
 
 
