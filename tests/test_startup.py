@@ -55,3 +55,42 @@ def test_help_still_shows_each_flags_docstring(flag: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     assert " ".join(field_docs(Workload)["batch"].split()[:4]) in " ".join(out.stdout.split())
+
+
+_STRUCTURE = ("import hashlib, sys; {setup}import transformers.models.llama.modeling_llama; "
+              "import transformers, transformers.models as m; "
+              "from transformers.utils import import_utils as iu; "
+              "print(iu.create_import_structure_from_path.cache_info().maxsize, hashlib.sha256(repr(("
+              "sorted(m._class_to_module.items()), sorted(transformers._class_to_module.items()), "
+              "sorted(dir(transformers)), sorted(dir(m)))).encode()).hexdigest())")
+
+
+def test_transformers_import_structure_is_unchanged_by_the_wider_cache() -> None:
+    plain = _probe(_STRUCTURE.format(setup=""))
+    wide = _probe(_STRUCTURE.format(setup="from vramplan.models.hf_import import import_transformers; "
+                                          "import_transformers(); "))
+    (plain_size, plain_hash), (wide_size, wide_hash) = plain.split(), wide.split()
+    assert plain_size == "128" and wide_size == "None"  # the hook did act
+    assert wide_hash == plain_hash
+
+
+def test_the_finder_is_removed_and_a_second_call_imports_nothing() -> None:
+    code = ("import sys; from vramplan.models.hf_import import _WidenCache, import_transformers; "
+            "a = import_transformers(); b = import_transformers(); "
+            "print(a is b, any(isinstance(f, _WidenCache) for f in sys.meta_path))")
+    assert _probe(code) == "True False"
+
+
+def test_widen_leaves_anything_else_alone() -> None:
+    import functools
+    import types
+
+    from vramplan.models.hf_import import widen
+
+    mod = types.ModuleType("m")
+    assert not widen(mod)
+    mod.create_import_structure_from_path = functools.cache(lambda p: p)  # already unbounded
+    assert not widen(mod)
+    mod.create_import_structure_from_path = functools.lru_cache(lambda p: [p])
+    assert widen(mod) and mod.create_import_structure_from_path.cache_info().maxsize is None
+    assert mod.create_import_structure_from_path("x") == ["x"]
