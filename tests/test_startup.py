@@ -94,3 +94,10 @@ def test_widen_leaves_anything_else_alone() -> None:
     mod.create_import_structure_from_path = functools.lru_cache(lambda p: [p])
     assert widen(mod) and mod.create_import_structure_from_path.cache_info().maxsize is None
     assert mod.create_import_structure_from_path("x") == ["x"]
+
+
+def test_reports_print_colon_words_as_text_without_rich_emoji_table() -> None:
+    code = ("import io, sys; from vramplan.report.doc import Doc, Notes; from vramplan.report.render import emit; "
+            "buf = io.StringIO(); emit(Doc('t', [Notes(['mesh dp:x:tp, :warning:'])]), 'table', buf); "
+            "print(':x:' in buf.getvalue(), ':warning:' in buf.getvalue(), 'rich._emoji_codes' in sys.modules)")
+    assert _probe(code) == "True True False"
