@@ -101,7 +101,8 @@ def _importers(lines: list[str], name: str) -> list[str]:
 
 def import_breakdown(env: dict[str, str]) -> None:
     probe = ("import sys, time; t = time.perf_counter(); import torch; a = time.perf_counter() - t; "
-             "t = time.perf_counter(); import transformers.models.llama.modeling_llama; "
+             "t = time.perf_counter(); from vramplan.models.hf_import import import_transformers; "
+             "import_transformers(); import transformers.models.llama.modeling_llama; "
              "b = time.perf_counter() - t; "
              f"print(a, b, *[m in sys.modules for m in {HEAVY!r}])")
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True)
@@ -109,7 +110,7 @@ def import_breakdown(env: dict[str, str]) -> None:
                          capture_output=True, text=True)
     a, b, *present = out.stdout.split()
     print(f"  import torch {float(a):.2f} s, then transformers' Llama modeling file {float(b):.2f} s "
-          "(one run, under -X importtime)")
+          "(as vramplan imports it: models.hf_import; one run, under -X importtime)")
     lines = out.stderr.splitlines()
     for name, there in zip(HEAVY, present, strict=True):
         if there != "True":
