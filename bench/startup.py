@@ -22,7 +22,11 @@ an installed package has its ``.pyc`` files, while a checkout run with
 ``PYTHONDONTWRITEBYTECODE=1`` recompiles every module of vramplan on each start (~0.1 s).
 One untimed run of each command fills that cache first.
 
-    .venv/bin/python bench/startup.py [--runs N]
+With ``--baseline SRC`` (another checkout's ``src/``), each command also runs from it,
+alternating with this one, and the ratio new / baseline is printed: on a shared machine the
+only comparison that holds.
+
+    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC]
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ from pathlib import Path
 HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torchao", "accelerate")
 
 
-def _env(cache: str) -> dict[str, str]:
+def _env(cache: str, src: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = cache
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = src or str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -65,10 +69,11 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def median_wall(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, float]:
+def median_wall(cmd: list[str], env: dict[str, str], runs: int, warm: bool = True) -> tuple[float, float]:
     """Median wall seconds and median CPU seconds (user + system) of ``runs`` fresh processes.
     On a shared machine the CPU time is the steadier figure: it does not count waiting for a core."""
-    subprocess.run(cmd, env=env, check=True, capture_output=True)  # fills the bytecode cache
+    if warm:
+        subprocess.run(cmd, env=env, check=True, capture_output=True)  # fills the bytecode cache
     times, cpu = [], []
     for _ in range(runs):
         t, c = time.perf_counter(), _children_cpu()
@@ -76,6 +81,21 @@ def median_wall(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, 
         times.append(time.perf_counter() - t)
         cpu.append(_children_cpu() - c)
     return statistics.median(times), statistics.median(cpu)
+
+
+def ab_wall(cmd: list[str], env: dict[str, str], base_env: dict[str, str], runs: int
+            ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``median_wall`` of ``cmd`` under ``env`` and under ``base_env`` (another checkout), the two
+    alternating so that both see the same load."""
+    for e in (env, base_env):
+        subprocess.run(cmd, env=e, check=True, capture_output=True)
+    got: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
+    for _ in range(runs):
+        for e, out in zip((env, base_env), got, strict=True):
+            out.append(median_wall(cmd, e, 1, warm=False))
+    a, b = got
+    return ((statistics.median(x for x, _ in a), statistics.median(c for _, c in a)),
+            (statistics.median(x for x, _ in b), statistics.median(c for _, c in b)))
 
 
 def _importers(lines: list[str], name: str) -> list[str]:
@@ -148,9 +168,13 @@ def teardown(env: dict[str, str], runs: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
+    ap.add_argument("--baseline", metavar="SRC", help="another checkout's src/ (e.g. `git archive REV src | tar -x "
+                    "-C /tmp/base`): each command also runs from it, alternating, with the ratio new / baseline")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache:
+    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache, \
+            tempfile.TemporaryDirectory(prefix="vramplan-pyc-base-") as base_cache:
         env = _env(cache)
+        base_env = _env(base_cache, str(Path(args.baseline).resolve())) if args.baseline else None
         vp = _vramplan()
         passing, passing_cpu = median_wall([sys.executable, "-c", "pass"], env, args.runs)
         torch_s, torch_cpu = median_wall([sys.executable, "-c", "import torch"], env, max(3, args.runs // 2))
@@ -165,11 +189,18 @@ def main() -> None:
              [*vp, "estimate", "llama-3.1-8b", "--task", "train"], 2.5, 3),
         ]
         for label, cmd, target, runs in rows:
-            dt, cpu = median_wall(cmd, env, runs)
+            if base_env is None:
+                dt, cpu = median_wall(cmd, env, runs)
+            else:  # the baseline's own script may call `main`: both run as `python -m vramplan.cli.main`
+                cmd = [sys.executable, "-m", "vramplan.cli.main", *cmd[len(vp):]]
+                (dt, cpu), (bdt, bcpu) = ab_wall(cmd, env, base_env, runs)
             ok = "PASS" if dt <= target else "MISS"
             print(f"{ok}  {label:<52} {dt:6.3f} s ({cpu:.3f} s CPU)  target ≤ {target:g} s (ratio {dt / target:.2f}); "
                   f"{dt / passing:5.1f}× python -c pass, {dt / torch_s:4.2f}× import torch "
                   f"({cpu / torch_cpu:4.2f}× in CPU time)")
+            if base_env is not None:
+                print(f"      baseline {bdt:6.3f} s ({bcpu:.3f} s CPU): new / baseline {dt / bdt:.2f} "
+                      f"({cpu / bcpu:.2f} in CPU time), alternating runs")
         print("where the trace's start-up goes:")
         import_breakdown(env)
         dynamo_by_torch(env)
