@@ -51,6 +51,8 @@ WINDOW = 64
 """Tokens that must match after a candidate insertion for the greedy alignment to take it at once."""
 CANDIDATES = 4096
 """Candidate insertion lengths tried at one point."""
+BACKTRACK = 64
+"""Tokens the alignment may back up over to start a block earlier."""
 
 _ALLOC = int(Action.ALLOC)
 _NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
@@ -284,30 +286,44 @@ class _Aligner:
         a, b = self.a, self.b
         out: list[tuple[int, int, int]] = []
         i = j = 0
-        while i < len(a):
+        while True:
             n = self._refs_ok(i, j, _common(a, i, b, j))
             self.partner[i:i + n] = np.arange(j, j + n)
             i, j = i + n, j + n
-            if i == len(a):
-                break
-            found = self._insertion(i, j)
-            if not found:
+            if i == len(a) and j == len(b):
+                return out
+            # the block may start before the mismatch (tokens equal to the block's own): back
+            # up over the run just matched, first to where WINDOW tokens follow, else the best
+            need = min(WINDOW, len(a) - i)
+            choice, best = None, -1
+            for d in range(min(n, BACKTRACK) + 1):
+                ln, run = self._insertion(i - d, j - d)
+                if ln and run > best:
+                    choice, best = (d, ln), run
+                if ln and run >= need + d:
+                    break
+            if choice is None:
                 return None
-            out.append((i, j, found))
-            self.inserted[j:j + found] = True
-            j += found
-        if j < len(b):
-            out.append((len(a), j, len(b) - j))
-        return out
+            d, ln = choice
+            i, j = i - d, j - d
+            self.partner[i:i + d] = -1
+            out.append((i, j, ln))
+            self.inserted[j:j + ln] = True
+            j += ln
 
-    def _insertion(self, i: int, j: int) -> int:
+    def _insertion(self, i: int, j: int) -> tuple[int, int]:
+        """(length, tokens of ``a`` that follow in ``b`` and ``c``) of the best block at a[i]/b[j]."""
         a, b, c = self.a, self.b, self.c
         rem = (len(b) - j) - (len(a) - i)
         if rem <= 0:
-            return 0
+            return 0, 0
         jc = i + 2 * (j - i)  # where c is: two blocks for every one of b
+        if i == len(a):  # the rest of b, twice at the end of c
+            block = b[j:]
+            ok = c[jc:jc + rem] == block and c[jc + rem:] == block
+            return (rem, 0) if ok else (0, 0)
         need = min(WINDOW, len(a) - i)
-        pos, found, best = j + 1, 0, 0
+        pos, found, best = j + 1, 0, -1
         for _ in range(CANDIDATES):
             try:
                 p = b.index(a[i], pos, j + rem + 1)
@@ -321,10 +337,10 @@ class _Aligner:
             run = min(_common(a, i, b, p), _common(a, i, c, jc + 2 * ln))
             run = self._refs_ok(i, p, run, (j, p))
             if run >= need:
-                return ln
+                return ln, run
             if run > best:
                 found, best = ln, run
-        return found
+        return found, best
 
 
 def align(a: list[int], b: list[int], c: list[int], ta: np.ndarray, tb: np.ndarray
