@@ -8,6 +8,7 @@ forward/backward on fake tensors, or to count parameters exactly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -100,7 +101,9 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
                          hint=_EXTRA_HINT if spec.family is not Family.OTHER
                          else "pip install 'vramplan[models]' to trace it") from None
 
-    cfg = {k: v for k, v in spec.config.items() if k not in _DROP_KEYS}
+    # a deep copy: transformers edits nested entries in place (it adds rope_theta to rope_scaling),
+    # which changed the catalog spec itself at its first build
+    cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
     model_type = cfg.pop("model_type", None)
     try:
         with quiet():
