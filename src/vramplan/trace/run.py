@@ -12,7 +12,8 @@ import copy
 import dataclasses
 import functools
 import gc
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import TraceError, VramplanError, WorkloadError
-from ..events import Category
+from ..events import Category, EventLog
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
@@ -32,12 +33,14 @@ from . import (
     features,
     offload,
     pipeline_parallel,
+    replicate,
     tensor_parallel,
 )
 from .construct import fake_construction
 from .dist import rank_session
-from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
+from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
+from .metacache import MetaCache
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
@@ -46,6 +49,8 @@ from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
+
+FULL_TRACE_ENV = "VRAMPLAN_FULL_TRACE"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class TraceOptions:
     rank: int = 0
     """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
     holds the same; the last one may hold less of a weight whose rows do not divide)."""
+    replicate_layers: bool = dataclasses.field(default_factory=lambda: os.environ.get(FULL_TRACE_ENV, "") in ("", "0"))
+    """Catalog models: trace the model with 2, 3 and 4 of its identical decoder layers (after a
+    dense prefix) and write the other layers' events from their exact progression (see
+    :mod:`.replicate`); where that does not verify, or False, every layer is traced. The
+    environment variable ``VRAMPLAN_FULL_TRACE=1`` turns it off for every trace (debugging)."""
 
 
 @dataclass
@@ -79,6 +89,9 @@ class Prepared:
     compiler: Any = None
     step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     """Entered around the traced iterations (loss-parallel cross-entropy, ring attention)."""
+    mesh: Any = None
+    """The fake world's ``DeviceMesh`` the model was laid out on (TP, CP; TP × FSDP/DDP: the
+    whole ``(dp, tp)`` mesh, whose data-parallel dimensions the trace shards over), or None."""
 
 
 # --------------------------------------------------------------------------- public
@@ -125,7 +138,7 @@ def trace_model(
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    with parallel_world(workload) as mesh:
+    with parallel_world(workload, rank=opts.rank) as mesh:
         if mesh is not None and workload.parallel.sp:
             kwargs, pos_shadows = tensor_parallel.position_ids(batch[1])
             batch, shadows = (batch[0], kwargs), shadows + pos_shadows
@@ -142,6 +155,51 @@ def trace_workload(
     the workload's checkpointing, PEFT, quantisation, precision and optimizer."""
     _check_iterations(iterations)
     opts = options or TraceOptions()
+    fallback: list[str] = []
+    if opts.replicate_layers and w.parallel.pp == 1:
+        why = _replication_refused(spec, w, opts, checkpoint_policy)
+        if why is None:
+            got = _trace_replicated(spec, w, device, iterations, opts, checkpoint_policy)
+            if isinstance(got, TraceResult):
+                return got
+            fallback.append(f"identical layers not replicated ({got}): every layer traced")
+    result = _trace_catalog(spec, w, device, iterations, opts, checkpoint_policy)
+    return dataclasses.replace(result, notes=(*result.notes, *fallback)) if fallback else result
+
+
+def _replication_refused(spec: ModelSpec, w: Workload, opts: TraceOptions, policy: Policy | None) -> str | None:
+    try:
+        layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    except VramplanError:
+        return "layout"  # (the full trace reports it)
+    return replicate.refusal(spec, w, model_parallel=_model_parallel(w), layout=layout, checkpoint_policy=policy)
+
+
+def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                      opts: TraceOptions, policy: Policy | None) -> TraceResult | str:
+    """Three reduced traces extrapolated to the model's layers (:mod:`.replicate`), or why not."""
+    quick = dataclasses.replace(opts, replicate_layers=False)
+    cache = MetaCache()  # (the three models run the same ops on the same shapes)
+
+    def tracer(reduced: ModelSpec) -> replicate.Traced:
+        paths: set[str] = set()
+        r = _trace_catalog(reduced, w, device, iterations, quick, policy, paths, cache)
+        return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
+
+    got = replicate.trace(spec, tracer)
+    if not isinstance(got, replicate.Replicated):
+        return got[0]
+    traced = replicate.reduced_layers(spec)
+    note = (f"identical layers traced once: the model traced with {', '.join(map(str, traced))} of its "
+            f"{spec.layers} layers, the other layers' events written from their exact progression "
+            "(verified on the third trace; `replicate_layers=False` traces every layer)")
+    return summarize_log(got.events, got.paths, params=got.params, trainable=got.trainable, flops=got.flops,
+                         notes=[*got.notes, note])
+
+
+def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                   opts: TraceOptions, checkpoint_policy: Policy | None,
+                   paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
@@ -154,20 +212,24 @@ def trace_workload(
     used = attention_used(model)
     if used not in ("none", attention):
         notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    if w.parallel.cp > 1:
+        context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with parallel_world(w) as mesh:
+    with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
             batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy, mesh)
         if w.parallel.cp > 1:
-            prepared.step_context = functools.partial(context_parallel.ring_attention, mesh, batch_kwargs)
+            ring = functools.partial(context_parallel.ring_attention, submesh(mesh, "cp"), batch_kwargs)
+            prepared.step_context = ring if prepared.step_context is None else functools.partial(
+                _both, ring, prepared.step_context)  # TP × CP: ring attention and the loss-parallel loss
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
-        return _trace(prepared, w, device, iterations, opts, shadows=shadows)
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache)
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
@@ -236,13 +298,18 @@ def _parallel_notes(w: Workload) -> list[str]:
         raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
                          "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
                          "method divides the experts by `ep`", hint="use `method=analytic`")
-    if p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training):
-        raise TraceError("tensor / pipeline / context parallelism are traced without data parallelism (one rank of "
-                         "the model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet",
+    sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
+    if sharded and (p.pp > 1 or p.cp > 1):
+        raise TraceError("pipeline / context parallelism are traced without data parallelism (one rank of the "
+                         "model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet "
+                         "(torchtitan shards FSDP over the flattened dp × cp mesh and splits stages before sharding)",
                          hint="use `method=analytic` for this layout, or trace `dp=1`")
-    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
-        raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
-                         "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
+    if sharded:
+        data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
+    if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
+        raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
+                         f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
+                         hint="use `method=analytic`")
     if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
                          f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
@@ -253,12 +320,17 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.tp > 1:
         knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
         if knob:
-            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not",
-                             hint="use `method=analytic`")
+            why = ("torchtitan's plan has no adapters; PEFT's LoRA under TP (peft 0.21) shards its adapters along "
+                   "transformers' own tp_plan, a different plan" if w.peft is not Peft.NONE else
+                   "torchtitan's plan shards bf16/fp32 linears, not quantised storage")
+            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not "
+                             f"({why})", hint="use `method=analytic`")
         if w.task is Task.GENERATE:
-            raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
+            raise TraceError(f"generation with `tp={p.tp}` is not traced: transformers' TP generation uses its own "
+                             "tp_plan (logits all-gathered), and the traced decode loop under DTensor keeps the "
+                             "prefill's activations alive (not exact yet)",
                              hint="use `method=analytic`, or `vramplan serve` for an inference engine")
-    if p.dp > 1:
+    if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
 
@@ -271,15 +343,45 @@ def _model_parallel(w: Workload) -> bool:
     return p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp
 
 
+def data_layout(w: Workload, *, rank: int = 0) -> Layout | None:
+    """The FSDP2 / DDP layout the trace runs for ``w`` (None: no data-parallel sharding or
+    buckets): plain data parallelism, or TP × FSDP / DDP on a 2-D ``(dp, tp)`` mesh (HSDP × TP
+    on ``(dp_replicate, dp, tp)``). Pipeline / context / expert layouts are laid out by their
+    own modules."""
+    p = w.parallel
+    if p.pp > 1 or p.cp > 1 or p.ep > 1:
+        return None
+    return layout_of(w, rank=rank)
+
+
 @contextlib.contextmanager
-def parallel_world(w: Workload) -> Iterator[Any]:
-    """The fake process group and mesh a parallel layout is traced on (None for one GPU)."""
+def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
+    """The fake process group and mesh a model-parallel layout is traced on (None for one GPU
+    or data parallelism alone, whose world :func:`~.dist.rank_session` sets up). With TP ×
+    FSDP/DDP the mesh has the data-parallel dimensions too (torchtitan's ``world_mesh``): the
+    model is tensor-parallelised on ``mesh["tp"]`` first, then sharded over ``mesh["dp"]``."""
     tp, cp = w.parallel.tp, w.parallel.cp
     if tp == 1 and cp == 1:
         yield None
         return
-    with dist.fake_world(dist.world_of(tp=tp, cp=cp)) as mesh:
+    layout = data_layout(w, rank=rank) if tp > 1 else None
+    world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
+    with dist.fake_world(world) as mesh:
         yield mesh
+
+
+@contextlib.contextmanager
+def _both(*contexts: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            stack.enter_context(make())
+        yield
+
+
+def submesh(mesh: Any, name: str) -> Any:
+    """Dimension ``name`` of ``mesh`` (the mesh itself when it has only that one)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return mesh if names == (name,) else mesh[name]
 
 
 def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
@@ -373,9 +475,13 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
         if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
-            notes += tensor_parallel.apply_tensor_parallel(model, mesh, sp=w.parallel.sp)
+            notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
                 step_context = tensor_parallel.loss_parallel
+            seq = _sequence_length(batch) // w.parallel.cp
+            if w.parallel.sp and seq:
+                masks = functools.partial(tensor_parallel.full_length_masks, seq)
+                step_context = masks if step_context is None else functools.partial(_both, masks, step_context)
         notes += features.apply_checkpointing(model, w, policy)
         compiler, compile_notes = features.apply_compile(model, w)
         notes += compile_notes
@@ -386,7 +492,15 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    compiler=compiler, step_context=step_context)
+                    compiler=compiler, step_context=step_context, mesh=mesh)
+
+
+def _sequence_length(batch: Batch) -> int:
+    """The token sequence length of a batch (``input_ids``, else the first 2-D positional tensor; 0 if none)."""
+    ids = batch[1].get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((x for x in batch[0] if isinstance(x, torch.Tensor) and x.dim() == 2), None)
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -402,23 +516,30 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions, *,
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
            shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-           runner: Callable[[TraceSession, StepPlan], None] | None = None) -> TraceResult:
+           runner: Callable[[TraceSession, StepPlan], None] | None = None,
+           paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
+    """``paths``: filled with the traced module paths; ``cache``: a meta cache shared with
+    other traces (both for :mod:`.replicate`)."""
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
+    if cache is not None:
+        sess.dispatch.cache = cache
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
-    layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    layout = data_layout(w, rank=opts.rank)
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
             stack.enter_context(sess)
+            if p.mesh is not None:  # TP / CP alone: DTensor's sharding propagation is not the GPU's
+                stack.enter_context(dist.dtensor_metadata_unrecorded())
         else:
-            ctx = stack.enter_context(rank_session(sess, layout.world))
+            ctx = stack.enter_context(rank_session(sess, layout.world, mesh=p.mesh))
             try:
                 model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
             except VramplanError:
@@ -493,6 +614,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
                      "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
+    if paths is not None:
+        paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
     return dataclasses.replace(result, host_memory=ledger.reserved) if offloaded else result
@@ -555,7 +678,14 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
 
 def summarize(sess: TraceSession, *, params: int, trainable: int, flops: int | None, notes: list[str]) -> TraceResult:
     """Resolve categories and read every figure from the session's event log."""
-    log = sess.rec.log
+    return summarize_log(sess.rec.log, sess.modules.paths, params=params, trainable=trainable, flops=flops,
+                         notes=notes)
+
+
+def summarize_log(log: EventLog, paths: Collection[str], *, params: int, trainable: int, flops: int | None,
+                  notes: list[str]) -> TraceResult:
+    """Resolve categories and read every figure from an event log (``paths``: the module paths
+    of the model, for per-module attribution)."""
     resolve_categories(log)
     a = analysis.arrays(log)
     if len(log) == 0:
@@ -574,7 +704,7 @@ def summarize(sess: TraceSession, *, params: int, trainable: int, flops: int | N
         phases=analysis.phase_peaks(a),
         iterations=analysis.iteration_peaks(a),
         top_tensors=analysis.top_tensors(log, a, k),
-        top_modules=analysis.top_modules(log, a, k, sess.modules.paths),
+        top_modules=analysis.top_modules(log, a, k, paths if isinstance(paths, set) else set(paths)),
         params=params,
         trainable_params=trainable,
         flops=flops,
