@@ -32,6 +32,7 @@ from .arch import (
     default_head,
     head_from_architectures,
 )
+from .hf_import import import_transformers
 from .spec import Family, ModelSpec
 
 _EXTRA_HINT = "pip install 'vramplan[models]' adds model tracing; --method analytic works without it"
@@ -94,7 +95,7 @@ def build_model(
 
 def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch.dtype) -> nn.Module:
     try:
-        import transformers
+        transformers = import_transformers()
     except ImportError:  # a plain `pip install vramplan` without the models extra
         raise TraceError(f"building {spec.name} needs transformers, which is not installed",
                          hint=_EXTRA_HINT if spec.family is not Family.OTHER
