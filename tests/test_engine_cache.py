@@ -203,3 +203,12 @@ def test_building_a_model_leaves_its_spec_alone() -> None:
     before = spec_key(spec)
     build_model(spec, device="meta")
     assert spec_key(spec) == before
+
+
+def test_trace_options_from_the_environment_are_part_of_the_key(monkeypatch: pytest.MonkeyPatch,
+                                                                counted: list[Workload]) -> None:
+    w = Workload(task="train", batch=1, seq=64)
+    estimate(_SPEC, w, gpu="h100-sxm", method="trace", search_max_batch=False)
+    monkeypatch.setenv(run_mod.FULL_TRACE_ENV, "1")  # every layer traced: a different trace path
+    estimate(_SPEC, w, gpu="h100-sxm", method="trace", search_max_batch=False)
+    assert len(counted) == 2

@@ -11,7 +11,7 @@ Both caches are bounded (entries and total events held, least recently used firs
 by everything the result depends on (a spec by all its fields and its config, the whole
 workload, the whole device profile; a replay by the identity of the trace it replayed, held
 alive by the entry), and can be cleared or switched off (``enabled``). Traces run with a
-selective-checkpointing policy function or non-default options are never cached.
+selective-checkpointing policy function are never cached.
 """
 
 from __future__ import annotations
@@ -127,9 +127,10 @@ def spec_key(spec: ModelSpec) -> Hashable:
             tuple((f.name, _frozen(getattr(spec, f.name))) for f in dataclasses.fields(spec)))
 
 
-def trace_key(spec: ModelSpec, w: Workload, dev: DeviceProfile) -> Hashable:
-    """The key of a catalog-model trace with default options."""
-    return (spec_key(spec), w, dev)
+def trace_key(spec: ModelSpec, w: Workload, dev: DeviceProfile, options: Hashable = None) -> Hashable:
+    """The key of a catalog-model trace (``options``: its ``TraceOptions``, which read the
+    environment, e.g. ``VRAMPLAN_FULL_TRACE``)."""
+    return (spec_key(spec), w, dev, options)
 
 
 def replay_key(tr: TraceResult, alloc_conf: str | None, capacity: int | None) -> Hashable:
@@ -148,8 +149,9 @@ def cached_replay(tr: TraceResult, alloc_conf: str | None, capacity: int | None,
     return res
 
 
-def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable[[], TraceResult]) -> TraceResult:
-    key = trace_key(spec, w, dev)
+def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable[[], TraceResult], *,
+                 options: Hashable = None) -> TraceResult:
+    key = trace_key(spec, w, dev, options)
     hit = TRACES.get(key)
     if hit is not None:
         return hit

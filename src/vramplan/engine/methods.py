@@ -102,11 +102,12 @@ def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
                         checkpoint_policy: Any = None) -> TraceResult:
     """The trace of a catalog model under ``w``; without a checkpoint policy, the process's
     bounded cache answers a workload traced before (:mod:`.cache`)."""
-    from ..trace.run import trace_workload
+    from ..trace.run import TraceOptions, trace_workload
 
+    opts = TraceOptions()  # the defaults, as the environment sets them (VRAMPLAN_FULL_TRACE)
     if checkpoint_policy is not None:  # a function: no key says what it does
-        return trace_workload(spec, w, device=dev, checkpoint_policy=checkpoint_policy)
-    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev))
+        return trace_workload(spec, w, device=dev, options=opts, checkpoint_policy=checkpoint_policy)
+    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev, options=opts), options=opts)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
