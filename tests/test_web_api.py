@@ -361,9 +361,12 @@ def workloads(draw):
             kw[f.name] = tuple(draw(st.lists(st.sampled_from(["q_proj", "v_proj", "all-linear"]), min_size=1, max_size=3)))
     par = {f.name: kw.pop(f.name) for f in fields() if f.parallel and f.name in kw}
     try:
-        return Workload(**kw, parallel=Parallel(**par))
+        w = Workload(**kw, parallel=Parallel(**par))
     except WorkloadError:
         return Workload()
+    from vramplan.recipes import allows
+
+    return w if allows(w) else Workload()  # a knob its recipe cannot run is refused by the form, by design
 
 
 def _as_query(w: Workload) -> dict[str, str]:
