@@ -388,9 +388,12 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
     if chunker is not None:
         fp._chunk_with_empty = _lazy_chunk_with_empty
     validate = getattr(group_cls, "_validate_no_meta_params", None)
+    validate_cpu = getattr(group_cls, "_validate_cpu_offload_params", None)
     init_outputs = getattr(param_cls, "init_all_gather_outputs", None)
     if validate is not None:
         group_cls._validate_no_meta_params = lambda self: None
+    if validate_cpu is not None:  # CPU offload wants the shards on "cpu": ours are meta, booked as host memory
+        group_cls._validate_cpu_offload_params = lambda self: None
     if init_outputs is not None:
         from ..events import Category
 
@@ -409,6 +412,8 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
     finally:
         if validate is not None:
             group_cls._validate_no_meta_params = validate
+        if validate_cpu is not None:
+            group_cls._validate_cpu_offload_params = validate_cpu
         if init_outputs is not None:
             param_cls.init_all_gather_outputs = init_outputs
         if chunker is not None:

@@ -36,6 +36,7 @@ from . import (
 )
 from .construct import fake_construction
 from .dist import rank_session
+from .host import HostMemory
 from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
 from .optim import make_optimizer
@@ -413,6 +414,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
     layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    host_side = HostMemory(sess.rec) if layout is not None and layout.cpu_offload else None
+    sess.rec.host = host_side
+    host_parts: tuple[tuple[str, int], ...] = ()
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
@@ -483,6 +487,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                      hint="the model's step must run on fake (meta) tensors: change that line to "
                                           "depend on shapes, not values, or register a fake kernel for a custom op"
                                      ) from e
+        if host_side is not None:  # (the optimizer still holds its states: read them now)
+            host_parts = host_side.parts()
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     if p.compiler is not None:
@@ -493,9 +499,17 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
                      "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
+    if host_parts:
+        notes.append("FSDP2 CPU offload: host RAM " + ", ".join(f"{name} {n:,} B" for name, n in host_parts)
+                     + " (pinned blocks in the CachingHostAllocator's power-of-two classes); the optimizer "
+                     "step runs on the CPU")
+    if offloaded:
+        host_parts = (*host_parts, ("offloaded activations (pinned)", ledger.reserved))
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
-    return dataclasses.replace(result, host_memory=ledger.reserved) if offloaded else result
+    if not host_parts:
+        return result
+    return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)
 
 
 @contextlib.contextmanager
