@@ -158,4 +158,11 @@ def dp_engine(w: Workload) -> str:
     return "fsdp" if p.zero == 3 else "deepspeed"
 
 
-__all__ = ["PrecisionModel", "precision_model", "dp_engine"]
+def fsdp_cpu_offload(w: Workload) -> bool:
+    """FSDP2's ``CPUOffloadPolicy``: ``offload_params`` under the FSDP engine. FSDP2 has one
+    policy (accelerate's ``cpu_offload``, torchtitan's ``enable_cpu_offload``): sharded
+    parameters, gradients and the optimizer step all on the host, ``offload_optimizer`` or not."""
+    return w.parallel.offload_params and dp_engine(w) == "fsdp"
+
+
+__all__ = ["PrecisionModel", "precision_model", "dp_engine", "fsdp_cpu_offload"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vramplan.precision import fsdp_cpu_offload
 from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
 from . import deepspeed as ds
@@ -79,6 +80,10 @@ class States:
     """Gradient bytes of the largest trainable tensor (``optimizer_in_backward`` holds one at a time)."""
     step_temp: int = 0
     """Temporaries of one optimizer step over that tensor alone (per-parameter optimizers)."""
+    host_optimizer: int = 0
+    """FSDP2 CPU offload: the optimizer states, on the host."""
+    host_step: int = 0
+    """FSDP2 CPU offload: the CPU optimizer step's temporaries."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -87,6 +92,8 @@ def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
 
 def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> States:
     p, h = w.parallel, arch.hidden
+    cpu = fsdp_cpu_offload(w)  # FSDP2 CPUOffloadPolicy: gradients and the optimizer on the host too
+    off_opt = p.offload_optimizer or cpu
     lins = [(lin, n) for g, n in stage.groups for lin in g.linears]
     linear = sum(n * local(lin, w) for lin, n in lins)
     small = sum(n * g.small_params for g, n in stage.groups)
@@ -125,8 +132,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     o_shard = p.shard_group if p.zero >= 1 else 1
     gradients = trainable * rg.grad // g_shard
     gradients += replicated_embedding_grad(arch, stage, w, rg, tr)
-    if p.offload_optimizer and p.zero >= 1:
-        gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
+    if off_opt and p.zero >= 1:
+        gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload, FSDP2 offload)
     if tr.full:
         matrices = [(lin.d_in, lin.d_out, n * lin.count, lin.tp, lin.expert) for lin, n in lins]
         if embed:
@@ -138,13 +145,15 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
                     for d in (lin.d_in, lin.d_out)]
         vectors = 0
     optimizer = _optimizer_bytes(w, rg, trainable, matrices, vectors) // o_shard
-    if p.offload_optimizer:
+    host_optimizer = optimizer if cpu else 0
+    if off_opt:
         optimizer = 0
     largest = _largest(lins, w) if tr.full else max(
         (tr.rank * max(lin.d_in, lin.d_out) for lin, _ in lins if tr.lora_on(lin)), default=0)
     if tr.full:
         largest = max(largest, embed, head)
-    opt_temp = 0 if p.offload_optimizer else _optimizer_temp(w, rg, trainable // o_shard, largest)
+    opt_temp = 0 if off_opt else _optimizer_temp(w, rg, trainable // o_shard, largest)
+    host_step = _optimizer_temp(w, rg, trainable // o_shard, largest) if cpu else 0
 
     casts_all = casts_layer = 0
     if rg.autocast and rg.weight == 4:  # fp32 weights: autocast caches a 16-bit copy of each
@@ -178,7 +187,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
-        step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
+        step_temp=0 if off_opt else _optimizer_temp(w, rg, largest, largest),
+        host_optimizer=host_optimizer, host_step=host_step,
     )
 
 
