@@ -180,8 +180,9 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered,
-        head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
-        layer_grads=per_layer * rg.grad // g_shard,
+        # (FSDP2 CPU offload: each reduce-scattered shard is copied to the host and freed)
+        head_grads=(head + head_small) * rg.grad // g_shard if tr.full and not cpu else 0,
+        layer_grads=0 if cpu else per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=buckets,
         ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
