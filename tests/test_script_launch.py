@@ -66,6 +66,17 @@ def test_fsdp2_script_traces_rank_zero_with_sharded_states(world):
     assert any("NCCL" in o.name for o in r.overhead)
 
 
+def test_fsdp2_meta_init_script_keeps_only_the_materialised_shards():
+    """Built on meta, sharded, then ``to_empty(device="cuda")``: FSDP2 rebinds its flat shards to
+    the new local tensors at lazy init, so fully_shard's own shards die (they stayed alive, as
+    extra "activations", while the trace's reset returned early for meta tensors)."""
+    meta = vramplan.run_script(EX / "fsdp2_meta_init.py", [], gpu="h100-sxm", world=8, gpus=8)
+    built = vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=8, gpus=8)
+    assert meta.breakdown == built.breakdown
+    assert meta.peak.allocated == built.peak.allocated
+    assert meta.breakdown.activations < MODEL // 8 // 4  # no 512 KiB shard counted beside the batch
+
+
 def test_ddp_script_traces_rank_zero_with_whole_states():
     r = vramplan.run_script(EX / "ddp_loop.py", [], gpu="h100-sxm", world=8, gpus=8)
     b = r.breakdown
