@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vramplan.precision import fsdp_cpu_offload
+from vramplan.precision import fsdp_cpu_offload, fsdp_shards_quantised
 from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
 from . import deepspeed as ds
@@ -125,6 +125,23 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     if p.zero == 3 and w.training:
         gathered = 2 * max(layer, embed, head) * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else weights // p.shard_group
+    if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
+        # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
+        # dtype) are sharded per tensor along dim 0; their quant state stays whole on every rank
+        qs = rg.compute if w.mixed else rg.weight
+        shards = p.shard_group
+
+        def packed(lin: Linear, per_rank: bool) -> int:
+            rows = (local(lin, w) // max(1, lin.count) + 1) // (2 * qs)
+            return lin.count * (-(-rows // shards) if per_rank else rows) * qs
+
+        state = linear_b - sum(n * -(-local(lin, w) // 2) for lin, n in lins)
+        rest = (params - linear) * rg.weight + adapters * rg.adapter
+        weights = sum(n * packed(lin, True) for lin, n in lins) + state + rest // shards
+        if w.training:
+            unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
+                        + g.small_params * rg.compute for g, _ in stage.groups), default=0)
+            gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
