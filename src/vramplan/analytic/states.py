@@ -135,7 +135,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             rows = (local(lin, w) // max(1, lin.count) + 1) // (2 * qs)
             return lin.count * (-(-rows // shards) if per_rank else rows) * qs
 
-        state = linear_b - sum(n * -(-local(lin, w) // 2) for lin, n in lins)
+        state = quant_state_bytes(arch, stage, w)
         rest = (params - linear) * rg.weight + adapters * rg.adapter
         weights = sum(n * packed(lin, True) for lin, n in lins) + state + rest // shards
         if w.training:
@@ -208,6 +208,16 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         step_temp=0 if off_opt else _optimizer_temp(w, rg, largest, largest),
         host_optimizer=host_optimizer, host_step=host_step,
     )
+
+
+def quant_state_bytes(arch: Arch, stage: Stage, w: Workload) -> int:
+    """Bytes of the 4-bit quant state (absmax, codes) of this stage's quantised linears: what
+    FSDP-QLoRA keeps whole on every rank (the packed weights are sharded)."""
+    if w.quant not in (Quant.NF4, Quant.INT4):
+        return 0
+    double = w.peft is Peft.QLORA and not w.bnb_single_quant
+    return sum(n * (quantised_bytes(local(lin, w), local(lin, w) // max(1, lin.d_in), w.quant, double=double)
+                    - -(-local(lin, w) // 2)) for g, n in stage.groups for lin in g.linears)
 
 
 def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> int:
