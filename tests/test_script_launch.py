@@ -9,6 +9,7 @@ import pytest
 
 import vramplan
 from vramplan.errors import VramplanError
+from vramplan.events import Action
 from vramplan.script.launch import parse_launch
 
 EX = Path(__file__).parent / "examples"
@@ -75,6 +76,16 @@ def test_fsdp2_meta_init_script_keeps_only_the_materialised_shards():
     assert meta.breakdown == built.breakdown
     assert meta.peak.allocated == built.peak.allocated
     assert meta.breakdown.activations < MODEL // 8 // 4  # no 512 KiB shard counted beside the batch
+
+    def whole_weights(r) -> int:  # allocations of a whole f32[1024,1024] weight (not the gathered flat ones)
+        log, s = r.events, r.events.strings
+        return sum(1 for k in range(len(log)) if log.action[k] == Action.ALLOC and s[log.desc[k]] == "f32[1024,1024]"
+                   and s[log.op[k]] in ("aten.empty.memory_format", "aten._to_copy.default"))
+
+    # the meta model (and fully_shard's meta shards) take no memory; a model built on the host
+    # and moved with .cuda() is on the GPU whole until each layer is sharded
+    assert whole_weights(meta) == 0
+    assert whole_weights(built) == 4
 
 
 def test_ddp_script_traces_rank_zero_with_whole_states():

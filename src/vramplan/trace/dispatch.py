@@ -243,7 +243,7 @@ class TraceMode(TorchDispatchMode):
         if values.shadow or not _any_meta(args):
             cpu_args = self._shadow_args(func, args, kwargs)
 
-        if func in TO_OPS and host_mem is not None and cpu_args is None and _to_host(args, kwargs):
+        if func in TO_OPS and host_mem is not None and host_mem.counted and cpu_args is None and _to_host(args, kwargs):
             return host_mem.to_host(func, args, kwargs)  # FSDP2 CPU offload: a gradient shard to pinned memory
         if func in NO_VALUE_OPS or (func in TO_OPS and _to_host(args, kwargs)):
             return self._value_op(func, args, kwargs, cpu_args)

@@ -101,6 +101,10 @@ class CudaFunctionMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
         if to_cuda:
+            host = self.trace.rec.host
+            if host is not None and not host.device_copy:  # made on the GPU: device memory, whatever the inputs
+                with host.copying_to_device():
+                    return self.__torch_function__(func, types, args, kwargs)
             kwargs = {**kwargs, "device": _META}
         if kwargs.get("pin_memory"):  # page-locked host memory: a host tensor, never GPU memory
             kwargs = {**kwargs, "pin_memory": False}

@@ -50,8 +50,11 @@ STEP = "optimizer step temporaries"
 class HostMemory:
     """The host side of one traced rank (see the module docstring)."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Recorder, *, counted: bool = True) -> None:
         self.rec = rec
+        self.counted = counted
+        """False: the tensors are nowhere in the real run (a script's own ``meta`` model), not host
+        RAM — kept off the GPU's log and not counted."""
         self.keys: dict[int, tuple[str, int, bool]] = {}
         """storage key → (part, bytes, pinned) of every live host storage."""
         self._live: dict[tuple[str, int], int] = {}
@@ -158,6 +161,8 @@ class HostMemory:
         bytes live now (the optimizer's states, read after the last step) and the rest of the
         pageable peak (the step's temporaries)."""
         states = self.pageable
+        if not self.counted:
+            return ()
         out = [(PARAMETERS, self.pinned(PARAMETERS)), (GRADIENTS, self.pinned(GRADIENTS)),
                (STATES, states), (STEP, max(0, self.pageable_peak - states))]
         return tuple((name, n) for name, n in out if n)
