@@ -78,6 +78,8 @@ class HostMemory:
             return False
         if self.part is not None:
             return True
+        if not self.keys:
+            return False
         seen = False
         for a in _flat(args):
             if a.device.type == "meta":
