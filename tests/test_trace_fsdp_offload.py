@@ -105,6 +105,9 @@ def test_optimizer_only_offload_is_deepspeeds() -> None:
     w = Workload(task="train", batch=1, seq=64, precision="bf16-mixed").replace(dp=8, zero=3, offload_optimizer=True)
     with pytest.raises(TraceError, match="optimizer-only offload is DeepSpeed"):
         trace_workload(spec, w, iterations=1, options=FAST)
+    ds = w.replace(engine="deepspeed", offload_params=True)
+    with pytest.raises(TraceError, match="DeepSpeed's CPU offload"):
+        trace_workload(spec, ds, iterations=1, options=FAST)
     with pytest.raises(WorkloadError, match="offloads parameters, gradients and optimizer together"):
         Parallel(dp=8, zero=3, engine="fsdp", offload_optimizer=True)
 

@@ -70,10 +70,14 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
                          hint="use `method=analytic` for these layouts")
     engine = dp_engine(w)
     offload = p.offload_params or p.offload_optimizer
-    if offload and (engine != "fsdp" or not p.offload_params):
-        raise TraceError("CPU offload is traced for FSDP2 (CPUOffloadPolicy: parameters, gradients and optimizer "
-                         "states together); optimizer-only offload is DeepSpeed's ZeRO-Offload, which is not traced",
-                         hint="use `offload_params` with `zero=3` (FSDP2), or `method=analytic` (engine=deepspeed)")
+    if offload and engine != "fsdp":
+        raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
+                         hint="use `method=analytic` (DeepSpeed's host RAM estimators), or `offload_params` with "
+                              "`zero=3` and `engine=fsdp`")
+    if offload and not p.offload_params:
+        raise TraceError("FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer states together; "
+                         "optimizer-only offload is DeepSpeed's ZeRO-Offload, which is not traced",
+                         hint="add `offload_params` (FSDP2), or use `method=analytic` with `engine=deepspeed`")
     if engine == "none" or (not w.training and p.zero != 3):
         return None  # one GPU, or inference replicas: every rank runs the same unsharded model
     if getattr(w, "optimizer_in_backward", False):
