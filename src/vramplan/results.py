@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 from ._json import jsonable
 from .workload import Method, Phase, Workload
 
+HOST_PARAMETERS = "parameters (pinned)"
+HOST_GRADIENTS = "gradients (pinned)"
+HOST_STATES = "optimizer states"
+HOST_STEP = "optimizer step temporaries"
+HOST_ACTIVATIONS = "offloaded activations (pinned)"
+"""Names of the parts of ``MemoryReport.host_parts`` (the trace and the formulas use the same)."""
+
 if TYPE_CHECKING:
     from .events import EventLog
 

@@ -6,7 +6,7 @@ from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import fsdp_cpu_offload
-from vramplan.results import PhasePeak
+from vramplan.results import HOST_ACTIVATIONS, PhasePeak
 from vramplan.workload import Attention, Engine, Loss, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
@@ -68,7 +68,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         if w.training:
             acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
             if acts.host:
-                host[stage.index] += (("offloaded activations (pinned)", acts.host * stage.in_flight),)
+                host[stage.index] += ((HOST_ACTIVATIONS, acts.host * stage.in_flight),)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             phases = training(st, acts, stage, w, ctx, workspace, cache)
         else:

@@ -20,6 +20,7 @@ vectors are the norms.
 
 from __future__ import annotations
 
+from vramplan.results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
 from vramplan.workload import Workload
 
 from .arch import Arch
@@ -28,10 +29,7 @@ from .parallel import Stage, local
 from .regime import Regime, Trainable
 from .states import States
 
-PARAMETERS = "parameters (pinned)"
-GRADIENTS = "gradients (pinned)"
-STATES = "optimizer states"
-STEP = "optimizer step temporaries"
+PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STATES, HOST_STEP
 
 
 def pinned_bytes(n: int) -> int:

@@ -38,13 +38,11 @@ from typing import Any
 
 import torch
 
+from ..results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
 from .offload import pinned_bytes
 from .recorder import Recorder, local_tensor
 
-PARAMETERS = "parameters (pinned)"
-GRADIENTS = "gradients (pinned)"
-STATES = "optimizer states"
-STEP = "optimizer step temporaries"
+PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STATES, HOST_STEP
 
 
 class HostMemory:

@@ -24,6 +24,7 @@ from ..errors import TraceError, VramplanError, WorkloadError
 from ..events import Category, EventLog
 from ..models.build import quiet
 from ..models.spec import ModelSpec
+from ..results import HOST_ACTIVATIONS
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Peft, Quant, Task, Workload
 from . import (
@@ -564,7 +565,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                      + " (pinned blocks in the CachingHostAllocator's power-of-two classes); the optimizer "
                      "step runs on the CPU")
     if offloaded:
-        host_parts = (*host_parts, ("offloaded activations (pinned)", ledger.reserved))
+        host_parts = (*host_parts, (HOST_ACTIVATIONS, ledger.reserved))
     if paths is not None:
         paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
