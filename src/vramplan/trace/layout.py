@@ -74,6 +74,9 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
         raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
                          hint="use `method=analytic` (DeepSpeed's host RAM estimators), or `offload_params` with "
                               "`zero=3` and `engine=fsdp`")
+    if offload and p.tp > 1:
+        raise TraceError("FSDP2 CPU offload is traced without tensor parallelism (TP × FSDP2 with CPUOffloadPolicy "
+                         "is not checked against the formulas yet)", hint="use `method=analytic`, or `tp=1`")
     if offload and not p.offload_params:
         raise TraceError("FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer states together; "
                          "optimizer-only offload is DeepSpeed's ZeRO-Offload, which is not traced",
