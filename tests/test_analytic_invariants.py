@@ -18,8 +18,9 @@ from vramplan.analytic import estimate
 from vramplan.analytic.estimate import build_arch
 from vramplan.analytic.parallel import stages
 from vramplan.analytic.regime import regime, trainable
-from vramplan.analytic.states import replicated_embedding_grad
+from vramplan.analytic.states import quant_state_bytes, replicated_embedding_grad
 from vramplan.errors import WorkloadError
+from vramplan.precision import fsdp_shards_quantised
 from vramplan.results import BREAKDOWN_KEYS
 from vramplan.workload import Parallel, Workload
 
@@ -110,6 +111,9 @@ def test_zero3_times_world_size_is_the_unsharded_states(case, dp):
     # less the embedding gradient's replicated part under TP (vramplan.analytic.states.replicated_embedding_grad)
     arch = build_arch(spec)
     unsharded -= replicated_embedding_grad(arch, stages(arch, base)[0], base, regime(base), trainable(arch, base))
+    z3 = base.replace(parallel=Parallel(dp=dp, zero=3, tp=w.parallel.tp))
+    if fsdp_shards_quantised(z3):  # FSDP-QLoRA: the 4-bit quant state is whole on every rank
+        unsharded += (dp - 1) * quant_state_bytes(arch, stages(arch, base)[0], base)
     # FSDP2 pads dim 0 of each tensor to a multiple of dp: fewer than dp rows of each matrix
     # (weight, gradient and states: at most 4 + 4 + 12 B per element; a routed-expert stack's
     # row is one expert's matrix); integer division per tensor class otherwise
@@ -117,6 +121,8 @@ def test_zero3_times_world_size_is_the_unsharded_states(case, dp):
                 for g in arch.groups for lin in g.linears]
     matrices += [(arch.hidden, 2)]  # token embedding, output head
     padding = 20 * (dp - 1) * sum(cols * n for cols, n in matrices)
+    if fsdp_shards_quantised(z3):  # the packed 4-bit shards are padded per matrix
+        padding += 4 * dp * sum(g.count * lin.count for g in arch.groups for lin in g.linears)
     assert -8 * dp * 64 <= sharded * dp - unsharded <= 8 * dp * 64 + padding
 
 

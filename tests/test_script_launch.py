@@ -9,6 +9,7 @@ import pytest
 
 import vramplan
 from vramplan.errors import VramplanError
+from vramplan.events import Action
 from vramplan.script.launch import parse_launch
 
 EX = Path(__file__).parent / "examples"
@@ -64,6 +65,27 @@ def test_fsdp2_script_traces_rank_zero_with_sharded_states(world):
     assert b.optimizer == 2 * MODEL // world  # AdamW exp_avg + exp_avg_sq shards, 1/world each
     assert 0 < b.gradients <= MODEL // world  # fp32 gradient shards (those alive at the peak)
     assert any("NCCL" in o.name for o in r.overhead)
+
+
+def test_fsdp2_meta_init_script_keeps_only_the_materialised_shards():
+    """Built on meta, sharded, then ``to_empty(device="cuda")``: FSDP2 rebinds its flat shards to
+    the new local tensors at lazy init, so fully_shard's own shards die (they stayed alive, as
+    extra "activations", while the trace's reset returned early for meta tensors)."""
+    meta = vramplan.run_script(EX / "fsdp2_meta_init.py", [], gpu="h100-sxm", world=8, gpus=8)
+    built = vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=8, gpus=8)
+    assert meta.breakdown == built.breakdown
+    assert meta.peak.allocated == built.peak.allocated
+    assert meta.breakdown.activations < MODEL // 8 // 4  # no 512 KiB shard counted beside the batch
+
+    def whole_weights(r) -> int:  # allocations of a whole f32[1024,1024] weight (not the gathered flat ones)
+        log, s = r.events, r.events.strings
+        return sum(1 for k in range(len(log)) if log.action[k] == Action.ALLOC and s[log.desc[k]] == "f32[1024,1024]"
+                   and s[log.op[k]] in ("aten.empty.memory_format", "aten._to_copy.default"))
+
+    # the meta model (and fully_shard's meta shards) take no memory; a model built on the host
+    # and moved with .cuda() is on the GPU whole until each layer is sharded
+    assert whole_weights(meta) == 0
+    assert whole_weights(built) == 4
 
 
 def test_ddp_script_traces_rank_zero_with_whole_states():

@@ -98,8 +98,8 @@ def test_untraced_engines_are_refused() -> None:
     spec = _small("llama-3.1-8b")
     with pytest.raises(TraceError, match="DeepSpeed ZeRO-2 is not traced"):
         trace_workload(spec, _w(dp=8, zero=2), iterations=1)
-    with pytest.raises(TraceError, match="offload"):
-        trace_workload(spec, _w(dp=8, zero=3, offload_params=True), iterations=1)
+    with pytest.raises(TraceError, match="offload"):  # (FSDP2's CPUOffloadPolicy is traced: test_trace_fsdp_offload)
+        trace_workload(spec, _w(dp=8, zero=3, offload_optimizer=True), iterations=1)
 
 
 def test_world_size_costs_nothing() -> None:
@@ -174,3 +174,33 @@ def test_fsdp2_states_exact_across_workload_features(kw: dict) -> None:
     r = trace_workload(spec, w, iterations=1, options=FAST)
     a = estimate(spec, w)
     assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
+
+
+def _buffers_at_step(r) -> int:
+    from vramplan.trace import analysis
+    from vramplan.workload import Phase
+
+    a = analysis.arrays(r.events)
+    k = analysis.peak_of(a, (a.phase == list(Phase).index(Phase.OPTIMIZER)) & (a.iteration == 1))
+    live = analysis.live_at(a, k)
+    return int(a.delta[live][a.cat[live] == int(Category.BUFFER)].sum())
+
+
+@pytest.mark.parametrize("kw", [{}, {"precision": "bf16"}, {"bnb_single_quant": True}], ids=["mixed", "bf16", "single"])
+def test_fsdp_qlora_weights_per_rank_equal_analytic(kw: dict) -> None:
+    """FSDP-QLoRA (accelerate / HF: bnb Params4bit with bnb_4bit_quant_storage = the gather dtype):
+    each rank holds 1/dp of the packed 4-bit weights and of the other parameters, and the whole
+    quant state (absmax, codes), which is no parameter. The analytic figure used to divide the
+    quant state too; the trace used to keep the packed weights whole (buffers are not sharded)."""
+    spec = _small("llama-3.1-8b")
+    w = Workload(**{"task": "train", "batch": 2, "seq": 128, "precision": "bf16-mixed", "peft": "qlora",
+                    "quant": "nf4", **kw}).replace(dp=8, zero=3)
+    r = trace_workload(spec, w, iterations=1, options=FAST)
+    plain = trace_workload(spec, w.replace(quant="none", peft="lora"), iterations=1, options=FAST)
+    a = estimate(spec, w)
+    params, grads, states = _optimizer_states(r)
+    quant_state = _buffers_at_step(r) - _buffers_at_step(plain)  # (the rotary buffers of both)
+    assert params + quant_state == a.states.weights
+    assert (grads, states) == (a.states.gradients, a.states.optimizer)
+    assert 0 < quant_state < params  # absmax + codes, replicated on every rank
+    assert any("bnb_4bit_quant_storage" in n for n in r.notes)

@@ -158,4 +158,20 @@ def dp_engine(w: Workload) -> str:
     return "fsdp" if p.zero == 3 else "deepspeed"
 
 
-__all__ = ["PrecisionModel", "precision_model", "dp_engine"]
+def fsdp_cpu_offload(w: Workload) -> bool:
+    """FSDP2's ``CPUOffloadPolicy``: ``offload_params`` under the FSDP engine. FSDP2 has one
+    policy (accelerate's ``cpu_offload``, torchtitan's ``enable_cpu_offload``): sharded
+    parameters, gradients and the optimizer step all on the host, ``offload_optimizer`` or not."""
+    return w.parallel.offload_params and dp_engine(w) == "fsdp"
+
+
+def fsdp_shards_quantised(w: Workload) -> bool:
+    """FSDP2 shards this 4-bit quantised model's parameters (FSDP-QLoRA): the packed weights are
+    ``Params4bit`` parameters (``bnb_4bit_quant_storage`` = the dtype FSDP all-gathers in) and are
+    sharded; their quant state is not a parameter and stays whole on every rank."""
+    p = w.parallel
+    return (w.quant.value in ("nf4", "int4") and p.dp > 1 and p.zero == 3 and dp_engine(w) == "fsdp"
+            and not (p.tp > 1 or p.pp > 1 or p.cp > 1))
+
+
+__all__ = ["PrecisionModel", "precision_model", "dp_engine", "fsdp_cpu_offload", "fsdp_shards_quantised"]

@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 from ._json import jsonable
 from .workload import Method, Phase, Workload
 
+HOST_PARAMETERS = "parameters (pinned)"
+HOST_GRADIENTS = "gradients (pinned)"
+HOST_STATES = "optimizer states"
+HOST_STEP = "optimizer step temporaries"
+HOST_ACTIVATIONS = "offloaded activations (pinned)"
+"""Names of the parts of ``MemoryReport.host_parts`` (the trace and the formulas use the same)."""
+
 if TYPE_CHECKING:
     from .events import EventLog
 
@@ -202,8 +209,11 @@ class MemoryReport:
     events: EventLog | None = field(default=None, repr=False, compare=False)
     """The trace's allocation/free log (trace method only); not part of the JSON."""
     host_memory: int = 0
-    """Host (CPU) RAM the step pins on this rank beyond the process itself: activations
-    offloaded with ``activation_offload`` (0 when nothing is offloaded)."""
+    """Host (CPU) RAM the step holds on this rank beyond the process itself: activations
+    offloaded with ``activation_offload`` (pinned), FSDP2 CPU offload's parameters and
+    gradients (pinned) and its CPU optimizer step (0 when nothing is offloaded)."""
+    host_parts: tuple[tuple[str, int], ...] = ()
+    """(part, bytes) of ``host_memory``."""
 
     @property
     def overhead_total(self) -> int:
@@ -243,6 +253,7 @@ class MemoryReport:
             d["flops_per_step"] = self.flops_per_step
         if self.host_memory:
             d["host_memory"] = self.host_memory
+            d["host_memory_parts"] = {name: n for name, n in self.host_parts}
         if self.fallback is not None:
             f = self.fallback
             d["fallback"] = {"requested": str(f.requested), "used": str(f.used), "reason": f.reason}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
-from vramplan.results import PhasePeak
+from vramplan.precision import fsdp_cpu_offload
+from vramplan.results import HOST_ACTIVATIONS, PhasePeak
 from vramplan.workload import Attention, Engine, Loss, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
@@ -14,6 +15,7 @@ from .activations import TokenShape, size, stage_acts
 from .arch import Arch
 from .blocks import Ctx, block_saved
 from .flops import step_flops
+from .host import fsdp_offload_parts
 from .notes import notes
 from .parallel import Stage, check_against_model, stages, tokens_per_rank
 from .phases import inference, training
@@ -59,12 +61,14 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     positions = w.batch if arch.head.kind == "cls" else tokens
 
     best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int] | None = None
-    host: dict[int, int] = {}
+    host: dict[int, tuple[tuple[str, int], ...]] = {}
     for stage in stages(arch, w):
         st = stage_states(arch, stage, w, rg, tr)
+        host[stage.index] = fsdp_offload_parts(arch, stage, w, rg, tr, st) if fsdp_cpu_offload(w) else ()
         if w.training:
             acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
-            host[stage.index] = acts.host * stage.in_flight
+            if acts.host:
+                host[stage.index] += ((HOST_ACTIVATIONS, acts.host * stage.in_flight),)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             phases = training(st, acts, stage, w, ctx, workspace, cache)
         else:
@@ -92,7 +96,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         notes=notes(arch, w, rg, tr, stage.index, workspace) + _deepspeed_notes(arch, w, total_params),
         states=states,
         activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
-        host_memory=host.get(stage.index, 0),
+        host_memory=sum(n for _, n in host.get(stage.index, ())), host_parts=host.get(stage.index, ()),
     )
 
 

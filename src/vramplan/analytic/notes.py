@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vramplan.precision import fsdp_cpu_offload
 from vramplan.units import fmt_bytes
 from vramplan.workload import (
     Attention,
@@ -97,7 +98,11 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
         out.append("DDP keeps gradient buckets the size of all gradients (gradient_as_bucket_view=False).")
     if p.offload_optimizer:
         out.append("Optimizer states (and master weights / gradient partitions under ZeRO) live in CPU memory.")
-    if p.offload_params:
+    if fsdp_cpu_offload(w):
+        out.append("FSDP2 CPUOffloadPolicy(pin_memory=True): sharded parameters and gradients in pinned host memory "
+                   "(power-of-two blocks), the optimizer step on the CPU; each all-gather copies its shards to the GPU "
+                   "first. offload_params alone implies the whole policy (FSDP2 has one).")
+    elif p.offload_params:
         out.append("Parameters live in CPU memory; only gathered layers are on the GPU.")
     if rg.autocast and rg.weight == 4:
         out.append("Autocast caches a 16-bit copy of every weight until the forward's autocast region exits; "
@@ -135,7 +140,7 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
 
 def _optimizer(w: Workload, rg: Regime) -> str:
     o, impl = w.optimizer, w.optimizer_impl
-    if w.parallel.offload_optimizer:
+    if w.parallel.offload_optimizer or fsdp_cpu_offload(w):
         return "The optimizer step runs on the CPU."
     if rg.master:
         return ("DeepSpeed's fused optimizer updates the fp32 master partition in place; the step holds an "

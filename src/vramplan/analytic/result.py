@@ -45,4 +45,7 @@ class AnalyticEstimate:
     stage: int = 0
     """Pipeline stage whose peak is reported (the highest)."""
     host_memory: int = 0
-    """Pinned host RAM of offloaded activations (``activation_offload``) on this rank."""
+    """Host RAM of this rank: offloaded activations (``activation_offload``) and FSDP2 CPU
+    offload's parameters, gradients and optimizer (``offload_params``)."""
+    host_parts: tuple[tuple[str, int], ...] = ()
+    """(part, bytes) of ``host_memory``."""

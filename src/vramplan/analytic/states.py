@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vramplan.precision import fsdp_cpu_offload, fsdp_shards_quantised
 from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
 from . import deepspeed as ds
@@ -82,6 +83,10 @@ class States:
     """Gradient bytes of the largest trainable tensor (``optimizer_in_backward`` holds one at a time)."""
     step_temp: int = 0
     """Temporaries of one optimizer step over that tensor alone (per-parameter optimizers)."""
+    host_optimizer: int = 0
+    """FSDP2 CPU offload: the optimizer states, on the host."""
+    host_step: int = 0
+    """FSDP2 CPU offload: the CPU optimizer step's temporaries."""
     embed_grad_full: int = 0
     """TP × FSDP2: the embedding's whole Replicate gradient (:func:`replicated_embedding_grad`),
     its TP-local copy and the head's unsharded gradient, alive at the embedding's backward
@@ -94,6 +99,8 @@ def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
 
 def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> States:
     p, h = w.parallel, arch.hidden
+    cpu = fsdp_cpu_offload(w)  # FSDP2 CPUOffloadPolicy: gradients and the optimizer on the host too
+    off_opt = p.offload_optimizer or cpu
     lins = [(lin, n) for g, n in stage.groups for lin in g.linears]
     linear = sum(n * local(lin, w) for lin, n in lins)
     small = sum(n * g.small_params for g, n in stage.groups)
@@ -136,6 +143,23 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         unit = max(layer + unit_pad[0], embed + unit_pad[1], head + unit_pad[2]) if p.zero == 3 else params + pad
         gathered = (2 if p.zero == 3 else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
+    if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
+        # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
+        # dtype) are sharded per tensor along dim 0; their quant state stays whole on every rank
+        qs = rg.compute if w.mixed else rg.weight
+        shards = p.shard_group
+
+        def packed(lin: Linear, per_rank: bool) -> int:
+            rows = (local(lin, w) // max(1, lin.count) + 1) // (2 * qs)
+            return lin.count * (-(-rows // shards) if per_rank else rows) * qs
+
+        state = quant_state_bytes(arch, stage, w)
+        rest = (params - linear) * rg.weight + adapters * rg.adapter
+        weights = sum(n * packed(lin, True) for lin, n in lins) + state + rest // shards
+        if w.training:
+            unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
+                        + g.small_params * rg.compute for g, _ in stage.groups), default=0)
+            gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
@@ -144,8 +168,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     pad_trainable = pad if tr.full else 0
     gradients = (trainable + pad_trainable) * rg.grad // g_shard
     gradients += replicated_embedding_grad(arch, stage, w, rg, tr)
-    if p.offload_optimizer and p.zero >= 1:
-        gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
+    if off_opt and p.zero >= 1:
+        gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload, FSDP2 offload)
     if tr.full:
         matrices = [(lin.d_in, lin.d_out, n * lin.count, lin.tp, lin.expert) for lin, n in lins]
         if embed:
@@ -157,13 +181,15 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
                     for d in (lin.d_in, lin.d_out)]
         vectors = 0
     optimizer = _optimizer_bytes(w, rg, trainable + pad_trainable, matrices, vectors) // o_shard
-    if p.offload_optimizer:
+    host_optimizer = optimizer if cpu else 0
+    if off_opt:
         optimizer = 0
     largest = _largest(lins, w) if tr.full else max(
         (tr.rank * max(lin.d_in, lin.d_out) for lin, _ in lins if tr.lora_on(lin)), default=0)
     if tr.full:
         largest = max(largest, embed, head)
-    opt_temp = 0 if p.offload_optimizer else _optimizer_temp(w, rg, trainable // o_shard, largest)
+    opt_temp = 0 if off_opt else _optimizer_temp(w, rg, trainable // o_shard, largest)
+    host_step = _optimizer_temp(w, rg, trainable // o_shard, largest) if cpu else 0
 
     casts_all = casts_layer = 0
     if rg.autocast and rg.weight == 4:  # fp32 weights: autocast caches a 16-bit copy of each
@@ -202,16 +228,27 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
-        head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
-        layer_grads=per_layer * rg.grad // g_shard,
+        # (FSDP2 CPU offload: each reduce-scattered shard is copied to the host and freed)
+        head_grads=(head + head_small) * rg.grad // g_shard if tr.full and not cpu else 0,
+        layer_grads=0 if cpu else per_layer * rg.grad // g_shard,
         unsharded_grads=(per_layer + (unit_pad[0] if tr.full else 0)) * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=buckets,
         ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
-        step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
-        embed_grad_full=embed_grad_full,
+        step_temp=0 if off_opt else _optimizer_temp(w, rg, largest, largest),
+        host_optimizer=host_optimizer, host_step=host_step, embed_grad_full=embed_grad_full,
     )
+
+
+def quant_state_bytes(arch: Arch, stage: Stage, w: Workload) -> int:
+    """Bytes of the 4-bit quant state (absmax, codes) of this stage's quantised linears: what
+    FSDP-QLoRA keeps whole on every rank (the packed weights are sharded)."""
+    if w.quant not in (Quant.NF4, Quant.INT4):
+        return 0
+    double = w.peft is Peft.QLORA and not w.bnb_single_quant
+    return sum(n * (quantised_bytes(local(lin, w), local(lin, w) // max(1, lin.d_in), w.quant, double=double)
+                    - -(-local(lin, w) // 2)) for g, n in stage.groups for lin in g.linears)
 
 
 def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -> int:

@@ -59,7 +59,9 @@ class MethodResult:
     timeline: Timeline | None = None
     model_states: Breakdown | None = None
     host_memory: int = 0
-    """Pinned host RAM the step holds (offloaded activations)."""
+    """Host RAM the step holds (offloaded activations, FSDP2 CPU offload)."""
+    host_parts: tuple[tuple[str, int], ...] = ()
+    """(part, bytes) of ``host_memory``."""
 
 
 # --------------------------------------------------------------------------- analytic
@@ -83,6 +85,7 @@ def analytic_core(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PRO
         peak_phase=est.peak.phase, phases=tuple(est.phases), params=est.params,
         trainable_params=est.trainable_params, method=Method.ANALYTIC, allocator=summary,
         notes=notes, flops_per_step=est.flops_per_step, host_memory=est.host_memory,
+        host_parts=est.host_parts,
         model_states=Breakdown(weights=est.states.weights, gradients=est.states.gradients,
                                optimizer=est.states.optimizer),
     )
@@ -200,7 +203,7 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
         trainable_params=tr.trainable_params, method=Method.TRACE, allocator=summary,
         notes=tuple(notes), flops_per_step=tr.flops, events=tr.events, iterations=tuple(tr.iterations),
         top_modules=tuple(tr.top_modules), top_tensors=tuple(tr.top_tensors), model_states=_traced_states(tr),
-        host_memory=tr.host_memory,
+        host_memory=tr.host_memory, host_parts=tr.host_parts,
     )
 
 

@@ -192,7 +192,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         notes=tuple(notes) + recipe_notes(w) + core.notes,
         top_modules=core.top_modules, top_tensors=core.top_tensors,
         iterations=core.iterations, timeline=timeline, model_states=core.model_states,
-        flops_per_step=core.flops_per_step, host_memory=core.host_memory, events=core.events, fallback=fallback, user_model=user_model,
+        flops_per_step=core.flops_per_step, host_memory=core.host_memory, host_parts=core.host_parts, events=core.events, fallback=fallback, user_model=user_model,
         **_axes(spec),
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's

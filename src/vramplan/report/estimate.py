@@ -151,7 +151,9 @@ def to_doc(r: MemoryReport) -> Doc:
         kv.append(("model states", f"{g(ms.total)} GiB persistent = weights {g(ms.weights)} + gradients "
                    f"{g(ms.gradients)} + optimizer {g(ms.optimizer)}"))
     if r.host_memory:
-        kv.append(("host RAM", f"{g(r.host_memory)} GiB pinned CPU memory per GPU (offloaded activations)"))
+        parts = "; ".join(f"{name} {g(n)}" for name, n in r.host_parts) if r.host_parts else \
+            "pinned, offloaded activations"
+        kv.append(("host RAM", f"{g(r.host_memory)} GiB CPU memory per GPU ({parts})"))
     if r.iterations:
         kv.append(("per iteration", ", ".join(
             f"#{i.iteration}: {g(i.allocated)} GiB ({i.phase})" for i in r.iterations)))

@@ -17,7 +17,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.flops import StepFlops, forward_flops, generate_flops, layout_of, train_flops
 from vramplan.models.shape import SEQUENCE_FAMILIES, ModelShape, opaque_shape, tokens
 from vramplan.models.spec import Family, ModelSpec
-from vramplan.precision import precision_model
+from vramplan.precision import fsdp_cpu_offload, precision_model
 from vramplan.workload import Checkpointing, KVDtype, Loss, Peft, Task, Workload
 
 from .adapters import adapter_params
@@ -198,7 +198,8 @@ class _StepModel:
         bubble = (p.pp - 1) * t_mb if p.pp > 1 else 0.0
 
         local_trainable = self.trainable / (p.tp * p.pp) / (p.shard_group if p.zero >= 1 else 1)
-        opt_bytes = 0.0 if p.offload_optimizer else local_trainable * optimizer_bytes_per_param(w)
+        off_opt = p.offload_optimizer or fsdp_cpu_offload(w)  # (FSDP2's one CPUOffloadPolicy)
+        opt_bytes = 0.0 if off_opt else local_trainable * optimizer_bytes_per_param(w)
         t_opt = opt_bytes / self.bw
         comm = communication(
             s, w, self.gpu, trainable=self.trainable, base_bytes_per_param=self._gathered_bytes(),
@@ -206,7 +207,7 @@ class _StepModel:
         )
         local_params = s.params / (p.tp * p.pp * p.shard_group) if p.zero == 3 else s.params / (p.tp * p.pp)
         off = offload_time(
-            self.gpu, optimizer=p.offload_optimizer, params=p.offload_params,
+            self.gpu, optimizer=off_opt, params=p.offload_params,
             local_trainable=local_trainable, local_params=local_params,
             grad_bytes=float(precision_model(w).compute), param_bytes=float(precision_model(w).compute),
             microbatches=m, t_microbatch=t_mb, t_backward=t_bwd,

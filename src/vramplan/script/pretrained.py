@@ -26,6 +26,13 @@ import torch
 
 from ..errors import TraceError
 
+_building = [0]
+
+
+def building() -> bool:
+    """A ``from_pretrained`` stand-in is being built (its ``meta`` tensors stand for host weights)."""
+    return _building[0] > 0
+
 
 def _config_dict(name: str) -> dict[str, Any]:
     from ..models.catalog import resolve
@@ -58,8 +65,12 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
         extra["attn_implementation"] = kwargs["attn_implementation"]
     if dtype is not None:
         extra["dtype"] = dtype
-    with torch.device("meta"):
-        model = klass._from_config(config, **extra)
+    _building[0] += 1
+    try:
+        with torch.device("meta"):  # (stands for weights loaded on the host: not a meta model)
+            model = klass._from_config(config, **extra)
+    finally:
+        _building[0] -= 1
     model.eval()  # from_pretrained returns a model in eval mode
     return model
 

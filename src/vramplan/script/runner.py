@@ -59,12 +59,13 @@ from ..errors import TraceError, VramplanError
 from ..events import Action, Category
 from ..trace.construct import _is_cuda as is_cuda
 from ..trace.cuda import DeviceProfile
+from ..trace.host import HostMemory
 from ..trace.recorder import PHASE_INDEX
 from ..trace.result import TraceResult
 from ..trace.session import TraceSession
 from ..workload import Phase
 from .device import DeviceFacts, LiveAllocator, emulated_cuda
-from .pretrained import weightless_from_pretrained
+from .pretrained import building, weightless_from_pretrained
 
 Progress = Callable[[str], None]
 
@@ -490,6 +491,52 @@ _FINITE = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
 _FROM_DATA = frozenset({"tensor", "as_tensor", "scalar_tensor"})
 
 
+def _constructors() -> Any:
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+_META_CONTEXT = [0]
+"""Calls a ``with torch.device("meta")`` block is making right now (:func:`_meta_contexts`)."""
+
+
+def _meta_default() -> bool:
+    """The call comes from the script's ``with torch.device("meta")`` (library code passes
+    ``device=t.device`` for its own trace-device tensors, which are meta too: only the context
+    says "no memory")."""
+    return _META_CONTEXT[0] > 0
+
+
+@contextlib.contextmanager
+def _meta_contexts() -> Iterator[None]:
+    """Count the factory calls a meta ``DeviceContext`` (``torch.utils._device``, what ``with
+    torch.device("meta")`` pushes) hands on: it runs before the trace's modes and fills in
+    ``device``, which is all they would see of it."""
+    from torch.utils._device import DeviceContext
+
+    orig = DeviceContext.__torch_function__
+
+    def torch_function(self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if self.device.type != "meta":
+            return orig(self, func, types, args, kwargs)
+        _META_CONTEXT[0] += 1
+        try:
+            return orig(self, func, types, args, kwargs)
+        finally:
+            _META_CONTEXT[0] -= 1
+
+    DeviceContext.__torch_function__ = torch_function  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceContext.__torch_function__ = orig  # type: ignore[method-assign]
+
+
+def _is_meta(d: Any) -> bool:
+    return (isinstance(d, torch.device) and d.type == "meta") or (isinstance(d, str) and d == "meta")
+
+
 class _InputMode(torch.overrides.TorchFunctionMode):
     """Host tensors copied to the device are step inputs; small integer ones keep their
     values as shadows (token ids, lengths) for data-dependent ops."""
@@ -497,6 +544,8 @@ class _InputMode(torch.overrides.TorchFunctionMode):
     def __init__(self, sess: TraceSession) -> None:
         super().__init__()
         self.sess = sess
+        self.meta = HostMemory(sess.rec, counted=False)
+        sess.rec.host = self.meta
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -506,6 +555,12 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             # page-locked host memory is not GPU memory; on a CUDA build of torch (no driver
             # here) the real call would reach the CUDA runtime (DataLoader(pin_memory=True))
             return args[0]
+        if func in _constructors() and _is_meta(kwargs.get("device")) and _meta_default() and not building():
+            # the script's own meta tensors (``with torch.device("meta")``: a model built to be
+            # sharded, then ``to_empty``) take no memory in the real run: kept off the GPU's log,
+            # with what is derived from them (FSDP2's meta shards) — ``device="cuda"`` is the GPU
+            with self.meta.scope("meta"):
+                return func(*args, **kwargs)
         if name in _FROM_DATA and is_cuda(kwargs.get("device")):
             # torch.tensor(data, device="cuda"): the values are the host data's; keep them
             host = func(*args, **{**kwargs, "device": "cpu"})
@@ -635,7 +690,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     try:
         with _offline(online), _collect_deterministically(), _rank_zero(world, facts.count), sess, \
                 emulated_cuda(facts, live, on_sync), _rank_streams(world, sess), _patched(hooks), \
-                weightless_from_pretrained(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
+                weightless_from_pretrained(), _meta_contexts(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:

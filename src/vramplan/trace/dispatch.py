@@ -205,11 +205,14 @@ class TraceMode(TorchDispatchMode):
             return func(*args, **(kwargs or {}))  # (the meta kernels a FakeTensorMode runs inside)
         kwargs = kwargs or {}
         dev = kwargs.get("device")
+        to_device = False
         if dev is not None and getattr(dev, "type", None) == "cuda":
             # a CUDA factory call that reached dispatch without the function mode (which does
             # not follow autograd into its thread: FSDP2 all-gathers from backward hooks)
             kwargs = {**kwargs, "device": _META_DEVICE}
+            to_device = True
         rec = self.rec
+        host_mem = rec.host
         op = self._op_ids.get(func)
         if op is None:
             op = self._op_ids[func] = rec.intern(str(func))
@@ -240,6 +243,8 @@ class TraceMode(TorchDispatchMode):
         if values.shadow or not _any_meta(args):
             cpu_args = self._shadow_args(func, args, kwargs)
 
+        if func in TO_OPS and host_mem is not None and host_mem.counted and cpu_args is None and _to_host(args, kwargs):
+            return host_mem.to_host(func, args, kwargs)  # FSDP2 CPU offload: a gradient shard to pinned memory
         if func in NO_VALUE_OPS or (func in TO_OPS and _to_host(args, kwargs)):
             return self._value_op(func, args, kwargs, cpu_args)
 
@@ -265,6 +270,8 @@ class TraceMode(TorchDispatchMode):
             if cpu_args is not None and _meta_and_small(out):
                 cpu_out = func(*cpu_args[0], **cpu_args[1])
 
+        if host_mem is not None and not to_device and host_mem.takes(args):
+            host_mem.adopt(out)  # on the host in the real run (FSDP2 CPU offload): not GPU memory
         self._track(out)
         if func in EMPTY_OPS and isinstance(out, torch.Tensor) and _index_like(out):
             # uninitialised index memory: a correct program reads only what it then writes

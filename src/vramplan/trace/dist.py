@@ -388,9 +388,15 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
     if chunker is not None:
         fp._chunk_with_empty = _lazy_chunk_with_empty
     validate = getattr(group_cls, "_validate_no_meta_params", None)
+    validate_cpu = getattr(group_cls, "_validate_cpu_offload_params", None)
     init_outputs = getattr(param_cls, "init_all_gather_outputs", None)
+    reset = getattr(param_cls, "reset_sharded_param", None)
+    if reset is not None:
+        param_cls.reset_sharded_param = _rebinding_reset(reset)
     if validate is not None:
         group_cls._validate_no_meta_params = lambda self: None
+    if validate_cpu is not None:  # CPU offload wants the shards on "cpu": ours are meta, booked as host memory
+        group_cls._validate_cpu_offload_params = lambda self: None
     if init_outputs is not None:
         from ..events import Category
 
@@ -409,10 +415,47 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
     finally:
         if validate is not None:
             group_cls._validate_no_meta_params = validate
+        if validate_cpu is not None:
+            group_cls._validate_cpu_offload_params = validate_cpu
+        if reset is not None:
+            param_cls.reset_sharded_param = reset
         if init_outputs is not None:
             param_cls.init_all_gather_outputs = init_outputs
         if chunker is not None:
             fp._chunk_with_empty = chunker
+
+
+def _rebinding_reset(reset: Any) -> Any:
+    """``FSDPParam.reset_sharded_param`` for shards on the trace device.
+
+    After ``model.to_empty(device="cuda")`` (or ``load_state_dict(assign=True)``) on a sharded
+    model, the module's parameters hold new local shards; at lazy init FSDP2 rebinds its flat
+    ``_sharded_param_data`` to them (padding a shard shorter than the padded size), so the shards
+    made by ``fully_shard`` die (torch 2.13 ``_fsdp_param.py``). It returns early for ``meta``
+    local tensors — every tensor of a trace — which kept both copies alive: the rebinding is done
+    here for meta shards whose storage is not the flat shard's."""
+
+    def reset_sharded_param(self: Any) -> Any:
+        out = reset(self)
+        local = getattr(getattr(self, "sharded_param", None), "_local_tensor", None)
+        flat = getattr(self, "_sharded_param_data", None)
+        padded = getattr(self, "padded_sharded_param_size", None)
+        if not (isinstance(local, torch.Tensor) and isinstance(flat, torch.Tensor) and local.is_meta
+                and flat.is_meta and padded is not None) or type(flat) is not torch.Tensor \
+                or local.untyped_storage()._cdata == flat.untyped_storage()._cdata:
+            return out
+        if local.size() == padded:
+            self._sharded_param_data = local.view(-1)
+            return out
+        dim = getattr(getattr(self, "fsdp_placement", None), "dim", 0)
+        length = local.size(dim) if local.numel() > 0 else 0
+        full = local.new_zeros(padded)
+        full.narrow(dim, 0, length).copy_(local)
+        self._sharded_param_data = full.view(-1)
+        self.sharded_param._local_tensor = full.narrow(dim, 0, length)
+        return out
+
+    return reset_sharded_param
 
 
 class _LazyChunks(Sequence[torch.Tensor]):

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import TraceError
-from ..precision import precision_model
+from ..precision import fsdp_shards_quantised, precision_model
 from ..workload import (
     ALL_LINEAR,
     LORA_DEFAULT_TARGETS,
@@ -132,10 +132,17 @@ def apply_quant(model: nn.Module, w: Workload) -> list[str]:
     pm = precision_model(w)
     four_bit = w.quant in (Quant.NF4, Quant.INT4)
     compute = _dtype(pm.bnb_dtype) if four_bit else compute_dtype(w)
-    n = quantize_linears(model, w.quant, compute, double_quant=double, storage_dtype=param_dtype(w))
+    # FSDP (FSDP-QLoRA as accelerate / HF document it): bnb_4bit_quant_storage = the dtype FSDP
+    # all-gathers in, so the packed weights are sharded parameters the mixed-precision cast leaves alone
+    storage = (compute_dtype(w) if w.mixed else param_dtype(w)) if four_bit and fsdp_shards_quantised(w) else None
+    n = quantize_linears(model, w.quant, compute, double_quant=double, storage_dtype=param_dtype(w),
+                         quant_storage=storage)
     what = f"{w.quant}{' with double quantisation' if double else ''}"
     how = f", computing in {_name(compute)}" if four_bit else ""
-    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how})"]
+    fsdp = (f"; under FSDP the packed weights are Params4bit parameters with bnb_4bit_quant_storage="
+            f"{_name(storage)}, sharded, and the quant state (absmax, codes) stays whole on every rank") \
+        if storage is not None else ""
+    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how}){fsdp}"]
 
 
 def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:

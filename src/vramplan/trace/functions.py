@@ -99,12 +99,17 @@ class CudaFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
+        to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
+        if to_cuda:
+            host = self.trace.rec.host
+            if host is not None and not host.device_copy:  # made on the GPU: device memory, whatever the inputs
+                with host.copying_to_device():
+                    return self.__torch_function__(func, types, args, kwargs)
             kwargs = {**kwargs, "device": _META}
         if kwargs.get("pin_memory"):  # page-locked host memory: a host tensor, never GPU memory
             kwargs = {**kwargs, "pin_memory": False}
         if name == "to" or name == "cuda":
-            return self._to(func, name, args, kwargs)
+            return self._to(func, name, args, kwargs, to_cuda)
         if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             return args[0]
         ac = self.autocast
@@ -153,7 +158,18 @@ class CudaFunctionMode(TorchFunctionMode):
     def _host_values(self, t: torch.Tensor) -> torch.Tensor | None:
         return t if t.device.type != "meta" else self.trace.values.cpu_view(t)
 
-    def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], to_cuda: bool = False) -> Any:
+        host = self.trace.rec.host
+        src = args[0] if args else None
+        if host is not None and isinstance(src, torch.Tensor) and host.is_host(src) \
+                and (name == "cuda" or to_cuda or any(_is_cuda(a) for a in args[1:])):
+            # a host tensor copied to the GPU (FSDP2 CPU offload's all-gather input): a new
+            # device tensor, where ``.to("meta")`` of a meta tensor would return it unchanged
+            with host.copying_to_device():
+                if name == "cuda":
+                    return src.to(_META, copy=True)
+                args = tuple(_META if _is_cuda(a) else a for a in args)
+                return func(*args, **{**kwargs, "copy": True})
         if name == "cuda":
             return args[0].to(_META) if isinstance(args[0], torch.Tensor) else func(*args, **kwargs)
         args = tuple(_META if _is_cuda(a) else a for a in args)

@@ -18,12 +18,18 @@ distributed code (no simulation of it):
   ``(dp_replicate, dp)`` mesh — sharded within a group, all-reduced across replicas.
 - DeepSpeed's ZeRO-1/2 (the default engine for those stages) is not PyTorch's: refused here.
 
-Tensor / pipeline / context / expert parallelism and offload are refused here with a hint
+- CPU offload (``offload_params``, FSDP only): ``CPUOffloadPolicy(pin_memory=True)`` as
+  accelerate's ``cpu_offload`` and torchtitan's ``enable_cpu_offload`` pass it — FSDP2 has one
+  policy: parameters, gradients and optimizer states all on the host (:mod:`.host`).
+  ``offload_optimizer`` alone is DeepSpeed's ZeRO-Offload: refused here.
+
+Tensor / pipeline / context / expert parallelism are refused here with a hint
 (they are traced by the modules that own them, or estimated analytically).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +41,7 @@ from ..errors import TraceError
 from ..precision import dp_engine
 from ..workload import Workload
 from .dist import RankContext, World, world_of
+from .host import PARAMETERS
 
 DDP_BUCKET_MB = 25
 """``DistributedDataParallel(bucket_cap_mb=None)`` → 25 MiB (torch/nn/parallel/distributed.py)."""
@@ -50,6 +57,9 @@ class Layout:
     reshard_after_forward: bool = True
     bucket_cap_mb: float = DDP_BUCKET_MB
     gradient_as_bucket_view: bool = False
+    cpu_offload: bool = False
+    """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and the
+    optimizer step on the host (:mod:`.host`)."""
 
 
 def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
@@ -58,9 +68,19 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     if p.pp > 1 or p.cp > 1 or p.ep > 1:
         raise TraceError("pipeline / context / expert parallelism are not laid out with data parallelism here",
                          hint="use `method=analytic` for these layouts")
-    if p.offload_params or p.offload_optimizer:
-        raise TraceError("CPU offload is not traced yet", hint="use `method=analytic` for offloaded layouts")
     engine = dp_engine(w)
+    offload = p.offload_params or p.offload_optimizer
+    if offload and engine != "fsdp":
+        raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
+                         hint="use `method=analytic` (DeepSpeed's host RAM estimators), or `offload_params` with "
+                              "`zero=3` and `engine=fsdp`")
+    if offload and p.tp > 1:
+        raise TraceError("FSDP2 CPU offload is traced without tensor parallelism (TP × FSDP2 with CPUOffloadPolicy "
+                         "is not checked against the formulas yet)", hint="use `method=analytic`, or `tp=1`")
+    if offload and not p.offload_params:
+        raise TraceError("FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer states together; "
+                         "optimizer-only offload is DeepSpeed's ZeRO-Offload, which is not traced",
+                         hint="add `offload_params` (FSDP2), or use `method=analytic` with `engine=deepspeed`")
     if engine == "none" or (not w.training and p.zero != 3):
         return None  # one GPU, or inference replicas: every rank runs the same unsharded model
     if getattr(w, "optimizer_in_backward", False):
@@ -73,7 +93,7 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     else:
         world = dataclasses.replace(world_of(dp=p.dp, **tp), rank=rank)
     if engine == "fsdp":
-        return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
+        return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3, cpu_offload=offload)
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
@@ -131,14 +151,28 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
     for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are
         rec.ignore(_local(p))  # (a tensor-parallel parameter: its TP-local shard, which FSDP shards)
     blocks = transformer_blocks(model)
-    for blk in blocks:
-        fully_shard(blk, **kw)
-    fully_shard(model, **kw)
+    host = rec.host if layout.cpu_offload else None
+    offload = ""
+    if host is not None:
+        kw["offload_policy"] = _cpu_offload_policy()
+        offload = ", CPUOffloadPolicy(pin_memory=True): sharded parameters, gradients and the optimizer step on the host"
+    with host.scope(PARAMETERS) if host is not None else contextlib.nullcontext():  # pinned host shards
+        for blk in blocks:
+            fully_shard(blk, **kw)
+        fully_shard(model, **kw)
     n = layout.world.dim("dp")
     stage = "ZeRO-3 / FULL_SHARD" if layout.reshard_after_forward else "ZeRO-2 / SHARD_GRAD_OP"
     over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
     return [f"FSDP2 ({stage}) over {over}: fully_shard on {len(blocks)} blocks and the root"
-            f"{mp}; rank {layout.world.rank} traced on the fake process group"]
+            f"{mp}{offload}; rank {layout.world.rank} traced on the fake process group"]
+
+
+def _cpu_offload_policy() -> Any:
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy  # type: ignore[attr-defined,no-redef]
+    return CPUOffloadPolicy(pin_memory=True)
 
 
 def _ddp(model: nn.Module, layout: Layout, ctx: RankContext) -> tuple[nn.Module, list[str]]:

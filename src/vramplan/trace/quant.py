@@ -57,7 +57,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, kind: Quant,
                  compute_dtype: torch.dtype, double_quant: bool = False, device: Any = "meta",
-                 storage_dtype: torch.dtype | None = None) -> None:
+                 storage_dtype: torch.dtype | None = None, quant_storage: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.kind = kind
@@ -68,7 +68,15 @@ class QuantLinear(nn.Module):
         n = in_features * out_features
         dev = torch.device(device)
         if kind in (Quant.NF4, Quant.INT4):
-            self.register_buffer("weight", torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=dev))
+            if quant_storage is not None:
+                # FSDP-QLoRA (bnb ``bnb_4bit_quant_storage``): the packed bytes are a frozen
+                # ``Params4bit`` parameter viewed as ``quant_storage`` — FSDP shards it like any
+                # weight; the quant state (absmax, codes) is no parameter and stays whole per rank
+                # (bitsandbytes functional.quantize_4bit: ``(n + 1) // (2 · itemsize)`` rows of quant_storage)
+                rows = (n + 1) // (2 * quant_storage.itemsize)
+                self.weight = nn.Parameter(torch.empty((rows, 1), dtype=quant_storage, device=dev), requires_grad=False)
+            else:
+                self.register_buffer("weight", torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=dev))
             blocks = -(-n // BLOCK_4BIT)
             if double_quant:
                 self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=dev))
@@ -91,10 +99,10 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, kind: Quant, compute_dtype: torch.dtype, double_quant: bool,
-                    storage_dtype: torch.dtype | None = None) -> QuantLinear:
+                    storage_dtype: torch.dtype | None = None, quant_storage: torch.dtype | None = None) -> QuantLinear:
         return cls(lin.in_features, lin.out_features, bias=lin.bias is not None, kind=kind,
                    compute_dtype=compute_dtype, double_quant=double_quant, device=lin.weight.device,
-                   storage_dtype=storage_dtype or lin.weight.dtype)
+                   storage_dtype=storage_dtype or lin.weight.dtype, quant_storage=quant_storage)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, kind={self.kind}"
@@ -106,7 +114,7 @@ class QuantLinear(nn.Module):
 
     # --- kernels --------------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        w = self._buffer("weight")
+        w = self.weight
         if self.kind in (Quant.NF4, Quant.INT4):
             absmax = _empty((self._buffer("absmax").numel(),), torch.float32, w) if self.double_quant else None
             out = _empty((self.out_features, self.in_features), self.storage_dtype, w)
@@ -148,7 +156,8 @@ class QuantLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, *, double_quant: bool,
-                     skip: tuple[str, ...] = ("lm_head",), storage_dtype: torch.dtype | None = None) -> int:
+                     skip: tuple[str, ...] = ("lm_head",), storage_dtype: torch.dtype | None = None,
+                     quant_storage: torch.dtype | None = None) -> int:
     """Replace every ``nn.Linear`` (except ``skip`` names and LoRA adapters) by
     :class:`QuantLinear`; returns the count."""
     count = 0
@@ -158,6 +167,6 @@ def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, 
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and child_name not in skip:
                 setattr(mod, child_name, QuantLinear.from_linear(child, kind, compute_dtype, double_quant,
-                                                                 storage_dtype))
+                                                                 storage_dtype, quant_storage))
                 count += 1
     return count

@@ -71,6 +71,9 @@ class Recorder:
         self.active = True
         self.on_free: list[Callable[[int], None]] = []
         """Callbacks told the storage key of every freed storage (value trackers)."""
+        self.host: Any = None
+        """The rank's host memory (:class:`~vramplan.trace.host.HostMemory`) while tensors
+        live on the CPU in the real run (FSDP2's CPU offload); None otherwise."""
         self.spans_closed: list[int] = []
         # columnar aliases (hot path)
         log = self.log

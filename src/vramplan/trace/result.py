@@ -37,4 +37,7 @@ class TraceResult:
     """Allocated bytes by breakdown category, decimated to at most 5,000 points (peaks kept)."""
     notes: tuple[str, ...] = ()
     host_memory: int = 0
-    """Pinned host (CPU) RAM the step holds: offloaded activations (``activation_offload``)."""
+    """Host (CPU) RAM the step holds: offloaded activations (``activation_offload``, pinned) and
+    FSDP2 CPU offload's parameters, gradients and optimizer (``offload_params``)."""
+    host_parts: tuple[tuple[str, int], ...] = ()
+    """(part, bytes) of ``host_memory``."""

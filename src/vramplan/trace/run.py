@@ -24,6 +24,7 @@ from ..errors import TraceError, VramplanError, WorkloadError
 from ..events import Category, EventLog
 from ..models.build import quiet
 from ..models.spec import ModelSpec
+from ..results import HOST_ACTIVATIONS
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Peft, Quant, Task, Workload
 from . import (
@@ -38,6 +39,7 @@ from . import (
 )
 from .construct import fake_construction
 from .dist import rank_session
+from .host import HostMemory
 from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
 from .metacache import MetaCache
@@ -532,6 +534,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
     layout = data_layout(w, rank=opts.rank)
+    host_side = HostMemory(sess.rec) if layout is not None and layout.cpu_offload else None
+    sess.rec.host = host_side
+    host_parts: tuple[tuple[str, int], ...] = ()
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
@@ -604,6 +609,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                      hint="the model's step must run on fake (meta) tensors: change that line to "
                                           "depend on shapes, not values, or register a fake kernel for a custom op"
                                      ) from e
+        if host_side is not None:  # (the optimizer still holds its states: read them now)
+            host_parts = host_side.parts()
     notes += plan.notes
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     if p.compiler is not None:
@@ -614,11 +621,19 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
                      "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
+    if host_parts:
+        notes.append("FSDP2 CPU offload: host RAM " + ", ".join(f"{name} {n:,} B" for name, n in host_parts)
+                     + " (pinned blocks in the CachingHostAllocator's power-of-two classes); the optimizer "
+                     "step runs on the CPU")
+    if offloaded:
+        host_parts = (*host_parts, (HOST_ACTIVATIONS, ledger.reserved))
     if paths is not None:
         paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
-    return dataclasses.replace(result, host_memory=ledger.reserved) if offloaded else result
+    if not host_parts:
+        return result
+    return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,179 @@
+"""Host (CPU) memory of a traced rank: the tensors FSDP2's ``CPUOffloadPolicy`` keeps on the CPU.
+
+Under ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=True))`` (torch 2.13,
+``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` and ``_fsdp_collectives.py``):
+
+- the **sharded parameters** live on the host, pinned (``_init_sharded_param``: the padded
+  shard ``.cpu().pin_memory()``); before each all-gather the shard is copied to the GPU
+  (``all_gather_inputs``: ``.to(self.device, non_blocking=True)``, then cast to
+  ``param_dtype``), on the all-gather copy-in stream;
+- the **sharded gradients** are reduce-scattered on the GPU, then copied to the host
+  (``foreach_reduce``: ``.to("cpu", non_blocking=True)``, which lands in pinned memory —
+  ``_to_copy`` pins a non-blocking device-to-host copy's output); the GPU shard dies with
+  the reduce-scatter output. With gradient accumulation the next micro-batches' copies are
+  blocking (pageable) and added into the pinned gradient;
+- the **optimizer step** runs on the CPU over the host parameters and gradients: its states
+  and temporaries are ordinary (pageable) host memory.
+
+In the trace every tensor is ``meta``; this module keeps the ones that are on the host in
+the real run out of the GPU's event log (:meth:`Recorder.ignore`) and books them here instead:
+pinned blocks the way PyTorch's ``CachingHostAllocator`` holds them (each request rounded up
+to a power of two, ``aten/src/ATen/core/CachingHostAllocator.h`` ``PowerOf2Ceil``; a freed
+block is cached for its size class, so what is held is, per class, the most blocks live at
+once), pageable bytes as live bytes (their peak).
+
+Which tensors are on the host: the parameters FSDP2 shards while :meth:`HostMemory.scope`
+is active, device-to-host copies (:meth:`HostMemory.to_host`), and every output of an op
+whose device inputs are all host tensors (the CPU optimizer step); a copy to the GPU
+(``.to("cuda")``) is a device tensor again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
+from .offload import pinned_bytes
+from .recorder import Recorder, local_tensor
+
+PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STATES, HOST_STEP
+
+
+class HostMemory:
+    """The host side of one traced rank (see the module docstring)."""
+
+    def __init__(self, rec: Recorder, *, counted: bool = True) -> None:
+        self.rec = rec
+        self.counted = counted
+        """False: the tensors are nowhere in the real run (a script's own ``meta`` model), not host
+        RAM — kept off the GPU's log and not counted."""
+        self.keys: dict[int, tuple[str, int, bool]] = {}
+        """storage key → (part, bytes, pinned) of every live host storage."""
+        self._live: dict[tuple[str, int], int] = {}
+        self._most: dict[tuple[str, int], int] = {}
+        self.pageable = 0
+        self.pageable_peak = 0
+        self.part: str | None = None
+        """While set, every new storage is a pinned host tensor of this part."""
+        self.device_copy = False
+        """While set, outputs are device tensors (a host-to-device copy)."""
+
+    # --- what is on the host -----------------------------------------------------------
+    def is_host(self, t: torch.Tensor) -> bool:
+        t = local_tensor(t)
+        return t.device.type == "meta" and t.untyped_storage()._cdata in self.keys
+
+    def takes(self, args: Any) -> bool:
+        """Whether an op's outputs are host tensors: inside :meth:`scope`, or every meta
+        tensor among its arguments is a host tensor (and there is one)."""
+        if self.device_copy:
+            return False
+        if self.part is not None:
+            return True
+        if not self.keys:
+            return False
+        seen = False
+        for a in _flat(args):
+            if a.device.type == "meta":
+                if a.untyped_storage()._cdata not in self.keys:
+                    return False
+                seen = True
+        return seen
+
+    # --- booking -----------------------------------------------------------------------
+    def adopt(self, out: Any, *, part: str | None = None, pinned: bool | None = None) -> None:
+        """Book the new storages of ``out`` (a tensor or nested list of them) on the host."""
+        part = part or self.part or STEP
+        pin = pinned if pinned is not None else self.part is not None
+        for t in _flat(out):
+            t = local_tensor(t)
+            if t.device.type != "meta":
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.rec.live or key in self.keys:
+                continue  # a view, or an in-place result: already booked
+            self.rec.ignore(t)
+            n = st.nbytes()
+            self.keys[key] = (part, n, pin)
+            weakref.finalize(st, partial(self._freed, key))
+            if pin:
+                k = (part, pinned_bytes(n))
+                self._live[k] = self._live.get(k, 0) + 1
+                self._most[k] = max(self._most.get(k, 0), self._live[k])
+            else:
+                self.pageable += n
+                self.pageable_peak = max(self.pageable_peak, self.pageable)
+
+    def _freed(self, key: int) -> None:
+        entry = self.keys.pop(key, None)
+        if entry is None:
+            return
+        part, n, pin = entry
+        if pin:
+            self._live[(part, pinned_bytes(n))] -= 1
+        else:
+            self.pageable -= n
+
+    @contextlib.contextmanager
+    def scope(self, part: str) -> Iterator[None]:
+        """New storages are pinned host tensors of ``part`` (FSDP2 sharding the model)."""
+        saved = self.part
+        self.part = part
+        try:
+            yield
+        finally:
+            self.part = saved
+
+    @contextlib.contextmanager
+    def copying_to_device(self) -> Iterator[None]:
+        saved = self.device_copy
+        self.device_copy = True
+        try:
+            yield
+        finally:
+            self.device_copy = saved
+
+    def to_host(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """A device-to-host copy (``.to("cpu", non_blocking=…)``): a new host tensor, pinned
+        when the copy is non-blocking (``_to_copy``'s ``pin_out``)."""
+        src = args[0]
+        dtype = kwargs.get("dtype") or src.dtype
+        out = torch.empty_strided(src.shape, src.stride(), dtype=dtype, device="meta") \
+            if src.is_contiguous() else torch.empty(src.shape, dtype=dtype, device="meta")
+        self.adopt(out, part=GRADIENTS if kwargs.get("non_blocking") else STEP,
+                   pinned=bool(kwargs.get("non_blocking")))
+        return out
+
+    # --- figures -----------------------------------------------------------------------
+    def pinned(self, part: str) -> int:
+        """Bytes of pinned host memory ``part`` holds (size class × most blocks live)."""
+        return sum(b * n for (p, b), n in self._most.items() if p == part)
+
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """(part, bytes) of the host memory: pinned parameters and gradients, the pageable
+        bytes live now (the optimizer's states, read after the last step) and the rest of the
+        pageable peak (the step's temporaries)."""
+        states = self.pageable
+        if not self.counted:
+            return ()
+        out = [(PARAMETERS, self.pinned(PARAMETERS)), (GRADIENTS, self.pinned(GRADIENTS)),
+               (STATES, states), (STEP, max(0, self.pageable_peak - states))]
+        return tuple((name, n) for name, n in out if n)
+
+
+def _flat(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _flat(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flat(x)
