@@ -64,9 +64,10 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         st = stage_states(arch, stage, w, rg, tr)
         if w.training:
             acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
-            host[stage.index] = acts.host * stage.in_flight
+            host[stage.index] = stage.held(acts.host)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
-            phases = training(st, acts, stage, w, ctx, workspace, cache)
+            receive = tokens * arch.hidden * rg.stream // (w.parallel.tp if w.parallel.sp else 1)
+            phases = training(st, acts, stage, w, ctx, workspace, cache, receive)
         else:
             gen_tokens = tokens if w.task is Task.INFER else counts.per_rank
             phases = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,

@@ -179,22 +179,31 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
 
     _check_iterations(iterations)
     opts = options or TraceOptions()
-    pp = w.parallel.pp
+    p = w.parallel
+    pp, nstages = p.pp, p.pp * p.stages_per_rank
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     results: list[tuple[int, TraceResult]] = []
     for rank in pipeline_parallel.stage_ranks(pp):
-        full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
-        params = sum(q.numel() for q in full.parameters())
-        stage_mod, st = pipeline_parallel.split(full, rank, pp)
+        parts, specs = [], []
+        params = 0
+        for index in p.stage_ids(rank):
+            full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+            params = sum(q.numel() for q in full.parameters())
+            part, st = pipeline_parallel.split(full, index, nstages)
+            # torchtitan applies activation checkpointing per model part (each part's own block list)
+            part_notes = features.apply_checkpointing(part, w, checkpoint_policy)
+            parts.append(part)
+            specs.append(st)
+        model = pipeline_parallel.Chunks(parts)
         act = features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
         runner = pipeline_parallel.make_runner(
-            stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
-            vocab=spec.vocab, act_dtype=act, out_dtype=out)
+            model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
+            hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out)
         with dist.fake_world(dist.World((("pp", pp),), rank=rank)):
             pipeline_parallel.p2p_on_meta()
-            prepared = _prepare(stage_mod, ((), {}), w, list(notes or ()), f"{spec.name} stage {rank}", device,
-                                checkpoint_policy)
+            prepared = _prepare(model, ((), {}), w.replace(checkpointing="none"), [*(notes or ()), *part_notes],
+                                f"{spec.name} rank {rank}", device)
             prepared.params = prepared.trainable = params
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
     return results
@@ -202,19 +211,29 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
 
 def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
                     opts: TraceOptions, notes: list[str], checkpoint_policy: Policy | None = None) -> TraceResult:
-    """The worst traced pipeline stage, every traced stage's peak in its notes."""
-    pp = w.parallel.pp
+    """The worst traced pipeline rank, every traced rank's peak in its notes."""
+    p = w.parallel
     results = trace_pipeline_stages(spec, w, device=device, iterations=iterations, options=opts, notes=notes,
                                     checkpoint_policy=checkpoint_policy)
     rank, worst = max(results, key=lambda r: r[1].peak_allocated)
-    per = spec.layers // pp
-    peaks = "; ".join(f"stage {r} (layers {r * per}–{(r + 1) * per - 1}{', embeddings' if r == 0 else ''}"
-                      f"{', head + loss' if r == pp - 1 else ''}) {t.peak_allocated:,} B" for r, t in results)
-    extra = (f"pipeline parallelism traced per stage: PyTorch's torch.distributed.pipelining "
-             f"{pipeline_parallel.SCHEDULE} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
-             f"peak allocated {peaks}; the report shows stage {rank}, the worst"
-             + ("; middle stages hold the first stage's layers without its embeddings and fewer micro-batches "
-                "in flight" if pp > 2 else ""))
+    per = spec.layers // (p.pp * p.stages_per_rank)
+
+    def holds(r: int) -> str:
+        ids = p.stage_ids(r)
+        parts = [f"layers {i * per}–{(i + 1) * per - 1}" for i in ids]
+        if 0 in ids:
+            parts.append("embeddings")
+        if p.pp * p.stages_per_rank - 1 in ids:
+            parts.append("head + loss")
+        return ", ".join(parts)
+
+    stages = "stage" if p.stages_per_rank == 1 else f"{p.stages_per_rank} stages per rank"
+    peaks = "; ".join(f"rank {r} ({holds(r)}) {t.peak_allocated:,} B" for r, t in results)
+    extra = (f"pipeline parallelism traced per rank ({stages}): PyTorch's torch.distributed.pipelining "
+             f"{p.pp_schedule} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
+             f"peak allocated {peaks}; the report shows rank {rank}, the worst"
+             + ("; middle ranks hold as many layers as the first, without its embeddings and with no more "
+                "micro-batches in flight" if p.pp > 2 else ""))
     return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 
