@@ -189,3 +189,35 @@ def test_cli_schedule_flags(capsys):
     assert main(["estimate", "llama-3.1-8b", "--pp", "4", "--pp-schedule", "zigzag", "--method", "analytic"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown pipeline schedule" in err[0] and "GPipe" in err[0]
+
+
+# ----------------------------------------------------------------- step time and plan
+def test_bubble_follows_the_schedule():
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.models.catalog import resolve
+    from vramplan.runtime import step_time
+
+    spec, gpu = resolve("llama-3.1-8b"), get_gpu("h100")
+    w = Workload(batch=1, seq=2048, grad_accum=8, optimizer_impl="fused", parallel=Parallel(pp=4))
+    t = {s: step_time(spec, w.replace(pp_schedule=s), gpu) for s in PP_SCHEDULES}
+    per_mb = t["1F1B"].bubble / 3  # (p − 1) micro-batch times
+    assert t["GPipe"].bubble == pytest.approx(t["1F1B"].bubble)
+    assert t["Interleaved1F1B"].bubble == pytest.approx(3 * per_mb / 2)  # / v, v = 2
+    assert t["LoopedBFS"].bubble == pytest.approx(t["Interleaved1F1B"].bubble)
+    assert t["ZBVZeroBubble"].bubble == pytest.approx(3 * per_mb / 6)
+    four = step_time(spec, w.replace(pp_schedule="Interleaved1F1B", pp_virtual=4), gpu)
+    assert four.bubble == pytest.approx(3 * per_mb / 4)
+    assert any("ZBVZeroBubble" in n and "(p − 1) / (3 v)" in n for n in t["ZBVZeroBubble"].notes)
+
+
+def test_plan_searches_schedules_for_the_pipelines_it_lays_out():
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.planner.space import PP_SEARCHED, candidates
+
+    gpu = get_gpu("h100")
+    found = {c.workload.parallel.pp_schedule for c in candidates(Workload(seq=2048, grad_accum=8), gpu, max_gpus=8,
+                                                                 compact=True) if c.workload.parallel.pp > 1}
+    assert found == set(PP_SEARCHED)
+    given = Workload(seq=2048, grad_accum=8, parallel=Parallel(pp=2, pp_schedule="GPipe"))
+    kept = {c.workload.parallel.pp_schedule for c in candidates(given, gpu, max_gpus=8, compact=True)}
+    assert kept == {"GPipe"}
