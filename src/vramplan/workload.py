@@ -192,7 +192,8 @@ class Parallel:
     pp: int = 1
     """Pipeline-parallel stages."""
     microbatches: int = 0
-    """Micro-batches in flight on the first pipeline stage (0 = pp, as in 1F1B)."""
+    """Micro-batches in flight on the first pipeline rank, overriding the analytic count (0 = as
+    the `pp_schedule` runs a step's `grad_accum` micro-batches: pp under 1F1B)."""
     sp: bool = False
     """Megatron sequence parallelism (shards norm/dropout activations over the TP group)."""
     cp: int = 1
@@ -319,8 +320,9 @@ class Parallel:
 
     @property
     def in_flight(self) -> int:
-        """Micro-batches whose activations are alive at once on the first stage (``microbatches``,
-        else the schedule's minimum micro-batch count: the pipeline's depth)."""
+        """Micro-batches whose activations are alive at once on the first rank under 1F1B
+        (``microbatches``, else the pipeline's depth); other schedules: :func:`vramplan.analytic.
+        parallel.chunks_in_flight`."""
         if self.pp == 1:
             return 1
         return self.microbatches or self.pp
