@@ -221,3 +221,30 @@ def test_plan_searches_schedules_for_the_pipelines_it_lays_out():
     given = Workload(seq=2048, grad_accum=8, parallel=Parallel(pp=2, pp_schedule="GPipe"))
     kept = {c.workload.parallel.pp_schedule for c in candidates(given, gpu, max_gpus=8, compact=True)}
     assert kept == {"GPipe"}
+
+
+# ----------------------------------------------------------------- LoRA and inference
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_lora_pipeline_is_traced_and_matches_the_analytic(schedule):
+    spec = tiny_spec("llama-3.1-8b", layers=8)
+    w = Workload(task="train", batch=2, seq=128, grad_accum=4, peft="lora",
+                 parallel=Parallel(pp=2, pp_schedule=schedule))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE
+    assert (t.breakdown.gradients, t.breakdown.optimizer) == (a.breakdown.gradients, a.breakdown.optimizer)
+    assert t.trainable_params == a.trainable_params < t.params  # the whole model's adapters
+    assert t.peak.allocated == pytest.approx(a.peak.allocated, rel=0.03)
+
+
+def test_pipeline_inference_is_one_forward_only_micro_batch():
+    spec = tiny_spec("llama-3.1-8b", layers=8)
+    w = Workload(task="infer", batch=2, seq=256, parallel=Parallel(pp=4))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    assert t.method is Method.TRACE and t.breakdown.gradients == t.breakdown.optimizer == 0
+    note = next(n for n in t.notes if n.startswith("pipeline parallelism traced per rank"))
+    assert "GPipe forward-only over one micro-batch of 2" in note and "rank 3 (layers 6–7, head)" in note
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.breakdown.weights == pytest.approx(a.breakdown.weights, abs=1024)
+    looped = w.replace(pp_schedule="Interleaved1F1B")
+    assert estimate(spec, looped, search_max_batch=False).method is Method.ANALYTIC  # refused with a reason

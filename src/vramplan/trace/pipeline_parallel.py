@@ -180,11 +180,16 @@ def returns_outputs(schedule: Any) -> bool:
 
 def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: int,
                 microbatches: int, seq: int, hidden: int, vocab: int, act_dtype: torch.dtype,
-                out_dtype: torch.dtype) -> Callable[[Any, Any], None]:
-    """A step runner (``runner(sess, plan)``) that runs this rank's part of one step of ``schedule``."""
+                out_dtype: torch.dtype, training: bool = True) -> Callable[[Any, Any], None]:
+    """A step runner (``runner(sess, plan)``) that runs this rank's part of one step of ``schedule``.
+
+    ``training=False``: a forward-only step of one micro-batch (``ScheduleGPipe`` without a loss
+    under ``torch.no_grad()``: torch runs no backward when grad mode is off)."""
     from torch.distributed.pipelining import PipelineStage
 
-    cls = schedule_class(schedule)
+    cls = schedule_class(schedule if training else "GPipe")
+    if not training:
+        microbatches = 1
     state: dict[str, Any] = {}
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -197,9 +202,9 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
         y = torch.zeros(micro, seq, vocab if spec.last else hidden, dtype=out_dtype if spec.last else act_dtype,
                         device=meta)
         # static shapes; hidden states carry gradients between stages, token ids and logits-to-loss do not
-        if not spec.first:
+        if not spec.first and training:
             x.requires_grad_(True)
-        if not spec.last:
+        if not spec.last and training:
             y.requires_grad_(True)
         stage = PipelineStage(mod, spec.index, spec.stages, meta, input_args=(x,), output_args=(y,))
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
@@ -227,9 +232,10 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
     def build(sess: Any, plan: Any) -> Any:
         stages = [stage_of(mod, spec, sess, plan) for mod, spec in zip(model.parts, specs, strict=True)]
         try:
-            if len(stages) == 1 and schedule in ("GPipe", "1F1B"):
-                return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-            return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+            loss = loss_fn if training else None
+            if len(stages) == 1 and (schedule in ("GPipe", "1F1B") or not training):
+                return cls(stages[0], n_microbatches=microbatches, loss_fn=loss)
+            return cls(stages, n_microbatches=microbatches, loss_fn=loss)
         except ValueError as e:  # the schedule's own check of micro-batches and stages
             raise TraceError(f"torch's {schedule} refuses this layout: {e}",
                              hint="change `grad_accum` (micro-batches per step) or `pp_virtual`") from None
@@ -244,10 +250,10 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
         with sess.phase(Phase.FORWARD):
             ids = torch.zeros(micro * microbatches, seq, dtype=torch.long, device=meta)
         args = (ids,) if first else ()
-        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last else {}
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
         if returns_outputs(schedule_):  # torchtitan's trainer: the last stage keeps no outputs
             kwargs["return_outputs"] = False
-        with static_warmup():
+        with static_warmup(), torch.no_grad() if not training else contextlib.nullcontext():
             schedule_.step(*args, **kwargs)
         del ids, args, kwargs
         sess.label_grads(plan.trainable)
