@@ -51,15 +51,18 @@ def _torch_order(name: str, pp: int, v: int, m: int, rank: int) -> list:
     return s._calculate_single_rank_operations(rank)
 
 
-def _peak_forwards(ops: list) -> int:
+def _peak_forwards(ops: list, zero_bubble: bool) -> int:
+    """The most forwards not yet backward; for the zero-bubble schedules until their separate
+    weight-gradient step (W), which keeps part of what the forward saved."""
     c = sch._ComputationType
+    release = (c.FULL_BACKWARD, c.BACKWARD_WEIGHT if zero_bubble else c.BACKWARD_INPUT)
     live = best = 0
     for a in ops:
         if a is None:
             continue
         if a.computation_type == c.FORWARD:
             live += 1
-        elif a.computation_type in (c.FULL_BACKWARD, c.BACKWARD_INPUT):
+        elif a.computation_type in release:
             live -= 1
         best = max(best, live)
     return best
@@ -73,7 +76,8 @@ def test_in_flight_counts_equal_torchs_own_action_orders(name, virtual):
         if name.startswith("Interleaved") and m % max(1, m // pp):
             continue  # the schedule refuses it (see the error test below)
         for rank in range(pp):
-            assert chunks_in_flight(name, pp, v, m, rank) == _peak_forwards(_torch_order(name, pp, v, m, rank)), \
+            ops = _torch_order(name, pp, v, m, rank)
+            assert chunks_in_flight(name, pp, v, m, rank) == _peak_forwards(ops, "ZeroBubble" in name), \
                 (name, pp, v, m, rank)
             checked += 1
     assert checked > 100
@@ -144,7 +148,7 @@ def test_each_schedule_traces_the_analytic_states_per_rank(schedule):
     worst = max(t.peak_allocated for t in traced.values())
     analytic = estimate(spec, w, method="analytic", search_max_batch=False).peak.allocated
     # the zero-bubble schedules' delayed weight-gradient steps keep more than the analytic counts
-    tol = 0.25 if "ZeroBubble" in schedule else 0.03
+    tol = 0.10 if "ZeroBubble" in schedule else 0.03
     assert analytic == pytest.approx(worst, rel=tol)
 
 

@@ -90,8 +90,9 @@ def chunks_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
     backward; LoopedBFS every forward of every local stage; Interleaved1F1B its warm-up
     (``_get_warmup_ops``: ``(v − 1) × per-round + 2 × (pp − 1 − rank)``, capped at ``m × v``)
     and one more forward before the first backward; InterleavedZeroBubble the same with a
-    factor 1 (its weight-gradient steps come later; the inputs they keep are not counted
-    here); ZBVZeroBubble ``2 pp`` chunks once ``m >= 2 pp − 1`` (warm-up ``2 (pp − rank) − 1`` +
+    factor 1, counted until each chunk's weight-gradient step (``W``), which runs ``rank`` steps
+    after its input-gradient one: ``rank`` more chunks (a chunk waiting for ``W`` keeps the
+    linears' inputs and output gradients, not all it saved: an upper bound); ZBVZeroBubble ``2 pp`` chunks once ``m >= 2 pp − 1`` (warm-up ``2 (pp − rank) − 1`` +
     ``2 rank`` forwards, then each forward of the second chunk is followed by its backward),
     fewer where torch drops the padding micro-batches of a shorter step."""
     if schedule == "GPipe":
@@ -100,11 +101,14 @@ def chunks_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
         return min(m, pp - rank)
     if schedule == "LoopedBFS":
         return m * v
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+    if schedule == "Interleaved1F1B":
         per_round = m // max(1, m // pp)
-        factor = 2 if schedule == "Interleaved1F1B" else 1
-        warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
         return warmup + 1 if warmup < m * v else warmup
+    if schedule == "InterleavedZeroBubble":
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + (pp - 1 - rank), m * v)
+        return min(warmup + 1 + rank, m * v)
     if schedule == "ZBVZeroBubble":
         return _zbv_in_flight(pp, m, rank)
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
