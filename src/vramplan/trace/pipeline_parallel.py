@@ -153,6 +153,44 @@ def static_warmup() -> Iterator[None]:
         base._warmup_p2p = orig  # type: ignore[attr-defined]
 
 
+class _HeldWork:
+    """A fake process group's P2P work that keeps its tensors while it exists, as a real one
+    does (gloo's send/recv work holds its tensor; NCCL's work stashes it for its stream), so
+    that a sent activation or gradient dies when the schedule drops the work, not before."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self.work = work
+        self.tensors = tensors
+
+    def wait(self, *a: Any, **k: Any) -> Any:
+        return self.work.wait(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def held_p2p() -> Iterator[None]:
+    """Wrap the schedules' P2P works (``schedules._batch_p2p``) in :class:`_HeldWork`."""
+    import torch.distributed.pipelining.schedules as sch
+
+    orig = getattr(sch, "_batch_p2p", None)
+    if orig is None:  # pragma: no cover - another torch layout: tensors die at the send
+        yield
+        return
+
+    def batch_p2p(p2p_ops: list[Any], *a: Any, **k: Any) -> list[Any]:
+        works = orig(p2p_ops, *a, **k)
+        tensors = [op.tensor for op in p2p_ops]
+        return [_HeldWork(w, tensors) for w in works]
+
+    sch._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        sch._batch_p2p = orig
+
+
 def p2p_on_meta() -> None:
     """Let the fake process group serve sends and receives of ``meta`` tensors: batched P2P
     (``dist.batch_isend_irecv``, the schedules' transport) asks the group for the backend of
@@ -253,7 +291,7 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
         kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
         if returns_outputs(schedule_):  # torchtitan's trainer: the last stage keeps no outputs
             kwargs["return_outputs"] = False
-        with static_warmup(), torch.no_grad() if not training else contextlib.nullcontext():
+        with static_warmup(), held_p2p(), torch.no_grad() if not training else contextlib.nullcontext():
             schedule_.step(*args, **kwargs)
         del ids, args, kwargs
         sess.label_grads(plan.trainable)
