@@ -107,15 +107,18 @@ def test_gpipe_keeps_every_micro_batch_in_flight(gpipe):
 def test_1f1b_keeps_min_m_pp_minus_rank_in_flight(gpipe):
     pp, micro, seq, hidden = 2, 1, 64, tiny_spec("llama-3.1-8b", layers=4).hidden
     one_f1b = {m: _trace("1F1B", m)[2] for m in (2, 4, 6)}
+    hidden_state = micro * seq * hidden * 4  # one fp32 micro-batch of hidden states
     for rank in (0, 1):
-        k6 = min(6, pp - rank)
-        buffer = (_max_activations(one_f1b[6][rank]) - _max_activations(gpipe[k6][rank])) // (6 - k6)
-        assert 0 <= buffer - micro * seq * hidden * 4 <= 1024  # one fp32 hidden-state buffer (+ ids / loss)
-        for m, traced in one_f1b.items():
+        acts = {m: _max_activations(traced[rank]) for m, traced in one_f1b.items()}
+        buffer = (acts[6] - acts[4]) // 2  # each further micro-batch: its receive buffer (+ ids / loss)
+        assert 0 <= buffer - hidden_state <= 1024
+        for m in (2, 4, 6):
             k = min(m, pp - rank)  # Schedule1F1B's warm-up: min(m, stages − stage) forwards, then 1B1F
-            # the in-flight part equals GPipe's with k micro-batches; beyond it each further
-            # micro-batch adds only its receive buffer (torch makes one per micro-batch)
-            assert _max_activations(traced[rank]) == _max_activations(gpipe[k][rank]) + (m - k) * buffer, (rank, m)
+            # the in-flight part equals GPipe's with k micro-batches; beyond it each further micro-batch
+            # adds its receive buffer, and in the 1B1F phase a rank that sends activations on (all but
+            # the last) holds one more sent micro-batch until its fused send completes
+            sending = hidden_state if m > k and rank < pp - 1 else 0
+            assert acts[m] == _max_activations(gpipe[k][rank]) + (m - k) * buffer + sending, (rank, m)
 
 
 def test_interleaved_holds_fewer_chunks_than_looped_bfs():
