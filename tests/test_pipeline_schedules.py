@@ -151,7 +151,7 @@ def test_each_schedule_traces_the_analytic_states_per_rank(schedule):
     worst = max(t.peak_allocated for t in traced.values())
     analytic = estimate(spec, w, method="analytic", search_max_batch=False).peak.allocated
     # the zero-bubble schedules' delayed weight-gradient steps keep more than the analytic counts
-    tol = 0.10 if "ZeroBubble" in schedule else 0.03
+    tol = 0.15 if "ZeroBubble" in schedule else 0.05
     assert analytic == pytest.approx(worst, rel=tol)
 
 

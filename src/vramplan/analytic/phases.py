@@ -69,6 +69,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     if w.checkpointing in (Checkpointing.FULL, Checkpointing.OP) and a.checkpointed:
         kept_casts = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
         casts_bwd = kept_casts + st.casts_layer
+    # A pipeline stage's forward of each micro-batch runs in its own autocast region (as the
+    # trace runs it): every micro-batch in flight keeps its own saved 16-bit copies
+    casts_fwd = st.casts_all
+    if w.parallel.pp > 1:
+        casts_bwd += stage.held(casts_bwd, 1)
+        casts_fwd = stage.held(st.casts_all)
     temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
     # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
     # accumulation to its parameter's step inside backward, with that step's temporaries
@@ -80,7 +86,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         weights=w_live, gradients=_with_buckets(st, held), optimizer=st.optimizer,
         activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
-        temporaries=st.casts_all + lm.forward_transient + 2 * workspace, kv_cache=stage.held(cache),
+        temporaries=casts_fwd + lm.forward_transient + 2 * workspace, kv_cache=stage.held(cache),
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
