@@ -12,7 +12,8 @@ import copy
 import dataclasses
 import functools
 import gc
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import TraceError, VramplanError, WorkloadError
-from ..events import Category
+from ..events import Category, EventLog
 from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..target import DEFAULT_PROFILE, DeviceProfile
@@ -32,12 +33,14 @@ from . import (
     features,
     offload,
     pipeline_parallel,
+    replicate,
     tensor_parallel,
 )
 from .construct import fake_construction
 from .dist import rank_session
 from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
+from .metacache import MetaCache
 from .optim import make_optimizer
 from .recorder import resolve_categories
 from .result import TraceResult
@@ -46,6 +49,8 @@ from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
+
+FULL_TRACE_ENV = "VRAMPLAN_FULL_TRACE"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class TraceOptions:
     rank: int = 0
     """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
     holds the same; the last one may hold less of a weight whose rows do not divide)."""
+    replicate_layers: bool = dataclasses.field(default_factory=lambda: os.environ.get(FULL_TRACE_ENV, "") in ("", "0"))
+    """Catalog models: trace the model with 2, 3 and 4 of its identical decoder layers (after a
+    dense prefix) and write the other layers' events from their exact progression (see
+    :mod:`.replicate`); where that does not verify, or False, every layer is traced. The
+    environment variable ``VRAMPLAN_FULL_TRACE=1`` turns it off for every trace (debugging)."""
 
 
 @dataclass
@@ -142,6 +152,51 @@ def trace_workload(
     the workload's checkpointing, PEFT, quantisation, precision and optimizer."""
     _check_iterations(iterations)
     opts = options or TraceOptions()
+    fallback: list[str] = []
+    if opts.replicate_layers and w.parallel.pp == 1:
+        why = _replication_refused(spec, w, opts, checkpoint_policy)
+        if why is None:
+            got = _trace_replicated(spec, w, device, iterations, opts, checkpoint_policy)
+            if isinstance(got, TraceResult):
+                return got
+            fallback.append(f"identical layers not replicated ({got}): every layer traced")
+    result = _trace_catalog(spec, w, device, iterations, opts, checkpoint_policy)
+    return dataclasses.replace(result, notes=(*result.notes, *fallback)) if fallback else result
+
+
+def _replication_refused(spec: ModelSpec, w: Workload, opts: TraceOptions, policy: Policy | None) -> str | None:
+    try:
+        layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    except VramplanError:
+        return "layout"  # (the full trace reports it)
+    return replicate.refusal(spec, w, model_parallel=_model_parallel(w), layout=layout, checkpoint_policy=policy)
+
+
+def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                      opts: TraceOptions, policy: Policy | None) -> TraceResult | str:
+    """Three reduced traces extrapolated to the model's layers (:mod:`.replicate`), or why not."""
+    quick = dataclasses.replace(opts, replicate_layers=False)
+    cache = MetaCache()  # (the three models run the same ops on the same shapes)
+
+    def tracer(reduced: ModelSpec) -> replicate.Traced:
+        paths: set[str] = set()
+        r = _trace_catalog(reduced, w, device, iterations, quick, policy, paths, cache)
+        return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
+
+    got = replicate.trace(spec, tracer)
+    if not isinstance(got, replicate.Replicated):
+        return got[0]
+    traced = replicate.reduced_layers(spec)
+    note = (f"identical layers traced once: the model traced with {', '.join(map(str, traced))} of its "
+            f"{spec.layers} layers, the other layers' events written from their exact progression "
+            "(verified on the third trace; `replicate_layers=False` traces every layer)")
+    return summarize_log(got.events, got.paths, params=got.params, trainable=got.trainable, flops=got.flops,
+                         notes=[*got.notes, note])
+
+
+def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                   opts: TraceOptions, checkpoint_policy: Policy | None,
+                   paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
@@ -167,7 +222,7 @@ def trace_workload(
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
-        return _trace(prepared, w, device, iterations, opts, shadows=shadows)
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache)
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
@@ -439,11 +494,16 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions, *,
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
            shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-           runner: Callable[[TraceSession, StepPlan], None] | None = None) -> TraceResult:
+           runner: Callable[[TraceSession, StepPlan], None] | None = None,
+           paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
+    """``paths``: filled with the traced module paths; ``cache``: a meta cache shared with
+    other traces (both for :mod:`.replicate`)."""
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
     sess = TraceSession(profile, autocast_dtype=features.autocast_dtype(w))
+    if cache is not None:
+        sess.dispatch.cache = cache
     sess.dispatch.cache.enabled = opts.meta_cache
     sess.values.routing_skew = w.routing_skew
     notes = list(p.notes)
@@ -530,6 +590,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         notes.append(f"activation offload (torchtune OffloadActivations emulated): {ledger.tensors // iterations:,} "
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
                      "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
+    if paths is not None:
+        paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
     return dataclasses.replace(result, host_memory=ledger.reserved) if offloaded else result
@@ -592,7 +654,14 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
 
 def summarize(sess: TraceSession, *, params: int, trainable: int, flops: int | None, notes: list[str]) -> TraceResult:
     """Resolve categories and read every figure from the session's event log."""
-    log = sess.rec.log
+    return summarize_log(sess.rec.log, sess.modules.paths, params=params, trainable=trainable, flops=flops,
+                         notes=notes)
+
+
+def summarize_log(log: EventLog, paths: Collection[str], *, params: int, trainable: int, flops: int | None,
+                  notes: list[str]) -> TraceResult:
+    """Resolve categories and read every figure from an event log (``paths``: the module paths
+    of the model, for per-module attribution)."""
     resolve_categories(log)
     a = analysis.arrays(log)
     if len(log) == 0:
@@ -611,7 +680,7 @@ def summarize(sess: TraceSession, *, params: int, trainable: int, flops: int | N
         phases=analysis.phase_peaks(a),
         iterations=analysis.iteration_peaks(a),
         top_tensors=analysis.top_tensors(log, a, k),
-        top_modules=analysis.top_modules(log, a, k, sess.modules.paths),
+        top_modules=analysis.top_modules(log, a, k, paths if isinstance(paths, set) else set(paths)),
         params=params,
         trainable_params=trainable,
         flops=flops,

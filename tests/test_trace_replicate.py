@@ -1,0 +1,112 @@
+"""Identical layers traced once (trace.replicate): the replicated log is the full trace's.
+
+Each case traces a small catalog model twice, with replication (the default) and with
+``replicate_layers=False``, and compares every column of the event logs (ids, sizes,
+streams, categories, phases, module paths, ops, shapes, iterations), the peak, FLOPs,
+parameter counts, per-module attribution and notes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramplan.trace import replicate
+from vramplan.trace.replicate import _note, _same_log
+from vramplan.trace.run import TraceOptions, trace_workload
+from vramplan.trace.testing import tiny_spec
+from vramplan.workload import Parallel, Workload
+
+TRAIN = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach")
+REPLICATED = "identical layers traced once"
+
+
+def _both(name: str, layers: int, w: Workload):  # type: ignore[no-untyped-def]
+    spec = tiny_spec(name, layers=layers)
+    return trace_workload(spec, w), trace_workload(spec, w, options=TraceOptions(replicate_layers=False))
+
+
+def _assert_same(fast, full) -> None:  # type: ignore[no-untyped-def]
+    assert _same_log(fast.events, full.events)
+    assert fast.peak_allocated == full.peak_allocated
+    assert fast.breakdown_at_peak == full.breakdown_at_peak
+    assert fast.phases == full.phases and fast.iterations == full.iterations
+    assert fast.top_modules == full.top_modules and fast.top_tensors == full.top_tensors
+    assert fast.peak_module == full.peak_module
+    assert (fast.flops, fast.params, fast.trainable_params) == (full.flops, full.params, full.trainable_params)
+    assert fast.notes[:-1] == full.notes
+
+
+CASES = {
+    "llama, no checkpointing": ("llama-3.1-8b", 7, TRAIN),
+    "llama, full checkpointing": ("llama-3.1-8b", 7, TRAIN.replace(checkpointing="full")),
+    "llama, op-level SAC": ("llama-3.1-8b", 6, TRAIN.replace(checkpointing="op")),
+    "llama, selective": ("llama-3.1-8b", 6, TRAIN.replace(checkpointing="selective")),
+    "llama, LoRA": ("llama-3.1-8b", 6, TRAIN.replace(peft="lora", checkpointing="full")),
+    "llama, QLoRA": ("llama-3.1-8b", 6, TRAIN.replace(peft="qlora", precision="bf16")),
+    "llama, fp32 SGD for-loop": ("llama-3.1-8b", 6, TRAIN.replace(precision="fp32", optimizer="sgd",
+                                                                  optimizer_impl="for-loop")),
+    "llama, generate": ("llama-3.1-8b", 6, Workload(task="generate", batch=2, seq=32, new_tokens=12,
+                                                     precision="bf16")),
+    "llama, infer": ("llama-3.1-8b", 6, Workload(task="infer", batch=2, seq=32, precision="bf16")),
+    "mixtral": ("mixtral-8x7b", 6, TRAIN),
+    "deepseek-v3 (dense prefix, shared experts, MLA)": ("deepseek-v3", 7, TRAIN.replace(checkpointing="full")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicated_log_is_the_full_trace(case: str) -> None:
+    name, layers, w = CASES[case]
+    fast, full = _both(name, layers, w)
+    assert fast.notes[-1].startswith(REPLICATED), fast.notes[-1]
+    _assert_same(fast, full)
+
+
+@pytest.mark.parametrize("w, why", [
+    (TRAIN.replace(checkpointing="full", checkpoint_every=2), "checkpointing only some layers"),
+    (TRAIN.replace(checkpointing="full", checkpoint_fraction=0.5), "checkpointing only some layers"),
+    (TRAIN.replace(parallel=Parallel(dp=2, zero=3)), "parallel layouts are traced in full"),
+])
+def test_refused_up_front(w: Workload, why: str) -> None:
+    spec = tiny_spec("llama-3.1-8b", layers=6)
+    from vramplan.trace.layout import layout_of
+
+    assert replicate.refusal(spec, w, model_parallel=False, layout=layout_of(w), checkpoint_policy=None) == why
+    fast = trace_workload(spec, w)
+    assert not any(REPLICATED in n for n in fast.notes)
+
+
+def test_per_layer_patterns_are_traced_in_full() -> None:
+    """Gemma-2 alternates sliding and global layers: its config's layer_types differ per layer."""
+    spec = tiny_spec("gemma-2-9b", layers=6)
+    assert replicate.refusal(spec, TRAIN, model_parallel=False, layout=None, checkpoint_policy=None) is not None
+    fast, full = _both("gemma-2-9b", 6, TRAIN)
+    assert not any(REPLICATED in n for n in fast.notes)
+    assert _same_log(fast.events, full.events)
+
+
+def test_too_few_layers_traces_in_full() -> None:
+    spec = tiny_spec("llama-3.1-8b", layers=4)
+    assert replicate.refusal(spec, TRAIN, model_parallel=False, layout=None,
+                             checkpoint_policy=None) == "too few layers to gain"
+
+
+def test_a_failed_check_falls_back_and_says_why() -> None:
+    """Three traces that are not one layer apart in structure: the extrapolation refuses."""
+    spec = tiny_spec("llama-3.1-8b", layers=3)
+    traces = []
+    for n, w in ((2, TRAIN), (3, TRAIN.replace(checkpointing="full")), (4, TRAIN)):
+        paths: set[str] = set()
+        from vramplan.trace.run import _trace_catalog
+
+        r = _trace_catalog(replicate.reduced_spec(spec, n), w, None, 2, TraceOptions(replicate_layers=False),
+                           None, paths)
+        traces.append(replicate.Traced(result=r, paths=frozenset(paths), layers=n))
+    assert isinstance(replicate.extrapolate(traces, 9), str)
+
+
+def test_notes_extrapolate_affine_integers() -> None:
+    assert _note(("a 1,000 b 7", "a 1,500 b 7", "a 2,000 b 7"), 10) == "a 6,000 b 7"
+    assert _note(("x 2 layers", "x 3 layers", "x 4 layers"), 30) == "x 32 layers"
+    assert _note(("x 2", "x 3", "x 5"), 3) is None  # not affine
+    assert _note(("x 1.5", "x 2.5", "x 3.5"), 3) is None  # decimals are not extrapolated
+    assert _note(("same", "same", "same"), 5) == "same"
