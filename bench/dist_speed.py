@@ -4,8 +4,11 @@ single-GPU trace of the same step, in one run:
 1. Llama-3.1-8B, FSDP2 over 8 ranks (ZeRO-3), bf16-mixed, batch 1, seq 4096, 2 iterations
    (target ≤ 15 s); the same step unsharded on one GPU is the reference.
 2. Llama-3.1-70B, FSDP2 over 64 ranks (target ≤ 30 s), against its one-GPU trace.
-3. World size costs nothing: rank 0 of 8 vs rank 0 of 1,024 in CPU seconds (target: ratio ≤ 1.1).
-4. Real-run agreement: FSDP2 and DDP run for real over 2 gloo CPU processes vs the trace of
+3. TP × FSDP2 (2-D mesh, torchtitan's layout: tensor + sequence parallel over tp=8, FSDP2
+   ZeRO-3 over dp): Llama-3.1-8B tp 8 × dp 8 and Llama-3.1-70B tp 8 × dp 64, against the same
+   one-GPU traces.
+4. World size costs nothing: rank 0 of 8 vs rank 0 of 1,024 in CPU seconds (target: ratio ≤ 1.1).
+5. Real-run agreement: FSDP2 and DDP run for real over 2 gloo CPU processes vs the trace of
    each rank (``trace.testing.dist_agreement``; target: within 1 %), and every pipeline
    schedule over 2 processes (``trace.testing.pipeline_agreement``).
 
@@ -54,15 +57,28 @@ def warm_up() -> None:
     w = step().replace(seq=64)
     trace_workload(tiny_spec("llama-3.1-8b"), w)
     trace_workload(tiny_spec("llama-3.1-8b"), w.replace(dp=8, zero=3))
+    trace_workload(tiny_spec("llama-3.1-8b"), w.replace(dp=8, zero=3, tp=2, sp=True))
 
 
-def pair(name: str, dp: int, target: float) -> None:
+def pair(name: str, dp: int, target: float) -> float:
+    """Returns the one-GPU trace's seconds (the reference of the TP × FSDP row)."""
     w = step()
     t1, p1 = timed(name, w)
     tn, pn = timed(name, w.replace(dp=dp, zero=3))
     line(f"{name} one GPU (reference)", f"{t1:6.1f} s  peak {p1 / GiB:6.1f} GiB", "", None)
     line(f"{name} FSDP2 x {dp}, rank 0", f"{tn:6.1f} s  peak {pn / GiB:6.1f} GiB", f"<= {target:g} s", tn <= target)
     line(f"{name} FSDP2 x {dp} / one GPU", f"{tn / t1:6.2f}x", "", None)
+    return t1
+
+
+def tp_fsdp(name: str, tp: int, dp: int, one_gpu: float) -> None:
+    """The 2-D trace against the one-GPU trace and against TP alone (what DTensor's dispatch of
+    the TP plan costs is in both; what FSDP2 adds on top is the second ratio)."""
+    ta, pa = timed(name, step().replace(tp=tp, sp=True))
+    tn, pn = timed(name, step().replace(tp=tp, sp=True, dp=dp, zero=3))
+    line(f"{name} TP {tp} (sp) alone, rank 0", f"{ta:6.1f} s  peak {pa / GiB:6.1f} GiB", "", None)
+    line(f"{name} TP {tp} x FSDP2 {dp} (sp), rank 0", f"{tn:6.1f} s  peak {pn / GiB:6.1f} GiB", "", None)
+    line(f"{name} TP {tp} x FSDP2 {dp} / one GPU; / TP alone", f"{tn / one_gpu:6.2f}x; {tn / ta:.2f}x", "", None)
 
 
 def cpu_seconds(name: str, w: Workload) -> float:
@@ -108,9 +124,11 @@ def main() -> None:
     ck = checkpointing()
     print(f"checkpointing={ck}" + ("" if ck == "op" else " (op-level selective checkpointing is not in this tree)"))
     warm_up()
-    pair("llama-3.1-8b", 8, 15.0)
+    t8 = pair("llama-3.1-8b", 8, 15.0)
+    t70 = 0.0 if args.quick else pair("llama-3.1-70b", 64, 30.0)
+    tp_fsdp("llama-3.1-8b", 8, 8, t8)
     if not args.quick:
-        pair("llama-3.1-70b", 64, 30.0)
+        tp_fsdp("llama-3.1-70b", 8, 64, t70)
     world_size()
     agreement()
 

@@ -41,8 +41,24 @@ def test_activations_shrink_with_the_context_parallel_size_and_states_do_not():
     assert abs(_forward_activations(cp4) / _forward_activations(a) - 1) < 0.1
 
 
-def test_context_with_tensor_parallelism_is_not_traced():
+@pytest.mark.parametrize("sp", [False, True])
+def test_context_with_tensor_parallelism_states_exact_peak_close(sp):
+    """TP × CP on a (cp, tp) mesh as torchtitan combines them: the Llama plan on mesh["tp"], ring
+    attention on mesh["cp"], the loss-parallel cross-entropy around both."""
     spec = tiny_spec("llama-3.1-8b")
-    with pytest.raises(TraceError, match="context parallelism is traced alone"):
-        estimate(spec, Workload(task="train", seq=256, parallel=Parallel(cp=2, tp=2)), method="trace",
+    w = Workload(task="train", batch=2, seq=1024, parallel=Parallel(cp=2, tp=2, sp=sp))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE and t.fallback is None
+    assert (t.model_states.gradients, t.model_states.optimizer) == (a.model_states.gradients, a.model_states.optimizer)
+    assert any("rank 0 of cp=2" in n for n in t.notes) and any("rank 0 of tp=2" in n for n in t.notes)
+    assert abs(t.peak.allocated / a.peak.allocated - 1) < 0.1, (t.peak.allocated, a.peak.allocated)
+    tp = estimate(spec, w.replace(parallel=Parallel(tp=2, sp=sp)), method="trace", search_max_batch=False)
+    assert _forward_activations(t) < 0.6 * _forward_activations(tp)
+
+
+def test_context_with_pipeline_parallelism_is_not_traced():
+    spec = tiny_spec("llama-3.1-8b")
+    with pytest.raises(TraceError, match="context parallelism is traced alone or with tensor parallelism"):
+        estimate(spec, Workload(task="train", seq=256, grad_accum=2, parallel=Parallel(cp=2, pp=2)), method="trace",
                  search_max_batch=False)

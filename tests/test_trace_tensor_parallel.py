@@ -116,3 +116,68 @@ def test_bad_layouts_are_one_line_and_exit_2(argv, words, capsys):
     assert main(["estimate", "llama-3.1-8b", "--method", "trace", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["mistral-7b", "gemma-2-9b"])
+def test_sliding_window_models_run_under_sequence_parallelism(name):
+    """transformers sizes the sliding-window mask by the embedding output, which SP shards: the
+    trace sizes it by the whole sequence (trace.tensor_parallel.full_length_masks). Gemma-2's
+    sandwich norms get SequenceParallel too."""
+    spec = tiny_spec(name)
+    assert spec.sliding_window and spec.sliding_window < 256
+    w = Workload(task="train", batch=1, seq=256, parallel=Parallel(tp=2, sp=True))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    plain = estimate(spec, w.replace(parallel=Parallel(tp=2)), method="trace", search_max_batch=False)
+    assert t.method is Method.TRACE and t.fallback is None
+    assert (t.model_states.gradients, t.model_states.optimizer) == (
+        plain.model_states.gradients, plain.model_states.optimizer)
+    fwd = {p.phase: p.breakdown.activations for p in t.phases}["forward"]
+    assert fwd < {p.phase: p.breakdown.activations for p in plain.phases}["forward"]
+
+
+def test_the_sequence_parallel_mask_is_the_whole_sequence():
+    from vramplan.trace.run import trace_workload
+
+    spec = tiny_spec("mistral-7b")
+    r = trace_workload(spec, Workload(task="train", batch=1, seq=256, parallel=Parallel(tp=2, sp=True)), iterations=1)
+    log = r.events
+    shapes = {log.size[k] for k in range(len(log)) if log.action[k] == 0 and log.strings[log.op[k]].startswith("aten.")
+              and log.size[k] == 256 * 256}
+    assert shapes == {256 * 256}  # a bool [1, 1, 256, 256] mask, as on one GPU
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("mistral-7b", r"ring attention \(context_parallel\) is causal without a mask"),
+    ("gemma-2-9b", "this model runs 'eager' attention"),
+])
+def test_context_parallelism_refuses_what_the_ring_cannot_run(name, words):
+    spec = tiny_spec(name)
+    w = Workload(task="train", batch=1, seq=256, parallel=Parallel(cp=2))
+    with pytest.raises(TraceError, match=words):
+        estimate(spec, w, method="trace", search_max_batch=False)
+    r = estimate(spec, w, method="auto", search_max_batch=False)
+    assert r.method is Method.ANALYTIC and r.fallback is not None
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_inference_under_tensor_parallelism_matches_the_analytic_weights(sp):
+    """A forward without an optimizer (task infer): rank 0 holds its shard of the weights."""
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="infer", batch=1, seq=256, parallel=Parallel(tp=2, sp=sp))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    one = estimate(spec, w.replace(parallel=Parallel()), method="trace", search_max_batch=False)
+    assert t.fallback is None and t.model_states.gradients == t.model_states.optimizer == 0
+    assert 0 <= t.model_states.weights - a.model_states.weights <= 4096  # rotary buffers only
+    assert t.model_states.weights < 0.6 * one.model_states.weights
+
+
+@pytest.mark.xfail(strict=True, reason="open: TP inference traces ~8 % above the analytic peak on this tiny model "
+                   "(the analytic method has no all-reduce buffers); generation under TP is refused because its "
+                   "traced decode grows memory each step (not found yet)")
+def test_tensor_parallel_inference_peak_is_close_to_the_analytic_one():
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="infer", batch=1, seq=256, parallel=Parallel(tp=2))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert abs(t.peak.allocated / a.peak.allocated - 1) < 0.05, (t.peak.allocated, a.peak.allocated)

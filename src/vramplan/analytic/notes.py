@@ -6,6 +6,7 @@ from vramplan.units import fmt_bytes
 from vramplan.workload import (
     Attention,
     Checkpointing,
+    Engine,
     Loss,
     Optimizer,
     OptimizerImpl,
@@ -92,6 +93,9 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
         if p.zero == 3:
             out.append("ZeRO-3 / FSDP: the largest unit (layer or embeddings) is gathered in 16-bit, "
                        "plus the prefetched next one.")
+        elif p.framework is Engine.FSDP:
+            out.append("FSDP2 ZeRO-2 (reshard_after_forward=False): parameters are sharded at rest; each unit's "
+                       "16-bit parameters stay gathered from its forward to its backward.")
     elif p.dp > 1:
         out.append("DDP keeps gradient buckets the size of all gradients (gradient_as_bucket_view=False).")
     if p.offload_optimizer:

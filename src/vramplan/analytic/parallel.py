@@ -175,6 +175,52 @@ def local(lin: Linear, w: Workload) -> int:
     return n
 
 
+ROW_PARALLEL = frozenset({"o", "down", "fc2", "shared_down"})
+"""Roles whose weight ``[d_out, d_in]`` tensor parallelism splits along ``d_in`` (Megatron's
+row-parallel linears; torchtitan's ``RowwiseParallel`` ``wo``/``w2``): dim 0 stays whole."""
+
+
+def fsdp_rows(rows: int, n: int) -> int:
+    """Rows of dim 0 that rank 0 holds when FSDP2 shards ``rows`` over ``n`` ranks:
+    ``torch.chunk`` sizes, ``ceil(rows / n)`` (``_chunk_with_empty`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_common.py; ``FSDPParam._init_sharded_param``
+    pads every rank's shard to chunk 0's size, torch 2.13)."""
+    return -(-rows // n)
+
+
+def fsdp_padding(lins: list[tuple[Linear, int]], embed_rows: int, head: list[Linear], h: int, w: Workload) -> int:
+    """Elements FSDP2 adds to this rank's weight matrices by padding dim 0 of each (TP-local)
+    tensor to a multiple of the shard group: with them, (elements + padding) / shard group is
+    exactly rank 0's shard. Each linear's weight is ``[d_out, d_in]`` (column-parallel linears
+    hold ``d_out / tp`` rows, row-parallel ones all ``d_out``); a routed-expert stack is one
+    ``[experts / ep, …]`` tensor per layer; the token embedding ``[vocab / tp, hidden]``
+    (torchtitan's RowwiseParallel shards the vocabulary). Norms and biases are not padded
+    (their sizes divide any usual group)."""
+    n, tp = w.parallel.shard_group, w.parallel.tp
+    if n <= 1:
+        return 0
+    pad = 0
+
+    def add(rows: int, cols: int, tensors: int) -> None:
+        nonlocal pad
+        if rows > 0:
+            pad += tensors * (fsdp_rows(rows, n) * n - rows) * cols
+
+    for lin, layers in lins:
+        if lin.expert and lin.count > 1:
+            rows = lin.count // w.parallel.ep
+            add(rows, local(lin, w) // max(1, rows), layers)
+            continue
+        split = lin.tp and tp > 1
+        rows = lin.d_out // tp if split and lin.role not in ROW_PARALLEL else lin.d_out
+        cols = lin.d_in // tp if split and lin.role in ROW_PARALLEL else lin.d_in
+        add(rows, cols, layers * lin.count)
+    add(embed_rows, h, 1)
+    for lin in head:
+        add(lin.d_out // tp if lin.tp and tp > 1 else lin.d_out, lin.d_in, 1)
+    return pad
+
+
 def tokens_per_rank(w: Workload, seq: int | None = None) -> int:
     """Tokens of one micro-batch on one rank (context parallel splits the sequence)."""
     return tokens(w, seq).per_rank

@@ -96,7 +96,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             temporaries=casts_bwd + a.transient + temps + workspace + step_temp,
         ),
         Breakdown(  # the first layer's backward
-            weights=w_live, optimizer=st.optimizer,
+            weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads),
             activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept,
             temporaries=st.casts_layer + a.transient + temps + workspace + step_temp,
@@ -107,6 +107,13 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held),
             activations=acts + a.head + lm.backward_saved + kept,
             temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
+        ))
+    if st.embed_grad_full:
+        instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
+            weights=st.weights + st.gathered_end, optimizer=st.optimizer,
+            gradients=_with_buckets(st, all_grads + st.unsharded_grads),
+            activations=stage.held(a.layers, 1) + kept,
+            temporaries=st.embed_grad_full + temps + workspace,
         ))
     if w.optimizer_in_backward:
         return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)

@@ -27,7 +27,7 @@ from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Wor
 from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
-from .parallel import Stage, local
+from .parallel import Stage, fsdp_padding, local
 from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
@@ -59,6 +59,9 @@ class States:
     optimizer: int
     gathered: int = 0
     """ZeRO-3 / FSDP: 16-bit parameters gathered at once (current + prefetched unit)."""
+    gathered_end: int = 0
+    """Of those, what is still gathered when backward reaches the first layer and the
+    embeddings (FSDP2 ZeRO-2 reshards each unit after its backward: the last units only)."""
     head_grads: int = 0
     layer_grads: int = 0
     """Gradients of the largest layer, as held (sharded under ZeRO ≥ 2)."""
@@ -79,6 +82,10 @@ class States:
     """Gradient bytes of the largest trainable tensor (``optimizer_in_backward`` holds one at a time)."""
     step_temp: int = 0
     """Temporaries of one optimizer step over that tensor alone (per-parameter optimizers)."""
+    embed_grad_full: int = 0
+    """TP × FSDP2: the embedding's whole Replicate gradient (:func:`replicated_embedding_grad`),
+    its TP-local copy and the head's unsharded gradient, alive at the embedding's backward
+    until FSDP2 reduce-scatters the root unit."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -114,16 +121,25 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             for lin, n in lins
         )
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
-    gathered = 0
-    if p.zero == 3 and w.training:
-        gathered = 2 * max(layer, embed, head) * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
-        weights = 0 if p.offload_params else weights // p.shard_group
+    gathered = pad = 0
+    # FSDP2 shards the parameters at ZeRO-2 too (reshard_after_forward=False keeps each unit's
+    # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
+    # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
+    fsdp2 = p.framework is Engine.FSDP and p.zero >= 2 and w.training
+    if fsdp2 and w.quant is Quant.NONE:
+        pad = fsdp_padding(lins, (arch.vocab // p.tp if p.tp > 1 else arch.vocab) if stage.embed else 0,
+                           head_mats, h, w)
+    if (p.zero == 3 or fsdp2) and w.training:
+        unit = max(layer, embed, head) if p.zero == 3 else params
+        gathered = (2 if p.zero == 3 else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
+        weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
     g_shard = p.shard_group if p.zero >= 2 else 1
     o_shard = p.shard_group if p.zero >= 1 else 1
-    gradients = trainable * rg.grad // g_shard
+    pad_trainable = pad if tr.full else 0
+    gradients = (trainable + pad_trainable) * rg.grad // g_shard
     gradients += replicated_embedding_grad(arch, stage, w, rg, tr)
     if p.offload_optimizer and p.zero >= 1:
         gradients = 0  # gradient partitions stream to CPU with the optimizer (ZeRO-Offload)
@@ -137,7 +153,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         matrices = [(d, tr.rank, n * lin.count, False, False) for lin, n in lins if tr.lora_on(lin)
                     for d in (lin.d_in, lin.d_out)]
         vectors = 0
-    optimizer = _optimizer_bytes(w, rg, trainable, matrices, vectors) // o_shard
+    optimizer = _optimizer_bytes(w, rg, trainable + pad_trainable, matrices, vectors) // o_shard
     if p.offload_optimizer:
         optimizer = 0
     largest = _largest(lins, w) if tr.full else max(
@@ -158,6 +174,15 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     dequant = _dequant_bytes(w, rg) * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
     per_layer = layer if tr.full else layer_adapters
+    embed_grad_full = 0
+    ddp_tp = p.dp > 1 and p.zero == 0 and p.framework is Engine.DDP
+    if (fsdp2 or ddp_tp) and p.tp > 1 and tr.full and stage.embed and not arch.head.tied and w.training:
+        # FSDPParam redistributes the Replicate gradient to the parameter's Shard(0) before the
+        # reduce-scatter (_fsdp_param.py _get_grad_inner_tensor, torch 2.13), DDP × TP's
+        # DTensor.from_local backward does the same: both live a moment (with FSDP2 the head's
+        # unsharded 16-bit gradient too, reduce-scattered with the root unit after it)
+        g = min(rg.weight, rg.compute) if fsdp2 else rg.grad
+        embed_grad_full = (arch.vocab * h + arch.vocab * h // p.tp + (head if fsdp2 else 0)) * g
     buckets = trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0
     if p.engine is Engine.DEEPSPEED and w.training and p.zero:
         # DeepSpeed's own buffers and gathering granularity (analytic/deepspeed.py)
@@ -168,9 +193,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
                 weights += ds.persistent(small + head_small, p.shard_group, rg.weight)
             if rg.master and not p.offload_optimizer:
                 opt_temp = ds.step_fp32_grads(3, trainable // o_shard)
+    gathered_end = gathered
+    if fsdp2 and p.zero == 2:
+        gathered_end = (layer + embed + head + head_small) * min(rg.weight, rg.compute)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
-        optimizer=optimizer, gathered=gathered,
+        optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
         layer_grads=per_layer * rg.grad // g_shard,
         unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
@@ -179,6 +207,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if p.offload_optimizer else _optimizer_temp(w, rg, largest, largest),
+        embed_grad_full=embed_grad_full,
     )
 
 
@@ -190,9 +219,12 @@ def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime,
     torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
     Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
     ZeRO/FSDP sharding only, the layout the trace checks it on. A head tied to the embedding
-    adds its vocabulary-sharded gradient first, and the sum keeps that sharding."""
+    adds its vocabulary-sharded gradient first, and the sum keeps that sharding. Under DDP
+    (``dp > 1``) the parameters DDP holds are the TP-local tensors (``_pre_dp_module_transform``):
+    ``DTensor.from_local``'s backward hands the local shard of that gradient to them, so only
+    the moment of the embedding's backward holds the whole table (``States.embed_grad_full``)."""
     p = w.parallel
-    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and w.training) or arch.head.tied:
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and p.dp == 1 and w.training) or arch.head.tied:
         return 0
     return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 

@@ -52,3 +52,23 @@ def ring_attention(mesh: Any, batch_kwargs: dict[str, Any]) -> Iterator[None]:
             yield
     finally:
         options.enable_load_balance = balance
+
+
+def check_model(attention: str, window: int | None, seq: int) -> None:
+    """Refuse what PyTorch's ring attention cannot run, rather than trace something else.
+
+    ``context_parallel`` replaces ``F.scaled_dot_product_attention`` only: a model running
+    eager (or another) attention would attend to its own sequence shard and never enter the
+    ring. The ring's handlers take no attention mask (torch 2.13 ``_context_parallel/
+    _attention.py``: the flash path has none, the memory-efficient one raises "attn_bias is
+    not supported yet"): causal attention only, so a sliding window shorter than the sequence
+    (which transformers expresses as a mask) is not run either."""
+    if attention != "sdpa":
+        raise TraceError(f"context parallelism runs PyTorch's ring attention in place of SDPA; this model runs "
+                         f"'{attention}' attention, which would attend within each rank's shard only",
+                         hint="use `method=analytic` for this model's context parallelism")
+    if window and seq > window:
+        raise TraceError(f"PyTorch's ring attention (context_parallel) is causal without a mask; a sliding window of "
+                         f"{window:,} tokens over {seq:,} needs one (its memory-efficient path raises "
+                         "'attn_bias is not supported yet')",
+                         hint=f"use `method=analytic`, or `seq` of {window:,} or less")

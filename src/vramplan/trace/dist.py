@@ -493,21 +493,29 @@ def dtensor_metadata_unrecorded() -> Iterator[None]:
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
-    name = "_propagate_tensor_meta_non_cached"
-    orig = getattr(ShardingPropagator, name, None)
-    if orig is None:
+    # torch >= 2.13 also propagates sharding through an op's decomposition on meta tensors of
+    # the global shape (``propagate_op_sharding_non_cached`` → ``_decompositions.py``
+    # ``propagate_strategy`` / ``to_meta``), and its lru_cache keeps them: the whole
+    # propagation is bookkeeping
+    names = ("_propagate_tensor_meta_non_cached", "propagate_op_sharding_non_cached")
+    saved = {n: getattr(ShardingPropagator, n) for n in names if getattr(ShardingPropagator, n, None) is not None}
+    if not saved:
         yield
         return
 
-    def unrecorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _disable_current_modes():
-            return orig(self, *args, **kwargs)
+    def unrecorded(orig: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():
+                return orig(self, *args, **kwargs)
+        return run
 
-    setattr(ShardingPropagator, name, unrecorded)
+    for n, orig in saved.items():
+        setattr(ShardingPropagator, n, unrecorded(orig))
     try:
         yield
     finally:
-        setattr(ShardingPropagator, name, orig)
+        for n, orig in saved.items():
+            setattr(ShardingPropagator, n, orig)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -531,14 +539,22 @@ class RankContext:
 
 
 @contextlib.contextmanager
-def rank_session(sess: Any, world: World) -> Iterator[RankContext]:
+def rank_session(sess: Any, world: World, mesh: Any = None) -> Iterator[RankContext]:
     """Enter ``sess`` (a :class:`~vramplan.trace.session.TraceSession`, not yet entered) as
     rank ``world.rank``: the fake world is set up first (outside the trace's modes, so the
     mesh's own bookkeeping tensors are not recorded), then the session with emulated CUDA
     streams, recorded storage resizes and FSDP on meta. All is undone at exit (the process
-    group destroyed), so a trace repeats in one process."""
+    group destroyed), so a trace repeats in one process.
+
+    ``mesh``: the ``DeviceMesh`` of a fake world the caller already entered for ``world``
+    (TP × FSDP: the model was tensor-parallelised on its ``tp`` dimension before the session
+    started); the caller then tears it down."""
     with contextlib.ExitStack() as st:
-        mesh = st.enter_context(fake_world(world))
+        if mesh is None:
+            mesh = st.enter_context(fake_world(world))
+        elif tuple(getattr(mesh, "mesh_dim_names", None) or ()) != world.names:
+            raise TraceError(f"the mesh's dimensions {getattr(mesh, 'mesh_dim_names', None)} are not the "
+                             f"world's {list(world.names)}")
         st.enter_context(sess)
         streams = st.enter_context(emulated_streams(sess.rec))
         st.enter_context(recorded_resizes(sess.rec))

@@ -55,8 +55,8 @@ class Layout:
 def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     """The layout the trace runs for ``w`` as rank ``rank`` (None: one unsharded GPU)."""
     p = w.parallel
-    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp:
-        raise TraceError("tensor / pipeline / context / expert parallelism are not traced yet",
+    if p.pp > 1 or p.cp > 1 or p.ep > 1:
+        raise TraceError("pipeline / context / expert parallelism are not laid out with data parallelism here",
                          hint="use `method=analytic` for these layouts")
     if p.offload_params or p.offload_optimizer:
         raise TraceError("CPU offload is not traced yet", hint="use `method=analytic` for offloaded layouts")
@@ -67,16 +67,18 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
         raise TraceError("the optimizer in backward is not traced with FSDP/DDP (its per-parameter hooks would "
                          "see unsharded gradients)", hint="use `method=analytic`, or drop `optimizer_in_backward`")
     shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
+    tp = {"tp": p.tp} if p.tp > 1 else {}  # TP × FSDP / DDP: a 2-D (dp, tp) mesh, TP innermost
     if engine == "fsdp" and 0 < shard < p.dp:
-        world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard), rank=rank)
+        world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard, **tp), rank=rank)
     else:
-        world = dataclasses.replace(world_of(dp=p.dp), rank=rank)
+        world = dataclasses.replace(world_of(dp=p.dp, **tp), rank=rank)
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3)
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
-                     hint="use `method=analytic`, or `zero=3` (FSDP2)")
+                     hint="use `method=analytic`, " + ("`engine=fsdp` (FSDP2 SHARD_GRAD_OP) " if p.zero == 2 else "")
+                     + "or `zero=3` (FSDP2)")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -127,7 +129,7 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
         mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)}, reduce_dtype=float32)"
     rec = ctx.streams.rec
     for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are
-        rec.ignore(p)
+        rec.ignore(_local(p))  # (a tensor-parallel parameter: its TP-local shard, which FSDP shards)
     blocks = transformer_blocks(model)
     for blk in blocks:
         fully_shard(blk, **kw)
@@ -145,8 +147,13 @@ def _ddp(model: nn.Module, layout: Layout, ctx: RankContext) -> tuple[nn.Module,
 
     group = ctx.submesh("dp").get_group()
     world = layout.world.dim("dp")
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=layout.bucket_cap_mb,
-                                  gradient_as_bucket_view=layout.gradient_as_bucket_view)
+    # TP × DDP: DDP given the dp slice of a 2-D mesh runs PyTorch's own composition
+    # (torch/nn/parallel/distributed.py → tensor/parallel/ddp.py ``_pre_dp_module_transform``:
+    # DTensor parameters become local ones, rebuilt as DTensors around each forward)
+    where: dict[str, Any] = {"device_mesh": ctx.submesh("dp")} if "tp" in layout.world.names else {
+        "process_group": group}
+    ddp = DistributedDataParallel(model, bucket_cap_mb=layout.bucket_cap_mb,
+                                  gradient_as_bucket_view=layout.gradient_as_bucket_view, **where)
 
     def allreduce_hook(state: Any, bucket: Any) -> Any:
         buf = bucket.buffer()

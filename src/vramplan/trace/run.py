@@ -38,7 +38,7 @@ from . import (
 )
 from .construct import fake_construction
 from .dist import rank_session
-from .layout import LocalShardOptimizer, apply_layout, layout_of, sharded_params
+from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
 from .metacache import MetaCache
 from .optim import make_optimizer
@@ -89,6 +89,9 @@ class Prepared:
     compiler: Any = None
     step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     """Entered around the traced iterations (loss-parallel cross-entropy, ring attention)."""
+    mesh: Any = None
+    """The fake world's ``DeviceMesh`` the model was laid out on (TP, CP; TP × FSDP/DDP: the
+    whole ``(dp, tp)`` mesh, whose data-parallel dimensions the trace shards over), or None."""
 
 
 # --------------------------------------------------------------------------- public
@@ -135,7 +138,7 @@ def trace_model(
         inputs = inputs()
     batch, shadows = _to_batch(inputs, features.param_dtype(workload))
     root = type(model).__name__
-    with parallel_world(workload) as mesh:
+    with parallel_world(workload, rank=opts.rank) as mesh:
         if mesh is not None and workload.parallel.sp:
             kwargs, pos_shadows = tensor_parallel.position_ids(batch[1])
             batch, shadows = (batch[0], kwargs), shadows + pos_shadows
@@ -209,16 +212,20 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     used = attention_used(model)
     if used not in ("none", attention):
         notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    if w.parallel.cp > 1:
+        context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with parallel_world(w) as mesh:
+    with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
             batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy, mesh)
         if w.parallel.cp > 1:
-            prepared.step_context = functools.partial(context_parallel.ring_attention, mesh, batch_kwargs)
+            ring = functools.partial(context_parallel.ring_attention, submesh(mesh, "cp"), batch_kwargs)
+            prepared.step_context = ring if prepared.step_context is None else functools.partial(
+                _both, ring, prepared.step_context)  # TP × CP: ring attention and the loss-parallel loss
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
@@ -323,13 +330,18 @@ def _parallel_notes(w: Workload) -> list[str]:
         raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
                          "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
                          "method divides the experts by `ep`", hint="use `method=analytic`")
-    if p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training):
-        raise TraceError("tensor / pipeline / context parallelism are traced without data parallelism (one rank of "
-                         "the model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet",
+    sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
+    if sharded and (p.pp > 1 or p.cp > 1):
+        raise TraceError("pipeline / context parallelism are traced without data parallelism (one rank of the "
+                         "model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet "
+                         "(torchtitan shards FSDP over the flattened dp × cp mesh and splits stages before sharding)",
                          hint="use `method=analytic` for this layout, or trace `dp=1`")
-    if p.cp > 1 and (p.tp > 1 or p.pp > 1 or w.task is Task.GENERATE):
-        raise TraceError(f"context parallelism is traced alone, for training and inference; `cp={p.cp}` with "
-                         "tensor/pipeline parallelism or generation is not", hint="use `method=analytic`")
+    if sharded:
+        data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
+    if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
+        raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
+                         f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
+                         hint="use `method=analytic`")
     if p.pp > 1 and (p.tp > 1 or w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
                          f"inference without tensor parallelism; `pp={p.pp}` with this workload is not (torch's "
@@ -345,12 +357,17 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.tp > 1:
         knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
         if knob:
-            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not",
-                             hint="use `method=analytic`")
+            why = ("torchtitan's plan has no adapters; PEFT's LoRA under TP (peft 0.21) shards its adapters along "
+                   "transformers' own tp_plan, a different plan" if w.peft is not Peft.NONE else
+                   "torchtitan's plan shards bf16/fp32 linears, not quantised storage")
+            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not "
+                             f"({why})", hint="use `method=analytic`")
         if w.task is Task.GENERATE:
-            raise TraceError(f"generation with `tp={p.tp}` is not traced (serving engines shard their own way)",
+            raise TraceError(f"generation with `tp={p.tp}` is not traced: transformers' TP generation uses its own "
+                             "tp_plan (logits all-gathered), and the traced decode loop under DTensor keeps the "
+                             "prefill's activations alive (not exact yet)",
                              hint="use `method=analytic`, or `vramplan serve` for an inference engine")
-    if p.dp > 1:
+    if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
 
@@ -363,15 +380,45 @@ def _model_parallel(w: Workload) -> bool:
     return p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.sp
 
 
+def data_layout(w: Workload, *, rank: int = 0) -> Layout | None:
+    """The FSDP2 / DDP layout the trace runs for ``w`` (None: no data-parallel sharding or
+    buckets): plain data parallelism, or TP × FSDP / DDP on a 2-D ``(dp, tp)`` mesh (HSDP × TP
+    on ``(dp_replicate, dp, tp)``). Pipeline / context / expert layouts are laid out by their
+    own modules."""
+    p = w.parallel
+    if p.pp > 1 or p.cp > 1 or p.ep > 1:
+        return None
+    return layout_of(w, rank=rank)
+
+
 @contextlib.contextmanager
-def parallel_world(w: Workload) -> Iterator[Any]:
-    """The fake process group and mesh a parallel layout is traced on (None for one GPU)."""
+def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
+    """The fake process group and mesh a model-parallel layout is traced on (None for one GPU
+    or data parallelism alone, whose world :func:`~.dist.rank_session` sets up). With TP ×
+    FSDP/DDP the mesh has the data-parallel dimensions too (torchtitan's ``world_mesh``): the
+    model is tensor-parallelised on ``mesh["tp"]`` first, then sharded over ``mesh["dp"]``."""
     tp, cp = w.parallel.tp, w.parallel.cp
     if tp == 1 and cp == 1:
         yield None
         return
-    with dist.fake_world(dist.world_of(tp=tp, cp=cp)) as mesh:
+    layout = data_layout(w, rank=rank) if tp > 1 else None
+    world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
+    with dist.fake_world(world) as mesh:
         yield mesh
+
+
+@contextlib.contextmanager
+def _both(*contexts: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            stack.enter_context(make())
+        yield
+
+
+def submesh(mesh: Any, name: str) -> Any:
+    """Dimension ``name`` of ``mesh`` (the mesh itself when it has only that one)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return mesh if names == (name,) else mesh[name]
 
 
 def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
@@ -465,9 +512,13 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_quant(model, w)
         features.to_trace_device(model)
         if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
-            notes += tensor_parallel.apply_tensor_parallel(model, mesh, sp=w.parallel.sp)
+            notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
                 step_context = tensor_parallel.loss_parallel
+            seq = _sequence_length(batch) // w.parallel.cp
+            if w.parallel.sp and seq:
+                masks = functools.partial(tensor_parallel.full_length_masks, seq)
+                step_context = masks if step_context is None else functools.partial(_both, masks, step_context)
         notes += features.apply_checkpointing(model, w, policy)
         compiler, compile_notes = features.apply_compile(model, w)
         notes += compile_notes
@@ -478,7 +529,15 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    compiler=compiler, step_context=step_context)
+                    compiler=compiler, step_context=step_context, mesh=mesh)
+
+
+def _sequence_length(batch: Batch) -> int:
+    """The token sequence length of a batch (``input_ids``, else the first 2-D positional tensor; 0 if none)."""
+    ids = batch[1].get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((x for x in batch[0] if isinstance(x, torch.Tensor) and x.dim() == 2), None)
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -509,13 +568,15 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     notes = list(p.notes)
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
-    layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    layout = data_layout(w, rank=opts.rank)
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
         if layout is None:
             stack.enter_context(sess)
+            if p.mesh is not None:  # TP / CP alone: DTensor's sharding propagation is not the GPU's
+                stack.enter_context(dist.dtensor_metadata_unrecorded())
         else:
-            ctx = stack.enter_context(rank_session(sess, layout.world))
+            ctx = stack.enter_context(rank_session(sess, layout.world, mesh=p.mesh))
             try:
                 model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
             except VramplanError:

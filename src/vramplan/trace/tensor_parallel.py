@@ -41,6 +41,7 @@ sequence after PrepareModuleInput's all-gather, as in torchtitan).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,14 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                           use_local_output=True),
             })
+            if isinstance(getattr(block, "pre_feedforward_layernorm", None), nn.Module):
+                # sandwich norms (Gemma-2/3): post_attention_layernorm normalises the attention's
+                # output before the residual add, pre_feedforward_layernorm is the MLP's input
+                # norm; the post-norms hand back their local sequence shard to the residual stream
+                plan["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
+                plan["pre_feedforward_layernorm"] = SequenceParallel()
+                if isinstance(getattr(block, "post_feedforward_layernorm", None), nn.Module):
+                    plan["post_feedforward_layernorm"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, mesh, plan)
     replicated = _replicate_rest(model, mesh)
     what = "tensor + sequence parallelism" if sp else "tensor parallelism"
@@ -219,3 +228,39 @@ def loss_parallel() -> contextlib.AbstractContextManager[Any]:
     from torch.distributed.tensor.parallel import loss_parallel as region
 
     return region()
+
+
+@contextlib.contextmanager
+def full_length_masks(seq: int) -> Iterator[None]:
+    """Attention masks for the whole sequence under sequence parallelism.
+
+    transformers sizes the causal / sliding-window mask by the embedding output's length
+    (``masking_utils._preprocess_mask_arguments``: ``q_length = inputs_embeds.shape[1]``,
+    transformers 5.x), which the vocabulary-sharded embedding hands on as this rank's sequence
+    shard; the attention sees the whole sequence after PrepareModuleInput's all-gather. A
+    causal model without a window needs no mask (SDPA's ``is_causal``); a sliding window does,
+    and a mask of the shard's length would not match. While a step runs, the embedding output
+    is seen at the whole length (a view: nothing is allocated), so the mask is the one a
+    single GPU builds."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # pragma: no cover - transformers without masking_utils (< 4.53)
+        yield
+        return
+    orig = getattr(mu, "_preprocess_mask_arguments", None)
+    if orig is None:  # pragma: no cover
+        yield
+        return
+
+    def whole(config: Any, inputs_embeds: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(inputs_embeds, torch.Tensor) and inputs_embeds.dim() == 3:
+            b, s, h = inputs_embeds.shape
+            if 0 < s < seq and seq % s == 0:
+                inputs_embeds = inputs_embeds[:, :1].expand(b, seq, h)
+        return orig(config, inputs_embeds, *args, **kwargs)
+
+    mu._preprocess_mask_arguments = whole
+    try:
+        yield
+    finally:
+        mu._preprocess_mask_arguments = orig
