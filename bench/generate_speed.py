@@ -9,13 +9,15 @@ One run prints, side by side:
    --task generate`` end to end in a fresh process (target ≤ 5 s for 70B), and the in-process
    trace times fast vs step by step (``--quick`` skips the slow step-by-step 70B/Mistral runs).
 
-Run: ``python bench/generate_speed.py [--quick]``. Times are wall seconds on this machine;
+Run: ``python bench/generate_speed.py [--quick] [--e2e-only]``. Times are wall seconds on this machine;
 on a shared machine compare the ratios, which are measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import subprocess
 import sys
 import time
@@ -33,10 +35,16 @@ def timed(name: str, w: Workload, opts: TraceOptions):
     return time.perf_counter() - t, r
 
 
-def cli(args: list[str]) -> float:
+def cli(args: list[str]) -> tuple[float, str]:
+    """Wall seconds of one CLI run, and how many more estimates its verdict's largest-batch search made."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vramplan.cli.main", *args], check=True, capture_output=True)
-    return time.perf_counter() - t
+    out = subprocess.run([sys.executable, "-m", "vramplan.cli.main", *args, "--json"], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if not out.stdout.strip():
+        raise SystemExit(f"vramplan {' '.join(args)} failed: {out.stderr.strip()[-300:]}")
+    d = json.loads(out.stdout)
+    more = next((m.group(1) for n in d.get("notes", ()) if (m := re.search(r"\((\d+) more estimate", n))), "0")
+    return wall, f"{d['peak']['device_used']:,} B device_used, largest batch {d['max_batch']}, {d['allocator']['ooms']} OOMs within the GPU ({more} more traces)"
 
 
 def compare(name: str, new_tokens: int, full: bool) -> None:
@@ -54,18 +62,22 @@ def compare(name: str, new_tokens: int, full: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the slow step-by-step 70B / Mistral runs")
+    ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end CLI rows (no in-process traces)")
     args = ap.parse_args()
-    timed("llama-3.1-8b", Workload(task="generate", precision="bf16", batch=1, seq=64, new_tokens=8), FAST)  # warm
-    compare("llama-3.1-8b", 64, full=True)
-    compare("mistral-7b", 128, full=not args.quick)
-    compare("llama-3.1-70b", 128, full=not args.quick)
-    for name in ("llama-3.1-70b", "mistral-7b"):
-        cmd = ["estimate", name, "--task", "generate", "--seq", "512", "--new-tokens", "128", "--gpu", "h100-sxm"]
-        dt = cli(cmd)
-        print(f"vramplan {' '.join(cmd)}: {dt:.2f} s end to end (target ≤ 5 s)")
+    if not args.e2e_only:
+        timed("llama-3.1-8b", Workload(task="generate", precision="bf16", batch=1, seq=64, new_tokens=8), FAST)  # warm
+        compare("llama-3.1-8b", 64, full=True)
+        compare("mistral-7b", 128, full=not args.quick)
+        compare("llama-3.1-70b", 128, full=not args.quick)
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    print(f"python -c 'import torch': {time.perf_counter() - t:.2f} s (same run, for scale)")
+    torch_s = time.perf_counter() - t
+    print(f"python -c 'import torch': {torch_s:.2f} s (same run, for scale)")
+    for name in ("llama-3.1-70b", "mistral-7b"):
+        cmd = ["estimate", name, "--task", "generate", "--seq", "512", "--new-tokens", "128", "--gpu", "h100-sxm"]
+        dt, what = cli(cmd)
+        target = f" vs target ≤ 5 s -> ratio {dt / 5:.2f} ({'OK' if dt <= 5 else 'MISSED'})" if "70b" in name else ""
+        print(f"vramplan {' '.join(cmd)}: {dt:.2f} s end to end, {dt / torch_s:.1f}× import torch; {what}{target}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 2. wall time of ``vramplan plan`` over ≥ 200 candidate configurations, end to end through
    the CLI (target ≤ 30 s) — screen only (``--method analytic``) and with the default
    method (auto), which re-estimates up to 3 finalists — with a trace where the layout can be
-   traced (one GPU); the line says how many traces ran.
+   traced (one GPU); the line says how many traces ran;
+3. ``fit`` after ``estimate`` of the same workload in one process: the traces it reuses from the
+   process cache (``vramplan.engine.cache``).
 
     .venv/bin/python bench/plan_speed.py
 """
@@ -118,9 +120,28 @@ def end_to_end() -> None:
               f"-> ratio {wall / E2E_TARGET_S:.2f} ({ok}); {wall / torch_s:.1f}× import torch")
 
 
+def reuse() -> None:
+    """The process's trace cache (``vramplan.engine.cache``): ``fit`` after ``estimate`` of the
+    same workload on the same GPU, in one process (a notebook, the web UI)."""
+    from vramplan.engine import cache, estimate
+    from vramplan.planner.fit import fit
+    from vramplan.workload import Workload
+
+    w = Workload(task="train", peft="lora", checkpointing="full")
+    t = time.perf_counter()
+    estimate("llama-3.1-8b", w, gpu="rtx-4090", method="trace")
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    fit("llama-3.1-8b", w, gpu="rtx-4090")
+    then = time.perf_counter() - t
+    print(f"estimate then fit, one process (8B LoRA, RTX 4090): estimate {first:.1f} s, fit {then:.1f} s; "
+          f"{cache.TRACES.hits} traces reused from the process cache")
+
+
 def main() -> int:
     end_to_end()
     fit_traces()
+    reuse()
     plan_wall(["--method", "analytic"], "screen only")
     plan_wall([], "default method auto: up to 3 finalists re-estimated")
     return 0

@@ -12,14 +12,21 @@ seconds of each (user + system: on a shared machine the steadier figure):
 then where the trace's start-up goes: ``import torch``, then transformers' Llama modeling
 file, and which of ``torch._dynamo``, ``torch.distributed.tensor``, ``torchao``,
 ``accelerate`` that import pulls in, with the chain of modules that pulls each
-(``python -X importtime``).
+(``python -X importtime``); whether torch's own first meta-tensor op (one ``nn.Linear``
+forward on ``meta``, no transformers) imports ``torch._dynamo`` regardless, and what it costs;
+and the interpreter's teardown after ``import torch`` that the ``vramplan`` entry point skips
+(``os._exit`` after ``atexit``).
 
 Every process runs with bytecode caching on, in a private cache (``PYTHONPYCACHEPREFIX``):
 an installed package has its ``.pyc`` files, while a checkout run with
 ``PYTHONDONTWRITEBYTECODE=1`` recompiles every module of vramplan on each start (~0.1 s).
 One untimed run of each command fills that cache first.
 
-    .venv/bin/python bench/startup.py [--runs N]
+With ``--baseline SRC`` (another checkout's ``src/``), each command also runs from it,
+alternating with this one, and the ratio new / baseline is printed: on a shared machine the
+only comparison that holds.
+
+    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC]
 """
 
 from __future__ import annotations
@@ -38,18 +45,23 @@ from pathlib import Path
 HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torchao", "accelerate")
 
 
-def _env(cache: str) -> dict[str, str]:
+def _env(cache: str, src: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = cache
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = src or str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
 def _vramplan() -> list[str]:
+    """The installed ``vramplan`` script, if it calls the console entry point
+    (``vramplan.cli.main:entry``); an install from before that change calls ``main`` and would
+    time the interpreter's teardown: then ``python -m vramplan.cli.main``, which calls ``entry``."""
     exe = shutil.which("vramplan", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "vramplan.cli.main"]
+    if exe and "import entry" in Path(exe).read_text(errors="replace"):
+        return [exe]
+    return [sys.executable, "-m", "vramplan.cli.main"]
 
 
 def _children_cpu() -> float:
@@ -57,10 +69,11 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def median_wall(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, float]:
+def median_wall(cmd: list[str], env: dict[str, str], runs: int, warm: bool = True) -> tuple[float, float]:
     """Median wall seconds and median CPU seconds (user + system) of ``runs`` fresh processes.
     On a shared machine the CPU time is the steadier figure: it does not count waiting for a core."""
-    subprocess.run(cmd, env=env, check=True, capture_output=True)  # fills the bytecode cache
+    if warm:
+        subprocess.run(cmd, env=env, check=True, capture_output=True)  # fills the bytecode cache
     times, cpu = [], []
     for _ in range(runs):
         t, c = time.perf_counter(), _children_cpu()
@@ -68,6 +81,21 @@ def median_wall(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, 
         times.append(time.perf_counter() - t)
         cpu.append(_children_cpu() - c)
     return statistics.median(times), statistics.median(cpu)
+
+
+def ab_wall(cmd: list[str], env: dict[str, str], base_env: dict[str, str], runs: int
+            ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``median_wall`` of ``cmd`` under ``env`` and under ``base_env`` (another checkout), the two
+    alternating so that both see the same load."""
+    for e in (env, base_env):
+        subprocess.run(cmd, env=e, check=True, capture_output=True)
+    got: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
+    for _ in range(runs):
+        for e, out in zip((env, base_env), got, strict=True):
+            out.append(median_wall(cmd, e, 1, warm=False))
+    a, b = got
+    return ((statistics.median(x for x, _ in a), statistics.median(c for _, c in a)),
+            (statistics.median(x for x, _ in b), statistics.median(c for _, c in b)))
 
 
 def _importers(lines: list[str], name: str) -> list[str]:
@@ -93,7 +121,8 @@ def _importers(lines: list[str], name: str) -> list[str]:
 
 def import_breakdown(env: dict[str, str]) -> None:
     probe = ("import sys, time; t = time.perf_counter(); import torch; a = time.perf_counter() - t; "
-             "t = time.perf_counter(); import transformers.models.llama.modeling_llama; "
+             "t = time.perf_counter(); from vramplan.models.hf_import import import_transformers; "
+             "import_transformers(); import transformers.models.llama.modeling_llama; "
              "b = time.perf_counter() - t; "
              f"print(a, b, *[m in sys.modules for m in {HEAVY!r}])")
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True)
@@ -101,7 +130,7 @@ def import_breakdown(env: dict[str, str]) -> None:
                          capture_output=True, text=True)
     a, b, *present = out.stdout.split()
     print(f"  import torch {float(a):.2f} s, then transformers' Llama modeling file {float(b):.2f} s "
-          "(one run, under -X importtime)")
+          "(as vramplan imports it: models.hf_import; one run, under -X importtime)")
     lines = out.stderr.splitlines()
     for name, there in zip(HEAVY, present, strict=True):
         if there != "True":
@@ -113,12 +142,39 @@ def import_breakdown(env: dict[str, str]) -> None:
         print(f"  {name}: pulled by {shown}" if shown else f"  {name}: imported")
 
 
+def dynamo_by_torch(env: dict[str, str]) -> None:
+    """torch imports ``torch._dynamo`` on the first call of a ``torch._disable_dynamo``-wrapped
+    function: its meta kernels' type-promotion wrappers (torch/_prims_common/wrappers.py) and
+    ``Optimizer``; so a meta trace pays for it whoever imports it first."""
+    probe = ("import sys, time; import torch; had = 'torch._dynamo' in sys.modules; t = time.perf_counter(); "
+             "torch.nn.Linear(8, 8, device='meta')(torch.empty(2, 8, device='meta')); "
+             "print(had, 'torch._dynamo' in sys.modules, time.perf_counter() - t)")
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True)
+    had, has, dt = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True,
+                                  text=True).stdout.split()
+    print(f"  torch's first meta op (nn.Linear forward on meta, no transformers): torch._dynamo imported "
+          f"before {had}, after {has}; that op took {float(dt):.2f} s")
+
+
+def teardown(env: dict[str, str], runs: int) -> None:
+    """The interpreter's teardown after ``import torch``: a normal exit against ``os._exit``."""
+    normal, normal_cpu = median_wall([sys.executable, "-c", "import torch"], env, runs)
+    fast, fast_cpu = median_wall([sys.executable, "-c", "import os, torch; os._exit(0)"], env, runs)
+    print(f"  teardown: python -c 'import torch' {normal:.2f} s ({normal_cpu:.2f} s CPU), ending with os._exit "
+          f"{fast:.2f} s ({fast_cpu:.2f} s CPU) (medians of {runs}): {normal - fast:.2f} s ({normal_cpu - fast_cpu:.2f} s "
+          "CPU) of interpreter teardown, which `vramplan` skips")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
+    ap.add_argument("--baseline", metavar="SRC", help="another checkout's src/ (e.g. `git archive REV src | tar -x "
+                    "-C /tmp/base`): each command also runs from it, alternating, with the ratio new / baseline")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache:
+    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache, \
+            tempfile.TemporaryDirectory(prefix="vramplan-pyc-base-") as base_cache:
         env = _env(cache)
+        base_env = _env(base_cache, str(Path(args.baseline).resolve())) if args.baseline else None
         vp = _vramplan()
         passing, passing_cpu = median_wall([sys.executable, "-c", "pass"], env, args.runs)
         torch_s, torch_cpu = median_wall([sys.executable, "-c", "import torch"], env, max(3, args.runs // 2))
@@ -133,13 +189,22 @@ def main() -> None:
              [*vp, "estimate", "llama-3.1-8b", "--task", "train"], 2.5, 3),
         ]
         for label, cmd, target, runs in rows:
-            dt, cpu = median_wall(cmd, env, runs)
+            if base_env is None:
+                dt, cpu = median_wall(cmd, env, runs)
+            else:  # the baseline's own script may call `main`: both run as `python -m vramplan.cli.main`
+                cmd = [sys.executable, "-m", "vramplan.cli.main", *cmd[len(vp):]]
+                (dt, cpu), (bdt, bcpu) = ab_wall(cmd, env, base_env, runs)
             ok = "PASS" if dt <= target else "MISS"
             print(f"{ok}  {label:<52} {dt:6.3f} s ({cpu:.3f} s CPU)  target ≤ {target:g} s (ratio {dt / target:.2f}); "
                   f"{dt / passing:5.1f}× python -c pass, {dt / torch_s:4.2f}× import torch "
                   f"({cpu / torch_cpu:4.2f}× in CPU time)")
+            if base_env is not None:
+                print(f"      baseline {bdt:6.3f} s ({bcpu:.3f} s CPU): new / baseline {dt / bdt:.2f} "
+                      f"({cpu / bcpu:.2f} in CPU time), alternating runs")
         print("where the trace's start-up goes:")
         import_breakdown(env)
+        dynamo_by_torch(env)
+        teardown(env, max(3, args.runs // 2))
 
 
 if __name__ == "__main__":

@@ -12,3 +12,16 @@ settings.register_profile("default", deadline=None, suppress_health_check=[Healt
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_estimate_caches():
+    """Each test starts without the process's cached traces and replays (``vramplan.engine.cache``):
+    a test that patches the tracer or counts traces sees its own calls, not an earlier test's."""
+    from vramplan.engine import cache
+
+    cache.clear()
+    yield

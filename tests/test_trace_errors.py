@@ -143,7 +143,7 @@ def test_sharded_layouts_are_refused_not_misreported() -> None:
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(cp=2))
     with pytest.raises(TraceError, match="torchtitan's Llama plan"):  # TP needs named attention/MLP linears
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2))
-    with pytest.raises(TraceError, match="without data parallelism"):  # TP x FSDP/DDP: not yet
+    with pytest.raises(TraceError, match="torchtitan's Llama plan"):  # TP x DDP is traced, with the same plan
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(tp=2, dp=2))
     with pytest.raises(TraceError, match="DeepSpeed ZeRO-1 is not traced"):
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(dp=2, zero=1))

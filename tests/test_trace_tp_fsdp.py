@@ -186,3 +186,6 @@ def test_fsdp2_pads_an_expert_stack_when_dp_exceeds_the_experts() -> None:
     assert _optimizer_states(r) == (a.states.weights, a.states.gradients, a.states.optimizer)
     half = estimate(spec, w.replace(dp=8))
     assert a.states.optimizer > 0.9 * half.states.optimizer  # the experts dominate and do not shrink
+    # the all-gather and reduce-scatter buffers are padded too (16 experts' worth gathered)
+    two = trace_workload(spec, w, options=FAST)
+    assert abs(two.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (two.peak_allocated, a.peak.allocated)

@@ -15,7 +15,6 @@ there is one), for front ends that point at the input to fix.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Iterable
 
@@ -103,6 +102,8 @@ class PlanError(VramplanError):
 
 def did_you_mean(name: str, choices: Iterable[str], *, kind: str, listing: str | None = None) -> UnknownNameError:
     """Build an UnknownNameError that suggests the nearest known names."""
+    import difflib  # only when a name is unknown: not on every command's start-up
+
     pool = sorted(set(choices))
     close = difflib.get_close_matches(name.lower(), [c.lower() for c in pool], n=3, cutoff=0.5)
     lower_to_real = {c.lower(): c for c in pool}

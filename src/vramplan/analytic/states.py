@@ -126,11 +126,14 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
     # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
     fsdp2 = p.framework is Engine.FSDP and p.zero >= 2 and w.training
+    unit_pad = (0, 0, 0)  # (largest layer, embedding, head): FSDP2 all-gathers padded shards
     if fsdp2 and w.quant is Quant.NONE:
-        pad = fsdp_padding(lins, (arch.vocab // p.tp if p.tp > 1 else arch.vocab) if stage.embed else 0,
-                           head_mats, h, w)
+        embed_rows = (arch.vocab // p.tp if p.tp > 1 else arch.vocab) if stage.embed else 0
+        pad = fsdp_padding(lins, embed_rows, head_mats, h, w)
+        unit_pad = (max((fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w) for g, _ in stage.groups),
+                        default=0), fsdp_padding([], embed_rows, [], h, w), fsdp_padding([], 0, head_mats, h, w))
     if (p.zero == 3 or fsdp2) and w.training:
-        unit = max(layer, embed, head) if p.zero == 3 else params
+        unit = max(layer + unit_pad[0], embed + unit_pad[1], head + unit_pad[2]) if p.zero == 3 else params + pad
         gathered = (2 if p.zero == 3 else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
 
@@ -201,7 +204,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full else 0,
         layer_grads=per_layer * rg.grad // g_shard,
-        unsharded_grads=per_layer * rg.grad if p.zero >= 2 else 0,
+        unsharded_grads=(per_layer + (unit_pad[0] if tr.full else 0)) * rg.grad if p.zero >= 2 else 0,
         ddp_buckets=buckets,
         ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,

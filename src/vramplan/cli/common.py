@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import math
 import sys
+from collections import defaultdict
+from contextvars import ContextVar
 from enum import Enum
 from typing import Any
 
@@ -50,6 +52,11 @@ def _default_text(value: Any) -> str:
         return ",".join(map(str, value))
     return str(value)
 
+
+HELP_TEXT: ContextVar[bool] = ContextVar("HELP_TEXT", default=True)
+"""Whether the parser being built may print its help: the flags' help comes from the fields'
+docstrings, read by parsing workload.py (~5 ms); a command line that asks no help
+(``build_parser`` sets this) builds its flags with empty help."""
 
 _EXPLICIT = "_explicit_fields"
 
@@ -124,12 +131,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpu: bool = True) -> None:
     """The workload flags: one per field of :class:`Workload` and :class:`Parallel`, with the
     field's docstring as help and its default (the one source of both)."""
     g = p.add_argument_group("workload")
-    docs = field_docs(Workload)
+    help_text = HELP_TEXT.get()
+    docs = field_docs(Workload) if help_text else defaultdict(str)
     for f in dataclasses.fields(Workload):
         if f.name != "parallel":
             _add_field(g, f, docs[f.name])
     par = p.add_argument_group("parallelism (per-GPU memory is reported)")
-    pdocs = field_docs(Parallel)
+    pdocs = field_docs(Parallel) if help_text else defaultdict(str)
     for f in dataclasses.fields(Parallel):
         _add_field(par, f, pdocs[f.name])
     par.add_argument("--layout", metavar="FILE", default=None,

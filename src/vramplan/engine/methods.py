@@ -24,6 +24,7 @@ from ..results import (
 )
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Method, Phase, Workload
+from . import cache
 from .device import kernel_workload
 
 if TYPE_CHECKING:
@@ -99,19 +100,25 @@ def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFA
 # --------------------------------------------------------------------------- trace
 def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
                         checkpoint_policy: Any = None) -> TraceResult:
+    """The trace of a catalog model under ``w``; without a checkpoint policy, the process's
+    bounded cache answers a workload traced before (:mod:`.cache`)."""
     from ..trace.run import trace_workload
 
-    return trace_workload(spec, w, device=dev, checkpoint_policy=checkpoint_policy)
+    if checkpoint_policy is not None:  # a function: no key says what it does
+        return trace_workload(spec, w, device=dev, checkpoint_policy=checkpoint_policy)
+    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev))
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
-    """Replay a trace's events through the allocator simulation (a ``ReplayResult``)."""
+    """Replay a trace's events through the allocator simulation (a ``ReplayResult``; the
+    process's bounded cache answers a replay of the same trace object run before)."""
     from ..allocator import parse_conf, replay
 
     conf = parse_conf(alloc_conf or "")
     # one plain pass: the report needs the peaks and the reserved curve (kept exactly, as sparse
     # changes), not a per-event timeline nor the segment map at the peak (a second pass)
-    return replay(tr.events, conf, capacity=capacity, segment_map=False)
+    return cache.cached_replay(tr, alloc_conf, capacity,
+                               lambda: replay(tr.events, conf, capacity=capacity, segment_map=False))
 
 
 def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
@@ -149,16 +156,19 @@ def _with_reserved(tl: Timeline | None, changes: tuple[tuple[int, int], ...]) ->
     return dataclasses.replace(tl, reserved=tuple(reserved))
 
 
-def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None) -> MethodResult:
+def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capacity: int | None, *,
+               within_capacity: bool = True) -> MethodResult:
     """Replay uncapped: the figures are what the step needs, and the verdict (and every
     boundary search) compares that need with the GPU. Where it exceeds the GPU's allocator
     capacity, replay again within it, as PyTorch would run, and say what happens there:
     freeing cached blocks and retrying may let it run (too close to the limit to count on),
-    or it runs out of memory."""
+    or it runs out of memory. ``within_capacity=False`` skips that second replay (a search's
+    confirmation reads only the uncapped figures and whether they fit): the report then says
+    nothing of retries or OOMs at the limit."""
     res = replay_trace(tr, alloc_conf)
     notes = list(tr.notes)
     summary = _summary(res, alloc_conf)
-    if pool_capacity is not None and res.max_reserved > pool_capacity:
+    if within_capacity and pool_capacity is not None and res.max_reserved > pool_capacity:
         capped = replay_trace(tr, alloc_conf, pool_capacity)
         if capped.ooms == 0:
             notes.append(

@@ -87,8 +87,13 @@ def _workload(workload: Workload | None, fields: dict[str, Any]) -> Workload:
 
 
 def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: Method,
-            alloc_conf: str | None, num_gpus: int, checkpoint_policy: Any = None) -> MemoryReport:
-    """One estimate of a checked workload, without the largest-batch search."""
+            alloc_conf: str | None, num_gpus: int, checkpoint_policy: Any = None, *,
+            confirmation: bool = False) -> MemoryReport:
+    """One estimate of a checked workload, without the largest-batch search.
+
+    ``confirmation``: the report only confirms a point of a boundary search (its device_used
+    and whether it fits are read, then it is dropped): a traced step above the GPU's
+    allocator capacity is not replayed a second time within it (see :func:`trace_core`)."""
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
@@ -101,7 +106,7 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
     else:
         try:
             core = trace_core(trace_catalog_model(spec, w, dev, checkpoint_policy), w, alloc_conf,
-                              dev.allocator_capacity)
+                              dev.allocator_capacity, within_capacity=not confirmation)
         except TraceError as e:
             if m is Method.TRACE or not has_analytic(spec):
                 raise
@@ -125,7 +130,8 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
 
     def confirm(wx: Workload) -> MemoryReport:
         if wx.batch not in cache:
-            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus, checkpoint_policy)
+            cache[wx.batch] = _report(spec, wx, g, dev, report.method, alloc_conf, v.num_gpus, checkpoint_policy,
+                                      confirmation=True)
         return cache[wx.batch]
 
     def analytic(wx: Workload) -> int | None:

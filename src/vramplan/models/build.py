@@ -8,6 +8,7 @@ forward/backward on fake tensors, or to count parameters exactly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from .arch import (
     default_head,
     head_from_architectures,
 )
+from .hf_import import import_transformers
 from .spec import Family, ModelSpec
 
 _EXTRA_HINT = "pip install 'vramplan[models]' adds model tracing; --method analytic works without it"
@@ -93,13 +95,15 @@ def build_model(
 
 def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch.dtype) -> nn.Module:
     try:
-        import transformers
+        transformers = import_transformers()
     except ImportError:  # a plain `pip install vramplan` without the models extra
         raise TraceError(f"building {spec.name} needs transformers, which is not installed",
                          hint=_EXTRA_HINT if spec.family is not Family.OTHER
                          else "pip install 'vramplan[models]' to trace it") from None
 
-    cfg = {k: v for k, v in spec.config.items() if k not in _DROP_KEYS}
+    # a deep copy: transformers edits nested entries in place (it adds rope_theta to rope_scaling),
+    # which changed the catalog spec itself at its first build
+    cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
     model_type = cfg.pop("model_type", None)
     try:
         with quiet():

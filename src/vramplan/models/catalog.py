@@ -13,15 +13,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramplan.errors import ConfigError, did_you_mean
 
 from .hub import fetch_config, looks_like_hub_id
 from .normalize import spec_from_config
 from .spec import Family, ModelSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 _INDEX = "index.json"
 
@@ -43,14 +45,21 @@ class CatalogEntry:
     aliases: tuple[str, ...] = ()
 
 
-def _configs_dir() -> Path:
-    return Path(__file__).with_name("configs")  # package data (pyproject: models/configs/*.json)
+def _configs_dir() -> str:
+    # package data (pyproject: models/configs/*.json); os.path, not pathlib: pathlib imports
+    # urllib.parse and ipaddress (~4 ms of the analytic command's start-up)
+    return os.path.join(os.path.dirname(__file__), "configs")
+
+
+def _read(file: str) -> str:
+    with open(file, encoding="utf-8") as f:
+        return f.read()
 
 
 @lru_cache(maxsize=1)
 def catalog_entries() -> dict[str, CatalogEntry]:
     """alias → entry, in catalog order."""
-    raw = json.loads(_configs_dir().joinpath(_INDEX).read_text(encoding="utf-8"))
+    raw = json.loads(_read(os.path.join(_configs_dir(), _INDEX)))
     out: dict[str, CatalogEntry] = {}
     for alias, e in raw["models"].items():
         out[alias] = CatalogEntry(
@@ -93,6 +102,8 @@ def resolve(name: str) -> ModelSpec:
     alias = catalog_alias(name)
     if alias is not None:
         return _catalog_spec(alias)
+    from pathlib import Path
+
     path = Path(os.path.expanduser(name))
     if path.exists() or name.endswith(".json"):
         return _local_spec(path)
@@ -110,8 +121,7 @@ def spec_from_text(text: str, name: str = "config.json") -> ModelSpec:
 @cache
 def _catalog_spec(alias: str) -> ModelSpec:
     e = catalog_entries()[alias]
-    file = _configs_dir().joinpath(f"{alias}.json")
-    config = _parse(file.read_text(encoding="utf-8"), f"embedded {alias}.json")
+    config = _parse(_read(os.path.join(_configs_dir(), f"{alias}.json")), f"embedded {alias}.json")
     where = f"{e.hub_id}/{e.subfolder}" if e.subfolder else e.hub_id
     return spec_from_config(
         config, name=alias, hub_id=e.hub_id, source=f"embedded catalog ({where} config.json)",
@@ -135,7 +145,7 @@ def _local_spec(path: Path) -> ModelSpec:
 @lru_cache(maxsize=64)
 def _local_spec_cached(file: str, mtime_ns: int, size: int) -> ModelSpec:
     try:
-        text = Path(file).read_text(encoding="utf-8")
+        text = _read(file)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: cannot read ({e.__class__.__name__})") from None
     config = _parse(text, file)

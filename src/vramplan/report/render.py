@@ -86,7 +86,7 @@ def to_text(doc: Doc, width: int = 110) -> str:
     """Plain text (no colour) — what tests compare."""
     buf = io.StringIO()
     render_console(doc, Console(file=buf, width=width, color_system=None, force_terminal=False,
-                                 highlight=False, soft_wrap=False))
+                                 highlight=False, soft_wrap=False, emoji=False))
     return buf.getvalue()
 
 
@@ -138,7 +138,9 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) ->
         isatty = getattr(stream, "isatty", lambda: False)()
         # Piped output: rich would assume 80 columns and cut long cells; use a wide page
         # (VRAMPLAN_COLUMNS when set, as the golden tests do).
-        render_console(doc, _Console(file=stream, highlight=False, width=None if isatty else _page_width()))
+        # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table)
+        render_console(doc, _Console(file=stream, highlight=False, emoji=False,
+                                     width=None if isatty else _page_width()))
 
 
 def _page_width() -> int:

@@ -32,6 +32,7 @@ check fails. ``tests/test_trace_replicate.py`` compares replicated logs with ful
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ WINDOW = 64
 """Tokens that must match after a candidate insertion for the greedy alignment to take it at once."""
 CANDIDATES = 4096
 """Candidate insertion lengths tried at one point."""
+BACKTRACK = 64
+"""Tokens the alignment may back up over to start a block earlier."""
 
 _ALLOC = int(Action.ALLOC)
 _NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
@@ -284,30 +287,44 @@ class _Aligner:
         a, b = self.a, self.b
         out: list[tuple[int, int, int]] = []
         i = j = 0
-        while i < len(a):
+        while True:
             n = self._refs_ok(i, j, _common(a, i, b, j))
             self.partner[i:i + n] = np.arange(j, j + n)
             i, j = i + n, j + n
-            if i == len(a):
-                break
-            found = self._insertion(i, j)
-            if not found:
+            if i == len(a) and j == len(b):
+                return out
+            # the block may start before the mismatch (tokens equal to the block's own): back
+            # up over the run just matched, first to where WINDOW tokens follow, else the best
+            need = min(WINDOW, len(a) - i)
+            choice, best = None, -BACKTRACK - 2
+            for d in range(min(n, BACKTRACK) + 1):
+                ln, run = self._insertion(i - d, j - d)
+                if ln and run - d > best:  # (tokens matched past the mismatch)
+                    choice, best = (d, ln), run - d
+                if ln and run >= need + d:
+                    break
+            if choice is None:
                 return None
-            out.append((i, j, found))
-            self.inserted[j:j + found] = True
-            j += found
-        if j < len(b):
-            out.append((len(a), j, len(b) - j))
-        return out
+            d, ln = choice
+            i, j = i - d, j - d
+            self.partner[i:i + d] = -1
+            out.append((i, j, ln))
+            self.inserted[j:j + ln] = True
+            j += ln
 
-    def _insertion(self, i: int, j: int) -> int:
+    def _insertion(self, i: int, j: int) -> tuple[int, int]:
+        """(length, tokens of ``a`` that follow in ``b`` and ``c``) of the best block at a[i]/b[j]."""
         a, b, c = self.a, self.b, self.c
         rem = (len(b) - j) - (len(a) - i)
         if rem <= 0:
-            return 0
+            return 0, 0
         jc = i + 2 * (j - i)  # where c is: two blocks for every one of b
+        if i == len(a):  # the rest of b, twice at the end of c
+            block = b[j:]
+            ok = c[jc:jc + rem] == block and c[jc + rem:] == block
+            return (rem, 0) if ok else (0, 0)
         need = min(WINDOW, len(a) - i)
-        pos, found, best = j + 1, 0, 0
+        pos, found, best = j + 1, 0, -1
         for _ in range(CANDIDATES):
             try:
                 p = b.index(a[i], pos, j + rem + 1)
@@ -321,10 +338,10 @@ class _Aligner:
             run = min(_common(a, i, b, p), _common(a, i, c, jc + 2 * ln))
             run = self._refs_ok(i, p, run, (j, p))
             if run >= need:
-                return ln
+                return ln, run
             if run > best:
                 found, best = ln, run
-        return found
+        return found, best
 
 
 def align(a: list[int], b: list[int], c: list[int], ta: np.ndarray, tb: np.ndarray
@@ -345,14 +362,17 @@ class _Shape:
     ls: np.ndarray
     """Block lengths."""
 
+    @functools.cached_property
+    def _before(self) -> np.ndarray:
+        """Block lengths before each point, then the total."""
+        return np.concatenate(([0], np.cumsum(self.ls))).astype(np.int64)
+
     def start(self, k: int) -> np.ndarray:
         """Where each point's first copy starts in the log with k copies."""
-        before = np.concatenate(([0], np.cumsum(self.ls)[:-1]))
-        return self.xs + k * before
+        return self.xs + k * self._before[:-1]
 
     def base_pos(self, t: np.ndarray, k: int) -> np.ndarray:
-        shift = np.concatenate(([0], np.cumsum(self.ls)))[np.searchsorted(self.xs, t, side="right")]
-        return t + k * shift
+        return t + k * self._before[np.searchsorted(self.xs, t, side="right")]
 
     def length(self, k: int) -> int:
         return int(self.n + k * self.ls.sum())
@@ -378,7 +398,7 @@ class _Shape:
 
 # rule kinds for what a FREE (or any event with an id) refers to
 _NONE, _BASE = 0, 1
-_COPY_RULES: dict[int, tuple[tuple[int, int, int], Callable[[int, int], int]]] = {
+_COPY_RULES: dict[int, tuple[tuple[int, int, int], Callable[[Any, int], Any]]] = {
     # kind: (the copy named in the 1-copy log and by copies 1 and 2 of the 2-copy log, 0 for
     # the fixed event; which copy copy c of k names — outside 1..k: the fixed event)
     2: ((1, 1, 2), lambda c, k: c),  # the same layer
@@ -557,24 +577,29 @@ def _write(m: _Model, k: int, src_log: EventLog, vocab: _Vocab) -> EventLog:
     for kind, (_seen, nth) in _BASE_RULES.items():
         sel = r == kind
         tpos[bp[sel]] = copy_pos(rq[sel], nth(k), rj[sel])
+    copies = np.arange(1, k + 1, dtype=np.int64)[:, None]  # (k, 1): copy c of each block
     for p, ln in enumerate(ls.tolist()):
         rr = m.copy_rule[p]
         fixed, rq, rj = m.copy_ref[p]
-        s = rr == _BASE
         fixed_pos = sh.base_pos(np.where(fixed >= 0, fixed, 0), k)
-        for c in range(1, k + 1):
-            lo = int(starts[p]) + (c - 1) * ln
-            sl = slice(lo, lo + ln)
-            src[sl] = m.copy_src[p]
-            tmpl[sl] = m.copy_tmpl[p]
-            idx[sl] = m.copy_alpha[p] + m.copy_u[p] * c + m.copy_v[p] * k  # (-1: no layer)
-            tp = np.full(ln, -1, np.int64)
-            tp[s] = fixed_pos[s]
-            for kind, (_pat, copy_of) in _COPY_RULES.items():
-                s2 = rr == kind
-                cc = copy_of(c, k)
-                tp[s2] = fixed_pos[s2] if not 1 <= cc <= k else copy_pos(rq[s2], cc, rj[s2])
-            tpos[sl] = tp
+        lo = int(starts[p])
+        sl = slice(lo, lo + k * ln)
+        src[sl] = np.tile(m.copy_src[p], k)
+        tmpl[sl] = np.tile(m.copy_tmpl[p], k)
+        idx[sl] = (m.copy_alpha[p] + m.copy_u[p] * copies + m.copy_v[p] * k).ravel()  # (-1: no layer)
+        tp = np.full((k, ln), -1, np.int64)
+        s = rr == _BASE
+        tp[:, s] = fixed_pos[s]
+        for kind, (_pat, copy_of) in _COPY_RULES.items():
+            s2 = np.flatnonzero(rr == kind)
+            if not len(s2):
+                continue
+            cc = np.broadcast_to(np.asarray(copy_of(copies, k), dtype=np.int64), (k, 1))
+            inside = (cc >= 1) & (cc <= k)
+            q2 = rq[s2]
+            at = starts[np.where(q2 >= 0, q2, 0)] + (cc - 1) * ls[np.where(q2 >= 0, q2, 0)] + rj[s2]
+            tp[:, s2] = np.where(inside, at, fixed_pos[s2])
+        tpos[sl] = tp.ravel()
     out = EventLog()
     for name in ("action", "size", "stream", "category", "phase", "iteration"):
         col = getattr(src_log, name)
@@ -584,16 +609,19 @@ def _write(m: _Model, k: int, src_log: EventLog, vocab: _Vocab) -> EventLog:
         remap = np.asarray([out.intern(s) for s in src_log.strings], dtype=np.int32)
         arr = remap[np.frombuffer(getattr(src_log, name), dtype=np.int32)[src]]
         getattr(out, name).frombytes(arr.tobytes())
-    # module strings: template with its layer index
-    key = tmpl * (1 << 20) + (idx + 1)
-    uniq, inv = np.unique(key, return_inverse=True)
-    names = []
-    for kk in uniq.tolist():
-        tm, ix = divmod(kk, 1 << 20)
-        path = vocab.names[tm]
-        names.append(out.intern(path.replace(f"{vocab.container}.#", f"{vocab.container}.{ix - 1}", 1)
-                                if ix else path))
-    out.module.frombytes(np.asarray(names, dtype=np.int32)[inv].astype(np.int32).tobytes())
+    # module strings: template with its layer index (a dense table over the templates used)
+    used_tmpl = np.flatnonzero(np.bincount(tmpl, minlength=len(vocab.names)))
+    dense = np.zeros(len(vocab.names), np.int64)
+    dense[used_tmpl] = np.arange(len(used_tmpl))
+    width = int(idx.max()) + 2 if len(idx) else 1
+    key = dense[tmpl] * width + (idx + 1)
+    table = np.zeros(len(used_tmpl) * width, np.int32)
+    for kk in np.flatnonzero(np.bincount(key, minlength=len(table))).tolist():
+        tm, ix = divmod(kk, width)
+        path = vocab.names[int(used_tmpl[tm])]
+        table[kk] = out.intern(path.replace(f"{vocab.container}.#", f"{vocab.container}.{ix - 1}", 1)
+                               if ix else path)
+    out.module.frombytes(table[key].tobytes())
     act = np.frombuffer(out.action, dtype=np.int8)
     isalloc = act == _ALLOC
     ordinal = np.cumsum(isalloc)
