@@ -9,7 +9,8 @@ single-GPU trace of the same step, in one run:
    one-GPU traces.
 4. World size costs nothing: rank 0 of 8 vs rank 0 of 1,024 in CPU seconds (target: ratio ≤ 1.1).
 5. Real-run agreement: FSDP2 and DDP run for real over 2 gloo CPU processes vs the trace of
-   each rank (``trace.testing.dist_agreement``; target: within 1 %).
+   each rank (``trace.testing.dist_agreement``; target: within 1 %), and every pipeline
+   schedule over 2 processes (``trace.testing.pipeline_agreement``).
 
 Checkpointing: torchtitan's op-level selective checkpointing (``checkpointing=op``) once the
 trace implements it (``vramplan.trace.sac``); until then full checkpointing, and the run says
@@ -101,6 +102,13 @@ def agreement() -> None:
     for layout, rank, real, traced in dist_agreement(world=2):
         err = (traced - real) / real
         line(f"{layout} over 2 gloo processes, rank {rank}: trace vs real",
+             f"{err:+.4%} ({traced:,} / {real:,} B)", "within 1 %", abs(err) < 0.01)
+    from vramplan.trace.testing import pipeline_agreement
+    from vramplan.workload import PP_SCHEDULES
+
+    for schedule, rank, real, traced in pipeline_agreement(PP_SCHEDULES):
+        err = (traced - real) / real
+        line(f"pp=2 {schedule} over 2 gloo processes, rank {rank}: trace vs real",
              f"{err:+.4%} ({traced:,} / {real:,} B)", "within 1 %", abs(err) < 0.01)
 
 

@@ -198,7 +198,7 @@ def test_grad_accumulation_keeps_gradients_through_the_forward():
     (Parallel(pp=5), r"`pp=5` does not divide 32 layers"),
     (Parallel(dp=2, ep=2), r"`ep=2` needs a mixture-of-experts model"),
     (Parallel(cp=3), r"`cp=3` does not divide the sequence length 2048"),
-    (Parallel(pp=4), r"micro-batches in flight.*`grad_accum=4`"),
+    (Parallel(pp=4), r"at least 4 micro-batches.*`grad_accum=4`"),
 ])
 def test_check_against_model_names_the_fix(parallel, match):
     with pytest.raises(WorkloadError, match=match):

@@ -76,6 +76,9 @@ CASES = {
         dict(dp=8, zero=3, engine="fsdp"),
         dict(dp=4, zero=3, engine="fsdp", tp=2, sp=True, checkpointing="full"),
         dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, checkpointing="op"),
+        dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, pp_schedule="Interleaved1F1B"),
+        dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, pp_schedule="ZBVZeroBubble"),
+        dict(dp=2, engine="ddp", pp=4, batch=2, grad_accum=2, pp_schedule="GPipe"),
         dict(dp=2, zero=3, engine="fsdp", cp=2, tp=2, sp=True, optimizer_impl="fused"),
         dict(dp=32, zero=3, engine="fsdp", dp_shard=8, checkpointing="full", checkpoint_fraction=0.5),
         dict(dp=8, engine="ddp", optimizer="adam", batch=2, grad_accum=2),
@@ -167,3 +170,24 @@ def test_cli_flag_contradicting_the_layout_is_an_error(template, tmp_path, capsy
     assert main(["estimate", "llama-3.2-1b", "--method", "analytic", "--layout", str(f), "--dp", "4"]) == 2
     assert "--dp 4 contradicts the deepspeed layout file, which says 8" in capsys.readouterr().err
     assert main(["estimate", "llama-3.2-1b", "--method", "analytic", "--layout", str(f), "--dp", "8", "--json"]) == 0
+
+
+def test_torchtitan_schedule_with_more_stages_per_rank(template):
+    # torchtitan infers 2 stages per rank for a looped schedule; other counts go through
+    # pipeline_parallel_layers_per_stage, which needs the model's layers: a note, and the
+    # command line's `pp_virtual` when the file sets it
+    p = _plan(template, dp=2, zero=3, engine="fsdp", pp=2, grad_accum=4, pp_schedule="Interleaved1F1B", pp_virtual=4)
+    out = emit(p, "torchtitan")
+    assert 'pipeline_parallel_schedule = "Interleaved1F1B"' in out.text
+    assert any("pipeline_parallel_layers_per_stage" in n and "layers / 8" in n for n in out.notes)
+    base = p.workload  # the command line gives `--pp-schedule interleaved1f1b --pp-virtual 4`
+    as_written = read_layout("torchtitan", out.text, base).workload
+    assert as_written.parallel.stages_per_rank == 2  # what torchtitan runs from this file
+    edited = out.text.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_layers_per_stage = 2\n")
+    assert read_layout("torchtitan", edited, base).workload == p.workload
+
+
+def test_torchtitan_schedule_vramplan_does_not_predict_is_one_line():
+    text = "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"DualPipeV\"\n"
+    with pytest.raises(PlanError, match="DualPipeV.*not one vramplan predicts"):
+        read_layout("torchtitan", text, Workload(grad_accum=4))

@@ -54,9 +54,9 @@ def test_estimate_reports_the_worst_stage_and_every_stage_peak(two_stages):
     spec, w, traced = two_stages
     r = estimate(spec, w, method="trace", search_max_batch=False)
     assert r.method is Method.TRACE and r.fallback is None
-    note = next(n for n in r.notes if n.startswith("pipeline parallelism traced per stage"))
+    note = next(n for n in r.notes if n.startswith("pipeline parallelism traced per rank"))
     for rank, t in traced.items():
-        assert f"stage {rank} (" in note and f"{t.peak_allocated:,} B" in note
+        assert f"rank {rank} (" in note and f"{t.peak_allocated:,} B" in note
     worst = max(t.peak_allocated for t in traced.values())
     assert r.peak.allocated >= worst
 

@@ -159,6 +159,26 @@ def as_enum(cls: type[E], value: Any, field: str) -> E:
         raise WorkloadError(f"invalid `{field}` {value!r}", hint=f"choose one of {choices}", field=field) from None
 
 
+PP_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                 "ZBVZeroBubble")
+"""Pipeline schedules vramplan traces, spelled as ``torch.distributed.pipelining.schedules.
+get_schedule_class`` spells them (torch 2.13); each needs its class in the installed torch."""
+PP_LOOPED: tuple[str, ...] = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""Schedules with several stages per rank (``PipelineScheduleMulti``)."""
+PP_V_SHAPED: tuple[str, ...] = ("ZBVZeroBubble",)
+"""Two stages per rank laid out in a V: rank 0 holds the first and the last stage."""
+
+
+def pp_schedule_name(value: Any) -> str:
+    """A schedule name in torch's spelling (matched without case, as torch matches it)."""
+    text = str(value).strip()
+    for name in PP_SCHEDULES:
+        if name.lower() == text.lower():
+            return name
+    raise WorkloadError(f"unknown pipeline schedule `pp_schedule={value!r}`", hint=f"choose one of {' | '.join(PP_SCHEDULES)}",
+                        field="pp_schedule")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """How the job is spread over GPUs. All sizes are counts of GPUs (ranks)."""
@@ -172,7 +192,8 @@ class Parallel:
     pp: int = 1
     """Pipeline-parallel stages."""
     microbatches: int = 0
-    """Micro-batches in flight on the first pipeline stage (0 = pp, as in 1F1B)."""
+    """Micro-batches in flight on the first pipeline rank, overriding the analytic count (0 = as
+    the `pp_schedule` runs a step's `grad_accum` micro-batches: pp under 1F1B)."""
     sp: bool = False
     """Megatron sequence parallelism (shards norm/dropout activations over the TP group)."""
     cp: int = 1
@@ -193,6 +214,12 @@ class Parallel:
     engine: Engine = Engine.AUTO
     """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2)
     or deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule as torch.distributed.pipelining names it: GPipe, 1F1B, Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble; a step's `grad_accum` micro-batches run through it."""
+    pp_virtual: int = 0
+    """Pipeline stages per rank of the looped schedules (Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble; 0 = 2, torchtitan's default; ZBVZeroBubble takes exactly 2); GPipe and 1F1B hold 1."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
@@ -240,6 +267,18 @@ class Parallel:
             raise WorkloadError("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together",
                                 hint="add `offload_params` (with `zero=3`), or use `engine=deepspeed`",
                                 field="offload_optimizer")
+        object.__setattr__(self, "pp_schedule", pp_schedule_name(self.pp_schedule))
+        if not isinstance(self.pp_virtual, int) or isinstance(self.pp_virtual, bool) or self.pp_virtual < 0:
+            raise WorkloadError(f"`pp_virtual` must be 0 (the schedule's default) or a positive number of stages "
+                                f"per rank, got {self.pp_virtual!r}", field="pp_virtual")
+        looped = self.pp_schedule in PP_LOOPED
+        if self.pp_virtual > 1 and not looped:
+            raise WorkloadError(f"the {self.pp_schedule} schedule runs one stage per rank; `pp_virtual="
+                                f"{self.pp_virtual}` needs a looped schedule",
+                                hint=f"use `pp_schedule={PP_LOOPED[0]}`, or drop `pp_virtual`", field="pp_virtual")
+        if self.pp_schedule in PP_V_SHAPED and self.pp_virtual not in (0, 2):
+            raise WorkloadError(f"{self.pp_schedule} runs exactly 2 stages per rank (a V), not {self.pp_virtual}",
+                                hint="drop `pp_virtual` (or set 2)", field="pp_virtual")
         if self.ep > 1 and self.dp % self.ep:
             raise WorkloadError(f"expert-parallel size {self.ep} must divide the data-parallel size {self.dp}",
                                 hint=f"use `dp={self.ep}` or a multiple of it", field="ep")
@@ -265,8 +304,25 @@ class Parallel:
         return Engine.FSDP
 
     @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds (``pp_virtual`` resolved: 2 for the looped schedules)."""
+        if self.pp_schedule not in PP_LOOPED:
+            return 1
+        return self.pp_virtual or 2
+
+    def stage_ids(self, rank: int) -> tuple[int, ...]:
+        """The pipeline stages (of ``pp × stages_per_rank``) rank ``rank`` holds: torch's
+        ``generate_stage_to_rank_mapping``, loop style (``rank, rank + pp, …``), or the V of
+        ZBVZeroBubble (``rank`` and ``2 pp − 1 − rank``)."""
+        if self.pp_schedule in PP_V_SHAPED:
+            return (rank, 2 * self.pp - 1 - rank)
+        return tuple(rank + k * self.pp for k in range(self.stages_per_rank))
+
+    @property
     def in_flight(self) -> int:
-        """Micro-batches whose activations are alive at once on the first stage."""
+        """Micro-batches whose activations are alive at once on the first rank under 1F1B
+        (``microbatches``, else the pipeline's depth); other schedules: :func:`vramplan.analytic.
+        parallel.chunks_in_flight`."""
         if self.pp == 1:
             return 1
         return self.microbatches or self.pp
@@ -487,6 +543,8 @@ class Workload:
                 self.bnb_compute_dtype is not DtypeChoice.AUTO or self.bnb_single_quant):
             notes.append("`bnb_compute_dtype` and `bnb_single_quant` apply to 4-bit quantisation "
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
+        if p.pp == 1 and (p.pp_schedule != "1F1B" or p.pp_virtual):
+            notes.append("`pp_schedule` and `pp_virtual` apply to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.microbatches and p.pp == 1:
             notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.engine is not Engine.AUTO and p.dp == 1:

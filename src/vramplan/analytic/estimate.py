@@ -68,9 +68,10 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         if w.training:
             acts = stage_acts(arch, stage, w, ctx, tokens, seq, positions)
             if acts.host:
-                host[stage.index] += ((HOST_ACTIVATIONS, acts.host * stage.in_flight),)
+                host[stage.index] += ((HOST_ACTIVATIONS, stage.held(acts.host)),)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
-            phases = training(st, acts, stage, w, ctx, workspace, cache)
+            receive = tokens * arch.hidden * rg.stream // (w.parallel.tp if w.parallel.sp else 1)
+            phases = training(st, acts, stage, w, ctx, workspace, cache, receive)
         else:
             gen_tokens = tokens if w.task is Task.INFER else counts.per_rank
             phases = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,

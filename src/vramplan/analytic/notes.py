@@ -46,8 +46,11 @@ def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, worksp
         out.append("MoE: tokens spread evenly over experts; each expert-parallel rank holds experts/ep "
                    "and processes top_k × its tokens.")
     if p.pp > 1:
-        out.append(f"Pipeline: reporting stage {stage}, the highest of the first (embeddings, "
-                   f"{p.in_flight} micro-batches in flight under 1F1B) and the last (head and logits).")
+        v = p.stages_per_rank
+        per = f" of {v} stages each" if v > 1 else ""
+        out.append(f"Pipeline ({p.pp_schedule} over {w.grad_accum} micro-batches): reporting stage {stage}, the "
+                   f"highest of the first rank (embeddings{per}) and the last (head and logits{per}); a rank holds "
+                   "the activations of the forwards its schedule runs before their backwards.")
     if p.tp > 1:
         sp = " with sequence parallelism sharding norm/dropout activations" if p.sp else ""
         out.append(f"Tensor parallel {p.tp}: Megatron column/row splits, vocab-parallel embeddings and logits{sp}.")

@@ -1,8 +1,12 @@
 """Per-rank view of a model under TP/PP/EP/CP/SP, and the checks that sizes divide.
 
-Pipeline stages get ``layers / pp`` consecutive layers; the first stage holds the input
-embeddings and, under 1F1B, ``in_flight`` micro-batches of activations; the last stage holds
-the final norm, the output head and the logits (a tied head is a copy of the embeddings).
+Pipeline ranks get ``layers / pp`` layers: one run of consecutive layers under GPipe and
+1F1B, ``pp_virtual`` runs of ``layers / (pp × pp_virtual)`` (stages ``r, r + pp, …``) under
+the looped schedules, stages ``r`` and ``2 pp − 1 − r`` under ZBVZeroBubble's V. The rank
+with the first stage holds the input embeddings, the rank with the last the final norm, the
+output head and the logits (a tied head is a copy of the embeddings). How many micro-batches'
+activations a rank holds at once follows the order in which torch's schedule runs its
+forwards and backwards (:func:`chunks_in_flight`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
-from vramplan.workload import Task, Workload
+from vramplan.workload import PP_V_SHAPED, Task, Workload
 
 from .arch import Arch, LayerGroup, Linear
 
@@ -26,10 +30,25 @@ class Stage:
     embed: bool
     head: bool
     in_flight: int
+    """Micro-batch chunks whose activations are alive at once: forwards of one of the rank's
+    ``virtual`` stages (``layers / virtual`` layers each) not yet run backward."""
+    virtual: int = 1
+    """Pipeline stages this rank holds (chunks of its layers)."""
+    head_in_flight: int = 1
+    """Forwards of the last stage (logits and loss) run before its first backward."""
+    receives: int = 0
+    """Receive buffers per micro-batch: one per local stage that receives activations (all but
+    the first) and one per local stage that receives gradients (all but the last). torch's
+    ``PipelineStage`` makes them for every micro-batch of the step when the schedule is first
+    run, and keeps them (``_prepare_forward_infra`` / ``_prepare_backward_infra``)."""
 
     @property
     def layers(self) -> int:
         return sum(n for _, n in self.groups)
+
+    def held(self, per_microbatch: int, less: int = 0) -> int:
+        """Bytes of ``in_flight − less`` chunks, given one micro-batch's bytes over all the rank's layers."""
+        return per_microbatch * max(0, self.in_flight - less) // self.virtual
 
     @property
     def label(self) -> str:
@@ -37,16 +56,102 @@ class Stage:
 
 
 def stages(arch: Arch, w: Workload) -> tuple[Stage, ...]:
-    """The first and the last pipeline stage (one stage when pp = 1)."""
+    """The pipeline ranks that bound the others: the first (embeddings, and the most
+    micro-batches in flight) and the last (head, logits and loss); one stage when pp = 1."""
     p = w.parallel
-    per = arch.layers // p.pp
-    in_flight = p.in_flight if w.training else 1
     if p.pp == 1:
         return (Stage(0, tuple((g, g.count) for g in arch.groups), True, True, 1),)
-    return (
-        Stage(0, _slice(arch, 0, per), True, False, in_flight),
-        Stage(p.pp - 1, _slice(arch, arch.layers - per, arch.layers), False, True, 1),
-    )
+    v = p.stages_per_rank
+    chunk = arch.layers // (p.pp * v)
+    out = []
+    for rank in (0, p.pp - 1):
+        ids = p.stage_ids(rank)
+        groups = _merge([g for i in ids for g in _slice(arch, i * chunk, (i + 1) * chunk)])
+        if not w.training:
+            flight = v
+        elif rank == 0 and p.microbatches:  # the user's count of micro-batches in flight
+            flight = p.microbatches * v
+        else:
+            flight = chunks_in_flight(p.pp_schedule, p.pp, v, w.grad_accum, rank)
+        heads = w.grad_accum if w.training and p.pp_schedule in ("GPipe", "LoopedBFS") else 1
+        last = p.pp * v - 1
+        receives = sum(i != 0 for i in ids) + sum(i != last for i in ids) if w.training else 0
+        out.append(Stage(rank, groups, 0 in ids, last in ids, flight, v, heads, receives))
+    return tuple(out)
+
+
+def chunks_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
+    """The most forwards of rank ``rank``'s stages whose backward has not run yet, over one
+    step of ``m`` micro-batches: what each torch schedule's action order gives
+    (``torch/distributed/pipelining/schedules.py``, torch 2.13; ``tests/test_pipeline_schedules.py``
+    checks each formula against torch's own ``pipeline_order``).
+
+    GPipe runs every forward first; 1F1B ``min(m, pp − rank)`` forwards before its first
+    backward; LoopedBFS every forward of every local stage; Interleaved1F1B its warm-up
+    (``_get_warmup_ops``: ``(v − 1) × per-round + 2 × (pp − 1 − rank)``, capped at ``m × v``)
+    and one more forward before the first backward; InterleavedZeroBubble the same with a
+    factor 1, counted until each chunk's weight-gradient step (``W``), which runs ``rank`` steps
+    after its input-gradient one: ``rank`` more chunks (a chunk waiting for ``W`` keeps the
+    linears' inputs and output gradients, not all it saved: an upper bound); ZBVZeroBubble ``2 pp`` chunks once ``m >= 2 pp − 1`` (warm-up ``2 (pp − rank) − 1`` +
+    ``2 rank`` forwards, then each forward of the second chunk is followed by its backward),
+    fewer where torch drops the padding micro-batches of a shorter step."""
+    if schedule == "GPipe":
+        return m
+    if schedule == "1F1B":
+        return min(m, pp - rank)
+    if schedule == "LoopedBFS":
+        return m * v
+    if schedule == "Interleaved1F1B":
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+        return warmup + 1 if warmup < m * v else warmup
+    if schedule == "InterleavedZeroBubble":
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + (pp - 1 - rank), m * v)
+        return min(warmup + 1 + rank, m * v)
+    if schedule == "ZBVZeroBubble":
+        return _zbv_in_flight(pp, m, rank)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def _zbv_in_flight(pp: int, m: int, rank: int) -> int:
+    """ZBVZeroBubble's forwards not yet backward on ``rank``: the phases of its
+    ``_calculate_single_rank_operations`` (torch 2.13), which schedules ``max(2 pp − 1, m)``
+    micro-batches and drops the actions of those beyond ``m``."""
+    live = best = 0
+    count = {"F0": 0, "F1": 0, "I0": 0, "I1": 0}
+
+    def act(kind: str) -> None:
+        nonlocal live, best
+        real = count[kind] < m
+        count[kind] += 1
+        if real:
+            live += 1 if kind[0] == "F" else -1
+            best = max(best, live)
+
+    n_micro = max(2 * pp - 1, m)
+    for _ in range(2 * (pp - rank) - 1):
+        act("F0")
+    for _ in range(rank):
+        act("F1")
+        act("F0")
+    for _ in range(pp - rank):
+        act("F1")
+        act("I1")
+    while count["F1"] < count["F0"] or count["F0"] < n_micro:
+        if count["F0"] < n_micro:
+            act("F0")
+        act("I0")
+        act("F1")
+        act("I1")
+    return best
+
+
+def _merge(groups: list[tuple[LayerGroup, int]]) -> tuple[tuple[LayerGroup, int], ...]:
+    out: dict[int, tuple[LayerGroup, int]] = {}
+    for g, n in groups:
+        out[id(g)] = (g, out[id(g)][1] + n) if id(g) in out else (g, n)
+    return tuple(out.values())
 
 
 def _slice(arch: Arch, start: int, stop: int) -> tuple[tuple[LayerGroup, int], ...]:
@@ -160,6 +265,14 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     if spec.layers % p.pp:
         raise WorkloadError(f"`pp={p.pp}` does not divide {spec.layers} layers of {name}",
                             hint=f"use {_divisors(spec.layers)}", field="pp")
+    if p.pp > 1 and spec.layers % (p.pp * p.stages_per_rank):
+        v = p.stages_per_rank
+        fits = [d for d in range(1, spec.layers // p.pp + 1) if (spec.layers // p.pp) % d == 0]
+        raise WorkloadError(f"{p.pp_schedule} with `pp={p.pp}` × {v} stages per rank cuts {spec.layers} layers of "
+                            f"{name} into {p.pp * v} stages, which does not divide them",
+                            hint=f"use `pp_virtual` of {', '.join(map(str, fits[:6]))}"
+                            if p.pp_schedule not in PP_V_SHAPED else "use a `pp` that divides half the layers",
+                            field="pp_virtual")
     if p.ep > 1:
         if not spec.is_moe:
             raise WorkloadError(f"`ep={p.ep}` needs a mixture-of-experts model; {name} is dense", hint="drop `ep`", field="ep")
@@ -173,11 +286,8 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     if seq and p.sp and (seq // p.cp) % p.tp:
         raise WorkloadError(f"sequence parallelism splits {seq // p.cp} tokens over `tp={p.tp}`, which does not divide them",
                             hint=f"use a `seq` that is a multiple of {p.tp * p.cp}", field="sp")
-    if w.training and p.pp > 1 and w.grad_accum < p.in_flight:
-        raise WorkloadError(
-            f"`pp={p.pp}` keeps {p.in_flight} micro-batches in flight but a step has only `grad_accum={w.grad_accum}`",
-            hint=f"use `grad_accum={p.in_flight}` or more",
-            field="pp")
+    if w.training and p.pp > 1:
+        check_schedule(w)
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     learned = spec.family is Family.ENCODER or spec.model_type in ("gpt2", "gpt_bigcode")
     if learned and spec.max_positions and length > spec.max_positions:
@@ -191,3 +301,21 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
         if w.image_size % patch:
             raise WorkloadError(f"`image_size={w.image_size}` is not a multiple of the patch size {patch} of {name}",
                                 hint=f"use e.g. {max(patch, w.image_size // patch * patch)}", field="image_size")
+
+
+def check_schedule(w: Workload) -> None:
+    """The micro-batch counts torch's schedule classes accept (their constructors' checks)."""
+    p, m = w.parallel, w.grad_accum
+    if p.pp_schedule == "1F1B" and m < p.pp:  # Schedule1F1B.__init__
+        raise WorkloadError(f"1F1B over `pp={p.pp}` stages needs at least {p.pp} micro-batches per step; "
+                            f"`grad_accum={m}` gives {m}", hint=f"use `grad_accum={p.pp}` or more, or "
+                            "`pp_schedule=GPipe`", field="grad_accum")
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // p.pp)
+        if m % rounds:  # ScheduleInterleaved1F1B.__init__ / ScheduleInterleavedZeroBubble.__init__
+            raise WorkloadError(f"{p.pp_schedule} runs `grad_accum={m}` micro-batches in {rounds} rounds of "
+                                f"`pp={p.pp}`, which must divide them", hint=f"use `grad_accum` of {rounds * p.pp} "
+                                f"or another multiple of {p.pp}", field="grad_accum")
+    if p.microbatches > m:
+        raise WorkloadError(f"`microbatches={p.microbatches}` in flight but a step has only `grad_accum={m}`",
+                            hint=f"use `grad_accum={p.microbatches}` or more", field="microbatches")

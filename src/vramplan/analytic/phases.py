@@ -44,9 +44,10 @@ def _with_buckets(st: States, grads: int) -> int:
 
 
 def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
-             cache: int = 0) -> tuple[PhasePeak, ...]:
+             cache: int = 0, receive: int = 0) -> tuple[PhasePeak, ...]:
     """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs unless
-    the loop keeps them, ``keep_outputs``)."""
+    the loop keeps them, ``keep_outputs``). ``receive``: one pipeline receive buffer (a
+    micro-batch's hidden states), kept ``stage.receives`` times per micro-batch of the step."""
     c = ctx.rg.compute
     classes = a.logits // a.positions if a.positions else 0
     lm = loss_memory(w, tokens=a.positions, classes=classes, hidden=a.hidden, compute=c, stream=ctx.rg.stream,
@@ -54,9 +55,13 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                      softcap=a.softcap) if a.logits else LossMemory(0, 0, 0, 0)
     # keep_grads (set_to_none=False) and gradient accumulation keep every gradient through the forward
     held = st.gradients if (w.grad_accum > 1 or w.keep_grads) and not w.optimizer_in_backward else 0
-    kept = (lm.logits_held + cache * stage.in_flight) if w.keep_outputs else 0
+    kept = (lm.logits_held + stage.held(cache)) if w.keep_outputs else 0
     w_live = st.weights + st.gathered
-    acts = a.layers * stage.in_flight + a.embed
+    # schedules that run several forwards of the last stage before its backward (GPipe,
+    # LoopedBFS) keep each micro-batch's logits and loss inputs until then
+    head_saved = a.head + lm.forward_saved
+    earlier = (stage.head_in_flight - 1) * head_saved if stage.head else 0
+    acts = stage.held(a.layers) + a.embed + earlier + receive * stage.receives * w.grad_accum
     # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
     # copies survive into backward only where its linears saved them (layers not fully
     # checkpointed), plus the one layer being recomputed.
@@ -64,6 +69,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     if w.checkpointing in (Checkpointing.FULL, Checkpointing.OP) and a.checkpointed:
         kept_casts = st.casts_all * (stage.layers - a.checkpointed) // max(1, stage.layers)
         casts_bwd = kept_casts + st.casts_layer
+    # A pipeline stage's forward of each micro-batch runs in its own autocast region (as the
+    # trace runs it): every micro-batch in flight keeps its own saved 16-bit copies
+    casts_fwd = st.casts_all
+    if w.parallel.pp > 1:
+        casts_bwd += stage.held(casts_bwd, 1)
+        casts_fwd = stage.held(st.casts_all)
     temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
     # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
     # accumulation to its parameter's step inside backward, with that step's temporaries
@@ -73,9 +84,9 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
 
     forward = Breakdown(
         weights=w_live, gradients=_with_buckets(st, held), optimizer=st.optimizer,
-        activations=acts + a.head + lm.forward_saved + a.mask,
+        activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
-        temporaries=st.casts_all + lm.forward_transient + 2 * workspace, kv_cache=cache * stage.in_flight,
+        temporaries=casts_fwd + lm.forward_transient + 2 * workspace, kv_cache=stage.held(cache),
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
@@ -87,7 +98,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads),
-            activations=(stage.in_flight - 1) * a.layers + a.embed + a.layer_full + kept,
+            activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept,
             temporaries=st.casts_layer + a.transient + temps + workspace + step_temp,
         ),
     ]
@@ -101,7 +112,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads),
-            activations=(stage.in_flight - 1) * a.layers + kept,
+            activations=stage.held(a.layers, 1) + kept,
             temporaries=st.embed_grad_full + temps + workspace,
         ))
     if w.optimizer_in_backward:

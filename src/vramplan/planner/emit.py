@@ -17,6 +17,7 @@ from vramplan.errors import PlanError
 from vramplan.models.shape import tokens
 from vramplan.units import GiB
 from vramplan.workload import (
+    PP_LOOPED,
     Checkpointing,
     Engine,
     Optimizer,
@@ -56,6 +57,15 @@ def emit(plan: Plan, fmt: str) -> Emitted:
         raise PlanError(f"`emit={fmt}` writes a training configuration; this plan is for `task={plan.workload.task}`",
                         hint="use `emit=alloc-conf`, or `task=train`", field="emit")
     return makers[fmt](plan)
+
+
+def _model_parallel_note(p: Any, where: str) -> str:
+    """What a data-parallel config cannot say about the plan's model parallelism."""
+    parts = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
+    if p.pp > 1:
+        parts.append(f"the {p.pp_schedule} pipeline schedule" + (f" ({p.stages_per_rank} stages per rank)"
+                                                                 if p.stages_per_rank > 1 else ""))
+    return f"{', '.join(parts)}: tensor / pipeline / context parallelism are not in {where}: see `emit=torchtitan`"
 
 
 def backend(w: Workload) -> str:
@@ -138,7 +148,7 @@ def deepspeed(plan: Plan) -> Emitted:
         notes.append(f"this plan was predicted for {backend(w)}; DeepSpeed's buffers differ (re-plan with "
                      "`engine=deepspeed` for its figure)")
     if w.parallel.tp * w.parallel.pp * w.parallel.cp > 1:
-        notes.append("tensor / pipeline / context parallelism are not in a DeepSpeed JSON: see `emit=torchtitan`")
+        notes.append(_model_parallel_note(w.parallel, "a DeepSpeed JSON"))
     if w.optimizer in _TORCH_OPTIMIZERS and not w.parallel.offload_optimizer:
         notes.append(f"optimizer {w.optimizer}: DeepSpeed builds torch.optim.{_TORCH_OPTIMIZERS[w.optimizer][0]} "
                      "by name (Adafactor needs torch >= 2.5); set its lr in the JSON")
@@ -194,7 +204,7 @@ def accelerate(plan: Plan) -> Emitted:
              "set them in your script / TrainingArguments"]
     p = plan.workload.parallel
     if p.tp * p.pp * p.cp > 1:
-        notes.append("tensor / pipeline / context parallelism are not in an Accelerate config: see `emit=torchtitan`")
+        notes.append(_model_parallel_note(p, "an Accelerate config"))
     if p.dp_shard:
         notes.append("HSDP: set fsdp_sharding_strategy HYBRID_SHARD (FSDP1) or a 2-D mesh (see `emit=fsdp`)")
     return Emitted("accelerate", text, "accelerate.yaml", tuple(notes))
@@ -257,7 +267,7 @@ def fsdp(plan: Plan) -> Emitted:
         notes.append(f"this plan was predicted for {backend(w)}; FSDP's buffers differ (re-plan with "
                      "`engine=fsdp` for its figure)")
     if p.tp * p.pp * p.cp > 1:
-        notes.append("tensor / pipeline / context parallelism are not in this snippet: see `emit=torchtitan`")
+        notes.append(_model_parallel_note(w.parallel, "this snippet"))
     if p.offload_optimizer and not p.offload_params:
         notes.append("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together; "
                      "DeepSpeed (`emit=deepspeed`) offloads the optimizer alone")
@@ -365,7 +375,11 @@ def torchtitan_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[str]]
     if p.pp > 1:
         training["local_batch_size"] = w.batch * w.grad_accum
         parallelism["pipeline_parallel_microbatch_size"] = w.batch
-        parallelism["pipeline_parallel_schedule"] = "1F1B"
+        parallelism["pipeline_parallel_schedule"] = p.pp_schedule
+        if p.pp_virtual not in (0, 2) and p.pp_schedule in PP_LOOPED:  # torchtitan's default: 2 stages per rank
+            notes.append(f"{p.pp_virtual} stages per rank: set pipeline_parallel_layers_per_stage to the model's "
+                         f"layers / {p.pp * p.pp_virtual} (torchtitan infers 2 per rank for {p.pp_schedule}); read "
+                         f"back, give `--pp-virtual {p.pp_virtual}` with `--layout`")
     else:
         training["local_batch_size"] = w.batch
         training["global_batch_size"] = w.batch * w.grad_accum * p.dp

@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from vramplan.analytic.deepspeed import DEFAULTS as DS_DEFAULTS
-from vramplan.errors import PlanError
-from vramplan.workload import Checkpointing, Engine, Optimizer, OptimizerImpl, Precision, Workload
+from vramplan.errors import PlanError, VramplanError
+from vramplan.workload import (
+    PP_LOOPED,
+    PP_SCHEDULES,
+    Checkpointing,
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Workload,
+    pp_schedule_name,
+)
 
 READ_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan")
 CARRIES: dict[str, frozenset[str]] = {
@@ -31,7 +41,7 @@ CARRIES: dict[str, frozenset[str]] = {
                        "offload_optimizer", "offload_params", "dp_shard"}),
     "torchtitan": frozenset({"batch", "grad_accum", "precision", "seq", "optimizer", "optimizer_impl", "dp", "zero",
                              "engine", "dp_shard", "tp", "pp", "cp", "sp", "microbatches", "offload_optimizer",
-                             "offload_params"}),
+                             "offload_params", "pp_schedule"}),
 }
 """The Workload / Parallel fields each format states (the rest come from the base workload).
 Accelerate's ``mixed_precision`` names the 16-bit type only: the base says pure or mixed."""
@@ -262,9 +272,24 @@ def read_torchtitan(text: str, base: Workload) -> ReadLayout:
     changes["optimizer"] = Optimizer.ADAMW if name == "AdamW" else Optimizer.ADAM
     changes["optimizer_impl"] = {"fused": OptimizerImpl.FUSED, "for-loop": OptimizerImpl.FOR_LOOP}.get(
         str(opt.get("implementation", "fused")), OptimizerImpl.FOREACH)
+    notes: list[str] = []
     if pp > 1:
         changes["microbatches"] = base.parallel.microbatches
-    return ReadLayout(_apply(base, changes), "torchtitan")
+        name = str(par.get("pipeline_parallel_schedule", "1F1B"))
+        try:
+            changes["pp_schedule"] = pp_schedule_name(name)
+        except VramplanError:
+            raise PlanError(f"torchtitan schedule {name!r} is not one vramplan predicts",
+                            hint=f"use one of {', '.join(PP_SCHEDULES)}", field="layout") from None
+        if "pipeline_parallel_layers_per_stage" in par:
+            # stages per rank = layers / (pp × layers per stage): the model (not in the file) decides
+            changes["pp_virtual"] = base.parallel.pp_virtual
+            if not base.parallel.pp_virtual:
+                notes.append("pipeline_parallel_layers_per_stage is set: give `pp_virtual` (layers / (pp × it)) "
+                             "for its stages per rank; 2 assumed")
+        elif changes["pp_schedule"] in PP_LOOPED:
+            changes["pp_virtual"] = 0  # torchtitan's default for a looped schedule: 2 stages per rank
+    return ReadLayout(_apply(base, changes), "torchtitan", tuple(notes))
 
 
 READERS: dict[str, Callable[[str, Workload], ReadLayout]] = {

@@ -147,6 +147,22 @@ def layouts(w: Workload, n: int) -> list[tuple[int, int, int]]:
     return list(dict.fromkeys(out))
 
 
+PP_SEARCHED: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+"""Schedules the plan tries for a pipeline it lays out: 1F1B (least activation memory of the
+bubble-free-ish ones), interleaved (bubble / v, more micro-batches in flight) and the V-shaped
+zero-bubble one (nearly no bubble, two stages per rank). GPipe and LoopedBFS hold every
+micro-batch in flight at 1F1B's and interleaved's bubble: never better, not searched."""
+
+
+def pp_schedules(w: Workload, pp: int) -> list[dict[str, object]]:
+    """``pp_schedule`` / ``pp_virtual`` settings to try for a ``pp``-stage pipeline: the
+    user's when they named one, else :data:`PP_SEARCHED` (stages per rank: the schedule's default)."""
+    p = w.parallel
+    if pp == 1 or p.pp_schedule != "1F1B" or p.pp_virtual:
+        return [{"pp_schedule": p.pp_schedule, "pp_virtual": p.pp_virtual}]
+    return [{"pp_schedule": s, "pp_virtual": 0} for s in PP_SEARCHED]
+
+
 def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str, object]]:
     """Parallel settings for ``n`` GPUs: data parallelism × the model-parallel layouts; HSDP
     (shard inside a node, replicate across nodes) where the data-parallel ranks span nodes."""
@@ -156,11 +172,11 @@ def _shardings(w: Workload, n: int, compact: bool = False) -> Iterator[dict[str,
         if n % model_par == 0:
             yield {"dp": n // model_par, "zero": 0, "offload_optimizer": False, "offload_params": False}
         return
-    for tp, pp, cp in layouts(w, n):
+    for (tp, pp, cp), schedule in ((lay, s) for lay in layouts(w, n) for s in pp_schedules(w, lay[1])):
         dp = n // (tp * pp * cp)
         searched = (tp, pp, cp) != (p.tp, p.pp, p.cp)
         base: dict[str, object] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1 if searched else p.sp,
-                                   "dp_shard": 0, "offload_optimizer": False, "offload_params": False}
+                                   "dp_shard": 0, "offload_optimizer": False, "offload_params": False, **schedule}
         if searched:  # a layout the search adds: the common shardings only
             for z in ([0] if dp == 1 else [1, 3]):
                 yield {**base, "zero": z}
@@ -349,7 +365,7 @@ def _parallel_words(w: Workload, n: int) -> list[str]:
     if p.cp > 1:
         words.append(f"CP {p.cp}")
     if p.pp > 1:
-        words.append(f"PP {p.pp}")
+        words.append(f"PP {p.pp}" + (f" {p.pp_schedule}" if p.pp_schedule != "1F1B" else ""))
     if p.offload_params:
         words.append("param + optimizer offload")
     elif p.offload_optimizer:

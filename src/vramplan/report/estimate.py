@@ -65,6 +65,8 @@ def workload_line(r: MemoryReport) -> str:
     for k in ("tp", "pp", "cp", "ep"):
         if getattr(p, k) > 1:
             par.append(f"{k} {getattr(p, k)}")
+    if p.pp > 1:
+        par.append(p.pp_schedule + (f" {p.stages_per_rank}/rank" if p.stages_per_rank > 1 else ""))
     if p.sp:
         par.append("sp")
     if p.offload_optimizer:

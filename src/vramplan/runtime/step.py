@@ -96,6 +96,29 @@ class StepTime:
         return d
 
 
+BUBBLE_RULE = {
+    "GPipe": "(p − 1) micro-batch times",
+    "1F1B": "(p − 1) micro-batch times, as GPipe",
+    "Interleaved1F1B": "(p − 1) / v: each of v stages per rank is 1/v of a micro-batch time",
+    "LoopedBFS": "(p − 1) / v, as interleaved",
+    "InterleavedZeroBubble": "(p − 1) / (3 v): ZB-H1 fills about two thirds of 1F1B's bubble with "
+                             "weight-gradient steps (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024)",
+    "ZBVZeroBubble": "(p − 1) / (3 v), as ZB-H1 (ZB-V's is near zero at equal memory, same paper): a "
+                     "conservative figure",
+}
+"""How many micro-batch times each schedule's pipeline stands idle per step, in words."""
+
+
+def pipeline_bubble(p: Any) -> float:
+    """Idle micro-batch times per step of the pipeline of ``p`` (a :class:`~vramplan.workload.Parallel`):
+    ``(pp − 1)`` for GPipe and 1F1B, divided by the stages per rank for the looped schedules,
+    and by three more for the zero-bubble ones (:data:`BUBBLE_RULE`)."""
+    if p.pp == 1:
+        return 0.0
+    idle = (p.pp - 1) / p.stages_per_rank
+    return idle / 3 if "ZeroBubble" in p.pp_schedule else idle
+
+
 def step_time(
     spec: ModelSpec | None, w: Workload, gpu: GPU, *, flops: float | None = None,
     params: int | None = None, trainable_params: int | None = None,
@@ -195,7 +218,7 @@ class _StepModel:
         t_mb = mb.total
         t_bwd = t_mb * f.backward / max(f.total, 1.0)
         m = w.grad_accum
-        bubble = (p.pp - 1) * t_mb if p.pp > 1 else 0.0
+        bubble = pipeline_bubble(p) * t_mb
 
         local_trainable = self.trainable / (p.tp * p.pp) / (p.shard_group if p.zero >= 1 else 1)
         off_opt = p.offload_optimizer or fsdp_cpu_offload(w)  # (FSDP2's one CPUOffloadPolicy)
@@ -230,8 +253,10 @@ class _StepModel:
             self.notes.append("frozen base: backward skips its weight gradients (~4·N·tokens instead of 6)")
         self.notes += loop_notes(w)
         if p.pp > 1:
+            idle = pipeline_bubble(p)
             self.notes.append(
-                f"pipeline bubble (p−1)/(m+p−1) = {(p.pp - 1) / (m + p.pp - 1):.0%} with {m} micro-batches over {p.pp} stages"
+                f"pipeline bubble {p.pp_schedule}: {idle:g} micro-batch times idle ({BUBBLE_RULE[p.pp_schedule]}), "
+                f"{idle / (m + idle):.0%} of the step with {m} micro-batches over {p.pp} stages"
             )
         tokens = self.tokens.global_tokens if self.text_model else 0
         return self._result(

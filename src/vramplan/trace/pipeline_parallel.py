@@ -1,19 +1,24 @@
-"""Pipeline parallelism in a trace: one stage of ``torch.distributed.pipelining`` per trace.
+"""Pipeline parallelism in a trace: one rank of ``torch.distributed.pipelining`` per trace.
 
 A transformers causal LM (``model.model.layers``, ``embed_tokens``, ``norm``, ``lm_head``) is
-cut as torchtitan's ``pipeline_llama`` cuts its Llama (``torchtitan/models/llama3/infra/
-pipeline.py``): ``layers / pp`` consecutive decoder layers per stage, the token embeddings
-on the first stage only, the final norm and the head on the last stage only (other stages
-pass hidden states: the norm and head become identities, transformers' model is called with
-``inputs_embeds``). A tied head on the last stage keeps its own copy of the table.
+cut into ``pp × v`` stages of ``layers / (pp × v)`` consecutive decoder layers (``v`` stages
+per rank under the looped schedules, :attr:`~vramplan.workload.Parallel.stages_per_rank`), as
+torchtitan cuts its Llama into model parts (``torchtitan/distributed/pipeline_parallel.py``,
+without its lighter first and last stage): the token embeddings on the first stage only, the
+final norm and the head on the last stage only (other stages pass hidden states: the norm and
+head become identities, transformers' model is called with ``inputs_embeds``). A tied head on
+the last stage keeps its own copy of the table. A rank holds the stages torch's
+``generate_stage_to_rank_mapping`` gives it (:meth:`~vramplan.workload.Parallel.stage_ids`).
 
-The stage runs PyTorch's real schedule (``Schedule1F1B``, the schedule the analytic method
-assumes: the first stage holds ``pp`` micro-batches of activations in flight) over
-``grad_accum`` micro-batches of ``batch`` sequences, on a fake process group whose rank is
-the stage's: the receive buffers are the schedule's own, sends and receives communicate
-nothing. Each stage that differs is traced: the first (embeddings, most micro-batches in
-flight) and the last (head, logits, loss); middle stages hold the same layers as the first,
-without embeddings and with fewer micro-batches in flight, so the first bounds them.
+The rank runs PyTorch's real schedule class (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, by the names of ``get_schedule_class``) over ``grad_accum``
+micro-batches of ``batch`` sequences, on a fake process group whose rank is the rank's: the
+receive buffers are the schedule's own, sends and receives communicate nothing, and the
+order of forwards, backwards (and the zero-bubble schedules' separate weight-gradient steps)
+is the schedule's. The ranks that bound the others are traced: the first (embeddings, the
+most micro-batches in flight) and the last (head, logits, loss); middle ranks hold as many
+layers as the first, without embeddings and with no more micro-batches in flight.
 
 The schedule's P2P warm-up vote (torch >= 2.13, ``_PipelineSchedule._warmup_p2p``) reads a
 tensor's value, which a fake process group never fills: it is replaced by its outcome for
@@ -33,18 +38,31 @@ from torch import nn
 from ..errors import TraceError
 from ..workload import Phase
 
-SCHEDULE = "1F1B"
-
 
 def stage_ranks(pp: int) -> tuple[int, ...]:
-    """The pipeline ranks whose memory differs: the first and the last stage."""
+    """The pipeline ranks whose memory bounds the others': the first and the last."""
     return (0, pp - 1)
+
+
+def schedule_class(name: str) -> Any:
+    """torch's schedule class for ``name`` (``get_schedule_class``'s spelling)."""
+    import torch.distributed.pipelining.schedules as sch
+
+    classes = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+               "LoopedBFS": "ScheduleLoopedBFS", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+               "ZBVZeroBubble": "ScheduleZBVZeroBubble"}
+    cls = getattr(sch, classes.get(name, ""), None)
+    if cls is None:
+        raise TraceError(f"torch {torch.__version__} has no {name} pipeline schedule",
+                         hint="use `pp_schedule=1F1B` or GPipe, a newer torch, or `method=analytic`")
+    return cls
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    rank: int
-    pp: int
+    index: int
+    """Pipeline stage index, of ``stages``."""
+    stages: int
     first: bool
     last: bool
     layers: tuple[int, int]
@@ -54,18 +72,23 @@ class StageSpec:
 class _Stage(nn.Module):
     """The stage's part of a transformers causal LM, taking ids (first) or hidden states."""
 
-    def __init__(self, lm: nn.Module, first: bool) -> None:
+    def __init__(self, lm: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         self.lm = lm
         self.first = first
+        self.last = last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.lm(input_ids=x, use_cache=False) if self.first else self.lm(inputs_embeds=x, use_cache=False)
-        return out.logits
+        # a stage before the last returns the decoder's hidden states (the causal LM's
+        # `lm_head(hidden[:, slice])` would hand on a view, which the zero-bubble schedules'
+        # input-gradient step cannot `detach_()`)
+        run: Any = self.lm if self.last else self.lm.model
+        out = run(input_ids=x, use_cache=False) if self.first else run(inputs_embeds=x, use_cache=False)
+        return out.logits if self.last else out.last_hidden_state
 
 
-def split(model: nn.Module, rank: int, pp: int) -> tuple[nn.Module, StageSpec]:
-    """Cut ``model`` in place to pipeline stage ``rank`` of ``pp``; returns the stage module."""
+def split(model: nn.Module, index: int, stages: int) -> tuple[nn.Module, StageSpec]:
+    """Cut ``model`` in place to pipeline stage ``index`` of ``stages``; returns the stage module."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -74,11 +97,12 @@ def split(model: nn.Module, rank: int, pp: int) -> tuple[nn.Module, StageSpec]:
         raise TraceError(f"pipeline parallelism is traced for transformers causal LMs (model.layers, embed_tokens, "
                          f"norm, lm_head); {type(model).__name__} is not one", hint="use `method=analytic`")
     n = len(layers)
-    if n % pp:
-        raise TraceError(f"`pp={pp}` does not divide the {n} layers", hint="use a `pp` that divides the layers")
-    per = n // pp
-    lo, hi = rank * per, (rank + 1) * per
-    first, last = rank == 0, rank == pp - 1
+    if n % stages:
+        raise TraceError(f"{stages} pipeline stages do not divide the {n} layers",
+                         hint="use a `pp` (× `pp_virtual`) that divides the layers")
+    per = n // stages
+    lo, hi = index * per, (index + 1) * per
+    first, last = index == 0, index == stages - 1
     assert inner is not None
     inner.layers = nn.ModuleList(list(layers)[lo:hi])
     for i, layer in enumerate(inner.layers):  # transformers indexes caches and layer types by it
@@ -95,7 +119,15 @@ def split(model: nn.Module, rank: int, pp: int) -> tuple[nn.Module, StageSpec]:
     if not last:
         inner.norm = nn.Identity()
         model.lm_head = nn.Identity()
-    return _Stage(model, first), StageSpec(rank, pp, first, last, (lo, hi))
+    return _Stage(model, first, last), StageSpec(index, stages, first, last, (lo, hi))
+
+
+class Chunks(nn.Module):
+    """The stages one rank holds (one, or ``v`` under a looped schedule), as one module."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
 
 
 @contextlib.contextmanager
@@ -121,6 +153,44 @@ def static_warmup() -> Iterator[None]:
         base._warmup_p2p = orig  # type: ignore[attr-defined]
 
 
+class _HeldWork:
+    """A fake process group's P2P work that keeps its tensors while it exists, as a real one
+    does (gloo's send/recv work holds its tensor; NCCL's work stashes it for its stream), so
+    that a sent activation or gradient dies when the schedule drops the work, not before."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self.work = work
+        self.tensors = tensors
+
+    def wait(self, *a: Any, **k: Any) -> Any:
+        return self.work.wait(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def held_p2p() -> Iterator[None]:
+    """Wrap the schedules' P2P works (``schedules._batch_p2p``) in :class:`_HeldWork`."""
+    import torch.distributed.pipelining.schedules as sch
+
+    orig = getattr(sch, "_batch_p2p", None)
+    if orig is None:  # pragma: no cover - another torch layout: tensors die at the send
+        yield
+        return
+
+    def batch_p2p(p2p_ops: list[Any], *a: Any, **k: Any) -> list[Any]:
+        works = orig(p2p_ops, *a, **k)
+        tensors = [op.tensor for op in p2p_ops]
+        return [_HeldWork(w, tensors) for w in works]
+
+    sch._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        sch._batch_p2p = orig
+
+
 def p2p_on_meta() -> None:
     """Let the fake process group serve sends and receives of ``meta`` tensors: batched P2P
     (``dist.batch_isend_irecv``, the schedules' transport) asks the group for the backend of
@@ -137,28 +207,44 @@ def p2p_on_meta() -> None:
                          else dist.ProcessGroup.BackendType.CUSTOM, pg._get_backend(cuda))
 
 
-def make_runner(stage_mod: nn.Module, spec: StageSpec, *, micro: int, microbatches: int, seq: int, hidden: int,
-                vocab: int, act_dtype: torch.dtype, out_dtype: torch.dtype) -> Callable[[Any, Any], None]:
-    """A step runner (``runner(sess, plan)``) that runs this stage's part of one 1F1B step."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def returns_outputs(schedule: Any) -> bool:
+    """Whether ``schedule.step`` takes ``return_outputs`` (torch >= 2.7; before, the last stage's
+    outputs were always kept and merged). torchtitan passes ``return_outputs=False``
+    (``torchtitan/train.py``, 2025–2026): the logits of each micro-batch are not kept to the step's end."""
+    import inspect
 
+    return "return_outputs" in inspect.signature(schedule.step).parameters
+
+
+def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: int,
+                microbatches: int, seq: int, hidden: int, vocab: int, act_dtype: torch.dtype,
+                out_dtype: torch.dtype, training: bool = True) -> Callable[[Any, Any], None]:
+    """A step runner (``runner(sess, plan)``) that runs this rank's part of one step of ``schedule``.
+
+    ``training=False``: a forward-only step of one micro-batch (``ScheduleGPipe`` without a loss
+    under ``torch.no_grad()``: torch runs no backward when grad mode is off)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    cls = schedule_class(schedule if training else "GPipe")
+    if not training:
+        microbatches = 1
     state: dict[str, Any] = {}
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
-    def build(sess: Any, plan: Any) -> Any:
+    def stage_of(mod: nn.Module, spec: StageSpec, sess: Any, plan: Any) -> Any:
         meta = torch.device("meta")
         x = (torch.zeros(micro, seq, dtype=torch.long, device=meta) if spec.first
              else torch.zeros(micro, seq, hidden, dtype=act_dtype, device=meta))
         y = torch.zeros(micro, seq, vocab if spec.last else hidden, dtype=out_dtype if spec.last else act_dtype,
                         device=meta)
         # static shapes; hidden states carry gradients between stages, token ids and logits-to-loss do not
-        if not spec.first:
+        if not spec.first and training:
             x.requires_grad_(True)
-        if not spec.last:
+        if not spec.last and training:
             y.requires_grad_(True)
-        stage = PipelineStage(stage_mod, spec.rank, spec.pp, meta, input_args=(x,), output_args=(y,))
+        stage = PipelineStage(mod, spec.index, spec.stages, meta, input_args=(x,), output_args=(y,))
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
         def forward_one_chunk(*a: Any, **k: Any) -> Any:
@@ -171,23 +257,43 @@ def make_runner(stage_mod: nn.Module, spec: StageSpec, *, micro: int, microbatch
 
         stage.forward_one_chunk = forward_one_chunk  # type: ignore[method-assign]
         stage.backward_one_chunk = backward_one_chunk  # type: ignore[method-assign]
-        return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        wgt = getattr(stage, "backward_weight_one_chunk", None)
+        if wgt is not None:  # the zero-bubble schedules' separate weight-gradient step
+
+            def backward_weight_one_chunk(*a: Any, **k: Any) -> Any:
+                with sess.backward():
+                    return wgt(*a, **k)
+
+            stage.backward_weight_one_chunk = backward_weight_one_chunk  # type: ignore[method-assign]
+        return stage
+
+    def build(sess: Any, plan: Any) -> Any:
+        stages = [stage_of(mod, spec, sess, plan) for mod, spec in zip(model.parts, specs, strict=True)]
+        try:
+            loss = loss_fn if training else None
+            if len(stages) == 1 and (schedule in ("GPipe", "1F1B") or not training):
+                return cls(stages[0], n_microbatches=microbatches, loss_fn=loss)
+            return cls(stages, n_microbatches=microbatches, loss_fn=loss)
+        except ValueError as e:  # the schedule's own check of micro-batches and stages
+            raise TraceError(f"torch's {schedule} refuses this layout: {e}",
+                             hint="change `grad_accum` (micro-batches per step) or `pp_virtual`") from None
+
+    first, last = any(sp.first for sp in specs), any(sp.last for sp in specs)
 
     def run(sess: Any, plan: Any) -> None:
         if "schedule" not in state:
             state["schedule"] = build(sess, plan)
-        schedule = state["schedule"]
+        schedule_ = state["schedule"]
         meta = torch.device("meta")
         with sess.phase(Phase.FORWARD):
             ids = torch.zeros(micro * microbatches, seq, dtype=torch.long, device=meta)
-        with static_warmup():
-            if spec.first:
-                schedule.step(ids)
-            elif spec.last:
-                schedule.step(target=ids, losses=[])
-            else:
-                schedule.step()
-        del ids
+        args = (ids,) if first else ()
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
+        if returns_outputs(schedule_):  # torchtitan's trainer: the last stage keeps no outputs
+            kwargs["return_outputs"] = False
+        with static_warmup(), held_p2p(), torch.no_grad() if not training else contextlib.nullcontext():
+            schedule_.step(*args, **kwargs)
+        del ids, args, kwargs
         sess.label_grads(plan.trainable)
         with sess.phase(Phase.OPTIMIZER):
             if plan.optimizer is not None:

@@ -243,42 +243,74 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
 
     _check_iterations(iterations)
     opts = options or TraceOptions()
-    pp = w.parallel.pp
+    p = w.parallel
+    pp, nstages = p.pp, p.pp * p.stages_per_rank
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     results: list[tuple[int, TraceResult]] = []
-    for rank in pipeline_parallel.stage_ranks(pp):
+
+    @functools.cache
+    def whole_trainable() -> int:
+        """The adapters of the whole model (LoRA), as a one-GPU trace counts them."""
         full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
-        params = sum(q.numel() for q in full.parameters())
-        stage_mod, st = pipeline_parallel.split(full, rank, pp)
+        with quiet():
+            lora, _ = features.apply_peft(full, w)
+        return sum(q.numel() for q in lora.parameters() if q.requires_grad)
+
+    for rank in pipeline_parallel.stage_ranks(pp):
+        parts, specs = [], []
+        params = 0
+        for index in p.stage_ids(rank):
+            full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+            params = sum(q.numel() for q in full.parameters())
+            part, st = pipeline_parallel.split(full, index, nstages)
+            # torchtitan applies activation checkpointing per model part (each part's own block list)
+            part_notes = features.apply_checkpointing(part, w, checkpoint_policy)
+            parts.append(part)
+            specs.append(st)
+        model = pipeline_parallel.Chunks(parts)
         act = features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
         runner = pipeline_parallel.make_runner(
-            stage_mod, st, micro=w.batch, microbatches=w.grad_accum, seq=w.seq, hidden=spec.hidden,
-            vocab=spec.vocab, act_dtype=act, out_dtype=out)
+            model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
+            hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training)
         with dist.fake_world(dist.World((("pp", pp),), rank=rank)):
             pipeline_parallel.p2p_on_meta()
-            prepared = _prepare(stage_mod, ((), {}), w, list(notes or ()), f"{spec.name} stage {rank}", device,
-                                checkpoint_policy)
-            prepared.params = prepared.trainable = params
+            prepared = _prepare(model, ((), {}), w.replace(checkpointing="none"), [*(notes or ()), *part_notes],
+                                f"{spec.name} rank {rank}", device)
+            prepared.params = prepared.trainable = params  # the whole model's, as a one-GPU trace reports
+            if w.peft is not Peft.NONE:
+                prepared.trainable = whole_trainable()
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
     return results
 
 
 def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
                     opts: TraceOptions, notes: list[str], checkpoint_policy: Policy | None = None) -> TraceResult:
-    """The worst traced pipeline stage, every traced stage's peak in its notes."""
-    pp = w.parallel.pp
+    """The worst traced pipeline rank, every traced rank's peak in its notes."""
+    p = w.parallel
     results = trace_pipeline_stages(spec, w, device=device, iterations=iterations, options=opts, notes=notes,
                                     checkpoint_policy=checkpoint_policy)
     rank, worst = max(results, key=lambda r: r[1].peak_allocated)
-    per = spec.layers // pp
-    peaks = "; ".join(f"stage {r} (layers {r * per}–{(r + 1) * per - 1}{', embeddings' if r == 0 else ''}"
-                      f"{', head + loss' if r == pp - 1 else ''}) {t.peak_allocated:,} B" for r, t in results)
-    extra = (f"pipeline parallelism traced per stage: PyTorch's torch.distributed.pipelining "
-             f"{pipeline_parallel.SCHEDULE} over {w.grad_accum} micro-batches of {w.batch} on a fake process group; "
-             f"peak allocated {peaks}; the report shows stage {rank}, the worst"
-             + ("; middle stages hold the first stage's layers without its embeddings and fewer micro-batches "
-                "in flight" if pp > 2 else ""))
+    per = spec.layers // (p.pp * p.stages_per_rank)
+
+    def holds(r: int) -> str:
+        ids = p.stage_ids(r)
+        parts = [f"layers {i * per}–{(i + 1) * per - 1}" for i in ids]
+        if 0 in ids:
+            parts.append("embeddings")
+        if p.pp * p.stages_per_rank - 1 in ids:
+            parts.append("head + loss" if w.training else "head")
+        return ", ".join(parts)
+
+    stages = "stage" if p.stages_per_rank == 1 else f"{p.stages_per_rank} stages per rank"
+    peaks = "; ".join(f"rank {r} ({holds(r)}) {t.peak_allocated:,} B" for r, t in results)
+    run = (f"{p.pp_schedule} over {w.grad_accum} micro-batches of {w.batch}" if w.training else
+           f"GPipe forward-only over one micro-batch of {w.batch} (no_grad; stages hand on hidden states, no KV cache)")
+    extra = (f"pipeline parallelism traced per rank ({stages}): PyTorch's torch.distributed.pipelining "
+             f"{run} on a fake process group; "
+             f"peak allocated {peaks}; the report shows rank {rank}, the worst"
+             + ("; middle ranks hold as many layers as the first, without its embeddings and with no more "
+                "micro-batches in flight" if p.pp > 2 else ""))
     return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 
@@ -312,9 +344,14 @@ def _parallel_notes(w: Workload) -> list[str]:
         raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
                          f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
                          hint="use `method=analytic`")
-    if p.pp > 1 and (p.tp > 1 or w.task is not Task.TRAIN or w.peft is not Peft.NONE or w.quant is not Quant.NONE):
-        raise TraceError(f"pipeline parallelism is traced for full-weight training without tensor parallelism; "
-                         f"`pp={p.pp}` with this workload is not", hint="use `method=analytic`")
+    if p.pp > 1 and (p.tp > 1 or w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
+        raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
+                         f"inference without tensor parallelism; `pp={p.pp}` with this workload is not (torch's "
+                         "pipelining has no generation loop)", hint="use `method=analytic`")
+    if p.pp > 1 and not w.training and p.stages_per_rank > 1:
+        raise TraceError(f"pipeline inference is traced with one stage per rank; {p.pp_schedule} holds "
+                         f"{p.stages_per_rank}", hint="use `pp_schedule=1F1B` (or GPipe) for inference, or "
+                                                      "`method=analytic`")
     if (p.tp > 1 or p.pp > 1) and w.training and (w.loss is not Loss.FULL or w.optimizer_in_backward):
         knob = f"`loss={w.loss}`" if w.loss is not Loss.FULL else "`optimizer_in_backward`"
         raise TraceError(f"{knob} is not traced with tensor or pipeline parallelism (the loss-parallel "

@@ -406,3 +406,125 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
             traced = trace_model(block_model, block_inputs(), workload=w, options=opts).peak_allocated
             out.append((layout, rank, peak, traced))
     return out
+
+
+def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
+                        seq: int, iterations: int = 2, timeout: float = 300.0) -> list[int]:
+    """Each pipeline rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
+    ``torch.distributed.pipelining``'s ``schedule`` over ``pp`` gloo processes: the catalog model
+    ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
+    and stepped as :mod:`.pipeline_parallel` does (AdamW, foreach), real weights and values."""
+    import os
+    import socket
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, tmp, env)
+        ctx = mp.start_processes(_pp_worker, args=args, nprocs=pp, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"the {pp}-process pipeline run did not finish in {timeout:g} s")
+        out = []
+        for r in range(pp):
+            with open(os.path.join(tmp, f"rank{r}")) as f:
+                out.append(int(f.read()))
+    return out
+
+
+def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
+               seq: int, iterations: int, tmp: str, env: dict[str, str]) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=pp)
+    try:
+        from torch.distributed.pipelining import PipelineStage
+
+        from ..models.build import build_model, quiet
+        from ..workload import Parallel
+        from . import pipeline_parallel as ppl
+
+        spec = tiny_spec(model_name, layers=layers)
+        par = Parallel(pp=pp, pp_schedule=schedule)
+        nstages = pp * par.stages_per_rank
+        torch.manual_seed(0)
+        tracker = _StoragePeak()
+        parts, specs = [], []
+        with quiet():
+            for index in par.stage_ids(rank):
+                full = build_model(spec, task="train", attention="eager", device="cpu", dtype=torch.float32)
+                part, st = ppl.split(full, index, nstages)
+                part.train()
+                parts.append(part)
+                specs.append(st)
+        cpu = torch.device("cpu")
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+        stages = []
+        for part, st in zip(parts, specs, strict=True):
+            x = (torch.zeros(batch, seq, dtype=torch.long) if st.first
+                 else torch.zeros(batch, seq, spec.hidden, requires_grad=True))
+            y = torch.zeros(batch, seq, spec.vocab if st.last else spec.hidden, requires_grad=not st.last)
+            stages.append(PipelineStage(part, st.index, st.stages, cpu, input_args=(x,), output_args=(y,)))
+        cls = ppl.schedule_class(schedule)
+        sched = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn) if schedule in ("GPipe", "1F1B")
+                 else cls(stages, n_microbatches=microbatches, loss_fn=loss_fn))
+        model = nn.ModuleList(parts)
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.add(t)
+        first, last = any(s.first for s in specs), any(s.last for s in specs)
+        with tracker:
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+            for _ in range(iterations):
+                ids = torch.randint(0, spec.vocab, (batch * microbatches, seq))
+                kwargs: dict[str, Any] = {"target": ids, "losses": []} if last else {}
+                if ppl.returns_outputs(sched):
+                    kwargs["return_outputs"] = False
+                sched.step(*((ids,) if first else ()), **kwargs)
+                del ids, kwargs
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(str(tracker.peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
+                       layers: int = 4, microbatches: int = 4, batch: int = 2,
+                       seq: int = 64) -> list[tuple[str, int, int, int]]:
+    """(schedule, rank, real storage peak, traced peak) of a tiny Llama over ``pp`` gloo processes
+    (:func:`real_pipeline_peaks`) and of the trace of the same layout (fp32, eager attention, no
+    CUDA workspaces: a CPU run has none)."""
+    from ..workload import Attention, Parallel, Precision, Task, Workload
+    from .run import TraceOptions, trace_pipeline_stages
+
+    spec = tiny_spec("llama-3.1-8b", layers=layers)
+    out = []
+    for schedule in schedules:
+        real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
+                                   microbatches=microbatches, batch=batch, seq=seq)
+        w = Workload(task=Task.TRAIN, precision=Precision.FP32, attention=Attention.EAGER, batch=batch, seq=seq,
+                     grad_accum=microbatches, parallel=Parallel(pp=pp, pp_schedule=schedule))
+        opts = TraceOptions(workspaces=False, count_flops=False)
+        traced = dict(trace_pipeline_stages(spec, w, options=opts))
+        for rank in sorted(traced):
+            out.append((schedule, rank, real[rank], traced[rank].peak_allocated))
+    return out
