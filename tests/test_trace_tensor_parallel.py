@@ -172,9 +172,10 @@ def test_inference_under_tensor_parallelism_matches_the_analytic_weights(sp):
     assert t.model_states.weights < 0.6 * one.model_states.weights
 
 
-@pytest.mark.xfail(strict=True, reason="open: TP inference traces ~8 % above the analytic peak on this tiny model "
-                   "(the analytic method has no all-reduce buffers); generation under TP is refused because its "
-                   "traced decode grows memory each step (not found yet)")
+@pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14), strict=True,
+                   reason="open: on torch 2.13 TP inference traces ~8 % above the analytic peak on this tiny model "
+                   "(1.4 % on torch 2.14.1: DTensor's sharding propagation differs between the versions); "
+                   "generation under TP is refused because its traced decode grows memory each step (not found yet)")
 def test_tensor_parallel_inference_peak_is_close_to_the_analytic_one():
     spec = tiny_spec("llama-3.1-8b")
     w = Workload(task="infer", batch=1, seq=256, parallel=Parallel(tp=2))
