@@ -79,7 +79,13 @@ def _decoder_case_1t(layer_cls, rot_cls, cfg, precision: str, impl: str, peft: s
     # load, so fix the seed (seed 0 routes evenly) instead of depending on test order.
     torch.manual_seed(0)
     cfg._attn_implementation = impl
-    layer = layer_cls(cfg, 0).to(dtype if peft == "none" else torch.bfloat16).train()
+    layer = layer_cls(cfg, 0)
+    with torch.no_grad():  # transformers 5 leaves MoE routers/expert stacks as torch.empty: seed them too
+        for mod in layer.modules():
+            if type(mod).__name__.endswith(("Experts", "TopKRouter")):
+                for prm in mod.parameters(recurse=False):
+                    prm.normal_(0.0, 0.02)
+    layer = layer.to(dtype if peft == "none" else torch.bfloat16).train()
     x = torch.randn(B, S, H, dtype=layer.input_layernorm.weight.dtype, requires_grad=True).clone()
     cos, sin = rot_cls(cfg)(x, torch.arange(S)[None].expand(B, S))
     params = list(layer.parameters())
