@@ -271,9 +271,17 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     ``ddp`` (``DistributedDataParallel``). ``make_model`` / ``make_inputs`` must be picklable
     (module-level functions): each process calls them. Storage resizes (FSDP2 frees and
     re-allocates its unsharded parameters that way) are counted."""
+    args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward)
+    return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
+
+
+def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[int]:
+    """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` spawned processes on a free local
+    port; each writes its integer result to ``tmp/rank<r>``, returned in rank order."""
     import os
     import socket
     import tempfile
+    import time
 
     import torch.multiprocessing as mp
 
@@ -282,18 +290,15 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, tmp, env)
-        ctx = mp.start_processes(_dist_worker, args=args, nprocs=world, join=False, start_method="spawn")
-        import time
-
+        ctx = mp.start_processes(worker, args=(*args, tmp, env), nprocs=nprocs, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"the {world}-process gloo run did not finish in {timeout:g} s")
+                raise TimeoutError(f"the {nprocs}-process {what} did not finish in {timeout:g} s")
         out = []
-        for r in range(world):
+        for r in range(nprocs):
             with open(os.path.join(tmp, f"rank{r}")) as f:
                 out.append(int(f.read()))
     return out
@@ -414,31 +419,8 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     ``torch.distributed.pipelining``'s ``schedule`` over ``pp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
     and stepped as :mod:`.pipeline_parallel` does (AdamW, foreach), real weights and values."""
-    import os
-    import socket
-    import tempfile
-    import time
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, tmp, env)
-        ctx = mp.start_processes(_pp_worker, args=args, nprocs=pp, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"the {pp}-process pipeline run did not finish in {timeout:g} s")
-        out = []
-        for r in range(pp):
-            with open(os.path.join(tmp, f"rank{r}")) as f:
-                out.append(int(f.read()))
-    return out
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations)
+    return _spawn_gloo(_pp_worker, args, pp, timeout, "pipeline run")
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
