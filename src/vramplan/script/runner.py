@@ -411,11 +411,17 @@ def _rank_zero(world: int, per_node: int) -> Iterator[None]:
            # DDP copies inputs already on the device through a side stream (torch.nn.parallel
            # ._functions._get_stream) that needs a real accelerator; the copy is a no-op here
            "PYTORCH_DDP_USE_SIDE_STREAM": "0"}
+    with _environ(env), fake_world(World((("world", world),))):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` for the block, then put back (or remove) exactly those variables."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with fake_world(World((("world", world),))):
-            yield
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -593,24 +599,17 @@ def _offline(online: bool) -> Iterator[None]:
     if online:
         yield
         return
-    saved = {k: os.environ.get(k) for k in _OFFLINE_ENV}
-    os.environ.update({k: "1" for k in _OFFLINE_ENV})
-    hub = sys.modules.get("huggingface_hub.constants")
-    was = getattr(hub, "HF_HUB_OFFLINE", None)
-    if hub is not None:
-        setattr(hub, "HF_HUB_OFFLINE", True)  # noqa: B010  (read once at import: set it if loaded)
-
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _environ({k: "1" for k in _OFFLINE_ENV}):
         hub = sys.modules.get("huggingface_hub.constants")
+        was = getattr(hub, "HF_HUB_OFFLINE", None)
         if hub is not None:
-            setattr(hub, "HF_HUB_OFFLINE", bool(was) if was is not None else False)  # noqa: B010
+            setattr(hub, "HF_HUB_OFFLINE", True)  # noqa: B010  (read once at import: set it if loaded)
+        try:
+            yield
+        finally:
+            hub = sys.modules.get("huggingface_hub.constants")
+            if hub is not None:
+                setattr(hub, "HF_HUB_OFFLINE", bool(was) if was is not None else False)  # noqa: B010
 
 
 @contextlib.contextmanager
