@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +33,9 @@ from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
 from .values import SHADOW_LIMIT, Values, to_cpu_args
 from .where import user_frame
+
+if TYPE_CHECKING:
+    from .experts import ExpertLoops
 
 aten = torch.ops.aten
 
@@ -187,6 +190,8 @@ class TraceMode(TorchDispatchMode):
         self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self.rnn_dropout_state = False
         """cuDNN's dropout state (:mod:`.rnn`) was allocated."""
+        self.experts: ExpertLoops | None = None
+        """MoE expert loops cut to a few experts (:mod:`.experts`, for :mod:`.replicate`)."""
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
@@ -249,6 +254,8 @@ class TraceMode(TorchDispatchMode):
             return self._value_op(func, args, kwargs, cpu_args)
 
         rule = needs_rule(func, args, kwargs)
+        if rule is not None and self.experts is not None and self.experts.in_loop:
+            self.experts.rule(rule[0], exact=cpu_args is not None)
         cpu_out: Any = None
         if rule is not None and cpu_args is not None:
             cpu_out = func(*cpu_args[0], **cpu_args[1])
@@ -454,6 +461,8 @@ class TraceMode(TorchDispatchMode):
                 values.set_density(out, values.class_share(bound))
             return
         if func is aten.histc.default:  # per-expert counts as torch.histc(idx.float(), bins=n, ...)
+            if self.experts is not None and self.experts.in_loop:
+                self.experts.rule("histc", exact=False)
             if values.get_bound(x) is not None and out.dim() == 1 and out.numel() <= SHADOW_LIMIT:
                 self.rules_used["bincount"] += 1
                 values.set_shadow(out, uniform_counts(x.numel(), out.numel(), values.routing_skew).to(out.dtype))

@@ -124,6 +124,11 @@ class CudaFunctionMode(TorchFunctionMode):
             return out
         if name == "one_hot":
             return self._one_hot(func, args, kwargs)
+        loops = self.trace.experts
+        if loops is not None and name == "unbind":  # `for expert_idx in expert_hit` (:mod:`.experts`)
+            cut = loops.unbind(func, args, kwargs, self.trace.modules.current, self.trace.values)
+            if cut is not None:
+                return cut
         if name == "softmax":
             sm = _softmax_call(args, kwargs)
             if sm is not None:

@@ -54,6 +54,10 @@ CANDIDATES = 4096
 """Candidate insertion lengths tried at one point."""
 BACKTRACK = 64
 """Tokens the alignment may back up over to start a block earlier."""
+EXPERTS = 2
+"""Experts each MoE loop runs in the shortest of the three expert-cut traces (:mod:`.experts`)."""
+_NO_CONTAINER = "\0"
+"""A layer list no module path has (expert-cut traces keep their layer indices)."""
 
 _ALLOC = int(Action.ALLOC)
 _NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
@@ -166,8 +170,13 @@ class _Tokens:
 class _Vocab:
     """Strings and token tuples shared by the three logs."""
 
-    def __init__(self, container: str) -> None:
+    def __init__(self, container: str, *, loose: bool = False) -> None:
         self.container = container
+        self.loose = loose
+        """A FREE names its allocation by size only (not shape and op): a gradient accumulated
+        over the experts of one loop is freed as the first expert's ``index_put`` or
+        ``select_backward`` and then as the ``add`` results of the others, so that the inserted
+        experts look alike."""
         self.strings: dict[str, int] = {}
         self.names: list[str] = []
         self.tokens: dict[tuple[int, ...], int] = {}
@@ -212,7 +221,8 @@ class _Vocab:
                 strict=True)):
             t = tg[k]
             if t >= 0:
-                key = (a, size[t], st, cat, ph, mt[mo], gs[op], gs[desc[t]], it, gs[opc[t]])
+                key = (a, size[t], st, cat, ph, mt[mo], gs[op], -1 if self.loose else gs[desc[t]], it,
+                       -1 if self.loose else gs[opc[t]])
             else:
                 key = (a, sz, st, cat, ph, mt[mo], gs[op], gs[de], it, -1)
             got = tokens.get(key)
@@ -686,10 +696,44 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
     container = container_of(traces)
     if container is None:
         return "no single layer list in the module paths"
-    logs = [t.result.events for t in traces]
-    vocab = _Vocab(container)
-    prefix = traces[0].layers - REPEATED
-    read = [vocab.read(log, prefix, t.layers) for log, t in zip(logs, traces, strict=True)]
+    results = [t.result for t in traces]
+    figures = _figures(results, steps)
+    if isinstance(figures, str):
+        return figures
+    events = _extend([r.events for r in results], _Vocab(container), [t.layers for t in traces],
+                     traces[0].layers - REPEATED, steps)
+    if isinstance(events, str):
+        return events
+    paths = _paths(traces[2].paths, container, layers)
+    for path in sorted(paths):  # (per-module attribution looks every module up in the strings)
+        events.intern(path)
+    flops, params, trainable, notes = figures
+    return Replicated(events=events, paths=paths, params=params, trainable=trainable, flops=flops, notes=notes)
+
+
+def extrapolate_experts(results: Sequence[TraceResult], runs: int) -> Replicated | str:
+    """The log of a model whose experts loops run ``runs`` experts each, from its traces with
+    every loop cut to 2, 3 and 4 experts (:mod:`.experts`), or why not. The module paths are
+    those of the traces (the same model)."""
+    if len(results) != 3:
+        return "need three traces one expert apart"
+    steps = runs - EXPERTS
+    figures = _figures(results, steps)
+    if isinstance(figures, str):
+        return figures.replace("layer count", "expert count")
+    events = _extend([r.events for r in results], _Vocab(_NO_CONTAINER, loose=True), [0, 0, 0], 0, steps)
+    if isinstance(events, str):
+        return events
+    flops, params, trainable, notes = figures
+    return Replicated(events=events, paths=frozenset(), params=params, trainable=trainable, flops=flops,
+                      notes=notes)
+
+
+def _extend(logs: Sequence[EventLog], vocab: _Vocab, layers: Sequence[int], prefix: int, steps: int
+            ) -> EventLog | str:
+    """The log with ``steps`` more copies of what the second and third logs insert (each one
+    copy more than the one before) into the first, or why not."""
+    read = [vocab.read(log, prefix, n) for log, n in zip(logs, layers, strict=True)]
     toks = [t for t in read if t is not None]
     if len(toks) != 3:
         return "ids are not allocation ordinals"
@@ -708,13 +752,19 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
         prev = x
     want += toks[0].tok[prev:]
     if want != toks[2].tok:
-        return "the third trace does not repeat the second one's inserted layer"
+        return "the third trace does not repeat the second one's inserted block"
     model = _fit(shape, toks, logs)
     if isinstance(model, str):
         return model
     if not _same_log(_write(model, 2, logs[2], vocab), logs[2]):
         return "the rules do not rewrite the third trace"
-    flops = [t.result.flops for t in traces]
+    return _write(model, steps, logs[2], vocab)
+
+
+def _figures(results: Sequence[TraceResult], steps: int) -> tuple[int | None, int, int, tuple[str, ...]] | str:
+    """(FLOPs, parameters, trainable parameters, notes) ``steps`` copies past the first of three
+    traces one copy apart (each affine in the copies), or why not."""
+    flops = [r.flops for r in results]
     if all(f is None for f in flops):
         total_flops = None
     else:
@@ -726,12 +776,12 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
         total_flops = int(flops[0] or 0) + steps * d
     counts = []
     for attr in ("params", "trainable_params"):
-        vals = [int(getattr(t.result, attr)) for t in traces]
+        vals = [int(getattr(r, attr)) for r in results]
         d = _affine(vals)
         if d is None:
             return f"{attr} is not affine in the layer count"
         counts.append(vals[0] + steps * d)
-    notes_in = [t.result.notes for t in traces]
+    notes_in = [r.notes for r in results]
     if not (len(notes_in[0]) == len(notes_in[1]) == len(notes_in[2])):
         return "the notes differ between the traces"
     notes = []
@@ -740,12 +790,7 @@ def extrapolate(traces: Sequence[Traced], layers: int) -> Replicated | str:
         if note is None:
             return "a note is not affine in the layer count"
         notes.append(note)
-    events = _write(model, steps, logs[2], vocab)
-    paths = _paths(traces[2].paths, container, layers)
-    for path in sorted(paths):  # (per-module attribution looks every module up in the strings)
-        events.intern(path)
-    return Replicated(events=events, paths=paths, params=counts[0], trainable=counts[1], flops=total_flops,
-                      notes=tuple(notes))
+    return total_flops, counts[0], counts[1], tuple(notes)
 
 
 def _paths(paths: frozenset[str], container: str, layers: int) -> frozenset[str]:

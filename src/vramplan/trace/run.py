@@ -39,6 +39,7 @@ from . import (
 )
 from .construct import fake_construction
 from .dist import rank_session
+from .experts import ExpertLoops
 from .host import HostMemory
 from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharded_params
 from .loss import loss_note
@@ -182,10 +183,13 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
     """Three reduced traces extrapolated to the model's layers (:mod:`.replicate`), or why not."""
     quick = dataclasses.replace(opts, replicate_layers=False)
     cache = MetaCache()  # (the three models run the same ops on the same shapes)
+    expert_notes: list[str] = []
 
     def tracer(reduced: ModelSpec) -> replicate.Traced:
         paths: set[str] = set()
-        r = _trace_catalog(reduced, w, device, iterations, quick, policy, paths, cache)
+        r, note = _trace_experts(reduced, w, device, iterations, quick, policy, paths, cache)
+        if note is not None and note not in expert_notes:
+            expert_notes.append(note)
         return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
 
     got = replicate.trace(spec, tracer)
@@ -196,12 +200,47 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
             f"{spec.layers} layers, the other layers' events written from their exact progression "
             "(verified on the third trace; `replicate_layers=False` traces every layer)")
     return summarize_log(got.events, got.paths, params=got.params, trainable=got.trainable, flops=got.flops,
-                         notes=[*got.notes, note])
+                         notes=[*got.notes, *expert_notes, note])
+
+
+def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
+                   opts: TraceOptions, policy: Policy | None, paths: set[str], cache: MetaCache
+                   ) -> tuple[TraceResult, str | None]:
+    """``spec`` traced with its MoE experts loops cut to 2, 3 and 4 experts and the other
+    experts' events written (:mod:`.experts`, :func:`.replicate.extrapolate_experts`), and a
+    note; the trace of every expert where no loop is cut (None: no note) or the check fails."""
+    first = replicate.EXPERTS
+    if (spec.n_experts or 0) <= first + 2:
+        return _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache), None
+    results: list[TraceResult] = []
+    cuts: list[ExpertLoops] = []
+    for k in (first, first + 1, first + 2):
+        cut = ExpertLoops(k)
+        r = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache, cut)
+        if not cut.loops:  # (no eager experts loop: grouped_mm, or a model of its own)
+            return r, None
+        results.append(r)
+        cuts.append(cut)
+    why = next((c.unsafe for c in cuts if c.unsafe), None)
+    runs = set().union(*(c.runs for c in cuts))
+    if why is None and (len({c.loops for c in cuts}) != 1 or len(runs) != 1):
+        why = "the cut traces ran different experts loops"
+    got = why or replicate.extrapolate_experts(results, runs.pop())
+    if isinstance(got, str):
+        full = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache)
+        return full, f"identical experts not replicated ({got}): every expert traced"
+    n = next(iter(cuts[0].runs))
+    note = (f"identical experts traced once: each MoE experts loop run for {first}, {first + 1}, {first + 2} of "
+            f"its {n} experts, the other experts' events written from their exact progression (verified on the "
+            "third trace)")
+    return summarize_log(got.events, paths, params=got.params, trainable=got.trainable, flops=got.flops,
+                         notes=list(got.notes)), note
 
 
 def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
                    opts: TraceOptions, checkpoint_policy: Policy | None,
-                   paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
+                   paths: set[str] | None = None, cache: MetaCache | None = None,
+                   experts: ExpertLoops | None = None) -> TraceResult:
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
@@ -231,7 +270,8 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
             prepared.notes.append(
                 f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
-        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache)
+        return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache,
+                      experts=experts)
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
@@ -556,9 +596,10 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
            optimizer: Callable[[list[nn.Parameter]], Any] | None = None, loss_fn: LossFn | None = None,
            shadows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
            runner: Callable[[TraceSession, StepPlan], None] | None = None,
-           paths: set[str] | None = None, cache: MetaCache | None = None) -> TraceResult:
+           paths: set[str] | None = None, cache: MetaCache | None = None,
+           experts: ExpertLoops | None = None) -> TraceResult:
     """``paths``: filled with the traced module paths; ``cache``: a meta cache shared with
-    other traces (both for :mod:`.replicate`)."""
+    other traces; ``experts``: MoE experts loops cut short (all for :mod:`.replicate`)."""
     profile = device or DEFAULT_PROFILE  # the target, as the estimate core built it
     if not opts.workspaces:
         profile = profile.without_workspaces()
@@ -595,6 +636,10 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             stack.enter_context(offload.offloading(
                 model, ledger, lambda t: sess.label_tensors([t], Category.ACTIVATION)))
         sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
+        if experts is not None:
+            experts.attach(p.model, sess.modules.name_of)
+            stack.callback(experts.detach)
+            sess.dispatch.experts = experts
         sess.add_inputs(_flat_tensors(p.batch))
         for meta, real in shadows or ():
             sess.values.set_shadow(meta, real)
