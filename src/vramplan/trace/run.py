@@ -210,7 +210,7 @@ def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     experts' events written (:mod:`.experts`, :func:`.replicate.extrapolate_experts`), and a
     note; the trace of every expert where no loop is cut (None: no note) or the check fails."""
     first = replicate.EXPERTS
-    if (spec.n_experts or 0) <= first + 2:
+    if (spec.n_experts or 0) < replicate.CUT_FROM:
         return _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache), None
     results: list[TraceResult] = []
     cuts: list[ExpertLoops] = []
