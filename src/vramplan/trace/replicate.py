@@ -56,11 +56,12 @@ BACKTRACK = 64
 """Tokens the alignment may back up over to start a block earlier."""
 EXPERTS = 2
 """Experts each MoE loop runs in the shortest of the three expert-cut traces (:mod:`.experts`)."""
-CUT_FROM = 16
+CUT_FROM = 64
 """Fewest experts per MoE layer for which the loops are cut: three traces with 2, 3 and 4
-experts cost more than one of every expert below that (Mixtral's 8: 8.0 s cut vs 5.3 s, on a
-loaded 2-core machine; DeepSeek-V2-Lite's 64: 8.3 vs 12.8 s CPU; Qwen3-30B-A3B's 128: 8.2 vs
-20.1 s CPU)."""
+experts cost more than one of every expert below that. CPU seconds of the default train
+trace, every expert vs cut (2-core machine, loaded): Mixtral-8x7B's 8: 5.5 vs 8.4;
+gpt-oss-20b's 32: 20.2 vs 19.1; DeepSeek-V2-Lite's 64: 12.8 vs 8.3; Qwen3-30B-A3B's 128:
+20.1 vs 8.2; DeepSeek-V3's 256: 28.6 vs 13.2."""
 _NO_CONTAINER = "\0"
 """A layer list no module path has (expert-cut traces keep their layer indices)."""
 
@@ -110,6 +111,18 @@ def refusal(spec: ModelSpec, w: Workload, *, model_parallel: bool, layout: Any, 
         return "activation offload / compile"
     why = _per_layer_config(spec)
     return why
+
+
+def experts_refusal(spec: ModelSpec, w: Workload, *, model_parallel: bool, layout: Any) -> str | None:
+    """Why the MoE experts loops of ``spec`` under ``w`` are not cut to a few experts
+    (:mod:`.experts`; None: they are, and the traces are still checked)."""
+    if spec.n_experts < CUT_FROM:
+        return f"fewer than {CUT_FROM} experts per layer"
+    if model_parallel or layout is not None:
+        return "parallel layouts are traced in full"
+    if w.activation_offload or w.compile:
+        return "activation offload / compile"
+    return None
 
 
 def _per_layer_config(spec: ModelSpec) -> str | None:

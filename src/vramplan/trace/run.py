@@ -166,6 +166,11 @@ def trace_workload(
             if isinstance(got, TraceResult):
                 return got
             fallback.append(f"identical layers not replicated ({got}): every layer traced")
+        if _experts_refused(spec, w, opts) is None:
+            # (layers that differ, e.g. gpt-oss's sliding/full pattern: each layer's experts still repeat)
+            quick = dataclasses.replace(opts, replicate_layers=False)
+            result, note = _trace_experts(spec, w, device, iterations, quick, checkpoint_policy, set(), MetaCache())
+            return dataclasses.replace(result, notes=(*result.notes, *fallback, *([note] if note else [])))
     result = _trace_catalog(spec, w, device, iterations, opts, checkpoint_policy)
     return dataclasses.replace(result, notes=(*result.notes, *fallback)) if fallback else result
 
@@ -176,6 +181,14 @@ def _replication_refused(spec: ModelSpec, w: Workload, opts: TraceOptions, polic
     except VramplanError:
         return "layout"  # (the full trace reports it)
     return replicate.refusal(spec, w, model_parallel=_model_parallel(w), layout=layout, checkpoint_policy=policy)
+
+
+def _experts_refused(spec: ModelSpec, w: Workload, opts: TraceOptions) -> str | None:
+    try:
+        layout = None if _model_parallel(w) else layout_of(w, rank=opts.rank)
+    except VramplanError:
+        return "layout"  # (the full trace reports it)
+    return replicate.experts_refusal(spec, w, model_parallel=_model_parallel(w), layout=layout)
 
 
 def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
@@ -210,7 +223,7 @@ def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     experts' events written (:mod:`.experts`, :func:`.replicate.extrapolate_experts`), and a
     note; the trace of every expert where no loop is cut (None: no note) or the check fails."""
     first = replicate.EXPERTS
-    if (spec.n_experts or 0) < replicate.CUT_FROM:
+    if _experts_refused(spec, w, opts) is not None:
         return _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache), None
     results: list[TraceResult] = []
     cuts: list[ExpertLoops] = []
