@@ -158,3 +158,147 @@ def test_align_is_sound(data: st.DataObject) -> None:
 @given(st.data())
 def test_align_finds_blocks_of_new_tokens(data: st.DataObject) -> None:
     assert _rebuilds(*_inserted(data, st.integers(10, 13))) is True
+
+
+# --------------------------------------------------------------------------- experts (trace.experts)
+EXPERTS_NOTE = "identical experts traced once"
+
+
+def _moe(name: str, layers: int, experts: int, top_k: int | None = None, **extra: object):  # type: ignore[no-untyped-def]
+    """A tiny catalog MoE model with ``experts`` routed experts (``top_k`` per token)."""
+    import dataclasses
+
+    from vramplan.models.normalize import spec_from_config
+
+    spec = tiny_spec(name, layers=layers)
+    cfg = dict(spec.config)
+    for k in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(k) is not None:
+            cfg[k] = experts
+    if top_k is not None:
+        cfg["num_experts_per_tok"] = top_k
+    cfg.update(extra)
+    got = spec_from_config(cfg, name=spec.name, source=spec.source)
+    assert got.n_experts == experts
+    return dataclasses.replace(got, layers=layers)
+
+
+@pytest.fixture
+def cut_from_6(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut loops of tiny expert counts (the default threshold is a cost choice, not a rule)."""
+    monkeypatch.setattr(replicate, "CUT_FROM", 6)
+
+
+EXPERT_CASES = {
+    "deepseek-v3: dense prefix, shared experts, MLA, 16 experts top-2, full checkpointing":
+        ("deepseek-v3", 2, 16, 2, TRAIN.replace(checkpointing="full")),
+    "deepseek-v3: 12 experts top-3, no checkpointing": ("deepseek-v3", 2, 12, 3, TRAIN),
+    "deepseek-v3: tokens x top-k not a multiple of the experts (seq 50, 7 experts top-3)":
+        ("deepseek-v3", 2, 7, 3, TRAIN.replace(seq=50, checkpointing="full")),
+    "deepseek-v3: routing skew 2": ("deepseek-v3", 2, 10, 2, TRAIN.replace(routing_skew=2.0)),
+    "mixtral: 9 experts top-2, full checkpointing": ("mixtral-8x7b", 2, 9, 2, TRAIN.replace(checkpointing="full")),
+    "qwen3-moe: 10 experts top-4, LoRA in fp32 (bf16 bases run grouped_mm)":
+        ("qwen3-30b-a3b", 2, 10, 4, TRAIN.replace(peft="lora", precision="fp32")),
+    "gpt-oss: expert biases, 8 experts top-4 (layers differ: only experts cut)":
+        ("gpt-oss-20b", 2, 8, 4, TRAIN.replace(checkpointing="full")),
+    "deepseek-v3: SGD for-loop fp32": ("deepseek-v3", 2, 8, 2, TRAIN.replace(precision="fp32", optimizer="sgd",
+                                                                            optimizer_impl="for-loop")),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_cut_expert_loops_write_the_full_trace(case: str, cut_from_6: None) -> None:
+    """Every loop run for 2, 3 and 4 experts; the written log is the full trace's, column for column."""
+    name, layers, experts, top_k, w = EXPERT_CASES[case]
+    spec = _moe(name, layers, experts, top_k)
+    fast = trace_workload(spec, w)
+    full = trace_workload(spec, w, options=TraceOptions(replicate_layers=False))
+    assert fast.notes[-1].startswith(EXPERTS_NOTE) and f"of its {experts} experts" in fast.notes[-1], fast.notes
+    assert not any(EXPERTS_NOTE in n for n in full.notes)
+    _assert_same(fast, full)
+
+
+def test_experts_and_layers_replicated_together(cut_from_6: None) -> None:
+    """DeepSeek-V3's shape: a dense prefix, then MoE layers traced 2, 3, 4 times, each with its
+    loops cut to 2, 3, 4 experts: nine small traces give the full trace of every layer and expert."""
+    spec = _moe("deepseek-v3", 6, 12, 2)
+    w = TRAIN.replace(checkpointing="full")
+    fast = trace_workload(spec, w)
+    full = trace_workload(spec, w, options=TraceOptions(replicate_layers=False))
+    assert fast.notes[-1].startswith(REPLICATED) and fast.notes[-2].startswith(EXPERTS_NOTE), fast.notes[-2:]
+    assert _same_log(fast.events, full.events)
+    assert fast.peak_allocated == full.peak_allocated and fast.phases == full.phases
+    assert fast.top_modules == full.top_modules and fast.top_tensors == full.top_tensors
+    assert (fast.flops, fast.params, fast.trainable_params) == (full.flops, full.params, full.trainable_params)
+    assert fast.notes[:-2] == full.notes
+
+
+def test_a_failed_expert_check_traces_every_expert(cut_from_6: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _moe("deepseek-v3", 2, 8, 2)
+    monkeypatch.setattr(replicate, "extrapolate_experts", lambda results, runs: "the check failed")
+    fast = trace_workload(spec, TRAIN)
+    full = trace_workload(spec, TRAIN, options=TraceOptions(replicate_layers=False))
+    assert fast.notes[-1] == "identical experts not replicated (the check failed): every expert traced"
+    _assert_same(fast, full)
+
+
+@pytest.mark.parametrize("w, experts, why", [
+    (TRAIN, 5, "fewer than 6 experts per layer"),
+    (TRAIN.replace(parallel=Parallel(dp=2, zero=3)), 8, "parallel layouts are traced in full"),
+    (TRAIN.replace(compile=True), 8, "activation offload / compile"),
+])
+def test_expert_cut_refused(w: Workload, experts: int, why: str, cut_from_6: None) -> None:
+    from vramplan.trace.layout import layout_of
+
+    spec = _moe("deepseek-v3", 2, experts, 2)
+    assert replicate.experts_refusal(spec, w, model_parallel=False, layout=layout_of(w)) == why
+
+
+def test_the_default_threshold_leaves_mixtral_whole() -> None:
+    """Mixtral's 8 experts trace faster whole than in three cut traces."""
+    spec = tiny_spec("mixtral-8x7b", layers=2)
+    assert replicate.experts_refusal(spec, TRAIN, model_parallel=False, layout=None) is not None
+    assert replicate.experts_refusal(_moe("deepseek-v3", 2, 256, 8), TRAIN, model_parallel=False,
+                                     layout=None) is None
+
+
+def test_grouped_mm_experts_have_no_loop_to_cut(cut_from_6: None) -> None:
+    """bf16 weights on sm80+ run transformers' grouped_mm: no loop is cut, the first trace is the answer."""
+    spec = _moe("deepseek-v3", 2, 8, 2)
+    w = TRAIN.replace(precision="bf16")
+    fast = trace_workload(spec, w)
+    assert any("grouped_mm" in n for n in fast.notes), fast.notes
+    assert not any(EXPERTS_NOTE in n for n in fast.notes)
+    assert _same_log(fast.events, trace_workload(spec, w, options=TraceOptions(replicate_layers=False)).events)
+
+
+def test_expert_loops_cut_rows_and_refuse_answers_that_differ_by_expert() -> None:
+    import torch
+
+    from vramplan.trace.experts import ExpertLoops
+    from vramplan.trace.values import Values
+
+    values = Values()
+    hit = torch.empty((9, 1), dtype=torch.int64, device="meta")
+    values.set_shadow(hit, torch.arange(9).reshape(9, 1))  # experts 0..7, then the "no expert" class 8
+    loops = ExpertLoops(3)
+    loops.experts[7] = 8
+    unbind = torch.Tensor.unbind
+    rows = loops.unbind(unbind, (hit, 0), {}, 7, values)
+    assert rows is not None and len(rows) == 4  # experts 0, 1, 2 and the skipped class
+    assert loops.runs == {8} and loops.loops == 1 and loops.in_loop and loops.unsafe is None
+    assert loops.unbind(unbind, (hit, 0), {}, 6, values) is None  # not an experts module
+    assert loops.unbind(unbind, (hit, 1), {}, 7, values) is None  # not the loop's dimension
+    assert ExpertLoops(8).unbind(unbind, (hit, 0), {}, 7, values) is None  # nothing to cut
+    loops.rule("nonzero", exact=False)
+    assert loops.unsafe is None  # answered by the mask's density: every expert alike
+    loops.rule("bincount", exact=False)
+    assert loops.unsafe is not None and "bincount" in loops.unsafe
+    exact = ExpertLoops(3)
+    exact.rule("nonzero", exact=True)
+    assert exact.unsafe is not None and "known values" in exact.unsafe
+    unsorted = Values()
+    unsorted.set_shadow(hit, torch.tensor([3, 1, 2, 0, 4, 5, 6, 7, 8]).reshape(9, 1))
+    cut = ExpertLoops(3)
+    cut.experts[7] = 8
+    assert cut.unbind(unbind, (hit, 0), {}, 7, unsorted) is None and cut.unsafe is not None
