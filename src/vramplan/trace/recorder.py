@@ -15,11 +15,11 @@ phase span ends → activation (saved for backward, or an output); otherwise tem
 from __future__ import annotations
 
 import weakref
-from array import array
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..events import PHASES, Action, Category, EventLog
@@ -221,36 +221,42 @@ def resolve_categories(log: EventLog) -> None:
 
     Undecided storages allocated in a forward-like phase (forward, recompute, prefill,
     decode) that outlive the contiguous span of that phase are activations; the rest are
-    temporaries.
+    temporaries. (An id allocated or freed more than once: its last ALLOC and FREE count.)
     """
     n = len(log)
     if n == 0:
         return
-    action, ids, cat, phase, it = log.action, log.id, log.category, log.phase, log.iteration
-    span = array("i", bytes(4 * n))
-    s = 0
-    for k in range(1, n):
-        if phase[k] != phase[k - 1] or it[k] != it[k - 1]:
-            s += 1
-        span[k] = s
-    alloc_at: dict[int, int] = {}
-    free_at: dict[int, int] = {}
-    for k in range(n):
-        a = action[k]
-        if a == 0:
-            alloc_at[ids[k]] = k
-        elif a == 1:
-            free_at[ids[k]] = k
-    activation, temporary = int(Category.ACTIVATION), int(Category.TEMPORARY)
-    for eid, k in alloc_at.items():
-        if cat[k] != UNDECIDED:
-            continue
-        f = free_at.get(eid)
-        if phase[k] in FORWARD_LIKE and (f is None or span[f] != span[k]):
-            cat[k] = activation
-        else:
-            cat[k] = temporary
-    for eid, f in free_at.items():
-        k2 = alloc_at.get(eid)
-        if k2 is not None:
-            cat[f] = cat[k2]
+    action = np.frombuffer(log.action, dtype=np.int8)
+    ids = np.frombuffer(log.id, dtype=np.int64)
+    phase = np.frombuffer(log.phase, dtype=np.int8)
+    it = np.frombuffer(log.iteration, dtype=np.int16)
+    cat = np.frombuffer(log.category, dtype=np.int8)  # (a writable view: resolved in place)
+    span = np.zeros(n, np.int64)
+    np.cumsum((phase[1:] != phase[:-1]) | (it[1:] != it[:-1]), out=span[1:])
+    alloc_id, alloc_at = _last_per_id(ids, np.flatnonzero(action == 0))
+    free_id, free_at = _last_per_id(ids, np.flatnonzero(action == 1))
+    freed = _lookup(free_id, alloc_id)
+    f = free_at[np.maximum(freed, 0)] if len(free_at) else np.zeros(len(alloc_at), np.int64)
+    outlives = (freed < 0) | (span[f] != span[alloc_at])
+    forward = np.isin(phase[alloc_at], np.fromiter(FORWARD_LIKE, np.int8))
+    undecided = cat[alloc_at] == UNDECIDED
+    at = alloc_at[undecided]
+    cat[at] = np.where((forward & outlives)[undecided], int(Category.ACTIVATION), int(Category.TEMPORARY))
+    k = _lookup(alloc_id, free_id)
+    has = k >= 0
+    cat[free_at[has]] = cat[alloc_at[k[has]]]
+
+
+def _last_per_id(ids: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ids, position of each one's last event) among the events ``at``."""
+    rev = at[::-1]
+    uniq, first = np.unique(ids[rev], return_index=True)
+    return uniq, rev[first]
+
+
+def _lookup(sorted_ids: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Index of each of ``want`` in ``sorted_ids`` (-1 where absent)."""
+    if len(sorted_ids) == 0:
+        return np.full(len(want), -1, np.int64)
+    pos = np.minimum(np.searchsorted(sorted_ids, want), len(sorted_ids) - 1)
+    return np.where(sorted_ids[pos] == want, pos, -1)
