@@ -27,6 +27,12 @@ config differences (``layer_types``, MoE layer steps), partial or every-k-th che
 parallel layouts, activation offload, compile — nothing is replicated and every layer is
 traced; :func:`refusal` says why up front, :func:`extrapolate` returns the reason when the
 check fails. ``tests/test_trace_replicate.py`` compares replicated logs with full traces.
+
+MoE experts are replicated the same way (:func:`extrapolate_experts`): each reduced model (or,
+where its layers differ, the model itself) is traced with every eager experts loop cut to 2, 3
+and 4 experts (:mod:`.experts`), and the same alignment, rules and writer give the log of every
+expert (module paths keep their layer indices; a FREE is matched by its allocation's size, see
+:class:`_Vocab`). DeepSeek-V3's 58 MoE layers of 256 experts are nine small traces.
 """
 
 from __future__ import annotations
