@@ -203,6 +203,9 @@ EXPERT_CASES = {
         ("gpt-oss-20b", 2, 8, 4, TRAIN.replace(checkpointing="full")),
     "deepseek-v3: SGD for-loop fp32": ("deepseek-v3", 2, 8, 2, TRAIN.replace(precision="fp32", optimizer="sgd",
                                                                             optimizer_impl="for-loop")),
+    "deepseek-v3: generate (prefill and extrapolated decode steps)":
+        ("deepseek-v3", 2, 10, 2, Workload(task="generate", batch=2, seq=32, new_tokens=12, precision="fp32")),
+    "qwen3-moe: infer": ("qwen3-30b-a3b", 2, 8, 2, Workload(task="infer", batch=2, seq=32, precision="fp32")),
 }
 
 
