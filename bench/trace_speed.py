@@ -15,7 +15,8 @@ One run prints each figure, its target and its ratio:
    takes minutes: ``--quick`` skips it) and the peak difference (target ±0.1 %).
 
 Every trace uses the default path: identical decoder layers traced in 2, 3 and 4-layer models
-and replicated (:mod:`vramplan.trace.replicate`); each row also prints the full trace of every
+and replicated (:mod:`vramplan.trace.replicate`), and MoE experts loops of 64 experts or more run
+for 2, 3 and 4 experts and replicated (:mod:`vramplan.trace.experts`); each row also prints the full trace of every
 layer, its time and whether the event logs are identical. ``--full`` traces every layer
 everywhere (the fast path off, as before it existed).
 
@@ -63,7 +64,8 @@ for col in (log.module, log.op, log.desc):
     h.update("\\n".join(log.strings[i] for i in col).encode())
 print(json.dumps({"seconds": dt, "cpu": cpu, "peak": r.peak_allocated, "events": len(r.events),
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "digest": h.hexdigest(),
-                  "replicated": any(n.startswith("identical layers traced once") for n in r.notes)}))
+                  "replicated": any(n.startswith("identical layers traced once") for n in r.notes),
+                  "experts": any(n.startswith("identical experts traced once") for n in r.notes)}))
 """
 
 
@@ -123,6 +125,8 @@ def child(name: str, full: bool = False) -> dict[str, Any]:
 def versus(name: str, limit: float, fast: dict[str, Any], full: dict[str, Any] | None) -> None:
     """One model's default trace, and the full trace of every layer next to it."""
     how = "replicated" if fast["replicated"] else "every layer traced"
+    if fast.get("experts"):
+        how += ", experts cut to 2/3/4"
     line(f"{name} trace (fresh process, {how})",
          f"{fast['seconds']:.2f} s ({fast['cpu']:.2f} s CPU; {fast['events']:,} events, peak "
          f"{fast['peak'] / GiB:,.1f} GiB)", f"<= {limit:.0f} s", fast["seconds"] <= limit)
