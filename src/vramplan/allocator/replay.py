@@ -22,6 +22,7 @@ from typing import Any
 from vramplan.errors import VramplanError
 from vramplan.events import Category, EventLog
 
+from . import fused as _fused
 from .config import AllocatorConfig, as_config
 from .mallocasync import MallocAsyncApprox
 from .native import CachingAllocator
@@ -63,7 +64,7 @@ def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int =
          tag: bool = False, timeline: bool = False) -> _Run:
     """One pass; ``stop`` ≥ 0 ends after that event; ``tag`` stamps event indices."""
     if stop < 0 and not tag and not timeline:
-        return _run_plain(log, al)
+        return _run_plain(log, al, fused=_fused.eligible(al))
     out = _Run()
     malloc = al.malloc
     live: dict[int, Any] = {}
@@ -130,10 +131,16 @@ def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int =
     return out
 
 
-def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox) -> _Run:
+def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused: bool = False) -> _Run:
     """:func:`_run` over the whole log without tags or a timeline: the hot loop of every
-    estimate (the same semantics, fewer branches per event)."""
+    estimate (the same semantics, fewer branches per event). ``fused``: the native allocator's
+    malloc and free inlined in the loop (:mod:`.fused`; the same decisions, about twice as fast)."""
     out = _Run()
+    if fused:
+        (out.max_allocated, out.peak_allocated_index, out.max_reserved, out.peak_reserved_index,
+         out.allocated_at_peak, out.segments_at_peak, out.oom_indices, out.reserved_changes) = _fused.run(
+            al, log.action, log.id, log.size, log.stream, MAX_OOM_INDICES)  # type: ignore[arg-type]
+        return out
     malloc = al.malloc
     free = al.free
     live: dict[int, Any] = {}
