@@ -120,7 +120,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                     key = (remaining << SHIFT) | b.addr
                     insort(keys, key)
                     free_map[key] = b
-                    b.gc_base = gc_calls[small]
+                    if gc:  # (without GC the count stays 0: so does every gc_base)
+                        b.gc_base = gc_calls[small]
                     if already_split:
                         inactive_split -= rsize
                     else:
@@ -171,7 +172,7 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             keys = pool.keys
             net = 0
             p = b.prev
-            if p is not None and not p.allocated and not p.events and p.mapped:
+            if p is not None and not p.allocated and not p.events:  # (every block is mapped)
                 key = (p.size << SHIFT) | p.addr
                 del keys[bisect_left(keys, key)]
                 del free_map[key]
@@ -185,7 +186,7 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 else:
                     pp.next = b
             n = b.next
-            if n is not None and not n.allocated and not n.events and n.mapped:
+            if n is not None and not n.allocated and not n.events:
                 key = (n.size << SHIFT) | n.addr
                 del keys[bisect_left(keys, key)]
                 del free_map[key]
@@ -198,7 +199,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             key = (b.size << SHIFT) | b.addr
             insort(keys, key)
             free_map[key] = b
-            b.gc_base = gc_calls[pool.small]
+            if gc:
+                b.gc_base = gc_calls[pool.small]
             if b.prev is not None or b.next is not None:
                 net += b.size
             inactive_split += net
