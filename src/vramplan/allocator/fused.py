@@ -157,9 +157,11 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             if b is None:
                 continue
             if b is _MISSING:  # completes a deferred free, or is an error
-                d = deferred.pop(eid, None)
-                if d is None:
+                d = deferred.pop(eid, _MISSING)
+                if d is _MISSING:
                     raise VramplanError(f"event {k}: free of id {eid}, which is not allocated")
+                if d is None:  # a zero-byte or OOM'd storage: no block
+                    continue
                 al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
                 al.complete(d)
                 active, requested, inactive_split = al.active, al.requested, al.inactive_split
@@ -216,7 +218,7 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 allocated -= b.size
                 b.events += 1
                 al._pending.append(b)  # noqa: SLF001
-                deferred[eid] = b
+            deferred[eid] = b
         elif act == 3 or act == 4:  # SYNC / EMPTY_CACHE
             al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
             if act == 3:

@@ -201,10 +201,11 @@ def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused
 def _free(live: dict[int, Any], deferred: dict[int, Any], al: Any, k: int, ident: int) -> None:
     b = live.pop(ident, _MISSING)
     if b is _MISSING:
-        d = deferred.pop(ident, None)
-        if d is None:
+        d = deferred.pop(ident, _MISSING)
+        if d is _MISSING:
             raise VramplanError(f"event {k}: free of id {ident}, which is not allocated")
-        al.complete(d)
+        if d is not None:  # (None: a zero-byte or OOM'd storage, which has no block)
+            al.complete(d)
     elif b is not None:
         al.free(b)
 
@@ -215,7 +216,7 @@ def _free_deferred(live: dict[int, Any], deferred: dict[int, Any], al: Any, k: i
         raise VramplanError(f"event {k}: deferred free of id {ident}, which is not allocated")
     if b is not None:
         al.free(b, True)
-        deferred[ident] = b
+    deferred[ident] = b  # its completion may still come (a FREE of the id)
 
 
 def _timeline(series: tuple[array, ...], full: bool, max_points: int) -> ReplayTimeline:
