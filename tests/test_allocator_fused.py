@@ -16,7 +16,7 @@ from vramplan.allocator import fused
 from vramplan.allocator.check import check_invariants
 from vramplan.allocator.config import as_config
 from vramplan.allocator.native import CachingAllocator
-from vramplan.allocator.replay import MAX_OOM_INDICES, _run_plain, make_allocator
+from vramplan.allocator.replay import MAX_OOM_INDICES, _run, _run_plain, make_allocator
 from vramplan.errors import VramplanError
 from vramplan.events import Action, EventLog
 
@@ -162,3 +162,20 @@ def test_completing_the_deferred_free_of_a_storage_without_a_block(use):
     with pytest.raises(VramplanError, match="free of id 3, which is not allocated"):
         log.append(Action.FREE, 3)  # completed already
         _run_plain(log, CachingAllocator(capacity=32 * MiB), fused=use)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conf=st.sampled_from(CONFS), ops=st.lists(op, min_size=5, max_size=150),
+       capacity=st.one_of(st.none(), st.integers(8, 300).map(lambda m: m * MiB)),
+       stop=st.integers(-1, 200), segments=st.booleans())
+def test_fused_tagged_pass_equals_the_method_pass(conf, ops, capacity, stop, segments):
+    """The segment-map pass (``stop`` at the peak, blocks tagged with their event) and the
+    segment events of ``record_segments``: the same through either loop."""
+    log = build_log(ops)
+    out = []
+    for use in (False, True):
+        al = make_allocator(as_config(conf), capacity, record_segments=segments)
+        run = _run(log, al, stop=stop, tag=True, fused=use)
+        out.append((tuple(getattr(run, f) for f in _FIELDS), tuple(getattr(al, f) for f in _STATE),
+                    al.snapshot(str), al.seg_events, al.cur_event))
+    assert out[1] == out[0]

@@ -11,17 +11,19 @@ deferred-free completion; ``synchronize``; ``empty_cache``) is the allocator's o
 called with the counters written back first and read again after.
 
 Only the native backend without expandable segments takes it (the default, and what an
-estimate replays unless the user configures otherwise); the decisions are those of
-:mod:`.native`, line for line, and ``tests/test_allocator_fused.py`` checks that a replay
-through this loop equals the method-by-method replay (:func:`vramplan.allocator.replay._run_plain`
-with ``fused=False``) in every figure and in the final segment map, on random logs under every
-allocator option.
+estimate replays unless the user configures otherwise), for every pass without a per-event
+timeline: the plain pass, and the tagged ones (the segment map at the peak, segment events).
+The decisions are those of :mod:`.native`, line for line, and ``tests/test_allocator_fused.py``
+checks that a pass through this loop equals the method-by-method pass
+(:func:`vramplan.allocator.replay._run` with ``fused=False``) in every figure, counter, segment
+event and in the segment map, on random logs under every allocator option.
 """
 
 from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, insort
+from itertools import islice
 from typing import Any
 
 from vramplan.errors import VramplanError
@@ -40,10 +42,13 @@ def eligible(al: object) -> bool:
 
 
 def run(al: CachingAllocator, action: array, ident: array, size: array, stream: array,
-        max_oom_indices: int) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
+        max_oom_indices: int, *, stop: int = -1,
+        tag: bool = False) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
     """Replay the event columns on ``al``: (max allocated, its event index, max reserved, its
     event index, allocated at the reserved peak, segments at the reserved peak, the first
-    ``max_oom_indices`` OOM'd event indices, the reserved changes ``(event index, bytes)``)."""
+    ``max_oom_indices`` OOM'd event indices, the reserved changes ``(event index, bytes)``).
+    ``stop`` ≥ 0 ends after that event; ``tag`` stamps each allocated block with its event index
+    (``Block.ev``) and each segment event with the event that caused it (``cur_event``)."""
     # allocator state, read once (these objects are mutated in place, never replaced)
     conf = al.conf
     free_map = al._free  # noqa: SLF001
@@ -63,7 +68,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
     ia = ir = -1
     alloc_at_peak = segs_at_peak = 0
     k = -1
-    for act, eid, nbytes, st in zip(action, ident, size, stream, strict=False):
+    rows = zip(action, ident, size, stream, strict=False)
+    for act, eid, nbytes, st in (rows if stop < 0 else islice(rows, stop + 1)):
         k += 1
         if act == 0:  # ALLOC
             if eid in live:
@@ -96,6 +102,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                     b = free_map.pop(key)
             if b is None:
                 al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
+                if tag:
+                    al.cur_event = k
                 b = malloc_slow(pool, rsize, allocation_size(rsize, conf))
                 active, requested, inactive_split = al.active, al.requested, al.inactive_split
                 reserved = al.reserved
@@ -139,6 +147,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 requested += nbytes
                 if requested > max_requested:
                     max_requested = requested
+                if tag:
+                    b.ev = k
             live[eid] = b
             # --- peaks (replay._run_plain) ---
             if allocated > max_a:
@@ -163,6 +173,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 if d is None:  # a zero-byte or OOM'd storage: no block
                     continue
                 al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
+                if tag:
+                    al.cur_event = k
                 al.complete(d)
                 active, requested, inactive_split = al.active, al.requested, al.inactive_split
                 continue
@@ -221,6 +233,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             deferred[eid] = b
         elif act == 3 or act == 4:  # SYNC / EMPTY_CACHE
             al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
+            if tag:
+                al.cur_event = k
             if act == 3:
                 al.synchronize()
                 deferred.clear()
@@ -233,4 +247,6 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 last_r = reserved
     al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
     al.max_active, al.max_requested = max_active, max_requested
+    if tag and k >= 0:
+        al.cur_event = k  # (the method loop stamps every event; only segment events read it)
     return max_a, ia, max_r, ir, alloc_at_peak, segs_at_peak, oom_indices, changes

@@ -61,10 +61,13 @@ class _Run:
 
 
 def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int = -1,
-         tag: bool = False, timeline: bool = False) -> _Run:
-    """One pass; ``stop`` ≥ 0 ends after that event; ``tag`` stamps event indices."""
+         tag: bool = False, timeline: bool = False, fused: bool = True) -> _Run:
+    """One pass; ``stop`` ≥ 0 ends after that event; ``tag`` stamps event indices. Without a
+    timeline the native allocator takes the fused loop (:mod:`.fused`) unless ``fused=False``."""
+    if not timeline and fused and _fused.eligible(al):
+        return _run_plain(log, al, fused=True, stop=stop, tag=tag)
     if stop < 0 and not tag and not timeline:
-        return _run_plain(log, al, fused=_fused.eligible(al))
+        return _run_plain(log, al)
     out = _Run()
     malloc = al.malloc
     live: dict[int, Any] = {}
@@ -131,15 +134,18 @@ def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int =
     return out
 
 
-def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused: bool = False) -> _Run:
+def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused: bool = False,
+               stop: int = -1, tag: bool = False) -> _Run:
     """:func:`_run` over the whole log without tags or a timeline: the hot loop of every
     estimate (the same semantics, fewer branches per event). ``fused``: the native allocator's
-    malloc and free inlined in the loop (:mod:`.fused`; the same decisions, about twice as fast)."""
+    malloc and free inlined in the loop (:mod:`.fused`; the same decisions, 1.1–1.5× faster),
+    which also takes ``stop`` and ``tag`` (see :func:`_run`; the method loop here ignores them)."""
     out = _Run()
     if fused:
         (out.max_allocated, out.peak_allocated_index, out.max_reserved, out.peak_reserved_index,
          out.allocated_at_peak, out.segments_at_peak, out.oom_indices, out.reserved_changes) = _fused.run(
-            al, log.action, log.id, log.size, log.stream, MAX_OOM_INDICES)  # type: ignore[arg-type]
+            al, log.action, log.id, log.size, log.stream, MAX_OOM_INDICES,  # type: ignore[arg-type]
+            stop=stop, tag=tag)
         return out
     malloc = al.malloc
     free = al.free
