@@ -103,10 +103,14 @@ def real_logs() -> list[tuple[str, EventLog]]:
     from vramplan.workload import Workload
 
     out = []
+    dev = device_profile(get_gpu("h100-sxm"))
     for ckpt in ("none", "full"):
         w = Workload(task="train", precision="bf16-mixed", batch=1, seq=4096, checkpointing=ckpt)
-        r = trace_workload(resolve("llama-3.1-8b"), w, device=device_profile(get_gpu("h100-sxm")))
+        r = trace_workload(resolve("llama-3.1-8b"), w, device=dev)
         out.append((f"llama-3.1-8b train, checkpointing {ckpt}", r.events))
+    # what `vramplan estimate llama-3.1-70b --task generate --gpu h100-sxm` replays (twice)
+    w = Workload(task="generate", precision="bf16", batch=1, seq=512, new_tokens=128)
+    out.append(("llama-3.1-70b generate, 128 tokens", trace_workload(resolve("llama-3.1-70b"), w, device=dev).events))
     return out
 
 
@@ -120,13 +124,20 @@ def cpu_best(fn, repeats: int = 5) -> float:
 
 
 def real(args: argparse.Namespace) -> None:
-    print(f"\nreal trace logs (CPU seconds, best of 5; target ≥ {REAL_TARGET:,} events/s)")
+    from vramplan.allocator.native import CachingAllocator
+    from vramplan.allocator.replay import _run_plain
+
+    print(f"\nreal trace logs (CPU seconds, best of 5; target ≥ {REAL_TARGET:,} events/s): the replay as the "
+          "pipeline ran it first (timeline + segment-map pass), its plain pass with the allocator's methods, "
+          "and now (the plain pass through allocator/fused.py)")
     for what, log in real_logs():
         before = cpu_best(lambda log=log: replay(log, record_timeline=True, full_timeline=True))
+        methods = cpu_best(lambda log=log: _run_plain(log, CachingAllocator(), fused=False))
         after = cpu_best(lambda log=log: replay(log, segment_map=False))
         n = len(log)
-        print(f"{what:<42} {n:>7,} events  before {n / before:>9,.0f} ev/s  now {n / after:>9,.0f} ev/s "
-              f"({before / after:4.2f}x; ratio to target {n / after / REAL_TARGET:4.2f}x)")
+        print(f"{what:<38} {n:>9,} events  first {n / before:>9,.0f} ev/s  methods {n / methods:>9,.0f} ev/s  "
+              f"now {n / after:>9,.0f} ev/s ({methods / after:4.2f}x methods; ratio to target "
+              f"{n / after / REAL_TARGET:4.2f}x)")
 
 
 def main() -> None:

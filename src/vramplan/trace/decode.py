@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ TRACED = MODEL_STEPS + 1
 """Decode steps traced for real before extrapolating (the first may differ: lazy set-up)."""
 
 _DESC = re.compile(r"^([^\[]+)\[([0-9,]*)\]$")
-_ALLOC, _FREE = int(Action.ALLOC), int(Action.FREE)
+_ALLOC, _FREE, _FREE_DEFERRED = int(Action.ALLOC), int(Action.FREE), int(Action.FREE_DEFERRED)
 
 
 def eligible(cache: Any, config: Any, max_len: int) -> bool:
@@ -190,33 +189,42 @@ class DecodeExtrapolator:
                 return traced[step][j]
             return base + (step - m - 1) * per_step + rank[j]
 
-        acts, sizes = log.action[a:b], log.size[a:b]
-        descs = log.desc[a:b]
-        for u in range(1, remaining + 1):
-            step = m + u
-            ids = array("q", bytes(8 * pat.n))
-            sz = array("q", sizes)
-            ds = array("i", descs)
-            for j in range(pat.n):
-                act = acts[j]
-                if act == _ALLOC:
-                    ids[j] = id_of(step, j)
-                    if pat.deltas[j]:
-                        sz[j] = sizes[j] + u * pat.deltas[j]
-                    dim = pat.dims[j]
-                    if dim is not None:
-                        name, last, steps = dim
-                        shape = ",".join(str(x + u * d) for x, d in zip(last, steps, strict=True))
-                        ds[j] = log.intern(f"{name}[{shape}]")
-                elif act == _FREE or act == int(Action.FREE_DEFERRED):
-                    back, pos = pat.frees[j]
-                    ids[j] = id_of(step - back, pos)
-            log.action.extend(acts)
-            log.id.extend(ids)
-            log.size.extend(sz)
-            log.desc.extend(ds)
-            for col in (log.stream, log.category, log.phase, log.module, log.op, log.iteration):
-                col.extend(col[a:b])
+        # the `remaining` steps as (remaining, n) arrays, row u-1 = step m+u: an ALLOC at j gets
+        # id_of(m+u, j); a FREE at j releases id_of(m+u-back, pos) (a traced id while u <= back)
+        import numpy as np
+
+        n = pat.n
+        acts = np.frombuffer(log.action, dtype=np.int8, count=b)[a:b]
+        is_alloc = acts == _ALLOC
+        frees = [j for j in range(n) if acts[j] in (_FREE, _FREE_DEFERRED)]
+        back = np.zeros(n, dtype=np.int64)
+        slot = np.zeros(n, dtype=np.int64)  # rank of the allocation an event creates or releases
+        for j in alloc_pos:
+            slot[j] = rank[j]
+        for j in frees:
+            back[j], pos = pat.frees[j]
+            slot[j] = rank[pos]
+        u = np.arange(1, remaining + 1, dtype=np.int64)[:, None]
+        ids = base + (u - back - 1) * per_step + slot
+        ids[:, ~(is_alloc | np.isin(acts, (_FREE, _FREE_DEFERRED)))] = 0
+        for j in frees:  # the first steps free what the traced steps allocated
+            bk, pos = pat.frees[j]
+            for uu in range(1, min(bk, remaining) + 1):
+                ids[uu - 1, j] = id_of(m + uu - bk, pos)
+        sizes = np.frombuffer(log.size, dtype=np.int64, count=b)[a:b]
+        new_sizes = sizes + u * np.asarray(pat.deltas, dtype=np.int64)
+        descs = np.tile(np.frombuffer(log.desc, dtype=np.int32, count=b)[a:b], (remaining, 1))
+        growing = [(j, dim) for j, dim in enumerate(pat.dims) if dim is not None]
+        for uu in range(1, remaining + 1):  # (strings interned step by step, as the steps come)
+            for j, (name, last, steps) in growing:
+                shape = ",".join(str(x + uu * d) for x, d in zip(last, steps, strict=True))
+                descs[uu - 1, j] = log.intern(f"{name}[{shape}]")
+        del acts, sizes
+        log.id.frombytes(ids.tobytes())
+        log.size.frombytes(new_sizes.tobytes())
+        log.desc.frombytes(descs.astype(np.int32).tobytes())
+        for col in (log.action, log.stream, log.category, log.phase, log.module, log.op, log.iteration):
+            col.frombytes(col[a:b].tobytes() * remaining)
         rec._next_id = base + remaining * per_step
         # the storages alive now stand for their counterparts `remaining` steps on
         first = bounds[0]
