@@ -40,8 +40,8 @@ proxy's pinned host buffers, and the rounding of each buffer to the cuMem granul
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import VramplanError
 from vramplan.results import OverheadItem
 from vramplan.units import KiB, MiB

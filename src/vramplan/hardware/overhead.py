@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import VramplanError
 from vramplan.results import OverheadItem
 from vramplan.target import CUBLAS_WORKSPACE_HOPPER, CUBLAS_WORKSPACE_PRE_HOPPER

@@ -122,16 +122,18 @@ def to_markdown(doc: Doc) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) -> None:
+def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | Callable[[], object] | None = None) -> None:
     """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``. JSON keeps field names;
-    tables and markdown name fields as :data:`FLAG_OF` says, when it is set."""
+    tables and markdown name fields as :data:`FLAG_OF` says, when it is set. ``json_obj`` may be
+    a function that returns it (e.g. ``report.to_dict``): called only for JSON."""
     flag_of = FLAG_OF.get()
     if flag_of is not None and fmt != "json":
         doc = with_field_names(doc, flag_of)
     if fmt == "json":
         import json
 
-        stream.write(json.dumps(json_obj, indent=2, sort_keys=False) + "\n")
+        obj = json_obj() if callable(json_obj) else json_obj
+        stream.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
     elif fmt == "markdown":
         stream.write(to_markdown(doc))
     else:
