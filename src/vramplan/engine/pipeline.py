@@ -12,10 +12,9 @@ plus the verdict against a GPU and the largest batch that fits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TraceError, WorkloadError
-from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..recipes import notes as recipe_notes
 from ..results import Fallback, MemoryReport, Peak, Verdict
@@ -31,6 +30,9 @@ from .methods import (
     trace_core,
 )
 from .resolve import resolve_gpu, resolve_model
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 
 def estimate(

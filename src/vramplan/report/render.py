@@ -86,7 +86,7 @@ def to_text(doc: Doc, width: int = 110) -> str:
     """Plain text (no colour) — what tests compare."""
     buf = io.StringIO()
     render_console(doc, Console(file=buf, width=width, color_system=None, force_terminal=False,
-                                 highlight=False, soft_wrap=False, emoji=False))
+                                 highlight=False, soft_wrap=False, emoji=False, markup=False))
     return buf.getvalue()
 
 
@@ -140,8 +140,9 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | Callable[[], ob
         isatty = getattr(stream, "isatty", lambda: False)()
         # Piped output: rich would assume 80 columns and cut long cells; use a wide page
         # (VRAMPLAN_COLUMNS when set, as the golden tests do).
-        # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table)
-        render_console(doc, _Console(file=stream, highlight=False, emoji=False,
+        # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table);
+        # markup=False: a "[...]" in a cell is text, never a rich style tag
+        render_console(doc, _Console(file=stream, highlight=False, emoji=False, markup=False,
                                      width=None if isatty else _page_width()))
 
 
