@@ -97,6 +97,23 @@ def test_the_deadline_never_interrupts_an_import(tmp_path: Path) -> None:
             sys.modules.pop(name, None)
 
 
+def test_the_deadline_waits_for_an_import_only_up_to_its_grace(tmp_path: Path) -> None:
+    import time
+
+    from vramplan.script.runner import _deadline, _Timeout
+
+    (tmp_path / "vramplan_endless_import.py").write_text("import time\n\ntime.sleep(30)\n")
+    sys.path.insert(0, str(tmp_path))
+    t = time.monotonic()
+    try:
+        with pytest.raises(_Timeout), _deadline(0.2, grace=0.5):
+            import vramplan_endless_import  # noqa: F401
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("vramplan_endless_import", None)
+    assert 0.6 < time.monotonic() - t < 10
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vramplan.cli.main", *args], capture_output=True, text=True,
                           timeout=300)
