@@ -30,7 +30,11 @@ With ``--baseline SRC`` (another checkout's ``src/``), each command also runs fr
 alternating with this one, and the ratio new / baseline is printed: on a shared machine the
 only comparison that holds.
 
-    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC]
+With ``--instructions``, the two quick commands also run once under ``valgrind --tool=cachegrind``
+and their instruction counts are printed (and the baseline's, with ``--baseline``): on a shared
+machine the figure that does not move with the load.
+
+    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC] [--instructions]
 """
 
 from __future__ import annotations
@@ -179,6 +183,17 @@ def floor(env: dict[str, str], runs: int, torch_s: float, torch_cpu: float, esti
           f"{'below' if f <= min(2.5, 1.7 * torch_s) else 'above'} the tighter target ({min(2.5, 1.7 * torch_s):.2f} s)")
 
 
+def instructions(cmd: list[str], env: dict[str, str]) -> int | None:
+    """Instructions the process executes (valgrind cachegrind's ``I refs``); None without valgrind."""
+    exe = shutil.which("valgrind")
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *cmd],
+                         env=env, capture_output=True, text=True, check=True)
+    line = next(x for x in out.stderr.splitlines() if "I   refs:" in x or "I refs:" in x)
+    return int(line.rsplit(":", 1)[1].strip().replace(",", ""))
+
+
 def teardown(env: dict[str, str], runs: int) -> None:
     """The interpreter's teardown after ``import torch``: a normal exit against ``os._exit``."""
     normal, normal_cpu = median_wall([sys.executable, "-c", "import torch"], env, runs)
@@ -193,6 +208,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
     ap.add_argument("--baseline", metavar="SRC", help="another checkout's src/ (e.g. `git archive REV src | tar -x "
                     "-C /tmp/base`): each command also runs from it, alternating, with the ratio new / baseline")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count the quick commands' instructions under valgrind (steady under load)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache, \
             tempfile.TemporaryDirectory(prefix="vramplan-pyc-base-") as base_cache:
@@ -226,6 +243,15 @@ def main() -> None:
             if base_env is not None:
                 print(f"      baseline {bdt:6.3f} s ({bcpu:.3f} s CPU): new / baseline {dt / bdt:.2f} "
                       f"({cpu / bcpu:.2f} in CPU time), alternating runs")
+            if args.instructions and target < 1:
+                n = instructions(cmd, env)
+                if n is None:
+                    print("      instructions: valgrind not found")
+                elif base_env is None:
+                    print(f"      instructions: {n / 1e6:,.1f} M")
+                else:
+                    b = instructions(cmd, base_env)
+                    print(f"      instructions: {n / 1e6:,.1f} M, baseline {b / 1e6:,.1f} M: new / baseline {n / b:.3f}")
         print("where the trace's start-up goes:")
         import_breakdown(env)
         dynamo_by_torch(env)
