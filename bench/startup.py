@@ -15,7 +15,11 @@ file, and which of ``torch._dynamo``, ``torch.distributed.tensor``, ``torchao``,
 (``python -X importtime``); whether torch's own first meta-tensor op (one ``nn.Linear``
 forward on ``meta``, no transformers) imports ``torch._dynamo`` regardless, and what it costs;
 and the interpreter's teardown after ``import torch`` that the ``vramplan`` entry point skips
-(``os._exit`` after ``atexit``).
+(``os._exit`` after ``atexit``); then the **floor** of the 8B train estimate: a process that only
+imports what it cannot do without (torch, transformers' Llama modeling file as vramplan imports
+it, torch's first meta op), with the entry point's GC pause and ``os._exit``, against the
+estimate and ``import torch`` of the same run: what is left is vramplan's own share (its
+modules, the trace, the replay, the report).
 
 Every process runs with bytecode caching on, in a private cache (``PYTHONPYCACHEPREFIX``):
 an installed package has its ``.pyc`` files, while a checkout run with
@@ -26,7 +30,11 @@ With ``--baseline SRC`` (another checkout's ``src/``), each command also runs fr
 alternating with this one, and the ratio new / baseline is printed: on a shared machine the
 only comparison that holds.
 
-    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC]
+With ``--instructions``, the two quick commands also run once under ``valgrind --tool=cachegrind``
+and their instruction counts are printed (and the baseline's, with ``--baseline``): on a shared
+machine the figure that does not move with the load.
+
+    .venv/bin/python bench/startup.py [--runs N] [--baseline SRC] [--instructions]
 """
 
 from __future__ import annotations
@@ -156,6 +164,36 @@ def dynamo_by_torch(env: dict[str, str]) -> None:
           f"before {had}, after {has}; that op took {float(dt):.2f} s")
 
 
+FLOOR = ("import gc; gc.disable(); import os, torch; "
+         "from vramplan.models.hf_import import import_transformers; import_transformers(); "
+         "import transformers.models.llama.modeling_llama; "
+         "torch.nn.Linear(8, 8, device='meta')(torch.empty(2, 8, device='meta')); os._exit(0)")
+"""What any traced estimate of a transformers model imports and runs before vramplan's own work."""
+
+
+def floor(env: dict[str, str], runs: int, torch_s: float, torch_cpu: float, estimate: tuple[float, float]) -> None:
+    """The 8B train estimate's floor (:data:`FLOOR`) and vramplan's share above it."""
+    f, f_cpu = median_wall([sys.executable, "-c", FLOOR], env, runs)
+    e, e_cpu = estimate
+    print(f"  floor: import torch + transformers' Llama modeling file + the first meta op, GC paused, os._exit: "
+          f"{f:.2f} s ({f_cpu:.2f} s CPU) = {f / torch_s:.2f}× import torch ({f_cpu / torch_cpu:.2f}× in CPU time; "
+          f"median of {runs}); the 8B train estimate {e:.2f} s ({e_cpu:.2f} s CPU) is the floor + {e - f:.2f} s "
+          f"({e_cpu - f_cpu:.2f} s CPU) of vramplan's own work (modules, trace, replay, report)")
+    print(f"  targets: ≤ 2.5 s and ≤ 1.7× import torch = {1.7 * torch_s:.2f} s; the floor alone is "
+          f"{'below' if f <= min(2.5, 1.7 * torch_s) else 'above'} the tighter target ({min(2.5, 1.7 * torch_s):.2f} s)")
+
+
+def instructions(cmd: list[str], env: dict[str, str]) -> int | None:
+    """Instructions the process executes (valgrind cachegrind's ``I refs``); None without valgrind."""
+    exe = shutil.which("valgrind")
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *cmd],
+                         env=env, capture_output=True, text=True, check=True)
+    line = next(x for x in out.stderr.splitlines() if "I   refs:" in x or "I refs:" in x)
+    return int(line.rsplit(":", 1)[1].strip().replace(",", ""))
+
+
 def teardown(env: dict[str, str], runs: int) -> None:
     """The interpreter's teardown after ``import torch``: a normal exit against ``os._exit``."""
     normal, normal_cpu = median_wall([sys.executable, "-c", "import torch"], env, runs)
@@ -170,6 +208,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each quick command (median)")
     ap.add_argument("--baseline", metavar="SRC", help="another checkout's src/ (e.g. `git archive REV src | tar -x "
                     "-C /tmp/base`): each command also runs from it, alternating, with the ratio new / baseline")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count the quick commands' instructions under valgrind (steady under load)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as cache, \
             tempfile.TemporaryDirectory(prefix="vramplan-pyc-base-") as base_cache:
@@ -188,12 +228,14 @@ def main() -> None:
             ("vramplan estimate llama-3.1-8b --task train",
              [*vp, "estimate", "llama-3.1-8b", "--task", "train"], 2.5, 3),
         ]
+        measured: dict[str, tuple[float, float]] = {}
         for label, cmd, target, runs in rows:
             if base_env is None:
                 dt, cpu = median_wall(cmd, env, runs)
             else:  # the baseline's own script may call `main`: both run as `python -m vramplan.cli.main`
                 cmd = [sys.executable, "-m", "vramplan.cli.main", *cmd[len(vp):]]
                 (dt, cpu), (bdt, bcpu) = ab_wall(cmd, env, base_env, runs)
+            measured[label] = (dt, cpu)
             ok = "PASS" if dt <= target else "MISS"
             print(f"{ok}  {label:<52} {dt:6.3f} s ({cpu:.3f} s CPU)  target ≤ {target:g} s (ratio {dt / target:.2f}); "
                   f"{dt / passing:5.1f}× python -c pass, {dt / torch_s:4.2f}× import torch "
@@ -201,10 +243,20 @@ def main() -> None:
             if base_env is not None:
                 print(f"      baseline {bdt:6.3f} s ({bcpu:.3f} s CPU): new / baseline {dt / bdt:.2f} "
                       f"({cpu / bcpu:.2f} in CPU time), alternating runs")
+            if args.instructions and target < 1:
+                n = instructions(cmd, env)
+                if n is None:
+                    print("      instructions: valgrind not found")
+                elif base_env is None:
+                    print(f"      instructions: {n / 1e6:,.1f} M")
+                else:
+                    b = instructions(cmd, base_env)
+                    print(f"      instructions: {n / 1e6:,.1f} M, baseline {b / 1e6:,.1f} M: new / baseline {n / b:.3f}")
         print("where the trace's start-up goes:")
         import_breakdown(env)
         dynamo_by_torch(env)
         teardown(env, max(3, args.runs // 2))
+        floor(env, 3, torch_s, torch_cpu, measured["vramplan estimate llama-3.1-8b --task train"])
 
 
 if __name__ == "__main__":

@@ -26,3 +26,16 @@ def test_text_render_has_all_values():
     text = to_text(_doc())
     for s in ("Title", "a|b", "3.00", "backward", "two"):
         assert s in text
+
+
+def test_brackets_in_cells_are_text_not_rich_markup():
+    import io
+
+    from vramplan.report.render import emit
+
+    doc = Doc("T", [Table(["layout", "GiB"], [["[dp] x [tp]", "1.00"]]), KeyValues([("[bold]k", "[red]v")]),
+                    Notes(["[dim]n"])])
+    buf = io.StringIO()
+    emit(doc, "table", buf)
+    for text in (to_text(doc), buf.getvalue()):
+        assert "[dp] x [tp]" in text and "[bold]k" in text and "[red]v" in text and "[dim]n" in text

@@ -75,6 +75,45 @@ def test_timeout_stops_a_script_that_never_steps() -> None:
         vramplan.run_script(EX / "forever.py", timeout=1.0)
 
 
+def test_the_deadline_never_interrupts_an_import(tmp_path: Path) -> None:
+    """A deadline that falls while a module's body runs waits for the import to finish: an
+    exception there would leave the package half-initialised for the rest of the process (its
+    submodule imported, the package not), as torch._dynamo was when a short ``timeout`` fell in
+    the script's first meta op, and every test after it in that worker failed."""
+    pkg = tmp_path / "vramplan_slow_import_pkg"
+    pkg.mkdir()
+    (pkg / "first.py").write_text("X = 1\n")
+    (pkg / "__init__.py").write_text("import time\n\nfrom . import first\n\ntime.sleep(2.5)\nDONE = True\n")
+    script = tmp_path / "slow_import.py"
+    script.write_text("import vramplan_slow_import_pkg\n\nwhile True:\n    pass\n")
+    names = ("vramplan_slow_import_pkg", "vramplan_slow_import_pkg.first")
+    try:
+        with pytest.raises(TraceError, match=r"within 1 s .*step 0"):
+            vramplan.run_script(script, timeout=1.0)
+        assert "vramplan_slow_import_pkg" in sys.modules, "the deadline interrupted the package's import"
+        assert sys.modules["vramplan_slow_import_pkg"].DONE
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def test_the_deadline_waits_for_an_import_only_up_to_its_grace(tmp_path: Path) -> None:
+    import time
+
+    from vramplan.script.runner import _deadline, _Timeout
+
+    (tmp_path / "vramplan_endless_import.py").write_text("import time\n\ntime.sleep(30)\n")
+    sys.path.insert(0, str(tmp_path))
+    t = time.monotonic()
+    try:
+        with pytest.raises(_Timeout), _deadline(0.2, grace=0.5):
+            import vramplan_endless_import  # noqa: F401
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("vramplan_endless_import", None)
+    assert 0.6 < time.monotonic() - t < 10
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vramplan.cli.main", *args], capture_output=True, text=True,
                           timeout=300)

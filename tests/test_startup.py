@@ -60,18 +60,58 @@ def test_help_still_shows_each_flags_docstring(flag: str) -> None:
 _STRUCTURE = ("import hashlib, sys; {setup}import transformers.models.llama.modeling_llama; "
               "import transformers, transformers.models as m; "
               "from transformers.utils import import_utils as iu; "
-              "print(iu.create_import_structure_from_path.cache_info().maxsize, hashlib.sha256(repr(("
+              "print(iu.create_import_structure_from_path.cache_info().maxsize, "
+              "getattr(iu.fetch__all__, '__wrapped__', None) is not None, hashlib.sha256(repr(("
               "sorted(m._class_to_module.items()), sorted(transformers._class_to_module.items()), "
               "sorted(dir(transformers)), sorted(dir(m)))).encode()).hexdigest())")
 
 
-def test_transformers_import_structure_is_unchanged_by_the_wider_cache() -> None:
+def test_transformers_import_structure_is_unchanged_by_the_wider_cache_and_the_trimmed_fetch() -> None:
     plain = _probe(_STRUCTURE.format(setup=""))
     wide = _probe(_STRUCTURE.format(setup="from vramplan.models.hf_import import import_transformers; "
                                           "import_transformers(); "))
-    (plain_size, plain_hash), (wide_size, wide_hash) = plain.split(), wide.split()
+    (plain_size, plain_fetch, plain_hash), (wide_size, wide_fetch, wide_hash) = plain.split(), wide.split()
     assert plain_size == "128" and wide_size == "None"  # the hook did act
+    assert plain_fetch == "False" and wide_fetch == "True"
     assert wide_hash == plain_hash
+
+
+def test_fetch_all_from_the_first_all_line_agrees_on_every_transformers_file() -> None:
+    from pathlib import Path
+
+    from transformers.utils import import_utils as iu
+
+    from vramplan.models.hf_import import from_first_all_line
+
+    fast, files = from_first_all_line(iu.fetch__all__), 0
+    for path in sorted((Path(iu.__file__).parents[1]).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert fast(text) == iu.fetch__all__(text), path
+        files += "__all__" in text
+    assert files > 1000
+
+
+_LINES = st.sampled_from(["__all__ = ['A', 'B']", "__all__ = [", "    'A',", '    "B",', "]", "x = 1",
+                          "  __all__ = ['C']", "# __all__ = ['D']", "", "__all__+= ['E']", "y = '__all__'"])
+_BREAKS = st.sampled_from(["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x85", "\u2028"])
+
+
+@given(st.lists(st.tuples(_LINES, _BREAKS), max_size=12), st.booleans())
+def test_fetch_all_from_the_first_all_line_agrees_on_drawn_files(lines: list[tuple[str, str]], last_break: bool
+                                                                   ) -> None:
+    from transformers.utils import import_utils as iu
+
+    from vramplan.models.hf_import import first_all_line, from_first_all_line
+
+    text = "".join(line + br for line, br in lines)
+    if lines and not last_break:
+        text = text[: -len(lines[-1][1])]
+    assert from_first_all_line(iu.fetch__all__)(text) == iu.fetch__all__(text)
+    at = first_all_line(text)
+    starts = [i for i, line in enumerate(text.splitlines()) if line.startswith("__all__")]
+    assert (at is None) == (not starts)
+    if at is not None:
+        assert text[at:].splitlines() == text.splitlines()[starts[0]:]
 
 
 def test_the_finder_is_removed_and_a_second_call_imports_nothing() -> None:

@@ -36,7 +36,8 @@ step-time model (:mod:`vramplan.runtime`), so that they cannot disagree:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+
+from vramplan._dataclass import dataclass
 
 from .workload import DtypeChoice, Peft, Precision, Quant, Workload
 
@@ -45,6 +46,8 @@ FP32, BF16, FP16 = "float32", "bfloat16", "float16"
 
 @dataclass(frozen=True)
 class PrecisionModel:
+    """Bytes per element of each kind of tensor under a workload's precision."""
+
     weight: int
     """Bytes per stored, unquantised parameter of the model (not adapters)."""
     stream: int

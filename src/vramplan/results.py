@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any
+
+from vramplan._dataclass import dataclass
 
 from ._json import jsonable
 from .workload import Method, Phase, Workload
@@ -74,6 +76,8 @@ class OverheadItem:
 
 @dataclass(frozen=True)
 class Peak:
+    """The predicted peak, as the three figures people see."""
+
     allocated: int
     """Predicted ``torch.cuda.max_memory_allocated()``."""
     reserved: int
@@ -84,6 +88,8 @@ class Peak:
 
 @dataclass(frozen=True)
 class PhasePeak:
+    """The allocated peak of one phase, with its breakdown."""
+
     phase: Phase
     allocated: int
     breakdown: Breakdown
@@ -91,6 +97,8 @@ class PhasePeak:
 
 @dataclass(frozen=True)
 class Verdict:
+    """Whether the workload fits on a GPU, and with what headroom."""
+
     gpu: str
     """Catalog key of the GPU."""
     gpu_name: str
@@ -122,6 +130,8 @@ class AllocatorSummary:
 
 @dataclass(frozen=True)
 class ModuleStat:
+    """Memory attributed to one module of a trace."""
+
     module: str
     peak: int
     """Bytes allocated while this module was running, at its highest."""
@@ -131,6 +141,8 @@ class ModuleStat:
 
 @dataclass(frozen=True)
 class TensorStat:
+    """One of the largest tensors live at the traced peak."""
+
     nbytes: int
     category: str
     module: str
@@ -141,6 +153,8 @@ class TensorStat:
 
 @dataclass(frozen=True)
 class IterationPeak:
+    """The allocated peak of one traced iteration and its phase."""
+
     iteration: int
     allocated: int
     phase: Phase

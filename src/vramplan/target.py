@@ -10,7 +10,8 @@ this value and never the GPU catalog.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+
+from vramplan._dataclass import dataclass
 
 from .results import OverheadItem
 

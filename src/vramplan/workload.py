@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import Enum
 from typing import Any, TypeVar
+
+from vramplan._dataclass import dataclass
 
 from .errors import WorkloadError
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.workload import Attention, Checkpointing, Workload
 
 from .arch import Arch, LayerGroup
@@ -48,6 +48,8 @@ from .parallel import Stage, tokens_per_rank
 
 @dataclass(frozen=True)
 class TokenShape:
+    """The token counts one rank's activations are sized by."""
+
     tokens: int
     """Tokens of one micro-batch on this rank."""
     kv_len: int
@@ -70,6 +72,8 @@ def size(terms: Iterable[Saved], shape: TokenShape, *, core: bool = True) -> int
 
 @dataclass(frozen=True)
 class StageActs:
+    """Activation bytes of one pipeline stage for one micro-batch."""
+
     layers: int
     """Saved by all layers of the stage for one micro-batch, under the checkpointing policy."""
     layer_full: int

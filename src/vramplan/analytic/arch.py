@@ -10,8 +10,7 @@ rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.models.shape import ModelShape
 from vramplan.models.spec import Family
 
@@ -49,6 +48,8 @@ class Linear:
 
 @dataclass(frozen=True)
 class Attn:
+    """The attention of a layer group, as far as memory goes."""
+
     kind: str = "mha"
     """``mha`` (MHA/GQA/MQA) or ``mla`` (DeepSeek multi-head latent attention)."""
     heads: int = 0
@@ -82,6 +83,8 @@ class Attn:
 
 @dataclass(frozen=True)
 class Ffn:
+    """The feed-forward block of a layer group."""
+
     kind: str = "gated"
     """``gated`` (SwiGLU/GeGLU), ``plain`` (fc → act → fc) or ``moe`` (routed gated experts)."""
     intermediate: int = 0

@@ -31,8 +31,9 @@ ranks unless sequence parallelism splits them (norm inputs, block inputs, dropou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from vramplan._dataclass import dataclass
 from vramplan.workload import Attention
 
 from .arch import Head, LayerGroup, Linear
@@ -41,6 +42,8 @@ from .regime import Regime, Trainable
 
 @dataclass(frozen=True)
 class Saved:
+    """One tensor autograd saves in a block, sized per token (or per attention pair)."""
+
     name: str
     per_token: float = 0.0
     per_pair: float = 0.0
@@ -54,6 +57,8 @@ class Saved:
 
 @dataclass(frozen=True)
 class Ctx:
+    """What decides a block's saved tensors: precision regime, trainable set, attention kernel."""
+
     rg: Regime
     tr: Trainable
     attention: Attention

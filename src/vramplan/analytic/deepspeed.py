@@ -37,8 +37,7 @@ op (``op_builder``), which a trace must replace by torch's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.workload import Workload
 
 

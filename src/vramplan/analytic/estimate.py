@@ -10,7 +10,7 @@ from vramplan.results import HOST_ACTIVATIONS, PhasePeak
 from vramplan.workload import Attention, Engine, Loss, Task, Workload
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
-from . import decoder, encoder, kv, vit
+from . import decoder, kv
 from .activations import TokenShape, size, stage_acts
 from .arch import Arch
 from .blocks import Ctx, block_saved
@@ -32,8 +32,12 @@ def build_arch(spec: ModelSpec) -> Arch:
     if spec.family in (Family.DENSE, Family.MOE, Family.MLA):
         return decoder.build(spec)
     if spec.family is Family.ENCODER:
+        from . import encoder
+
         return encoder.build(spec)
     if spec.family is Family.VIT:
+        from . import vit
+
         return vit.build(spec)
     raise WorkloadError(f"{spec.name} is not a transformer the analytic method knows", hint="use `method=trace`")
 

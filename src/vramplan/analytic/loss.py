@@ -26,13 +26,15 @@ bytes, ``r`` the residual stream's (the dtype of the hidden states the head read
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.workload import Loss, Workload
 
 
 @dataclass(frozen=True)
 class LossMemory:
+    """Bytes the loss holds around the end of the forward and in its backward."""
+
     forward_saved: int
     """Alive at the end of the forward and kept for the loss backward (activations)."""
     forward_transient: int

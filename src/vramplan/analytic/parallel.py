@@ -12,8 +12,8 @@ forwards and backwards (:func:`chunks_in_flight`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
@@ -24,6 +24,8 @@ from .arch import Arch, LayerGroup, Linear
 
 @dataclass(frozen=True)
 class Stage:
+    """The layers, embedding and head one pipeline rank holds, and its in-flight micro-batches."""
+
     index: int
     groups: tuple[tuple[LayerGroup, int], ...]
     """(layer group, layers of it on this stage)."""

@@ -4,8 +4,7 @@ from the one precision model (:mod:`vramplan.precision`), shared with the trace 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.errors import WorkloadError
 from vramplan.precision import PrecisionModel, precision_model
 from vramplan.workload import ALL_LINEAR, LORA_DEFAULT_TARGETS, Peft, Task, Workload
@@ -22,6 +21,8 @@ def regime(w: Workload) -> Regime:
 
 @dataclass(frozen=True)
 class Trainable:
+    """Which parameters train: all of them, or the LoRA targets with their rank."""
+
     full: bool
     targets: frozenset[tuple[str, str]] = frozenset()
     """(name, role) of the linears LoRA wraps."""

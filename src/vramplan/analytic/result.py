@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.results import PhasePeak
 
 

@@ -20,8 +20,8 @@ optimizer state too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from vramplan._dataclass import dataclass
 from vramplan.precision import fsdp_cpu_offload, fsdp_shards_quantised
 from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 

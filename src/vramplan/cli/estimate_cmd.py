@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if report.fallback is not None:
         hint(f"note: the model could not be traced; showing the {report.fallback.used} estimate "
              f"({report.fallback.reason})")
-    emit(to_doc(report), args.format, sys.stdout, report.to_dict())
+    emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)
     suggest_fix(args.model, w, report)
     return 0

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     recorder = ReportLog() if paths else None
     result = fit(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf,
                  seq_step=args.seq_step, estimator=recorder)
-    emit(fit_doc(result), args.format, sys.stdout, result.to_dict())
+    emit(fit_doc(result), args.format, sys.stdout, result.to_dict)
     if paths and recorder is not None:
         from vramplan.planner.sweep import fit_sweeps
 

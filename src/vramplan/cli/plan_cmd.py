@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.emit:
         code = _emit(args, result.plans, result.to_dict())
     else:
-        emit(plan_doc(result, top=args.top or 10), args.format, sys.stdout, result.to_dict())
+        emit(plan_doc(result, top=args.top or 10), args.format, sys.stdout, result.to_dict)
         code = 0
     if args.plot:
         from vramplan.planner.sweep import plan_sweep, short_gpu
@@ -115,7 +115,7 @@ def _rank(args: argparse.Namespace, w: Any) -> int:
     if args.emit:
         code = _emit(args, [r.plan for r in result.ranked], result.to_dict())
     else:
-        emit(ranking_doc(result, top=args.top or 15), args.format, sys.stdout, result.to_dict())
+        emit(ranking_doc(result, top=args.top or 15), args.format, sys.stdout, result.to_dict)
         code = 0
     if args.plot:
         from vramplan.planner.sweep import rank_sweep

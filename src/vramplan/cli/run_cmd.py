@@ -86,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
     report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
                         alloc_conf=args.alloc_conf, online=args.online,
                         progress=lambda line: hint(f"vramplan run: {line}"))
-    emit(to_doc(report), args.format, sys.stdout, report.to_dict())
+    emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)
     return 0

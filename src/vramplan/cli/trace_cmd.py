@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         model, inputs, *rest = made
         report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
                        alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
-    emit(to_doc(report), args.format, sys.stdout, report.to_dict())
+    emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)
     return 0
 

@@ -32,6 +32,8 @@ Predictor = Callable[[Mapping[int, int]], float | None]
 
 @dataclass(frozen=True)
 class SearchResult:
+    """The largest fitting grid point of a boundary search, with what was evaluated."""
+
     value: int
     """Largest grid point that fits; ``lo - step`` (normally 0) when none does."""
     above: int | None

@@ -6,9 +6,13 @@ estimate (``hardware.target.device_profile``), the same one the trace's CUDA emu
 
 from __future__ import annotations
 
-from ..hardware.gpu import GPU
+from typing import TYPE_CHECKING
+
 from ..target import DeviceProfile
 from ..workload import Attention, Method, Precision, Workload
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 
 def profile(g: GPU | None, w: Workload) -> DeviceProfile:

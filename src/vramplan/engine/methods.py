@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from vramplan._dataclass import dataclass
 
 from ..errors import VramplanError
 from ..models.spec import ModelSpec

@@ -12,16 +12,14 @@ plus the verdict against a GPU and the largest batch that fits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TraceError, WorkloadError
-from ..hardware.gpu import GPU
 from ..models.spec import Family, ModelSpec
 from ..recipes import notes as recipe_notes
 from ..results import Fallback, MemoryReport, Peak, Verdict
 from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
-from .boundary import BoundarySearch, fits
 from .device import bf16_notes, profile
 from .methods import (
     MethodResult,
@@ -31,6 +29,9 @@ from .methods import (
     trace_core,
 )
 from .resolve import resolve_gpu, resolve_model
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 
 def estimate(
@@ -137,6 +138,8 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
     def analytic(wx: Workload) -> int | None:
         return analytic_device_used(spec, wx, dev)
 
+    from .boundary import BoundarySearch
+
     exact = report.method is Method.ANALYTIC  # the curve is the answer: nothing to confirm
     bd = BoundarySearch(confirm, analytic, v.usable, exact=exact)
     if not exact and bd.analytic is not None and bd.analytic(w) is None:
@@ -196,6 +199,8 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         **_axes(spec),
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's
+        from .boundary import fits
+
         report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable)))
     return report
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from ..hardware.gpu import GPU
+from typing import TYPE_CHECKING
+
 from ..models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..hardware.gpu import GPU
 
 
 def resolve_model(model: str | ModelSpec) -> ModelSpec:
@@ -15,7 +19,12 @@ def resolve_model(model: str | ModelSpec) -> ModelSpec:
 
 
 def resolve_gpu(gpu: str | GPU | None) -> GPU | None:
-    if gpu is None or isinstance(gpu, GPU):
+    if gpu is None:
+        return None
+    # imported only once a GPU is named: an estimate without one never loads the class (start-up)
+    from ..hardware.gpu import GPU
+
+    if isinstance(gpu, GPU):
         return gpu
     from ..hardware.catalog import get_gpu
 

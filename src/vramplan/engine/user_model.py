@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..hardware.gpu import GPU
 from ..results import MemoryReport
 from ..workload import Task, Workload, as_enum
 from .device import profile
 from .methods import trace_core
 from .pipeline import finish
 from .resolve import resolve_gpu
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 
 def trace(

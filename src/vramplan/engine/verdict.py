@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from ..hardware.gpu import GPU
+from typing import TYPE_CHECKING
+
 from ..hardware.nccl import Communicator, mesh_communicators
 from ..results import OverheadItem
 from ..workload import Workload
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 
 def communicators(w: Workload) -> tuple[Communicator, ...]:

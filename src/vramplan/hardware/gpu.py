@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from vramplan._dataclass import dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
+    """One GPU model of the catalog; every figure names its source."""
+
     key: str
     """Catalog key, e.g. ``h100-sxm``."""
     name: str

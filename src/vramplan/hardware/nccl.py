@@ -40,13 +40,16 @@ proxy's pinned host buffers, and the rounding of each buffer to the cuMem granul
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import VramplanError
 from vramplan.results import OverheadItem
 from vramplan.units import KiB, MiB
 
-from .gpu import GPU
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
+
 
 NCCL_STEPS = 8
 """``NCCL_STEPS`` (src/include/device.h): slots per connection FIFO."""

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import VramplanError
 from vramplan.results import OverheadItem
 from vramplan.target import CUBLAS_WORKSPACE_HOPPER, CUBLAS_WORKSPACE_PRE_HOPPER
 from vramplan.units import GiB, KiB, MiB
 
-from .gpu import GPU
 from .nccl import (
     GPUS_PER_NODE,
     LL128_BUFFSIZE,
@@ -38,6 +38,9 @@ from .nccl import (
     Communicator,
     communicator_items,
 )
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 STACK_BYTES_PER_THREAD = 1 * KiB
 """``cudaLimitStackSize`` default (CUDA Runtime API, cudaDeviceSetLimit)."""

@@ -10,10 +10,13 @@ the allocator (:func:`~vramplan.hardware.overhead.device_overhead`) and the usab
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..target import DEFAULT_PROFILE, DEFAULT_SM, DeviceProfile
-from .gpu import GPU
 from .nccl import Communicator
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
 
 NO_BF16_ARCHS = ("volta", "turing", "pascal")
 """No native bf16 (sm < 8.0): PyTorch emulates it, SDPA has no fused bf16 kernel."""

@@ -8,9 +8,10 @@ One :class:`ParamLayout` per ``model_type`` (or diffusers ``_class_name``). The 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import ConfigError
 
 from .spec import Family
@@ -29,6 +30,8 @@ HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOIS
 
 @dataclass(frozen=True, kw_only=True)
 class ParamLayout:
+    """How one transformers ``model_type`` lays out its parameters (see CONTRIBUTING.md)."""
+
     family: Family
     kind: str
     """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cache, lru_cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import ConfigError, did_you_mean
 
 from .hub import fetch_config, looks_like_hub_id
@@ -30,6 +30,8 @@ _INDEX = "index.json"
 
 @dataclass(frozen=True)
 class CatalogEntry:
+    """One model of the embedded catalog: its Hub id, family and published size."""
+
     alias: str
     hub_id: str
     family: Family

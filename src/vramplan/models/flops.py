@@ -24,8 +24,7 @@ its own with torch's ``FlopCounterMode`` (``TraceResult.flops``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.workload import Attention, Checkpointing, Loss, Task, Workload
 
 from .shape import ModelShape

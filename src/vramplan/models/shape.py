@@ -11,8 +11,7 @@ and per step are derived here too (:func:`tokens`), once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramplan._dataclass import dataclass
 from vramplan.workload import Workload
 
 from .spec import Family, ModelSpec

@@ -7,10 +7,12 @@ from a config.json (embedded, local or Hub). Fields that do not apply are 0 / No
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import Enum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
+
+from vramplan._dataclass import dataclass
 
 if TYPE_CHECKING:
     from .shape import ModelShape
@@ -30,6 +32,8 @@ class Family(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
+    """A model as every method reads it: its config and where it came from."""
+
     name: str
     """Short alias (``llama-3.1-8b``) or the path / Hub id it was loaded from."""
     hub_id: str | None

@@ -4,8 +4,10 @@ and what vramplan does not model of it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from vramplan._dataclass import dataclass
 
 from ..workload import Peft, Recipe, Workload
 
@@ -33,6 +35,8 @@ class Restriction:
 
 @dataclass(frozen=True)
 class RecipeSpec:
+    """One training recipe: its framework, defaults and the knobs it allows."""
+
     name: Recipe
     framework: str
     """The framework and the version whose sources the defaults are read from."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Table:
+    """A table section: columns, rows and an optional footer."""
+
     columns: list[str]
     rows: list[list[str]]
     title: str = ""
@@ -23,12 +25,16 @@ class Table:
 
 @dataclass
 class KeyValues:
+    """A section of labelled values."""
+
     items: list[tuple[str, str]]
     title: str = ""
 
 
 @dataclass
 class Notes:
+    """A section of bulleted notes."""
+
     lines: list[str]
     title: str = "Notes"
 
@@ -38,6 +44,8 @@ Section = Table | KeyValues | Notes
 
 @dataclass
 class Doc:
+    """A report as plain data, rendered by :mod:`vramplan.report.render`."""
+
     title: str
     sections: list[Section] = field(default_factory=list)
     subtitle: str = ""

@@ -86,7 +86,7 @@ def to_text(doc: Doc, width: int = 110) -> str:
     """Plain text (no colour) — what tests compare."""
     buf = io.StringIO()
     render_console(doc, Console(file=buf, width=width, color_system=None, force_terminal=False,
-                                 highlight=False, soft_wrap=False, emoji=False))
+                                 highlight=False, soft_wrap=False, emoji=False, markup=False))
     return buf.getvalue()
 
 
@@ -122,24 +122,27 @@ def to_markdown(doc: Doc) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | None = None) -> None:
+def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | Callable[[], object] | None = None) -> None:
     """Write ``doc`` in ``fmt`` (table | markdown | json) to ``stream``. JSON keeps field names;
-    tables and markdown name fields as :data:`FLAG_OF` says, when it is set."""
+    tables and markdown name fields as :data:`FLAG_OF` says, when it is set. ``json_obj`` may be
+    a function that returns it (e.g. ``report.to_dict``): called only for JSON."""
     flag_of = FLAG_OF.get()
     if flag_of is not None and fmt != "json":
         doc = with_field_names(doc, flag_of)
     if fmt == "json":
         import json
 
-        stream.write(json.dumps(json_obj, indent=2, sort_keys=False) + "\n")
+        obj = json_obj() if callable(json_obj) else json_obj
+        stream.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
     elif fmt == "markdown":
         stream.write(to_markdown(doc))
     else:
         isatty = getattr(stream, "isatty", lambda: False)()
         # Piped output: rich would assume 80 columns and cut long cells; use a wide page
         # (VRAMPLAN_COLUMNS when set, as the golden tests do).
-        # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table)
-        render_console(doc, _Console(file=stream, highlight=False, emoji=False,
+        # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table);
+        # markup=False: a "[...]" in a cell is text, never a rich style tag
+        render_console(doc, _Console(file=stream, highlight=False, emoji=False, markup=False,
                                      width=None if isatty else _page_width()))
 
 

@@ -612,14 +612,40 @@ def _offline(online: bool) -> Iterator[None]:
                 setattr(hub, "HF_HUB_OFFLINE", bool(was) if was is not None else False)  # noqa: B010
 
 
+_IMPORT_RETRY_S = 0.05
+"""How soon a deadline that fell inside an import looks again."""
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal landed) runs inside an import: some frame of its stack
+    belongs to Python's import machinery (``<frozen importlib._bootstrap>``, where
+    ``_find_and_load`` executes a module's body)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
-def _deadline(seconds: float | None) -> Iterator[None]:
-    """Interrupt the script after ``seconds`` (SIGALRM; main thread on POSIX only)."""
+def _deadline(seconds: float | None, grace: float | None = None) -> Iterator[None]:
+    """Interrupt the script after ``seconds`` (SIGALRM; main thread on POSIX only).
+
+    Never inside an import, for up to ``grace`` more seconds (default: ``seconds``, at least
+    10): an exception raised while a module's body runs leaves that package half-initialised
+    for the rest of the process — its submodules stay in ``sys.modules`` without their
+    parent — and every later import of it fails ("partially initialized module
+    'torch._dynamo'"; torch imports ``torch._dynamo`` and sympy on a script's first meta op,
+    ~0.5 s). The deadline waits for the import to finish and then interrupts the script."""
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
         yield
         return
+    hard = time.monotonic() + seconds + (max(10.0, seconds) if grace is None else grace)
 
     def alarm(signum: int, frame: Any) -> None:
+        if _importing(frame) and time.monotonic() < hard:
+            signal.setitimer(signal.ITIMER_REAL, _IMPORT_RETRY_S)
+            return
         raise _Timeout
 
     old = signal.signal(signal.SIGALRM, alarm)
