@@ -244,3 +244,54 @@ def test_layouts_that_change_the_model_never_borrow(w: Workload) -> None:
 def test_a_checkpoint_policy_never_borrows() -> None:
     assert not reuse.reusable(TRAIN, model_parallel=False, layout=None, checkpoint_policy=lambda *a: None)
     assert reuse.reusable(TRAIN, model_parallel=False, layout=None, checkpoint_policy=None)
+
+
+# --------------------------------------------------------------------------- answers
+def _cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    import json
+
+    from vramplan.cli.main import main
+
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+LORA_4090 = ("llama-3.1-8b", "--gpu", "rtx-4090", "--task", "train", "--peft", "lora", "--json")
+
+
+@pytest.mark.slow
+def test_fit_of_the_bench_case_answers_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench/plan_speed.py``'s fit (Llama-3.1-8B / RTX 4090 / LoRA): the figures recorded on
+    commit db406fd, before models were borrowed; 9 of its 12 reduced-model traces borrow."""
+    d = _cli_json(capsys, "fit", *LORA_4090)
+
+    def point(p: dict) -> list:
+        return [p["batch"], p["seq"], p["allocated"], p["reserved"], p["device_used"], p["method"]]
+
+    b, s = d["boundary"]["batch"], d["boundary"]["seq"]
+    assert [d["max_batch"], d["max_seq"], point(b["at"]), point(b["above"]), point(s["at"]), point(s["above"])] == [
+        1, 3840,
+        [1, 2048, 19964692480, 21078474752, 21622979297, "trace"],
+        [2, 2048, 23687178240, 25602031616, 26146536161, "trace"],
+        [1, 3840, 23222799360, 25050480640, 25594985185, "trace"],
+        [1, 3968, 23460633088, 25344081920, 25888586465, "trace"],
+    ]
+    assert d["evaluations"] == {"total": 13, "traces": 4, "analytic": 9}
+    assert cache.MODELS.cache.hits == 9
+
+
+@pytest.mark.slow
+def test_plan_of_the_bench_case_answers_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    d = _cli_json(capsys, "plan", *LORA_4090)
+    assert [[p["label"], p["memory"], p["method"], p["confirmed"]] for p in d["plans"]] == [
+        ["bf16-mixed + full checkpointing + fused adamw + LoRA r16, batch 1", 21570550497, "trace", True],
+        ["bf16 + full checkpointing + chunked loss (8) + LoRA r16, batch 1", 19794262753, "trace", True],
+        ["bf16-mixed + full checkpointing + chunked loss (8) + LoRA r16, batch 1", 19802651361, "trace", True],
+        ["bf16-mixed + chunked loss (8) + LoRA r16 + ZeRO-3 + param + optimizer offload, batch 1", 16481557626,
+         "analytic", False],
+        ["bf16-mixed + op-level selective checkpointing + LoRA r16 + ZeRO-3 + param + optimizer offload, batch 1",
+         11201207418, "analytic", False],
+        ["bf16-mixed + full checkpointing + chunked loss (8) + LoRA r16 + ZeRO-3 + param + optimizer offload, batch 1",
+         5189101895, "analytic", False],
+    ]
+    assert d["evaluations"] == {"total": 92, "traces": 3, "analytic": 89} and d["candidates"] == 88
