@@ -43,7 +43,7 @@ MAX_REPLAYS = 16
 MAX_MODELS = 6
 """Prepared models kept per process: the three reduced models of a replicated trace, for two
 workloads."""
-MAX_MODULES = 50_000
+MAX_MODULES = 20_000
 """Modules (over all kept models) kept per process: a model with more is not kept."""
 MAX_EVENTS = 4_000_000
 """Events (over all cached traces) kept per process, about 150 MB of event log: a 70B
