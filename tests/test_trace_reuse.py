@@ -55,6 +55,13 @@ CASES = {
     "mixtral": ("mixtral-8x7b", 6, TRAIN, (2, 64)),
     # the step keeps its gradients: the model comes back only after settle() drops them
     "llama keep_grads, 2 layers": ("llama-3.1-8b", 2, TRAIN.replace(keep_grads=True), (2, 32)),
+    # what `plan` varies, 2 layers
+    "llama chunked loss, fused AdamW, selective": (
+        "llama-3.1-8b", 2, TRAIN.replace(loss="chunked", optimizer_impl="fused", checkpointing="selective"), (2, 32)),
+    "llama fp16-mixed (grad scaler), 8-bit AdamW": (
+        "llama-3.1-8b", 2, TRAIN.replace(precision="fp16-mixed", optimizer="adamw-8bit"), (2, 48)),
+    "bert": ("bert-base", 2, TRAIN, (2, 32)),
+    "vit": ("vit-base", 2, TRAIN, (3, 64)),
 }
 
 
