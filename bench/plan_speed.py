@@ -11,6 +11,10 @@
 3. ``fit`` after ``estimate`` of the same workload in one process: the traces it reuses from the
    process cache (``vramplan.engine.cache``).
 
+Lines 1 and 3 also say how many traced models were borrowed from the process's store of
+prepared models (``vramplan.engine.cache.MODELS``, :mod:`vramplan.trace.reuse`) instead of
+built again.
+
     .venv/bin/python bench/plan_speed.py
 """
 
@@ -32,7 +36,7 @@ PLAN_ARGS = ["plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--task
 
 
 def fit_traces() -> None:
-    from vramplan.engine import estimate
+    from vramplan.engine import cache, estimate
     from vramplan.errors import PlanError
     from vramplan.planner.fit import fit
     from vramplan.workload import Method, Workload
@@ -44,6 +48,7 @@ def fit_traces() -> None:
         calls.append(r.method)
         return r
 
+    cache.clear()
     t = time.perf_counter()
     try:
         r = fit("llama-3.1-8b", Workload(task="train", peft="lora"), gpu="rtx-4090", method="auto",
@@ -54,7 +59,9 @@ def fit_traces() -> None:
     wall = time.perf_counter() - t
     traces = sum(1 for m in calls if m is Method.TRACE)
     print(f"fit llama-3.1-8b --gpu rtx-4090 --task train --peft lora: {answer}")
-    print(f"  {len(calls)} estimates, {traces} traces, {wall:.1f} s")
+    models = cache.MODELS.cache
+    print(f"  {len(calls)} estimates, {traces} traces, {wall:.1f} s; traced models: {models.misses} built, "
+          f"{models.hits} borrowed from the process's store")
     print(f"  traces: {traces} vs target ≤ {TRACE_TARGET}  -> ratio {traces / TRACE_TARGET:.2f} "
           f"({'OK' if traces <= TRACE_TARGET else 'MISSED'})")
     if traces == 0:
@@ -128,6 +135,7 @@ def reuse() -> None:
     from vramplan.workload import Workload
 
     w = Workload(task="train", peft="lora", checkpointing="full")
+    cache.clear()
     t = time.perf_counter()
     estimate("llama-3.1-8b", w, gpu="rtx-4090", method="trace")
     first = time.perf_counter() - t
@@ -135,7 +143,8 @@ def reuse() -> None:
     fit("llama-3.1-8b", w, gpu="rtx-4090")
     then = time.perf_counter() - t
     print(f"estimate then fit, one process (8B LoRA, RTX 4090): estimate {first:.1f} s, fit {then:.1f} s; "
-          f"{cache.TRACES.hits} traces reused from the process cache")
+          f"{cache.TRACES.hits} traces reused from the process cache, {cache.MODELS.cache.hits} traced models "
+          "borrowed")
 
 
 def main() -> int:

@@ -12,12 +12,18 @@ by everything the result depends on (a spec by all its fields and its config, th
 workload, the whole device profile; a replay by the identity of the trace it replayed, held
 alive by the entry), and can be cleared or switched off (``enabled``). Traces run with a
 selective-checkpointing policy function are never cached.
+
+A third store, :data:`MODELS`, keeps the catalog models a trace built and prepared (on
+``meta``; :mod:`vramplan.trace.reuse`): a later trace of the same model and workload at
+another batch or sequence length borrows one instead of building it again (``fit`` and
+``plan`` trace one model at several batches). A model is lent to one trace at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -34,6 +40,11 @@ MAX_TRACES = 8
 """Traces kept per process."""
 MAX_REPLAYS = 16
 """Replay results kept per process."""
+MAX_MODELS = 6
+"""Prepared models kept per process: the three reduced models of a replicated trace, for two
+workloads."""
+MAX_MODULES = 20_000
+"""Modules (over all kept models) kept per process: a model with more is not kept."""
 MAX_EVENTS = 4_000_000
 """Events (over all cached traces) kept per process, about 150 MB of event log: a 70B
 generation trace holds 1.8 M; a trace larger than this is not cached."""
@@ -80,6 +91,18 @@ class BoundedCache(Generic[V]):
             _, (_, ow) = self._data.popitem(last=False)
             self.weight -= ow
 
+    def pop(self, key: Hashable) -> V | None:
+        """Remove and return the entry under ``key`` (a hit), or None (a miss)."""
+        if not self.enabled:
+            return None
+        got = self._data.pop(key, None)
+        if got is None:
+            self.misses += 1
+            return None
+        self.weight -= got[1]
+        self.hits += 1
+        return got[0]
+
     def clear(self) -> None:
         self._data.clear()
         self.weight = 0
@@ -96,14 +119,42 @@ def _events(tr: Any) -> int:
     return len(tr.events)
 
 
+class ModelPool:
+    """Prepared models waiting between traces (a :class:`vramplan.trace.reuse.ModelStore`):
+    keyed by the whole model spec and the trace's key (every workload field but batch and
+    sequence, the attention, the device profile), bounded like the caches above, and lent:
+    :meth:`take` removes the model, so two traces (threads of the web UI) never share one."""
+
+    def __init__(self, max_entries: int = MAX_MODELS, max_modules: int = MAX_MODULES) -> None:
+        self.cache: BoundedCache[Any] = BoundedCache(max_entries, max_modules, lambda v: int(v.modules))
+        self._lock = threading.Lock()
+
+    def take(self, spec: ModelSpec, key: Hashable) -> Any:
+        k = (spec_key(spec), key)
+        with self._lock:
+            return self.cache.pop(k)
+
+    def give(self, spec: ModelSpec, key: Hashable, value: Any) -> None:
+        k = (spec_key(spec), key)
+        with self._lock:
+            self.cache.put(k, value)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.cache.clear()
+
+
 TRACES: BoundedCache[TraceResult] = BoundedCache(MAX_TRACES, MAX_EVENTS, _events)
 REPLAYS: BoundedCache[tuple[TraceResult, Any]] = BoundedCache(MAX_REPLAYS, MAX_EVENTS, lambda v: len(v[0].events))
+MODELS = ModelPool()
 
 
 def clear() -> None:
-    """Forget every cached trace and replay (tests; a process that changed a model in place)."""
+    """Forget every cached trace, replay and prepared model (tests; a process that changed a
+    model in place)."""
     TRACES.clear()
     REPLAYS.clear()
+    MODELS.clear()
 
 
 def _frozen(x: Any) -> Hashable:
@@ -160,5 +211,5 @@ def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable
     return tr
 
 
-__all__ = ["BoundedCache", "TRACES", "REPLAYS", "clear", "spec_key", "trace_key", "replay_key", "cached_trace",
-           "cached_replay", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS"]
+__all__ = ["BoundedCache", "ModelPool", "TRACES", "REPLAYS", "MODELS", "clear", "spec_key", "trace_key", "replay_key", "cached_trace",
+           "cached_replay", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS", "MAX_MODELS", "MAX_MODULES"]

@@ -111,7 +111,8 @@ def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
     opts = TraceOptions()  # the defaults, as the environment sets them (VRAMPLAN_FULL_TRACE)
     if checkpoint_policy is not None:  # a function: no key says what it does
         return trace_workload(spec, w, device=dev, options=opts, checkpoint_policy=checkpoint_policy)
-    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev, options=opts), options=opts)
+    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev, options=opts, models=cache.MODELS),
+                              options=opts)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:

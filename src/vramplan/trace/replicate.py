@@ -151,9 +151,11 @@ def _per_layer_config(spec: ModelSpec) -> str | None:
     if cfg.get("use_sliding_window") and isinstance(cfg.get("max_window_layers"), int) and cfg["max_window_layers"] < n:
         return "sliding window on some layers"
     try:
-        import transformers
-
         from ..models.build import quiet
+        from ..models.hf_import import import_transformers
+
+        # (its first import in a trace: import_transformers spares transformers' second folder scan)
+        transformers = import_transformers()
 
         c = {k: v for k, v in cfg.items() if k != "model_type"}
         with quiet():

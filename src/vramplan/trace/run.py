@@ -35,6 +35,7 @@ from . import (
     offload,
     pipeline_parallel,
     replicate,
+    reuse,
     tensor_parallel,
 )
 from .construct import fake_construction
@@ -153,25 +154,30 @@ def trace_model(
 def trace_workload(
     spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None, iterations: int = 2,
     options: TraceOptions | None = None, checkpoint_policy: Policy | None = None,
+    models: reuse.ModelStore | None = None,
 ) -> TraceResult:
     """Trace a catalog model under workload ``w``: build on meta, synthetic inputs,
-    the workload's checkpointing, PEFT, quantisation, precision and optimizer."""
+    the workload's checkpointing, PEFT, quantisation, precision and optimizer.
+
+    ``models``: a store of prepared models to borrow from and give back to, so that traces
+    differing only in batch or sequence build each model once (:mod:`.reuse`)."""
     _check_iterations(iterations)
     opts = options or TraceOptions()
     fallback: list[str] = []
     if opts.replicate_layers and w.parallel.pp == 1:
         why = _replication_refused(spec, w, opts, checkpoint_policy)
         if why is None:
-            got = _trace_replicated(spec, w, device, iterations, opts, checkpoint_policy)
+            got = _trace_replicated(spec, w, device, iterations, opts, checkpoint_policy, models)
             if isinstance(got, TraceResult):
                 return got
             fallback.append(f"identical layers not replicated ({got}): every layer traced")
         if _experts_refused(spec, w, opts) is None:
             # (layers that differ, e.g. gpt-oss's sliding/full pattern: each layer's experts still repeat)
             quick = dataclasses.replace(opts, replicate_layers=False)
-            result, note = _trace_experts(spec, w, device, iterations, quick, checkpoint_policy, set(), MetaCache())
+            result, note = _trace_experts(spec, w, device, iterations, quick, checkpoint_policy, set(), MetaCache(),
+                                          models)
             return dataclasses.replace(result, notes=(*result.notes, *fallback, *([note] if note else [])))
-    result = _trace_catalog(spec, w, device, iterations, opts, checkpoint_policy)
+    result = _trace_catalog(spec, w, device, iterations, opts, checkpoint_policy, models=models)
     return dataclasses.replace(result, notes=(*result.notes, *fallback)) if fallback else result
 
 
@@ -192,7 +198,8 @@ def _experts_refused(spec: ModelSpec, w: Workload, opts: TraceOptions) -> str | 
 
 
 def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
-                      opts: TraceOptions, policy: Policy | None) -> TraceResult | str:
+                      opts: TraceOptions, policy: Policy | None,
+                      models: reuse.ModelStore | None = None) -> TraceResult | str:
     """Three reduced traces extrapolated to the model's layers (:mod:`.replicate`), or why not."""
     quick = dataclasses.replace(opts, replicate_layers=False)
     cache = MetaCache()  # (the three models run the same ops on the same shapes)
@@ -200,7 +207,7 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
 
     def tracer(reduced: ModelSpec) -> replicate.Traced:
         paths: set[str] = set()
-        r, note = _trace_experts(reduced, w, device, iterations, quick, policy, paths, cache)
+        r, note = _trace_experts(reduced, w, device, iterations, quick, policy, paths, cache, models)
         if note is not None and note not in expert_notes:
             expert_notes.append(note)
         return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
@@ -217,19 +224,19 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
 
 
 def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
-                   opts: TraceOptions, policy: Policy | None, paths: set[str], cache: MetaCache
-                   ) -> tuple[TraceResult, str | None]:
+                   opts: TraceOptions, policy: Policy | None, paths: set[str], cache: MetaCache,
+                   models: reuse.ModelStore | None = None) -> tuple[TraceResult, str | None]:
     """``spec`` traced with its MoE experts loops cut to 2, 3 and 4 experts and the other
     experts' events written (:mod:`.experts`, :func:`.replicate.extrapolate_experts`), and a
     note; the trace of every expert where no loop is cut (None: no note) or the check fails."""
     first = replicate.EXPERTS
     if _experts_refused(spec, w, opts) is not None:
-        return _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache), None
+        return _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache, models=models), None
     results: list[TraceResult] = []
     cuts: list[ExpertLoops] = []
     for k in (first, first + 1, first + 2):
         cut = ExpertLoops(k)
-        r = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache, cut)
+        r = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache, cut, models)
         if not cut.loops:  # (no eager experts loop: grouped_mm, or a model of its own)
             return r, None
         results.append(r)
@@ -240,7 +247,7 @@ def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
         why = "the cut traces ran different experts loops"
     got = why or replicate.extrapolate_experts(results, runs.pop())
     if isinstance(got, str):
-        full = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache)
+        full = _trace_catalog(spec, w, device, iterations, opts, policy, paths, cache, models=models)
         return full, f"identical experts not replicated ({got}): every expert traced"
     n = next(iter(cuts[0].runs))
     note = (f"identical experts traced once: each MoE experts loop run for {first}, {first + 1}, {first + 2} of "
@@ -253,20 +260,20 @@ def _trace_experts(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
 def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int,
                    opts: TraceOptions, checkpoint_policy: Policy | None,
                    paths: set[str] | None = None, cache: MetaCache | None = None,
-                   experts: ExpertLoops | None = None) -> TraceResult:
+                   experts: ExpertLoops | None = None, models: reuse.ModelStore | None = None) -> TraceResult:
     from ..models.build import attention_used, build_model, example_inputs
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     notes: list[str] = _parallel_notes(w)
     if w.parallel.pp > 1:
         return _trace_pipeline(spec, w, device, iterations, opts, notes, checkpoint_policy)
-    if w.attention is Attention.FLASH:
-        notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
+    if models is not None and reuse.reusable(w, model_parallel=_model_parallel(w), layout=data_layout(w, rank=opts.rank),
+                                             checkpoint_policy=checkpoint_policy):
+        return _trace_lent(spec, w, device, iterations, opts, notes, attention, models, paths, cache, experts)
     model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
-    used = attention_used(model)
-    if used not in ("none", attention):
-        notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    notes += _build_notes(spec, w, model, attention)
     if w.parallel.cp > 1:
+        used = attention_used(model)
         context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
@@ -285,6 +292,48 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
         return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache,
                       experts=experts)
+
+
+def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str) -> list[str]:
+    """What the built model tells about the attention it runs."""
+    from ..models.build import attention_used
+
+    notes = []
+    if w.attention is Attention.FLASH:
+        notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
+    used = attention_used(model)
+    if used not in ("none", attention):
+        notes.append(f"{spec.name} runs attention '{used}' in transformers (asked: {attention})")
+    return notes
+
+
+def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iterations: int, opts: TraceOptions,
+                notes: list[str], attention: str, models: reuse.ModelStore, paths: set[str] | None,
+                cache: MetaCache | None, experts: ExpertLoops | None = None) -> TraceResult:
+    """:func:`_trace_catalog` on a model borrowed from ``models`` (built and prepared when there
+    is none), given back after the trace if the trace left it as it was (:mod:`.reuse`)."""
+    from ..models.build import build_model, example_inputs
+
+    key = reuse.key(w, attention, device)
+    lent: reuse.Lent | None = models.take(spec, key)
+    model = None
+    if lent is None:  # (the same order as a fresh trace: build, inputs, prepare)
+        model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
+        notes += _build_notes(spec, w, model, attention)
+    batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
+                                  labels=w.task is Task.TRAIN,
+                                  dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    if lent is None:
+        assert model is not None
+        prepared = _prepare(model, ((), {}), w, notes, spec.name, device)
+        lent = reuse.Lent(prepared=dataclasses.replace(prepared, notes=list(prepared.notes)),
+                          state=reuse.state(prepared.model), modules=sum(1 for _ in prepared.model.modules()))
+    p = dataclasses.replace(lent.prepared, batch=((), batch_kwargs), notes=list(lent.prepared.notes))
+    result = _trace(p, w, device, iterations, opts, paths=paths, cache=cache, experts=experts)
+    reuse.settle(p.model)
+    if reuse.state(p.model) == lent.state:
+        models.give(spec, key, lent)
+    return result
 
 
 def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile | None = None,
