@@ -8,9 +8,11 @@ One run prints, side by side:
 2. Llama-3.1-70B (and Mistral-7B), bf16, prompt 512, 128 new tokens: ``vramplan estimate …
    --task generate`` end to end in a fresh process (target ≤ 5 s for 70B), and the in-process
    trace times fast vs step by step (``--quick`` skips the slow step-by-step 70B/Mistral runs).
+3. ``--breakdown`` (alone): the 70B estimate's trace and its two replays, CPU seconds in this
+   process — where the end-to-end time goes.
 
-Run: ``python bench/generate_speed.py [--quick] [--e2e-only]``. Times are wall seconds on this machine;
-on a shared machine compare the ratios, which are measured in the same run.
+Run: ``python bench/generate_speed.py [--quick] [--e2e-only] [--breakdown]``. Times are wall
+seconds on this machine; on a shared machine compare the ratios, which are measured in the same run.
 """
 
 from __future__ import annotations
@@ -59,11 +61,43 @@ def compare(name: str, new_tokens: int, full: bool) -> None:
     print(line)
 
 
+def breakdown(name: str = "llama-3.1-70b") -> None:
+    """CPU seconds of the estimate's two big parts, in this process: the trace (the model's
+    imports and builds included on a first call), and the replays the pipeline runs (without
+    a limit, and within the H100's allocator capacity when the step exceeds it)."""
+    import gc
+
+    from vramplan.allocator import replay
+    from vramplan.engine.device import profile
+    from vramplan.engine.resolve import resolve_gpu
+
+    gc.disable()  # as the CLI runs
+    w = Workload(task="generate", precision="bf16", batch=1, seq=512, new_tokens=128)
+    dev = profile(resolve_gpu("h100-sxm"), w)
+    c = time.process_time()
+    tr = trace_workload(resolve(name), w, device=dev)
+    line = f"{name} generate 128 tokens, CPU s: trace {time.process_time() - c:.2f} ({len(tr.events):,} events)"
+    c = time.process_time()
+    res = replay(tr.events, segment_map=False)
+    line += f", replay {time.process_time() - c:.2f}"
+    cap = dev.allocator_capacity
+    if cap is not None and res.max_reserved > cap:
+        c = time.process_time()
+        capped = replay(tr.events, capacity=cap, segment_map=False)
+        line += f", replay within {cap:,} B {time.process_time() - c:.2f} ({capped.ooms:,} OOMs)"
+    print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the slow step-by-step 70B / Mistral runs")
     ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end CLI rows (no in-process traces)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the 70B estimate's trace and replays, CPU seconds in this process")
     args = ap.parse_args()
+    if args.breakdown:
+        breakdown()
+        return
     if not args.e2e_only:
         timed("llama-3.1-8b", Workload(task="generate", precision="bf16", batch=1, seq=64, new_tokens=8), FAST)  # warm
         compare("llama-3.1-8b", 64, full=True)
