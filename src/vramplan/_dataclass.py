@@ -18,6 +18,9 @@ and ``__hash__`` that compute from :func:`dataclasses.fields` what the generated
 - ``hash``: of the tuple of the fields whose ``hash`` (default: ``compare``) is true;
 - methods the class body defines itself are kept, as the standard decorator keeps them.
 
+One visible difference: such a class's ``__dataclass_params__`` says ``repr=False, eq=False`` (the
+standard decorator was asked not to write those methods); nothing in vramplan reads it.
+
 ``tests/test_dataclass_fast.py`` checks all three against the standard decorator on every
 vramplan class that uses it. On Python 3.13 and later, where the standard decorator compiles one
 source per class, this is :func:`dataclasses.dataclass` itself. Type checkers see
