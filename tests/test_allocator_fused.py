@@ -16,7 +16,7 @@ from vramplan.allocator import fused
 from vramplan.allocator.check import check_invariants
 from vramplan.allocator.config import as_config
 from vramplan.allocator.native import CachingAllocator
-from vramplan.allocator.replay import MAX_OOM_INDICES, _run, _run_plain, make_allocator
+from vramplan.allocator.replay import MAX_OOM_INDICES, _run, _run_plain, make_allocator, replay
 from vramplan.errors import VramplanError
 from vramplan.events import Action, EventLog
 
@@ -61,11 +61,11 @@ def build_log(ops: list[tuple]) -> EventLog:
     return log
 
 
-def both(log: EventLog, conf: str, capacity: int | None) -> tuple[tuple, tuple]:
+def both(log: EventLog, conf: str, capacity: int | None, first_oom: bool = False) -> tuple[tuple, tuple]:
     out: list[tuple] = []
     for use in (False, True):
         al = make_allocator(as_config(conf), capacity)
-        run = _run_plain(log, al, fused=use and fused.eligible(al))
+        run = _run_plain(log, al, fused=use and fused.eligible(al), first_oom=first_oom)
         state = tuple(getattr(al, f) for f in _STATE)
         assert check_invariants(al) == [] if isinstance(al, CachingAllocator) else True
         out.append((tuple(getattr(run, f) for f in _FIELDS), state, al.snapshot(), al._gc_calls))
@@ -74,10 +74,30 @@ def both(log: EventLog, conf: str, capacity: int | None) -> tuple[tuple, tuple]:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(conf=st.sampled_from(CONFS), ops=st.lists(op, min_size=5, max_size=200),
-       capacity=st.one_of(st.none(), st.integers(8, 300).map(lambda m: m * MiB)))
-def test_fused_equals_method_replay(conf, ops, capacity):
-    plain, fast = both(build_log(ops), conf, capacity)
+       capacity=st.one_of(st.none(), st.integers(8, 300).map(lambda m: m * MiB)), first_oom=st.booleans())
+def test_fused_equals_method_replay(conf, ops, capacity, first_oom):
+    plain, fast = both(build_log(ops), conf, capacity, first_oom)
     assert fast == plain
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conf=st.sampled_from(CONFS), ops=st.lists(op, min_size=5, max_size=200),
+       capacity=st.integers(8, 300).map(lambda m: m * MiB))
+def test_first_oom_ends_where_the_replay_first_runs_out(conf, ops, capacity):
+    """``first_oom`` ends the replay at its first failed ALLOC (where PyTorch raises): one OOM,
+    and every figure that of the replay that skips it, stopped right before it."""
+    log = build_log(ops)
+    full = replay(log, conf, capacity=capacity, segment_map=False)
+    first = replay(log, conf, capacity=capacity, segment_map=False, first_oom=True)
+    if not full.oom_indices:
+        assert first == full
+        return
+    k = full.oom_indices[0]
+    assert first.ooms == 1 and first.oom_indices == (k,)
+    assert first.ooms < full.ooms or full.oom_indices == (k,)
+    if k:
+        before = _run(log, make_allocator(as_config(conf), capacity), stop=k - 1, fused=False)
+        assert (first.max_allocated, first.max_reserved) == (before.max_allocated, before.max_reserved)
 
 
 def test_fused_is_taken_only_where_it_applies():

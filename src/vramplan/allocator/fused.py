@@ -43,11 +43,12 @@ def eligible(al: object) -> bool:
 
 def run(al: CachingAllocator, action: array, ident: array, size: array, stream: array,
         max_oom_indices: int, *, stop: int = -1,
-        tag: bool = False) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
+        tag: bool = False, first_oom: bool = False) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
     """Replay the event columns on ``al``: (max allocated, its event index, max reserved, its
     event index, allocated at the reserved peak, segments at the reserved peak, the first
     ``max_oom_indices`` OOM'd event indices, the reserved changes ``(event index, bytes)``).
-    ``stop`` ≥ 0 ends after that event; ``tag`` stamps each allocated block with its event index
+    ``stop`` ≥ 0 ends after that event; ``first_oom`` ends at the first ALLOC that runs out of
+    memory (where PyTorch raises); ``tag`` stamps each allocated block with its event index
     (``Block.ev``) and each segment event with the event that caused it (``cur_event``)."""
     # allocator state, read once (these objects are mutated in place, never replaced)
     conf = al.conf
@@ -110,6 +111,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             if b is None:
                 if len(oom_indices) < max_oom_indices:
                     oom_indices.append(k)
+                if first_oom:
+                    break
             else:
                 remaining = b.size - rsize
                 if (remaining >= 512) if small else (rsize < msplit and remaining > SMALL_SIZE):

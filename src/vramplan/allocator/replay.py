@@ -6,7 +6,7 @@ whose deferred free is still pending completes just that one (how snapshot trace
 ``free_completed``); SYNC completes every pending free; EMPTY_CACHE is
 ``torch.cuda.empty_cache()``. A zero-byte ALLOC takes no memory (PyTorch does not call the
 allocator for it). An ALLOC that runs out of ``capacity`` is counted in ``ooms`` and skipped,
-as is its later FREE.
+as is its later FREE (``first_oom``: the replay ends there instead, as a PyTorch run would).
 
 The segment map at the reserved peak comes from a second run that stops at the peak event (a
 map at every new peak would cost O(blocks) each time); the peak usually comes early (the first
@@ -61,13 +61,14 @@ class _Run:
 
 
 def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int = -1,
-         tag: bool = False, timeline: bool = False, fused: bool = True) -> _Run:
-    """One pass; ``stop`` ≥ 0 ends after that event; ``tag`` stamps event indices. Without a
-    timeline the native allocator takes the fused loop (:mod:`.fused`) unless ``fused=False``."""
+         tag: bool = False, timeline: bool = False, fused: bool = True, first_oom: bool = False) -> _Run:
+    """One pass; ``stop`` ≥ 0 ends after that event; ``first_oom`` ends at the first ALLOC
+    that runs out of memory; ``tag`` stamps event indices. Without a timeline the native
+    allocator takes the fused loop (:mod:`.fused`) unless ``fused=False``."""
     if not timeline and fused and _fused.eligible(al):
-        return _run_plain(log, al, fused=True, stop=stop, tag=tag)
+        return _run_plain(log, al, fused=True, stop=stop, tag=tag, first_oom=first_oom)
     if stop < 0 and not tag and not timeline:
-        return _run_plain(log, al)
+        return _run_plain(log, al, first_oom=first_oom)
     out = _Run()
     malloc = al.malloc
     live: dict[int, Any] = {}
@@ -92,6 +93,8 @@ def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int =
                 if b is None:
                     if len(out.oom_indices) < MAX_OOM_INDICES:
                         out.oom_indices.append(k)
+                    if first_oom:
+                        break
                 elif tag:
                     b.ev = k
                 live[ident] = b
@@ -135,7 +138,7 @@ def _run(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, stop: int =
 
 
 def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused: bool = False,
-               stop: int = -1, tag: bool = False) -> _Run:
+               stop: int = -1, tag: bool = False, first_oom: bool = False) -> _Run:
     """:func:`_run` over the whole log without tags or a timeline: the hot loop of every
     estimate (the same semantics, fewer branches per event). ``fused``: the native allocator's
     malloc and free inlined in the loop (:mod:`.fused`; the same decisions, 1.1–1.5× faster),
@@ -145,7 +148,7 @@ def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused
         (out.max_allocated, out.peak_allocated_index, out.max_reserved, out.peak_reserved_index,
          out.allocated_at_peak, out.segments_at_peak, out.oom_indices, out.reserved_changes) = _fused.run(
             al, log.action, log.id, log.size, log.stream, MAX_OOM_INDICES,  # type: ignore[arg-type]
-            stop=stop, tag=tag)
+            stop=stop, tag=tag, first_oom=first_oom)
         return out
     malloc = al.malloc
     free = al.free
@@ -162,8 +165,11 @@ def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused
                 raise VramplanError(f"event {k}: id {ident} allocated again before it was freed")
             if size > 0:
                 b = malloc(size, stream)
-                if b is None and len(out.oom_indices) < MAX_OOM_INDICES:
-                    out.oom_indices.append(k)
+                if b is None:
+                    if len(out.oom_indices) < MAX_OOM_INDICES:
+                        out.oom_indices.append(k)
+                    if first_oom:
+                        break
                 live[ident] = b
                 a = al.allocated
                 if a > max_a:
@@ -261,7 +267,8 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
            capacity: int | None = None, record_timeline: bool = False,
            record_segments: bool = False, full_timeline: bool = False,
            max_points: int = MAX_POINTS, segment_map: bool = True,
-           segment_addresses: Sequence[tuple[int, int]] | None = None) -> ReplayResult:
+           segment_addresses: Sequence[tuple[int, int]] | None = None,
+           first_oom: bool = False) -> ReplayResult:
     """Replay ``log`` through the caching allocator configured by ``conf``.
 
     ``capacity``: bytes the allocator may reserve in total (the GPU's memory less what lies
@@ -272,12 +279,15 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
     each segment cudaMalloc returned when the log was recorded, in order (a snapshot's
     ``segment_alloc`` entries); new segments take them while the sizes agree, so address-
     ordered ties break as on the GPU (native backend without expandable segments only).
+    ``first_oom``: end at the first ALLOC that runs out of ``capacity`` (PyTorch raises there:
+    ``ooms`` is then 0 or 1 and the figures are those up to that event) instead of skipping it
+    and going on.
     """
     cfg = as_config(conf)
     if capacity is not None and capacity < 0:
         raise VramplanError(f"capacity must be >= 0 bytes, got {capacity}")
     al = make_allocator(cfg, capacity, record_segments, segment_addresses)
-    run = _run(log, al, tag=record_segments, timeline=record_timeline)
+    run = _run(log, al, tag=record_segments, timeline=record_timeline, first_oom=first_oom)
     notes = list(cfg.notes)
     backend = "native"
     if cfg.backend == "cudaMallocAsync":

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vramplan._dataclass import dataclass
 
 from ..errors import VramplanError
+from ..events import PHASES
 from ..models.spec import ModelSpec
 from ..results import (
     AllocatorSummary,
@@ -117,14 +118,17 @@ def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:
     """Replay a trace's events through the allocator simulation (a ``ReplayResult``; the
-    process's bounded cache answers a replay of the same trace object run before)."""
+    process's bounded cache answers a replay of the same trace object run before). Within a
+    ``capacity`` the replay ends at the first allocation that fails even after the cache is
+    freed: PyTorch raises ``OutOfMemoryError`` there, and nothing after it would run."""
     from ..allocator import parse_conf, replay
 
     conf = parse_conf(alloc_conf or "")
     # one plain pass: the report needs the peaks and the reserved curve (kept exactly, as sparse
     # changes), not a per-event timeline nor the segment map at the peak (a second pass)
     return cache.cached_replay(tr, alloc_conf, capacity,
-                               lambda: replay(tr.events, conf, capacity=capacity, segment_map=False))
+                               lambda: replay(tr.events, conf, capacity=capacity, segment_map=False,
+                                              first_oom=capacity is not None))
 
 
 def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
@@ -183,10 +187,13 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
                 "slowly and with no margin, so the verdict counts what it needs"
             )
         else:
+            k = capped.oom_indices[0] if capped.oom_indices else -1
+            where = (f" at event {k:,} of {len(tr.events):,} ({PHASES[tr.events.phase[k]]}, asking for "
+                     f"{tr.events.size[k]:,} B)") if 0 <= k < len(tr.events) else ""
             notes.append(
                 f"the step needs more than the GPU's {pool_capacity:,} B for the allocator: replayed "
-                f"within it, {capped.ooms} allocation(s) would raise CUDA out of memory even after "
-                "freeing the cache; the figures show what the step needs without a limit"
+                f"within it, it would raise CUDA out of memory{where} even after freeing the cache "
+                f"({capped.alloc_retries} retries before); the figures show what the step needs without a limit"
             )
         summary = dataclasses.replace(summary, ooms=capped.ooms, alloc_retries=capped.alloc_retries)
     allocated, reserved = int(res.max_allocated), int(res.max_reserved)

@@ -164,7 +164,7 @@ def to_doc(r: MemoryReport) -> Doc:
         kv.append(("allocator", f"{a.backend}{' ' + a.conf if a.conf else ''}: {a.segments} segments, "
                    f"fragmentation at peak {a.fragmentation_at_peak:.1%}"
                    + (f"; when the GPU's memory ran out, it freed its cache and retried {a.alloc_retries} times, "
-                      f"{a.ooms} allocations still failed (the job needs more than the GPU has)"
+                      "an allocation still failed: CUDA out of memory (the job needs more than the GPU has)"
                       if a.ooms else f", cache flushes and retries {a.alloc_retries}" if a.alloc_retries else "")))
     v = r.verdict
     if v is not None:
