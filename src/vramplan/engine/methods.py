@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from vramplan._dataclass import dataclass
 
 from ..errors import VramplanError
-from ..events import PHASES
 from ..models.spec import ModelSpec
 from ..results import (
     AllocatorSummary,
@@ -187,6 +186,8 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
                 "slowly and with no margin, so the verdict counts what it needs"
             )
         else:
+            from ..events import PHASES  # (events imports pathlib: kept off the analytic path)
+
             k = capped.oom_indices[0] if capped.oom_indices else -1
             where = (f" at event {k:,} of {len(tr.events):,} ({PHASES[tr.events.phase[k]]}, asking for "
                      f"{tr.events.size[k]:,} B)") if 0 <= k < len(tr.events) else ""
