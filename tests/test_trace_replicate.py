@@ -154,6 +154,13 @@ def test_align_is_sound(data: st.DataObject) -> None:
     assert _rebuilds(*_inserted(data, st.integers(0, 3))) in (True, None)
 
 
+def test_align_checks_the_twice_inserted_log_everywhere() -> None:
+    """Found by hypothesis: a = 0 0 1 0 with [0] inserted at 0 and [1] at 1. The greedy walk
+    matches all of a in b and takes b's tail [1, 0] as one block at the end, which c's tail
+    repeats; c's head (0 0 0 1) is not a's: that alignment rebuilds b, not c, and is refused."""
+    assert _rebuilds([0, 0, 1, 0], [0, 0, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0, 1, 0]) is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_align_finds_blocks_of_new_tokens(data: st.DataObject) -> None:

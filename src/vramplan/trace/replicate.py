@@ -328,7 +328,7 @@ class _Aligner:
             self.partner[i:i + n] = np.arange(j, j + n)
             i, j = i + n, j + n
             if i == len(a) and j == len(b):
-                return out
+                return out if self._rebuilds(out) else None
             # the block may start before the mismatch (tokens equal to the block's own): back
             # up over the run just matched, first to where WINDOW tokens follow, else the best
             need = min(WINDOW, len(a) - i)
@@ -347,6 +347,21 @@ class _Aligner:
             out.append((i, j, ln))
             self.inserted[j:j + ln] = True
             j += ln
+
+    def _rebuilds(self, out: list[tuple[int, int, int]]) -> bool:
+        """Whether ``a`` with the blocks inserted once is ``b`` and twice is ``c`` (the greedy
+        walk checks ``c`` only around each block: a match of ``a`` in ``b`` can still differ in
+        ``c``)."""
+        a, b = self.a, self.b
+        once: list[int] = []
+        twice: list[int] = []
+        prev = 0
+        for x, s, ln in out:
+            block = b[s:s + ln]
+            once += a[prev:x] + block
+            twice += a[prev:x] + block + block
+            prev = x
+        return once + a[prev:] == b and twice + a[prev:] == self.c
 
     def _insertion(self, i: int, j: int) -> tuple[int, int]:
         """(length, tokens of ``a`` that follow in ``b`` and ``c``) of the best block at a[i]/b[j]."""
