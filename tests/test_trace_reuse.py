@@ -9,14 +9,15 @@ import importlib
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
+from test_engine_cache import _workload
 from vramplan.engine import cache
 from vramplan.engine.cache import ModelPool
 from vramplan.engine.pipeline import profile
 from vramplan.engine.resolve import resolve_gpu
-from vramplan.errors import TraceError, VramplanError
+from vramplan.errors import TraceError
 from vramplan.trace import reuse
 from vramplan.trace.replicate import _same_log
 from vramplan.trace.testing import tiny_spec
@@ -118,14 +119,6 @@ _FIELDS = st.fixed_dictionaries({
     "keep_grads": st.booleans(),
     "image_size": st.sampled_from([224, 256]),
 })
-
-
-def _workload(fields: dict) -> Workload:
-    try:
-        return Workload(**fields)
-    except VramplanError:
-        assume(False)
-        raise
 
 
 @given(_FIELDS, _FIELDS, st.sampled_from(["sdpa", "eager"]), st.sampled_from(["sdpa", "eager"]))
