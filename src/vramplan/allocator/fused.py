@@ -43,13 +43,17 @@ def eligible(al: object) -> bool:
 
 def run(al: CachingAllocator, action: array, ident: array, size: array, stream: array,
         max_oom_indices: int, *, stop: int = -1,
-        tag: bool = False, first_oom: bool = False) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
+        tag: bool = False, first_oom: bool = False, live: dict[int, Any] | None = None,
+        offset: int = 0, block_sizes: array | None = None) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
     """Replay the event columns on ``al``: (max allocated, its event index, max reserved, its
     event index, allocated at the reserved peak, segments at the reserved peak, the first
     ``max_oom_indices`` OOM'd event indices, the reserved changes ``(event index, bytes)``).
     ``stop`` ≥ 0 ends after that event; ``first_oom`` ends at the first ALLOC that runs out of
     memory (where PyTorch raises); ``tag`` stamps each allocated block with its event index
-    (``Block.ev``) and each segment event with the event that caused it (``cur_event``)."""
+    (``Block.ev``) and each segment event with the event that caused it (``cur_event``).
+    ``live`` (id → block) and ``offset`` (the index of the first row) continue a replay run
+    in pieces (:mod:`.periodic`): the peaks and changes returned are then the piece's own.
+    ``block_sizes`` gets the block size of each allocation that took one, in order."""
     # allocator state, read once (these objects are mutated in place, never replaced)
     conf = al.conf
     free_map = al._free  # noqa: SLF001
@@ -61,14 +65,16 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
     inactive_split, reserved = al.inactive_split, al.reserved
     max_active, max_requested = al.max_active, al.max_requested
 
-    live: dict[int, Any] = {}
+    if live is None:
+        live = {}
     deferred: dict[int, Any] = {}
     oom_indices: list[int] = []
     changes: list[tuple[int, int]] = []
-    max_a = max_r = last_r = 0
+    max_a = max_r = 0
+    last_r = reserved  # (0 for a fresh allocator; a piece of a run starts from where it stood)
     ia = ir = -1
     alloc_at_peak = segs_at_peak = 0
-    k = -1
+    k = offset - 1
     rows = zip(action, ident, size, stream, strict=False)
     for act, eid, nbytes, st in (rows if stop < 0 else islice(rows, stop + 1)):
         k += 1
@@ -143,6 +149,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 b.allocated = True
                 b.req = nbytes
                 bs = b.size
+                if block_sizes is not None:
+                    block_sizes.append(bs)
                 allocated += bs
                 active += bs
                 if active > max_active:

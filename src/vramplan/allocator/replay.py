@@ -28,6 +28,10 @@ from .mallocasync import MallocAsyncApprox
 from .native import CachingAllocator
 from .result import ReplayResult, ReplayTimeline, SegmentEvent, SegmentInfo
 
+PERIODIC_MIN_EVENTS = 100_000
+"""From this many events an uncapped plain replay fast-forwards repeats (:mod:`.periodic`);
+shorter logs replay event by event (finding the repeats would cost more than it saves)."""
+
 MAX_POINTS = 10_000
 MAX_OOM_INDICES = 100
 _MISSING: Any = object()
@@ -210,6 +214,16 @@ def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused
     return out
 
 
+def _from_periodic(f: Any) -> _Run:
+    """A :class:`.periodic.Figures` as one pass's counters."""
+    out = _Run()
+    out.max_allocated, out.peak_allocated_index = f.max_allocated, f.peak_allocated_index
+    out.max_reserved, out.peak_reserved_index = f.max_reserved, f.peak_reserved_index
+    out.allocated_at_peak, out.segments_at_peak = f.allocated_at_peak, f.segments_at_peak
+    out.reserved_changes = f.reserved_changes
+    return out
+
+
 def _free(live: dict[int, Any], deferred: dict[int, Any], al: Any, k: int, ident: int) -> None:
     b = live.pop(ident, _MISSING)
     if b is _MISSING:
@@ -287,7 +301,14 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
     if capacity is not None and capacity < 0:
         raise VramplanError(f"capacity must be >= 0 bytes, got {capacity}")
     al = make_allocator(cfg, capacity, record_segments, segment_addresses)
-    run = _run(log, al, tag=record_segments, timeline=record_timeline, first_oom=first_oom)
+    fast = None
+    if not (record_segments or record_timeline) and len(log) >= PERIODIC_MIN_EVENTS:
+        from . import periodic  # (numpy: only for long logs)
+
+        if periodic.applies(al):
+            fast = periodic.run(log, cfg)  # (None where it does not apply: then event by event)
+    run = _from_periodic(fast) if fast is not None else _run(log, al, tag=record_segments, timeline=record_timeline,
+                                                             first_oom=first_oom)
     notes = list(cfg.notes)
     backend = "native"
     if cfg.backend == "cudaMallocAsync":
@@ -312,14 +333,16 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
     return ReplayResult(
         backend=backend, conf=cfg, events=len(log),
         max_allocated=run.max_allocated, max_reserved=peak_res,
-        max_active=al.max_active, max_requested=al.max_requested,
-        segments=run.segments_at_peak, max_segments=al.max_segments,
+        max_active=fast.max_active if fast else al.max_active,
+        max_requested=fast.max_requested if fast else al.max_requested,
+        segments=run.segments_at_peak, max_segments=fast.max_segments if fast else al.max_segments,
         peak_reserved_index=run.peak_reserved_index,
         peak_allocated_index=run.peak_allocated_index,
         allocated_at_peak=run.allocated_at_peak, fragmentation_at_peak=frag,
         alloc_retries=al.num_alloc_retries, ooms=al.num_ooms,
-        oom_indices=tuple(run.oom_indices), final_allocated=al.allocated,
-        final_reserved=al.reserved, segment_map_at_peak=seg_map, segment_events=seg_events,
+        oom_indices=tuple(run.oom_indices),
+        final_allocated=fast.final_allocated if fast else al.allocated,
+        final_reserved=fast.final_reserved if fast else al.reserved, segment_map_at_peak=seg_map, segment_events=seg_events,
         timeline=_timeline(run.series, full_timeline, max_points) if run.series else None,
         reserved_changes=tuple(run.reserved_changes),
         notes=tuple(notes),

@@ -1,0 +1,211 @@
+"""The uncapped replay that fast-forwards repeats (:mod:`vramplan.allocator.periodic`) gives
+every figure of the event-by-event replay: on random logs built of repeated stretches (with
+buffers taking turns, growing large blocks, long-lived blocks, zero-byte storages, marks and
+two streams), on traced generation logs, and through :func:`vramplan.allocator.replay`.
+Where its conditions fail it answers None and the event loop replays."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from vramplan.allocator import periodic, replay
+from vramplan.allocator.config import as_config
+from vramplan.allocator.replay import _run_plain, make_allocator
+from vramplan.events import Action, EventLog
+
+replay_mod = importlib.import_module("vramplan.allocator.replay")  # (the package exports the function)
+MiB = 1 << 20
+_RUN = ("max_allocated", "peak_allocated_index", "max_reserved", "peak_reserved_index",
+        "allocated_at_peak", "segments_at_peak", "reserved_changes")
+_STATE = ("max_active", "max_requested", "max_segments")
+
+
+def _plain(log: EventLog, conf: str = "") -> dict:
+    cfg = as_config(conf)
+    al = make_allocator(cfg, None)
+    run = _run_plain(log, al, fused=True)
+    got = {f: getattr(run, f) for f in _RUN}
+    got["reserved_changes"] = list(got["reserved_changes"])
+    got |= {f: getattr(al, f) for f in _STATE}
+    got |= {"final_allocated": al.allocated, "final_reserved": al.reserved}
+    return got
+
+
+def _fast(log: EventLog, conf: str = "") -> tuple[dict, int]:
+    f = periodic.run(log, as_config(conf))
+    assert f is not None
+    got = {k: getattr(f, k) for k in (*_RUN, *_STATE, "final_allocated", "final_reserved")}
+    got["reserved_changes"] = list(got["reserved_changes"])
+    return got, f.skipped
+
+
+small = st.sampled_from([0, 1, 512, 700, 4096, 16384, 65536, 200_000, MiB])
+large = st.sampled_from([MiB + 1, 3 * MiB, 12 * MiB, 25 * MiB])
+body_op = st.one_of(
+    st.tuples(st.just("tmp"), st.one_of(small, small, large), st.integers(0, 1)),  # freed in the body
+    st.tuples(st.just("carry"), small, st.just(0)),  # freed in the next repetition (turns)
+    st.tuples(st.just("grow"), large, st.just(0)),  # a large block growing each repetition
+    st.tuples(st.just("mark"), st.just(0), st.just(0)),
+)
+
+
+def build(prefix: list[int], body: list[tuple], reps: int, step: int, reuse: bool = False) -> EventLog:
+    """``reuse``: a freed id is handed out again (a snapshot's addresses), else ids only grow."""
+    log = EventLog()
+    nxt = 0
+    freed: list[int] = []
+
+    def alloc(n: int, stream: int = 0) -> int:
+        nonlocal nxt
+        if reuse and freed:
+            i = freed.pop()
+        else:
+            i, nxt = nxt, nxt + 1
+        log.alloc(i, n, stream=stream)
+        return i
+
+    def free(i: int) -> None:
+        log.append(Action.FREE, i)
+        freed.append(i)
+
+    for n in prefix:  # long-lived (weights)
+        alloc(n)
+    carried: list[int] = []
+    grown: list[int] = []
+    for r in range(reps):
+        tmps: list[int] = []
+        new_carried: list[int] = []
+        new_grown: list[int] = []
+        for kind, n, s in body:
+            if kind == "tmp":
+                tmps.append(alloc(n, s))
+                if len(tmps) > 2:  # free one of the older temporaries: interleaved lifetimes
+                    free(tmps.pop(len(tmps) % 2))
+            elif kind == "carry":
+                new_carried.append(alloc(n))
+                if carried:
+                    free(carried.pop(0))
+            elif kind == "grow":
+                new_grown.append(alloc(n + r * step))
+                if grown:
+                    free(grown.pop(0))
+            else:
+                log.append(Action.MARK)
+        for i in tmps:
+            free(i)
+        carried, grown = new_carried, new_grown
+    return log
+
+
+@settings(max_examples=int(__import__("os").environ.get("PERIODIC_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(prefix=st.lists(st.one_of(small, large), max_size=6), body=st.one_of(st.lists(body_op, min_size=1, max_size=8), st.lists(body_op, min_size=1, max_size=40)),
+       reps=st.one_of(st.integers(1, 12), st.integers(20, 80)), step=st.sampled_from([0, 512, 2048]), reuse=st.booleans(),
+       conf=st.sampled_from(["", "max_split_size_mb:20", "max_non_split_rounding_mb:32"]))
+def test_equals_the_event_loop_on_repeated_logs(prefix, body, reps, step, reuse, conf) -> None:
+    log = build(prefix, body, reps, step, reuse)
+    if len(log) == 0:
+        return
+    got, skipped = _fast(log, conf)
+    event("fast-forwarded" if skipped else "event by event")
+    assert got == _plain(log, conf)
+
+
+def _decode_like(layers: int, steps: int) -> EventLog:
+    """A decode loop's shape: per step, per layer, temporaries, a hidden state handed to the next
+    layer, and a KV block per layer that grows each step (large pool)."""
+    body = [("carry", 16384, 0), ("tmp", 4096, 0), ("tmp", 65536, 0), ("tmp", 16384, 0), ("tmp", 512, 0),
+            ("tmp", 200_000, 0), ("tmp", 4096, 0)] * 4
+    log = EventLog()
+    nxt = 0
+    kv: dict[int, int] = {}
+    hidden = None
+    for s in range(steps):
+        for layer in range(layers):
+            ids = []
+            for kind, n, _ in body:
+                log.alloc(nxt, n)
+                ids.append(nxt)
+                nxt += 1
+                if kind == "carry":
+                    if hidden is not None:
+                        log.append(Action.FREE, hidden)
+                    hidden = ids.pop()
+            log.alloc(nxt, 3 * MiB + s * 2048)  # this layer's KV block, one token longer
+            if layer in kv:
+                log.append(Action.FREE, kv[layer])
+            kv[layer] = nxt
+            nxt += 1
+            for i in ids:
+                log.append(Action.FREE, i)
+        log.append(Action.MARK)
+    return log
+
+
+def test_a_decode_loop_is_fast_forwarded_and_exact() -> None:
+    log = _decode_like(layers=40, steps=12)
+    got, skipped = _fast(log)
+    assert skipped > len(log) // 2  # most of it is not replayed event by event
+    assert got == _plain(log)
+
+
+def test_a_traced_generation_log_gives_the_same_figures() -> None:
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.run import trace_workload
+    from vramplan.workload import Workload
+
+    # Llama-3.1-8B's width with 8 layers: each layer's KV block is in the large pool (> 1 MiB)
+    spec = spec_from_config({**resolve("llama-3.1-8b").config, "num_hidden_layers": 8}, name="llama-8b-8-layers",
+                            source="llama-3.1-8b's config, 8 layers")
+    tr = trace_workload(spec, Workload(task="generate", precision="bf16", batch=1, seq=600, new_tokens=16),
+                        iterations=1)
+    got, skipped = _fast(tr.events)
+    assert skipped > 0
+    assert got == _plain(tr.events)
+
+
+def test_replay_takes_it_for_long_logs_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _decode_like(layers=40, steps=12)
+    monkeypatch.setattr(replay_mod, "PERIODIC_MIN_EVENTS", 1)
+    calls = []
+    real = periodic.run
+    monkeypatch.setattr(periodic, "run", lambda *a: calls.append(1) or real(*a))
+    fast = replay(log, "", segment_map=True)
+    monkeypatch.setattr(replay_mod, "PERIODIC_MIN_EVENTS", 10**12)
+    slow = replay(log, "", segment_map=True)
+    assert calls and dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    # with a capacity, a timeline or segment events it does not apply
+    calls.clear()
+    monkeypatch.setattr(replay_mod, "PERIODIC_MIN_EVENTS", 1)
+    replay(log, "", capacity=10**12, segment_map=False)
+    replay(log, "", record_timeline=True, segment_map=False)
+    replay(log, "", record_segments=True, segment_map=False)
+    replay(log, "expandable_segments:True", segment_map=False)
+    assert not calls
+
+
+@pytest.mark.parametrize("extra", ["deferred", "sync", "empty", "double", "unknown"])
+def test_logs_it_cannot_take_are_left_to_the_event_loop(extra: str) -> None:
+    log = _decode_like(layers=4, steps=2)
+    n = 10**9
+    if extra == "deferred":
+        log.alloc(n, 4096)
+        log.append(Action.FREE_DEFERRED, n)
+    elif extra == "sync":
+        log.append(Action.SYNC)
+    elif extra == "empty":
+        log.append(Action.EMPTY_CACHE)
+    elif extra == "double":
+        log.alloc(n, 4096)
+        log.alloc(n, 4096)
+    else:
+        log.append(Action.FREE, n)
+    assert periodic.run(log, as_config("")) is None
+    for conf in ("expandable_segments:True", "roundup_power2_divisions:4"):
+        assert not periodic.applies(make_allocator(as_config(conf), None))
+    assert not periodic.applies(make_allocator(as_config(""), 80 * 2**30))
