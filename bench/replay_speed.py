@@ -6,9 +6,14 @@ update, with small- and large-pool sizes and a varying sequence length), replays
 default config and with expandable segments, and prints events/s and the ratio to the target.
 
 Then the replay of real trace logs (Llama-3.1-8B training steps traced here, with and without
-checkpointing), as the estimate pipeline used to replay them (timeline at every event plus a
-second pass for the segment map at the peak) and as it replays them now (one plain pass with the
-exact reserved curve kept as sparse changes): events/s of each, target ≥ 800,000 events/s.
+checkpointing, and Llama-3.1-70B generating 128 tokens), as the estimate pipeline used to replay
+them (timeline at every event plus a second pass for the segment map at the peak), with the
+allocator's methods, through the fused event loop, and as it replays them now (from 100,000
+events, uncapped: the pools apart and repeated stretches fast-forwarded, :mod:`vramplan.allocator.periodic`):
+events/s of each, target ≥ 800,000 events/s.
+
+The synthetic trace's rates are those of the event loop (the fast-forward is switched off for
+them: the target is the loop's); one more line gives the default replay as it runs now.
 
     .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile] [--no-real]
 """
@@ -16,8 +21,11 @@ exact reserved curve kept as sparse changes): events/s of each, target ≥ 800,0
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import random
 import time
+from collections.abc import Iterator
 
 from vramplan.allocator import replay
 from vramplan.events import Action, Category, EventLog
@@ -93,6 +101,18 @@ def measure(log: EventLog, conf: str, repeats: int = 3) -> tuple[float, float]:
 
 
 REAL_TARGET = 800_000
+_REPLAY = importlib.import_module("vramplan.allocator.replay")
+
+
+@contextlib.contextmanager
+def event_by_event() -> Iterator[None]:
+    """Replays within switch the fast-forward of repeats off (every event through the loop)."""
+    keep = _REPLAY.PERIODIC_MIN_EVENTS
+    _REPLAY.PERIODIC_MIN_EVENTS = 1 << 62
+    try:
+        yield
+    finally:
+        _REPLAY.PERIODIC_MIN_EVENTS = keep
 
 
 def real_logs() -> list[tuple[str, EventLog]]:
@@ -129,15 +149,26 @@ def real(args: argparse.Namespace) -> None:
 
     print(f"\nreal trace logs (CPU seconds, best of 5; target ≥ {REAL_TARGET:,} events/s): the replay as the "
           "pipeline ran it first (timeline + segment-map pass), its plain pass with the allocator's methods, "
-          "and now (the plain pass through allocator/fused.py)")
+          "the event loop through allocator/fused.py, and now (repeats fast-forwarded where they apply)")
+    from vramplan.allocator import periodic
+    from vramplan.allocator.config import as_config
+
     for what, log in real_logs():
         before = cpu_best(lambda log=log: replay(log, record_timeline=True, full_timeline=True))
         methods = cpu_best(lambda log=log: _run_plain(log, CachingAllocator(), fused=False))
+        with event_by_event():
+            loop = cpu_best(lambda log=log: replay(log, segment_map=False))
+            ref = replay(log, segment_map=False)
         after = cpu_best(lambda log=log: replay(log, segment_map=False))
+        now = replay(log, segment_map=False)
+        same = (now.max_allocated, now.max_reserved, now.peak_reserved_index, now.reserved_changes) == (
+            ref.max_allocated, ref.max_reserved, ref.peak_reserved_index, ref.reserved_changes)
+        fig = periodic.run(log, as_config("")) if len(log) >= _REPLAY.PERIODIC_MIN_EVENTS else None
+        how = f"{fig.skipped:,} events fast-forwarded" if fig else "event by event"
         n = len(log)
         print(f"{what:<38} {n:>9,} events  first {n / before:>9,.0f} ev/s  methods {n / methods:>9,.0f} ev/s  "
-              f"now {n / after:>9,.0f} ev/s ({methods / after:4.2f}x methods; ratio to target "
-              f"{n / after / REAL_TARGET:4.2f}x)")
+              f"loop {n / loop:>9,.0f} ev/s  now {n / after:>10,.0f} ev/s ({how}; {loop / after:4.2f}x the loop, "
+              f"figures {'identical' if same else 'DIFFERENT'}; ratio to target {n / after / REAL_TARGET:4.2f}x)")
 
 
 def main() -> None:
@@ -160,11 +191,17 @@ def main() -> None:
     print(f"target: {TARGET_EVENTS:,} events in {TARGET_SECONDS:.0f} s; ratio = time budget / time "
           "taken (>= 1 meets it)")
     for conf in ("", "expandable_segments:True", "max_split_size_mb:128"):
-        wall, cpu = measure(log, conf)
-        res = replay(log, conf)
+        with event_by_event():
+            wall, cpu = measure(log, conf)
+            res = replay(log, conf)
         print(f"conf {conf or '(default)':<26} wall {wall:5.2f} s ({len(log) / wall:>9,.0f} events/s, "
               f"ratio {budget / wall:4.2f}x)  cpu {cpu:5.2f} s ({len(log) / cpu:>9,.0f} events/s, "
               f"ratio {budget / cpu:4.2f}x)  max_reserved {res.max_reserved / 2**30:.2f} GiB")
+    wall, cpu = measure(log, "")
+    res = replay(log, "")
+    print(f"conf (default), as it runs now   wall {wall:5.2f} s ({len(log) / wall:>9,.0f} events/s)  cpu {cpu:5.2f} s "
+          f"({len(log) / cpu:>9,.0f} events/s)  max_reserved {res.max_reserved / 2**30:.2f} GiB "
+          "(repeats fast-forwarded where the small pool's state repeats)")
     if not args.no_real:
         real(args)
 

@@ -6,6 +6,7 @@ Where its conditions fail it answers None and the event loop replays."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
@@ -36,8 +37,20 @@ def _plain(log: EventLog, conf: str = "") -> dict:
     return got
 
 
+@contextlib.contextmanager
+def _always():
+    """Fast-forward however little repeats (the bail-outs off), to test the machinery."""
+    keep = periodic.COVER, periodic.GIVE_UP
+    periodic.COVER, periodic.GIVE_UP = 0.0, 1 << 62
+    try:
+        yield
+    finally:
+        periodic.COVER, periodic.GIVE_UP = keep
+
+
 def _fast(log: EventLog, conf: str = "") -> tuple[dict, int]:
-    f = periodic.run(log, as_config(conf))
+    with _always():
+        f = periodic.run(log, as_config(conf))
     assert f is not None
     got = {k: getattr(f, k) for k in (*_RUN, *_STATE, "final_allocated", "final_reserved")}
     got["reserved_changes"] = list(got["reserved_changes"])
@@ -151,6 +164,29 @@ def test_a_decode_loop_is_fast_forwarded_and_exact() -> None:
     got, skipped = _fast(log)
     assert skipped > len(log) // 2  # most of it is not replayed event by event
     assert got == _plain(log)
+    f = periodic.run(log, as_config(""))  # (with the bail-outs on, the same)
+    assert f is not None and f.skipped == skipped
+
+
+def test_it_declines_where_little_repeats() -> None:
+    # a log without repeats: nothing to fast-forward, the event loop is faster
+    log = build([3 * MiB], [("tmp", 512 * (1 + k % 1999), 0) for k in range(400)], 1, 0)
+    assert periodic.run(log, as_config("")) is None
+    # repeats whose state never does (a block kept from each period): given up after three
+    log = EventLog()
+    ids = iter(range(1 << 40))
+    for phase in range(8):
+        for _ in range(500):
+            log.alloc(next(ids), 4096)
+            log.alloc(k := next(ids), 8192)
+            log.append(Action.FREE, k)
+        for n in range(40):  # (a different stretch each phase)
+            log.alloc(k := next(ids), 512 * (3 + phase * 40 + n))
+            log.append(Action.FREE, k)
+    with _always():
+        f = periodic.run(log, as_config(""))
+    assert f is not None and f.skipped == 0
+    assert periodic.run(log, as_config("")) is None
 
 
 def test_a_traced_generation_log_gives_the_same_figures() -> None:

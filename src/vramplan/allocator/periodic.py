@@ -53,6 +53,10 @@ GRAM = 32
 """Signatures hashed in runs of this many events to find the candidate periods."""
 TRIES = 3
 """Periods replayed in a stretch before giving up on its state repeating."""
+COVER = 0.25
+"""Repeats must span this share of the log, or the event loop replays it."""
+GIVE_UP = 3
+"""Stretches in a row whose state does not repeat before the event loop takes over."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,13 @@ def run(log: Any, conf: Any) -> Figures | None:
     small = sized & (rsize <= SMALL_SIZE)
     large = sized & ~small
     is_alloc = act == 0
+    si = np.flatnonzero(small)
+    sig = _signature(si, act, src, rsize, stream)
+    stretches = _stretches(sig)
+    if _covered(stretches) < COVER * n:  # (too little repeats: the event loop is faster)
+        return None
 
-    # the large pool, replayed by the allocator's own methods (few events)
+    # the large pool, replayed alone
     big = CachingAllocator(conf)
     li = np.flatnonzero(large)
     bsize = np.zeros(n, dtype=np.int64)
@@ -120,9 +129,10 @@ def run(log: Any, conf: Any) -> Figures | None:
     bsize[big_free] = -bsize[src[big_free]]
 
     # the small pool, its repeats fast-forwarded
-    si = np.flatnonzero(small)
-    sm = CachingAllocator(conf)
-    s_changes, skipped = _replay_small(sm, si, act, ids, size, stream, src, rsize)
+    got = _replay_small(CachingAllocator(conf), si, act, ids, size, stream, sig, stretches)
+    if got is None:  # (its state never repeated: the event loop is faster)
+        return None
+    s_changes, skipped = got
 
     # the totals per event, and their peaks as the event loop reads them
     d_alloc = np.where(small, np.where(is_alloc, rsize, -rsize), bsize)
@@ -196,25 +206,40 @@ def _replay_large(al: CachingAllocator, li: np.ndarray, act: np.ndarray, ids: np
     return [(int(li[i]), r) for i, r in changes]
 
 
-def _replay_small(al: CachingAllocator, si: np.ndarray, act: np.ndarray, ids: np.ndarray, size: np.ndarray,
-                  stream: np.ndarray, src: np.ndarray, rsize: np.ndarray) -> tuple[list[tuple[int, int]], int]:
-    """Replay the small pool's events (indices ``si`` of the log) through the fused loop a piece
-    at a time, skipping the periods found to repeat; the reserved changes (log index, bytes)
-    and the number of events skipped."""
+def _signature(si: np.ndarray, act: np.ndarray, src: np.ndarray, rsize: np.ndarray, stream: np.ndarray) -> np.ndarray:
+    """Each event of the small pool's sub-log (indices ``si`` of the log): an allocation its
+    rounded size and stream, a free minus its distance back to its allocation in the sub-log."""
     m = len(si)
-    if m == 0:
-        return [], 0
-    # the sub-log's columns, and each free's distance back to its allocation in the sub-log
     pos = np.full(len(act), -1, dtype=np.int64)
     pos[si] = np.arange(m)
-    s_act = act[si]
-    frees = s_act == 1
+    frees = act[si] == 1
     back = np.zeros(m, dtype=np.int64)
     back[frees] = np.arange(m)[frees] - pos[src[si[frees]]]
     st = stream[si].astype(np.int64)
-    sig = np.where(frees, -back, (rsize[si] << 16) | (st & 0xFFFF))
-    if (st >> 16).any():  # (streams beyond 16 bits: no signature)
-        sig = np.arange(m, dtype=np.int64) + (1 << 40)
+    if (st >> 16).any():  # (streams beyond 16 bits: no signature repeats)
+        return np.arange(m, dtype=np.int64) + (1 << 40)
+    return np.where(frees, -back, (rsize[si] << 16) | (st & 0xFFFF))
+
+
+def _covered(stretches: list[tuple[int, int, int]]) -> int:
+    """Events in the union of the stretches."""
+    total = end = 0
+    for r0, r1, _ in stretches:
+        if r1 > end:
+            total += r1 - max(r0, end)
+            end = r1
+    return total
+
+
+def _replay_small(al: CachingAllocator, si: np.ndarray, act: np.ndarray, ids: np.ndarray, size: np.ndarray,
+                  stream: np.ndarray, sig: np.ndarray,
+                  stretches: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int]], int] | None:
+    """Replay the small pool's events (indices ``si`` of the log) through the fused loop a piece
+    at a time, skipping the periods of the ``stretches`` whose state repeats; the reserved
+    changes (log index, bytes) and the number of events skipped; None after :data:`GIVE_UP`
+    stretches in a row whose state did not repeat, before any did."""
+    m = len(si)
+    s_act = act[si]
     cols = (array("b", s_act.tobytes()), array("q", ids[si].tobytes()), array("q", size[si].tobytes()),
             array("i", stream[si].astype(np.int32).tobytes()))
     live: dict[int, Any] = {}
@@ -229,7 +254,7 @@ def _replay_small(al: CachingAllocator, si: np.ndarray, act: np.ndarray, ids: np
 
     done = 0
     skipped = 0
-    stretches = _stretches(sig)
+    failed = 0
     for r0, r1, d in stretches:
         if any(d2 < d and r0 <= q0 < r0 + (TRIES + 2) * d for q0, _, d2 in stretches):
             continue  # (shorter repeats inside: replaying these periods would pass them by)
@@ -254,6 +279,10 @@ def _replay_small(al: CachingAllocator, si: np.ndarray, act: np.ndarray, ids: np
             seen.append(now)
             piece(done, done + d)
             done += d
+        if not p:
+            failed += 1
+            if failed >= GIVE_UP and not skipped:
+                return None
     piece(done, m)
     return [(int(si[i]), r) for i, r in changes], skipped
 
