@@ -85,8 +85,8 @@ def breakdown(name: str = "llama-3.1-70b") -> None:
     cap = dev.allocator_capacity
     if cap is not None and res.max_reserved > cap:
         c = time.process_time()
-        capped = replay(tr.events, capacity=cap, segment_map=False)
-        line += f", replay within {cap:,} B {time.process_time() - c:.2f} ({capped.ooms:,} OOMs)"
+        capped = replay(tr.events, capacity=cap, segment_map=False, first_oom=True)  # (as the pipeline runs it)
+        line += f", replay within {cap:,} B to the first OOM {time.process_time() - c:.2f} ({capped.ooms:,} OOM)"
     print(line)
 
 

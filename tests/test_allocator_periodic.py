@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from vramplan.allocator import periodic, replay
 from vramplan.allocator.config import as_config
 from vramplan.allocator.replay import _run_plain, make_allocator
+from vramplan.errors import WorkloadError
 from vramplan.events import Action, EventLog
 
 replay_mod = importlib.import_module("vramplan.allocator.replay")  # (the package exports the function)
@@ -115,7 +118,7 @@ def build(prefix: list[int], body: list[tuple], reps: int, step: int, reuse: boo
     return log
 
 
-@settings(max_examples=int(__import__("os").environ.get("PERIODIC_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=int(os.environ.get("PERIODIC_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(prefix=st.lists(st.one_of(small, large), max_size=6), body=st.one_of(st.lists(body_op, min_size=1, max_size=8), st.lists(body_op, min_size=1, max_size=40)),
        reps=st.one_of(st.integers(1, 12), st.integers(20, 80)), step=st.sampled_from([0, 512, 2048]), reuse=st.booleans(),
        conf=st.sampled_from(["", "max_split_size_mb:20", "max_non_split_rounding_mb:32"]))
@@ -126,6 +129,94 @@ def test_equals_the_event_loop_on_repeated_logs(prefix, body, reps, step, reuse,
     got, skipped = _fast(log, conf)
     event("fast-forwarded" if skipped else "event by event")
     assert got == _plain(log, conf)
+
+
+sizes_any = st.sampled_from([0, 1, 512, 513, 4096, 16384, 65536, 200_000, MiB - 1, MiB, MiB + 1, 3 * MiB, 25 * MiB])
+# an allocation of the repeated body: size, stream, periods until its free (None: kept to the end),
+# and where in that period it is freed (0..1 of the body)
+item = st.tuples(sizes_any, st.sampled_from([0, 0, 0, 1]), st.sampled_from([0, 0, 0, 1, 1, 2, 3, None]),
+                 st.floats(0, 1, allow_nan=False))
+phase = st.tuples(st.lists(item, min_size=1, max_size=8), st.integers(1, 4),       # body, repeated inside (nested periods)
+                  st.sampled_from([3, 8, 25, 60]),                                   # repetitions
+                  st.sampled_from([0.0, 0.0, 0.0, 0.01, 0.05]),                      # rate of perturbation
+                  st.sampled_from([0, 1, 1, 2]))                                     # longest lifetime (periods)
+
+
+def build_phases(prefix, phases, shuffle, reuse, rnd) -> EventLog:
+    ev: list[tuple[float, int, int, int]] = []  # (time, allocation key or -key-1 for its free, size, stream)
+    key = 0
+    for n in prefix:  # long-lived blocks, on either stream
+        ev.append((-1.0, key, n, key % 2))
+        if rnd.random() < 0.5:  # an old block freed somewhere later
+            ev.append((rnd.uniform(0, 2000), -key - 1, 0, 0))
+        key += 1
+    t0 = 0.0
+    for body, inner, reps, perturb, longest in phases:
+        body = body * inner
+        p = len(body)
+        for r in range(reps):
+            for a, (n, s, lag, f) in enumerate(body):
+                if lag is None and longest < 2:
+                    lag = 0  # (kept to the end: only where lifetimes are long anyway)
+                if lag is not None and lag > longest:
+                    lag, f = longest, f * a / p  # (freed before the same point of that period)
+                if perturb and rnd.random() < perturb:
+                    n, lag = rnd.choice([512, 8192, 2 * MiB]), rnd.choice([0, 1, None])
+                t = t0 + r * p + a
+                ev.append((t, key, n, s))
+                if lag is not None:
+                    at = t0 + (r + lag) * p + f * p + (rnd.uniform(-0.4, 0.4) if shuffle else 0.0)
+                    ev.append((max(at, t + 0.01), -key - 1, 0, 0))
+                key += 1
+        t0 += reps * p
+    ev.sort(key=lambda e: e[0])
+    log = EventLog()
+    ids: dict[int, int] = {}
+    freed: list[int] = []
+    nxt = 0
+    for _, k, n, s in ev:
+        if k >= 0:
+            i = freed.pop() if reuse and freed else nxt
+            nxt += i == nxt
+            ids[k] = i
+            log.alloc(i, n, stream=s)
+            if k % 11 == 0:
+                log.append(Action.MARK)
+        elif -k - 1 in ids:
+            i = ids.pop(-k - 1)
+            log.append(Action.FREE, i)
+            freed.append(i)
+    return log
+
+
+@settings(max_examples=int(os.environ.get("PERIODIC_EXAMPLES", "120")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(prefix=st.lists(sizes_any, max_size=5), phases=st.lists(phase, min_size=1, max_size=3),
+       shuffle=st.sampled_from([False, False, True]), reuse=st.booleans(), seed=st.integers(0, 2**32),
+       conf=st.sampled_from(["", "max_split_size_mb:20", "max_non_split_rounding_mb:32"]))
+def test_equals_the_event_loop_on_overlapping_lifetimes(prefix, phases, shuffle, reuse, seed, conf) -> None:
+    """Lifetimes of 0-3 periods, frees in a different order each period, rare perturbations,
+    nested periods, phases of other periods one after the other, and old blocks freed mid-stretch."""
+    log = build_phases(prefix, phases, shuffle, reuse, random.Random(seed))
+    if len(log) == 0:
+        return
+    got, skipped = _fast(log, conf)
+    event("fast-forwarded" if skipped else "event by event")
+    assert got == _plain(log, conf)
+
+
+def test_it_declines_where_the_pools_together_run_out_of_address_space() -> None:
+    # apart, each pool fits the simulated address space; together (the event loop) they do not
+    log = EventLog()
+    log.alloc(0, (1 << 47) - (1 << 32) - 2 * MiB)
+    for i in range(1, 201):
+        log.alloc(i, 4096)
+        log.append(Action.FREE, i)
+    for i in range(201, 204):
+        log.alloc(i, MiB)
+    with pytest.raises(WorkloadError):
+        _plain(log)
+    assert periodic.run(log, as_config("")) is None
 
 
 def _decode_like(layers: int, steps: int) -> EventLog:

@@ -48,6 +48,7 @@ import numpy as np
 from . import fused
 from .constants import MIN_BLOCK_SIZE, SMALL_SIZE
 from .native import CachingAllocator
+from .vaspace import VA_BASE, VA_LIMIT
 
 GRAM = 32
 """Signatures hashed in runs of this many events to find the candidate periods."""
@@ -129,9 +130,12 @@ def run(log: Any, conf: Any) -> Figures | None:
     bsize[big_free] = -bsize[src[big_free]]
 
     # the small pool, its repeats fast-forwarded
-    got = _replay_small(CachingAllocator(conf), si, act, ids, size, stream, sig, stretches)
+    sm = CachingAllocator(conf)
+    got = _replay_small(sm, si, act, ids, size, stream, sig, stretches)
     if got is None:  # (its state never repeated: the event loop is faster)
         return None
+    if (big._va._top - VA_BASE) + (sm._va._top - VA_BASE) > VA_LIMIT - VA_BASE:  # noqa: SLF001
+        return None  # (the pools together outgrow the simulated address space: the event loop raises)
     s_changes, skipped = got
 
     # the totals per event, and their peaks as the event loop reads them
@@ -328,8 +332,9 @@ def _stretches(sig: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def _state(al: CachingAllocator, b: int, window: int) -> tuple[Any, ...]:
-    """The small pool's state at sub-log index ``b``: every block of every segment, in address
-    order, with its size and what it holds (free; allocated within the last ``window``
+    """The small pool's state at sub-log index ``b``: every block of every segment, segments in
+    the order they were made (without a capacity none is freed, so also address order), with
+    its size and what it holds (free; allocated within the last ``window``
     events, by age; allocated before, by its allocation's index)."""
     out: list[Any] = [al.reserved]
     for seg in al._segments.values():  # noqa: SLF001 - the allocator's own package
