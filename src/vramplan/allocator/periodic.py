@@ -121,6 +121,13 @@ def run(log: Any, conf: Any) -> Figures | None:
     if _covered(stretches) < COVER * n:  # (too little repeats: the event loop is faster)
         return None
 
+    # the small pool first, its repeats fast-forwarded (it may give up: then nothing else is spent)
+    sm = CachingAllocator(conf)
+    got = _replay_small(sm, si, act, ids, size, stream, sig, stretches)
+    if got is None:  # (its state never repeated: the event loop is faster)
+        return None
+    s_changes, skipped = got
+
     # the large pool, replayed alone
     big = CachingAllocator(conf)
     li = np.flatnonzero(large)
@@ -128,15 +135,8 @@ def run(log: Any, conf: Any) -> Figures | None:
     l_changes = _replay_large(big, li, act, ids, size, stream, bsize)
     big_free = li[~is_alloc[li]]
     bsize[big_free] = -bsize[src[big_free]]
-
-    # the small pool, its repeats fast-forwarded
-    sm = CachingAllocator(conf)
-    got = _replay_small(sm, si, act, ids, size, stream, sig, stretches)
-    if got is None:  # (its state never repeated: the event loop is faster)
-        return None
     if (big._va._top - VA_BASE) + (sm._va._top - VA_BASE) > VA_LIMIT - VA_BASE:  # noqa: SLF001
         return None  # (the pools together outgrow the simulated address space: the event loop raises)
-    s_changes, skipped = got
 
     # the totals per event, and their peaks as the event loop reads them
     d_alloc = np.where(small, np.where(is_alloc, rsize, -rsize), bsize)
