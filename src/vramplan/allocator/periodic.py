@@ -318,8 +318,9 @@ def _stretches(sig: np.ndarray) -> list[tuple[int, int, int]]:
         return []
     values, counts = np.unique(dist, return_counts=True)
     out: list[tuple[int, int, int]] = []
-    for d in values[np.argsort(-counts, kind="stable")][:4].tolist():
-        if d <= 0 or rate * counts[values == d][0] < 2 * d:
+    top = np.argsort(-counts, kind="stable")[:4]
+    for d, c in zip(values[top].tolist(), counts[top].tolist(), strict=True):
+        if d <= 0 or rate * c < 2 * d:
             continue
         eq = np.zeros(m, dtype=bool)
         eq[d:] = sig[d:] == sig[:-d]
