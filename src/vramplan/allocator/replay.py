@@ -214,8 +214,11 @@ def _run_plain(log: EventLog, al: CachingAllocator | MallocAsyncApprox, *, fused
     return out
 
 
-def _from_periodic(f: Any) -> _Run:
-    """A :class:`.periodic.Figures` as one pass's counters."""
+def _from_periodic(f: Any, al: CachingAllocator | MallocAsyncApprox) -> _Run:
+    """A :class:`.periodic.Figures` as one pass's counters, and as the state ``al`` would
+    have after that pass (the counters the result reads)."""
+    al.max_active, al.max_requested, al.max_segments = f.max_active, f.max_requested, f.max_segments
+    al.allocated, al.reserved = f.final_allocated, f.final_reserved
     out = _Run()
     out.max_allocated, out.peak_allocated_index = f.max_allocated, f.peak_allocated_index
     out.max_reserved, out.peak_reserved_index = f.max_reserved, f.peak_reserved_index
@@ -307,7 +310,7 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
 
         if periodic.applies(al):
             fast = periodic.run(log, cfg)  # (None where it does not apply: then event by event)
-    run = _from_periodic(fast) if fast is not None else _run(log, al, tag=record_segments, timeline=record_timeline,
+    run = _from_periodic(fast, al) if fast is not None else _run(log, al, tag=record_segments, timeline=record_timeline,
                                                              first_oom=first_oom)
     notes = list(cfg.notes)
     backend = "native"
@@ -333,16 +336,14 @@ def replay(log: EventLog, conf: AllocatorConfig | str | None = None, *,
     return ReplayResult(
         backend=backend, conf=cfg, events=len(log),
         max_allocated=run.max_allocated, max_reserved=peak_res,
-        max_active=fast.max_active if fast else al.max_active,
-        max_requested=fast.max_requested if fast else al.max_requested,
-        segments=run.segments_at_peak, max_segments=fast.max_segments if fast else al.max_segments,
+        max_active=al.max_active, max_requested=al.max_requested,
+        segments=run.segments_at_peak, max_segments=al.max_segments,
         peak_reserved_index=run.peak_reserved_index,
         peak_allocated_index=run.peak_allocated_index,
         allocated_at_peak=run.allocated_at_peak, fragmentation_at_peak=frag,
         alloc_retries=al.num_alloc_retries, ooms=al.num_ooms,
-        oom_indices=tuple(run.oom_indices),
-        final_allocated=fast.final_allocated if fast else al.allocated,
-        final_reserved=fast.final_reserved if fast else al.reserved, segment_map_at_peak=seg_map, segment_events=seg_events,
+        oom_indices=tuple(run.oom_indices), final_allocated=al.allocated,
+        final_reserved=al.reserved, segment_map_at_peak=seg_map, segment_events=seg_events,
         timeline=_timeline(run.series, full_timeline, max_points) if run.series else None,
         reserved_changes=tuple(run.reserved_changes),
         notes=tuple(notes),
