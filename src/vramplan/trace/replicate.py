@@ -849,12 +849,3 @@ def _paths(paths: frozenset[str], container: str, layers: int) -> frozenset[str]
     out.update(f"{container}.{i}{rest}" for i in range(layers) for rest in rests)
     return frozenset(out)
 
-
-def trace(spec: ModelSpec, tracer: Callable[[ModelSpec], Traced]) -> Replicated | tuple[str, Traced | None]:
-    """Trace the three reduced models with ``tracer`` and extrapolate to ``spec.layers``.
-    Returns the replicated figures, or (why not, the last reduced trace if it is the model)."""
-    traces = [tracer(reduced_spec(spec, n)) for n in reduced_layers(spec)]
-    got = extrapolate(traces, spec.layers)
-    if isinstance(got, str):
-        return got, None
-    return got

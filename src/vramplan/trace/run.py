@@ -32,6 +32,7 @@ from . import (
     context_parallel,
     dist,
     features,
+    forked,
     offload,
     pipeline_parallel,
     replicate,
@@ -205,16 +206,19 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
     cache = MetaCache()  # (the three models run the same ops on the same shapes)
     expert_notes: list[str] = []
 
-    def tracer(reduced: ModelSpec) -> replicate.Traced:
+    def tracer(reduced: ModelSpec) -> tuple[replicate.Traced, str | None]:
         paths: set[str] = set()
         r, note = _trace_experts(reduced, w, device, iterations, quick, policy, paths, cache, models)
+        return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers), note
+
+    # (independent: side by side where a CPU is spare, see :mod:`.forked`)
+    outs = forked.map_forked(tracer, [replicate.reduced_spec(spec, n) for n in replicate.reduced_layers(spec)])
+    for _, note in outs:
         if note is not None and note not in expert_notes:
             expert_notes.append(note)
-        return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers)
-
-    got = replicate.trace(spec, tracer)
-    if not isinstance(got, replicate.Replicated):
-        return got[0]
+    got = replicate.extrapolate([t for t, _ in outs], spec.layers)
+    if isinstance(got, str):
+        return got
     traced = replicate.reduced_layers(spec)
     note = (f"identical layers traced once: the model traced with {', '.join(map(str, traced))} of its "
             f"{spec.layers} layers, the other layers' events written from their exact progression "
