@@ -12,7 +12,9 @@ One run prints each figure, its target and its ratio:
 
 4. With ``--moe``: Mixtral-8x7B (≤ 5 s) and DeepSeek-V3 (≤ 20 s) train traces, each in a
    fresh process, next to the full trace of every layer (``replicate_layers=False``; DeepSeek-V3's
-   takes minutes: ``--quick`` skips it) and the peak difference (target ±0.1 %).
+   takes minutes: ``--quick`` skips it) and the peak difference (target ±0.1 %), and the same
+   default trace in one process (``VRAMPLAN_TRACE_WORKERS=1``: the reduced traces one after
+   another; by default they run side by side where the first takes ≥ 0.2 s, :mod:`vramplan.trace.forked`).
 
 Every trace uses the default path: identical decoder layers traced in 2, 3 and 4-layer models
 and replicated (:mod:`vramplan.trace.replicate`), and MoE experts loops of 64 experts or more run
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -115,10 +118,11 @@ def memtracker_8b() -> float:
         return time.perf_counter() - t
 
 
-def child(name: str, full: bool = False) -> dict[str, Any]:
+def child(name: str, full: bool = False, one_process: bool = False) -> dict[str, Any]:
     step = json.dumps({k: v for k, v in STEP.to_dict().items() if k != "parallel"})
+    env = {**os.environ, "VRAMPLAN_TRACE_WORKERS": "1"} if one_process else None
     out = subprocess.run([sys.executable, "-c", _CHILD, name, step, "full" if full else "default"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -203,6 +207,11 @@ def main() -> int:
         r = child(name, args.full)
         slow = args.full or (args.quick and name == "deepseek-v3")
         versus(name, limit, r, None if slow else child(name, True))
+        one = child(name, one_process=True)
+        same = "identical event logs" if one["digest"] == r["digest"] else "event logs DIFFER"
+        line("  the same in one process (reduced traces not forked)", f"{one['seconds']:.2f} s "
+             f"({one['cpu']:.2f} s CPU; {r['seconds'] / one['seconds']:.2f}x of it forked where it pays); {same}",
+             "identical", one["digest"] == r["digest"])
     for name, ours_b, ref_b in agreement():
         diff = (ours_b - ref_b) / ref_b
         line(f"peak vs MemTracker: {name}", f"{ours_b:,} vs {ref_b:,} ({diff:+.3%})", "within 1 %", abs(diff) < 0.01)

@@ -29,6 +29,11 @@ def test_results_in_order_and_the_last_items_in_children() -> None:
     assert len({*pids[3:]} - {os.getpid()}) == 2  # one child each
 
 
+def test_short_items_all_run_here() -> None:
+    got = forked.map_forked(_square_and_pid, [1, 2, 3], processes=3, fork_from=60.0)
+    assert got == [(1, os.getpid()), (4, os.getpid()), (9, os.getpid())]
+
+
 def _fails_in_child(x: int) -> int:
     if forked._in_child:
         raise RuntimeError("only in the child")
@@ -64,20 +69,35 @@ def test_no_fork_inside_a_child() -> None:
 
 
 def test_workers_follow_the_environment_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = [1]  # (Python threads alive: an earlier test may have left one running)
+    monkeypatch.setattr(forked.threading, "active_count", lambda: threads[0])
     monkeypatch.setenv(forked.WORKERS_ENV, "1")
     assert forked.workers() == 1
     monkeypatch.setenv(forked.WORKERS_ENV, "3")
     assert forked.workers() == 3
     monkeypatch.delenv(forked.WORKERS_ENV)
     assert forked.workers() == len(os.sched_getaffinity(0))
-    stop = threading.Event()
-    t = threading.Thread(target=stop.wait)
-    t.start()
-    try:
-        assert forked.workers() == 1  # (a thread could hold a lock the child would wait on)
-    finally:
-        stop.set()
-        t.join()
+    threads[0] = 2
+    assert forked.workers() == 1  # (a thread could hold a lock the child would wait on)
+
+
+def _fork_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny models trace in milliseconds, under :data:`run.FORK_FROM`: fork them anyway (unless
+    ``VRAMPLAN_TRACE_WORKERS=1``), and count the children."""
+    from vramplan.trace import run
+
+    monkeypatch.setattr(run, "FORK_FROM", 0.0)
+    # (even where an earlier test left a thread running)
+    monkeypatch.setattr(forked, "workers", lambda: 1 if os.environ.get(forked.WORKERS_ENV) == "1" else 3)
+    forks: list[int] = []
+    real = forked._Child.__init__
+
+    def counted(self, fn, item):  # type: ignore[no-untyped-def]
+        forks.append(1)
+        real(self, fn, item)
+
+    monkeypatch.setattr(forked._Child, "__init__", counted)
+    monkeypatch.setattr(forked, "_forks", forks, raising=False)
 
 
 @pytest.mark.parametrize("name, w", [
@@ -87,10 +107,13 @@ def test_workers_follow_the_environment_and_threads(monkeypatch: pytest.MonkeyPa
 ])
 def test_forked_traces_equal_serial_ones(name: str, w: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = tiny_spec(name, layers=6)
+    _fork_always(monkeypatch)
     monkeypatch.setenv(forked.WORKERS_ENV, "1")
     serial = trace_workload(spec, w)
+    assert not forked._forks  # type: ignore[attr-defined]
     monkeypatch.setenv(forked.WORKERS_ENV, "3")
     side = trace_workload(spec, w)
+    assert forked._forks  # type: ignore[attr-defined]
     assert any("identical layers traced once" in n for n in serial.notes)
     assert _same_log(side.events, serial.events)
     assert side == serial
@@ -105,14 +128,17 @@ def test_forked_expert_cut_traces_keep_their_note(monkeypatch: pytest.MonkeyPatc
     from vramplan.trace import replicate
 
     monkeypatch.setattr(replicate, "CUT_FROM", 6)  # (cut loops of a tiny expert count)
+    _fork_always(monkeypatch)
     tiny = tiny_spec("deepseek-v3", layers=7)
     spec = dataclasses.replace(spec_from_config({**tiny.config, "n_routed_experts": 10, "num_experts_per_tok": 2},
                                                 name=tiny.name, source=tiny.source), layers=7)
     w = Workload(task="train", batch=1, seq=32, precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach")
     monkeypatch.setenv(forked.WORKERS_ENV, "1")
     serial = trace_workload(spec, w)
+    assert not forked._forks  # type: ignore[attr-defined]
     monkeypatch.setenv(forked.WORKERS_ENV, "3")
     side = trace_workload(spec, w)
+    assert forked._forks  # type: ignore[attr-defined]
     assert any("identical experts traced once" in n for n in serial.notes)
     assert any("identical layers traced once" in n for n in serial.notes)
     assert side == serial

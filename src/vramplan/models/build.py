@@ -146,6 +146,22 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
                          hint="check the config.json values, or use `method=analytic`") from None
 
 
+def import_code(spec: ModelSpec) -> None:
+    """Import what a first :func:`build_model` of ``spec`` imports (transformers and the model's
+    modeling file), building nothing, so that the first build is timed as a build. Errors
+    are left to the build (nothing is raised here)."""
+    try:
+        if resolve_head(spec, None) == DENOISE:
+            return
+        transformers = import_transformers()
+        cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
+        with quiet():
+            config = transformers.AutoConfig.for_model(cfg.pop("model_type", None), **cfg)
+        transformers.AutoModel._model_mapping[type(config)]  # noqa: B018 (imports the modeling file)
+    except Exception:  # noqa: BLE001 (the build reports it)
+        pass
+
+
 def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
     with quiet():
         model: nn.Module = auto.from_config(config, **kwargs)

@@ -137,19 +137,26 @@ def _run_child(fn: Callable[[T], R], item: T, out: IO[bytes]) -> None:
         os._exit(code)
 
 
-def map_forked(fn: Callable[[T], R], items: Sequence[T], *, processes: int | None = None) -> list[R]:
+def map_forked(fn: Callable[[T], R], items: Sequence[T], *, processes: int | None = None,
+               fork_from: float = 0.0) -> list[R]:
     """``[fn(x) for x in items]``; where :func:`workers` allows more than one process
     (``processes``: at most that many instead), the first item runs here first (it imports
     what the others need, the model's code, and warms this process's caches, which the
     children inherit), then the last items run in forked children while this process runs
     the ones between. ``fn``'s results must pickle; ``fn`` must not rely on side effects in
-    this process for the children's items (they happen in the child)."""
+    this process for the children's items (they happen in the child).
+
+    ``fork_from``: the seconds the first item must take for the others to be forked (else all
+    run here): a fork costs a large Python process tens of milliseconds of copy-on-write page
+    faults, in the child and here, which short items do not win back."""
     n = min(len(items), processes if processes is not None else workers())
     if n <= 1 or _in_child:
         return [fn(x) for x in items]
     start = time.monotonic()
     out = [fn(items[0])]
     longest = time.monotonic() - start
+    if longest < fork_from:
+        return out + [fn(x) for x in items[1:]]
     here = max(1, len(items) - (n - 1))
     children: list[_Child[R]] = []
     try:

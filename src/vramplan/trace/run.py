@@ -56,6 +56,11 @@ from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
 FULL_TRACE_ENV = "VRAMPLAN_FULL_TRACE"
+FORK_FROM = 0.2
+"""Seconds the first reduced trace must take for the other two to run side by side
+(:func:`.forked.map_forked`): Llama-3.1-8B's train traces (~0.1 s each) gained nothing from a
+fork on a 2-core machine (3.07 vs 3.04 s end to end, medians of 10, alternating), DeepSeek-V3's
+(~0.9 s each) gain most of one trace."""
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,13 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
         r, note = _trace_experts(reduced, w, device, iterations, quick, policy, paths, cache, models)
         return replicate.Traced(result=r, paths=frozenset(paths), layers=reduced.layers), note
 
-    # (independent: side by side where a CPU is spare, see :mod:`.forked`)
-    outs = forked.map_forked(tracer, [replicate.reduced_spec(spec, n) for n in replicate.reduced_layers(spec)])
+    # (independent: side by side where a CPU is spare and they take long enough, see :mod:`.forked`;
+    # the model's code is imported first, so that the first trace's time is the trace's)
+    from ..models.build import import_code
+
+    import_code(spec)
+    outs = forked.map_forked(tracer, [replicate.reduced_spec(spec, n) for n in replicate.reduced_layers(spec)],
+                             fork_from=FORK_FROM)
     for _, note in outs:
         if note is not None and note not in expert_notes:
             expert_notes.append(note)
