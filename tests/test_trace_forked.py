@@ -88,7 +88,7 @@ def _fork_always(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(run, "FORK_FROM", 0.0)
     # (even where an earlier test left a thread running)
-    monkeypatch.setattr(forked, "workers", lambda: 1 if os.environ.get(forked.WORKERS_ENV) == "1" else 3)
+    monkeypatch.setattr(forked, "workers", lambda: int(os.environ.get(forked.WORKERS_ENV) or 3))
     forks: list[int] = []
     real = forked._Child.__init__
 
@@ -175,3 +175,71 @@ def test_a_child_runs_parallel_cpu_ops_after_this_process_did(monkeypatch: pytes
         torch.set_num_threads(threads)
     assert [v for v, _ in got] == [float(1 << 21), float(2 << 21)]
     assert got[1][1] != os.getpid()  # (computed by the child, not run again here)
+
+
+def test_descriptors_from_1024_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process holding many files (a server): the wait takes any descriptor."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("the hard limit on open files is under 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        got = forked.map_forked(_square_and_pid, [1, 2], processes=2)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert got[1][0] == 4 and got[1][1] != os.getpid()
+
+
+def test_no_stdout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdout", None)
+    assert [v for v, _ in forked.map_forked(_square_and_pid, [1, 2], processes=2)] == [1, 4]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("fails", ["fork", "pipe"])
+def test_no_fork_possible_runs_everything_here(fails: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    before = _open_fds()
+    monkeypatch.setattr(forked.os, fails, refuse)
+    got = forked.map_forked(_square_and_pid, [1, 2, 3], processes=3)
+    monkeypatch.undo()
+    assert got == [(1, os.getpid()), (4, os.getpid()), (9, os.getpid())]
+    assert _open_fds() == before
+
+
+def test_the_model_store_keeps_the_models_traced_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model built in a child stays there: the process's store holds the 2- and 3-layer
+    models, and a later trace borrows them and gives what a fresh one gives."""
+    from vramplan.engine import cache, estimate
+
+    _fork_always(monkeypatch)
+    monkeypatch.setenv(forked.WORKERS_ENV, "2")  # (the 4-layer model traced in a child)
+    cache.clear()
+    spec = tiny_spec("llama-3.1-8b", layers=6)
+    w = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", peft="lora", checkpointing="full")
+    try:
+        estimate(spec, w, gpu="rtx-4090", method="trace", search_max_batch=False)
+        assert len(forked._forks) == 1 and len(cache.MODELS.cache) == 2  # type: ignore[attr-defined]
+        b = estimate(spec, w.replace(batch=2), gpu="rtx-4090", method="trace", search_max_batch=False)
+        assert cache.MODELS.cache.hits == 2
+        monkeypatch.setenv(forked.WORKERS_ENV, "1")
+        cache.MODELS.cache.enabled = False
+        try:
+            fresh = estimate(spec, w.replace(batch=2), gpu="rtx-4090", method="trace", search_max_batch=False)
+        finally:
+            cache.MODELS.cache.enabled = True
+        assert list(b.events.rows()) == list(fresh.events.rows()) and b.peak == fresh.peak
+    finally:
+        cache.clear()

@@ -16,7 +16,12 @@ CPU ops on one thread (GNU OpenMP's thread pool does not survive a fork; PyTorch
 sets the same in its forked workers). A child's stdout and stderr go to ``/dev/null``: the
 items traced here print the same warnings. Where a child fails (an exception, a crash) or
 takes far longer than the items run here (:data:`PATIENCE`: it is stuck), its item is run
-again here, so an error is raised exactly as in a serial run.
+again here, so an error is raised exactly as in a serial run; where a child cannot even be
+forked (too many processes or descriptors, no memory), every item runs here.
+
+What ``fn`` does besides returning its result stays in the child: a trace's model built there
+is given to the child's copy of the process's model store (:mod:`.reuse`), so the store keeps
+the models of the items traced here (a later trace builds the others again, in ~10 ms).
 
 Everything runs here, one item after another, where forking is not safe or not possible:
 not Linux (macOS forks badly once system frameworks are loaded; Windows has no fork),
@@ -27,6 +32,8 @@ a single CPU, inside a child, or ``VRAMPLAN_TRACE_WORKERS=1``.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import pickle
 import select
@@ -72,11 +79,26 @@ class _Child(Generic[R]):
     """One item computed in a forked child; :meth:`result` waits for it."""
 
     def __init__(self, fn: Callable[[T], R], item: T) -> None:
+        """Fork the child; OSError where that fails (no fork, pipe or temporary file: too many
+        processes or descriptors, no memory), with nothing left open."""
+        self._pid = 0
+        self._done = -1
         self._file: IO[bytes] = tempfile.TemporaryFile()
-        self._done, end = os.pipe()  # (end-of-file here once the child has exited)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._pid = os.fork()
+        end = -1
+        try:
+            self._done, end = os.pipe()  # (end-of-file here once the child has exited)
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    with contextlib.suppress(Exception):  # (a closed or broken stream: nothing to flush)
+                        stream.flush()
+            self._pid = os.fork()
+        except BaseException:
+            for fd in (self._done, end):
+                if fd >= 0:
+                    os.close(fd)
+            self._done = -1
+            self._file.close()
+            raise
         if self._pid == 0:  # the child: never returns
             os.close(self._done)
             _run_child(fn, item, self._file)
@@ -86,7 +108,9 @@ class _Child(Generic[R]):
         """(True, the result), or (False, None) where the child failed or is still running at
         ``give_up_at`` (``time.monotonic()``; it is killed)."""
         try:
-            if not select.select([self._done], [], [], max(0.0, give_up_at - time.monotonic()))[0]:
+            done = select.poll()  # (not select.select: it takes no descriptor from 1,024 on)
+            done.register(self._done, select.POLLIN | select.POLLHUP)
+            if not done.poll(max(0, math.ceil(1000 * (give_up_at - time.monotonic())))):
                 self.kill()
                 return False, None
             _, status = os.waitpid(self._pid, 0)
@@ -161,8 +185,16 @@ def map_forked(fn: Callable[[T], R], items: Sequence[T], *, processes: int | Non
     children: list[_Child[R]] = []
     try:
         start = time.monotonic()
+        alone: list[T] = []  # (items whose child could not be forked: run here)
         for x in items[here:]:
-            children.append(_Child(fn, x))
+            try:
+                children.append(_Child(fn, x))
+            except OSError:
+                alone.append(x)
+        if alone:
+            for child in children:
+                child.kill()
+            return out + [fn(x) for x in items[1:]]
         for x in items[1:here]:
             t = time.monotonic()
             out.append(fn(x))
