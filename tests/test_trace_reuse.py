@@ -24,6 +24,14 @@ from vramplan.trace.testing import tiny_spec
 from vramplan.workload import Parallel, Workload
 
 run_mod = importlib.import_module("vramplan.trace.run")
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's counts here are one process's: a reduced trace that takes ≥ 0.2 s (a loaded
+    machine, a long sequence) would otherwise run in a forked child and keep its model there
+    (``tests/test_trace_forked.py`` pins that case)."""
+    monkeypatch.setenv("VRAMPLAN_TRACE_WORKERS", "1")
 trace_workload = run_mod.trace_workload
 
 TRAIN = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach")
