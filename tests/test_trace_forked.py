@@ -81,9 +81,9 @@ def test_workers_follow_the_environment_and_threads(monkeypatch: pytest.MonkeyPa
     assert forked.workers() == 1  # (a thread could hold a lock the child would wait on)
 
 
-def _fork_always(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fork_always(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Tiny models trace in milliseconds, under :data:`run.FORK_FROM`: fork them anyway (unless
-    ``VRAMPLAN_TRACE_WORKERS=1``), and count the children."""
+    ``VRAMPLAN_TRACE_WORKERS=1``); the list counts the children forked."""
     from vramplan.trace import run
 
     monkeypatch.setattr(run, "FORK_FROM", 0.0)
@@ -97,7 +97,19 @@ def _fork_always(monkeypatch: pytest.MonkeyPatch) -> None:
         real(self, fn, item)
 
     monkeypatch.setattr(forked._Child, "__init__", counted)
-    monkeypatch.setattr(forked, "_forks", forks, raising=False)
+    return forks
+
+
+def _serial_and_forked(spec, w: Workload, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """``spec`` under ``w`` traced in one process, then with its reduced traces forked."""
+    forks = _fork_always(monkeypatch)
+    monkeypatch.setenv(forked.WORKERS_ENV, "1")
+    serial = trace_workload(spec, w)
+    assert not forks
+    monkeypatch.setenv(forked.WORKERS_ENV, "3")
+    side = trace_workload(spec, w)
+    assert forks
+    return serial, side
 
 
 @pytest.mark.parametrize("name, w", [
@@ -106,14 +118,7 @@ def _fork_always(monkeypatch: pytest.MonkeyPatch) -> None:
     ("qwen3-30b-a3b", Workload(task="train", batch=1, seq=32, precision="bf16-mixed")),
 ])
 def test_forked_traces_equal_serial_ones(name: str, w: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = tiny_spec(name, layers=6)
-    _fork_always(monkeypatch)
-    monkeypatch.setenv(forked.WORKERS_ENV, "1")
-    serial = trace_workload(spec, w)
-    assert not forked._forks  # type: ignore[attr-defined]
-    monkeypatch.setenv(forked.WORKERS_ENV, "3")
-    side = trace_workload(spec, w)
-    assert forked._forks  # type: ignore[attr-defined]
+    serial, side = _serial_and_forked(tiny_spec(name, layers=6), w, monkeypatch)
     assert any("identical layers traced once" in n for n in serial.notes)
     assert _same_log(side.events, serial.events)
     assert side == serial
@@ -128,17 +133,11 @@ def test_forked_expert_cut_traces_keep_their_note(monkeypatch: pytest.MonkeyPatc
     from vramplan.trace import replicate
 
     monkeypatch.setattr(replicate, "CUT_FROM", 6)  # (cut loops of a tiny expert count)
-    _fork_always(monkeypatch)
     tiny = tiny_spec("deepseek-v3", layers=7)
     spec = dataclasses.replace(spec_from_config({**tiny.config, "n_routed_experts": 10, "num_experts_per_tok": 2},
                                                 name=tiny.name, source=tiny.source), layers=7)
     w = Workload(task="train", batch=1, seq=32, precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach")
-    monkeypatch.setenv(forked.WORKERS_ENV, "1")
-    serial = trace_workload(spec, w)
-    assert not forked._forks  # type: ignore[attr-defined]
-    monkeypatch.setenv(forked.WORKERS_ENV, "3")
-    side = trace_workload(spec, w)
-    assert forked._forks  # type: ignore[attr-defined]
+    serial, side = _serial_and_forked(spec, w, monkeypatch)
     assert any("identical experts traced once" in n for n in serial.notes)
     assert any("identical layers traced once" in n for n in serial.notes)
     assert side == serial
@@ -224,14 +223,14 @@ def test_the_model_store_keeps_the_models_traced_here(monkeypatch: pytest.Monkey
     models, and a later trace borrows them and gives what a fresh one gives."""
     from vramplan.engine import cache, estimate
 
-    _fork_always(monkeypatch)
+    forks = _fork_always(monkeypatch)
     monkeypatch.setenv(forked.WORKERS_ENV, "2")  # (the 4-layer model traced in a child)
     cache.clear()
     spec = tiny_spec("llama-3.1-8b", layers=6)
     w = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", peft="lora", checkpointing="full")
     try:
         estimate(spec, w, gpu="rtx-4090", method="trace", search_max_batch=False)
-        assert len(forked._forks) == 1 and len(cache.MODELS.cache) == 2  # type: ignore[attr-defined]
+        assert len(forks) == 1 and len(cache.MODELS.cache) == 2
         b = estimate(spec, w.replace(batch=2), gpu="rtx-4090", method="trace", search_max_batch=False)
         assert cache.MODELS.cache.hits == 2
         monkeypatch.setenv(forked.WORKERS_ENV, "1")

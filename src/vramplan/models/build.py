@@ -101,13 +101,9 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
                          hint=_EXTRA_HINT if spec.family is not Family.OTHER
                          else "pip install 'vramplan[models]' to trace it") from None
 
-    # a deep copy: transformers edits nested entries in place (it adds rope_theta to rope_scaling),
-    # which changed the catalog spec itself at its first build
-    cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
-    model_type = cfg.pop("model_type", None)
+    model_type = spec.config.get("model_type")
     try:
-        with quiet():
-            config = transformers.AutoConfig.for_model(model_type, **cfg)
+        config = _hf_config(transformers, spec)
     except (ValueError, KeyError) as e:
         raise TraceError(
             f"{spec.name}: transformers {transformers.__version__} cannot build model_type "
@@ -154,12 +150,18 @@ def import_code(spec: ModelSpec) -> None:
         if resolve_head(spec, None) == DENOISE:
             return
         transformers = import_transformers()
-        cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
-        with quiet():
-            config = transformers.AutoConfig.for_model(cfg.pop("model_type", None), **cfg)
-        transformers.AutoModel._model_mapping[type(config)]  # noqa: B018 (imports the modeling file)
+        transformers.AutoModel._model_mapping[type(_hf_config(transformers, spec))]  # noqa: B018 (imports the modeling file)
     except Exception:  # noqa: BLE001 (the build reports it)
         pass
+
+
+def _hf_config(transformers: Any, spec: ModelSpec) -> Any:
+    """transformers' config object of ``spec``."""
+    # a deep copy: transformers edits nested entries in place (it adds rope_theta to rope_scaling),
+    # which changed the catalog spec itself at its first build
+    cfg = copy.deepcopy({k: v for k, v in spec.config.items() if k not in _DROP_KEYS})
+    with quiet():
+        return transformers.AutoConfig.for_model(cfg.pop("model_type", None), **cfg)
 
 
 def _from_config(auto: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:

@@ -185,16 +185,13 @@ def map_forked(fn: Callable[[T], R], items: Sequence[T], *, processes: int | Non
     children: list[_Child[R]] = []
     try:
         start = time.monotonic()
-        alone: list[T] = []  # (items whose child could not be forked: run here)
         for x in items[here:]:
             try:
                 children.append(_Child(fn, x))
-            except OSError:
-                alone.append(x)
-        if alone:
-            for child in children:
-                child.kill()
-            return out + [fn(x) for x in items[1:]]
+            except OSError:  # (no child can be forked now: every item runs here)
+                for child in children:
+                    child.kill()
+                return out + [fn(x) for x in items[1:]]
         for x in items[1:here]:
             t = time.monotonic()
             out.append(fn(x))

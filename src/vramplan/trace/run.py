@@ -221,15 +221,14 @@ def _trace_replicated(spec: ModelSpec, w: Workload, device: DeviceProfile | None
     from ..models.build import import_code
 
     import_code(spec)
-    outs = forked.map_forked(tracer, [replicate.reduced_spec(spec, n) for n in replicate.reduced_layers(spec)],
-                             fork_from=FORK_FROM)
+    traced = replicate.reduced_layers(spec)
+    outs = forked.map_forked(tracer, [replicate.reduced_spec(spec, n) for n in traced], fork_from=FORK_FROM)
     for _, note in outs:
         if note is not None and note not in expert_notes:
             expert_notes.append(note)
     got = replicate.extrapolate([t for t, _ in outs], spec.layers)
     if isinstance(got, str):
         return got
-    traced = replicate.reduced_layers(spec)
     note = (f"identical layers traced once: the model traced with {', '.join(map(str, traced))} of its "
             f"{spec.layers} layers, the other layers' events written from their exact progression "
             "(verified on the third trace; `replicate_layers=False` traces every layer)")
