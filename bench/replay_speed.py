@@ -15,7 +15,12 @@ events/s of each, target ≥ 800,000 events/s.
 The synthetic trace's rates are those of the event loop (the fast-forward is switched off for
 them: the target is the loop's); one more line gives the default replay as it runs now.
 
-    .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile] [--no-real]
+With ``--moe``, also the log of DeepSeek-V3's training step (what ``vramplan estimate deepseek-v3
+--task train`` replays: 2.4 M events, ~55,000 segments, ~20,000 free blocks in one pool), once
+with every free list a plain sorted list (as the replay kept them before
+:mod:`vramplan.allocator.freelist`) and once as now (long free lists blocked), best of 2 each.
+
+    .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile] [--no-real] [--moe]
 """
 
 from __future__ import annotations
@@ -171,11 +176,34 @@ def real(args: argparse.Namespace) -> None:
               f"figures {'identical' if same else 'DIFFERENT'}; ratio to target {n / after / REAL_TARGET:4.2f}x)")
 
 
+def moe() -> None:
+    from vramplan.allocator import freelist
+    from vramplan.models.catalog import resolve
+    from vramplan.trace.run import trace_workload
+    from vramplan.workload import Workload
+
+    log = trace_workload(resolve("deepseek-v3"), Workload(task="train")).events
+    keep = freelist.HIGH
+    freelist.HIGH = 1 << 62  # (no list is ever blocked)
+    try:
+        before = cpu_best(lambda: replay(log, segment_map=False), repeats=2)
+        ref = replay(log, segment_map=False)
+    finally:
+        freelist.HIGH = keep
+    after = cpu_best(lambda: replay(log, segment_map=False), repeats=2)
+    now = replay(log, segment_map=False)
+    n = len(log)
+    print(f"{'deepseek-v3 train (estimate default)':<38} {n:>9,} events  plain free lists {n / before:>9,.0f} ev/s  "
+          f"now (long ones blocked) {n / after:>9,.0f} ev/s ({before / after:4.2f}x; figures "
+          f"{'identical' if now == ref else 'DIFFERENT'}; ratio to target {n / after / REAL_TARGET:4.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=TARGET_EVENTS)
     ap.add_argument("--profile", action="store_true", help="cProfile one replay")
     ap.add_argument("--no-real", action="store_true", help="skip the real trace logs")
+    ap.add_argument("--moe", action="store_true", help="also DeepSeek-V3's training log, plain vs blocked free lists")
     args = ap.parse_args()
     t = time.perf_counter()
     log = synthetic_trace(args.events)
@@ -204,6 +232,8 @@ def main() -> None:
           "(repeats fast-forwarded where the small pool's state repeats)")
     if not args.no_real:
         real(args)
+    if args.moe:
+        moe()
 
 
 if __name__ == "__main__":

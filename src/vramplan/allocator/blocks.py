@@ -1,12 +1,17 @@
 """The allocator's data: blocks (``struct Block``), segments and per-stream pools.
 
 Speed matters (a replay handles millions of events), so these are ``__slots__`` classes with
-public fields, and a pool's free list is a sorted ``list`` of integer keys
-``size << SHIFT | addr`` searched with :mod:`bisect`: that is PyTorch's
-``std::set<Block*, BlockComparatorSize>`` order (size, then address) for one stream.
+public fields, and a pool's free list is sorted integer keys ``size << SHIFT | addr`` searched
+with :mod:`bisect` (:mod:`.freelist`): that is PyTorch's ``std::set<Block*, BlockComparatorSize>``
+order (size, then address) for one stream.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .freelist import Keys
 
 SHIFT = 47
 """Free-list keys are ``size << SHIFT | addr``; simulated addresses stay below 2**SHIFT."""
@@ -76,8 +81,9 @@ class Pool:
     def __init__(self, small: bool, stream: int) -> None:
         self.small = small
         self.stream = stream
-        self.keys: list[int] = []
-        """Sorted free-list keys of mapped free blocks."""
+        self.keys: Keys = []
+        """Sorted free-list keys of mapped free blocks (a plain list, or :class:`.freelist.Blocked`
+        once long)."""
         self.unmapped: list[int] = []
         """Sorted addresses of unmapped blocks (expandable segments only)."""
 

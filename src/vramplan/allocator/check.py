@@ -8,7 +8,9 @@ else is; the byte counters equal what the blocks add up to.
 
 from __future__ import annotations
 
+from . import freelist
 from .blocks import SHIFT, Block
+from .freelist import Blocked
 from .native import CachingAllocator
 
 
@@ -69,8 +71,11 @@ def check_invariants(al: CachingAllocator) -> list[str]:
         problems.append(f"free list holds {len(al._free)} blocks, segments hold {len(free_seen)} free")
     for pools in (al._small_pools, al._large_pools):
         for pool in pools.values():
-            if pool.keys != sorted(pool.keys):
+            keys = list(pool.keys)
+            if keys != sorted(keys):
                 problems.append(f"{pool.name} pool of stream {pool.stream}: keys not sorted")
+            if isinstance(pool.keys, Blocked):
+                problems += [f"{pool.name} pool of stream {pool.stream}: {p}" for p in _blocked_problems(pool.keys)]
             for key in pool.keys:
                 blk = al._free.get(key)
                 if blk is None or blk.pool is not pool or blk.key != key:
@@ -93,3 +98,17 @@ def check_invariants(al: CachingAllocator) -> list[str]:
     if al.capacity is not None and al.reserved > al.capacity:
         problems.append(f"reserved {al.reserved} exceeds capacity {al.capacity}")
     return problems
+
+
+def _blocked_problems(keys: Blocked) -> list[str]:
+    """What breaks :class:`.freelist.Blocked`'s own invariants."""
+    out = []
+    if any(not run for run in keys.runs):
+        out.append("an empty run")
+    if any(len(run) > 2 * freelist.LOAD for run in keys.runs):
+        out.append(f"a run longer than {2 * freelist.LOAD}")
+    if keys.maxes != [run[-1] for run in keys.runs if run]:
+        out.append("run maxima out of date")
+    if keys.n != sum(map(len, keys.runs)):
+        out.append(f"length {keys.n}, runs hold {sum(map(len, keys.runs))}")
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import TYPE_CHECKING
 
+from . import freelist
 from .blocks import SHIFT, Block, Pool, Segment
 from .constants import SMALL_BUFFER
 
@@ -59,26 +60,25 @@ class ExpandableSegmentsMixin:
         """``get_free_block`` with the expandable rule: walk to larger blocks while their
         expandable size (own size + unmapped space after them) is smaller."""
         keys = pool.keys
-        n = len(keys)
-        i = bisect_left(keys, size << SHIFT)
-        if i == n:
+        key = freelist.ge(keys, size << SHIFT)
+        if key < 0:
             return None
         free = self._free
-        b = free[keys[i]]
+        b = free[key]
         e = _expandable_size(b)
-        while i + 1 < n:
-            nb = free[keys[i + 1]]
+        while (nk := freelist.ge(keys, key + 1)) >= 0:
+            nb = free[nk]
             ne = _expandable_size(nb)
             if ne >= e:
                 break
-            i, b, e = i + 1, nb, ne
+            key, b, e = nk, nb, ne
         msplit = self._msplit
         if size < msplit and b.size >= msplit:
             return None
         if size >= msplit and b.size >= size + self._nsr:
             return None
-        del keys[i]
-        del free[(b.size << SHIFT) | b.addr]
+        freelist.remove(keys, key)
+        del free[key]
         return b
 
     # ---------------------------------------------------------------- unmapped bookkeeping

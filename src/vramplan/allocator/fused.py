@@ -28,8 +28,10 @@ from typing import Any
 
 from vramplan.errors import VramplanError
 
+from . import freelist
 from .blocks import SHIFT, Block, Pool
 from .constants import SMALL_SIZE
+from .freelist import Blocked
 from .native import CachingAllocator
 from .sizes import allocation_size, round_size
 
@@ -64,6 +66,7 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
     allocated, active, requested = al.allocated, al.active, al.requested
     inactive_split, reserved = al.inactive_split, al.reserved
     max_active, max_requested = al.max_active, al.max_requested
+    high = freelist.HIGH
 
     if live is None:
         live = {}
@@ -99,14 +102,22 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             if gc:
                 gc_calls[small] += 1
             b: Block | None = None
-            keys = pool.keys
-            i = bisect_left(keys, rsize << SHIFT)
-            if i < len(keys):
-                key = keys[i]
-                bsize = key >> SHIFT
-                if (bsize < msplit) if rsize < msplit else (bsize < rsize + nsr):
-                    del keys[i]
-                    b = free_map.pop(key)
+            keys: Any = pool.keys
+            if type(keys) is list:
+                i = bisect_left(keys, rsize << SHIFT)
+                if i < len(keys):
+                    key = keys[i]
+                    bsize = key >> SHIFT
+                    if (bsize < msplit) if rsize < msplit else (bsize < rsize + nsr):
+                        del keys[i]
+                        b = free_map.pop(key)
+            else:  # (a long free list, :mod:`.freelist`: the same search)
+                key = keys.ge(rsize << SHIFT)
+                if key >= 0:
+                    bsize = key >> SHIFT
+                    if (bsize < msplit) if rsize < msplit else (bsize < rsize + nsr):
+                        keys.remove(key)
+                        b = free_map.pop(key)
             if b is None:
                 al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
                 if tag:
@@ -135,7 +146,11 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                     b.addr += rsize
                     b.size = remaining
                     key = (remaining << SHIFT) | b.addr
-                    insort(keys, key)
+                    keys = pool.keys
+                    if type(keys) is list:  # (made blocked, if long, at the next free)
+                        insort(keys, key)
+                    else:
+                        keys.add(key)
                     free_map[key] = b
                     if gc:  # (without GC the count stays 0: so does every gc_base)
                         b.gc_base = gc_calls[small]
@@ -195,11 +210,15 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             allocated -= orig_size
             pool = b.pool
             keys = pool.keys
+            plain = type(keys) is list
             net = 0
             p = b.prev
             if p is not None and not p.allocated and not p.events:  # (every block is mapped)
                 key = (p.size << SHIFT) | p.addr
-                del keys[bisect_left(keys, key)]
+                if plain:
+                    del keys[bisect_left(keys, key)]
+                else:
+                    keys.remove(key)
                 del free_map[key]
                 b.addr = p.addr
                 b.size += p.size
@@ -213,7 +232,10 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             n = b.next
             if n is not None and not n.allocated and not n.events:
                 key = (n.size << SHIFT) | n.addr
-                del keys[bisect_left(keys, key)]
+                if plain:
+                    del keys[bisect_left(keys, key)]
+                else:
+                    keys.remove(key)
                 del free_map[key]
                 b.size += n.size
                 net -= n.size
@@ -222,7 +244,12 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 if nn is not None:
                     nn.prev = b
             key = (b.size << SHIFT) | b.addr
-            insort(keys, key)
+            if plain:
+                insort(keys, key)
+                if len(keys) > high:
+                    pool.keys = Blocked(keys)
+            else:
+                keys.add(key)
             free_map[key] = b
             if gc:
                 b.gc_base = gc_calls[pool.small]

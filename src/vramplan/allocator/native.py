@@ -29,11 +29,12 @@ request is counted and skipped (the caller would normally see OutOfMemoryError).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
 from vramplan.errors import ConfigError
 
+from . import freelist
 from .blocks import SHIFT, Block, Pool, Segment
 from .config import AllocatorConfig, as_config
 from .constants import NO_LIMIT, SMALL_SIZE
@@ -118,13 +119,19 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
             b = self._get_free_block_es(pool, size)
         else:  # get_free_block, inlined: this is the hot path
             keys = pool.keys
-            i = bisect_left(keys, size << SHIFT)
-            if i < len(keys):
-                key = keys[i]
+            if isinstance(keys, list):
+                i = bisect_left(keys, size << SHIFT)
+                key = keys[i] if i < len(keys) else -1
+            else:
+                key = i = keys.ge(size << SHIFT)
+            if key >= 0:
                 bsize = key >> SHIFT
                 msplit = self._msplit
                 if (bsize < msplit) if size < msplit else (bsize < size + self._nsr):
-                    del keys[i]
+                    if isinstance(keys, list):
+                        del keys[i]
+                    else:
+                        keys.remove(key)
                     b = self._free.pop(key)
         if b is None:
             b = self._malloc_slow(pool, size, allocation_size(size, self.conf))
@@ -146,7 +153,7 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
             b.addr += size
             b.size = remaining
             key = (remaining << SHIFT) | b.addr
-            insort(pool.keys, key)
+            freelist.add(pool, key)
             self._free[key] = b
             b.gc_base = self._gc_calls[small]
             if not self._es:
@@ -229,14 +236,13 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
     def _insert_free(self, b: Block) -> None:
         """``BlockPool::insert_into_blocks``."""
         key = (b.size << SHIFT) | b.addr
-        insort(b.pool.keys, key)
+        freelist.add(b.pool, key)
         self._free[key] = b
         b.gc_base = self._gc_calls[b.pool.small]
 
     def _remove_free(self, b: Block) -> None:
         key = (b.size << SHIFT) | b.addr
-        keys = b.pool.keys
-        del keys[bisect_left(keys, key)]
+        freelist.remove(b.pool.keys, key)
         del self._free[key]
 
     def _free_block(self, b: Block) -> None:
@@ -249,7 +255,7 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         p = b.prev
         if p is not None and not p.allocated and not p.events and p.mapped:
             key = (p.size << SHIFT) | p.addr
-            del keys[bisect_left(keys, key)]
+            freelist.remove(keys, key)
             del free[key]
             b.addr = p.addr
             b.size += p.size
@@ -263,7 +269,7 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         n = b.next
         if n is not None and not n.allocated and not n.events and n.mapped:
             key = (n.size << SHIFT) | n.addr
-            del keys[bisect_left(keys, key)]
+            freelist.remove(keys, key)
             del free[key]
             b.size += n.size
             net -= n.size
@@ -272,7 +278,7 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
             if nn is not None:
                 nn.prev = b
         key = (b.size << SHIFT) | b.addr
-        insort(keys, key)
+        freelist.add(pool, key)
         free[key] = b
         b.gc_base = self._gc_calls[pool.small]
         if not self._es:
@@ -357,19 +363,19 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
             return False
         target = size if size >= msplit else msplit
         keys = pool.keys
-        i = bisect_left(keys, target << SHIFT)
-        if i < len(keys):
-            self._release_block(self._free[keys[i]])
+        key = freelist.ge(keys, target << SHIFT)
+        if key >= 0:
+            self._release_block(self._free[key])
             return True
         released = 0
-        j = i - 1
-        while released < target and j >= 0:
-            b = self._free[keys[j]]
+        key = freelist.lt(pool.keys, target << SHIFT)
+        while released < target and key >= 0:
+            b = self._free[key]
             if b.size < msplit:
                 break
             released += b.size
             self._release_block(b)
-            j -= 1
+            key = freelist.lt(pool.keys, key)
         return released >= target
 
     def _release_cached_blocks(self) -> None:
