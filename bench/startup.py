@@ -13,7 +13,8 @@ seconds of each (user + system: on a shared machine the steadier figure):
 then where the trace's start-up goes: ``import torch``, then transformers' Llama modeling
 file, and which of ``torch._dynamo``, ``torch.distributed.tensor``, ``torchao``,
 ``accelerate`` that import pulls in, with the chain of modules that pulls each
-(``python -X importtime``); whether torch's own first meta-tensor op (one ``nn.Linear``
+(``python -X importtime``), and what ``torch.distributed.tensor`` and ``torch._dynamo`` cost imported
+on their own before the rest of transformers; whether torch's own first meta-tensor op (one ``nn.Linear``
 forward on ``meta``, no transformers) imports ``torch._dynamo`` regardless, and what it costs;
 and the interpreter's teardown after ``import torch`` that the ``vramplan`` entry point skips
 (``os._exit`` after ``atexit``); then the **floor** of the 8B train estimate: a process that only
@@ -165,6 +166,28 @@ def dynamo_by_torch(env: dict[str, str]) -> None:
           f"before {had}, after {has}; that op took {float(dt):.2f} s")
 
 
+HEAVY_COST = ("import gc; gc.disable(); import sys, time; import torch; t0 = time.perf_counter(); "
+              "import torch.distributed.tensor; t1 = time.perf_counter(); import torch._dynamo; "
+              "t2 = time.perf_counter(); from vramplan.models.hf_import import import_transformers; "
+              "import_transformers(); import transformers.models.llama.modeling_llama; t3 = time.perf_counter(); "
+              "print(t1 - t0, t2 - t1, t3 - t2); sys.stdout.flush(); import os; os._exit(0)")
+
+
+def heavy_cost(env: dict[str, str], runs: int) -> None:
+    """What the two heavy torch packages that transformers' Llama modeling file imports at
+    module level (``torch.distributed.tensor`` with sympy, ``torch._dynamo`` with triton where
+    installed) cost, imported first on their own after ``import torch`` (GC paused), against the
+    rest of transformers' import: the part of the floor that no choice of vramplan's removes."""
+    subprocess.run([sys.executable, "-c", HEAVY_COST], env=env, check=True, capture_output=True)
+    got = [tuple(map(float, subprocess.run([sys.executable, "-c", HEAVY_COST], env=env, check=True,
+                                           capture_output=True, text=True).stdout.split())) for _ in range(runs)]
+    dt, dyn, rest = (statistics.median(x[i] for x in got) for i in range(3))
+    print(f"  of that, imported first on their own after import torch (GC paused; medians of {runs}): "
+          f"torch.distributed.tensor {dt:.2f} s, torch._dynamo {dyn:.2f} s, then transformers and its Llama "
+          f"modeling file {rest:.2f} s: transformers imports the first two at module level "
+          "(core_model_loading, masking_utils), whatever the model runs")
+
+
 FLOOR = ("import gc; gc.disable(); import os, torch; "
          "from vramplan.models.hf_import import import_transformers; import_transformers(); "
          "import transformers.models.llama.modeling_llama; "
@@ -260,6 +283,7 @@ def main() -> None:
               f"{one / torch_s:4.2f}× import torch")
         print("where the trace's start-up goes:")
         import_breakdown(env)
+        heavy_cost(env, 3)
         dynamo_by_torch(env)
         teardown(env, max(3, args.runs // 2))
         floor(env, 3, torch_s, torch_cpu, measured["vramplan estimate llama-3.1-8b --task train"])
