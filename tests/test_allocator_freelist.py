@@ -47,7 +47,7 @@ def blocked_pools(al: CachingAllocator) -> int:
 @SETTINGS
 @given(start=st.lists(st.integers(0, 500), unique=True, max_size=30),
        ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "ge", "lt"]), st.integers(-1, 501)), max_size=200),
-       load=st.integers(1, 4))
+       load=st.integers(1, 8))
 def test_blocked_behaves_as_a_sorted_list(start, ops, load):
     with thresholds(freelist.HIGH, load):
         model = sorted(start)
@@ -200,7 +200,7 @@ def test_the_expandable_walk_prefers_the_block_that_cannot_grow():
 
 def test_ge_and_lt_at_every_point_of_a_blocked_list():
     """Every query from below the first key to past the last, run maxima included."""
-    for load in (1, 2, 3):
+    for load in (1, 2, 3, 4, 6):
         with thresholds(freelist.HIGH, load):
             model = list(range(2, 41, 2))
             keys = Blocked(list(model))

@@ -109,8 +109,19 @@ class Blocked:
         if not run:
             del self.runs[j]
             del maxes[j]
-        elif i == len(run):
+            return
+        if i == len(run):
             maxes[j] = run[-1]
+        if j and len(run) < LOAD // 2:  # (a short run joins the one before, so runs stay ~LOAD long)
+            runs = self.runs
+            prev = runs[j - 1]
+            prev.extend(run)
+            del runs[j]
+            del maxes[j - 1]
+            if len(prev) > 2 * LOAD:
+                runs.insert(j, prev[LOAD:])
+                del prev[LOAD:]
+                maxes.insert(j - 1, prev[-1])
 
 
 Keys = list[int] | Blocked
