@@ -230,8 +230,11 @@ def test_deadline_reports_progress_and_survives_a_swallowing_loop():
     with pytest.raises(TraceTimeoutError, match="within 1.2 s"), \
             deadline(1.2, what="x", on_progress=seen.append, every=0.5):
         while time.monotonic() - start < 30:  # a bound, so a broken deadline fails instead of hanging
-            try:
-                time.sleep(0.01)
+            try:  # work inside the try (busy, not a sleep: on a loaded machine a sleep overruns,
+                # and the ticks would land in it nearly every time)
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.005:
+                    pass
             except TraceTimeoutError:
                 swallowed += 1  # user code that swallows it: a later tick raises again
             t = time.perf_counter()
