@@ -16,7 +16,7 @@ The synthetic trace's rates are those of the event loop (the fast-forward is swi
 them: the target is the loop's); one more line gives the default replay as it runs now.
 
 With ``--moe``, also the log of DeepSeek-V3's training step (what ``vramplan estimate deepseek-v3
---task train`` replays: 2.4 M events, ~55,000 segments, ~20,000 free blocks in one pool), once
+--task train`` replays: 2.4 M events, ~55,000 segments, up to 32,000 free blocks in one pool), once
 with every free list a plain sorted list (as the replay kept them before
 :mod:`vramplan.allocator.freelist`) and once as now (long free lists blocked), best of 2 each.
 

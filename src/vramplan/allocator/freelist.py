@@ -7,7 +7,7 @@ the usual case: a step's temporaries cycle through tens to hundreds of free bloc
 
 Inserting into or deleting from a sorted list moves every key after the position, though, and
 some pools hold tens of thousands of free blocks: a DeepSeek-V3 training step replayed on one
-GPU keeps ~20,000 of them (mostly the 2 MiB tails of its ~55,000 weight segments), and its
+GPU keeps up to 32,000 of them (mostly the 2 MiB tails of its ~55,000 weight segments), and its
 1.7 M inserts moved ~10,000 keys each on average: most of a 2.4 M-event replay's time. Once a
 pool holds more than :data:`HIGH` keys it is turned into a :class:`Blocked` list instead: the
 same keys in sorted runs of at most ``2 × LOAD``, with each run's largest key, so that an
