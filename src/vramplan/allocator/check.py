@@ -76,7 +76,7 @@ def check_invariants(al: CachingAllocator) -> list[str]:
                 problems.append(f"{pool.name} pool of stream {pool.stream}: keys not sorted")
             if isinstance(pool.keys, Blocked):
                 problems += [f"{pool.name} pool of stream {pool.stream}: {p}" for p in _blocked_problems(pool.keys)]
-            for key in pool.keys:
+            for key in keys:
                 blk = al._free.get(key)
                 if blk is None or blk.pool is not pool or blk.key != key:
                     problems.append(f"{pool.name} pool of stream {pool.stream}: stale key")

@@ -29,7 +29,6 @@ request is counted and skipped (the caller would normally see OutOfMemoryError).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
 from vramplan.errors import ConfigError
@@ -118,20 +117,12 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         if self._es:
             b = self._get_free_block_es(pool, size)
         else:  # get_free_block, inlined: this is the hot path
-            keys = pool.keys
-            if isinstance(keys, list):
-                i = bisect_left(keys, size << SHIFT)
-                key = keys[i] if i < len(keys) else -1
-            else:
-                key = i = keys.ge(size << SHIFT)
+            key = freelist.ge(pool.keys, size << SHIFT)
             if key >= 0:
                 bsize = key >> SHIFT
                 msplit = self._msplit
                 if (bsize < msplit) if size < msplit else (bsize < size + self._nsr):
-                    if isinstance(keys, list):
-                        del keys[i]
-                    else:
-                        keys.remove(key)
+                    freelist.remove(pool.keys, key)
                     b = self._free.pop(key)
         if b is None:
             b = self._malloc_slow(pool, size, allocation_size(size, self.conf))
