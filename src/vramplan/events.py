@@ -18,6 +18,8 @@ Actions:
 from __future__ import annotations
 
 import json
+import os
+import stat
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -77,6 +79,19 @@ _BUCKET = {
 PHASES = ("setup", "forward", "backward", "recompute", "optimizer", "prefill", "decode")
 
 _I64, _I32, _I16 = (1 << 63) - 1, (1 << 31) - 1, (1 << 15) - 1
+
+
+def not_a_file(st: os.stat_result) -> str:
+    """What a path is when it is not a regular file ("a character device", …), else "". A device
+    such as /dev/zero never ends, a pipe can be read only once: neither is read as a file."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return ""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def _row_int(row: dict[str, Any], key: str, where: str, n: int, limit: int) -> int:
@@ -231,6 +246,10 @@ class EventLog:
         def _rows() -> Iterator[dict[str, Any]]:
             try:
                 with open(p, encoding="utf-8") as f:
+                    kind = not_a_file(os.fstat(f.fileno()))
+                    if kind:
+                        raise VramplanError(f"cannot read {p}: it is {kind}, not a file",
+                                            hint="save the events to a .jsonl file and pass its path")
                     for n, line in enumerate(f, 1):
                         line = line.strip()
                         if not line:

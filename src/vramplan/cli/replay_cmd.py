@@ -58,8 +58,12 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if path.is_dir():
         raise VramplanError(f"cannot read {path}: Is a directory", hint="name an events .jsonl or a snapshot .pickle file")
-    if not path.is_file():
+    if not path.exists():
         raise VramplanError(f"cannot read {path}: no such file")
+    if not path.is_file():
+        from vramplan.snapshot.reader import check_regular_file
+
+        check_regular_file(path, path.stat(), 0)
     conf = parse_conf(args.alloc_conf) if args.alloc_conf is not None else None
     if _is_snapshot(path):
         from vramplan.snapshot.analyze import pick_device

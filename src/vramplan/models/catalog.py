@@ -138,8 +138,11 @@ def _local_spec(path: Path) -> ModelSpec:
             raise ConfigError(f"{path}: no config.json in this folder", hint="pass the config.json file itself")
     else:
         file = path
-        if not file.is_file():
+        if not file.exists():
             raise ConfigError(f"{file}: no such file", hint="check the path, or use a catalog alias")
+        if not file.is_file():
+            raise ConfigError(f"{file}: not a regular file (a device, pipe or socket)",
+                              hint="pass the path of a config.json file, or a catalog alias")
     stat = file.stat()
     return _local_spec_cached(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
 

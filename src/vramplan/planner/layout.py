@@ -321,11 +321,28 @@ def sniff(path: Path, text: str) -> str:
                     field="layout")
 
 
+MAX_LAYOUT_BYTES = 1 << 20
+"""A layout file larger than this is not one ``plan --emit`` wrote (they are a few KiB)."""
+
+
 def read_file(path: str | Path, base: Workload) -> ReadLayout:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise PlanError(f"no such layout file: {p}", hint="give the path of a config `--emit` wrote", field="layout")
-    text = p.read_text()
+    if not p.is_file():
+        raise PlanError(f"layout {p} is not a regular file", hint="give the path of a config `--emit` wrote",
+                        field="layout")
+    if p.stat().st_size > MAX_LAYOUT_BYTES:
+        raise PlanError(f"layout file {p} is {p.stat().st_size:,} B; an emitted config is a few KiB",
+                        hint="give the path of a config `--emit` wrote", field="layout")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"layout file {p} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})",
+                        hint="give the path of a config `--emit` wrote (DeepSpeed .json, Accelerate .yaml, "
+                        "torchtitan .toml or FSDP2 .py)", field="layout") from None
+    except OSError as e:
+        raise PlanError(f"cannot read layout file {p}: {e.strerror or e}", field="layout") from None
     return read_layout(sniff(p, text), text, base)
 
 

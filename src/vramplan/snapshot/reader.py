@@ -33,7 +33,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import pickle
+import zlib
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -47,7 +49,7 @@ from vramplan.allocator.constants import NO_LIMIT, MiB
 from vramplan.allocator.replay import final_segments, replay
 from vramplan.allocator.result import ReplayResult, SegmentEvent
 from vramplan.errors import ConfigError, SnapshotError
-from vramplan.events import Action, Category, EventLog
+from vramplan.events import Action, Category, EventLog, not_a_file
 
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                  "segment_map", "segment_unmap", "oom", "snapshot", "user_defined")
@@ -55,6 +57,14 @@ _SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unm
 _RELEASES = ("segment_free", "segment_unmap")
 MAX_BYTES = 4 * 1024**3
 """Refuse (decompressed) snapshots larger than this."""
+INFLATE_FREELY = 64 * 1024**2
+"""A gzip file may inflate to this many bytes at any ratio; beyond it, at most :data:`MAX_RATIO`."""
+MAX_RATIO = 200
+"""Inflated ÷ compressed bytes a gzip snapshot may reach past :data:`INFLATE_FREELY`. Snapshots
+compress 11× (pickle) to 42× (indented JSON with stack frames: a trace of gpt2 exported by
+``vramplan estimate --snapshot``); a run of one byte compresses ~1000× (a decompression bomb)."""
+_CHUNK = 1 << 20
+"""Bytes inflated per read of a gzip snapshot."""
 
 
 # ---------------------------------------------------------------------------- loading
@@ -115,7 +125,7 @@ def is_snapshot(data: bytes) -> bool:
     first = data.lstrip(b"\xef\xbb\xbf").lstrip().split(b"\n", 1)[0]
     try:
         obj = json.loads(first)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nested too deep
         return True  # a multi-line (pretty-printed) document: not one event per line
     return not (isinstance(obj, dict) and "action" in obj)
 
@@ -124,22 +134,26 @@ def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
     """Read snapshot bytes — a pickle (restricted unpickler) or its JSON form (the same dict
     ``json.dump`` writes), either of them gzip-compressed — detected by content, then validate."""
     if data[:2] == GZIP_MAGIC:
-        try:
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-                data = f.read(MAX_BYTES + 1)
-        except (OSError, EOFError) as e:
-            raise SnapshotError(f"{where}: not a valid gzip file ({e})") from None
+        return _load_gzip(data, where)
     if len(data) > MAX_BYTES:
         raise SnapshotError(f"{where}: larger than {MAX_BYTES >> 30} GiB uncompressed; refusing")
     if not _is_pickle(data) and _json_start(data) in (b"{", b"["):
-        try:
-            obj = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise SnapshotError(f"{where}: not a readable JSON snapshot ({type(e).__name__}: {e})",
-                                hint="expected json.dump(torch.cuda.memory._snapshot(), f) output") from None
-        return validate_snapshot(obj, where)
+        return _load_json(data, where)
+    return _unpickle(io.BytesIO(data), where)
+
+
+def _load_json(data: bytes, where: str) -> dict[str, Any]:
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+        obj = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SnapshotError(f"{where}: not a readable JSON snapshot ({type(e).__name__}: {e})",
+                            hint="expected json.dump(torch.cuda.memory._snapshot(), f) output") from None
+    return validate_snapshot(obj, where)
+
+
+def _unpickle(stream: Any, where: str) -> dict[str, Any]:
+    try:
+        obj = _RestrictedUnpickler(stream).load()
     except _Refused as e:
         raise SnapshotError(f"{where}: not a plain memory snapshot ({e})",
                             hint="only pickles of dicts/lists/numbers/strings are read") from None
@@ -147,6 +161,62 @@ def loads_snapshot(data: bytes, where: str = "snapshot") -> dict[str, Any]:
             MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as e:
         raise SnapshotError(f"{where}: not a readable pickle ({type(e).__name__}: {e})") from None
     return validate_snapshot(obj, where)
+
+
+class _Capped:
+    """A gzip stream that refuses to inflate past :data:`MAX_BYTES`, or past :data:`MAX_RATIO`
+    times the compressed size once above :data:`INFLATE_FREELY` (a decompression bomb)."""
+
+    def __init__(self, f: gzip.GzipFile, compressed: int, where: str) -> None:
+        self.f, self.compressed, self.where, self.n = f, compressed, where, 0
+
+    def _count(self, k: int) -> None:
+        self.n += k
+        if self.n > MAX_BYTES:
+            raise SnapshotError(f"{self.where}: larger than {MAX_BYTES >> 30} GiB uncompressed; refusing")
+        if self.n > INFLATE_FREELY and self.n > MAX_RATIO * self.compressed:
+            raise SnapshotError(
+                f"{self.where}: inflates more than {MAX_RATIO}× ({self.n >> 20} MiB from {self.compressed:,} B so "
+                "far): refusing a likely decompression bomb",
+                hint="if the file is genuine, decompress it (gunzip) and pass the plain file")
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            out = bytearray()
+            while chunk := self.read(_CHUNK):
+                out += chunk
+            return bytes(out)
+        data = self.f.read(size)
+        self._count(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        k = self.f.readinto(b)
+        self._count(k)
+        return k
+
+    def readline(self, size: int = -1) -> bytes:
+        line = self.f.readline(size if size is not None and size >= 0 else _CHUNK)
+        self._count(len(line))
+        return line
+
+
+def _load_gzip(data: bytes, where: str) -> dict[str, Any]:
+    """A gzip snapshot, inflated as it is read: a pickle is unpickled from the stream (a bad
+    byte stops it there), JSON is read whole; either way within the caps of :class:`_Capped`,
+    and content that is neither is refused before anything more is inflated."""
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            kind = snapshot_format(f.peek(4096)[:4096])
+            capped = _Capped(f, len(data), where)
+            if kind == "pickle":
+                return _unpickle(capped, where)
+            if kind == "json":
+                return _load_json(capped.read(), where)
+            raise SnapshotError(f"{where}: the gzip file does not hold a memory snapshot (it starts with "
+                                f"{f.peek(8)[:8]!r})", hint="expected a gzip-compressed pickle or JSON snapshot")
+    except (OSError, EOFError, zlib.error) as e:
+        raise SnapshotError(f"{where}: not a valid gzip file ({e})") from None
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
@@ -158,10 +228,23 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     try:
-        data = p.read_bytes()
+        with open(p, "rb") as f:
+            check_regular_file(p, os.fstat(f.fileno()), MAX_BYTES)
+            data = f.read()
     except OSError as e:
         raise SnapshotError(f"cannot read {p}: {e.strerror or e}") from None
     return loads_snapshot(data, str(p))
+
+
+def check_regular_file(p: Path, st: os.stat_result, limit: int) -> None:
+    """A snapshot or event file is a regular file of at most ``limit`` bytes (a device such as
+    /dev/zero never ends; a FIFO blocks)."""
+    kind = not_a_file(st)
+    if kind:
+        raise SnapshotError(f"cannot read {p}: it is {kind}, not a file",
+                            hint="save the snapshot or events to a file and pass its path")
+    if limit and st.st_size > limit:
+        raise SnapshotError(f"{p}: {st.st_size:,} B is larger than {limit >> 30} GiB; refusing")
 
 
 def strip_frames(snap: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,6 +269,26 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+SIZE_LIMIT = (1 << 63) - 1
+"""The largest size a trace entry or block may state (the event log's 64-bit sizes)."""
+ADDR_LIMIT = (1 << 64) - 1
+"""The largest device address (a 64-bit pointer)."""
+
+
+def _is_size(x: Any) -> bool:
+    return _is_int(x) and 0 <= x <= SIZE_LIMIT
+
+
+def _is_addr(x: Any) -> bool:
+    return _is_int(x) and 0 <= x <= ADDR_LIMIT
+
+
+def _bad_size(action: str, size: int) -> str:
+    if size < 0:
+        return f"{action} size must be >= 0, got {size:,}"
+    return f"{action} size {size:,} is out of range (at most {SIZE_LIMIT:,} bytes)"
+
+
 def validate_snapshot(obj: Any, where: str = "snapshot") -> dict[str, Any]:
     """Check the structure; a bare list of segments (old ``memory_snapshot()``) is wrapped."""
     if isinstance(obj, list):
@@ -199,11 +302,14 @@ def validate_snapshot(obj: Any, where: str = "snapshot") -> dict[str, Any]:
         _need(isinstance(s, dict), at, "not a dict")
         for key in ("total_size", "blocks"):
             _need(key in s, at, f"missing '{key}'")
-        _need(_is_int(s["total_size"]) and s["total_size"] >= 0, at, "'total_size' is not a size")
+        _need(_is_size(s["total_size"]), at, f"'total_size' is not a size in bytes (0 to 2^63 - 1): {s['total_size']!r}")
+        _need(_is_addr(s.get("address", 0)), at, f"'address' is not a device address: {s.get('address')!r}")
         _need(isinstance(s["blocks"], list), at, "'blocks' is not a list")
         for j, b in enumerate(s["blocks"]):
             _need(isinstance(b, dict) and _is_int(b.get("size")) and isinstance(b.get("state"), str),
                   f"{at}.blocks[{j}]", "needs an integer 'size' and a string 'state'")
+            _need(_is_size(b["size"]), f"{at}.blocks[{j}]", f"'size' is not a size in bytes (0 to 2^63 - 1): {b['size']!r}")
+            _need(_is_addr(b.get("address", 0)), f"{at}.blocks[{j}]", f"'address' is not a device address: {b.get('address')!r}")
     traces = obj.setdefault("device_traces", [])
     _need(isinstance(traces, list), where, "'device_traces' is not a list")
     for d, trace in enumerate(traces):
@@ -214,8 +320,10 @@ def validate_snapshot(obj: Any, where: str = "snapshot") -> dict[str, Any]:
             act = e.get("action")
             _need(act in TRACE_ACTIONS, at, f"unknown action {act!r}")
             _need(_is_int(e.get("size", 0)), at, "'size' is not an integer")
+            _need(_is_size(e.get("size", 0)), at, _bad_size(act, e.get("size", 0)))
             if act not in ("oom", "snapshot", "user_defined"):
                 _need(_is_int(e.get("addr")), at, "'addr' is not an integer")
+                _need(_is_addr(e["addr"]), at, f"'addr' is not a device address (0 to 2^64 - 1): {e['addr']:,}")
             _need(_is_int(e.get("stream", 0)), at, "'stream' is not an integer")
     settings = obj.get("allocator_settings", {})
     _need(isinstance(settings, dict), where, "'allocator_settings' is not a dict")

@@ -1,0 +1,223 @@
+"""Issue 29: defects a new user (or an adversary) met at the command line. Each test runs where
+the user met the defect: ``vramplan.cli.main.main(argv)`` (or the console script in a process),
+its exit code, stdout and stderr."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vramplan.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+RECORDED = ROOT / "tests" / "data" / "snapshots" / "decomfl_memory.pickle.gz"
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse
+        return int(e.code or 0)
+
+
+def _one_line_error(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines[0]
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run ``argv``; it must fail with exit 2, one line on stderr and nothing on stdout."""
+    assert _run(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    return _one_line_error(out.err)
+
+
+def _snapshot(entries: list[dict[str, object]]) -> dict[str, object]:
+    return {"segments": [], "device_traces": [entries]}
+
+
+def _write(path: Path, snap: object, form: str) -> Path:
+    if form == "json":
+        path.write_text(json.dumps(snap))
+    elif form == "pickle":
+        path.write_bytes(pickle.dumps(snap))
+    else:
+        path.write_bytes(gzip.compress(pickle.dumps(snap)))
+    return path
+
+
+# --------------------------------------------------------------------------- item 1: tracebacks
+@pytest.mark.parametrize("form", ["json", "pickle", "gzip"])
+@pytest.mark.parametrize("command", ["snapshot", "replay"])
+def test_a_trace_entry_of_10_to_the_30_bytes_is_one_line(tmp_path, capsys, form, command):
+    snap = _snapshot([{"action": "segment_alloc", "addr": 0, "size": 2 << 20, "stream": 0},
+                      {"action": "alloc", "addr": 0, "size": 10**30, "stream": 0}])
+    line = _error(capsys, [command, str(_write(tmp_path / "snap", snap, form))])
+    assert "device_traces[0][1]" in line and "out of range" in line
+
+
+@pytest.mark.parametrize("command", ["snapshot", "replay"])
+def test_an_address_beyond_64_bits_is_one_line(tmp_path, capsys, command):
+    snap = _snapshot([{"action": "alloc", "addr": 1 << 70, "size": 512, "stream": 0}])
+    line = _error(capsys, [command, str(_write(tmp_path / "snap", snap, "json"))])
+    assert "'addr' is not a device address" in line
+
+
+@pytest.mark.parametrize("command", ["snapshot", "replay"])
+def test_deeply_nested_json_is_one_line(tmp_path, capsys, command):
+    p = tmp_path / "deep.json"
+    p.write_text('{"segments":' + "[" * 20_000 + "]" * 20_000 + "}")  # < 64 KiB: replay sniffs it whole
+    line = _error(capsys, [command, str(p)])
+    assert "RecursionError" in line and "not a readable JSON snapshot" in line
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".toml", ".py"])
+def test_a_layout_file_that_is_not_utf8_is_one_line(tmp_path, capsys, suffix):
+    p = tmp_path / f"layout{suffix}"
+    p.write_bytes(b"\xff\xfe" + "zero_optimization = 3\n".encode("utf-16-le"))
+    line = _error(capsys, ["estimate", "gpt2", "--method", "analytic", "--layout", str(p)])
+    assert "is not UTF-8 text" in line and "--emit" in line
+
+
+# --------------------------------------------------------------------------- item 2: negative sizes
+def _recorded() -> dict[str, object]:
+    return pickle.loads(gzip.decompress(RECORDED.read_bytes()))
+
+
+@pytest.mark.parametrize("command", ["snapshot", "replay"])
+def test_a_negative_size_in_a_recorded_snapshot_is_refused(tmp_path, capsys, command):
+    snap = _recorded()
+    trace = snap["device_traces"][0]
+    k = next(i for i, e in enumerate(trace) if e["action"] == "alloc" and e["size"] > 1 << 20)
+    trace[k] = {**trace[k], "size": -trace[k]["size"]}  # lowered the peak when it was accepted
+    line = _error(capsys, [command, str(_write(tmp_path / "neg.pickle", snap, "pickle"))])
+    assert f"device_traces[0][{k}]" in line and "alloc size must be >= 0" in line
+
+
+def test_the_recorded_snapshot_still_replays(capsys):
+    assert main(["replay", str(RECORDED), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["comparison"]["match"] is True
+
+
+def test_a_negative_block_size_is_refused(tmp_path, capsys):
+    snap = {"segments": [{"total_size": 2 << 20, "address": 0, "blocks": [{"size": -1, "state": "active_allocated"}]}],
+            "device_traces": []}
+    line = _error(capsys, ["snapshot", str(_write(tmp_path / "s.json", snap, "json"))])
+    assert "segments[0].blocks[0]" in line and "not a size in bytes" in line
+
+
+# --------------------------------------------------------------------------- item 3: gzip bomb
+def test_a_gzip_bomb_is_refused_before_it_is_inflated(tmp_path, capsys):
+    bomb = tmp_path / "bomb.pickle.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # 1 GiB of zeros in ~1 MB
+        chunk = bytes(1 << 24)
+        for _ in range(64):
+            f.write(chunk)
+    assert bomb.stat().st_size < 2 << 20
+    line, peak = _peak_of(capsys, ["snapshot", str(bomb)])
+    assert "does not hold a memory snapshot" in line
+    assert peak < 64 << 20  # it was inflated to 1 GiB before the error
+
+
+def _peak_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[str, int]:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        line = _error(capsys, argv)
+        return line, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_gzip_bomb_that_starts_as_a_pickle_stops_at_its_first_bad_byte(tmp_path, capsys):
+    bomb = tmp_path / "bomb.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # a pickle header, then 1 GiB of zeros
+        f.write(b"\x80\x04")
+        chunk = bytes(1 << 24)
+        for _ in range(64):
+            f.write(chunk)
+    line, peak = _peak_of(capsys, ["replay", str(bomb)])
+    assert "not a readable pickle" in line
+    assert peak < 16 << 20
+
+
+def test_a_gzip_bomb_of_valid_json_is_capped(tmp_path, capsys):
+    from vramplan.snapshot import reader
+
+    bomb = tmp_path / "bomb.json.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # a JSON snapshot with a 512 MiB string
+        f.write(b'{"segments": [], "pad": "')
+        chunk = b"a" * (1 << 24)
+        for _ in range(32):
+            f.write(chunk)
+        f.write(b'"}')
+    size = bomb.stat().st_size
+    line, peak = _peak_of(capsys, ["snapshot", str(bomb)])
+    assert f"inflates more than {reader.MAX_RATIO}×" in line and "gunzip" in line
+    assert peak < 2 * reader.MAX_RATIO * size + (16 << 20) < 512 << 20  # not inflated whole
+
+
+# --------------------------------------------------------------------------- item 4: files that exist
+@pytest.mark.parametrize(("argv", "words"), [
+    (["replay", "/dev/zero"], "is a character device, not a file"),
+    (["snapshot", "/dev/zero"], "is a character device, not a file"),
+    (["estimate", "/dev/null"], "not a regular file"),
+])
+def test_a_device_is_not_called_a_missing_file(capsys, argv, words):
+    if not Path(argv[1]).exists():
+        pytest.skip(f"no {argv[1]} here")
+    line = _error(capsys, argv)
+    assert words in line and "no such file" not in line
+
+
+def test_a_missing_file_is_still_called_missing(tmp_path, capsys):
+    assert "no such file" in _error(capsys, ["replay", str(tmp_path / "nope.jsonl")])
+    assert "no such file" in _error(capsys, ["estimate", str(tmp_path / "nope.json")])
+
+
+# --------------------------------------------------------------------------- item 1: Ctrl-C on web
+def test_ctrl_c_on_web_prints_no_worker_traceback():
+    pytest.importorskip("uvicorn", reason="the web extra is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-m", "vramplan.cli.main", "web", "--port", str(port), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own group, as a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2) as r:  # noqa: S310
+                    if json.loads(r.read())["warmed"] >= 2:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("vramplan web did not start")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl+C does: the server and its workers
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 0
