@@ -221,3 +221,122 @@ def test_ctrl_c_on_web_prints_no_worker_traceback():
             proc.wait()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode == 0
+
+
+# --------------------------------------------------------------------------- item 2: silently wrong figures
+@pytest.mark.parametrize("sizes", ["-1", "0", "8,0,16"])
+def test_cuda_graph_sizes_must_be_positive(capsys, sizes):
+    line = _error(capsys, ["serve-plan", "llama-3.1-8b", "--gpu", "h100", "--cuda-graph-sizes", sizes])
+    assert "--cuda-graph-sizes" in line and "each >= 1" in line and "--enforce-eager" in line
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "-1", "0"])
+@pytest.mark.parametrize("where", [["--gpu", "h100"], ["--rank-gpus"]])
+def test_plan_budget_must_be_a_finite_positive_number(capsys, budget, where):
+    line = _error(capsys, ["plan", "gpt2", *where, "--budget", budget, "--method", "analytic"])
+    assert "--budget must be a positive, finite number" in line
+
+
+def test_rules_array_working_set_is_exact(capsys):
+    from fractions import Fraction
+    from math import ceil
+
+    shape = (1_000_000_007, 1_000_000_009, 3)
+    assert main(["rules", "array", "--shape", ",".join(map(str, shape)), "--working-set", "2.5",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    array = shape[0] * shape[1] * shape[2] * 4
+    assert doc["array_bytes"] == array
+    assert doc["needed_bytes"] == array * 5 // 2 == 30_000_000_480_000_001_890  # float: ...000,000,000
+    assert f"× 2.5 = {array * 5 // 2:,} B" in doc["steps"][2]["formula"]
+    assert main(["rules", "array", "--shape", ",".join(map(str, shape)), "--working-set", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["needed_bytes"] == ceil(array * Fraction(1, 10))
+
+
+def _serve(capsys, *argv: str) -> tuple[str, dict[str, object]]:
+    assert main(["serve-plan", "llama-3.1-8b", *argv]) == 0
+    table = capsys.readouterr().out
+    assert main(["serve-plan", "llama-3.1-8b", *argv, "--json"]) == 0
+    return table, json.loads(capsys.readouterr().out)
+
+
+def test_a_vllm_pool_that_is_never_allocated_is_not_shown_as_blocks(capsys):
+    table, doc = _serve(capsys, "--gpu", "l4")
+    assert doc["starts"] is False and doc["kv_pool"] == 0
+    row = next(ln for ln in table.splitlines() if "KV-cache pool" in ln)
+    assert "0.00" not in row and "not allocated: vLLM stops first" in row
+    # the rows add up to the footer: no pool and no graphs in the device used
+    parts = doc["context"] + doc["weights"] + doc["profile_peak"] + doc["non_torch"]
+    assert doc["cuda_graph"] == 0 and doc["device_used"] == parts
+    assert "What it would mean for users, had it started" in table
+
+
+def test_a_vllm_pool_that_starts_is_unchanged(capsys):
+    table, doc = _serve(capsys, "--gpu", "h100")
+    assert doc["starts"] is True and doc["kv_pool"] > 0 and doc["cuda_graph"] > 0
+    row = next(ln for ln in table.splitlines() if "KV-cache pool" in ln)
+    assert f"{doc['blocks']:,} blocks × 16 tokens" in row and "not allocated" not in row
+    parts = doc["context"] + doc["weights"] + doc["profile_peak"] + doc["non_torch"]
+    assert doc["device_used"] == parts + doc["kv_pool"] + doc["cuda_graph"]
+
+
+# --------------------------------------------------------------------------- item 4: misleading messages
+def test_cheapest_suggests_flags_that_exist(capsys):
+    line = _error(capsys, ["serve-plan", "llama-3.1-405b", "--cheapest", "--concurrency", "1000",
+                           "--context", "131072"])
+    assert "--tps" not in line
+    assert "--concurrency" in line and "--quantization fp8" in line and "--kv-cache-dtype fp8" in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["rules", "render", "--width", "64", "--height", "64", "--json", "--format", "markdown"],
+    ["rules", "render", "--width", "64", "--height", "64", "--format", "markdown", "--json"],
+    ["rules", "array", "--shape", "4,4", "--json", "--format", "markdown"],
+    ["rules", "bandwidth", "--bus", "384", "--rate", "21", "--format", "table", "--json"],
+    ["estimate", "gpt2", "--json", "--format", "markdown"],  # what the others did already
+])
+def test_json_and_another_format_contradict_everywhere(capsys, argv):
+    assert "contradicts" in _error(capsys, argv)
+
+
+def test_rules_render_still_takes_a_pixel_format_with_json(capsys):
+    assert main(["rules", "render", "--width", "64", "--height", "64", "--format", "rgba16f", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["color_format"] == "rgba16f"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_an_optimizer_for_inference_gets_a_note_even_at_its_default(capsys, optimizer):
+    assert main(["estimate", "llama-3.2-1b", "--task", "infer", "--optimizer", optimizer,
+                 "--method", "analytic"]) == 0
+    assert "note: --optimizer applies to training; ignored for --task infer" in capsys.readouterr().err
+
+
+def test_no_optimizer_note_when_it_is_not_given(capsys):
+    assert main(["estimate", "llama-3.2-1b", "--task", "infer", "--method", "analytic"]) == 0
+    assert "--optimizer" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- item 6: the default seq
+@pytest.mark.parametrize(("model", "positions"), [("gpt2", 1024), ("bert-base", 512)])
+def test_default_seq_is_the_models_own_maximum(capsys, model, positions):
+    assert main(["estimate", model, "--task", "train", "--method", "analytic", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["workload"]["seq"] == positions
+    assert f"note: --seq not given: {positions:,} tokens" in out.err
+
+
+def test_default_seq_leaves_room_for_new_tokens(capsys):
+    assert main(["estimate", "gpt2", "--task", "generate", "--new-tokens", "100", "--method", "analytic",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["seq"] == 924
+
+
+def test_a_seq_that_is_given_is_kept(capsys):
+    line = _error(capsys, ["estimate", "gpt2", "--seq", "2048", "--method", "analytic"])
+    assert "1024 learned positions" in line
+
+
+def test_fit_of_gpt2_runs_without_seq(capsys):
+    assert main(["fit", "gpt2", "--gpu", "t4", "--method", "analytic", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["seq"] == 1024 and doc["max_batch"] > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from dataclasses import field
 from enum import Enum
 from typing import Any, TypeVar
@@ -506,27 +507,34 @@ class Workload:
                                 hint=f"use `peft_base_dtype={half}` or fp32", field="peft_base_dtype")
 
     # --- settings that do not apply -------------------------------------------------
-    def setting_notes(self) -> tuple[str, ...]:
+    def setting_notes(self, given: Collection[str] = ()) -> tuple[str, ...]:
         """One sentence per setting that differs from its default but does not apply to this
         workload (the estimate ignores it), and for sizes beyond any real job. Contradictory
-        pairs are errors in ``__post_init__``; these are not wrong, only without effect."""
+        pairs are errors in ``__post_init__``; these are not wrong, only without effect.
+
+        ``given``: fields the user set explicitly (a command line's flags); they count as set
+        even at their default value (``optimizer=adamw`` for inference is as ignored as sgd)."""
         notes: list[str] = []
         task, p = self.task, self.parallel
+
+        def set_(name: str, default: object) -> bool:
+            return name in given or getattr(self, name) != default
+
         if task is not Task.TRAIN:
             for name, default in (("optimizer", Optimizer.ADAMW), ("optimizer_impl", OptimizerImpl.FOREACH),
                                   ("checkpointing", Checkpointing.NONE), ("grad_accum", 1),
                                   ("checkpoint_every", 1), ("activation_offload", False), ("keep_grads", False),
                                   ("keep_outputs", False), ("optimizer_in_backward", False)):
-                if getattr(self, name) != default:
+                if set_(name, default):
                     notes.append(f"`{name}` applies to training; ignored for `task={task}`")
-        if self.new_tokens and task is not Task.GENERATE:
+        if set_("new_tokens", 0) and task is not Task.GENERATE:
             notes.append(f"`new_tokens` applies to `task=generate`; ignored for `task={task}`")
-        if self.kv_dtype is not KVDtype.AUTO and task is not Task.GENERATE:
+        if set_("kv_dtype", KVDtype.AUTO) and task is not Task.GENERATE:
             notes.append(f"`kv_dtype` sets the KV cache of `task=generate`; ignored for `task={task}`")
         if self.peft is Peft.NONE:
-            if self.lora_rank != 16:
+            if set_("lora_rank", 16):
                 notes.append("`lora_rank` applies with `peft=lora` or qlora; ignored without `peft`")
-            if tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
+            if "lora_targets" in given or tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
                 notes.append("`lora_targets` applies with `peft=lora` or qlora; ignored without `peft`")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:
             notes.append("`checkpoint_fraction` applies with `checkpointing`; ignored without it")

@@ -175,7 +175,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         fields = {n: getattr(args, n) for n in names if n in given or n not in by_recipe}
         if fields.get("checkpointing") == "auto":  # not given: the recipe's, else none
             del fields["checkpointing"]
-        return apply(args.recipe, **fields)
+        return _seq_for_model(args, apply(args.recipe, **fields))
     parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
     fields["checkpointing"] = checkpointing_arg(args)
@@ -188,7 +188,32 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         for n in layout.notes:
             hint(f"note: {n}")
         w = layout.workload
-    return w
+    return _seq_for_model(args, w)
+
+
+def _seq_for_model(args: argparse.Namespace, w: Workload) -> Workload:
+    """``--seq`` not given and the default longer than the model's positions (gpt2's 1,024,
+    BERT's 512): the model's own maximum (less ``--new-tokens`` when generating), with a note.
+    A model that does not resolve is left to the command, which says why."""
+    model = getattr(args, "model", None)
+    if not isinstance(model, str) or "seq" in explicit_fields(args) or w.seq != Workload().seq:
+        return w
+    from ..engine.resolve import resolve_model
+    from ..models.spec import Family
+
+    try:
+        spec = resolve_model(model)
+    except VramplanError:
+        return w
+    if spec.family in (Family.VIT, Family.OTHER) or not spec.max_positions:
+        return w
+    room = spec.max_positions - (w.new_tokens if w.task.value == "generate" else 0)
+    if room >= w.seq or room < 1:
+        return w
+    hint(f"note: `seq` not given: {room:,} tokens, {spec.name}'s {spec.max_positions:,} positions"
+         + (f" less `new_tokens={w.new_tokens}`" if room != spec.max_positions else "")
+         + f" (the default {w.seq:,} exceeds them)")
+    return w.replace(seq=room)
 
 
 def check_layout_flags(given: Workload, read: Workload, fmt: str) -> None:
@@ -208,9 +233,11 @@ def check_layout_flags(given: Workload, read: Workload, fmt: str) -> None:
                                 hint=f"drop `{name}`, or edit the file", field=name)
 
 
-def note_settings(w: Workload) -> None:
-    """Settings given but without effect on this workload: a note each on stderr."""
-    for n in w.setting_notes():
+def note_settings(w: Workload, args: argparse.Namespace | None = None) -> None:
+    """Settings given but without effect on this workload: a note each on stderr. With ``args``,
+    a flag typed at its default value counts as given (``--optimizer adamw --task infer``)."""
+    given = () if args is None else {n for n in explicit_fields(args) if str(getattr(args, n, "")) != "auto"}
+    for n in w.setting_notes(given):
         hint(f"note: {n}")
 
 

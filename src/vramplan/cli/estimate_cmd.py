@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_extras(args)
     w = workload_from_args(args)
-    note_settings(w)
+    note_settings(w, args)
     report = estimate(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf)
     if report.fallback is not None:
         hint(f"note: the model could not be traced; showing the {report.fallback.used} estimate "

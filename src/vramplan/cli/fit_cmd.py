@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_step is not None and args.seq_step < 1:
         raise PlanError(f"--seq-step must be a positive integer, got {args.seq_step}")
     w = workload_from_args(args)
-    note_settings(w)
+    note_settings(w, args)
     paths = plot_paths(args.plot) if args.plot else None
     recorder = ReportLog() if paths else None
     result = fit(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf,

@@ -130,7 +130,7 @@ def _glue_negative_values(argv: Sequence[str]) -> list[str]:
     what is wrong with the value."""
     out: list[str] = []
     for tok in argv:
-        if (out and re.match(r"^-\.?\d", tok) and out[-1].startswith("--") and "=" not in out[-1]
+        if (out and re.match(r"^-(\.?\d|inf|nan)", tok, re.IGNORECASE) and out[-1].startswith("--") and "=" not in out[-1]
                 and len(out[-1]) > 2):
             out[-1] = f"{out[-1]}={tok}"
         else:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from vramplan.report.render import emit
 
     w = workload_from_args(args)
-    note_settings(w)
+    note_settings(w, args)
     methods: tuple[str, ...] = ()
     if not args.no_predict:
         methods = ("trace", "analytic") if args.method == "auto" else (args.method,)

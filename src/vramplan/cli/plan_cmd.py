@@ -52,16 +52,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vramplan.errors import PlanError
+    from vramplan.planner.pricing import check_budget
     from vramplan.report.progress import progress_bar
 
+    check_budget(args.budget)  # before any work: NaN, inf and negatives
     w = workload_from_args(args)
-    note_settings(w)
+    note_settings(w, args)
     for name in ("max_gpus", "global_batch", "confirm", "top", "pick"):
         v = getattr(args, name)
         if v is not None and (v < 1 if name != "confirm" else v < 0):
             raise PlanError(f"`{name}` must be {'≥ 0' if name == 'confirm' else 'positive'}, got {v}", field=name)
-    if args.budget is not None and args.budget <= 0:
-        raise PlanError(f"`budget` must be a positive number of dollars per hour, got {args.budget}", field="budget")
     if args.plot:
         from vramplan.report.plot import check_plot_path
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from vramplan.cli.common import size_arg
+from vramplan.cli.common import _FormatAction, size_arg
 
 if TYPE_CHECKING:
     from vramplan.hardware.rules import RuleResult
@@ -31,8 +31,9 @@ def _count(text: str) -> int:
 def _output(p: argparse.ArgumentParser, *, format_flag: bool = True) -> None:
     g = p.add_argument_group("output")
     if format_flag:
-        g.add_argument("--format", choices=OUTPUT_FORMATS, default="table", help="report format (default: table)")
-    g.add_argument("--json", action="store_const", const="json", dest="format",
+        g.add_argument("--format", choices=OUTPUT_FORMATS, default="table", action=_FormatAction,
+                       help="report format (default: table)")
+    g.add_argument("--json", action=_FormatAction, const="json", dest="format", nargs=0,
                    help="same as --format json (integer bytes, floats)")
 
 
@@ -42,8 +43,8 @@ class _RenderFormat(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
         v = str(values).lower()
-        if v in OUTPUT_FORMATS:
-            namespace.format = v
+        if v in OUTPUT_FORMATS:  # as the other commands' --format: --json --format markdown contradict
+            _FormatAction(self.option_strings, self.dest)(parser, namespace, v, option_string)
         elif v in COLOR_FORMATS:
             namespace.color_format = v
         else:

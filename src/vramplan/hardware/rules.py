@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from vramplan.errors import VramplanError
@@ -325,11 +326,14 @@ def array(shape: str | tuple[int, ...], dtype: str = "float32", *, working_set: 
     _positive("working-set", working_set)
     elems = math.prod(dims)
     nbytes = elems * itemsize
-    need = int(math.ceil(nbytes * working_set))
+    # exact: the factor as the decimal it was written as (2.5, 0.1), never a float product
+    # (int(1.2e19 * 2.5) is off by thousands of bytes above 2^53)
+    factor = repr(float(working_set)).removesuffix(".0")
+    need = math.ceil(nbytes * Fraction(factor))
     steps = [
         Step("elements", " × ".join(f"{d:,}" for d in dims) + f" = {elems:,}"),
         Step("array", f"{elems:,} × {itemsize} B ({dtype}) = {nbytes:,} B ({fmt_bytes(nbytes, 'auto')})"),
-        Step("working set", f"{nbytes:,} B × {working_set:g} = {need:,} B ({fmt_bytes(need, 'auto')})"),
+        Step("working set", f"{nbytes:,} B × {factor} = {need:,} B ({fmt_bytes(need, 'auto')})"),
     ]
     values: dict[str, Any] = {"shape": list(dims), "dtype": dtype, "itemsize": itemsize, "elements": elems,
                               "array_bytes": nbytes, "working_set": working_set, "needed_bytes": need}
@@ -341,11 +345,11 @@ def array(shape: str | tuple[int, ...], dtype: str = "float32", *, working_set: 
         context = sum(o.bytes for o in device_overhead(g))
         avail = usable - context
         fits = need <= avail
-        gpus_needed = max(1, math.ceil(need / avail)) if avail > 0 else None
+        gpus_needed = max(1, -(-need // avail)) if avail > 0 else None
         values.update(gpu=g.key, usable_bytes=usable, context_bytes=context, available_bytes=avail,
                       fits=fits, gpus_needed=gpus_needed)
         steps.append(Step("available", f"{usable:,} usable − {context:,} context = {avail:,} B ({fmt_bytes(avail, 'auto')}) on {g.key}"))
         steps.append(Step("fits", f"{fmt_bytes(need, 'auto')} {'≤' if fits else '>'} {fmt_bytes(avail, 'auto')}: "
-                          + ("yes" if fits else f"no — about {gpus_needed} GPUs' worth if split evenly")))
+                          + ("yes" if fits else f"no — about {gpus_needed:,} GPUs' worth if split evenly")))
         notes.append(f"Usable capacity: {src}.")
     return RuleResult("array", tuple(steps), values, tuple(notes))

@@ -37,7 +37,7 @@ from .pareto import (
     sort_key,
     time_per_work,
 )
-from .pricing import load_instances, plan_price, priced_gpus
+from .pricing import check_budget, load_instances, plan_price, priced_gpus
 from .results import Plan, PlanResult, Price
 from .space import Candidate, candidates, changes_from, describe, for_gpu
 
@@ -68,6 +68,7 @@ def plan(
         raise PlanError(f"unknown sort {sort!r}", hint=f"choose one of {', '.join(SORTS)}")
     w = workload or Workload()
     check_layout(w, max_gpus)
+    check_budget(budget)
     m = as_enum(Method, method, "method")
     insts = list(instances) if instances is not None else load_instances()
     ev = screen.ev if screen is not None else Evaluator(spec, alloc_conf=alloc_conf, estimator=estimator)

@@ -7,12 +7,23 @@ that GPU (and says so). Every price carries its instance, region, source and rea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from vramplan.errors import PlanError
 from vramplan.hardware.gpu import GPU
 
 from .results import Offer, Price
+
+
+def check_budget(budget: float | None) -> None:
+    """``budget`` is None or a finite positive number of dollars per hour (NaN compares false
+    with every price, so it would leave every plan out without saying why)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not math.isfinite(budget) or budget <= 0):
+        raise PlanError(f"`budget` must be a positive, finite number of dollars per hour, got {budget}",
+                        hint="e.g. `budget=10` for $10/h", field="budget")
 
 
 def load_instances() -> list[Any]:

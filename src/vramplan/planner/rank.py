@@ -22,7 +22,7 @@ from vramplan.workload import Method, Workload, as_enum
 from .evaluator import Estimator, Evaluator, Screen
 from .pareto import SORTS, complexity, job_changes, sort_key
 from .plan import PlanBuilder, Progress, caveats, screen_method
-from .pricing import load_instances, offers, source_lines
+from .pricing import check_budget, load_instances, offers, source_lines
 from .results import Offer, Plan, RankedOffer, Ranking
 from .space import Candidate, candidates
 
@@ -42,6 +42,7 @@ def rank_gpus(
     spec = resolve_model(model)
     w = workload or Workload()
     m = as_enum(Method, method, "method")
+    check_budget(budget)
     insts = list(instances) if instances is not None else load_instances()
     pool = list(gpus) if gpus is not None else _catalog()
     by_key = {g.key: g for g in pool}

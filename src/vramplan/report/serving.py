@@ -33,6 +33,11 @@ def to_doc(p: ServePlan) -> Doc:
               + ("" if p.starts else " — DOES NOT START"),
               subtitle=f"per GPU (TP {p.tp}, PP {p.pp}); GiB = 2^30 bytes; profile forward: {p.profile_method}")
     graphs = "inside" if p.cuda_graph_in_budget else "outside the budget"
+    pool, pool_note, graph = _gib(p.kv_pool), f"{p.blocks:,} blocks × {p.block_size} tokens", _gib(p.cuda_graph)
+    if not p.starts and not p.kv_pool:  # vLLM: stopped by its check, before the pool and the graphs
+        pool, pool_note = "–", f"not allocated: {name} stops first ({p.blocks:,} blocks × {p.block_size} tokens would fit)"
+        if not p.cuda_graph and not p.settings.get("enforce_eager"):
+            graph, graphs = "–", f"not captured: {name} stops first"
     mem = [
         ["GPU total (CUDA)", _gib(p.total_memory), ""],
         [f"budget ({FRACTION_NAME[p.engine]} {p.settings.get(FRACTION_NAME[p.engine])})", _gib(p.budget), ""],
@@ -40,8 +45,8 @@ def to_doc(p: ServePlan) -> Doc:
         ["profile-run peak (activations)", _gib(p.profile_peak), ""],
         ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), ""],
         ["available for the KV cache", _gib(p.kv_available), ""],
-        ["KV-cache pool", _gib(p.kv_pool), f"{p.blocks:,} blocks × {p.block_size} tokens"],
-        ["CUDA graphs", _gib(p.cuda_graph), graphs],
+        ["KV-cache pool", pool, pool_note],
+        ["CUDA graphs", graph, graphs],
         ["CUDA context + kernels", _gib(p.context), "outside the budget"],
     ]
     doc.add(Table(["memory per GPU", "GiB", "note"], mem, title="Start-up sizing", align=["l", "r", "l"],
@@ -51,7 +56,8 @@ def to_doc(p: ServePlan) -> Doc:
              ("engine's concurrency limit", f"{p.max_running:,} sequences")]
     if p.avg_request_len:
         users.append((f"concurrency at {p.avg_request_len:,} tokens", _x(p.concurrency_at_avg)))
-    doc.add(KeyValues(users, title="What it means for users"))
+    doc.add(KeyValues(users, title="What it means for users" if p.starts else
+                      "What it would mean for users, had it started"))
     doc.add(KeyValues([(k, str(v)) for k, v in p.settings.items()], title="Settings in effect"))
     doc.add(Notes(list(p.log), title="The engine would log"))
     if p.error:

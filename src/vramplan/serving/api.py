@@ -96,6 +96,11 @@ def serve_plan(
     _check(spec, engine, memory_fraction, max_model_len, avg_request_len,
            {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "block_size": block_size})
+    bad = [n for n in cuda_graph_sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise WorkloadError(f"`cuda_graph_sizes` are batch sizes to capture, each >= 1; got {bad[0]}",
+                            hint="e.g. `cuda_graph_sizes=512` (the largest), or `enforce_eager` for no graphs",
+                            field="cuda_graph_sizes")
     if method not in ("analytic", "trace"):
         raise WorkloadError(f"invalid method {method!r}", hint="use analytic or trace")
     q = check_quant(quantization)
@@ -200,7 +205,8 @@ def cheapest(model: str | ModelSpec, *, concurrency: int, context: int, engine: 
             best[key] = Option(inst.gpu, tp, inst.name, inst.provider, price, p.concurrency_at_avg or 0.0, p)
     if not best:
         raise PlanError(f"no catalog GPU/instance with TP in {tps} serves {concurrency} requests of {context:,} tokens",
-                        hint="lower the target, allow a larger TP (--tps 16) or quantise (--quantization fp8)")
+                        hint="lower `concurrency` or `context`, or quantise the weights (`quantization=fp8`) or "
+                        "the KV cache (`kv_cache_dtype=fp8`)")
     ranked = sorted(best.values(), key=lambda o: (o.usd_per_hour or 0.0, o.tp))
     return ranked[:limit]
 

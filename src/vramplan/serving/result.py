@@ -46,8 +46,9 @@ class ServePlan:
     block_size: int
     """Tokens per KV block (page)."""
     blocks: int
+    """KV blocks of the pool (when it does not start: the blocks the available memory would hold)."""
     tokens: int
-    """KV-cache size in tokens, as the engine logs it."""
+    """KV-cache size in tokens, as the engine logs it (when it does not start: what it would hold)."""
     bytes_per_token: int
     """KV bytes per token on this rank, all layers of the stage."""
     max_model_len: int

@@ -231,7 +231,11 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     kinds: dict[str, int] = {}
     for x in layers:
         kinds[x.kind] = kinds.get(x.kind, 0) + 1
-    used = out.context + fwd.weights + peak + out.later + cfg.pool_bytes + graphs
+    # vLLM checks the pool before it allocates it, and captures graphs after: when the check
+    # fails, neither exists (the blocks and tokens below are what the memory would have held)
+    pool = cfg.pool_bytes if error is None else 0
+    graphs = graphs if error is None else 0
+    used = out.context + fwd.weights + peak + out.later + pool + graphs
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
@@ -255,7 +259,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         engine="vllm", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp,
         settings=settings_out, total_memory=total, budget=requested, weights=fwd.weights,
         profile_peak=peak, non_torch=out.later, context=out.context, cuda_graph=graphs,
-        cuda_graph_in_budget=False, kv_available=available, kv_pool=cfg.pool_bytes if error is None else 0,
+        cuda_graph_in_budget=False, kv_available=available, kv_pool=pool,
         block_size=s.block_size, blocks=cfg.num_blocks, tokens=cfg.tokens,
         bytes_per_token=bytes_per_token(layers), max_model_len=max_model_len, max_concurrency=conc,
         avg_request_len=avg_request_len, concurrency_at_avg=conc_avg, max_running=max_num_seqs,
