@@ -23,6 +23,8 @@ from vramplan.web.params import encode_config, fields, parse_workload  # noqa: E
 from vramplan.workload import Parallel, Workload  # noqa: E402
 
 BASE = "model=gpt2&batch=2&seq=512&gpu=rtx-4090"
+LOCAL = "http://127.0.0.1:8765"
+"""The page's address (the server answers only to this machine's names)."""
 CLI = ["gpt2", "--batch", "2", "--seq", "512", "--gpu", "rtx-4090"]
 
 
@@ -30,7 +32,7 @@ CLI = ["gpt2", "--batch", "2", "--seq", "512", "--gpu", "rtx-4090"]
 def client():
     # threads instead of worker processes: the same code path, without spawning interpreters
     app = create_app(executor=cf.ThreadPoolExecutor(max_workers=1), warm=False)
-    with TestClient(app) as c:
+    with TestClient(app, base_url=LOCAL) as c:
         yield c
 
 
@@ -43,8 +45,9 @@ def cli_json(capsys, *argv):
 def cli_error(capsys, *argv):
     assert main(list(argv)) == 2
     _, err = capsys.readouterr()
-    assert err.startswith("error: ")
-    return err.removeprefix("error: ").strip()
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]  # (after any note: lines)
+    assert len(lines) == 1, err
+    return lines[0].removeprefix("error: ").strip()
 
 
 def test_estimate_is_the_cli_json(client, capsys):
@@ -401,3 +404,203 @@ def test_field_of_reads_an_errors_own_field():
     assert field_of(Tagged("bad --seq", "no_such_thing")) == "seq"  # falls back to the message
     assert field_of(VramplanError("invalid ZeRO stage 7")) == "zero"
     assert field_of(VramplanError("something else")) is None
+
+
+# ---------------------------------------------------------------------- issue 29, item 7: who may ask, and how much
+def _app_client(**kw):
+    return TestClient(create_app(executor=cf.ThreadPoolExecutor(max_workers=1), warm=False, **kw), base_url=LOCAL)
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8765", "127.0.0.1.evil.example", "localhost.evil"])
+def test_a_foreign_host_header_is_refused(client, host):
+    # a DNS-rebinding page reaches 127.0.0.1 under its own name: the Host header says which
+    for path in ("/", "/api/estimate?model=gpt2&seq=512&method=analytic", "/api/catalog", "/static/app.js"):
+        r = client.get(path, headers={"Host": host})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["field"] is None and "answers only to" in r.json()["error"]
+    r = client.post("/api/config?name=tiny.json", content=json.dumps(TINY).encode(), headers={"Host": host})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8765", "localhost:8765", "LOCALHOST", "[::1]:8765", "localhost."])
+def test_this_machines_names_are_answered(client, host):
+    assert client.get("/api/estimate?model=gpt2&seq=512&method=analytic", headers={"Host": host}).status_code == 200
+
+
+def test_the_host_given_to_listen_on_is_answered():
+    with _app_client(host="192.168.1.7") as c:
+        assert c.get("/api/catalog", headers={"Host": "192.168.1.7:8765"}).status_code == 200
+        assert c.get("/api/catalog", headers={"Host": "192.168.1.8:8765"}).status_code == 400
+    with _app_client(host="gpu-box.lan") as c:
+        assert c.get("/api/catalog", headers={"Host": "gpu-box.lan:8765"}).status_code == 200
+    with _app_client(host="0.0.0.0") as c:  # every address: any IP, never a name that is not this machine's
+        assert c.get("/api/catalog", headers={"Host": "10.1.2.3:8765"}).status_code == 200
+        assert c.get("/api/catalog", headers={"Host": "[fe80::1]:8765"}).status_code == 200
+        assert c.get("/api/catalog", headers={"Host": "evil.example:8765"}).status_code == 400
+
+
+def test_a_post_from_another_origin_is_refused(client):
+    body = json.dumps(TINY).encode()
+    for origin in ("http://evil.example", "http://127.0.0.1:9999", "null"):
+        r = client.post("/api/config?name=tiny.json", content=body, headers={"Origin": origin})
+        assert r.status_code == 403, origin
+        assert r.json()["field"] is None and "origin" in r.json()["error"]
+    assert client.post("/api/config?name=tiny.json", content=body, headers={"Origin": LOCAL}).status_code == 200
+    assert client.post("/api/config?name=tiny.json", content=body).status_code == 200  # curl sends none
+
+
+def test_another_sites_scripts_cannot_spend_this_machines_cpu(client):
+    # fetch()/<img> from another site: refused; a link opened from another site (navigation): answered
+    q = "/api/estimate?model=gpt2&seq=512&method=analytic"
+    r = client.get(q, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})
+    assert r.status_code == 403
+    assert client.get(q, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}).status_code == 200
+    assert client.get(q, headers={"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}).status_code == 200
+
+
+def test_costly_requests_are_refused_at_once_with_their_field(client):
+    import time
+
+    t0 = time.monotonic()
+    for q in (f"gpus={2**40}", "gpus=4097"):
+        for view in ("plan", "rank"):
+            r = client.get(f"/api/{view}?{BASE}&{q}")
+            assert r.status_code == 400, r.text
+            assert r.json()["field"] == "gpus" and "4,096" in r.json()["error"]
+    assert client.get(f"/api/plan?{BASE}&gpus={2**60}").json()["field"] == "gpus"
+    deep = {**TINY, "num_hidden_layers": 10_000}
+    r = client.post("/api/config?name=deep.json", content=json.dumps(deep).encode())
+    assert r.status_code == 400 and r.json()["field"] == "config" and "10,000 layers" in r.json()["error"]
+    link = client.get(f"/api/estimate?model=deep.json&config={encode_config(json.dumps(deep))}&method=trace")
+    assert link.status_code == 400 and link.json()["field"] == "config"
+    wide = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "num_local_experts": 5_000,
+            "num_experts_per_tok": 2}
+    r = client.post("/api/config?name=wide.json", content=json.dumps(wide).encode())
+    assert r.status_code == 400 and "5,000 experts per layer" in r.json()["error"]
+    assert time.monotonic() - t0 < 30  # refused, not computed (a 2**40-GPU search held a worker 64 s)
+    assert client.get("/api/estimate?model=gpt2&config=" + "A" * 40_000).status_code == 400  # no 40 KB query parsed
+
+
+def test_a_request_past_the_time_budget_answers_400_and_frees_its_worker():
+    # real worker processes: the trace is stopped at the budget, its worker replaced
+    app = create_app(workers=1, warm=False, budget_s=0.05)
+    with TestClient(app, base_url=LOCAL) as c:
+        r = c.get("/api/estimate?model=gpt2&seq=128&method=trace")
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": "this request needs more than 0.05 s of work, the page's limit per request "
+                                     "(run the same command line in a terminal: it has no such limit)", "field": None}
+        status = c.get("/api/status").json()
+        assert status["over_budget"] == 1 and status["running"] == 0
+        assert c.get("/api/estimate?model=gpt2&seq=128&method=analytic").status_code == 200
+
+
+# ---------------------------------------------------------------------- issue 29, item 8: errors where they belong
+def test_an_error_naming_several_fields_goes_to_the_one_the_user_set():
+    from vramplan.errors import VramplanError
+    from vramplan.web.params import field_of
+
+    e = VramplanError("the simulated allocator ran out of address space (check the sizes (--batch, --seq, "
+                      "--image-size, or the event sizes))")
+    assert field_of(e, frozenset({"seq"})) == "seq"
+    assert field_of(e, frozenset({"batch", "task"})) == "batch"
+    assert field_of(e) is None  # not under --batch because it is named first: above the figures
+    assert field_of(e, frozenset({"batch", "seq"})) is None
+    assert field_of(VramplanError("bad (use `seq=128`)")) == "seq"
+
+
+def test_a_trace_that_runs_out_of_address_space_marks_the_sequence(client):
+    r = client.get("/api/estimate?model=llama-3.2-1b&seq=1000000000&method=trace")
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == "seq", r.json()
+
+
+def test_a_config_no_one_can_build_is_refused_when_dropped(client):
+    evil = {"model_type": "evil", "hidden_size": 64, "num_hidden_layers": 2}
+    r = client.post("/api/config?name=evil.json", content=json.dumps(evil).encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == "config" and "unknown model_type 'evil'" in r.json()["error"]
+    r = client.get(f"/api/estimate?model=evil.json&config={encode_config(json.dumps(evil))}")
+    assert r.status_code == 400 and r.json()["field"] == "config"
+    resnet = {"model_type": "resnet", "depths": [1, 1], "hidden_sizes": [8, 16], "embedding_size": 8}
+    assert client.post("/api/config?name=r.json", content=json.dumps(resnet).encode()).status_code == 200
+
+
+def test_messages_name_the_page_not_the_command_line(client):
+    r = client.get("/api/fit?model=llama-3.1-405b&gpu=rtx-3060&task=train")
+    assert r.status_code == 400
+    msg = r.json()["error"]
+    assert "does not fit" in msg and "the Plans tab" in msg, msg
+    assert "vramplan " not in msg and "max_gpus" not in msg and "allow_peft" not in msg
+    r = client.get("/api/estimate?model=zzqqxx&method=analytic")
+    assert r.json()["field"] == "model" and "vramplan models" not in r.json()["error"]
+    assert "type in the model box" in r.json()["error"]
+    r = client.get("/api/estimate?model=gpt2&gpu=zzqqxx&method=analytic")
+    assert r.json()["field"] == "gpu" and "`vramplan" not in r.json()["error"]
+
+
+def test_page_wording_of_core_messages():
+    from vramplan.errors import PlanError
+    from vramplan.web.params import field_of, page_message
+
+    e = PlanError("x does not fit on 1× g", hint="try `vramplan plan x --gpu g` (checkpointing, `allow_peft`, "
+                  "`max_gpus=N`); see `vramplan models` for the list; or `vramplan trace model.py`")
+    assert page_message(e) == ("x does not fit on 1× g (try the Plans tab (checkpointing, --allow-peft, --gpus N); "
+                               "type in the model box to search the catalog; or `vramplan trace model.py` in a terminal)")
+    assert field_of(e) is None  # it names two fields, neither set by the request
+    assert field_of(e, frozenset({"gpus"})) == "gpus"
+
+
+# ---------------------------------------------------------------------- issue 29, item 10: serving, all configs
+SERVE_CLI = ["serve-plan", "llama-3.1-8b", "--gpu", "h100-sxm"]
+
+
+@pytest.mark.parametrize(("query", "argv"), [
+    ("", []),
+    ("&engine=sglang&max-model-len=8192&max-num-seqs=64", ["--engine", "sglang", "--max-model-len", "8192",
+                                                           "--max-num-seqs", "64"]),
+    ("&tp=2&memory-fraction=0.8&kv-cache-dtype=fp8&avg-request-len=2048",
+     ["--tp", "2", "--memory-fraction", "0.8", "--kv-cache-dtype", "fp8", "--avg-request-len", "2048"]),
+    ("&engine=tgi&quantization=awq", ["--engine", "tgi", "--quantization", "awq"]),
+])
+def test_serving_view_is_the_cli_json(client, capsys, query, argv):
+    r = client.get(f"/api/serve?model=llama-3.1-8b&gpu=h100-sxm{query}")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, *SERVE_CLI, *argv, "--json")
+
+
+def test_serving_view_carries_the_terminals_document(client):
+    from vramplan.report.serving import to_doc
+    from vramplan.serving import serve_plan
+
+    body = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&doc=1").json()
+    doc = to_doc(serve_plan("llama-3.1-8b", "h100-sxm"))
+    assert body["doc"]["title"] == doc.title
+    first = body["doc"]["sections"][0]
+    assert first["kind"] == "table" and first["rows"] == doc.sections[0].rows and first["footer"] == doc.sections[0].footer
+    assert [s["title"] for s in body["doc"]["sections"]] == [s.title for s in doc.sections]
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ("memory-fraction=1.5", "memory-fraction"), ("memory-fraction=x", "memory-fraction"),
+    ("tp=3", "tp"), ("max-model-len=10000000", "max-model-len"), ("max-model-len=0", "max-model-len"),
+    ("engine=nope", "engine"), ("kv-cache-dtype=int3", "kv-cache-dtype"), ("engine=tgi&pp=2", "pp"),
+    ("max-num-seqs=x", "max-num-seqs"), ("gpu=", None),
+])
+def test_serving_mistakes_are_marked_on_their_field(client, query, field):
+    r = client.get(f"/api/serve?model=llama-3.1-8b&gpu=h100-sxm&{query}")
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field, r.json()
+    assert "\n" not in r.json()["error"]
+
+
+def test_every_emit_format_is_offered_and_downloads(client, capsys):
+    from vramplan.planner.emit import FORMATS
+
+    assert client.get("/api/catalog").json()["emit_formats"] == list(FORMATS)
+    assert len(FORMATS) >= 5
+    for fmt in FORMATS:
+        r = client.get(f"/api/download/emit?{BASE}&fmt={fmt}&pick=1")
+        assert r.status_code == 200, (fmt, r.text)
+        assert main(["plan", *CLI, "--method", "analytic", "--emit", fmt, "--pick", "1"]) == 0
+        assert r.text == capsys.readouterr()[0], fmt

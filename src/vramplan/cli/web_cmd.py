@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         import webbrowser
 
         threading.Timer(1.0, webbrowser.open, args=(url,)).start()
-    app = create_app(workers=args.workers)
+    app = create_app(workers=args.workers, host=args.host)
     start_workers_deaf_to_ctrl_c(app)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from vramplan.results import BREAKDOWN_KEYS, MemoryReport
 
+from .doc import Doc, KeyValues, Notes, Table
 from .plot import COLORS, LABELS, report_data
 
 
@@ -29,8 +30,28 @@ def timeline_json(report: MemoryReport) -> dict[str, Any]:
         "levels": dict(d.levels), "bars": dict(d.bars),
         "spans": [list(s) for s in d.spans], "peak_x": d.peak_x, "unit": d.unit,
         "method": str(report.method),
+        # what the page marks (as --plot does): where the peak is, and the figures shown above the chart
+        "peak": {"x": d.peak_x, "phase": str(report.peak_phase), "allocated": report.peak.allocated,
+                 "reserved": report.peak.reserved, "device_used": report.peak.device_used,
+                 "overhead": report.overhead_total},
     }
     return out
+
+
+def doc_json(doc: Doc) -> dict[str, Any]:
+    """A report's :class:`~vramplan.report.doc.Doc` (what the terminal prints) as JSON, for the
+    page to draw with the same rows and labels."""
+    sections: list[dict[str, Any]] = []
+    for sec in doc.sections:
+        if isinstance(sec, Table):
+            sections.append({"kind": "table", "title": sec.title, "columns": list(sec.columns),
+                             "rows": [list(r) for r in sec.rows], "align": list(sec.align),
+                             "footer": list(sec.footer) if sec.footer else None})
+        elif isinstance(sec, KeyValues):
+            sections.append({"kind": "values", "title": sec.title, "items": [list(kv) for kv in sec.items]})
+        elif isinstance(sec, Notes):
+            sections.append({"kind": "notes", "title": sec.title, "lines": list(sec.lines)})
+    return {"title": doc.title, "subtitle": doc.subtitle, "sections": sections}
 
 
 def legend_json() -> dict[str, Any]:

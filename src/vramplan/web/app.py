@@ -13,13 +13,23 @@ string goes to the endpoints:
   ``plan --rank-gpus`` ``--json``; ``/api/timeline`` → the data ``--plot`` draws;
 - ``/api/download/report|snapshot|emit`` → the JSON report, the predicted snapshot
   (``--snapshot``), the emitted DeepSpeed/Accelerate/FSDP config (``plan --emit``);
+- ``/api/serve`` → ``vramplan serve-plan MODEL --gpu G … --json`` (with ``doc=1``, also the
+  document the terminal prints, for the page's serving view);
 - ``POST /api/config`` checks a dropped config.json (data only, size-limited) and returns it
   encoded for the link.
 
-A user mistake answers 400 ``{"error": <the CLI's one-line message>, "field": <query key>}``;
+A user mistake answers 400 ``{"error": <the CLI's one-line message>, "field": <query key>}``,
+and so does a request that asks for more work than the page allows (a search over more than
+4,096 GPUs, a config.json of 10,000 layers, anything past the time budget of a request);
 a request overtaken by a newer one of its kind 409 ``{"stale": true}``; anything else 500
 with one line. The analytic method runs in the server process (milliseconds); traces and
-searches run in worker processes (:mod:`vramplan.web.jobs`).
+searches run in worker processes (:mod:`vramplan.web.jobs`), cancelled when the page that
+asked aborts its request.
+
+Only this machine's names reach the server (:class:`Guard`): a ``Host`` other than
+127.0.0.1, localhost, [::1] or the ``--host`` given is refused (a DNS-rebinding page cannot
+read the API), and so is a POST from another origin or any cross-site request that is not a
+navigation.
 """
 
 from __future__ import annotations
@@ -28,10 +38,11 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import functools
+import ipaddress
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -39,25 +50,31 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramplan.errors import VramplanError
 from vramplan.workload import Method
 
 from . import work
-from .jobs import Jobs, Stale
+from .jobs import DEFAULT_BUDGET_S, Jobs, Stale
 from .params import (
+    MAX_SEARCH_GPUS,
     FieldError,
     Query,
-    cli_message,
     field_of,
     fields,
+    page_message,
     parse_query,
     read_upload,
     recipe_defaults,
 )
 
 Handler = Callable[..., Awaitable[Response]]
-EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "trainer", "alloc-conf")
+T = TypeVar("T")
+LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
+"""The Host names the server answers to (plus the ``--host`` given)."""
+MAX_QUERY_BYTES = 32 * 1024
+"""Longest query string (a link carries a config.json of at most 24 KiB)."""
 PAGE_DEFAULTS = {"model": "llama-3.2-1b", "gpu": "rtx-4090", "method": "auto"}
 """What a bare ``/`` shows (the page writes these into its URL, so a link keeps them)."""
 BOOT_SLOT = '<script id="boot" type="application/json">{}</script>'
@@ -83,7 +100,7 @@ def api(fn: Handler) -> Handler:
         except FieldError as e:
             return JSONResponse({"error": str(e), "field": e.field}, status_code=400)
         except VramplanError as e:
-            return JSONResponse({"error": cli_message(e), "field": field_of(e)}, status_code=400)
+            return JSONResponse({"error": page_message(e), "field": field_of(e)}, status_code=400)
         except Stale:
             return JSONResponse({"error": "superseded by a newer request", "stale": True}, status_code=409)
         except Bug as e:
@@ -110,29 +127,29 @@ class Server:
         self.jobs = jobs
 
     # ------------------------------------------------------------------ computing
-    async def report(self, q: Query) -> Any:
+    async def here(self, key: str, fn: Callable[..., work.Outcome], *args: Any) -> Any:
+        """A computation of milliseconds (analytic), in this process, cached."""
+        hit = self.jobs.cached(key)
+        if hit is None:
+            hit = await run_in_threadpool(fn, *args)
+            self.jobs.remember(key, hit)
+        return _answer(hit)
+
+    async def report(self, q: Query, request: Request | None = None) -> Any:
         """The MemoryReport: analytic in this process, trace/auto in a worker."""
         key = q.key(kind="estimate")
         if q.method is Method.ANALYTIC:
-            hit = self.jobs.cached(key)
-            if hit is None:
-                hit = await run_in_threadpool(work.estimate, q)
-                self.jobs.remember(key, hit)
-            return _answer(hit)
-        return _answer(await self.jobs.run("trace", key, work.estimate, q))
+            return await self.here(key, work.estimate, q)
+        return _answer(await _while_connected(request, self.jobs.run("trace", key, work.estimate, q)))
 
-    async def search(self, kind: str, q: Query, opts: dict[str, Any]) -> Any:
+    async def search(self, kind: str, q: Query, opts: dict[str, Any], request: Request | None = None) -> Any:
         fns: dict[str, Callable[..., work.Outcome]] = {"fit": work.fit, "plan": work.plan, "rank": work.rank}
         fn = fns[kind]
         args: tuple[Any, ...] = (q,) if kind == "fit" else (q, opts)
         key = q.key(kind=kind, **opts)
         if q.method is Method.ANALYTIC and kind == "fit":  # milliseconds: no worker needed
-            hit = self.jobs.cached(key)
-            if hit is None:
-                hit = await run_in_threadpool(fn, *args)
-                self.jobs.remember(key, hit)
-            return _answer(hit)
-        return _answer(await self.jobs.run(kind, key, fn, *args))
+            return await self.here(key, fn, *args)
+        return _answer(await _while_connected(request, self.jobs.run(kind, key, fn, *args)))
 
     # ------------------------------------------------------------------ endpoints
     @api
@@ -148,7 +165,7 @@ class Server:
         except FieldError as e:
             first = {"status": 400, "body": {"error": str(e), "field": e.field}}
         except VramplanError as e:
-            first = {"status": 400, "body": {"error": cli_message(e), "field": field_of(e)}}
+            first = {"status": 400, "body": {"error": page_message(e), "field": field_of(e)}}
         except Exception:  # the page still loads; its own request will show the error
             first = None
         boot = {"defaults": PAGE_DEFAULTS, "catalog": catalog_body(), "first": first}
@@ -167,42 +184,57 @@ class Server:
     @api
     async def estimate(self, request: Request) -> Response:
         q = parse_query(request.query_params)
-        return JSONResponse((await self.report(q)).to_dict())
+        return JSONResponse((await self.report(q, request)).to_dict())
 
     @api
     async def timeline(self, request: Request) -> Response:
         from vramplan.report.web import timeline_json
 
         q = parse_query(request.query_params)
-        return JSONResponse(timeline_json(await self.report(q)))
+        return JSONResponse(timeline_json(await self.report(q, request)))
 
     @api
     async def fit(self, request: Request) -> Response:
         q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
-        return JSONResponse((await self.search("fit", q, {})).to_dict())
+        return JSONResponse((await self.search("fit", q, {}, request)).to_dict())
 
     @api
     async def plan(self, request: Request) -> Response:
         q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
-        return JSONResponse((await self.search("plan", q, search_options(request.query_params))).to_dict())
+        return JSONResponse((await self.search("plan", q, search_options(request.query_params), request)).to_dict())
 
     @api
     async def rank(self, request: Request) -> Response:
         q = parse_query(request.query_params, method=request.query_params.get("method") or "analytic")
-        return JSONResponse((await self.search("rank", q, search_options(request.query_params))).to_dict())
+        return JSONResponse((await self.search("rank", q, search_options(request.query_params), request)).to_dict())
+
+    @api
+    async def serve(self, request: Request) -> Response:
+        """``vramplan serve-plan --json``; with ``doc=1`` also the terminal's document of it."""
+        from vramplan.report.serving import to_doc
+        from vramplan.report.web import doc_json
+
+        p = request.query_params
+        q = parse_query({k: p[k] for k in ("model", "config", "gpu", "tp", "pp") if k in p}, method="analytic")
+        opts = serve_options(p)
+        plan = await self.here(q.key(kind="serve", **opts), work.serve, q, opts)
+        body = plan.to_dict()
+        if p.get("doc"):
+            body = {**body, "doc": doc_json(to_doc(plan))}
+        return JSONResponse(body)
 
     @api
     async def download_report(self, request: Request) -> Response:
         import json
 
         q = parse_query(request.query_params)
-        text = json.dumps((await self.report(q)).to_dict(), indent=2) + "\n"
+        text = json.dumps((await self.report(q, request)).to_dict(), indent=2) + "\n"
         return _attachment(text.encode(), f"vramplan-{_slug(q.model)}.json", "application/json")
 
     @api
     async def download_snapshot(self, request: Request) -> Response:
         q = parse_query(request.query_params, method="trace")
-        data = _answer(await self.jobs.run("snapshot", q.key(kind="snapshot"), work.snapshot, q))
+        data = _answer(await _while_connected(request, self.jobs.run("snapshot", q.key(kind="snapshot"), work.snapshot, q)))
         return _attachment(data, f"vramplan-{_slug(q.model)}-predicted.pickle", "application/octet-stream")
 
     @api
@@ -211,14 +243,14 @@ class Server:
 
         p = request.query_params
         fmt = p.get("fmt", "")
-        if fmt not in EMIT_FORMATS:
-            raise FieldError(f"unknown --emit format {fmt!r}", field="fmt", hint=f"choose one of {', '.join(EMIT_FORMATS)}")
+        if fmt not in emit_formats():
+            raise FieldError(f"unknown --emit format {fmt!r}", field="fmt", hint=f"choose one of {', '.join(emit_formats())}")
         view = p.get("view", "plan")
         if view not in ("plan", "rank"):
             raise FieldError(f"unknown view {view!r}", field="view", hint="plan or rank")
         pick = _int(p, "pick", 1, minimum=1)
         q = parse_query(p, method=p.get("method") or "analytic")
-        result = await self.search(view, q, search_options(p))
+        result = await self.search(view, q, search_options(p), request)
         plans = list(result.plans) if view == "plan" else [r.plan for r in result.ranked]
         if pick > len(plans):
             raise FieldError(f"--pick {pick}: there are only {len(plans)} plan(s)", field="pick")
@@ -257,8 +289,25 @@ def catalog_body() -> dict[str, Any]:
                        "parallel": f.parallel, "doc": f.doc} for f in fields()]
     body["recipes"] = recipe_defaults()
     body["legend"] = legend_json()
-    body["emit_formats"] = list(EMIT_FORMATS)
+    body["emit_formats"] = list(emit_formats())
+    body["serve"] = serve_choices()
     return body
+
+
+def emit_formats() -> tuple[str, ...]:
+    """Every format ``vramplan plan --emit`` writes (the page offers each one per plan)."""
+    from vramplan.planner.emit import FORMATS
+
+    return tuple(FORMATS)
+
+
+def serve_choices() -> dict[str, Any]:
+    """The serving view's pickers: ``vramplan serve-plan``'s choices."""
+    from vramplan.serving.api import ENGINES, FRACTION_NAME
+
+    return {"engines": list(ENGINES), "fraction_names": dict(FRACTION_NAME),
+            "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes"],
+            "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]}
 
 
 @functools.cache
@@ -282,6 +331,9 @@ def search_options(p: Mapping[str, str]) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if p.get("gpus"):
         opts["gpus"] = _int(p, "gpus", 1, minimum=1)
+        if opts["gpus"] > MAX_SEARCH_GPUS:
+            raise FieldError(f"--gpus {opts['gpus']:,}: the page searches up to {MAX_SEARCH_GPUS:,} GPUs", field="gpus",
+                             hint="`vramplan plan` in a terminal has no such limit")
     if p.get("global-batch"):
         opts["global_batch"] = _int(p, "global-batch", 1, minimum=1)
     if p.get("budget"):
@@ -301,6 +353,26 @@ def search_options(p: Mapping[str, str]) -> dict[str, Any]:
     return opts
 
 
+def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
+    """``vramplan serve-plan``'s engine settings from the query (engine defaults when absent)."""
+    opts: dict[str, Any] = {"engine": (p.get("engine") or "vllm").strip().lower()}
+    for key, name in (("max-model-len", "max_model_len"), ("max-num-seqs", "max_num_seqs"),
+                      ("max-num-batched-tokens", "max_num_batched_tokens"), ("block-size", "block_size"),
+                      ("avg-request-len", "avg_request_len")):
+        if p.get(key):
+            opts[name] = _int(p, key, 1, minimum=1)
+    if p.get("memory-fraction"):
+        try:
+            opts["memory_fraction"] = float(p["memory-fraction"])
+        except ValueError:
+            raise FieldError(f"--memory-fraction must be a number, got {p['memory-fraction']!r}",
+                             field="memory-fraction", hint="e.g. 0.9 for 90 % of the GPU") from None
+    for key, name in (("kv-cache-dtype", "kv_cache_dtype"), ("quantization", "quantization")):
+        if p.get(key):
+            opts[name] = p[key].strip()
+    return opts
+
+
 def _int(p: Mapping[str, str], key: str, default: int, *, minimum: int) -> int:
     raw = p.get(key)
     if raw is None or raw == "":
@@ -311,7 +383,39 @@ def _int(p: Mapping[str, str], key: str, default: int, *, minimum: int) -> int:
         raise FieldError(f"--{key} must be an integer, got {raw!r}", field=key) from None
     if v < minimum:
         raise FieldError(f"--{key} must be positive, got {v}", field=key)
+    from .params import MAX_INT
+
+    if v > MAX_INT:
+        raise FieldError(f"--{key} {raw[:20]} is too large", field=key, hint=f"at most {MAX_INT:,}")
     return v
+
+
+async def _while_connected(request: Request | None, job: Awaitable[T]) -> T:
+    """Await ``job``, cancelling it when the client goes away: the page aborts a request when
+    its user changes an input, and the work for the old inputs should stop (:mod:`.jobs`)."""
+    task = asyncio.ensure_future(job)
+    if request is None:
+        return await task
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        raise Stale("client gone")
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the client closes the connection (a GET has no body to read first)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _slug(name: str) -> str:
@@ -327,10 +431,99 @@ def _attachment(data: bytes, filename: str, media: str) -> Response:
                     headers={"Content-Disposition": f'attachment; filename="{_slug(filename)}"'})
 
 
-def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: bool = True) -> Starlette:
-    """The ASGI app. ``executor``: where traces and searches run (default: ``workers`` spawned
-    processes); ``warm``: at start-up, run one analytic estimate here and start the workers."""
-    jobs = Jobs(executor, workers=workers)
+class Guard:
+    """ASGI middleware: only this machine's pages reach the API.
+
+    - ``Host`` must name this machine (127.0.0.1, localhost, [::1], or the ``--host`` given;
+      any IP address when listening on all of them): a DNS-rebinding page's requests carry
+      its own domain name and are refused, so it can neither read answers nor post configs;
+    - a POST must come from the page's own origin (``Origin`` equal to the ``Host``);
+    - a cross-site request that is not a navigation (another site's script or image asking
+      for a trace) is refused, so no other page can spend this machine's CPU;
+    - a query string longer than :data:`MAX_QUERY_BYTES` is refused before it is parsed.
+
+    Refusals answer ``{"error": <one line>, "field": null}``: 400 for a bad Host or size, 403
+    for a foreign origin."""
+
+    def __init__(self, app: ASGIApp, host: str | None = None) -> None:
+        self.app = app
+        self.names, self.any_ip = allowed_hosts(host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.check(scope)
+            if refused is not None:
+                status, message = refused
+                await JSONResponse({"error": message, "field": None}, status_code=status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> tuple[int, str] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = headers.get("host")
+        if host is not None and not self.allowed(host):
+            return 400, (f"this server answers only to {', '.join(self._shown())}, not to the host {host[:80]!r} "
+                         "(open the page at http://127.0.0.1:PORT/, or start `vramplan web --host NAME`)")
+        method = scope.get("method", "GET")
+        origin = headers.get("origin")
+        if method not in ("GET", "HEAD") and origin is not None and origin.rstrip("/") != f"{scope.get('scheme', 'http')}://{host}":
+            return 403, f"refused: a {method} from another origin ({origin[:80]}); the page posts from its own"
+        if headers.get("sec-fetch-site") == "cross-site" and headers.get("sec-fetch-mode", "navigate") != "navigate":
+            return 403, "refused: a request from another site (only this page, or a link opened, reaches the API)"
+        if len(scope.get("query_string", b"")) > MAX_QUERY_BYTES:
+            return 400, f"the address is too long (more than {MAX_QUERY_BYTES:,} bytes of query)"
+        return None
+
+    def allowed(self, host: str) -> bool:
+        name = _host_name(host)
+        if name in self.names:
+            return True
+        if self.any_ip:
+            try:
+                ipaddress.ip_address(name)
+            except ValueError:
+                return False
+            return True
+        return False
+
+    def _shown(self) -> list[str]:
+        return [f"[{n}]" if ":" in n else n for n in sorted(self.names)] + (["any IP address"] if self.any_ip else [])
+
+
+def allowed_hosts(host: str | None) -> tuple[frozenset[str], bool]:
+    """The Host names the server answers to, and whether any IP address is one (when it
+    listens on all addresses: ``--host 0.0.0.0`` or ``::``, where the machine's own names count too)."""
+    import socket
+
+    names = set(LOCAL_NAMES)
+    any_ip = False
+    if host:
+        h = _host_name(host)
+        if h in ("0.0.0.0", "::", ""):
+            any_ip = True
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        else:
+            names.add(h)
+    return frozenset(names), any_ip
+
+
+def _host_name(host: str) -> str:
+    """``[::1]:8765`` → ``::1``; ``LocalHost.:8765`` → ``localhost``."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:].split("]", 1)[0]
+    elif h.count(":") == 1:
+        h = h.rsplit(":", 1)[0]
+    return h.rstrip(".")
+
+
+def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: bool = True,
+               host: str | None = None, budget_s: float = DEFAULT_BUDGET_S) -> Starlette:
+    """The ASGI app. ``executor``: where traces and searches run (default: ``workers`` worker
+    processes); ``warm``: at start-up, run one analytic estimate here and start the workers;
+    ``host``: the address it listens on (a Host name it answers to, besides this machine's
+    loopback names); ``budget_s``: the seconds of work one request may cost."""
+    jobs = Jobs(executor, workers=workers, budget_s=budget_s)
     s = Server(jobs)
 
     @contextlib.asynccontextmanager
@@ -352,6 +545,7 @@ def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: b
         Route("/api/fit", s.fit),
         Route("/api/plan", s.plan),
         Route("/api/rank", s.rank),
+        Route("/api/serve", s.serve),
         Route("/api/config", s.upload_config, methods=["POST"]),
         Route("/api/download/report", s.download_report),
         Route("/api/download/snapshot", s.download_snapshot),
@@ -359,6 +553,7 @@ def create_app(*, executor: cf.Executor | None = None, workers: int = 2, warm: b
         Mount("/static", StaticFiles(directory=_static_dir()), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(Guard, host=host)
     app.state.jobs = jobs
     return app
 

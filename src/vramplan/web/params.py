@@ -33,10 +33,22 @@ MAX_LINK_CONFIG_CHARS = 24 * 1024
 """Largest encoded config carried in a link (the query string)."""
 MAX_INT = 2**40
 """Largest integer a field takes from a page (far above any real batch, sequence or GPU count)."""
+MAX_SEARCH_GPUS = 4096
+"""Most GPUs a plan or GPU search of the page considers (each costs the search time)."""
+MAX_LAYERS = 1024
+"""Most layers of a dropped config.json (the largest published models have under 200; a trace
+builds each one)."""
+MAX_EXPERTS = 1024
+"""Most experts per layer of a dropped config.json (published MoE models have up to 384)."""
 SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
-PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS)
-"""Query keys beyond the workload's fields."""
 """Planner options (``vramplan plan`` flags) the page sends to the plan and GPU views."""
+SERVE_KEYS = ("engine", "memory-fraction", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+              "block-size", "kv-cache-dtype", "quantization", "avg-request-len")
+"""``vramplan serve-plan`` flags the serving view sends (its TP and PP are the layout's)."""
+PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS, *SERVE_KEYS)
+"""Query keys beyond the workload's fields."""
+OPTION_KEYS = {"max_gpus": "gpus", "allow_peft": "allow-peft", "global_batch": "global-batch"}
+"""Library option names in core messages → the page's keys (Plan search)."""
 
 
 class FieldError(VramplanError):
@@ -113,6 +125,9 @@ class Query:
     method: Method = Method.AUTO
     config: str | None = None
     """The uploaded config.json's text (JSON data, parsed, never executed)."""
+    explicit: frozenset[str] = frozenset()
+    """The query keys the request set (an error naming several fields is shown under the one
+    of them the user changed)."""
 
     def spec(self) -> Any:
         """The ModelSpec (rebuilt in a worker process: specs hold read-only mappings)."""
@@ -152,14 +167,15 @@ def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
         try:
             gpu = get_gpu(gpu).key
         except VramplanError as e:
-            raise FieldError(cli_message(e), field="gpu") from None
+            raise FieldError(page_message(e), field="gpu") from None
     m = method if method is not None else (q.get("method") or "auto")
     try:
         meth = Method(str(m).strip().lower())
     except ValueError:
         raise FieldError(f"invalid method {m!r}", field="method",
                          hint="choose one of " + " | ".join(x.value for x in Method)) from None
-    return Query(model=model, workload=workload, gpu=gpu, method=meth, config=config)
+    explicit = frozenset(k for k, v in q.items() if v not in ("", None) and k not in ("model", "gpu", "method", "config"))
+    return Query(model=model, workload=workload, gpu=gpu, method=meth, config=config, explicit=explicit)
 
 
 def check_model(name: str) -> str:
@@ -172,7 +188,9 @@ def check_model(name: str) -> str:
     alias = catalog_alias(name)
     if alias is None:
         e = did_you_mean(name, catalog_entries().keys(), kind="model", listing="vramplan models")
-        raise FieldError(e.message, field="model", hint=e.hint)
+        hint = e.hint if e.hint and e.hint.startswith("did you mean") else \
+            "type in the model box to search the catalog, or drop a config.json"
+        raise FieldError(e.message, field="model", hint=hint)
     return alias
 
 
@@ -208,7 +226,7 @@ def parse_workload(q: Mapping[str, str]) -> Workload:
             return apply(values.pop("recipe"), **values, **par)
         return Workload(**values, parallel=Parallel(**par))
     except VramplanError as e:
-        raise FieldError(cli_message(e), field=field_of(e)) from None
+        raise FieldError(page_message(e), field=field_of(e, {k for k, v in q.items() if v})) from None
 
 
 def _convert(f: Field, raw: str) -> Any:
@@ -240,36 +258,63 @@ def _convert(f: Field, raw: str) -> Any:
 
 
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+_COMMAND = re.compile(r"`vramplan ([a-z-]+)[^`]*`")
+_PAGE_PLACES = {"plan": "the Plans tab", "fit": "the Fit tab", "serve-plan": "the Serving tab",
+                "estimate": "the estimate", "models": "the model box (type to search)",
+                "gpus": "the GPU list"}
 
 
-def cli_message(e: VramplanError) -> str:
-    """The CLI's one-line message: core field references (`` `batch` ``) as the page's keys,
-    which are the CLI's flags (``--batch``)."""
-    keys = {f.key for f in fields()} | set(PAGE_KEYS)
-
-    def flag_of(name: str) -> str | None:
-        key = name.replace("_", "-")
-        return f"--{key}" if key in keys else None
-
-    return e.render(flag_of)
+def _keys() -> set[str]:
+    return {f.key for f in fields()} | set(PAGE_KEYS)
 
 
-def field_of(e: BaseException) -> str | None:
-    """The query key an error is about: the error's own ``field`` when it has one, else the
-    first ``--flag`` its message names, else the field an ``invalid <what>`` message names."""
+def _flag_of(name: str) -> str | None:
+    key = OPTION_KEYS.get(name, name.replace("_", "-"))
+    return f"--{key}" if key in _keys() else None
+
+
+def page_message(e: VramplanError) -> str:
+    """The CLI's one-line message, as the page shows it: core field references (`` `batch` ``,
+    `` `max_gpus=N` ``) as the page's keys, which are the CLI's flags (``--batch``, ``--gpus N``),
+    and a suggested command the page answers itself as the place on the page
+    (`` `vramplan plan …` `` → the Plans tab)."""
+    text = e.render(_flag_of)
+    text = re.sub(r"see `vramplan models`( for the list)?", "type in the model box to search the catalog", text)
+
+    def place(m: re.Match[str]) -> str:
+        where = _PAGE_PLACES.get(m.group(1))
+        return where if where is not None else f"{m.group(0)} in a terminal"
+
+    return _COMMAND.sub(place, text)
+
+
+def field_of(e: BaseException, explicit: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """The query key an error is about: the error's own ``field`` when it has one; else the
+    one field its message names (`` `seq` ``, ``--seq``); where it names several (``check the
+    sizes (--batch, --seq, …)``), the one of them the request set (``explicit``), or none
+    (the page shows the message above the figures rather than under a field it is not about);
+    else the field an ``invalid <what>`` message names."""
     own = getattr(e, "field", None)
-    keys = {f.key for f in fields()} | set(PAGE_KEYS)
+    keys = _keys()
     if isinstance(own, str) and own:
         key = own.rsplit(".", 1)[-1].replace("_", "-").removeprefix("--")  # "parallel.dp" → "dp"
+        key = OPTION_KEYS.get(own, key)
         if key in keys:
             return key
     text = str(e)
+    named: list[str] = []
     for m in FIELD_REF.finditer(text):  # a core message names fields: `method=trace`
-        if m.group(1).replace("_", "-") in keys:
-            return m.group(1).replace("_", "-")
+        key = OPTION_KEYS.get(m.group(1), m.group(1).replace("_", "-"))
+        if key in keys and key not in named:
+            named.append(key)
     for m in _FLAG.finditer(text):
-        if m.group(1) in keys:
-            return m.group(1)
+        if m.group(1) in keys and m.group(1) not in named:
+            named.append(m.group(1))
+    if len(named) == 1:
+        return named[0]
+    if named:
+        chosen = [k for k in named if k in explicit]
+        return chosen[0] if len(chosen) == 1 else None
     low = text.lower()
     for f in fields():
         if low.startswith(f"invalid {f.name.replace('_', ' ')} "):
@@ -325,10 +370,83 @@ def _spec_or_field_error(text: str, name: str) -> Any:
     from vramplan.models.catalog import spec_from_text
 
     try:
-        return spec_from_text(text, name)
+        spec = spec_from_text(text, name)
     except VramplanError as e:
-        raise FieldError(cli_message(e), field="config") from None
+        raise FieldError(page_message(e), field="config") from None
     except Exception as e:  # a config whose values have the wrong types: still the user's file
         raise FieldError(f"{name}: cannot read this config ({e.__class__.__name__}: {e})".split("\n")[0],
                          field="config") from None
+    check_size(spec, name)
+    check_buildable(spec, name)
+    return spec
 
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+               "num_encoder_layers", "encoder_layers", "decoder_layers")
+_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+
+
+def _largest(config: Any, names: tuple[str, ...], depth: int = 0) -> int:
+    """The largest integer under any of ``names`` in a config (nested configs included)."""
+    best = 0
+    if isinstance(config, Mapping) and depth < 4:
+        for k, v in config.items():
+            if k in names and isinstance(v, int) and not isinstance(v, bool):
+                best = max(best, v)
+            elif isinstance(v, Mapping):
+                best = max(best, _largest(v, names, depth + 1))
+    return best
+
+
+def check_size(spec: Any, name: str) -> None:
+    """A dropped config.json the page can afford: a trace builds every layer and expert, so a
+    config with 10,000 layers would hold a worker for minutes."""
+    layers = max(spec.layers, _largest(spec.config, _LAYER_KEYS))
+    experts = max(spec.n_experts, _largest(spec.config, _EXPERT_KEYS))
+    for what, n, most in (("layers", layers, MAX_LAYERS), ("experts per layer", experts, MAX_EXPERTS)):
+        if n > most:
+            raise FieldError(f"{name} has {n:,} {what}; the page takes up to {most:,}", field="config",
+                             hint="published models have far fewer: check the file (`vramplan estimate` "
+                                  "in a terminal has no such limit)")
+
+
+def check_buildable(spec: Any, name: str) -> None:
+    """A config.json whose model_type neither vramplan's formulas nor transformers know is
+    refused when it is dropped, not half-accepted until the trace fails."""
+    from vramplan.models.spec import Family
+
+    if spec.family is not Family.OTHER:
+        return
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        raise FieldError(f"{name}: model_type {spec.model_type!r} has no closed form, and tracing it needs "
+                         "transformers", field="config", hint="pip install 'vramplan[models]'") from None
+    if spec.model_type not in CONFIG_MAPPING_NAMES:
+        raise FieldError(f"{name}: unknown model_type {spec.model_type!r}: not a family vramplan's formulas "
+                         f"know, nor one transformers {transformers.__version__} can build", field="config",
+                         hint="check model_type (e.g. llama, mistral, qwen2, gpt2, bert)")
+
+
+
+_SERVE_WORDS = (
+    (("tensor parallel",), "tp"), (("pipeline parallelism",), "pp"),
+    (("gpu_memory_utilization", "mem_fraction_static", "cuda_memory_fraction", "free_gpu_memory_fraction"),
+     "memory-fraction"),
+    (("max_model_len",), "max-model-len"), (("serving engine",), "engine"), (("kv_cache_dtype",), "kv-cache-dtype"),
+    (("quantization",), "quantization"), (("block_size",), "block-size"), (("max_num_seqs",), "max-num-seqs"),
+    (("max_num_batched_tokens",), "max-num-batched-tokens"), (("average request length",), "avg-request-len"),
+)
+
+
+def serve_field(e: BaseException) -> str | None:
+    """The serving view's key an error of :func:`vramplan.serving.serve_plan` is about (its
+    messages name the engine's own settings, as the engine would)."""
+    if getattr(e, "field", None):
+        return field_of(e)
+    low = str(e).lower()
+    for words, key in _SERVE_WORDS:  # before the flags a hint suggests (``use --tp instead``)
+        if any(w in low for w in words):
+            return key
+    return field_of(e)

@@ -16,7 +16,7 @@ from typing import Any
 from vramplan.errors import VramplanError
 from vramplan.workload import Method
 
-from .params import Query, cli_message, field_of
+from .params import Query, field_of, page_message
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,19 @@ class Outcome:
     field: str | None = None
     bug: bool = False
     """True when the error is not the user's (an exception that is not a VramplanError)."""
+    over_budget: bool = False
+    """True when the job was stopped at the page's time budget (:mod:`vramplan.web.jobs`)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
 
-def _run(fn: Any, *args: Any, **kwargs: Any) -> Outcome:
+def _run(fn: Any, q: Query, *args: Any) -> Outcome:
     try:
-        return Outcome(value=fn(*args, **kwargs))
+        return Outcome(value=fn(q, *args))
     except VramplanError as e:
-        return Outcome(error=cli_message(e), field=field_of(e))
+        return Outcome(error=page_message(e), field=field_of(e, q.explicit))
     except Exception as e:  # a bug: one line, never a traceback on the page
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return Outcome(error=f"internal error ({e.__class__.__name__}: {first})", bug=True)
@@ -132,3 +134,27 @@ def warm() -> bool:
         except ImportError:  # pragma: no cover - the models extra is optional
             pass
     return True
+
+
+def serve(q: Query, opts: dict[str, Any]) -> Outcome:
+    """``vramplan serve-plan MODEL --gpu G …``: the ServePlan (``opts``: ``serve_plan``'s keywords;
+    TP and PP are the query's layout)."""
+    from .params import serve_field
+
+    try:
+        return Outcome(value=_serve(q, opts))
+    except VramplanError as e:
+        return Outcome(error=page_message(e), field=serve_field(e))
+    except Exception as e:  # a bug: one line, never a traceback on the page
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return Outcome(error=f"internal error ({e.__class__.__name__}: {first})", bug=True)
+
+
+def _serve(q: Query, opts: dict[str, Any]) -> Any:
+    from vramplan.errors import PlanError
+    from vramplan.serving.api import serve_plan
+
+    if q.gpu is None:
+        raise PlanError("serve-plan needs a GPU", hint="choose a GPU")
+    p = q.workload.parallel
+    return serve_plan(q.spec(), q.gpu, tp=p.tp, pp=p.pp, **opts)
