@@ -30,9 +30,9 @@ $(STAMP214): pyproject.toml
 
 install: $(STAMP)
 
+# The report ends with its answer: the question, the verdict and the change that makes it fit,
+# confirmed by a trace of that change.
 demo: $(STAMP)
-	@echo "Question: does full fine-tuning of Llama 3.1 8B (batch 4 x 2048 tokens, bf16-mixed AdamW,"
-	@echo "full activation checkpointing) fit on one H100 80GB, and if not, what makes it fit?"
 	$(BIN)/vramplan estimate llama-3.1-8b --task train --precision bf16-mixed --optimizer adamw \
 	    --batch 4 --seq 2048 --checkpointing full --gpu h100-sxm
 

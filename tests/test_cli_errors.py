@@ -145,7 +145,7 @@ def test_every_workload_flag_shows_its_true_default(command):
 def test_default_flags_build_the_default_workload():
     from vramplan.cli.common import workload_from_args
 
-    args = build_parser().parse_args(["estimate", "gpt2"])
+    args = build_parser().parse_args(["estimate", "llama-3.2-1b"])  # gpt2's default seq is its 1024 (issue 29)
     assert workload_from_args(args) == Workload()
 
 

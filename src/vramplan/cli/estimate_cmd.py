@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
 
 if TYPE_CHECKING:
+    from ..planner.nextstep import Suggestion
     from ..results import MemoryReport
+    from ..workload import Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import estimate
-    from ..report.estimate import to_doc
+    from ..report.estimate import answer, to_doc
     from ..report.render import emit
 
     check_extras(args)
@@ -38,27 +40,40 @@ def run(args: argparse.Namespace) -> int:
     if report.fallback is not None:
         hint(f"note: the model could not be traced; showing the {report.fallback.used} estimate "
              f"({report.fallback.reason})")
-    emit(to_doc(report), args.format, sys.stdout, report.to_dict)
+    fix = find_fix(args.model, w, report, args.method)
+    doc = to_doc(report)
+    end = answer(report, fix)
+    if end is not None:
+        doc.add(end)
+
+    def json_obj() -> dict[str, object]:
+        d = report.to_dict()
+        if report.verdict is not None and not report.verdict.fits:
+            d["to_fit"] = fix.to_dict() if fix is not None else None
+        return d
+
+    emit(doc, args.format, sys.stdout, json_obj)
     write_extras(report, args)
-    suggest_fix(args.model, w, report)
     return 0
 
 
-def suggest_fix(model: str, w, report) -> None:  # type: ignore[no-untyped-def]
-    """It does not fit: name the cheapest change that does (from the planner), on stderr."""
+def find_fix(model: str, w: Workload, report: MemoryReport, method: str) -> Suggestion | None:
+    """It does not fit: the cheapest change that does (the planner's list, screened analytically),
+    confirmed with the report's own method: a traced report gets a traced fix."""
     v = report.verdict
     if v is None or v.fits:
-        return
+        return None
     from ..engine.resolve import resolve_gpu, resolve_model
     from ..planner.nextstep import cheapest_fix
+    from ..workload import Method
 
     gpu = resolve_gpu(v.gpu)
-    fix = cheapest_fix(resolve_model(model), w, gpu) if gpu is not None else None
-    if fix is not None:
-        hint(f"to fit on {v.gpu_name or v.gpu}: {fix.sentence()}")
-    else:
-        hint(f"no single change makes it fit on {v.gpu_name or v.gpu}: "
-             f"try `vramplan plan {model} --gpu {v.gpu} --allow-peft --gpus 8`")
+    if gpu is None:
+        return None
+    confirm = Method.ANALYTIC if report.method is Method.ANALYTIC else Method(method)
+    if confirm is not Method.ANALYTIC:
+        hint(f"{report.model} does not fit: confirming the cheapest change that fits with a trace …")
+    return cheapest_fix(resolve_model(model), w, gpu, method=confirm)
 
 
 def check_extras(args: argparse.Namespace) -> None:

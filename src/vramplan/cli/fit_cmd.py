@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     recorder = ReportLog() if paths else None
     result = fit(args.model, w, gpu=args.gpu, method=args.method, alloc_conf=args.alloc_conf,
                  seq_step=args.seq_step, estimator=recorder)
+    if result.fallback is not None:
+        hint(f"note: the model could not be traced; the boundaries are {result.fallback.used}, with a margin "
+             f"({result.fallback.reason})")
     emit(fit_doc(result), args.format, sys.stdout, result.to_dict)
     if paths and recorder is not None:
         from vramplan.planner.sweep import fit_sweeps

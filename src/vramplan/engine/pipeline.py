@@ -139,18 +139,28 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
         return analytic_device_used(spec, wx, dev)
 
     from .boundary import BoundarySearch
+    from .margin import describe, margin_limit, margin_of
 
     exact = report.method is Method.ANALYTIC  # the curve is the answer: nothing to confirm
-    bd = BoundarySearch(confirm, analytic, v.usable, exact=exact)
+    # `auto` fell back to the formulas: the boundary keeps a measured margin below the usable bytes (as fit's)
+    margin = margin_of(spec, w) if report.fallback is not None else None
+    limit = v.usable if margin is None else margin_limit(v.usable, margin)
+    bd = BoundarySearch(confirm, analytic, limit, exact=exact)
     if not exact and bd.analytic is not None and bd.analytic(w) is None:
         return report.replace(notes=("no analytic curve for this workload to shape a largest-batch search "
                                      "(`vramplan fit` searches with traces)", *report.notes))
     res = bd.largest_batch(w)
     extra = sum(1 for b in cache if b != w.batch)
-    note = (f"largest batch {max(res.value, 0)}: the engine's boundary search on the analytic curve (as `fit` runs it)"
+    largest = f"largest batch {res.value}" if res.value > 0 else "largest batch none (batch 1 does not fit)"
+    note = (f"{largest}: the engine's boundary search on the analytic curve (as `fit` runs it)"
             if exact else
-            f"largest batch {max(res.value, 0)}: the engine's boundary search (as `fit` runs it), confirmed with "
+            f"{largest}: the engine's boundary search (as `fit` runs it), confirmed with "
             f"the {report.method} method at the boundary and the batch above ({extra} more estimate(s))")
+    if margin is not None:
+        note += (f", because `method=auto` fell back to the formulas {describe(margin)}: {limit:,} of "
+                 f"{v.usable:,} B")
+        if v.fits and report.peak.device_used > limit:
+            note += "; this batch fits by the formulas but within that margin, where a trace may not"
     verdict = dataclasses.replace(v, max_batch=max(res.value, 0))
     return report.replace(verdict=verdict, notes=(note, *report.notes))
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from vramplan.errors import VramplanError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
-from vramplan.results import MemoryReport
+from vramplan.results import Fallback, MemoryReport
 from vramplan.workload import Method, Workload
 
 from .results import Evaluations
@@ -40,6 +40,8 @@ class Evaluator:
         self.analytic = 0
         self.trace_failed = False
         """An ``auto`` estimate fell back to analytic once: later ``auto`` calls go straight there."""
+        self.fallback: Fallback | None = None
+        """The first fallback (why ``auto`` could not trace), when there was one."""
 
     def report(self, w: Workload, *, gpu: GPU | None, method: Method) -> MemoryReport:
         if method is Method.AUTO and self.trace_failed:
@@ -58,6 +60,8 @@ class Evaluator:
             self._cache[(w, key[1], Method.ANALYTIC)] = r
             if method is Method.AUTO:
                 self.trace_failed = True
+                if self.fallback is None:
+                    self.fallback = r.fallback
         self._cache[key] = r
         return r
 

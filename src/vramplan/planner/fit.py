@@ -20,6 +20,7 @@ from vramplan.units import fmt_bytes
 from vramplan.workload import Attention, Method, Task, Workload, as_enum
 
 from ..engine.boundary import MAX_BATCH, BoundarySearch
+from ..engine.margin import Margin, describe, margin_limit, margin_of
 from .evaluator import Estimator, Evaluator, report_usable
 from .results import Boundary, FitResult
 
@@ -61,6 +62,9 @@ class _Fit:
         # The GPU's usable bytes: from a cheap analytic estimate when there is one.
         first = ev.report(w, gpu=g, method=Method.ANALYTIC if self.shaped else m)
         self.usable = report_usable(first)
+        self.limit = self.usable
+        """What a step may use: the usable bytes, less a margin when ``auto`` fell back to the formulas."""
+        self.margin: Margin | None = None
         self.search = BoundarySearch(self._confirm, self._analytic if self.shaped else None, self.usable)
 
     def _confirm(self, w: Workload) -> MemoryReport:
@@ -73,17 +77,28 @@ class _Fit:
     def run(self) -> FitResult:
         batch = self._batch()
         seq = None if self.spec.family in NO_SEQ_FAMILIES else self._seq()
+        fallback = self.ev.fallback if self.m is Method.AUTO else None
+        if fallback is not None:  # every answer came from the formulas: search again, with a margin
+            self.margin = margin_of(self.spec, self.w)
+            self.limit = margin_limit(self.usable, self.margin)
+            self.search = BoundarySearch(self._confirm, self._analytic, self.limit)
+            batch = self._batch()
+            seq = None if self.spec.family in NO_SEQ_FAMILIES else self._seq()
+            self.notes.append(
+                f"`method=auto` could not trace {self.spec.name} ({fallback.reason}): every figure is analytic, and "
+                f"the boundaries keep {describe(self.margin)}: {fmt_bytes(self.limit)} of {fmt_bytes(self.usable)}; "
+                "a job unlike those measured may still need more under a trace")
         if self.spec.family in NO_SEQ_FAMILIES:
             self.notes.append(f"{self.spec.name} has no sequence axis; only the batch was searched")
         if batch.value == 0 and (seq is None or seq.value == 0):
             self._nothing_fits(batch, seq)
-        if self.shaped and self.m is not Method.ANALYTIC:
+        if self.shaped and self.m is not Method.ANALYTIC and fallback is None:
             self.notes.append("the analytic curve shaped the search; each boundary was confirmed "
                               f"with the {self.m} method at the boundary and one step above")
         return FitResult(
             model=self.spec.name, gpu=self.g.key, gpu_name=self.g.name, usable=self.usable,
             num_gpus=self.w.parallel.world_size, workload=self.w, method=self.m, batch=batch,
-            seq=seq, evaluations=self.ev.counts(), notes=tuple(self.notes),
+            seq=seq, evaluations=self.ev.counts(), notes=tuple(self.notes), fallback=fallback,
             suggestion=self._suggest() if batch.value == 0 else None,
         )
 
@@ -91,7 +106,7 @@ class _Fit:
         """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""
         from .nextstep import cheapest_fix
 
-        fix = cheapest_fix(self.spec, self.w.replace(batch=1), self.g)
+        fix = cheapest_fix(self.spec, self.w.replace(batch=1), self.g, method=self.m)
         return fix.sentence() if fix is not None else None
 
     def _batch(self) -> Boundary:
@@ -101,7 +116,7 @@ class _Fit:
             return w.replace(batch=b)
 
         res = self.search.largest_batch(w, self.max_batch)
-        limited = "search limit" if res.above is None else "memory"
+        limited = "search limit" if res.above is None else self._memory()
         return self._boundary("batch", res.value, w.seq, 1, limited, make, res.above)
 
     def _seq(self) -> Boundary:
@@ -132,8 +147,11 @@ class _Fit:
             raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower `new_tokens`")
         hi = cap // step * step
         res = self.search.search(make, lo=step, hi=hi, step=step, quadratic=quadratic, start=w.seq)
-        limited = "max_positions" if res.above is None else "memory"
+        limited = "max_positions" if res.above is None else self._memory()
         return self._boundary("seq", max(res.value, 0), w.batch, step, limited, make, res.above)
+
+    def _memory(self) -> str:
+        return "memory" if self.margin is None else f"memory less {self.margin.margin:.0%}"
 
     def _boundary(self, axis: str, value: int, fixed: int, step: int, limited: str,
                   make: Callable[[int], Workload], above: int | None) -> Boundary:
@@ -150,6 +168,6 @@ class _Fit:
         raise PlanError(
             f"{self.spec.name} does not fit on {self.w.parallel.world_size}× {self.g.key}: "
             f"{where} needs {need}, usable {fmt_bytes(self.usable)}",
-            hint=(f"{fix}; " if fix else "") + f"the planner finds memory savings: try `vramplan plan "
-            f"{self.spec.name} --gpu {self.g.key}` (checkpointing, 8-bit optimizer, `allow_peft`, `max_gpus=N`)",
+            hint=(f"{fix}; " if fix else "") + "the planner searches checkpointing, 8-bit optimizers, PEFT and "
+            f"more GPUs: `vramplan plan {self.spec.name} --gpu {self.g.key} --allow-peft --gpus 8`",
         )

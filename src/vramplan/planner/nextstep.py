@@ -15,8 +15,11 @@ Changes are tried in order of what they cost the user, and the first that fits w
 
 A change the workload's recipe cannot run (``vramplan.recipes``) is not suggested.
 
-Each candidate is screened with the analytic method (milliseconds; the figure named is its
-predicted device memory), so a suggestion is a starting point to confirm with `estimate`.
+Each candidate is screened with the analytic method (milliseconds). With ``method`` trace or
+auto, the first that passes the screen is confirmed by that method (a trace, seconds), and one
+the trace finds too large gives way to the next (at most :data:`CONFIRMATIONS` traces); the
+figure named is the confirming method's predicted device memory, and the sentence says which
+method it is.
 """
 
 from __future__ import annotations
@@ -47,13 +50,25 @@ class Suggestion:
     usable: int
     """The GPU's usable memory, bytes."""
     num_gpus: int = 1
+    method: Method = Method.ANALYTIC
+    """The method whose figure ``device_used`` is (trace when the screen was confirmed)."""
+    screened: int | None = None
+    """The analytic screen's device_used, when a trace confirmed it (else None)."""
 
     def sentence(self) -> str:
         from vramplan.units import fmt_bytes
 
         gpus = f" per GPU on {self.num_gpus} GPUs" if self.num_gpus > 1 else ""
         return (f"{self.flags} makes it fit: {fmt_bytes(self.device_used)} of {fmt_bytes(self.usable)} usable"
-                f"{gpus} (analytic; {self.why})")
+                f"{gpus} ({self.method}; {self.why})")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"flags": self.flags, "why": self.why, "device_used": self.device_used, "usable": self.usable,
+                "num_gpus": self.num_gpus, "method": str(self.method), "screened": self.screened}
+
+
+CONFIRMATIONS = 3
+"""At most this many candidates are confirmed by a trace (each costs seconds)."""
 
 
 def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, object]]]:
@@ -110,9 +125,13 @@ def _halvings(b: int) -> list[int]:
     return out
 
 
-def cheapest_fix(spec: ModelSpec, w: Workload, gpu: GPU, *, estimator: Estimator | None = None) -> Suggestion | None:
-    """The first change (in the order of the module docstring) that fits ``gpu``, or None."""
+def cheapest_fix(spec: ModelSpec, w: Workload, gpu: GPU, *, method: Method | str = Method.ANALYTIC,
+                 estimator: Estimator | None = None) -> Suggestion | None:
+    """The first change (in the order of the module docstring) that fits ``gpu``, or None:
+    screened analytically, then confirmed with ``method`` unless that is analytic."""
+    m = Method(method)
     ev = Evaluator(spec, estimator=estimator)
+    confirmed = 0
     for flags, why, changes in _ladder(w, spec):
         try:
             cand = w.replace(**changes)
@@ -122,7 +141,19 @@ def cheapest_fix(spec: ModelSpec, w: Workload, gpu: GPU, *, estimator: Estimator
         except VramplanError:
             continue
         v = r.verdict
-        if v is not None and v.fits:
+        if v is None or not v.fits:
+            continue
+        if m is Method.ANALYTIC or confirmed >= CONFIRMATIONS:
             return Suggestion(flags=flags, why=why, workload=cand, device_used=r.peak.device_used,
                               usable=v.usable, num_gpus=cand.parallel.world_size)
+        confirmed += 1
+        try:
+            t = ev.report(cand, gpu=gpu, method=m)
+        except VramplanError:  # `method=trace` and this change cannot be traced: the next one
+            continue
+        tv = t.verdict
+        if tv is not None and tv.fits:
+            return Suggestion(flags=flags, why=why, workload=cand, device_used=t.peak.device_used,
+                              usable=tv.usable, num_gpus=cand.parallel.world_size, method=t.method,
+                              screened=r.peak.device_used if t.method is not Method.ANALYTIC else None)
     return None

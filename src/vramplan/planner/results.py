@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vramplan.results import MemoryReport
+from vramplan.results import Fallback, MemoryReport
 from vramplan.runtime import StepTime
 from vramplan.workload import Method, Workload
 
@@ -75,6 +75,8 @@ class FitResult:
     """None for models without a sequence axis (CNNs, ViTs)."""
     evaluations: Evaluations
     notes: tuple[str, ...] = ()
+    fallback: Fallback | None = None
+    """``method=auto`` could not trace: the boundaries are analytic, with a margin (see notes)."""
     suggestion: str | None = None
     """When not even batch 1 fits at the sequence asked: the cheapest change that fits
     (:mod:`vramplan.planner.nextstep`), as flags and a figure."""
@@ -95,6 +97,9 @@ class FitResult:
             "evaluations": self.evaluations.to_dict(),
             "boundary": {"batch": self.batch.to_dict(), "seq": self.seq.to_dict() if self.seq else None},
             "notes": list(self.notes), "suggestion": self.suggestion,
+            "fallback": None if self.fallback is None else {
+                "requested": str(self.fallback.requested), "used": str(self.fallback.used),
+                "reason": self.fallback.reason},
         }
 
 

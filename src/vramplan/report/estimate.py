@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..results import BREAKDOWN_KEYS, MemoryReport, ModuleStat
 from ..units import GiB
 from ..workload import Workload
 from .doc import Doc, KeyValues, Notes, Table
+
+if TYPE_CHECKING:
+    from ..planner.nextstep import Suggestion
 
 _LABELS = {
     "weights": "weights (params + buffers)",
@@ -198,3 +202,30 @@ def to_doc(r: MemoryReport) -> Doc:
     fallback = [r.fallback.sentence()] if r.fallback is not None else []
     doc.add(Notes(fallback + list(r.notes) + sources))
     return doc
+
+
+def answer(r: MemoryReport, fix: Suggestion | None, *, searched: bool = True) -> KeyValues | None:
+    """The question the estimate answers, its verdict and (when it does not fit) the change
+    that makes it fit, together, to end the report (None without a GPU). ``searched``: the
+    planner's list of single changes was tried (``fix`` None then means none fits)."""
+    v = r.verdict
+    if v is None:
+        return None
+    n = r.workload.parallel.world_size
+    gpus = f"{n}× {v.gpu_name} (per GPU)" if n > 1 else v.gpu_name
+    items = [("question", f"does {r.model} ({workload_line(r)}) fit on {gpus}?")]
+    used = f"{g(r.peak.device_used)} GiB device used ({r.method}) of {g(v.usable)} GiB usable"
+    if v.fits and r.fallback is not None and v.max_batch is not None and v.max_batch < r.workload.batch:
+        items.append(("answer", f"yes by the formulas ({used}), but within their margin, where a trace may not "
+                      f"fit (see the notes); largest batch {v.max_batch} with the margin"))
+    elif v.fits:
+        batch = f"; largest batch {v.max_batch}" if v.max_batch else ""
+        items.append(("answer", f"yes: {used}, {g(v.headroom)} GiB headroom{batch}"))
+    else:
+        items.append(("answer", f"no: {used}, {g(-v.headroom)} GiB short"))
+        if fix is not None:
+            items.append(("to fit", fix.sentence()))
+        elif searched:
+            items.append(("to fit", f"no single change makes it fit: `vramplan plan {r.model} --gpu {v.gpu} "
+                          "--allow-peft --gpus 8` searches combinations"))
+    return KeyValues(items, title="Answer")

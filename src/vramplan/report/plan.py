@@ -69,7 +69,8 @@ def fit_doc(r: FitResult) -> Doc:
                       if r.seq.value else f"0 — nothing fits at batch {r.seq.fixed}"))
     e = r.evaluations
     items.append(("evaluations", f"{e.total} ({e.traces} traces, {e.analytic} analytic)"))
-    items.append(("method", str(r.method)))
+    items.append(("method", str(r.method) if r.fallback is None else
+                  f"{r.method}: fell back to {r.fallback.used} (could not trace; see the notes)"))
     items.append(("task", f"{w.task}, {w.precision}, {w.optimizer}, checkpointing {w.checkpointing}"
                   + (f", {w.peft}" if w.peft.value != "none" else "")))
     loop = loop_text(w)
