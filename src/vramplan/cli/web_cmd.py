@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from .common import hint
 
@@ -57,28 +56,6 @@ def run(args: argparse.Namespace) -> int:
 
         threading.Timer(1.0, webbrowser.open, args=(url,)).start()
     app = create_app(workers=args.workers, host=args.host)
-    start_workers_deaf_to_ctrl_c(app)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
-
-def start_workers_deaf_to_ctrl_c(app: Any) -> None:
-    """Start the app's worker processes now, with SIGINT ignored while they are spawned.
-
-    Ctrl+C in a terminal signals the whole foreground process group: the server stops cleanly
-    (uvicorn handles it), but a worker waiting for a job raised KeyboardInterrupt and printed
-    its traceback. A signal ignored at ``exec`` stays ignored, and Python keeps an ignored
-    SIGINT as it is, so workers spawned now never see Ctrl+C; the server ends them when it
-    stops (and each leaves by itself once the server is gone)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    from vramplan.web import work
-
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        app.state.jobs.warm(work.warm)  # the pool spawns its workers for these jobs
-    finally:
-        signal.signal(signal.SIGINT, old)
