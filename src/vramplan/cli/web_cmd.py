@@ -38,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
         raise VramplanError(f"the web page needs {e.name or 'starlette and uvicorn'}",
                             hint="pip install 'vramplan[web]'") from None
     import socket
+    import sys
 
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+        if hasattr(socket, "SO_REUSEADDR") and sys.platform != "win32":  # as uvicorn binds: a restart is not refused
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # for the last run's connections in TIME_WAIT
         try:
             s.bind((args.host, args.port))
         except OSError as e:
