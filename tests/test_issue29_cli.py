@@ -574,3 +574,38 @@ def test_fit_table_names_the_fallback(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "auto: fell back to analytic" in r.stdout
     assert "confirmed with the auto method" not in " ".join(r.stdout.split())
+
+
+# --------------------------------------------------------------------------- item 6: Llama 4
+@pytest.mark.parametrize(("alias", "params", "experts"), [
+    ("llama-4-scout", 107_769_861_120, 16), ("llama-4-maverick", 400_711_848_960, 128)])
+def test_llama4_is_in_the_catalog_with_its_exact_count(capsys, alias, params, experts):
+    assert main(["models", alias, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    doc = doc["model"]
+    assert doc["params"] == params and doc["n_experts"] == experts
+
+
+@pytest.mark.parametrize("alias", ["llama-4-scout", "llama-4-maverick"])
+def test_llama4_estimates_analytically(capsys, alias):
+    assert main(["estimate", alias, "--task", "train", "--peft", "qlora", "--seq", "1024", "--gpu", "h200",
+                 "--method", "analytic", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["method"] == "analytic" and doc["peak"]["device_used"] > 0
+
+
+def test_maverick_alternates_dense_and_expert_layers():
+    from vramplan.models.catalog import resolve
+
+    scout, maverick = resolve("llama-4-scout"), resolve("llama-4-maverick")
+    assert (scout.dense_layers, maverick.dense_layers) == (0, 24)
+    assert maverick.intermediate == 16384 and maverick.moe_intermediate == 8192 and maverick.shared_experts == 1
+
+
+def test_llama4_scout_traces(capsys):
+    pytest.importorskip("transformers.models.llama4", reason="transformers without Llama 4")
+    assert main(["estimate", "llama-4-scout", "--task", "infer", "--seq", "256", "--gpu", "h200",
+                 "--method", "trace", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    weights = 107_769_861_120 * 2  # bf16 inference
+    assert doc["method"] == "trace" and weights <= doc["peak"]["allocated"] < 1.05 * weights

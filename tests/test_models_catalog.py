@@ -55,7 +55,7 @@ def test_list_models_in_catalog_order_and_filter() -> None:
     assert names == list(catalog_entries())
     moe = list_models("moe")
     assert {s.name for s in moe} == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b",
-                                     "gpt-oss-20b", "gpt-oss-120b"}
+                                     "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "llama-4-maverick"}
     assert all(s.family is Family.MLA for s in list_models(Family.MLA))
 
 

@@ -40,7 +40,7 @@ def test_table_shows_exact_count_and_published(capsys: pytest.CaptureFixture[str
     assert main(["models", "--family", "moe"]) == 0
     out = capsys.readouterr().out
     assert "46,702,792,704" in out and "46.7B" in out and "mistralai/Mixtral-8x7B-v0.1" in out
-    assert "llama" not in out
+    assert "llama-3" not in out and "llama-4-scout" in out  # dense Llamas filtered out, Llama 4 is MoE
 
 
 def test_markdown(capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,6 +105,12 @@ def small_decoder(draw: st.DrawFn, model_type: str) -> tuple[dict[str, Any], str
         cfg["mlp_only_layers"] = draw(st.lists(st.integers(0, layers - 1), max_size=1, unique=True))
         if model_type == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = draw(st.integers(4, 24))
+    if model_type == "llama4_text":
+        cfg.update(num_local_experts=draw(st.integers(2, 4)), num_experts_per_tok=1,
+                   intermediate_size_mlp=draw(st.integers(8, 48)),
+                   interleave_moe_layer_step=draw(st.integers(1, 2)), attention_chunk_size=16)
+        cfg.pop("moe_layers", None)
+        cfg.pop("no_rope_layers", None)
     if model_type.startswith("deepseek"):
         cfg.pop("head_dim", None)
         cfg.update(
@@ -210,6 +216,9 @@ HUB_EXACT = {
     "deepseek-r1-distill-qwen-7b": 7_615_616_512,  # Qwen2.5-7B layout
     "gpt-oss-20b": 20_914_757_184,
     "gpt-oss-120b": 116_829_156_672,
+    # the language models (Llama4ForCausalLM) of the Hub's Llama4ForConditionalGeneration checkpoints
+    "llama-4-scout": 107_769_861_120,
+    "llama-4-maverick": 400_711_848_960,
 }
 
 

@@ -47,11 +47,16 @@ def moe_layers(v: ConfigView, arch: ParamLayout) -> list[bool]:
     if arch.moe == "deepseek":
         first_dense = v.integer("first_k_dense_replace", 0)
         return [i >= first_dense for i in range(n)]
+    if arch.moe == "llama4":  # Llama4TextConfig: moe_layers, else every step-th layer from step - 1
+        given = v.integers("moe_layers")
+        step = v.integer("interleave_moe_layer_step", 1)
+        chosen = set(given) if given else set(range(step - 1, n, step)) if step > 0 else set()
+        return [i in chosen for i in range(n)]
     return [False] * n
 
 
 def n_experts(v: ConfigView, arch: ParamLayout) -> int:
-    if arch.moe in ("mixtral", "gpt_oss"):
+    if arch.moe in ("mixtral", "gpt_oss", "llama4"):
         return v.integer("num_local_experts")
     if arch.moe in ("qwen2_moe", "qwen3_moe"):
         return v.integer("num_experts")
@@ -61,9 +66,16 @@ def n_experts(v: ConfigView, arch: ParamLayout) -> int:
 
 
 def expert_intermediate(v: ConfigView, arch: ParamLayout) -> int:
-    if arch.moe in ("mixtral", "gpt_oss"):
+    if arch.moe in ("mixtral", "gpt_oss", "llama4"):
         return v.integer("intermediate_size")
     return v.integer("moe_intermediate_size") if arch.moe else 0
+
+
+def dense_intermediate(v: ConfigView, arch: ParamLayout) -> int:
+    """Width of the dense MLP of the layers without experts (Llama 4: ``intermediate_size_mlp``)."""
+    if arch.moe == "llama4":
+        return v.integer("intermediate_size_mlp")
+    return v.integer("intermediate_size")
 
 
 def shared_intermediate(v: ConfigView, arch: ParamLayout) -> int:
@@ -72,6 +84,8 @@ def shared_intermediate(v: ConfigView, arch: ParamLayout) -> int:
         return v.integer("shared_expert_intermediate_size", 0)
     if arch.moe == "deepseek":
         return v.integer("moe_intermediate_size") * v.integer("n_shared_experts", 0)
+    if arch.moe == "llama4":  # one shared expert as wide as a routed one
+        return v.integer("intermediate_size")
     return 0
 
 
@@ -152,7 +166,7 @@ def count_decoder(v: ConfigView, arch: ParamLayout, head: str) -> tuple[int, int
         router += 1
     shared = shared_intermediate(v, arch)
     k = v.integer("num_experts_per_tok", 0) if arch.moe else 0
-    dense_width = v.integer("intermediate_size")
+    dense_width = dense_intermediate(v, arch)
     for is_moe in sparse:
         total += per_layer_fixed
         if not is_moe:

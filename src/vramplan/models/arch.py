@@ -50,7 +50,7 @@ class ParamLayout:
     norms_per_layer: int = 2
     """RMSNorms per decoder layer (Gemma 2/3 add pre/post-feedforward norms: 4)."""
     moe: str = ""
-    """MoE layout: mixtral | qwen2_moe | qwen3_moe | deepseek | gpt_oss ('' = dense)."""
+    """MoE layout: mixtral | qwen2_moe | qwen3_moe | deepseek | gpt_oss | llama4 ('' = dense)."""
     attn_sinks: bool = False
     """One learned attention-sink logit per query head (gpt-oss)."""
     sliding: str = "none"
@@ -88,6 +88,12 @@ ARCHS: dict[str, ParamLayout] = {
     # transformers models/gpt_oss/modeling_gpt_oss.py
     "gpt_oss": ParamLayout(family=Family.MOE, kind="decoder", heads=_DEC, moe="gpt_oss",
                     attn_sinks=True, sliding="alternate", **_AB),
+    # Llama 4 (Scout, Maverick) language model: a routed expert (fused gate_up/down over all experts,
+    # a bias-free router) plus one shared expert on every `interleave_moe_layer_step`-th layer, a dense
+    # MLP of `intermediate_size_mlp` on the others; its q/k norm is a weightless L2 norm;
+    # transformers models/llama4/modeling_llama4.py
+    "llama4_text": ParamLayout(family=Family.MOE, kind="decoder", heads=(CAUSAL_LM, BASE), moe="llama4",
+                               defaults={"num_key_value_heads": 8}, **_AB),
     "deepseek_v2": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "deepseek_v3": ParamLayout(family=Family.MLA, kind="mla", heads=_DEC, moe="deepseek", **_AB),
     "gpt2": ParamLayout(family=Family.DENSE, kind="gpt2", heads=_DEC, tie_default=True),

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._params_decoder import (
+    dense_intermediate,
     expert_intermediate,
     head_dim,
     kv_heads,
@@ -72,7 +73,7 @@ def _decoder(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
         "heads": v.integer("num_attention_heads"),
         "kv_heads": kv_heads(v, arch),
         "head_dim": head_dim(v, arch),
-        "intermediate": v.integer("intermediate_size"),
+        "intermediate": dense_intermediate(v, arch),
         "vocab": v.integer("vocab_size"),
         "max_positions": v.integer("max_position_embeddings", 0),
         "tie_embeddings": v.flag("tie_word_embeddings", arch.tie_default),
@@ -112,6 +113,8 @@ def _shared_count(v: ConfigView, arch: ParamLayout) -> int:
         return v.integer("n_shared_experts", 0)
     if arch.moe == "qwen2_moe":
         return 1 if shared_intermediate(v, arch) else 0
+    if arch.moe == "llama4":
+        return 1
     return 0
 
 

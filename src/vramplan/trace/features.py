@@ -159,7 +159,10 @@ def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:
     ok = sm >= (8, 0) and all(p.dtype == torch.bfloat16 for p in experts)
     impl = "grouped_mm" if ok else "eager"
     if impl != current:
-        setter(impl)
+        try:
+            setter(impl)
+        except ValueError:  # its own experts code, not transformers' switchable one (Llama 4's bmm)
+            return []
     why = "" if ok else " (grouped_mm needs bf16 expert weights on sm80+)"
     return [f"MoE experts run '{impl}'{why}"]
 
