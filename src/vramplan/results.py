@@ -184,6 +184,35 @@ class Fallback:
         return f"{self.requested} method failed ({self.reason}); {self.used} estimate instead"
 
 
+@dataclass(frozen=True)
+class Ran:
+    """What a script did when ``vramplan run`` ran it (the report's header for a script), read
+    off the run itself: the parameters' dtypes and autocast regions, the optimizers it built,
+    the shape of its first batch on the GPU."""
+
+    precision: str
+    """e.g. ``fp32 weights + autocast bf16`` (``bf16-mixed``)."""
+    optimizers: tuple[str, ...] = ()
+    """Each optimizer built: class and implementation, e.g. ``AdamW (fused)``."""
+    batch: int | None = None
+    seq: int | None = None
+    image: int | None = None
+    steps: int = 0
+    forwards: int = 0
+
+    def line(self) -> str:
+        parts = [f"task {'train' if self.steps else 'infer'}"]
+        if self.batch is not None:
+            parts.append(f"batch {self.batch}")
+        if self.seq is not None:
+            parts.append(f"seq {self.seq}")
+        elif self.image is not None:
+            parts.append(f"image {self.image}")
+        parts.append(self.precision)
+        parts += list(self.optimizers)
+        return " · ".join(parts)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryReport:
     """A prediction of one workload's GPU memory, per GPU (per rank)."""
@@ -228,6 +257,8 @@ class MemoryReport:
     gradients (pinned) and its CPU optimizer step (0 when nothing is offloaded)."""
     host_parts: tuple[tuple[str, int], ...] = ()
     """(part, bytes) of ``host_memory``."""
+    ran: Ran | None = None
+    """A script's run (``vramplan run``): what it did, as seen while it ran."""
 
     @property
     def overhead_total(self) -> int:
@@ -263,6 +294,8 @@ class MemoryReport:
             ],
             "notes": list(self.notes),
         }
+        if self.ran is not None:
+            d["ran"] = dataclasses.asdict(self.ran)
         if self.flops_per_step is not None:
             d["flops_per_step"] = self.flops_per_step
         if self.host_memory:

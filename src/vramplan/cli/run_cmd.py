@@ -7,6 +7,7 @@ Runs an unmodified training or inference script with the target GPU emulated (se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -83,9 +84,12 @@ def run(args: argparse.Namespace) -> int:
         raise VramplanError(f"--timeout must be positive seconds, got {args.timeout:g}")
     args.method = "trace"
     check_extras(args)
-    report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
-                        alloc_conf=args.alloc_conf, online=args.online,
-                        progress=lambda line: hint(f"vramplan run: {line}"))
+    # the script's own output goes to stderr when stdout carries JSON (it must parse)
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.format == "json" else contextlib.nullcontext()
+    with quiet:
+        report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
+                            alloc_conf=args.alloc_conf, online=args.online,
+                            progress=lambda line: hint(f"vramplan run: {line}"))
     emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)
     return 0

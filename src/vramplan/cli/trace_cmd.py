@@ -14,9 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TraceError, VramplanError
-from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+from ..units import fmt_bytes
+from .common import (
+    add_output_args,
+    add_workload_args,
+    hint,
+    note_settings,
+    size_arg,
+    workload_from_args,
+)
 
 DEFAULT_TIMEOUT_S = 900.0
+MAX_ITERATIONS = 100
+"""More steps than a trace needs: the peak repeats from the second step on."""
+PROGRESS_EVERY_S = 5.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("target", metavar="FILE.py:FUNC", help="python file and factory function")
     add_workload_args(p)
-    p.add_argument("--iterations", type=int, default=2, help="steps to trace (default 2: first and steady state)")
+    p.add_argument("--iterations", type=int, default=2,
+                   help=f"steps to trace (default 2: first and steady state; at most {MAX_ITERATIONS})")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"stop your code after this long, e.g. a forward that loops forever "
                    f"(default {DEFAULT_TIMEOUT_S:g}; 0 = no limit)")
+    p.add_argument("--max-memory", type=size_arg, default=None, metavar="SIZE",
+                   help="stop your code when this process's memory (RSS) grows past SIZE, e.g. a forward that "
+                   "keeps tensors alive (default: half of this machine's RAM; 0 = no limit)")
     p.add_argument("--snapshot", metavar="FILE.pickle", help="write the predicted trace in PyTorch's snapshot format")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -69,29 +84,37 @@ def load_factory(target: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..emulate.construct import fake_construction
     from ..engine import trace
     from ..report.estimate import to_doc
     from ..report.render import emit
-    from ..trace.construct import fake_construction
     from ..trace.deadline import deadline
     from .estimate_cmd import check_extras, write_extras
 
-    if args.iterations < 1:
-        raise VramplanError("--iterations must be >= 1")
+    if not 1 <= args.iterations <= MAX_ITERATIONS:
+        raise VramplanError(f"--iterations must be 1 to {MAX_ITERATIONS}, got {args.iterations}",
+                            hint="the peak repeats from the second step on: 2 (the default) measures it")
     if not args.timeout >= 0:  # also NaN
         raise VramplanError(f"--timeout must be >= 0 seconds, got {args.timeout}", hint="0 means no limit")
+    max_rss = memory_budget(args.max_memory)
     _check_unused(args)
     check_extras(args)
     w = workload_from_args(args)
-    note_settings(w)
+    note_settings(w, args)
     factory = load_factory(args.target)
+    limits = ", ".join(part for part in (
+        f"--timeout {args.timeout:g} s" if args.timeout else "", f"--max-memory {fmt_bytes(max_rss)}" if max_rss else "")
+        if part)
 
     def progress(elapsed: float) -> None:
-        hint(f"tracing {args.target}: {elapsed:.0f} s so far (stops at --timeout {args.timeout:g} s)")
+        from ..trace.deadline import current_rss
 
-    # a heartbeat for a person watching a terminal; logs and pipes keep one line per outcome
-    with deadline(args.timeout, what=f"tracing {args.target}",
-                  on_progress=progress if sys.stderr.isatty() else None):
+        rss = current_rss()
+        hint(f"vramplan trace: {args.target} · {elapsed:.0f} s" + (f" · {fmt_bytes(rss)} RAM" if rss else "")
+             + (f" (stops at {limits})" if limits else ""))
+
+    with deadline(args.timeout, what=f"tracing {args.target}", on_progress=progress, every=PROGRESS_EVERY_S,
+                  max_rss=max_rss):
         try:
             with fake_construction():  # weights on meta, .cuda() emulated: no RAM, no GPU
                 made = factory()
@@ -102,11 +125,35 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(made, tuple) or len(made) not in (2, 3):
             raise VramplanError(f"{args.target}() must return (model, example_inputs[, loss_fn])")
         model, inputs, *rest = made
-        report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
-                       alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
+        try:
+            report = trace(model, inputs, workload=w, loss_fn=rest[0] if rest else None, gpu=args.gpu,
+                           alloc_conf=args.alloc_conf, iterations=args.iterations, name=args.target)
+        except TraceError as e:
+            raise _plain_mistake(e, args.target) from None
     emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)
     return 0
+
+
+def memory_budget(given: int | None) -> int | None:
+    """``--max-memory`` in bytes (None: no limit); not given: half of this machine's RAM."""
+    from ..trace.deadline import physical_memory
+
+    if given is not None:
+        return given or None
+    ram = physical_memory()
+    return ram // 2 if ram else None
+
+
+def _plain_mistake(e: TraceError, target: str) -> TraceError:
+    """A trace error whose cause is a plain shape mismatch (a GPU run raises it too) loses the
+    advice about fake tensors, which does not apply to it."""
+    from ..trace.usererror import SHAPE_HINT, shape_mismatch
+
+    cause = e.__cause__
+    if cause is None or not shape_mismatch(cause) or e.hint == SHAPE_HINT:
+        return e
+    return TraceError(e.message, hint=SHAPE_HINT.replace("the factory", f"{target}()"), field=e.field)
 
 
 def _check_unused(args: argparse.Namespace) -> None:

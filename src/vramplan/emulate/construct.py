@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .tensors import on_meta
+
 _META = torch.device("meta")
 
 
@@ -44,9 +46,9 @@ class _FakeCudaConstruction(TorchFunctionMode):
         if name == "to" and args and isinstance(args[0], torch.Tensor):
             src = args[0]
             rest = args[1:]
-            if rest and (_is_cuda(rest[0]) or (src.is_meta and _is_cpu(rest[0]))):
+            if rest and (_is_cuda(rest[0]) or (on_meta(src) and _is_cpu(rest[0]))):
                 rest = (_META, *rest[1:])
-            if src.is_meta and _is_cpu(kwargs.get("device")):
+            if on_meta(src) and _is_cpu(kwargs.get("device")):
                 kwargs = {**kwargs, "device": _META}  # a meta tensor has no values to copy to the CPU
             return func(src, *rest, **kwargs)
         return func(*args, **kwargs)

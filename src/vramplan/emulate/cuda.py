@@ -1,49 +1,72 @@
-"""The emulated CUDA device a script sees: ``torch.cuda`` answers for the target GPU.
+"""``torch.cuda`` and ``torch.accelerator`` answered for the emulated GPU.
 
-A script run by :mod:`.runner` asks ``torch.cuda`` what it runs on before it builds anything
-(``is_available()``, ``get_device_properties(0).total_memory``, ``is_bf16_supported()``) and
-often prints memory figures as it goes. On a machine without a GPU (or without CUDA at
-all) those calls fail or answer for no device. :func:`emulated_cuda` answers them for the
-target GPU instead — properties from the catalog, memory figures from the caching-allocator
-simulation fed with the events recorded so far (so ``torch.cuda.max_memory_allocated()`` in
-the script prints the predicted figure) — and restores the real functions afterwards.
+A script asks what it runs on before it builds anything (``torch.cuda.is_available()``,
+``torch.accelerator.current_accelerator()``, ``get_device_properties(0).total_memory``,
+``is_bf16_supported()``) and often prints memory figures as it goes. On a machine without a
+GPU those calls fail or answer for no device (a CPU build of torch: no accelerator at all; a
+CUDA build without a driver: errors). :func:`patched` answers them for the target GPU —
+properties from the catalog, memory figures from the caching-allocator simulation fed with
+the events recorded so far (:class:`~.live.LiveAllocator`), so that
+``torch.cuda.max_memory_allocated()`` in the script prints the predicted figure — and puts
+the real functions back afterwards.
+
+Every emulated function takes torch's own arguments (:func:`.signatures.like`): the names and
+defaults of the torch version installed, as Python binds them. A function this torch does not
+have is not added. CUDA graphs and NVML-only queries that cannot be emulated raise an error
+naming themselves (:class:`~vramplan.errors.TraceError`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..allocator import CachingAllocator, parse_conf
-from ..events import EventLog
+from ..errors import TraceError
+from .facts import DeviceFacts
+from .live import LiveAllocator
+from .signatures import bind_init, like, signature_of
+
+
+@dataclass
+class CudaState:
+    """What the emulated runtime remembers between calls (shared with the tensors' device view)."""
+
+    facts: DeviceFacts
+    current: int = 0
+    seed: int = 0
+    streams: dict[int, Any] = field(default_factory=dict)
+
+    def index(self, device: Any) -> int:
+        """The ordinal ``device`` names (None: the current device), checked against the count."""
+        if device is None:
+            return self.current
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            if device.type not in ("cuda", "meta"):
+                raise ValueError(f"Expected a cuda device, but got: {device}")
+            idx = self.current if device.index is None else device.index
+        elif isinstance(device, int) and not isinstance(device, bool):
+            idx = device
+        else:
+            idx = getattr(device, "idx", getattr(device, "index", self.current))
+            if not isinstance(idx, int):
+                idx = self.current
+        if idx < 0:
+            return self.current
+        if idx >= self.facts.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {idx} (the emulated machine has "
+                               f"{self.facts.count} GPU{'s' if self.facts.count != 1 else ''}: vramplan run --gpus)")
+        return idx
 
 
 @dataclass(frozen=True)
-class DeviceFacts:
-    """What the script may learn about the emulated GPU (handed in by the engine)."""
-
-    name: str
-    sm: tuple[int, int]
-    total_memory: int
-    """``get_device_properties().total_memory`` / ``mem_get_info()[1]``: what CUDA reports."""
-    outside_allocator: int = 0
-    """CUDA context and libraries: memory the allocator cannot get (``mem_get_info`` free)."""
-    sm_count: int = 0
-    count: int = 1
-    """``device_count()``."""
-
-    @property
-    def bf16(self) -> bool:
-        return self.sm >= (8, 0)
-
-
-@dataclass(frozen=True)
-class _Props:
-    """Stands in for ``torch._C._CudaDeviceProperties``."""
+class Properties:
+    """Stands in for ``torch.cuda.get_device_properties()`` (``_CudaDeviceProperties``)."""
 
     name: str
     major: int
@@ -53,102 +76,319 @@ class _Props:
     is_integrated: int = 0
     is_multi_gpu_board: int = 0
     L2_cache_size: int = 0
+    max_threads_per_multi_processor: int = 2048
     warp_size: int = 32
-    gcnArchName: str = ""
+    regs_per_multiprocessor: int = 65536
+    shared_memory_per_block: int = 49152
+    shared_memory_per_block_optin: int = 232448
+    shared_memory_per_multiprocessor: int = 233472
+    gcnArchName: str = ""  # noqa: N815 (torch's attribute name)
     uuid: str = "00000000-0000-0000-0000-000000000000"
+    pci_bus_id: int = 0
+    pci_device_id: int = 0
+    pci_domain_id: int = 0
 
 
-class LiveAllocator:
-    """Replays the recorded events incrementally, so the script's memory queries get the
-    simulation's figures at the moment it asks."""
+def _unsupported(what: str, hint: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TraceError(f"{what} is not emulated by vramplan", hint=hint)
+    return refuse
 
-    def __init__(self, log: EventLog, conf: str | None = None) -> None:
-        self.log = log
-        self.al = CachingAllocator(parse_conf(conf or ""))
-        self._pos = 0
-        self._live: dict[int, Any] = {}
-        self.peak_allocated = 0
-        self.peak_reserved = 0
 
-    def sync(self) -> CachingAllocator:
-        log, al, live = self.log, self.al, self._live
-        n = len(log)
-        for k in range(self._pos, n):
-            act = log.action[k]
-            if act == 0:
-                size = log.size[k]
-                live[log.id[k]] = al.malloc(size, log.stream[k]) if size > 0 else None
-                self.peak_allocated = max(self.peak_allocated, al.allocated)
-                self.peak_reserved = max(self.peak_reserved, al.reserved)
-            elif act in (1, 2):
-                b = live.pop(log.id[k], None)
-                if b is not None:
-                    al.free(b)
-            elif act == 4:
-                al.empty_cache()
-        self._pos = n
-        return al
-
-    def reset_peaks(self) -> None:
-        al = self.sync()
-        self.peak_allocated, self.peak_reserved = al.allocated, al.reserved
-
-    def stats(self) -> dict[str, int]:
-        al = self.sync()
-        return {
-            "allocated_bytes.all.current": al.allocated, "allocated_bytes.all.peak": self.peak_allocated,
-            "reserved_bytes.all.current": al.reserved, "reserved_bytes.all.peak": self.peak_reserved,
-            "active_bytes.all.current": al.active, "active_bytes.all.peak": al.max_active,
-            "requested_bytes.all.current": al.requested, "requested_bytes.all.peak": al.max_requested,
-            "num_alloc_retries": al.num_alloc_retries, "num_ooms": al.num_ooms,
-            "segment.all.current": al.num_segments,
-        }
+def _unsupported_class(name: str, what: str, hint: str) -> type:
+    """A class in place of one the emulation cannot offer: it can be named (annotations,
+    ``isinstance``), and making one stops the run with a line naming it."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        raise TraceError(f"{what} is not emulated by vramplan", hint=hint)
+    return type(name, (), {"__init__": __init__, "__module__": "torch.cuda"})
 
 
 @contextlib.contextmanager
-def emulated_cuda(facts: DeviceFacts, live: LiveAllocator,
-                  on_sync: Callable[[str], None]) -> Iterator[None]:
-    """Patch ``torch.cuda`` (see the module docstring); ``on_sync(kind)`` receives
-    ``synchronize`` / ``empty_cache`` calls (the trace turns them into events)."""
+def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], None],
+            state: CudaState | None = None) -> Iterator[CudaState]:
+    """Patch ``torch.cuda`` and ``torch.accelerator`` (see the module docstring);
+    ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache`` calls (the trace turns them
+    into events)."""
+    st = state or CudaState(facts)
+    props = Properties(name=facts.name, major=facts.sm[0], minor=facts.sm[1], total_memory=facts.total_memory,
+                       multi_processor_count=facts.sm_count, L2_cache_size=facts.l2_cache)
     cuda = torch.cuda
-    props = _Props(name=facts.name, major=facts.sm[0], minor=facts.sm[1], total_memory=facts.total_memory,
-                   multi_processor_count=facts.sm_count)
-    current = [0]
+    stack = contextlib.ExitStack()
 
-    def _check(device: Any = None) -> None:
-        idx = device.index if isinstance(device, torch.device) else device
-        if isinstance(idx, int) and not 0 <= idx < facts.count:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {idx} (the emulated machine has "
-                               f"{facts.count} GPU{'s' if facts.count != 1 else ''}; vramplan run --gpus)")
-
-    def set_device(device: Any) -> None:
-        _check(device)
-        idx = device.index if isinstance(device, torch.device) else device
-        if isinstance(idx, int):
-            current[0] = idx
-
-    def get_device_properties(device: Any = None) -> _Props:
-        _check(device)
-        return props
-
-    def mem_get_info(device: Any = None) -> tuple[int, int]:
-        al = live.sync()
-        return max(0, facts.total_memory - facts.outside_allocator - al.reserved), facts.total_memory
+    def put(owner: Any, name: str, impl: Callable[..., Any] | Any, *, exact: bool = True) -> None:
+        """Replace ``owner.name`` by ``impl`` behind the real one's signature (only where this torch has it)."""
+        if not hasattr(owner, name):
+            return
+        real = getattr(owner, name)
+        value = like(real, impl) if exact and callable(impl) and not isinstance(impl, type) else impl
+        if not exact and callable(value) and not hasattr(value, "__signature__"):
+            sig = signature_of(real)
+            if sig is not None:
+                value.__signature__ = sig  # type: ignore[union-attr]  # (calls bind as the real one's)
+        stack.callback(setattr, owner, name, real)
+        setattr(owner, name, value)
 
     def stat(key: str) -> Callable[..., int]:
         return lambda device=None: live.stats()[key]
 
-    class _Stream:
-        def __init__(self, device: Any = None, priority: int = 0, **kw: Any) -> None:
-            self.device = torch.device("cuda", current[0])
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        st.index(device)
+        al = live.sync()
+        return max(0, facts.total_memory - facts.outside_allocator - al.reserved), facts.total_memory
+
+    def set_device(device: Any) -> None:
+        idx = st.index(device)
+        st.current = idx
+
+    def sync(*args: Any) -> None:
+        on_sync("synchronize")
+
+    def empty_cache(*args: Any) -> None:
+        on_sync("empty_cache")
+
+    def reset_peaks(*args: Any) -> None:
+        live.reset_peaks()
+
+    def summary(device: Any = None, abbreviated: bool = False) -> str:
+        s = live.stats()
+        return (f"|  vramplan emulated {facts.name}: allocated {s['allocated_bytes.all.current']:,} B "
+                f"(peak {s['allocated_bytes.all.peak']:,} B), reserved {s['reserved_bytes.all.current']:,} B "
+                f"(peak {s['reserved_bytes.all.peak']:,} B)  |")
+
+    Stream, Event, stream_ctx, device_ctx = _classes(st, on_sync)
+    default_stream = Stream()
+    current = [default_stream]
+
+    def current_stream(device: Any = None) -> Any:
+        st.index(device)
+        return current[0]
+
+    def set_stream(s: Any) -> None:
+        if s is not None:
+            current[0] = s
+
+    def stream(s: Any) -> Any:
+        return stream_ctx(s)
+
+    def rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)
+
+    def manual_seed(seed: Any) -> None:
+        st.seed = int(seed)
+
+    functions: dict[str, Any] = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "device_count": lambda: facts.count,
+        "current_device": lambda: st.current,
+        "set_device": set_device,
+        "get_device_properties": lambda device=None: (st.index(device), props)[1],
+        "get_device_capability": lambda device=None: (st.index(device), facts.sm)[1],
+        "get_device_name": lambda device=None: (st.index(device), facts.name)[1],
+        "is_bf16_supported": lambda including_emulation=True: facts.bf16,
+        "is_tf32_supported": lambda: facts.tf32,
+        "get_arch_list": lambda: [f"sm_{facts.sm[0]}{facts.sm[1]}"],
+        "get_gencode_flags": lambda: f"-gencode compute=compute_{facts.sm[0]}{facts.sm[1]},code=sm_{facts.sm[0]}{facts.sm[1]}",
+        "mem_get_info": mem_get_info,
+        "memory_allocated": stat("allocated_bytes.all.current"),
+        "max_memory_allocated": stat("allocated_bytes.all.peak"),
+        "memory_reserved": stat("reserved_bytes.all.current"),
+        "max_memory_reserved": stat("reserved_bytes.all.peak"),
+        "memory_cached": stat("reserved_bytes.all.current"),
+        "max_memory_cached": stat("reserved_bytes.all.peak"),
+        "memory_stats": lambda device=None: live.stats(),
+        "memory_summary": summary,
+        "list_gpu_processes": lambda device=None: f"GPU:{st.index(device)}\nno processes are running",
+        "reset_peak_memory_stats": reset_peaks,
+        "reset_max_memory_allocated": reset_peaks,
+        "reset_max_memory_cached": reset_peaks,
+        "reset_accumulated_memory_stats": lambda device=None: None,
+        "synchronize": sync,
+        "empty_cache": empty_cache,
+        "ipc_collect": lambda: None,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "initial_seed": lambda: st.seed,
+        "get_rng_state": rng_state,
+        "set_rng_state": lambda new_state, device="cuda": None,
+        "get_rng_state_all": lambda: [rng_state() for _ in range(facts.count)],
+        "set_rng_state_all": lambda new_states: None,
+        "current_stream": current_stream,
+        "default_stream": lambda device=None: (st.index(device), default_stream)[1],
+        "stream": stream,
+        "set_stream": set_stream,
+        "set_per_process_memory_fraction": lambda fraction, device=None: None,
+        "get_per_process_memory_fraction": lambda device=None: 1.0,
+        "can_device_access_peer": lambda device, peer_device: (st.index(device), st.index(peer_device), True)[2],
+        "get_sync_debug_mode": lambda: 0,
+        "set_sync_debug_mode": lambda debug_mode: None,
+        "is_current_stream_capturing": lambda: False,
+        "utilization": lambda device=None: 0,
+        "temperature": lambda device=None: 0,
+        "power_draw": lambda device=None: 0,
+        "clock_rate": lambda device=None: 0,
+        "memory_usage": lambda device=None: 0,
+        "_lazy_init": lambda: None,
+    }
+    for name, impl in functions.items():
+        put(cuda, name, impl, exact=not name.startswith("_"))
+    for name, cls in (("Stream", Stream), ("Event", Event), ("StreamContext", stream_ctx), ("device", device_ctx)):
+        put(cuda, name, cls, exact=False)
+    put(cuda, "device_of", lambda obj: device_ctx(st.current if not isinstance(obj, torch.Tensor) else 0))
+    graphs = "CUDA graph capture (torch.cuda.CUDAGraph / graph / make_graphed_callables)"
+    graph_hint = "run the eager step (CUDA graphs reuse its memory in their own pool)"
+    for name in ("CUDAGraph", "graph"):
+        put(cuda, name, _unsupported_class(name, graphs, graph_hint), exact=False)
+    for name in ("make_graphed_callables", "graph_pool_handle"):
+        put(cuda, name, _unsupported(graphs, graph_hint))
+    _patch_modules(put, cuda, functions, facts, on_sync, st, current_stream, set_stream, Stream, live)
+    try:
+        with stack:
+            yield st
+    finally:
+        pass
+
+
+def _patch_modules(put: Callable[..., None], cuda: Any, functions: dict[str, Any], facts: DeviceFacts,
+                   on_sync: Callable[[str], None], st: CudaState, current_stream: Callable[..., Any],
+                   set_stream: Callable[..., Any], Stream: type, live: LiveAllocator) -> None:  # noqa: N803
+    """The submodules (``torch.cuda.memory``, ``.random``, ``.nvtx``), ``torch.accelerator``,
+    ``torch.version.cuda``, ``torch.backends`` and ``torch._C._get_accelerator``."""
+    import torch.cuda.memory as cm
+    import torch.cuda.random as cr
+
+    for owner in (cm, cr):
+        for name, impl in functions.items():
+            if not name.startswith("_") and hasattr(owner, name):
+                put(owner, name, impl)
+    put(cm, "_record_memory_history", lambda *a: None)
+    put(cm, "_snapshot", _unsupported("torch.cuda.memory._snapshot()",
+                                       "`vramplan run --snapshot FILE` writes the predicted snapshot"), exact=False)
+    put(cm, "_dump_snapshot", _unsupported("torch.cuda.memory._dump_snapshot()",
+                                           "`vramplan run --snapshot FILE` writes the predicted snapshot"), exact=False)
+    nvtx: Any = getattr(torch.cuda, "nvtx", None)
+    if nvtx is not None:
+        put(nvtx, "range_push", lambda msg: 0)
+        put(nvtx, "range_pop", lambda: 0)
+        put(nvtx, "range_start", lambda msg: 0)
+        put(nvtx, "range_end", lambda range_id: None)
+        put(nvtx, "mark", lambda msg: None)
+
+        @contextlib.contextmanager
+        def nvtx_range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+            yield
+
+        put(nvtx, "range", nvtx_range, exact=False)
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        def device_capability(device: Any = None) -> dict[str, Any]:
+            st.index(device)
+            return {"major": facts.sm[0], "minor": facts.sm[1],
+                    "supported_dtypes": [torch.float32, torch.float16, torch.float64, torch.int8, torch.int32,
+                                         torch.int64, torch.bool] + ([torch.bfloat16] if facts.bf16 else [])}
+
+        def set_index(device: Any) -> None:
+            st.current = st.index(device)
+
+        acc_functions: dict[str, Any] = {
+            "is_available": lambda: True,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "device_count": lambda: facts.count,
+            "current_device_index": lambda: st.current,
+            "current_device_idx": lambda: st.current,
+            "set_device_index": set_index,
+            "set_device_idx": set_index,
+            "current_stream": lambda device=None: current_stream(device),
+            "set_stream": set_stream,
+            "synchronize": lambda device=None: on_sync("synchronize"),
+            "empty_cache": lambda: on_sync("empty_cache"),
+            "empty_host_cache": lambda: None,
+            "get_device_capability": device_capability,
+            "get_memory_info": lambda device_index=None: functions["mem_get_info"](device_index),
+            "memory_allocated": lambda device_index=None: live.stats()["allocated_bytes.all.current"],
+            "max_memory_allocated": lambda device_index=None: live.stats()["allocated_bytes.all.peak"],
+            "memory_reserved": lambda device_index=None: live.stats()["reserved_bytes.all.current"],
+            "max_memory_reserved": lambda device_index=None: live.stats()["reserved_bytes.all.peak"],
+            "memory_stats": lambda device_index=None: live.stats(),
+            "reset_peak_memory_stats": lambda device_index=None: live.reset_peaks(),
+            "reset_accumulated_memory_stats": lambda device_index=None: None,
+        }
+        for name, impl in acc_functions.items():
+            put(acc, name, impl)
+        for sub in ("memory",):
+            mod = getattr(acc, sub, None)
+            if mod is not None:
+                for name, impl in acc_functions.items():
+                    if hasattr(mod, name):
+                        put(mod, name, impl)
+        if hasattr(acc, "device_index"):
+            put(acc, "device_index", _device_index_class(acc.device_index, st), exact=False)
+        put(acc, "Graph", _unsupported_class("Graph", "CUDA graph capture (torch.accelerator.Graph)",
+                                             "run the eager step (CUDA graphs reuse its memory in their own pool)"),
+            exact=False)
+    put(torch.version, "cuda", facts.cuda_version, exact=False)
+    put(torch.backends.cuda, "is_built", lambda: True)
+    put(torch.backends.cudnn, "is_available", lambda: True)
+    put(torch.backends.cudnn, "version", lambda: 91002)
+    put(torch._C, "_get_accelerator", lambda *a: torch.device("cuda"), exact=False)
+
+
+def _device_index_class(real: type, st: CudaState) -> type:
+    class device_index:  # noqa: N801 (torch's name)
+        """``with torch.accelerator.device_index(i):`` on the emulated GPU."""
+
+        __signature__ = __import__("inspect").signature(real)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            (device,) = bind_init(real, args, kwargs)[:1]
+            self.idx = device
+            self.prev = st.current
+
+        def __enter__(self) -> None:
+            self.prev = st.current
+            if self.idx is not None:
+                st.current = st.index(self.idx)
+
+        def __exit__(self, *exc: Any) -> None:
+            st.current = self.prev
+
+    return device_index
+
+
+def _classes(st: CudaState, on_sync: Callable[[str], None]) -> tuple[type, type, type, type]:
+    """Emulated ``Stream``, ``Event``, ``StreamContext`` and ``device`` with torch's constructors."""
+    import inspect
+
+    real_stream, real_event = torch.cuda.Stream, torch.cuda.Event
+    real_ctx, real_device = torch.cuda.StreamContext, torch.cuda.device
+
+    class Stream:
+        """An emulated CUDA stream: work on it is ordered like the default stream's."""
+
+        __signature__ = inspect.signature(real_stream)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            device, priority = bind_init(real_stream, args, kwargs)[:2]
+            self.device_index = st.index(device)
+            self.device = torch.device("cuda", self.device_index)
+            self.priority = priority
+            self.stream_id = id(self)
+            self.device_type = 1
 
         def synchronize(self) -> None:
             on_sync("synchronize")
 
-        def wait_stream(self, other: Any) -> None: ...
+        def wait_stream(self, stream: Any) -> None: ...
         def wait_event(self, event: Any) -> None: ...
+
         def record_event(self, event: Any = None) -> Any:
-            return event if event is not None else _Event()
+            ev = event if event is not None else Event()
+            ev.record(self)
+            return ev
 
         def query(self) -> bool:
             return True
@@ -156,91 +396,75 @@ def emulated_cuda(facts: DeviceFacts, live: LiveAllocator,
         def is_capturing(self) -> bool:
             return False
 
-        def __enter__(self) -> _Stream:
-            return self
+        @property
+        def cuda_stream(self) -> int:
+            return 0
 
-        def __exit__(self, *exc: Any) -> None: ...
+        def __enter__(self) -> Any:
+            self._ctx = StreamContext(self)
+            return self._ctx.__enter__()
 
-    class _Event:
-        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-            pass
+        def __exit__(self, *exc: Any) -> None:
+            self._ctx.__exit__(*exc)
+
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+        def __hash__(self) -> int:
+            return id(self)
+
+        def __repr__(self) -> str:
+            return f"<torch.cuda.Stream device=cuda:{self.device_index} cuda_stream=0x0 (vramplan emulated)>"
+
+    class Event:
+        """An emulated CUDA event (already complete; no timing)."""
+
+        __signature__ = inspect.signature(real_event)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            bind_init(real_event, args, kwargs)
 
         def record(self, stream: Any = None) -> None: ...
         def wait(self, stream: Any = None) -> None: ...
+
         def query(self) -> bool:
             return True
 
         def synchronize(self) -> None:
             on_sync("synchronize")
 
-        def elapsed_time(self, end: Any) -> float:
+        def elapsed_time(self, end_event: Any) -> float:
             return 0.0
 
-    default_stream = _Stream()
+    class StreamContext:
+        """``with torch.cuda.stream(s):`` (ops are recorded on the default stream's order)."""
 
-    @contextlib.contextmanager
-    def stream(s: Any = None) -> Iterator[None]:
-        yield
+        __signature__ = inspect.signature(real_ctx)
 
-    patches: dict[str, Any] = {
-        "is_available": lambda: True,
-        "is_initialized": lambda: True,
-        "init": lambda: None,
-        "device_count": lambda: facts.count,
-        "current_device": lambda: current[0],
-        "set_device": set_device,
-        "get_device_properties": get_device_properties,
-        "get_device_capability": lambda device=None: facts.sm,
-        "get_device_name": lambda device=None: facts.name,
-        "is_bf16_supported": lambda including_emulation=True: facts.bf16,
-        "get_arch_list": lambda: [f"sm_{facts.sm[0]}{facts.sm[1]}"],
-        "mem_get_info": mem_get_info,
-        "memory_allocated": stat("allocated_bytes.all.current"),
-        "max_memory_allocated": stat("allocated_bytes.all.peak"),
-        "memory_reserved": stat("reserved_bytes.all.current"),
-        "max_memory_reserved": stat("reserved_bytes.all.peak"),
-        "memory_stats": lambda device=None: live.stats(),
-        "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
-        "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
-        "synchronize": lambda device=None: on_sync("synchronize"),
-        "empty_cache": lambda: on_sync("empty_cache"),
-        "manual_seed": lambda seed: None,
-        "manual_seed_all": lambda seed: None,
-        "seed": lambda: None,
-        "seed_all": lambda: None,
-        "Stream": _Stream,
-        "Event": _Event,
-        "current_stream": lambda device=None: default_stream,
-        "default_stream": lambda device=None: default_stream,
-        "stream": stream,
-        "set_per_process_memory_fraction": lambda fraction, device=None: None,
-    }
-    saved = {k: getattr(cuda, k) for k in patches if hasattr(cuda, k)}
-    saved_lazy = getattr(cuda, "_lazy_init", None)
-    for k, v in patches.items():
-        setattr(cuda, k, v)
-    cuda._lazy_init = lambda: None  # type: ignore[attr-defined]
-    # On a CUDA build of torch (no driver here) ``torch.accelerator`` reports CUDA, and the
-    # optimizers' graph-capture check (torch/optim/optimizer.py, 2.13/2.14) then asks it for
-    # the current stream, which would reach the real CUDA runtime. Answer from the emulation.
-    acc = getattr(torch, "accelerator", None)
-    acc_patches: dict[str, Any] = {
-        "current_stream": lambda device=None: default_stream,
-        "current_device_index": lambda: current[0],
-        "synchronize": lambda device=None: on_sync("synchronize"),
-    }
-    acc_saved = {k: getattr(acc, k) for k in acc_patches if acc is not None and hasattr(acc, k)}
-    for k in acc_saved:
-        setattr(acc, k, acc_patches[k])
-    try:
-        yield
-    finally:
-        for k, v in acc_saved.items():
-            setattr(acc, k, v)
-        for k in patches:
-            if k in saved:
-                setattr(cuda, k, saved[k])
-            else:
-                delattr(cuda, k)
-        if saved_lazy is not None:
-            cuda._lazy_init = saved_lazy  # type: ignore[attr-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            (self.stream,) = bind_init(real_ctx, args, kwargs)[:1]
+
+        def __enter__(self) -> Any:
+            return self.stream
+
+        def __exit__(self, *exc: Any) -> None: ...
+
+    class device:  # noqa: N801 (torch's name)
+        """``with torch.cuda.device(i):`` sets the current device for the block."""
+
+        __signature__ = inspect.signature(real_device)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            (d,) = bind_init(real_device, args, kwargs)[:1]
+            self.idx = st.index(d) if d is not None and not (isinstance(d, int) and d < 0) else -1
+            self.prev = st.current
+
+        def __enter__(self) -> None:
+            self.prev = st.current
+            if self.idx >= 0:
+                st.current = self.idx
+
+        def __exit__(self, *exc: Any) -> None:
+            st.current = self.prev
+
+    return Stream, Event, StreamContext, device

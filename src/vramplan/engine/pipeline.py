@@ -206,7 +206,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         top_modules=core.top_modules, top_tensors=core.top_tensors,
         iterations=core.iterations, timeline=timeline, model_states=core.model_states,
         flops_per_step=core.flops_per_step, host_memory=core.host_memory, host_parts=core.host_parts, events=core.events, fallback=fallback, user_model=user_model,
-        **_axes(spec),
+        **_axes(spec),  # type: ignore[arg-type]
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's
         from .boundary import fits

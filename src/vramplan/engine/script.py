@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import VramplanError
 from ..hardware.gpu import GPU
-from ..results import MemoryReport
-from ..workload import Parallel, Task, Workload
+from ..results import MemoryReport, Ran
+from ..workload import Optimizer, OptimizerImpl, Parallel, Precision, Task, Workload
 from .device import profile
+
+if TYPE_CHECKING:
+    from ..script.runner import ScriptRun
 from .methods import trace_core
 from .pipeline import finish
 from .resolve import resolve_gpu
@@ -40,7 +44,7 @@ def run_script(
     ``torchrun`` / ``accelerate launch`` start it; the report is that rank's memory, with the
     NCCL communicator of the world.
     """
-    from ..script.device import DeviceFacts
+    from ..emulate import DeviceFacts
     from ..script.runner import trace_script
 
     if gpus < 1:
@@ -62,9 +66,56 @@ def run_script(
                         sm_count=g.sm_count or 0, count=gpus)
     tr, run = trace_script(path, argv, profile=dev, facts=facts, steps=steps, timeout=timeout,
                            alloc_conf=alloc_conf, progress=progress, online=online, world=world)
-    w = base if run.steps > 0 else Workload(task=Task.INFER, parallel=Parallel(dp=world))
+    w, ran, notes = what_ran(run, world)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
-    return finish(core, Path(path).name, w, g, dev, notes=[], user_model=True)
+    return finish(core, Path(path).name, w, g, dev, notes=notes, user_model=True).replace(ran=ran)
+
+
+_OPTIMIZERS = {
+    "SGD": Optimizer.SGD, "SGD-momentum": Optimizer.SGD_MOMENTUM, "Adam": Optimizer.ADAM, "AdamW": Optimizer.ADAMW,
+    "AdamW8bit": Optimizer.ADAMW_8BIT, "Adam8bit": Optimizer.ADAMW_8BIT, "PagedAdamW8bit": Optimizer.PAGED_ADAMW_8BIT,
+    "Adafactor": Optimizer.ADAFACTOR, "Lion": Optimizer.LION,
+}
+_IMPLS = {"foreach": OptimizerImpl.FOREACH, "fused": OptimizerImpl.FUSED, "for-loop": OptimizerImpl.FOR_LOOP}
+_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
+
+
+def what_ran(run: ScriptRun, world: int = 1) -> tuple[Workload, Ran, list[str]]:
+    """The workload a script ran, read off the run (parameter dtypes, autocast regions,
+    optimizers, first batch): the report's header and JSON say what the script did."""
+    notes: list[str] = []
+    dtype = max(run.param_dtypes, key=lambda k: run.param_dtypes[k]) if run.param_dtypes else "torch.float32"
+    weights = _SHORT.get(dtype, dtype.removeprefix("torch."))
+    auto = [_SHORT.get(d, d) for d in run.autocast]
+    if weights == "fp32" and auto:
+        precision = Precision.FP16_MIXED if auto[0] == "fp16" else Precision.BF16_MIXED
+        text = f"{precision} (fp32 weights, autocast {'/'.join(auto)})"
+    elif weights in ("bf16", "fp16"):
+        precision = Precision(weights)
+        text = f"{precision} weights" + (f", autocast {'/'.join(auto)}" if auto else "")
+    else:
+        precision = Precision.FP32
+        text = f"{weights} weights" + (f", autocast {'/'.join(auto)}" if auto else "")
+    fields: dict[str, object] = {"precision": precision}
+    if run.optimizer_kinds:
+        name, impl = run.optimizer_kinds[0]
+        if name in _OPTIMIZERS:
+            fields["optimizer"] = _OPTIMIZERS[name]
+            fields["optimizer_impl"] = _IMPLS[impl]
+        else:
+            notes.append(f"optimizer {name}: not one of vramplan's modelled optimizers; the trace ran it as written "
+                         "(the workload's optimizer field keeps vramplan's default)")
+    if run.batch:
+        fields["batch"] = run.batch
+    if run.seq:
+        fields["seq"] = run.seq
+    if run.image:
+        fields["image_size"] = run.image
+    task = Task.TRAIN if run.steps > 0 else Task.INFER
+    w = Workload(task=task, parallel=Parallel(dp=world), **fields)  # type: ignore[arg-type]
+    ran = Ran(precision=text, optimizers=tuple(f"{n} ({i})" for n, i in run.optimizer_kinds), batch=run.batch,
+              seq=run.seq, image=run.image, steps=run.steps, forwards=run.forwards)
+    return w, ran, notes
 
 
 __all__ = ["run_script"]

@@ -40,6 +40,8 @@ def count(n: int) -> str:
 
 
 def workload_line(r: MemoryReport) -> str:
+    if r.ran is not None:  # a script: what it did, not what vramplan would default to
+        return r.ran.line()
     w = r.workload
     parts = [f"task {w.task}"]
     if not r.user_model:  # a user's own inputs fix their own shapes

@@ -53,18 +53,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._device as _device_utils
 from torch import nn
 
+from ..emulate import DeviceFacts, LiveAllocator, emulated_gpu
+from ..emulate.construct import _is_cuda as is_cuda
+from ..emulate.modules import CONVERTING
+from ..emulate.tensors import on_meta, raw_device
 from ..errors import TraceError, VramplanError
 from ..events import Action, Category
-from ..trace.construct import _is_cuda as is_cuda
-from ..trace.cuda import DeviceProfile
-from ..trace.host import HostMemory
+from ..target import DeviceProfile
+from ..trace.places import Places
 from ..trace.recorder import PHASE_INDEX
 from ..trace.result import TraceResult
 from ..trace.session import TraceSession
 from ..workload import Phase
-from .device import DeviceFacts, LiveAllocator, emulated_cuda
 from .pretrained import building, weightless_from_pretrained
 
 Progress = Callable[[str], None]
@@ -92,6 +95,28 @@ class ScriptRun:
     stopped_by: str = ""
     """``steps`` (enough optimizer steps), ``forwards`` (inference), ``end`` (the script ended)."""
     notes: list[str] = field(default_factory=list)
+    device_forwards: int = 0
+    """Top-level forward calls of a model whose parameters are on the emulated GPU."""
+    host_forwards: int = 0
+    """…and of a model whose parameters stayed on the host (the CPU)."""
+    device_param_bytes: int = 0
+    host_param_bytes: int = 0
+    """Parameter bytes of the models that ran on the GPU / stayed on the host (each counted once)."""
+    host_model: str = ""
+    """``Model at file:line``: the first model with parameters that ran forward on the host."""
+    param_dtypes: dict[str, int] = field(default_factory=dict)
+    """Bytes of the GPU models' parameters by dtype (``torch.float32`` …)."""
+    autocast: list[str] = field(default_factory=list)
+    """dtypes of the ``torch.autocast("cuda")`` regions the script entered."""
+    optimizer_kinds: list[tuple[str, str]] = field(default_factory=list)
+    """(class name, implementation: foreach / fused / for-loop) of each optimizer built."""
+    inputs: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+    """(shape, dtype) of the host tensors copied to the GPU before the first forward on it."""
+    batch: int | None = None
+    seq: int | None = None
+    image: int | None = None
+    workers: int = 0
+    """DataLoader workers the script asked for (run in this process instead)."""
 
 
 class _Hooks:
@@ -111,22 +136,62 @@ class _Hooks:
         self._last_report = started
         self.world = 1
         """Ranks of the declared world (the script is rank 0)."""
+        self.places: Places | None = None
+        self.path = Path(".")
 
     # --- progress -----------------------------------------------------------------------
     def report(self, what: str) -> None:
         now = time.monotonic()
         if self.progress is not None and now - self.started > 1.0 and now - self._last_report > 0.5:
             self._last_report = now
-            self.progress(f"{what} · step {self.run.steps}/{self.steps} · {now - self.started:.1f} s")
+            count = f"step {self.run.steps}/{self.steps}" if self.run.optimizers else \
+                f"forward {self.run.forwards}/{self.steps}"
+            self.progress(f"{what} · {count} · {now - self.started:.1f} s")
 
     # --- modules ------------------------------------------------------------------------
     def module_pre(self, mod: nn.Module, args: Any) -> None:
         if self._depth == 0:
             if id(mod) not in self._roots:
                 self._add_root(mod)
+            self._where_it_runs(mod, args)
             if not self.sess.dispatch.in_backward:
                 self._set_phase(Phase.FORWARD)
         self._depth += 1
+
+    def _where_it_runs(self, mod: nn.Module, args: Any) -> None:
+        """Count a top-level call as on the GPU or on the host (by its first parameter), and
+        read the batch's shape from the first call on the GPU."""
+        p = next(mod.parameters(), None)
+        if p is None:
+            return
+        run = self.run
+        if self.on_device(p):
+            run.device_forwards += 1
+            if run.device_forwards == 1:
+                self._shapes(args)
+        else:
+            run.host_forwards += 1
+            if not run.host_model:
+                run.host_model = f"{type(mod).__name__} at {self.where()}"
+
+    def _shapes(self, args: Any) -> None:
+        run = self.run
+        seen = [(tuple(a.shape), str(a.dtype)) for a in (args if isinstance(args, tuple) else (args,))
+                if isinstance(a, torch.Tensor)] or run.inputs
+        ints = [s for s, d in seen if "int" in d and len(s) >= 2]
+        floats = [s for s, d in seen if "float" in d or "bfloat" in d]
+        if seen and seen[0][0]:
+            run.batch = seen[0][0][0]
+        if ints:
+            run.batch, run.seq = ints[0][0], ints[0][1]
+        elif floats and len(floats[0]) == 4:
+            run.image = floats[0][-1]
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return on_meta(t) and (self.places is None or not self.places.is_host(t))
+
+    def where(self) -> str:
+        return _user_frame(traceback.extract_stack()[:-1], self.path)
 
     def module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         self._depth = max(0, self._depth - 1)
@@ -146,18 +211,25 @@ class _Hooks:
             self.run.roots.append(name)
         self.sess.modules.add_root(mod, name)
         rec = self.sess.rec
+        run = self.run
         seen: set[int] = set()
         for p in mod.parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            self.run.params += p.numel()
+            run.params += p.numel()
             if p.requires_grad:
-                self.run.trainable += p.numel()
-            if p.device.type == "meta":
+                run.trainable += p.numel()
+            n = p.numel() * p.element_size()
+            if self.on_device(p):
+                run.device_param_bytes += n
+                run.param_dtypes[str(p.dtype)] = run.param_dtypes.get(str(p.dtype), 0) + n
+            else:
+                run.host_param_bytes += n
+            if on_meta(p):
                 rec.relabel(p, Category.PARAMETER)
         for b in mod.buffers():
-            if b.device.type == "meta":
+            if on_meta(b):
                 rec.relabel(b, Category.BUFFER)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -176,8 +248,14 @@ class _Hooks:
             raise _Stop
         self.sess.start_iteration(self.run.steps + 1)
 
-    def optimizer_created(self) -> None:
+    def optimizer_created(self, opt: Any) -> None:
         self.run.optimizers += 1
+        d = getattr(opt, "defaults", {}) or {}
+        impl = "fused" if d.get("fused") else "for-loop" if d.get("foreach") is False else "foreach"
+        name = type(opt).__name__
+        if name in ("SGD",) and d.get("momentum"):
+            name = "SGD-momentum"
+        self.run.optimizer_kinds.append((name, impl))
 
     # --- phases -------------------------------------------------------------------------
     def _set_phase(self, phase: Phase) -> None:
@@ -201,6 +279,8 @@ class _Hooks:
         if self._autocast_depth == 0:
             ac.dtype = dtype
             ac.enter()
+            if str(dtype) not in self.run.autocast:
+                self.run.autocast.append(str(dtype))
         self._autocast_depth += 1
 
     def autocast_active(self) -> bool:
@@ -226,7 +306,7 @@ def _replace(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> 
 
 
 @contextlib.contextmanager
-def _patched(hooks: _Hooks) -> Iterator[None]:
+def _patched(hooks: _Hooks, optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
     """Install the hooks and patches; undo them all afterwards."""
     import torch.amp.autocast_mode as am
     import torch.optim.optimizer as oo
@@ -255,15 +335,13 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
     _replace(stack, torch.autograd, "backward", autograd_bwd)
 
     opt_init = oo.Optimizer.__init__
-    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         opt_init(self, *args, **kwargs)
         optimizers.add(self)
-        hooks.optimizer_created()
+        hooks.optimizer_created(self)
 
     _replace(stack, oo.Optimizer, "__init__", init)
-    stack.enter_context(_parameters_keep_identity(optimizers))
 
     ac_enter, ac_exit = am.autocast.__enter__, am.autocast.__exit__
 
@@ -299,17 +377,7 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
     _replace(stack, torch, "is_autocast_enabled", is_autocast_enabled)
     _replace(stack, torch, "get_autocast_dtype", get_autocast_dtype)
 
-    # ``model.to(rank)``: an int is a CUDA ordinal, which a CPU build of torch cannot parse
-    mod_to = nn.Module.to
-
-    def module_to(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-            args = (f"cuda:{args[0]}", *args[1:])
-        if isinstance(kwargs.get("device"), int) and not isinstance(kwargs["device"], bool):
-            kwargs = {**kwargs, "device": f"cuda:{kwargs['device']}"}
-        return mod_to(self, *args, **kwargs)
-
-    _replace(stack, nn.Module, "to", module_to)
+    stack.enter_context(_host_parameters(hooks))
     stack.enter_context(_patched_grad_scaler())
     stack.enter_context(_patched_distributed(hooks.world))
     with stack:
@@ -317,37 +385,29 @@ def _patched(hooks: _Hooks) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _parameters_keep_identity(optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
-    """``model.to("cuda")`` on a GPU keeps each Parameter object (only its data moves), so an
-    optimizer built before the move (accelerate's ``prepare`` does exactly that) still steps
-    the model's parameters. Moving to the fake device makes new Parameters: point every
-    optimizer built so far at them, as the real move would have."""
-    orig = nn.Module._apply
-    depth = [0]
+def _host_parameters(hooks: _Hooks) -> Iterator[None]:
+    """A Parameter made on the host is a host tensor without real storage (its values kept where
+    small): autograd checks that a gradient lives where its parameter does, and a model's large
+    weights are host tensors without values (:data:`HOST_WITHOUT_VALUES_FROM`), so all of its
+    parameters must be, or a CPU step would mix the two kinds."""
+    places, values = hooks.places, hooks.sess.values
+    orig = nn.Parameter.__new__
+    no_tf = torch._C.DisableTorchFunction
 
-    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if depth[0]:
-            return orig(self, fn, *args, **kwargs)
-        before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
-        depth[0] += 1
-        try:
-            out = orig(self, fn, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-        moved = {id(p): m._parameters[name] for m, name, p in before if m._parameters.get(name) is not p}
-        if moved:
-            for opt in list(optimizers):
-                for group in opt.param_groups:
-                    group["params"] = [moved.get(id(p), p) for p in group["params"]]
-                state = opt.state
-                items = [(moved.get(id(k), k), v) for k, v in state.items()]
-                state.clear()
-                state.update(items)
-        return out
+    def new(cls: Any, data: Any = None, requires_grad: bool = True) -> Any:
+        if places is not None and type(data) is torch.Tensor and data.numel() and not building() \
+                and raw_device(data).type == "cpu":
+            with no_tf(), places.scope("cpu"):
+                host = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
+            values.set_shadow(host, data.detach())
+            data = host
+        return orig(cls, data, requires_grad)
 
-    with contextlib.ExitStack() as stack:
-        _replace(stack, nn.Module, "_apply", _apply)
+    nn.Parameter.__new__ = new  # type: ignore[method-assign]
+    try:
         yield
+    finally:
+        nn.Parameter.__new__ = orig  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -503,70 +563,62 @@ def _constructors() -> Any:
     return _device_constructors()
 
 
-_META_CONTEXT = [0]
-"""Calls a ``with torch.device("meta")`` block is making right now (:func:`_meta_contexts`)."""
-
-
-def _meta_default() -> bool:
-    """The call comes from the script's ``with torch.device("meta")`` (library code passes
-    ``device=t.device`` for its own trace-device tensors, which are meta too: only the context
-    says "no memory")."""
-    return _META_CONTEXT[0] > 0
-
-
-@contextlib.contextmanager
-def _meta_contexts() -> Iterator[None]:
-    """Count the factory calls a meta ``DeviceContext`` (``torch.utils._device``, what ``with
-    torch.device("meta")`` pushes) hands on: it runs before the trace's modes and fills in
-    ``device``, which is all they would see of it."""
-    from torch.utils._device import DeviceContext
-
-    orig = DeviceContext.__torch_function__
-
-    def torch_function(self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if self.device.type != "meta":
-            return orig(self, func, types, args, kwargs)
-        _META_CONTEXT[0] += 1
-        try:
-            return orig(self, func, types, args, kwargs)
-        finally:
-            _META_CONTEXT[0] -= 1
-
-    DeviceContext.__torch_function__ = torch_function  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DeviceContext.__torch_function__ = orig  # type: ignore[method-assign]
-
-
 def _is_meta(d: Any) -> bool:
     return (isinstance(d, torch.device) and d.type == "meta") or (isinstance(d, str) and d == "meta")
 
 
-class _InputMode(torch.overrides.TorchFunctionMode):
-    """Host tensors copied to the device are step inputs; small integer ones keep their
-    values as shadows (token ids, lengths) for data-dependent ops."""
+HOST_WITHOUT_VALUES_FROM = 1 << 20
+"""Bytes from which a host tensor made by a factory whose values do not matter (``empty``,
+``zeros``, ``randn``, … — a layer's weight before ``.to("cuda")``, a synthetic data set) is a
+host tensor without values (meta storage in the ``cpu`` place): a 70B model built on the CPU
+takes no RAM. Smaller ones are real (indices, lengths, masks keep their values)."""
+_VALUELESS = frozenset({
+    "empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "randint", "normal",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+})
 
-    def __init__(self, sess: TraceSession) -> None:
+
+def _host_request(d: Any) -> bool:
+    return d is None or (isinstance(d, torch.device) and d.type == "cpu") or (isinstance(d, str) and d == "cpu")
+
+
+class _InputMode(torch.overrides.TorchFunctionMode):
+    """Where the script's tensors live (:class:`~vramplan.trace.places.Places`): host tensors
+    copied to the device are step inputs (small integer ones keep their values as shadows:
+    token ids, lengths); large host tensors from value-less factories take no RAM; the
+    script's own meta tensors take no memory anywhere."""
+
+    def __init__(self, sess: TraceSession, places: Places, run: ScriptRun | None = None) -> None:
         super().__init__()
         self.sess = sess
-        self.meta = HostMemory(sess.rec, counted=False)
-        sess.rec.host = self.meta
+        self.places = places
+        self.run = run
+        sess.rec.host = places
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and not self._on_device(args[0]):
             # page-locked host memory is not GPU memory; on a CUDA build of torch (no driver
             # here) the real call would reach the CUDA runtime (DataLoader(pin_memory=True))
             return args[0]
-        if func in _constructors() and _is_meta(kwargs.get("device")) and _meta_default() and not building():
+        if func in _constructors() and kwargs.get("device") is None:
+            # the default device (``torch.set_default_device``, ``with torch.device(...)``): its
+            # DeviceContext sits at the bottom of the mode stack and would fill it in after us
+            default = getattr(_device_utils, "CURRENT_DEVICE", None)
+            if default is not None and default.type != "cpu":
+                kwargs = {**kwargs, "device": default}
+        if func in _constructors() and _is_meta(kwargs.get("device")) and not building():
             # the script's own meta tensors (``with torch.device("meta")``: a model built to be
             # sharded, then ``to_empty``) take no memory in the real run: kept off the GPU's log,
             # with what is derived from them (FSDP2's meta shards) — ``device="cuda"`` is the GPU
-            with self.meta.scope("meta"):
+            with self.places.scope("meta"):
                 return func(*args, **kwargs)
+        if name in _VALUELESS and _host_request(kwargs.get("device")) and not building():
+            out = self._host_without_values(func, name, args, kwargs)
+            if out is not None:
+                return out
         if name in _FROM_DATA and is_cuda(kwargs.get("device")):
             # torch.tensor(data, device="cuda"): the values are the host data's; keep them
             host = func(*args, **{**kwargs, "device": "cpu"})
@@ -575,17 +627,43 @@ class _InputMode(torch.overrides.TorchFunctionMode):
                 self.sess.values.set_shadow(out, host)
             return out
         out = func(*args, **kwargs)
-        if name in _FINITE and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+        if name in _FINITE and isinstance(out, torch.Tensor) and self._on_device(out) \
                 and not self.sess.values.has_shadow(out) and out.numel() <= 1 << 16:
             # activations are finite (no overflow): what the step does nearly always
             self.sess.values.set_shadow(out, torch.full(out.shape, name == "isfinite", dtype=torch.bool))
             self.sess.dispatch.rules_used["finite"] += 1
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[0]
-            if src.device.type == "cpu" and out.device.type == "meta":
+            if not self._on_device(src) and self._on_device(out):
                 self.sess.rec.relabel(out, Category.INPUT)
-                if not src.is_floating_point() and src.numel() <= 1 << 20:
+                run = self.run
+                if run is not None and not run.device_forwards and not CONVERTING[0] and len(run.inputs) < 64:
+                    run.inputs.append((tuple(out.shape), str(out.dtype)))
+                if raw_device(src).type == "cpu" and not src.is_floating_point() and src.numel() <= 1 << 20:
                     self.sess.values.set_shadow(out, src)
+        return out
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return on_meta(t) and not self.places.is_host(t)
+
+    def _host_without_values(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A large host tensor from a value-less factory: meta storage in the ``cpu`` place
+        (None: a small one, or a call meta cannot make — the real call runs)."""
+        if name.endswith("_like"):  # like a host tensor with values (one without is placed by the trace)
+            src = args[0] if args else kwargs.get("input")
+            if not (isinstance(src, torch.Tensor) and raw_device(src).type == "cpu"):
+                return None
+        if kwargs.get("out") is not None or kwargs.get("generator") is not None:
+            return None
+        try:
+            with self.places.scope("cpu"):
+                out = func(*args, **{**kwargs, "device": "meta", "pin_memory": False}) \
+                    if "pin_memory" in kwargs else func(*args, **{**kwargs, "device": "meta"})
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if not isinstance(out, torch.Tensor) or out.untyped_storage().nbytes() < HOST_WITHOUT_VALUES_FROM:
+            return None
+        self.sess.dispatch.rules_used["host_without_values"] += 1
         return out
 
 
@@ -670,14 +748,113 @@ def _argv(path: Path, argv: Sequence[str]) -> Iterator[None]:
 
 
 def _user_frame(tb: Any, path: Path) -> str:
-    """``file:line`` of the innermost frame in the user's script (or its folder)."""
+    """``file:line`` of the innermost frame in the user's script (or its folder) of a traceback
+    or a list of frames."""
     folder = str(path.parent.resolve())
     best = ""
-    for fs in traceback.extract_tb(tb):
+    frames = tb if isinstance(tb, list) else traceback.extract_tb(tb)
+    for fs in frames:
         f = os.path.abspath(fs.filename)
         if f == str(path.resolve()) or (f.startswith(folder + os.sep) and "site-packages" not in f):
             best = f"{os.path.relpath(f)}:{fs.lineno}"
     return best or str(path)
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _script_error(e: BaseException, path: Path) -> TraceError:
+    """The script's own exception as one line: where in the script, what, and whose it is."""
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == str(path.resolve()):
+        return TraceError(f"{os.path.relpath(e.filename)}:{e.lineno}: SyntaxError: {e.msg}",
+                          hint="the script does not parse: fix it (python -m py_compile SCRIPT)")
+    where = _user_frame(e.__traceback__, path)
+    text = str(e).strip().splitlines()
+    what = f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+    frames = traceback.extract_tb(e.__traceback__)
+    obj = getattr(e, "obj", None) if isinstance(e, AttributeError) else None
+    if obj is not None and type(obj).__module__.startswith("vramplan."):
+        return TraceError(f"{where}: {what}", hint="an attribute the emulated GPU does not have yet: please report it "
+                                                   "with the script")
+    if frames and os.path.abspath(frames[-1].filename).startswith(_PACKAGE):
+        return TraceError(f"{where}: {what}",
+                          hint=f"vramplan's emulation failed here ({os.path.basename(frames[-1].filename)}:"
+                               f"{frames[-1].lineno}): please report it with the script")
+    return TraceError(f"{where}: the script raised {what}",
+                      hint="the script's own error, as a run on a GPU raises it: check the script and its "
+                           "arguments after --")
+
+
+class _ScriptExit(BaseException):
+    """``os._exit(code)`` in the script: the run ends there (the process does not)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _no_process_exit() -> Iterator[None]:
+    """``os._exit`` ends the script, not vramplan (which still has a report to write)."""
+    real = os._exit
+
+    def _exit(status: int) -> None:  # (torch-free: os._exit's own signature)
+        raise _ScriptExit(status)
+
+    os._exit = _exit  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+@contextlib.contextmanager
+def _workers_in_process(run: ScriptRun) -> Iterator[None]:
+    """DataLoader workers run in this process: a worker process would start from this one,
+    emulation and all, and send host tensors without values through shared memory, which
+    they have none of. What the workers do is host work; the GPU sees the same batches."""
+    from torch.utils.data import DataLoader
+
+    init = DataLoader.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        import inspect
+
+        bound = inspect.signature(init).bind(self, *args, **kwargs)
+        workers = bound.arguments.get("num_workers", 0) or 0
+        if workers:
+            run.workers = max(run.workers, int(workers))
+            bound.arguments["num_workers"] = 0
+            for k in ("prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context"):
+                bound.arguments.pop(k, None)
+        init(*bound.args, **bound.kwargs)
+
+    DataLoader.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DataLoader.__init__ = init  # type: ignore[method-assign]
+
+
+def _host_values(sess: TraceSession) -> Any:
+    """Host values of a meta tensor the script reads (``.tolist()``, ``.numpy()``): known values,
+    1.0 for floats (as ``.item()`` reads them, stated in the notes), else the run stops."""
+    from ..trace.where import user_frame
+
+    def values(t: torch.Tensor, what: str, exact: bool = False) -> torch.Tensor | None:
+        cpu = sess.values.cpu_view(t)
+        if cpu is not None or exact:
+            return cpu
+        reads = sess.dispatch.float_reads
+        if (t.is_floating_point() or t.is_complex()) and reads is not None:
+            sess.dispatch.rules_used["host_float"] += 1
+            return torch.full(tuple(t.shape), reads, dtype=t.dtype)
+        raise TraceError(
+            f"data-dependent control flow at {user_frame()}: {what} of a {t.dtype} tensor needs values "
+            "computed from model data, which a run on fake tensors does not have",
+            hint="make the branch depend on shapes or configuration; pass such values as inputs "
+                 "(a Python list or a CPU tensor)")
+    return values
 
 
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
@@ -701,12 +878,17 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     started = time.monotonic()
     sess = TraceSession(profile, autocast_dtype=autocast_dtype)
     sess.dispatch.float_reads = 1.0
+    sess.dispatch.strict_devices = True
+    places = Places(sess.rec)
     run = ScriptRun()
     if not isinstance(world, int) or world < 1:
         raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
     hooks = _Hooks(sess, run, steps, progress, started)
     hooks.world = world
+    hooks.places = places
+    hooks.path = p
     live = LiveAllocator(sess.rec.log, alloc_conf)
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def on_sync(kind: str) -> None:
         action = Action.SYNC if kind == "synchronize" else Action.EMPTY_CACHE
@@ -714,8 +896,13 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
 
     try:
         with _offline(online), _collect_deterministically(), _rank_zero(world, facts.count), sess, \
-                emulated_cuda(facts, live, on_sync), _rank_streams(world, sess), _patched(hooks), \
-                weightless_from_pretrained(), _meta_contexts(), _InputMode(sess), _argv(p, argv), _deadline(timeout):
+                emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
+                             optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
+                             on_gpu=sess.rec.records) \
+                as gpu, \
+                _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
+                weightless_from_pretrained(), _InputMode(sess, places, run), _argv(p, argv), \
+                _no_process_exit(), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:
@@ -723,9 +910,14 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                 run.stopped_by = "end"
             except _Stop:
                 pass
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    raise TraceError(f"the script exited with status {e.code} after {run.steps} step(s)",
+            except (SystemExit, _ScriptExit) as e:
+                code = e.code
+                if isinstance(code, str):
+                    raise TraceError(f"the script stopped after {run.steps} step(s): {code}",
+                                     hint="check the script's arguments (after --)") from None
+                if code not in (None, 0):
+                    how = " (os._exit)" if isinstance(e, _ScriptExit) else ""
+                    raise TraceError(f"the script exited with status {code}{how} after {run.steps} step(s)",
                                      hint="check the script's arguments (after --)") from None
                 run.stopped_by = "end"
     except _Timeout:
@@ -740,18 +932,59 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     except VramplanError:
         raise
     except Exception as e:
-        where = _user_frame(e.__traceback__, p)
-        text = str(e).strip().splitlines()
-        raise TraceError(f"{where}: {type(e).__name__}: {text[0][:300] if text else ''}",
-                         hint="the emulated GPU cannot run this call; see `vramplan run --help`") from e
-    if run.steps == 0 and run.forwards == 0:
-        raise TraceError(f"{p} ran no model on the GPU (no forward call on a cuda module was seen)",
-                         hint="move the model and its inputs to 'cuda' as you would on a GPU")
+        if not _stopped(e):
+            raise _script_error(e, p) from e
+        # the script's own clean-up failed while vramplan stopped it (Lightning moves the model
+        # back to the CPU in its teardown): the steps ran; what follows is not the step's memory
+    _check_on_device(run, p)
     notes = list(sess.notes)
     what = {"steps": f"stopped after {run.steps} optimizer step(s)",
             "forwards": f"stopped after {run.forwards} forward call(s) (no optimizer: inference)",
             "end": f"the script ended after {run.steps} optimizer step(s) and {run.forwards} forward call(s)"}
     notes.append(f"script {p.name}: {what.get(run.stopped_by, '')}; models {', '.join(run.roots) or '-'}")
+    if run.workers:
+        notes.append(f"DataLoader num_workers={run.workers} ran in this process (host work only: the GPU sees "
+                     "the same batches)")
+    if gpu.kernels:
+        notes.append(f"{gpu.kernels} Triton kernel launch(es) ran as no-ops (they allocate nothing themselves: "
+                     "their buffers are PyTorch allocations, traced)")
+    if sess.dispatch.host_reads:
+        notes.append(f"{sum(sess.dispatch.host_reads.values())} copy(ies) of device data into host tensors kept the "
+                     "host's old values (the trace has no device values; memory is unaffected)")
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
     result = summarize(sess, params=run.params, trainable=run.trainable, flops=None, notes=notes)
     return result, run
+
+
+def _stopped(e: BaseException) -> bool:
+    """``e`` was raised while vramplan's stop (:class:`_Stop`) unwound the script."""
+    seen: set[int] = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        if isinstance(c, _Stop):
+            return True
+        seen.add(id(c))
+        c = c.__context__
+    return False
+
+
+def _forget(sess: TraceSession, tensors: list[Any]) -> None:
+    """Tensors a kernel wrote (a Triton launch): the values the trace knew are gone."""
+    for t in tensors:
+        sess.values.drop_shadow(t)
+
+
+def _check_on_device(run: ScriptRun, path: Path) -> None:
+    """Never a figure for a run whose model stayed on the CPU (what the GPU would hold is then
+    only workspaces): stop with the reason and where."""
+    if run.steps == 0 and run.forwards == 0:
+        raise TraceError(f"{path} ran no model (no forward call of an nn.Module and no optimizer step was seen)",
+                         hint="move the model and its inputs to 'cuda' as you would on a GPU")
+    if run.host_forwards and run.host_param_bytes >= run.device_param_bytes:
+        what = "the model never reached the GPU" if not run.device_forwards else \
+            "most of the model's parameters stayed on the CPU"
+        raise TraceError(f"{what}: {run.host_model} ran forward on the CPU "
+                         f"({run.host_param_bytes:,} B of parameters on the host, {run.device_param_bytes:,} B on "
+                         "the emulated GPU)",
+                         hint="move the model to the GPU as the script would on one (model.to('cuda')); "
+                              "if the script picks its device itself, check what it chose")

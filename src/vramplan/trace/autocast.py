@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from ..events import Category
 from .recorder import Recorder
@@ -68,7 +69,7 @@ class Autocast:
 
     # --- casting ---------------------------------------------------------------------
     def _eligible(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point() \
+        return isinstance(t, torch.Tensor) and on_meta(t) and t.is_floating_point() \
             and t.dtype is not torch.float64
 
     def cast(self, t: Any, to: torch.dtype, cache: bool) -> Any:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..emulate.tensors import RAW, on_meta, raw_device
 from ..errors import TraceError
 from ..events import Category
 from ..workload import Phase
@@ -95,6 +96,12 @@ HOST_ARGS: dict[Any, tuple[int, ...]] = {
 }
 """Ops whose tensor arguments at these positions live on the host in a CUDA run (PyTorch
 checks "should be a 1D CPU int64 tensor"): they get real CPU tensors in the trace too."""
+COPY_OPS = frozenset({aten.copy_.default})
+"""Copies between the host and the device (``load_state_dict`` into a model on the other side)."""
+CROSS_DEVICE_OPS = frozenset(
+    getattr(aten, n).default for n in ("index_put", "index_put_", "_index_put_impl_") if hasattr(aten, n)
+) | frozenset({aten.index.Tensor})
+"""Ops CUDA runs with host tensor arguments (indices are copied to the device for the call)."""
 _RANDOM = torch.Tag.nondeterministic_seeded
 _BACKWARD = PHASE_INDEX[Phase.BACKWARD]
 _RECOMPUTE = PHASE_INDEX[Phase.RECOMPUTE]
@@ -196,6 +203,12 @@ class TraceMode(TorchDispatchMode):
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
         self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.strict_devices = False
+        """A device tensor meeting a host tensor (not a 0-dim one) raises as CUDA does, except in
+        the ops CUDA lets take host arguments (``vramplan run``); otherwise the host tensor is
+        taken as the step's input on the device (``vramplan trace`` factories pass CPU inputs)."""
+        self.host_reads: Counter[str] = Counter()
+        """Copies into host tensors whose device source had no values (the host keeps its old ones)."""
         self.rnn_dropout_state = False
         """cuDNN's dropout state (:mod:`.rnn`) was allocated."""
         self.experts: ExpertLoops | None = None
@@ -206,6 +219,13 @@ class TraceMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        RAW[0] += 1  # kernels and meta functions below see storages' real devices
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            RAW[0] -= 1
+
+    def _dispatch(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         for t in types:
             if t is not torch.Tensor and _redispatching(t):
                 # a tensor subclass (DTensor): it unwraps to plain tensors and redispatches,
@@ -250,14 +270,28 @@ class TraceMode(TorchDispatchMode):
         if host is not None:
             args = self._host_args(func, args, host)
         if _any_meta(args) and _any_host(args):
-            args = self._lift(args, host or ())
+            if func in COPY_OPS:
+                return self._copy_across(args)
+            place = host_mem.target(args) if host_mem is not None else None
+            if place is not None:
+                args = self._lift_to(place, args, host or ())  # host tensors meeting host tensors: no GPU memory
+            elif self.strict_devices and func not in CROSS_DEVICE_OPS:
+                raise RuntimeError(_device_mismatch(func, args))
+            else:
+                args = self._lift(args, host or (), cache=not self.strict_devices)
         values = self.values
         cpu_args: Any = None
         if values.shadow or not _any_meta(args):
             cpu_args = self._shadow_args(func, args, kwargs)
 
-        if func in TO_OPS and host_mem is not None and host_mem.counted and cpu_args is None and _to_host(args, kwargs):
-            return host_mem.to_host(func, args, kwargs)  # FSDP2 CPU offload: a gradient shard to pinned memory
+        if func in TO_OPS and host_mem is not None and host_mem.host_copies and _to_host(args, kwargs) \
+                and (cpu_args is None or not host_mem.counted):
+            # FSDP2 CPU offload: a gradient shard to pinned memory; ``vramplan run``: ``.cpu()``,
+            # a host tensor (with the values, where the trace has them)
+            out = host_mem.to_host(func, args, kwargs)
+            if cpu_args is not None:
+                _attach(values, out, func(*cpu_args[0], **cpu_args[1]))
+            return out
         if func in NO_VALUE_OPS or (func in TO_OPS and _to_host(args, kwargs)):
             return self._value_op(func, args, kwargs, cpu_args)
 
@@ -285,8 +319,10 @@ class TraceMode(TorchDispatchMode):
             if cpu_args is not None and _meta_and_small(out):
                 cpu_out = func(*cpu_args[0], **cpu_args[1])
 
-        if host_mem is not None and not to_device and host_mem.takes(args):
-            host_mem.adopt(out)  # on the host in the real run (FSDP2 CPU offload): not GPU memory
+        if host_mem is not None and not to_device:
+            place = host_mem.target(args)
+            if place is not None:
+                place.adopt(out)  # on the host in the real run (FSDP2 CPU offload): not GPU memory
         self._track(out)
         if func in EMPTY_OPS and isinstance(out, torch.Tensor) and _index_like(out):
             # uninitialised index memory: a correct program reads only what it then writes
@@ -341,7 +377,7 @@ class TraceMode(TorchDispatchMode):
         out = list(args)
         for i in host:
             a = out[i] if i < len(out) else None
-            if isinstance(a, torch.Tensor) and a.device.type == "meta":
+            if isinstance(a, torch.Tensor) and on_meta(a):
                 v = self.values.cpu_view(a)
                 if v is None:
                     raise TraceError(
@@ -379,7 +415,41 @@ class TraceMode(TorchDispatchMode):
         for eid in ids:
             self.rec.synthetic_free(eid, Category.WORKSPACE, op="cudnn.rnn")
 
-    def _lift(self, args: tuple[Any, ...], keep: tuple[int, ...] = ()) -> tuple[Any, ...]:
+    def _copy_across(self, args: tuple[Any, ...]) -> Any:
+        """``dst.copy_(src)`` between the host and the device: no new device memory (the copy
+        lands in ``dst``). Values follow the copy where they are known; a host tensor receiving
+        device data the trace has no values for keeps its own (counted in :attr:`host_reads`)."""
+        dst, src = args[0], args[1]
+        values = self.values
+        if on_meta(dst):  # host → device
+            values.drop_shadow(dst)
+            if isinstance(src, torch.Tensor) and dst.numel() * dst.element_size() == dst.untyped_storage().nbytes():
+                values.set_shadow(dst, src.detach().expand(dst.shape).to(dst.dtype))
+            return dst
+        cpu = values.cpu_view(src) if isinstance(src, torch.Tensor) else None
+        if cpu is not None:
+            dst.copy_(cpu)
+        else:
+            self.host_reads["copy_"] += 1
+        return dst
+
+    def _lift_to(self, place: Any, args: tuple[Any, ...], keep: tuple[int, ...]) -> tuple[Any, ...]:
+        """Real host tensors in an op on host tensors without values: meta copies with their
+        values, in the same place (host memory, never the GPU's)."""
+        out: list[Any] = []
+        for i, a in enumerate(args):
+            if i not in keep and isinstance(a, torch.Tensor) and not on_meta(a) and a.dim() > 0:
+                m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                place.adopt(m)
+                self.values.set_shadow(m, a.detach())
+                out.append(m)
+            elif isinstance(a, (list, tuple)) and _any_host(a):
+                out.append(type(a)(self._lift_to(place, tuple(a), ())))
+            else:
+                out.append(a)
+        return tuple(out)
+
+    def _lift(self, args: tuple[Any, ...], keep: tuple[int, ...] = (), *, cache: bool = True) -> tuple[Any, ...]:
         """Host tensors met beside fake ones (a label tensor captured by the user's loss
         closure, say) would be on the GPU in the real run: replace them by fake copies that
         keep their values, recorded as inputs at first use (once per host tensor). Arguments
@@ -388,15 +458,16 @@ class TraceMode(TorchDispatchMode):
         for i, a in enumerate(args):
             if i in keep:
                 out.append(a)
-            elif isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0:
-                hit = self._lifted.get(id(a))
+            elif isinstance(a, torch.Tensor) and not on_meta(a) and a.dim() > 0:
+                hit = self._lifted.get(id(a)) if cache else None
                 if hit is not None and hit[0]() is a:
                     m = hit[1]
                 else:  # (tensors compare elementwise, so key by identity, not by the tensor)
                     m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
                     self.values.set_shadow(m, a.detach())
-                    self.rec.track(m, int(Category.INPUT))
-                    self._lifted[id(a)] = (weakref.ref(a), m)
+                    self.rec.track(m, int(Category.INPUT if cache else Category.TEMPORARY))
+                    if cache:
+                        self._lifted[id(a)] = (weakref.ref(a), m)
                 out.append(m)
             elif isinstance(a, (list, tuple)) and _any_host(a):
                 out.append(type(a)(self._lift(tuple(a))))
@@ -432,7 +503,7 @@ class TraceMode(TorchDispatchMode):
         return cargs, ckw
 
     def _value_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cpu_args: Any) -> Any:
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+        if not any(isinstance(a, torch.Tensor) and on_meta(a) for a in args):
             return func(*args, **kwargs)  # a host tensor: real values
         if cpu_args is not None:
             return func(*cpu_args[0], **cpu_args[1])
@@ -460,7 +531,7 @@ class TraceMode(TorchDispatchMode):
         full or partial count of such a mask is ``share·(elements counted)``."""
         values = self.values
         x = args[0]
-        if not isinstance(x, torch.Tensor) or x.device.type != "meta":
+        if not isinstance(x, torch.Tensor) or not on_meta(x):
             return
         if func in EQ_OPS:
             bound = values.get_bound(x)
@@ -549,11 +620,11 @@ class TraceMode(TorchDispatchMode):
 def _any_meta(args: tuple[Any, ...]) -> bool:
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.device.type == "meta":
+            if on_meta(a):
                 return True
         elif isinstance(a, (list, tuple)):
             for t in a:
-                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                if isinstance(t, torch.Tensor) and on_meta(t):
                     return True
     return False
 
@@ -561,7 +632,7 @@ def _any_meta(args: tuple[Any, ...]) -> bool:
 def _any_host(args: Any) -> bool:
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.device.type != "meta" and a.dim() > 0:
+            if not on_meta(a) and a.dim() > 0:
                 return True
         elif isinstance(a, (list, tuple)) and _any_host(a):
             return True
@@ -574,17 +645,28 @@ def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         dev = args[1].device if isinstance(args[1], torch.Tensor) else args[1]
     if not isinstance(dev, (str, torch.device)):
         return False
-    return isinstance(args[0], torch.Tensor) and args[0].device.type == "meta" and torch.device(dev).type != "meta"
+    return isinstance(args[0], torch.Tensor) and on_meta(args[0]) and torch.device(dev).type != "meta"
+
+
+def _device_mismatch(func: Any, args: tuple[Any, ...]) -> str:
+    """CUDA's message for an op given tensors on two devices."""
+    names = [a.name for a in func._schema.arguments]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and not on_meta(a) and a.dim() > 0:
+            arg = names[i] if i < len(names) else f"argument {i}"
+            return (f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and "
+                    f"{raw_device(a)}! (when checking argument for argument {arg} in method {func})")
+    return f"Expected all tensors to be on the same device, but found at least two devices (in method {func})"
 
 
 def _index_like(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" and not t.is_floating_point() and not t.is_complex() and t.numel() <= SHADOW_LIMIT
+    return on_meta(t) and not t.is_floating_point() and not t.is_complex() and t.numel() <= SHADOW_LIMIT
 
 
 def _meta_and_small(out: Any) -> bool:
     """The op made device tensors, none too large to shadow (so computing values is worth it)."""
     if isinstance(out, torch.Tensor):
-        return out.device.type == "meta" and out.numel() <= SHADOW_LIMIT
+        return on_meta(out) and out.numel() <= SHADOW_LIMIT
     if isinstance(out, (tuple, list)):
         ts = [o for o in out if isinstance(o, torch.Tensor)]
         return bool(ts) and all(_meta_and_small(o) for o in ts)
@@ -602,7 +684,7 @@ def _mirror(cpu_out: Any) -> Any:
 
 def _attach(values: Values, out: Any, cpu_out: Any) -> None:
     if isinstance(out, torch.Tensor) and isinstance(cpu_out, torch.Tensor):
-        if out.device.type == "meta" and not values.has_shadow(out) and out.shape == cpu_out.shape:
+        if on_meta(out) and not values.has_shadow(out) and out.shape == cpu_out.shape:
             values.set_shadow(out, cpu_out)
     elif isinstance(out, (tuple, list)) and isinstance(cpu_out, (tuple, list)):
         for o, c in zip(out, cpu_out, strict=False):

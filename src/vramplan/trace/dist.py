@@ -41,6 +41,7 @@ from typing import Any, overload
 
 import torch
 
+from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from .recorder import Recorder
 
@@ -346,7 +347,7 @@ def recorded_resizes(rec: Recorder) -> Iterator[None]:
 
     def resize_(self: Any, size: int) -> Any:
         out = orig(self, size)
-        if self.device.type == "meta":
+        if self.device.type == "meta":  # (an UntypedStorage: its own device)
             rec.resized(self, int(size))
         return out
 
@@ -405,7 +406,7 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
             out = init_outputs(self, *args, **kwargs)
             if fresh:
                 for t in self.all_gather_outputs:
-                    if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    if isinstance(t, torch.Tensor) and on_meta(t):
                         rec.relabel(t, Category.PARAMETER)
             return out
 
@@ -440,8 +441,8 @@ def _rebinding_reset(reset: Any) -> Any:
         local = getattr(getattr(self, "sharded_param", None), "_local_tensor", None)
         flat = getattr(self, "_sharded_param_data", None)
         padded = getattr(self, "padded_sharded_param_size", None)
-        if not (isinstance(local, torch.Tensor) and isinstance(flat, torch.Tensor) and local.is_meta
-                and flat.is_meta and padded is not None) or type(flat) is not torch.Tensor \
+        if not (isinstance(local, torch.Tensor) and isinstance(flat, torch.Tensor) and on_meta(local)
+                and on_meta(flat) and padded is not None) or type(flat) is not torch.Tensor \
                 or local.untyped_storage()._cdata == flat.untyped_storage()._cdata:
             return out
         if local.size() == padded:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..emulate.tensors import on_meta
 from .values import Values
 
 EXACT_RULES = frozenset({"nonzero", "index_bool", "masked_select"})
@@ -92,7 +93,7 @@ class ExpertLoops:
             return None
         x = args[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        if dim != 0 or x.device.type != "meta" or x.dim() != 2 or x.shape[1] != 1 or x.is_floating_point():
+        if dim != 0 or not on_meta(x) or x.dim() != 2 or x.shape[1] != 1 or x.is_floating_point():
             return None
         known = values.cpu_view(x)
         if known is None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from ..precision import fsdp_shards_quantised, precision_model
 from ..workload import (
@@ -106,9 +107,9 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
     # initialise them for real (kaiming-uniform A, zero B: ~15 ms per layer on an 8B model, most
     # of a LoRA trace's set-up) and move them next to the base layer; to_trace_device() moves
     # everything to meta anyway, and no value of a weight reaches the trace.
-    on_meta = all(p.device.type == "meta" for p in model.parameters())
+    all_meta = all(on_meta(p) for p in model.parameters())
     try:
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
+        with torch.device("meta") if all_meta else contextlib.nullcontext():
             peft_model = get_peft_model(model, cfg)
     except ValueError as e:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -169,7 +170,7 @@ def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:
 
 def to_trace_device(model: nn.Module) -> None:
     """Move anything a feature created off the trace device (peft builds adapters on CPU)."""
-    if any(p.device.type != "meta" for p in model.parameters()) or any(b.device.type != "meta" for b in model.buffers()):
+    if any(not on_meta(p) for p in model.parameters()) or any(not on_meta(b) for b in model.buffers()):
         model.to("meta")
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..emulate.tensors import on_meta, raw_device
 from ..errors import TraceError
 from ..events import Category
 from . import rnn
@@ -58,7 +59,7 @@ def _softmax_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     dtype = kwargs.get("dtype", args[3] if len(args) > 3 and isinstance(args[3], torch.dtype) else
                        args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else None)
-    if (x.device.type == "meta" and isinstance(dtype, torch.dtype) and dtype != x.dtype and isinstance(dim, int)
+    if (on_meta(x) and isinstance(dtype, torch.dtype) and dtype != x.dtype and isinstance(dim, int)
             and x.is_floating_point() and dtype.is_floating_point):
         return x, dim, dtype
     return None
@@ -72,9 +73,18 @@ def _fused_dropout(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
     train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
     inplace = name == "dropout_" or bool(args[3] if len(args) > 3 else kwargs.get("inplace", False))
-    if x.device.type == "meta" and train is True and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0:
+    if on_meta(x) and train is True and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0:
         return x, float(p), inplace
     return None
+
+
+class _Plain:
+    """The handler's answer "run the call itself, with these arguments"."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
 
 
 class CudaFunctionMode(TorchFunctionMode):
@@ -97,7 +107,16 @@ class CudaFunctionMode(TorchFunctionMode):
                                 backends=self.backends)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
+        # Our own decisions read storages' real devices (``on_meta``); everything this mode runs
+        # runs as on a GPU, where torch's Python and autograd's saved-tensor hooks see the
+        # emulated device (:mod:`vramplan.emulate.tensors`): checkpointing compares what the
+        # forward saved with what its recompute saves, and both must say the same device.
+        out = self._handle(func, types, args, kwargs or {})
+        if type(out) is _Plain:
+            return func(*out.args, **out.kwargs)
+        return out
+
+    def _handle(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = getattr(func, "__name__", "")
         to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
         if to_cuda:
@@ -110,7 +129,7 @@ class CudaFunctionMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if name == "to" or name == "cuda":
             return self._to(func, name, args, kwargs, to_cuda)
-        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and (raw_device(args[0]).type == "cpu"):
             return args[0]
         ac = self.autocast
         if ac is not None and handles(name):
@@ -118,7 +137,7 @@ class CudaFunctionMode(TorchFunctionMode):
                 args, kwargs = ac.apply(name, args, kwargs, cache=True)
             elif self.recompute_autocast and torch.is_grad_enabled():
                 args, kwargs = ac.apply(name, args, kwargs, cache=False)
-        if name == _SDPA and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+        if name == _SDPA and args and isinstance(args[0], torch.Tensor) and on_meta(args[0]):
             out, backend = run_sdpa(self.profile, func, *args, **kwargs)
             self.backends[backend] += 1
             return out
@@ -150,7 +169,7 @@ class CudaFunctionMode(TorchFunctionMode):
             out = rnn.call_cudnn_rnn(name, args, self._host_values, autocast=half, dropout_state=self._dropout_state)
             if out is not NotImplemented:
                 return out
-        return func(*args, **kwargs)
+        return _Plain(args, kwargs)
 
     def _dropout_state(self) -> None:
         """cuDNN's dropout state: allocated once per device and cached for the process."""
@@ -161,7 +180,7 @@ class CudaFunctionMode(TorchFunctionMode):
                                    op="cudnn.rnn.dropout_state")
 
     def _host_values(self, t: torch.Tensor) -> torch.Tensor | None:
-        return t if t.device.type != "meta" else self.trace.values.cpu_view(t)
+        return t if not on_meta(t) else self.trace.values.cpu_view(t)
 
     def _to(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], to_cuda: bool = False) -> Any:
         host = self.trace.rec.host
@@ -183,7 +202,7 @@ class CudaFunctionMode(TorchFunctionMode):
     def _one_hot(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        if not isinstance(x, torch.Tensor) or x.device.type != "meta":
+        if not isinstance(x, torch.Tensor) or not on_meta(x):
             return func(*args, **kwargs)
         values = self.trace.values
         cpu = values.cpu_view(x)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..emulate.tensors import on_meta
 from ..results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
 from .offload import pinned_bytes
 from .recorder import Recorder, local_tensor
@@ -48,9 +49,13 @@ PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STAT
 class HostMemory:
     """The host side of one traced rank (see the module docstring)."""
 
-    def __init__(self, rec: Recorder, *, counted: bool = True) -> None:
+    def __init__(self, rec: Recorder, *, counted: bool = True, device: str = "cpu") -> None:
         self.rec = rec
         self.counted = counted
+        self.host_copies = counted
+        """Device-to-host copies land here (FSDP2's gradient offload)."""
+        self.device = torch.device(device)
+        """Where these tensors are in the real run (what they report under ``vramplan run``)."""
         """False: the tensors are nowhere in the real run (a script's own ``meta`` model), not host
         RAM — kept off the GPU's log and not counted."""
         self.keys: dict[int, tuple[str, int, bool]] = {}
@@ -65,9 +70,16 @@ class HostMemory:
         """While set, outputs are device tensors (a host-to-device copy)."""
 
     # --- what is on the host -----------------------------------------------------------
+    def holds(self, key: int) -> bool:
+        return key in self.keys
+
     def is_host(self, t: torch.Tensor) -> bool:
         t = local_tensor(t)
-        return t.device.type == "meta" and t.untyped_storage()._cdata in self.keys
+        return on_meta(t) and t.untyped_storage()._cdata in self.keys
+
+    def target(self, args: Any) -> HostMemory | None:
+        """Where an op's new storages go: here when :meth:`takes` says so, else None (the GPU)."""
+        return self if self.takes(args) else None
 
     def takes(self, args: Any) -> bool:
         """Whether an op's outputs are host tensors: inside :meth:`scope`, or every meta
@@ -80,7 +92,7 @@ class HostMemory:
             return False
         seen = False
         for a in _flat(args):
-            if a.device.type == "meta":
+            if on_meta(a):
                 if a.untyped_storage()._cdata not in self.keys:
                     return False
                 seen = True
@@ -93,7 +105,7 @@ class HostMemory:
         pin = pinned if pinned is not None else self.part is not None
         for t in _flat(out):
             t = local_tensor(t)
-            if t.device.type != "meta":
+            if not on_meta(t):
                 continue
             st = t.untyped_storage()
             key = st._cdata

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..emulate.tensors import on_meta
+
 _UNCACHEABLE, _FUNCTIONAL, _INPLACE = 0, 1, 2
 _METADATA_MUTATORS = frozenset({"resize_", "resize_as_", "set_", "_resize_output_", "as_strided_", "detach_"})
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -41,7 +43,7 @@ def _kind(func: Any) -> int:
 
 def _sig(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        if x.device.type != "meta":
+        if not on_meta(x):
             raise TypeError  # host tensors hold real values: their ops must run
         return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
     if isinstance(x, (list, tuple)):
@@ -119,7 +121,7 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 def _spec(out: Any, in_keys: set[int], seen: set[int]) -> Any:
     """How to rebuild ``out``; None when it cannot be rebuilt exactly."""
     if isinstance(out, torch.Tensor):
-        if out.device.type != "meta" or out.storage_offset() != 0:
+        if not on_meta(out) or out.storage_offset() != 0:
             return None
         st = out.untyped_storage()
         k = st._cdata

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..emulate.tensors import on_meta
 from ..events import PHASES, Action, Category, EventLog
 from ..workload import Phase
 
@@ -140,7 +141,7 @@ class Recorder:
             if _is_fake(t):  # DTensor's sharding propagation runs ops on FakeTensors: no memory
                 return None
             t = local_tensor(t)
-        if t.device.type != "meta":
+        if not on_meta(t):
             return None
         st = t.untyped_storage()
         key = st._cdata
@@ -153,6 +154,11 @@ class Recorder:
         self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
         return key
 
+    def records(self, key: int) -> bool:
+        """Whether the storage ``key`` is device memory this trace records (not ignored)."""
+        entry = self.live.get(key)
+        return entry is not None and entry[1] != -1
+
     def track_many(self, ts: Iterable[Any], cat: int = UNDECIDED) -> None:
         for t in ts:
             if isinstance(t, torch.Tensor):
@@ -161,7 +167,7 @@ class Recorder:
     def ignore(self, t: torch.Tensor) -> None:
         """Never record ``t``'s storage (nor views of it): memory that is not on the device in
         the real run (the unsharded meta model FSDP shards from)."""
-        if t.device.type != "meta":
+        if not on_meta(t):
             return
         st = t.untyped_storage()
         key = st._cdata

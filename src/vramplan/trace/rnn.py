@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..emulate.tensors import on_meta
 from ..errors import TraceError
 
 aten = torch.ops.aten
@@ -96,7 +97,7 @@ def call_cudnn_rnn(name: str, args: tuple[Any, ...], host_values: Any, *, autoca
     else:
         data, hx, params, has_biases, layers, dropout, train, bidir, batch_first = args[:9]
         batch_sizes_t = None
-    if not isinstance(data, torch.Tensor) or data.device.type != "meta" or data.dtype not in CUDNN_DTYPES:
+    if not isinstance(data, torch.Tensor) or not on_meta(data) or data.dtype not in CUDNN_DTYPES:
         return NotImplemented
     if mode == 2:
         h0, c0 = hx[0], hx[1]

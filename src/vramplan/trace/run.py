@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..emulate.construct import fake_construction
+from ..emulate.tensors import raw_device
 from ..errors import TraceError, VramplanError, WorkloadError
 from ..events import Category, EventLog
 from ..models.build import quiet
@@ -39,7 +41,6 @@ from . import (
     reuse,
     tensor_parallel,
 )
-from .construct import fake_construction
 from .dist import rank_session
 from .experts import ExpertLoops
 from .host import HostMemory
@@ -592,7 +593,7 @@ def _to_batch(inputs: Any, float_dtype: torch.dtype) -> tuple[Batch, list[tuple[
             m = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
             if x.requires_grad:
                 m.requires_grad_(True)
-            if x.device.type == "cpu" and x.numel() <= SHADOW_LIMIT:
+            if (raw_device(x).type == "cpu") and x.numel() <= SHADOW_LIMIT:
                 shadows.append((m, x.detach().to(dtype)))
             return m
         if isinstance(x, (list, tuple)):

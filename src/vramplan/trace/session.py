@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase
@@ -123,7 +124,7 @@ class TraceSession:
     # --- categories known after the fact ----------------------------------------------
     def label_tensors(self, tensors: Iterable[Any], cat: Category) -> None:
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            if isinstance(t, torch.Tensor) and on_meta(t):
                 self.rec.relabel(local_tensor(t), cat)
 
     def label_grads(self, params: Iterable[nn.Parameter]) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..emulate.tensors import on_meta
+
 SHADOW_LIMIT = 1 << 20
 """Largest storage (elements) that gets a shadow."""
 
@@ -47,7 +49,7 @@ class Values:
     # --- shadows ---------------------------------------------------------------------
     def cpu_view(self, t: torch.Tensor) -> torch.Tensor | None:
         """The real values of meta tensor ``t`` (a CPU view of its shadow), or None."""
-        if t.device.type != "meta":
+        if not on_meta(t):
             return t
         flat = self.shadow.get(_key(t))
         if flat is None or flat.dtype != t.dtype:
@@ -56,7 +58,7 @@ class Values:
 
     def set_shadow(self, t: torch.Tensor, value: torch.Tensor) -> None:
         """Give meta tensor ``t`` (a fresh storage) the values ``value`` (CPU, same shape)."""
-        if t.device.type != "meta":
+        if not on_meta(t):
             return
         st = t.untyped_storage()
         n = st.nbytes() // max(t.element_size(), 1)
@@ -67,15 +69,15 @@ class Values:
         self.shadow[st._cdata] = flat
 
     def drop_shadow(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
+        if on_meta(t):
             self.shadow.pop(_key(t), None)
 
     def has_shadow(self, t: torch.Tensor) -> bool:
-        return t.device.type != "meta" or _key(t) in self.shadow
+        return not on_meta(t) or _key(t) in self.shadow
 
     # --- hints -----------------------------------------------------------------------
     def get_density(self, t: torch.Tensor) -> float:
-        if t.device.type != "meta":
+        if not on_meta(t):
             return 1.0
         return self.density.get(_key(t), 1.0)
 
@@ -84,16 +86,16 @@ class Values:
         return min(1.0, self.routing_skew / max(classes, 1))
 
     def set_density(self, t: torch.Tensor, d: float) -> None:
-        if t.device.type == "meta" and 0.0 < d < 1.0:
+        if on_meta(t) and 0.0 < d < 1.0:
             self.density[_key(t)] = d
 
     def get_bound(self, t: torch.Tensor) -> int | None:
-        if t.device.type != "meta":
+        if not on_meta(t):
             return None
         return self.bound.get(_key(t))
 
     def set_bound(self, t: torch.Tensor, b: int) -> None:
-        if t.device.type == "meta" and b > 0:
+        if on_meta(t) and b > 0:
             self.bound[_key(t)] = int(b)
 
 

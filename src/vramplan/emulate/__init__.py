@@ -1,0 +1,78 @@
+"""The emulated GPU: what real code sees of a GPU it does not have.
+
+One entry, :func:`emulated_gpu`, used by ``vramplan run`` (a whole script), the factories of
+``vramplan trace`` and everything else that runs user code against the target GPU:
+
+- ``torch.cuda`` / ``torch.accelerator`` / ``torch.version.cuda`` answer for the target GPU,
+  with torch's own signatures (:mod:`.cuda`); memory queries read the allocator simulation
+  (:mod:`.live`);
+- tensors on it report ``cuda:N`` (:mod:`.tensors`), and tensors that live elsewhere in the
+  real run (host tensors without values, the script's own meta tensors) report that place;
+- module conversion keeps every Parameter object (:mod:`.modules`): tied weights stay tied,
+  optimizers built before ``.to("cuda")`` step the right tensors;
+- ``torch.load`` of a real checkpoint to the device (:mod:`.checkpoints`);
+- Triton kernel launches run as no-ops (:mod:`.kernels`: their buffers are allocated by PyTorch);
+- models built by a factory take no memory and no GPU (:mod:`.construct`).
+
+It knows nothing of memory accounting: the trace records what the emulated device allocates,
+and tells this package where tensors live (:class:`.tensors.Place`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoints import loading_to_device
+from .cuda import CudaState, patched
+from .facts import DeviceFacts
+from .kernels import triton_launches
+from .live import LiveAllocator
+from .modules import keeping_identity
+from .tensors import Place, Values, View, device_view, on_meta, raw_device
+
+
+@dataclass
+class Emulated:
+    """The emulated GPU while it is up."""
+
+    state: CudaState
+    view: View
+    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    kernels: int = 0
+    """Triton kernel launches run as no-ops."""
+
+
+@contextlib.contextmanager
+def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[str], None],
+                 values: Values, places: Sequence[Place] = (),
+                 optimizers: weakref.WeakSet[Any] | None = None,
+                 on_launch: Callable[[list[Any]], None] | None = None,
+                 on_gpu: Callable[[int], bool] | None = None) -> Iterator[Emulated]:
+    """The target GPU emulated until the block ends (see the package docstring).
+
+    ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache``; ``values(t, what)`` gives the
+    host values of a meta tensor the code reads (``.tolist()``, ``.numpy()``) or raises;
+    ``places`` say where off-device meta tensors live; ``optimizers`` are re-pointed when a
+    conversion cannot keep a Parameter object; ``on_launch(tensors)`` hears of each Triton launch
+    (the tensors it was given, which it writes); ``on_gpu(key)`` says whether a meta storage is
+    device memory (None: every meta storage off the ``places`` is)."""
+    state = CudaState(facts)
+    view = View(current=lambda: state.current, on_gpu=on_gpu)
+    view.places.extend(places)
+    em = Emulated(state, view, optimizers if optimizers is not None else weakref.WeakSet())
+
+    def launched(tensors: list[Any]) -> None:
+        em.kernels += 1
+        if on_launch is not None:
+            on_launch(tensors)
+
+    with patched(facts, live, on_sync, state), device_view(view, values), keeping_identity(em.optimizers), \
+            loading_to_device(), triton_launches(launched):
+        yield em
+
+
+__all__ = ["DeviceFacts", "Emulated", "LiveAllocator", "Place", "View", "emulated_gpu", "on_meta", "raw_device"]

@@ -1,0 +1,39 @@
+"""What a script may learn about the emulated GPU (handed in by the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CUDA_VERSION = "12.8"
+"""``torch.version.cuda`` on a CPU build of torch (the CUDA wheels of torch 2.9–2.14 default to 12.8);
+a CUDA build reports its own."""
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """The emulated GPU as ``torch.cuda`` / ``torch.accelerator`` describe it."""
+
+    name: str
+    sm: tuple[int, int]
+    total_memory: int
+    """``get_device_properties().total_memory`` / ``mem_get_info()[1]``: what CUDA reports."""
+    outside_allocator: int = 0
+    """CUDA context and libraries: memory the allocator cannot get (``mem_get_info`` free)."""
+    sm_count: int = 0
+    count: int = 1
+    """``device_count()``."""
+    l2_cache: int = 0
+
+    @property
+    def bf16(self) -> bool:
+        return self.sm >= (8, 0)
+
+    @property
+    def tf32(self) -> bool:
+        return self.sm >= (8, 0)
+
+    @property
+    def cuda_version(self) -> str:
+        return torch.version.cuda or DEFAULT_CUDA_VERSION

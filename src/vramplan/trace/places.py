@@ -1,0 +1,110 @@
+"""Where a script's meta tensors live in its real run, when that is not the emulated GPU.
+
+Under ``vramplan run`` every tensor without real values is a ``meta`` tensor; most stand for
+device memory, and the trace records them. Some stand for memory elsewhere, kept off the GPU's
+event log (:meth:`Recorder.ignore`) and reporting their own device
+(:mod:`vramplan.emulate.tensors`):
+
+- ``cpu``: host tensors without values — a large tensor the script builds on the CPU (a
+  model's parameters before ``.to("cuda")``, a synthetic data set), a ``.cpu()`` copy of
+  device data the trace has no values for — and everything computed from them on the host;
+- ``meta``: the script's own meta tensors (``with torch.device("meta")``: a model built to be
+  sharded or loaded, then ``to_empty``), which take no memory anywhere.
+
+A place is a :class:`~.host.HostMemory` (not counted: host RAM is not what ``vramplan run``
+reports); :class:`Places` answers the recorder's host interface for all of them: an op whose
+meta inputs all live in one place makes its outputs there, and a copy to the device
+(``.to("cuda")``) makes device memory again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..emulate.tensors import on_meta
+from .host import HostMemory, _flat
+from .recorder import Recorder, local_tensor
+
+
+class Places:
+    """The off-GPU places of one run (see the module docstring)."""
+
+    counted = False
+    host_copies = True
+    """A device-to-host copy without known values (``.cpu()``) is a host tensor without values."""
+
+    def __init__(self, rec: Recorder, devices: tuple[str, ...] = ("cpu", "meta")) -> None:
+        self.rec = rec
+        self.by_device = {d: HostMemory(rec, counted=False, device=d) for d in devices}
+        self.device_copy = False
+        self._scope: HostMemory | None = None
+
+    @property
+    def all(self) -> tuple[HostMemory, ...]:
+        return tuple(self.by_device.values())
+
+    def place_of(self, t: torch.Tensor) -> HostMemory | None:
+        t = local_tensor(t)
+        if not on_meta(t):
+            return None
+        key = t.untyped_storage()._cdata
+        for p in self.by_device.values():
+            if key in p.keys:
+                return p
+        return None
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return self.place_of(t) is not None
+
+    def target(self, args: Any) -> HostMemory | None:
+        """The place of an op's outputs: the active :meth:`scope`, or the one place every meta
+        input lives in (None: the GPU)."""
+        if self.device_copy:
+            return None
+        if self._scope is not None:
+            return self._scope
+        if not any(p.keys for p in self.by_device.values()):
+            return None
+        found: HostMemory | None = None
+        for a in _flat(args):
+            if on_meta(a):
+                p = self.place_of(a)
+                if p is None:
+                    return None
+                found = found or p
+        return found
+
+    @contextlib.contextmanager
+    def scope(self, device: str) -> Iterator[HostMemory]:
+        """New storages live in the place of ``device`` for the block."""
+        saved, self._scope = self._scope, self.by_device[device]
+        try:
+            yield self._scope
+        finally:
+            self._scope = saved
+
+    @contextlib.contextmanager
+    def copying_to_device(self) -> Iterator[None]:
+        saved, saved_scope = self.device_copy, self._scope
+        self.device_copy, self._scope = True, None
+        try:
+            yield
+        finally:
+            self.device_copy, self._scope = saved, saved_scope
+
+    def adopt(self, out: Any, device: str) -> None:
+        self.by_device[device].adopt(out)
+
+    def to_host(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """``.to("cpu")`` / ``.cpu()`` of device data without known values: a host tensor of
+        the same shape and dtype whose values are asked for only when the script reads them."""
+        src = args[0]
+        dtype = kwargs.get("dtype") or src.dtype
+        out = torch.empty_strided(src.shape, src.stride(), dtype=dtype, device="meta") \
+            if src.is_contiguous() else torch.empty(src.shape, dtype=dtype, device="meta")
+        self.by_device["cpu"].adopt(out)
+        return out

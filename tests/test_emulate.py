@@ -1,0 +1,232 @@
+"""The emulated GPU (vramplan.emulate): what real code sees of a GPU it does not have."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vramplan
+from vramplan.emulate import DeviceFacts, LiveAllocator, emulated_gpu
+from vramplan.errors import TraceError
+from vramplan.events import EventLog
+
+EX = Path(__file__).parent / "examples"
+MODULES = ("cuda", "cuda.memory", "cuda.random", "cuda.nvtx", "accelerator", "accelerator.memory")
+
+
+def _module(name: str) -> object:
+    obj: object = torch
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _callables() -> dict[tuple[str, str], object]:
+    out = {}
+    for mod_name in MODULES:
+        mod = _module(mod_name)
+        if mod is None:
+            continue
+        for name in dir(mod):
+            if not name.startswith("__"):
+                value = getattr(mod, name)
+                if callable(value):
+                    out[(mod_name, name)] = value
+    return out
+
+
+@pytest.fixture
+def gpu():  # noqa: ANN201
+    facts = DeviceFacts(name="NVIDIA H100 80GB HBM3", sm=(9, 0), total_memory=80 * 2**30, sm_count=132, count=2)
+    syncs: list[str] = []
+    with emulated_gpu(facts, LiveAllocator(EventLog()), on_sync=syncs.append,
+                      values=lambda t, what, exact=False: None) as em:
+        yield em, syncs
+
+
+def test_every_emulated_callable_has_torchs_own_signature() -> None:
+    real = _callables()
+    facts = DeviceFacts(name="x", sm=(8, 0), total_memory=2**30)
+    with emulated_gpu(facts, LiveAllocator(EventLog()), on_sync=lambda k: None, values=lambda t, w, exact=False: None):
+        emulated = {k: v for k, v in _callables().items() if real.get(k) is not v}
+    assert len(emulated) >= 60, sorted(emulated)
+    checked = 0
+    for key, fn in emulated.items():
+        try:
+            want = inspect.signature(real[key])
+        except (TypeError, ValueError):
+            continue  # a builtin without a text signature
+        assert inspect.signature(fn) == want, key
+        checked += 1
+    assert checked >= 50
+
+
+def test_emulated_calls_take_torchs_keyword_names(gpu) -> None:  # noqa: ANN001
+    em, syncs = gpu
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(stream=s):  # the keyword torch names it by
+        pass
+    assert torch.cuda.mem_get_info(device=0)[1] == 80 * 2**30
+    assert torch.cuda.get_device_properties(device="cuda:1").multi_processor_count == 132
+    assert torch.cuda.is_bf16_supported(including_emulation=False)
+    torch.accelerator.synchronize(0)
+    torch.cuda.synchronize(device=None)
+    assert syncs == ["synchronize", "synchronize"]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        torch.cuda.mem_get_info(dev=0)  # as torch's own function refuses it
+    with pytest.raises(RuntimeError, match="invalid device ordinal 2"):
+        torch.cuda.set_device(2)
+    with pytest.raises(TraceError, match="CUDA graph"):
+        torch.cuda.CUDAGraph()
+
+
+def test_torch_accelerator_names_the_emulated_gpu(gpu) -> None:  # noqa: ANN001
+    acc = torch.accelerator
+    assert acc.is_available() and acc.current_accelerator() == torch.device("cuda")
+    assert acc.device_count() == torch.cuda.device_count() == 2
+    acc.set_device_index(1)
+    assert acc.current_device_index() == torch.cuda.current_device() == 1
+    with torch.cuda.device(0):
+        assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_device() == 1
+    assert torch.get_device_module() is torch.cuda
+
+
+def test_everything_is_put_back_afterwards() -> None:
+    before = _callables()
+    version, tensor_device = torch.version.cuda, torch.Tensor.__dict__.get("device")
+    facts = DeviceFacts(name="x", sm=(8, 0), total_memory=2**30)
+    with emulated_gpu(facts, LiveAllocator(EventLog()), on_sync=lambda k: None, values=lambda t, w, exact=False: None):
+        assert torch.cuda.is_available()
+    assert _callables() == before
+    assert torch.version.cuda == version and torch.Tensor.__dict__.get("device") is tensor_device
+    assert not torch.accelerator.is_available() or torch.cuda.is_available()
+
+
+def test_a_script_cannot_tell_the_emulated_gpu_from_a_real_one(tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    r = vramplan.run_script(EX / "device_probe.py", [str(out)], gpu="rtx-4090", steps=2)
+    seen = json.loads(out.read_text())
+    assert seen["accelerator"] == [True, "cuda", 1, 0]
+    assert seen["param"] == ["cuda:0", True, 0, False, "torch.cuda.FloatTensor"]
+    assert seen["input"] == ["cuda:0", True, 0]
+    assert seen["tied"] and seen["same_object"]  # .to() kept the Parameter objects and the tie
+    assert seen["format"].strip().replace(".", "").isdigit() and seen["repr_device"]
+    assert seen["host"] == ["cpu", True]
+    assert seen["default_device"] == seen["factory"] == "cuda:0"
+    # the tied embedding/head is counted once, with one gradient and one momentum-free SGD
+    assert r.params == seen["params"] == 512 * 64
+    assert r.model_states.weights == 512 * 64 * 4
+    assert r.ran is not None and r.ran.optimizers == ("SGD (foreach)",)
+    assert (r.ran.batch, r.ran.seq) == (4, 16) and r.ran.precision == "fp32 weights"
+
+
+def test_module_conversion_keeps_parameters_when_a_swap_is_impossible(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    script = tmp_path / "weakref_param.py"
+    script.write_text(
+        "import json, sys, weakref, torch\nfrom torch import nn\n"
+        "model = nn.Linear(64, 64)\n"
+        "ref = weakref.ref(model.weight)\n"  # a weak reference makes torch.utils.swap_tensors refuse
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model.to(1)\n"  # an int: a CUDA ordinal
+        "seen = [opt.param_groups[0]['params'][0] is model.weight, model.weight.is_cuda]\n"
+        "json.dump(seen, open(sys.argv[1], 'w'))\n"
+        "model(torch.randn(4, 64, device='cuda:1')).sum().backward(); opt.step()\n")
+    r = vramplan.run_script(script, [str(out)], gpus=2, steps=1)
+    assert json.loads(out.read_text()) == [True, True]  # the optimizer follows the new Parameter
+    assert r.model_states.optimizer == 0 and r.model_states.gradients == (64 * 64 + 64) * 4
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vramplan.cli.main", *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_model_left_on_the_cpu_is_never_called_fits(tmp_path: Path) -> None:
+    script = tmp_path / "cpu_model.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for _ in range(3):\n"
+        "    loss = model(torch.randn(8, 512)).sum()\n"  # line 6: the model runs on the CPU
+        "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    p = _run_cli("run", "--", "python", str(script))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "FITS" not in p.stdout + p.stderr and "Traceback" not in p.stderr
+    assert "never reached the GPU" in p.stderr and "cpu_model.py:6" in p.stderr
+
+
+def test_the_scripts_own_errors_are_reported_as_its_own(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nx = torch.ones(2, device='cuda')\nraise ValueError('wrong --lr')\n")
+    with pytest.raises(TraceError, match=r"bad\.py:3: the script raised ValueError: wrong --lr") as e:
+        vramplan.run_script(bad)
+    assert "emulat" not in str(e.value.message)
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("import torch\nif True print(1)\n")
+    with pytest.raises(TraceError, match=r"syntax\.py:2: SyntaxError"):
+        vramplan.run_script(syntax)
+
+
+def test_os_exit_ends_the_script_not_vramplan(tmp_path: Path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import os, sys, torch\nfrom torch import nn\n"
+        "m = nn.Linear(64, 64).cuda()\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "m(torch.randn(4, 64, device='cuda')).sum().backward(); opt.step()\n"
+        "os._exit(int(sys.argv[1]))\n")
+    r = vramplan.run_script(script, ["0"], steps=5)
+    assert r.peak.allocated > 0 and any("ended after 1 optimizer step" in n for n in r.notes)
+    p = _run_cli("run", "--", "python", str(script), "5")
+    assert p.returncode == 2 and "exited with status 5 (os._exit)" in p.stderr, p.stderr
+
+
+def test_json_output_is_clean_when_the_script_prints(tmp_path: Path) -> None:
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nprint('hello from the script')\n"
+        "m = nn.Linear(64, 64).cuda()\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for i in range(3):\n"
+        "    loss = m(torch.randn(4, 64, device='cuda')).sum(); loss.backward(); opt.step()\n"
+        "    print(f'step {i} loss {loss.item():.3f}')\n")
+    p = _run_cli("run", "--json", "--", "python", str(script))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["ran"]["optimizers"] == ["SGD (foreach)"]
+    assert "hello from the script" in p.stderr
+
+
+def test_inference_progress_counts_forward_calls(tmp_path: Path) -> None:
+    lines: list[str] = []
+    script = tmp_path / "infer.py"
+    script.write_text(
+        "import time, torch\nfrom torch import nn\nm = nn.Linear(64, 64).cuda().eval()\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(10):\n"
+        "        m(torch.randn(4, 64, device='cuda')); time.sleep(0.4)\n")
+    vramplan.run_script(script, steps=5, progress=lines.append)
+    assert lines and all("forward" in line and "step" not in line for line in lines)
+
+
+def test_a_large_model_built_on_the_cpu_takes_no_ram(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    script = tmp_path / "big.py"
+    script.write_text(
+        "import json, sys, torch\nfrom torch import nn\nfrom vramplan.emulate.tensors import on_meta\n"
+        "m = nn.Linear(20000, 20000)\n"  # 1.6 GB of fp32 on the host
+        "small = torch.arange(10)\n"
+        "seen = [on_meta(m.weight), str(m.weight.device), small.tolist()]\n"
+        "m.cuda()\n"
+        "m(torch.randn(2, 20000, device='cuda'))\n"
+        "json.dump(seen, open(sys.argv[1], 'w'))\n")
+    r = vramplan.run_script(script, [str(out)], steps=1)
+    assert json.loads(out.read_text()) == [True, "cpu", list(range(10))]
+    assert r.model_states.weights == (20000 * 20000 + 20000) * 4  # the GPU still holds the whole layer
