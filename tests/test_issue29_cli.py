@@ -609,3 +609,137 @@ def test_llama4_scout_traces(capsys):
     doc = json.loads(capsys.readouterr().out)
     weights = 107_769_861_120 * 2  # bf16 inference
     assert doc["method"] == "trace" and weights <= doc["peak"]["allocated"] < 1.05 * weights
+
+
+# --------------------------------------------------------------------------- item 3: runaway work
+_RUNAWAY = '''
+import time
+
+import torch
+from torch import nn
+
+
+class Grow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hoard = []
+        while True:
+            hoard.append(bytearray(32 << 20))  # host memory kept until the loop ends
+            x = self.fc(x)
+
+
+class Spin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        while True:
+            x = self.fc(x) * 1.0001  # real tensor ops: the time goes to the trace's dispatch
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(6)
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def grow():
+    return Grow(), torch.randn(2, 8)
+
+
+def spin():
+    return Spin(), torch.randn(8, 64)
+
+
+def slow():
+    return Slow(), torch.randn(2, 8)
+
+
+def mismatch():
+    return Net(), torch.randn(8, 32)  # the model takes 64 features
+
+
+def fake_only():
+    class Item(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            n = int(x.sum().item())  # a value fake tensors do not have
+            return self.fc(x) * n
+    return Item(), torch.randn(2, 8)
+'''
+
+
+@pytest.fixture
+def runaway(tmp_path: Path) -> Path:
+    p = tmp_path / "runaway.py"
+    p.write_text(_RUNAWAY)
+    return p
+
+
+def test_a_forward_that_hoards_memory_stops_at_the_budget(runaway, capsys):
+    from vramplan.trace.deadline import current_rss
+
+    rss = current_rss()
+    assert rss is not None
+    budget = rss + (1 << 30)  # room for what a first trace imports (torch._dynamo, sympy)
+    start = time.monotonic()
+    line = _error(capsys, ["trace", f"{runaway}:grow", "--max-memory", f"{budget}B", "--timeout", "120"])
+    assert time.monotonic() - start < 60  # long before the timeout
+    assert "past its budget of" in line and "--max-memory" in line and "--timeout" in line
+    assert "runaway.py:" in line and "in forward" in line
+    assert current_rss() < budget + (512 << 20)  # stopped within a few ticks of the budget
+
+
+def test_a_loop_of_real_ops_in_forward_names_the_users_line(runaway, capsys):
+    line = _error(capsys, ["trace", f"{runaway}:spin", "--timeout", "3"])
+    assert "did not finish within 3 s" in line
+    assert re.search(r"runaway\.py:\d+ in forward", line), line
+    assert not re.search(r"recorder\.py|metacache\.py|functions\.py|dispatch\.py", line), line
+
+
+def test_trace_prints_a_progress_line(runaway, capsys):
+    assert main(["trace", f"{runaway}:slow", "--iterations", "1", "--task", "infer", "--json"]) == 0
+    out = capsys.readouterr()
+    json.loads(out.out)
+    progress = [ln for ln in out.err.splitlines() if ln.startswith("vramplan trace:")]
+    assert progress, out.err
+    assert "runaway.py:slow" in progress[0] and "(stops at --timeout 900 s, --max-memory" in progress[0]
+
+
+@pytest.mark.parametrize("n", ["100000", "0", "-1"])
+def test_iterations_are_bounded(runaway, capsys, n):
+    line = _error(capsys, ["trace", f"{runaway}:spin", "--iterations", n])
+    assert "--iterations must be 1 to 100" in line
+
+
+def test_a_plain_shape_mismatch_gets_no_fake_tensor_advice(runaway, capsys):
+    line = _error(capsys, ["trace", f"{runaway}:mismatch"])
+    assert "same reduction dim" in line or "shapes cannot be multiplied" in line
+    assert "fake" not in line and "register a fake kernel" not in line
+    assert "shape mismatch between the model and its example inputs" in line
+
+
+def test_a_fake_tensor_limit_keeps_its_advice(runaway, capsys):
+    line = _error(capsys, ["trace", f"{runaway}:fake_only"])
+    assert "shape mismatch between the model" not in line
+    assert "fake" in line or "item()" in line or "data-dependent" in line.lower(), line

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+from types import FrameType
 
 import torch
 
@@ -30,14 +31,30 @@ def user_frame_of(exc: BaseException) -> str | None:
 def user_frame(skip: int = 1) -> str:
     """``path:line`` of the innermost user frame (relative to the working directory when
     below it), or ``<unknown>``."""
-    f = sys._getframe(skip)
+    f = _user(sys._getframe(skip))
+    return _path_line(f) if f is not None else "<unknown>"
+
+
+def frame_location(frame: FrameType | None) -> str | None:
+    """``path:line in function`` of the innermost user frame at or above ``frame`` (e.g. the
+    frame a signal interrupted), or None when every frame is torch's, vramplan's or Python's."""
+    f = _user(frame)
+    return f"{_path_line(f)} in {f.f_code.co_name}" if f is not None else None
+
+
+def _user(f: FrameType | None) -> FrameType | None:
     while f is not None:
         fn = f.f_code.co_filename
         if not fn.startswith(_INTERNAL) and not fn.startswith("<"):
-            try:
-                rel = os.path.relpath(fn)
-            except ValueError:
-                rel = fn
-            return f"{fn if rel.startswith('..') else rel}:{f.f_lineno}"
-        f = f.f_back  # type: ignore[assignment]
-    return "<unknown>"
+            return f
+        f = f.f_back
+    return None
+
+
+def _path_line(f: FrameType) -> str:
+    fn = f.f_code.co_filename
+    try:
+        rel = os.path.relpath(fn)
+    except ValueError:
+        rel = fn
+    return f"{fn if rel.startswith('..') else rel}:{f.f_lineno}"
