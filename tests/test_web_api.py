@@ -557,11 +557,12 @@ SERVE_CLI = ["serve-plan", "llama-3.1-8b", "--gpu", "h100-sxm"]
 
 @pytest.mark.parametrize(("query", "argv"), [
     ("", []),
-    ("&engine=sglang&max-model-len=8192&max-num-seqs=64", ["--engine", "sglang", "--max-model-len", "8192",
+    ("&serve-engine=sglang&max-model-len=8192&max-num-seqs=64", ["--engine", "sglang", "--max-model-len", "8192",
                                                            "--max-num-seqs", "64"]),
     ("&tp=2&memory-fraction=0.8&kv-cache-dtype=fp8&avg-request-len=2048",
      ["--tp", "2", "--memory-fraction", "0.8", "--kv-cache-dtype", "fp8", "--avg-request-len", "2048"]),
-    ("&engine=tgi&quantization=awq", ["--engine", "tgi", "--quantization", "awq"]),
+    ("&serve-engine=tgi&quantization=awq", ["--engine", "tgi", "--quantization", "awq"]),
+    ("&engine=fsdp&dp=2&batch=0", []),  # the page sends its other inputs too: the layout's framework, even a bad batch
 ])
 def test_serving_view_is_the_cli_json(client, capsys, query, argv):
     r = client.get(f"/api/serve?model=llama-3.1-8b&gpu=h100-sxm{query}")
@@ -584,7 +585,7 @@ def test_serving_view_carries_the_terminals_document(client):
 @pytest.mark.parametrize(("query", "field"), [
     ("memory-fraction=1.5", "memory-fraction"), ("memory-fraction=x", "memory-fraction"),
     ("tp=3", "tp"), ("max-model-len=10000000", "max-model-len"), ("max-model-len=0", "max-model-len"),
-    ("engine=nope", "engine"), ("kv-cache-dtype=int3", "kv-cache-dtype"), ("engine=tgi&pp=2", "pp"),
+    ("serve-engine=nope", "serve-engine"), ("kv-cache-dtype=int3", "kv-cache-dtype"), ("serve-engine=tgi&pp=2", "pp"),
     ("max-num-seqs=x", "max-num-seqs"), ("gpu=", None),
 ])
 def test_serving_mistakes_are_marked_on_their_field(client, query, field):
@@ -604,3 +605,13 @@ def test_every_emit_format_is_offered_and_downloads(client, capsys):
         assert r.status_code == 200, (fmt, r.text)
         assert main(["plan", *CLI, "--method", "analytic", "--emit", fmt, "--pick", "1"]) == 0
         assert r.text == capsys.readouterr()[0], fmt
+
+
+@pytest.mark.parametrize(("model", "extra"), [
+    ("gpt2", []), ("bert-base", []), ("gpt2", ["--task", "generate", "--new-tokens", "24"]), ("llama-3.2-1b", []),
+])
+def test_without_seq_a_short_model_gets_its_own_length_as_on_the_cli(client, capsys, model, extra):
+    q = "&".join(f"{a.removeprefix('--')}={b}" for a, b in zip(extra[::2], extra[1::2], strict=True))
+    r = client.get(f"/api/estimate?model={model}&method=analytic&{q}")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, "estimate", model, *extra, "--method", "analytic", "--json")

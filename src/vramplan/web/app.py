@@ -354,8 +354,9 @@ def search_options(p: Mapping[str, str]) -> dict[str, Any]:
 
 
 def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
-    """``vramplan serve-plan``'s engine settings from the query (engine defaults when absent)."""
-    opts: dict[str, Any] = {"engine": (p.get("engine") or "vllm").strip().lower()}
+    """``vramplan serve-plan``'s engine settings from the query (engine defaults when absent; the
+    engine is ``serve-engine``: ``engine`` is the parallel layout's framework)."""
+    opts: dict[str, Any] = {"engine": (p.get("serve-engine") or "vllm").strip().lower()}
     for key, name in (("max-model-len", "max_model_len"), ("max-num-seqs", "max_num_seqs"),
                       ("max-num-batched-tokens", "max_num_batched_tokens"), ("block-size", "block_size"),
                       ("avg-request-len", "avg_request_len")):

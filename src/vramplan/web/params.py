@@ -42,9 +42,10 @@ MAX_EXPERTS = 1024
 """Most experts per layer of a dropped config.json (published MoE models have up to 384)."""
 SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
 """Planner options (``vramplan plan`` flags) the page sends to the plan and GPU views."""
-SERVE_KEYS = ("engine", "memory-fraction", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+SERVE_KEYS = ("serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
               "block-size", "kv-cache-dtype", "quantization", "avg-request-len")
-"""``vramplan serve-plan`` flags the serving view sends (its TP and PP are the layout's)."""
+"""``vramplan serve-plan`` flags the serving view sends (its TP and PP are the layout's; its
+``--engine`` is ``serve-engine``, as ``engine`` is the parallel layout's framework)."""
 PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS, *SERVE_KEYS)
 """Query keys beyond the workload's fields."""
 OPTION_KEYS = {"max_gpus": "gpus", "allow_peft": "allow-peft", "global_batch": "global-batch"}
@@ -156,10 +157,15 @@ def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
     config = decode_config(q["config"]) if q.get("config") else None
     if config is None:
         model = check_model(model)
+        from vramplan.models.catalog import resolve
+
+        spec = resolve(model)
     else:
         model = model or "config.json"
-        _spec_or_field_error(config, model)
+        spec = _spec_or_field_error(config, model)
     workload = parse_workload(q)
+    if not (q.get("seq") or "").strip():
+        workload = seq_for_model(spec, workload)
     gpu = (q.get("gpu") or "").strip() or None
     if gpu is not None:
         from vramplan.hardware.catalog import get_gpu
@@ -176,6 +182,20 @@ def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
                          hint="choose one of " + " | ".join(x.value for x in Method)) from None
     explicit = frozenset(k for k, v in q.items() if v not in ("", None) and k not in ("model", "gpu", "method", "config"))
     return Query(model=model, workload=workload, gpu=gpu, method=meth, config=config, explicit=explicit)
+
+
+def seq_for_model(spec: Any, w: Workload) -> Workload:
+    """``seq`` not given and the default longer than the model's positions (gpt2's 1,024, BERT's
+    512): the model's own maximum (less ``new_tokens`` when generating), as ``vramplan estimate``
+    does without ``--seq`` (the page shows the length in its summary and in the seq field)."""
+    from vramplan.models.spec import Family
+
+    if w.seq != Workload().seq or spec.family in (Family.VIT, Family.OTHER) or not spec.max_positions:
+        return w
+    room = spec.max_positions - (w.new_tokens if w.task.value == "generate" else 0)
+    if room >= w.seq or room < 1:
+        return w
+    return w.replace(seq=room)
 
 
 def check_model(name: str) -> str:
@@ -434,7 +454,7 @@ _SERVE_WORDS = (
     (("tensor parallel",), "tp"), (("pipeline parallelism",), "pp"),
     (("gpu_memory_utilization", "mem_fraction_static", "cuda_memory_fraction", "free_gpu_memory_fraction"),
      "memory-fraction"),
-    (("max_model_len",), "max-model-len"), (("serving engine",), "engine"), (("kv_cache_dtype",), "kv-cache-dtype"),
+    (("max_model_len",), "max-model-len"), (("serving engine",), "serve-engine"), (("kv_cache_dtype",), "kv-cache-dtype"),
     (("quantization",), "quantization"), (("block_size",), "block-size"), (("max_num_seqs",), "max-num-seqs"),
     (("max_num_batched_tokens",), "max-num-batched-tokens"), (("average request length",), "avg-request-len"),
 )
