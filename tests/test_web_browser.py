@@ -462,7 +462,9 @@ def test_leaving_a_field_asks_nothing_again(server, sized, size):
 
 def test_a_burst_of_changes_stops_the_stale_traces(server, page):
     pg = page
-    open_page(pg, server, "model=llama-3.2-1b&gpu=h100-sxm&seq=384&checkpointing=full")
+    # a model of 128 experts per layer: each trace takes seconds here (8 s on the 2-core CI machine),
+    # so every change comes while the trace of the one before runs
+    open_page(pg, server, "model=qwen3-30b-a3b&gpu=h100-sxm&seq=256&checkpointing=full")
     pg.wait_for_function("window.__vramplan.traces > 0", timeout=180_000)
     before = _get(f"{server}/api/status")
     for b in (5, 6, 7, 9):  # each change aborts the last one's requests
