@@ -347,8 +347,11 @@ def sized(browser, request):
     assert not errors, errors
 
 
-def shot(pg, name: str, tmp_path) -> Path:
-    """A screenshot kept in VRAMPLAN_ARTIFACTS (else the test's temporary folder)."""
+def shot(pg, name: str, tmp_path, at: str | None = None) -> Path:
+    """A screenshot (of the screen with ``at`` in view) kept in VRAMPLAN_ARTIFACTS (else the
+    test's temporary folder)."""
+    if at is not None:
+        pg.locator(at).first.scroll_into_view_if_needed()
     out = Path(os.environ.get("VRAMPLAN_ARTIFACTS", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
     w = pg.viewport_size["width"]
@@ -423,7 +426,7 @@ def test_fit_never_offers_to_apply_nothing(server, sized, size, tmp_path):
     assert pg.locator("#fit button.apply").count() == 1  # the sequence that fits
     assert "none fits at seq 131,072" in pg.text_content("#fit")
     assert pg.text_content("#max-batch") == "none"
-    shot(pg, "fit-none", tmp_path)
+    shot(pg, "fit-none", tmp_path, at="#fit table")
 
 
 @SIZES
@@ -666,7 +669,7 @@ def test_the_serving_view_is_serve_plans_answer(server, sized, size, capsys, tmp
     assert "serve-engine=sglang" in pg.url
     pg.fill("#memory-fraction", "1.5")
     pg.wait_for_function("document.getElementById('err-memory-fraction').textContent.length > 0", timeout=30_000)
-    shot(pg, "serving", tmp_path)
+    shot(pg, "serving", tmp_path, at="#serve-options")
 
 
 @SIZES
@@ -709,4 +712,4 @@ def test_plan_chart_has_its_time_axis_and_every_config_downloads(server, sized, 
     for fmt, href in links:
         r = pg.request.get(href)
         assert r.status == 200, (fmt, r.text())
-    shot(pg, "downloads", tmp_path)
+    shot(pg, "downloads", tmp_path, at="#dl-emit")
