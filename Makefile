@@ -9,23 +9,25 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VENV214 := .venv-torch214
 STAMP214 := $(VENV214)/.installed
+# the dev/test set-up's exact versions (a fresh clone tests what CI passed with)
+CONSTRAINTS := requirements/dev-constraints.txt
 
-.PHONY: demo test test-noextras test-torch214 lint typecheck bench clean install
+.PHONY: demo test test-noextras test-torch214 test-latest lint typecheck bench clean install
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 CPU wheel lies on this machine's disk; the package supports torch>=2.13 (README)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 # The same install with torch 2.14.1 (non-reentrant checkpoint moved its generator there).
-$(STAMP214): pyproject.toml
+$(STAMP214): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV214)
 	$(VENV214)/bin/pip install -q --upgrade pip
 	$(VENV214)/bin/pip install -q torch==2.14.1
-	$(VENV214)/bin/pip install -q -e '.[dev]'
+	$(VENV214)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP214)
 
 install: $(STAMP)
@@ -60,7 +62,12 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 
 clean:
-	rm -rf $(VENV) $(VENV214) build dist src/*.egg-info
+	rm -rf $(VENV) $(VENV214) .venv-latest build dist src/*.egg-info
+
+# The newest releases of accelerate, transformers, peft, trl and lightning against the framework
+# tests, each alone on the pinned set and all together; reports which break (never fails).
+test-latest:
+	PY=$(PY) bash .ci/latest.sh
 
 # A plain `pip install .` (no extras) in a fresh venv answers the main commands without a
 # traceback (issue 14). CI runs it after `make test`.

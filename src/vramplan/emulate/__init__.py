@@ -31,7 +31,7 @@ from .cuda import CudaState, patched
 from .facts import DeviceFacts
 from .kernels import triton_launches
 from .live import LiveAllocator
-from .modules import keeping_identity
+from .modules import checkpoint_metadata_on_storage, keeping_identity
 from .tensors import Place, Values, View, device_view, on_meta, raw_device
 
 
@@ -71,7 +71,7 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
             on_launch(tensors)
 
     with patched(facts, live, on_sync, state), device_view(view, values), keeping_identity(em.optimizers), \
-            loading_to_device(), triton_launches(launched):
+            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched):
         yield em
 
 

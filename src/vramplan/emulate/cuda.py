@@ -331,6 +331,12 @@ def _patch_modules(put: Callable[..., None], cuda: Any, functions: dict[str, Any
                                              "run the eager step (CUDA graphs reuse its memory in their own pool)"),
             exact=False)
     put(torch.version, "cuda", facts.cuda_version, exact=False)
+    import torch.cuda.nccl as nccl
+
+    put(nccl, "version", lambda: facts.nccl_version)
+    put(nccl, "is_available", lambda tensors: True)
+    if torch.distributed.is_available():
+        put(torch.distributed, "is_nccl_available", lambda: True)
     put(torch.backends.cuda, "is_built", lambda: True)
     put(torch.backends.cudnn, "is_available", lambda: True)
     put(torch.backends.cudnn, "version", lambda: 91002)

@@ -9,6 +9,7 @@ import torch
 DEFAULT_CUDA_VERSION = "12.8"
 """``torch.version.cuda`` on a CPU build of torch (the CUDA wheels of torch 2.9–2.14 default to 12.8);
 a CUDA build reports its own."""
+DEFAULT_NCCL_VERSION = (2, 27, 5)
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,17 @@ class DeviceFacts:
     @property
     def cuda_version(self) -> str:
         return torch.version.cuda or DEFAULT_CUDA_VERSION
+
+    @property
+    def nccl_version(self) -> tuple[int, ...]:
+        """``torch.cuda.nccl.version()``: this build's NCCL where it has one, else the NCCL the
+        CUDA wheels of torch 2.13/2.14 bundle (nvidia-nccl-cu12 2.27)."""
+        try:
+            import torch.cuda.nccl as nccl
+
+            v = nccl.version()
+            if isinstance(v, tuple) and v:
+                return v
+        except Exception:  # noqa: BLE001 (a CPU build has no NCCL: its call raises)
+            pass
+        return DEFAULT_NCCL_VERSION

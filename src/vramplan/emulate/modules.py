@@ -90,3 +90,28 @@ def _repoint(optimizers: weakref.WeakSet[Any], moved: dict[int, Any]) -> None:
         items = [(moved.get(id(k), k), v) for k, v in state.items()]
         state.clear()
         state.update(items)
+
+
+@contextlib.contextmanager
+def checkpoint_metadata_on_storage() -> Iterator[None]:
+    """Activation checkpointing compares each tensor its recompute saves with the forward's
+    (shape, dtype, device: ``torch.utils.checkpoint._default_meta_extractor``). A tensor saved
+    from inside the trace's emulation reads its storage's device, one saved from the model's
+    own code the emulated device; the check compares the storage's device on both sides."""
+    import torch.utils.checkpoint as ckpt
+
+    table = getattr(ckpt, "_allowed_determinism_checks_to_fns", None)
+    if not isinstance(table, dict) or "default" not in table:
+        yield
+        return
+    from .tensors import raw_device
+
+    def meta(x: torch.Tensor) -> dict[str, Any]:
+        return {"shape": x.shape, "dtype": x.dtype, "device": raw_device(x)}
+
+    saved = table["default"]
+    table["default"] = meta
+    try:
+        yield
+    finally:
+        table["default"] = saved

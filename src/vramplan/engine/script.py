@@ -113,7 +113,11 @@ def what_ran(run: ScriptRun, world: int = 1) -> tuple[Workload, Ran, list[str]]:
         fields["image_size"] = run.image
     task = Task.TRAIN if run.steps > 0 else Task.INFER
     w = Workload(task=task, parallel=Parallel(dp=world), **fields)  # type: ignore[arg-type]
-    ran = Ran(precision=text, optimizers=tuple(f"{n} ({i})" for n, i in run.optimizer_kinds), batch=run.batch,
+    kinds: dict[str, int] = {}
+    for n, i in run.optimizer_kinds:
+        kinds[f"{n} ({i})"] = kinds.get(f"{n} ({i})", 0) + 1
+    optimizers = tuple(k if c == 1 else f"{k} ×{c}" for k, c in kinds.items())
+    ran = Ran(precision=text, optimizers=optimizers, batch=run.batch,
               seq=run.seq, image=run.image, steps=run.steps, forwards=run.forwards)
     return w, ran, notes
 

@@ -16,14 +16,12 @@ stops with a message naming it.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..emulate.imports import patched_on_import, replace
 from ..errors import TraceError
 
 _building = [0]
@@ -83,103 +81,84 @@ def _config(name: Any) -> Any:
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def _patch_model(mu: Any) -> None:
+def _named(model: Any, name_or_path: Any) -> Any:
+    """The model and its config remember where they came from, as ``from_pretrained`` leaves
+    them (TRL's trainers load the tokenizer from ``config._name_or_path``)."""
+    name = str(name_or_path)
+    try:
+        model.config._name_or_path = name
+        model.name_or_path = name
+    except AttributeError:
+        pass
+    return model
+
+
+def _patch_model(mu: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         config = kwargs.get("config")
         if config is None or isinstance(config, str):
             config = _config(config or name_or_path)
-        return _build(klass, config, kwargs)
+        return _named(_build(klass, config, kwargs), name_or_path)
 
-    _swap(mu.PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+    replace(undo, mu.PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
 
 
-def _patch_auto(af: Any) -> None:
+def _patch_auto(af: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         config = kwargs.get("config")
         if config is None or isinstance(config, str):
             config = _config(config or name_or_path)
         model_class = af._get_model_class(config, klass._model_mapping)
-        return _build(model_class, config, kwargs)
+        return _named(_build(model_class, config, kwargs), name_or_path)
 
-    # each Auto class carries its own copy of the method (``auto_class_update``): patch them all
-    stack = [af._BaseAutoModelClass]
+    from_pretrained.__vramplan__ = True  # type: ignore[attr-defined]
+    base = af._BaseAutoModelClass
+    original = vars(base)["from_pretrained"]
+    # each Auto class carries its own copy of the method (``auto_class_update`` copies the base's
+    # when the class is made): patch them all, and afterwards put the original back on every class
+    # made while the patch was in place too (they copied the patched one)
+    for c in _auto_classes(base):
+        if "from_pretrained" in c.__dict__:
+            replace(undo, c, "from_pretrained", classmethod(from_pretrained))
+    undo.callback(_unpatch_auto_classes, base, original)
+
+
+def _auto_classes(base: Any) -> list[Any]:
+    out, stack = [], [base]
     while stack:
         c = stack.pop()
-        if "from_pretrained" in c.__dict__:
-            _swap(c, "from_pretrained", classmethod(from_pretrained))
+        out.append(c)
         stack.extend(c.__subclasses__())
+    return out
 
 
-def _patch_config(ca: Any) -> None:
+def _unpatch_auto_classes(base: Any, original: Any) -> None:
+    for c in _auto_classes(base):
+        fn = c.__dict__.get("from_pretrained")
+        if getattr(getattr(fn, "__func__", None), "__vramplan__", False):
+            c.from_pretrained = original
+
+
+def _patch_config(ca: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, **kwargs: Any) -> Any:
         config = _config(name_or_path)
+        config._name_or_path = str(name_or_path)
         if kwargs.get("return_unused_kwargs"):
             unused = {k: v for k, v in kwargs.items()
                       if k not in ("return_unused_kwargs", "trust_remote_code", "revision", "token", "cache_dir")}
             return config, unused
         return config
 
-    _swap(ca.AutoConfig, "from_pretrained", classmethod(from_pretrained))
-
-
-_SAVED: list[tuple[Any, str, Any]] = []
-
-
-def _swap(owner: Any, name: str, value: Any) -> None:
-    if any(o is owner and n == name for o, n, _ in _SAVED):
-        return
-    _SAVED.append((owner, name, owner.__dict__[name]))
-    setattr(owner, name, value)
-
-
-def _unpatch() -> None:
-    while _SAVED:
-        owner, name, value = _SAVED.pop()
-        setattr(owner, name, value)
-
-
-_TARGETS = {
-    "transformers.modeling_utils": _patch_model,
-    "transformers.models.auto.auto_factory": _patch_auto,
-    "transformers.models.auto.configuration_auto": _patch_config,
-}
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Patches transformers' loaders right after the script imports them."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        patch = _TARGETS.get(fullname)
-        if patch is None:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module: Any) -> None:
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+    replace(undo, ca.AutoConfig, "from_pretrained", classmethod(from_pretrained))
 
 
 @contextlib.contextmanager
 def weightless_from_pretrained() -> Iterator[None]:
-    """Within the block, transformers' ``from_pretrained`` builds on meta from the config."""
-    finder = _Finder()
-    for name, patch in _TARGETS.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-    sys.meta_path.insert(0, finder)
-    try:
+    """Within the block, transformers' ``from_pretrained`` builds on meta from the config
+    (transformers is patched when the script imports it: :func:`~vramplan.emulate.imports.patched_on_import`)."""
+    with patched_on_import({
+        "transformers.modeling_utils": _patch_model,
+        "transformers.models.auto.auto_factory": _patch_auto,
+        "transformers.models.auto.configuration_auto": _patch_config,
+    }):
         yield
-    finally:
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
-        _unpatch()

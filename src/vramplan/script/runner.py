@@ -578,6 +578,15 @@ _VALUELESS = frozenset({
 })
 
 
+def _holds_meta(data: Any, depth: int = 0) -> bool:
+    """Whether nested lists of data hold a meta tensor (looked for in the first elements only)."""
+    if isinstance(data, torch.Tensor):
+        return on_meta(data)
+    if isinstance(data, (list, tuple)) and depth < 4:
+        return any(_holds_meta(x, depth + 1) for x in data[:8])
+    return False
+
+
 def _host_request(d: Any) -> bool:
     return d is None or (isinstance(d, torch.device) and d.type == "cpu") or (isinstance(d, str) and d == "cpu")
 
@@ -590,6 +599,7 @@ class _InputMode(torch.overrides.TorchFunctionMode):
 
     def __init__(self, sess: TraceSession, places: Places, run: ScriptRun | None = None) -> None:
         super().__init__()
+        self.values = _host_values(sess)
         self.sess = sess
         self.places = places
         self.run = run
@@ -619,6 +629,10 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             out = self._host_without_values(func, name, args, kwargs)
             if out is not None:
                 return out
+        if name in _FROM_DATA and args and _holds_meta(args[0]):
+            # torch.tensor([t0, t1, ...]) of meta tensors: torch reads each element's value with
+            # Python dispatch switched off, so the elements' known values are read here
+            args = (self._values_of(args[0]), *args[1:])
         if name in _FROM_DATA and is_cuda(kwargs.get("device")):
             # torch.tensor(data, device="cuda"): the values are the host data's; keep them
             host = func(*args, **{**kwargs, "device": "cpu"})
@@ -642,6 +656,13 @@ class _InputMode(torch.overrides.TorchFunctionMode):
                 if raw_device(src).type == "cpu" and not src.is_floating_point() and src.numel() <= 1 << 20:
                     self.sess.values.set_shadow(out, src)
         return out
+
+    def _values_of(self, data: Any) -> Any:
+        if isinstance(data, torch.Tensor):
+            return self.values(data, "torch.tensor(data)") if on_meta(data) else data
+        if isinstance(data, (list, tuple)):
+            return type(data)(self._values_of(x) for x in data)
+        return data
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return on_meta(t) and not self.places.is_host(t)
@@ -878,6 +899,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     started = time.monotonic()
     sess = TraceSession(profile, autocast_dtype=autocast_dtype)
     sess.dispatch.float_reads = 1.0
+    sess.dispatch.bool_reads = False
     sess.dispatch.strict_devices = True
     places = Places(sess.rec)
     run = ScriptRun()

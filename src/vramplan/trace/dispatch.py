@@ -96,6 +96,8 @@ HOST_ARGS: dict[Any, tuple[int, ...]] = {
 }
 """Ops whose tensor arguments at these positions live on the host in a CUDA run (PyTorch
 checks "should be a 1D CPU int64 tensor"): they get real CPU tensors in the trace too."""
+SCALAR_READS = frozenset({aten._local_scalar_dense.default, aten.item.default})
+"""A device value read back to the host (``.item()`` reaches the mode itself under inference mode)."""
 COPY_OPS = frozenset({aten.copy_.default})
 """Copies between the host and the device (``load_state_dict`` into a model on the other side)."""
 CROSS_DEVICE_OPS = frozenset(
@@ -203,6 +205,9 @@ class TraceMode(TorchDispatchMode):
         self._mutated: dict[Any, tuple[int, ...]] = {}
         self.cache = MetaCache()
         self._lifted: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.bool_reads: bool | None = None
+        """A boolean read back to the host without a value: None refuses; False answers every
+        such read (``vramplan run``: a generation loop's "every sequence hit a stop token?")."""
         self.strict_devices = False
         """A device tensor meeting a host tensor (not a 0-dim one) raises as CUDA does, except in
         the ops CUDA lets take host arguments (``vramplan run``); otherwise the host tensor is
@@ -507,14 +512,17 @@ class TraceMode(TorchDispatchMode):
             return func(*args, **kwargs)  # a host tensor: real values
         if cpu_args is not None:
             return func(*cpu_args[0], **cpu_args[1])
-        if self.rec.phase == _OPTIMIZER and func is aten._local_scalar_dense.default:
+        if self.rec.phase == _OPTIMIZER and func in SCALAR_READS:
             # Optimizers read norms/steps (Adafactor, clipping): values scale the update, never memory.
             self.rules_used["optimizer_value"] += 1
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-        if self.float_reads is not None and func is aten._local_scalar_dense.default and args[0].is_floating_point():
+        if self.float_reads is not None and func in SCALAR_READS and args[0].is_floating_point():
             self.rules_used["host_float"] += 1
             return self.float_reads
+        if self.bool_reads is not None and func in SCALAR_READS and args[0].dtype == torch.bool:
+            self.rules_used["host_bool"] += 1
+            return self.bool_reads
         what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func in TO_OPS \
             else "reading a tensor's value (.item(), bool(tensor), if tensor: ...)"
         raise TraceError(

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..emulate.tensors import on_meta, raw_device
+from ..emulate.tensors import RAW, on_meta, raw_device
 from ..errors import TraceError
 from ..events import Category
 from . import rnn
@@ -107,11 +107,14 @@ class CudaFunctionMode(TorchFunctionMode):
                                 backends=self.backends)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        # Our own decisions read storages' real devices (``on_meta``); everything this mode runs
-        # runs as on a GPU, where torch's Python and autograd's saved-tensor hooks see the
-        # emulated device (:mod:`vramplan.emulate.tensors`): checkpointing compares what the
-        # forward saved with what its recompute saves, and both must say the same device.
-        out = self._handle(func, types, args, kwargs or {})
+        # The emulation's own calls (SDPA kernels, cuDNN RNN, fused dropout…) see storages' real
+        # devices; the call itself, when this mode only adjusts its arguments, runs as on a GPU,
+        # where torch's Python sees the emulated device (:mod:`vramplan.emulate.tensors`).
+        RAW[0] += 1
+        try:
+            out = self._handle(func, types, args, kwargs or {})
+        finally:
+            RAW[0] -= 1
         if type(out) is _Plain:
             return func(*out.args, **out.kwargs)
         return out

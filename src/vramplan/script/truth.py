@@ -1,0 +1,295 @@
+"""The same script run for real on the CPU: the reference ``vramplan run`` is compared with.
+
+:func:`cpu_truth` runs an unmodified script in this process (``runpy``, its own ``sys.argv``),
+on the CPU as the script runs there (its own CPU switch: ``device=cpu``, ``--use_cpu``), and
+records the live bytes of every CPU tensor storage as ops make and free them (a dispatch-mode
+tracker, as ``trace.testing.real_peak`` does for a step). It stops where ``vramplan run`` stops:
+after ``steps`` optimizer steps (PyTorch's global optimizer step hooks), or ``steps`` top-level
+forward calls of a script that builds no optimizer. The peak is taken from the first
+top-level forward of a model on: what the script held on the host before it (a checkpoint being
+loaded) is host memory in a GPU run.
+
+What it sees is every storage made while the script runs: the step's (weights, gradients,
+optimizer states, activations, temporaries) and the host's (a batch before it is copied to the
+device). The peak's composition (:attr:`Truth.at_peak`) itemises the comparison with the
+emulated GPU's figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import runpy
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..events import Action, EventLog
+from ..results import MemoryReport
+from ..trace.recorder import describe
+
+
+class _Enough(BaseException):
+    pass
+
+
+@dataclass
+class Truth:
+    """A real CPU run's storage peak."""
+
+    peak: int = 0
+    at_peak: list[tuple[str, int]] = field(default_factory=list)
+    """(description, bytes) of every storage live at the peak, largest first."""
+    steps: int = 0
+    forwards: int = 0
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.desc: dict[int, str] = {}
+        self.refs: dict[int, Any] = {}
+        self.now = 0
+        self.peak = 0
+        self.stepping = False
+        """Set at the first top-level forward: the peak is the step's (a host-side checkpoint
+        being loaded, which a GPU run keeps on the host, is not the step's memory)."""
+        self._peak_sizes: dict[int, int] = {}
+        self._peak_desc: dict[int, str] = {}
+
+    def _freed(self, key: int, _ref: object) -> None:
+        if self.refs.pop(key, None) is not None:
+            self.now -= self.sizes.pop(key, 0)
+            self.desc.pop(key, None)
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or t.is_sparse:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.refs:
+            return
+        n = st.nbytes()
+        self.sizes[key] = n
+        self.desc[key] = describe(t)
+        self.refs[key] = weakref.ref(st, partial(self._freed, key))
+        self.now += n
+        if self.now > self.peak and self.stepping:  # the composition is copied at each new peak (dict copies: cheap)
+            self.peak = self.now
+            self._peak_sizes = dict(self.sizes)
+            self._peak_desc = dict(self.desc)
+
+    def composition(self) -> list[tuple[str, int]]:
+        """(description, bytes) of the storages live at the peak, largest first."""
+        return sorted(((self._peak_desc[k], n) for k, n in self._peak_sizes.items()), key=lambda x: -x[1])
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        stack = [out]
+        while stack:
+            o = stack.pop()
+            if isinstance(o, torch.Tensor):
+                self.add(o)
+            elif isinstance(o, (list, tuple)):
+                stack.extend(o)
+        return out
+
+
+@contextlib.contextmanager
+def _stops(truth: Truth, steps: int, tracker: _Tracker) -> Iterator[None]:
+    import torch.optim.optimizer as oo
+
+    depth = [0]
+    optimizers = [0]
+    init = oo.Optimizer.__init__
+
+    def counted_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        optimizers[0] += 1
+
+    def step_post(opt: Any, args: Any, kwargs: Any) -> None:
+        truth.steps += 1
+        gc.collect()
+        if truth.steps >= steps:
+            raise _Enough
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        if not depth[0] and not tracker.stepping and next(mod.parameters(), None) is not None:
+            tracker.stepping = True
+            if tracker.now > tracker.peak:
+                tracker.peak = tracker.now
+                tracker._peak_sizes, tracker._peak_desc = dict(tracker.sizes), dict(tracker.desc)
+        depth[0] += 1
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            truth.forwards += 1
+            if not optimizers[0] and truth.forwards >= steps and not torch.is_grad_enabled():
+                raise _Enough
+
+    handles = [oo.register_optimizer_step_post_hook(step_post),
+               nn.modules.module.register_module_forward_pre_hook(pre),
+               nn.modules.module.register_module_forward_hook(post, always_call=True)]
+    oo.Optimizer.__init__ = counted_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        oo.Optimizer.__init__ = init  # type: ignore[method-assign]
+        for h in handles:
+            h.remove()
+
+
+def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> Truth:
+    """Run the script for real on the CPU (see the module docstring)."""
+    p = Path(path)
+    truth = Truth()
+    tracker = _Tracker()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(p), *argv]
+    sys.path.insert(0, str(p.parent))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _stops(truth, steps, tracker), tracker:
+            try:
+                runpy.run_path(str(p), run_name="__main__")
+            except _Enough:
+                pass
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise
+            except BaseException as e:
+                if not _stopped(e):
+                    raise
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        torch.set_num_threads(threads)
+    truth.peak = tracker.peak
+    truth.at_peak = tracker.composition()
+    return truth
+
+
+def _stopped(e: BaseException) -> bool:
+    c: BaseException | None = e
+    seen: set[int] = set()
+    while c is not None and id(c) not in seen:
+        if isinstance(c, _Enough):
+            return True
+        seen.add(id(c))
+        c = c.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``vramplan run``'s figure against a real CPU run's, the difference itemised.
+
+    ``predicted`` is the allocated peak (the allocator's 512-byte blocks; CUDA-only workspaces
+    left out: ``run_script(..., workspaces=False)``); ``requested`` the bytes the trace's live
+    storages asked for at its own peak, so ``rounding = predicted - requested`` is the caching
+    allocator's rounding. The storages live at each peak are matched by dtype and shape; the
+    unmatched ones on either side (``only_predicted``, ``only_truth``) are the rest of the
+    difference: ``requested - truth = sum(only_predicted) - sum(only_truth)``."""
+
+    predicted: int
+    truth: int
+    requested: int
+    rounding: int
+    only_predicted: tuple[tuple[str, int], ...]
+    only_truth: tuple[tuple[str, int], ...]
+    relaid: tuple[tuple[str, str, int], ...] = ()
+    """(predicted, truth, bytes): the same bytes in another shape on each side (a CUDA kernel's
+    layout, e.g. flash attention's ``[B, H, T, 1]`` log-sum-exp against the CPU's ``[B, H, T]``)."""
+    paths: tuple[tuple[str, int, int], ...] = ()
+    """(why, predicted bytes, truth bytes) of the storages that exist on one side only because CUDA
+    and the CPU run different code (the entry's known code-path differences)."""
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.truth) / self.truth
+
+    @property
+    def residual(self) -> int:
+        """``requested - truth`` once the code-path differences are set aside: what is neither
+        allocator rounding nor a different code path (0 when both peaks hold the same storages)."""
+        return self.requested - self.truth - sum(p - t for _, p, t in self.paths)
+
+    @property
+    def unexplained(self) -> int:
+        """What matching and rounding leave (0 when both peaks hold the same storages)."""
+        return self.requested - self.truth - (sum(n for _, n in self.only_predicted)
+                                              - sum(n for _, n in self.only_truth)
+                                              + sum(p - t for _, p, t in self.paths))
+
+
+def live_at_peak(log: EventLog) -> tuple[int, list[tuple[str, int]]]:
+    """(requested bytes, (desc, bytes) of each storage) live at the log's requested-bytes peak."""
+    live: dict[int, tuple[int, int]] = {}
+    now = peak = 0
+    best: dict[int, tuple[int, int]] = {}
+    alloc, free, deferred = int(Action.ALLOC), int(Action.FREE), int(Action.FREE_DEFERRED)
+    for k in range(len(log)):
+        a = log.action[k]
+        if a == alloc:
+            live[log.id[k]] = (log.size[k], log.desc[k])
+            now += log.size[k]
+            if now > peak:
+                peak, best = now, dict(live)
+        elif a in (free, deferred):
+            gone = live.pop(log.id[k], None)
+            if gone is not None:
+                now -= gone[0]
+    return peak, sorted(((log.strings[d], n) for n, d in best.values()), key=lambda x: -x[1])
+
+
+def _unmatched(left: list[tuple[str, int]], right: list[tuple[str, int]],
+               key: Any) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[Any, Any]]]:
+    """Pair items of ``left`` and ``right`` with equal ``key``; the unpaired ones of each side."""
+    pool: dict[Any, list[tuple[str, int]]] = {}
+    for item in right:
+        pool.setdefault(key(item), []).append(item)
+    lonely, pairs = [], []
+    for item in left:
+        bucket = pool.get(key(item))
+        if bucket:
+            pairs.append((item, bucket.pop()))
+        else:
+            lonely.append(item)
+    return lonely, [x for b in pool.values() for x in b], pairs
+
+
+def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]] = ()) -> Comparison:
+    """Itemise ``report`` (a ``vramplan run`` report) against ``truth`` (see :class:`Comparison`);
+    ``known``: (regular expression on ``dtype[shape]``, why) of storages that only one side has
+    because CUDA and the CPU run different code."""
+    import re
+
+    if report.events is None:
+        raise ValueError("the report has no event log (trace method only)")
+    requested, pred = live_at_peak(report.events)
+    only_pred, only_truth, _ = _unmatched(pred, truth.at_peak, key=lambda x: x)
+    only_pred, only_truth, relaid = _unmatched(only_pred, only_truth, key=lambda x: x[1])
+    paths = []
+    for pattern, why in known:
+        rx = re.compile(pattern)
+        p = [x for x in only_pred if rx.fullmatch(x[0])]
+        t = [x for x in only_truth if rx.fullmatch(x[0])]
+        only_pred = [x for x in only_pred if x not in p]
+        only_truth = [x for x in only_truth if x not in t]
+        paths.append((why, sum(n for _, n in p), sum(n for _, n in t)))
+    return Comparison(predicted=report.peak.allocated, truth=truth.peak, requested=requested,
+                      rounding=report.peak.allocated - requested,
+                      only_predicted=tuple(sorted(only_pred, key=lambda x: -x[1])),
+                      only_truth=tuple(sorted(only_truth, key=lambda x: -x[1])),
+                      relaid=tuple((a[0], b[0], a[1]) for a, b in relaid), paths=tuple(paths))
