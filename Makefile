@@ -11,15 +11,18 @@ VENV214 := .venv-torch214
 STAMP214 := $(VENV214)/.installed
 # the dev/test set-up's exact versions (a fresh clone tests what CI passed with)
 CONSTRAINTS := requirements/dev-constraints.txt
+# libraries only the zoo's scripts see (tests/zoo): installed apart, put on their path only
+ZOODEPS := .zoo-deps
 
 .PHONY: demo test test-noextras test-torch214 test-latest lint typecheck bench clean install
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 CPU wheel lies on this machine's disk; the package supports torch>=2.13 (README)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(BIN)/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
 	touch $(STAMP)
 
 # The same install with torch 2.14.1 (non-reentrant checkpoint moved its generator there).
@@ -28,6 +31,7 @@ $(STAMP214): pyproject.toml $(CONSTRAINTS)
 	$(VENV214)/bin/pip install -q --upgrade pip
 	$(VENV214)/bin/pip install -q torch==2.14.1
 	$(VENV214)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
 	touch $(STAMP214)
 
 install: $(STAMP)
@@ -62,7 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 
 clean:
-	rm -rf $(VENV) $(VENV214) .venv-latest build dist src/*.egg-info
+	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) build dist src/*.egg-info
 
 # The newest releases of accelerate, transformers, peft, trl and lightning against the framework
 # tests, each alone on the pinned set and all together; reports which break (never fails).

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import vramplan  # noqa: E402
-from vramplan.script.truth import compare, cpu_truth  # noqa: E402
-from zoo import ZOO, fixtures  # noqa: E402
+from zoo import ZOO, fixtures, run  # noqa: E402
 
 MiB = 2**20
 
@@ -40,27 +37,20 @@ def main() -> int:
         print("| script | covers | truth MiB | predicted MiB | error | rounding MiB | code paths MiB | residual |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for e in ZOO:
-        why = e.available()
-        if why:
-            print(f"| {e.name} | skipped: {why} |" if args.markdown else f"{e.name}: skipped ({why})")
+        c = run(e, root)  # in its own process, as tests/test_zoo.py runs it
+        if "skip" in c:
+            print(f"| {e.name} | skipped: {c['skip']} |" if args.markdown else f"{e.name}: skipped ({c['skip']})")
             continue
-        path = e.path()
-        assert path is not None
-        argv = [a.replace("ROOT", str(root)) for a in e.args]
-        t0 = time.perf_counter()
-        r = vramplan.run_script(path, argv, gpu="h100-sxm", workspaces=False, steps=e.steps)
-        t1 = time.perf_counter()
-        truth = cpu_truth(path, [*argv, *e.cpu], steps=e.steps)
-        c = compare(r, truth, e.known)
-        paths = sum(p - t for _, p, t in c.paths)
-        row = (e.name, e.covers.split(";")[0], f"{c.truth / MiB:,.2f}", f"{c.predicted / MiB:,.2f}",
-               f"{c.error * 100:+.2f} %", f"{c.rounding / MiB:+.2f}", f"{paths / MiB:+.2f}" if c.paths else "–",
-               f"{c.residual:+,} B ({c.residual / c.truth * 100:+.2f} %)")
+        paths = sum(p - t for _, p, t in c["paths"])
+        row = (e.name, e.covers.split(";")[0], f"{c['truth'] / MiB:,.2f}", f"{c['predicted'] / MiB:,.2f}",
+               f"{c['error'] * 100:+.2f} %", f"{c['rounding'] / MiB:+.2f}",
+               f"{paths / MiB:+.2f}" if c["paths"] else "–",
+               f"{c['residual']:+,} B ({c['residual'] / c['truth'] * 100:+.2f} %)")
         if args.markdown:
             print("| " + " | ".join(row) + " |")
         else:
             print(f"{row[0]}: truth {row[2]} MiB, predicted {row[3]} MiB ({row[4]}); rounding {row[5]}, code paths "
-                  f"{row[6]}, residual {row[7]}  [run {t1 - t0:.1f} s]")
+                  f"{row[6]}, residual {row[7]}  [vramplan run {c['run_s']:.1f} s]")
     return 0
 
 

@@ -230,3 +230,22 @@ def test_a_large_model_built_on_the_cpu_takes_no_ram(tmp_path: Path) -> None:
     r = vramplan.run_script(script, [str(out)], steps=1)
     assert json.loads(out.read_text()) == [True, "cpu", list(range(10))]
     assert r.model_states.weights == (20000 * 20000 + 20000) * 4  # the GPU still holds the whole layer
+
+
+def test_data_parallel_reports_gpu_0s_share(tmp_path: Path) -> None:
+    script = tmp_path / "dp.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.DataParallel(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda())\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    loss = model(torch.randn(256, 1024, device='cuda')).float().pow(2).mean()\n"
+        "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    one = vramplan.run_script(script, gpus=1, workspaces=False)
+    four = vramplan.run_script(script, gpus=4, workspaces=False)
+    assert one.model_states == four.model_states  # the module and its gradients live on GPU 0
+    fwd = [max(p.breakdown.activations for p in r.phases if p.phase.value == "forward") for r in (one, four)]
+    assert fwd[1] <= 0.6 * fwd[0]  # replica 0 runs a quarter of the batch (plus the gathered output)
+    grads = four.model_states.gradients
+    bwd = max(p.breakdown.temporaries for p in four.phases if p.phase.value == "backward")
+    assert bwd >= grads  # Broadcast.backward's reduce-add sum, beside replica 0's own gradients

@@ -45,6 +45,9 @@ class Entry:
     moment of the step, as measured and said in the entry's ``covers``)."""
     needs: str = ""
     """The library the script runs on (must import; default: ``package``)."""
+    path_extra: tuple[str, ...] = ()
+    """Folders (relative to the repository) put first on the script's path: ``.zoo-deps`` holds
+    torchao 0.15 for torchtune, which the test venv cannot hold beside peft (requirements/zoo.txt)."""
     known: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(pattern, why): storages that exist on one side only because CUDA and the CPU take
     different code paths (``pattern`` is a regular expression on ``dtype[shape]``)."""
@@ -66,14 +69,16 @@ class Entry:
         return None
 
 
-def fixtures(root: Path) -> Path:
-    """Build every fixture the zoo uses under ``root`` (idempotent); returns ``root``."""
+def fixtures(root: Path, *, torchtune: bool = False) -> Path:
+    """Build the fixtures the zoo uses under ``root`` (idempotent; torchtune's only when asked:
+    building them imports torchtune); returns ``root``."""
     root.mkdir(parents=True, exist_ok=True)
-    if (root / "done").exists():
-        return root
-    _torchtune(root / "tt")
-    _hf(root / "hf")
-    (root / "done").write_text("ok")
+    if not (root / "hf" / "done").exists():
+        _hf(root / "hf")
+        (root / "hf" / "done").write_text("ok")
+    if torchtune and not (root / "tt" / "done").exists():
+        _torchtune(root / "tt")
+        (root / "tt" / "done").write_text("ok")
     return root
 
 
@@ -172,25 +177,25 @@ ZOO: tuple[Entry, ...] = (
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
               "optimizer._component_=torch.optim.AdamW",
               "optimizer_in_bwd=False"),
-          ("device=cpu",), needs="torchtune", covers="plain loop, bf16 weights, AdamW, chunked CE loss"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="plain loop, bf16 weights, AdamW, chunked CE loss"),
     Entry("torchtune full finetune, optimizer in backward", "recipes", "full_finetune_single_device.py",
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
               "optimizer._component_=torch.optim.AdamW"),
-          ("device=cpu",), needs="torchtune", covers="optimizer stepped per parameter in its post-accumulate-grad hook"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="optimizer stepped per parameter in its post-accumulate-grad hook"),
     Entry("torchtune LoRA, gradient accumulation", "recipes", "lora_finetune_single_device.py",
           _tt("llama3_2/1B_lora_single_device.yaml", *_ALPACA, *_LORA, "gradient_accumulation_steps=2",
               "lr_scheduler.num_warmup_steps=1"),
-          ("device=cpu",), needs="torchtune", covers="LoRA adapters, gradient accumulation, cosine schedule"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="LoRA adapters, gradient accumulation, cosine schedule"),
     Entry("torchtune LoRA, activation checkpointing", "recipes", "lora_finetune_single_device.py",
           _tt("llama3_2/1B_lora_single_device.yaml", *_ALPACA, *_LORA, "enable_activation_checkpointing=True",
               "lr_scheduler.num_warmup_steps=1"),
-          ("device=cpu",), needs="torchtune", covers="LoRA with activation checkpointing (recompute in backward)"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="LoRA with activation checkpointing (recompute in backward)"),
     Entry("torchtune LoRA DPO", "recipes", "lora_dpo_single_device.py",
           _tt("llama3_1/8B_lora_dpo_single_device.yaml", *_LORA, "checkpointer.model_type=LLAMA3_2",
               "dataset._component_=torchtune.datasets.preference_dataset", "dataset.source=json",
               "dataset.data_files=ROOT/tt/pref.json", "dataset.split=train", "gradient_accumulation_steps=1",
               "enable_activation_checkpointing=False", "lr_scheduler.num_warmup_steps=1"),
-          ("device=cpu",), needs="torchtune", covers="preference tuning: policy and reference (adapters off) on chosen and rejected"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="preference tuning: policy and reference (adapters off) on chosen and rejected"),
     Entry("torchtune knowledge distillation", "recipes", "knowledge_distillation_single_device.py",
           _tt("llama3_2/8B_to_1B_KD_lora_single_device.yaml", *_ALPACA, *_LORA,
               "teacher_model._component_=torchtune.models.llama3_2.llama3_2",
@@ -199,12 +204,12 @@ ZOO: tuple[Entry, ...] = (
               "teacher_checkpointer.checkpoint_dir=ROOT/tt", "teacher_checkpointer.checkpoint_files=[model.pt]",
               "teacher_checkpointer.model_type=LLAMA3_2", "teacher_checkpointer.output_dir=ROOT/out/tt",
               "gradient_accumulation_steps=1", "lr_scheduler.num_warmup_steps=1"),
-          ("device=cpu",), needs="torchtune", covers="a frozen teacher and a LoRA student, KL + CE losses"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="a frozen teacher and a LoRA student, KL + CE losses"),
     Entry("torchtune generate", "recipes", "generate.py",
           _tt("generation.yaml", "model._component_=torchtune.models.llama3_2.llama3_2",
               "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", "max_new_tokens=8",
               "prompt.user=Count to five.", "top_k=50"),
-          ("device=cpu",), needs="torchtune", covers="inference: sampling with a KV cache"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="inference: sampling with a KV cache"),
     Entry("TRL SFT", "trl", "scripts/sft.py",
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
           ("--use_cpu", "True"), "HF Trainer + accelerate, fused AdamW, TRL's chunked log-prob loss",
@@ -225,3 +230,24 @@ ZOO: tuple[Entry, ...] = (
           ("--use_cpu", "True"), "unpaired preference tuning with a reference model; the CPU's tile path peaks in the "
           "forward, CUDA's in the backward (its fp32 weight-gradient buffers)", known=(_TILES,), residual=0.02),
 )
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(entry: Entry, root: Path, *, timeout: float = 600) -> dict:
+    """Run ``entry`` in a fresh Python process (``tests/zoo/run_entry.py``: ``vramplan run`` and the
+    real CPU run, compared) and return what it printed: the comparison, or ``{"skip": why}``."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    extra = [str(REPO / p) for p in entry.path_extra]
+    env["PYTHONPATH"] = os.pathsep.join([*extra, env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("run_entry.py")), entry.name, str(root)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise AssertionError(f"{entry.name}: exit {p.returncode}\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])

@@ -12,6 +12,7 @@ One entry, :func:`emulated_gpu`, used by ``vramplan run`` (a whole script), the 
   optimizers built before ``.to("cuda")`` step the right tensors;
 - ``torch.load`` of a real checkpoint to the device (:mod:`.checkpoints`);
 - Triton kernel launches run as no-ops (:mod:`.kernels`: their buffers are allocated by PyTorch);
+- ``nn.DataParallel`` runs GPU 0's share (:mod:`.parallel`), the per-GPU figure real runs report;
 - models built by a factory take no memory and no GPU (:mod:`.construct`).
 
 It knows nothing of memory accounting: the trace records what the emulated device allocates,
@@ -32,6 +33,7 @@ from .facts import DeviceFacts
 from .kernels import triton_launches
 from .live import LiveAllocator
 from .modules import checkpoint_metadata_on_storage, keeping_identity
+from .parallel import data_parallel
 from .tensors import Place, Values, View, device_view, on_meta, raw_device
 
 
@@ -71,7 +73,7 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
             on_launch(tensors)
 
     with patched(facts, live, on_sync, state), device_view(view, values), keeping_identity(em.optimizers), \
-            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched):
+            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched), data_parallel():
         yield em
 
 
