@@ -53,6 +53,7 @@ from .result import TraceResult
 from .sac import Policy
 from .session import TraceSession
 from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
+from .usererror import SHAPE_HINT, shape_mismatch
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
@@ -484,7 +485,7 @@ def _parallel_notes(w: Workload) -> list[str]:
             raise TraceError(f"generation with `tp={p.tp}` is not traced: transformers' TP generation uses its own "
                              "tp_plan (logits all-gathered), and the traced decode loop under DTensor keeps the "
                              "prefill's activations alive (not exact yet)",
-                             hint="use `method=analytic`, or `vramplan serve` for an inference engine")
+                             hint="use `method=analytic`, or `vramplan serve-plan` for an inference engine")
     if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
@@ -762,11 +763,11 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                     raise
                 except Exception as e:
                     at = user_frame_of(e)
+                    hint = SHAPE_HINT if shape_mismatch(e) else (
+                        "the model's step must run on fake (meta) tensors: change that line to depend on shapes, "
+                        "not values, or register a fake kernel for a custom op")
                     raise TraceError(f"tracing failed in {_where(sess)}{f' at {at}' if at else ''} on torch "
-                                     f"{torch.__version__}: {type(e).__name__}: {_line(e)}",
-                                     hint="the model's step must run on fake (meta) tensors: change that line to "
-                                          "depend on shapes, not values, or register a fake kernel for a custom op"
-                                     ) from e
+                                     f"{torch.__version__}: {type(e).__name__}: {_line(e)}", hint=hint) from e
         if host_side is not None:  # (the optimizer still holds its states: read them now)
             host_parts = host_side.parts()
     notes += plan.notes
