@@ -249,3 +249,26 @@ def test_data_parallel_reports_gpu_0s_share(tmp_path: Path) -> None:
     grads = four.model_states.gradients
     bwd = max(p.breakdown.temporaries for p in four.phases if p.phase.value == "backward")
     assert bwd >= grads  # Broadcast.backward's reduce-add sum, beside replica 0's own gradients
+
+
+def test_checkpoints_load_to_the_device_and_copies_count_where_they_land(tmp_path: Path) -> None:
+    ckpt = tmp_path / "model.pt"
+    torch.manual_seed(0)
+    torch.save(torch.nn.Linear(1024, 1024).state_dict(), ckpt)  # a real file (saved on the CPU)
+    n = (1024 * 1024 + 1024) * 4
+    script = tmp_path / "load.py"
+    script.write_text(
+        "import sys, torch\nfrom torch import nn\n"
+        "sd = torch.load(sys.argv[1], map_location='cuda')\n"  # to the GPU: one copy there
+        "assert sd['weight'].is_cuda\n"
+        "cpu_model = nn.Linear(1024, 1024)\n"
+        "cpu_model.load_state_dict(sd)\n"  # a CUDA checkpoint into a CPU model: lands on the host
+        "model = cpu_model.cuda()\n"
+        "del sd\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.randn(8, 1024, device='cuda')).sum().backward(); opt.step()\n")
+    r = vramplan.run_script(script, [str(ckpt)], steps=1, workspaces=False)
+    assert r.model_states.weights == n  # the model once; the host copy is not GPU memory
+    inputs = [t for t in r.top_tensors if t.category == "input" and t.shape == (1024, 1024)]
+    assert not inputs  # the checkpoint was freed before the step's peak
+    assert r.peak.allocated < 3 * n  # weights, gradients and the step: no second model on the GPU

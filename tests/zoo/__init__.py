@@ -130,6 +130,7 @@ def _hf(out: Path) -> None:
                       eos_token_id=1, bos_token_id=3, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
+
     g = torch.Generator().manual_seed(0)
 
     def text(n: int) -> str:

@@ -61,8 +61,8 @@ RULE_TEXT: dict[str, str] = {
     "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
     "host_float": "floats the script reads back (.item() of losses, norms) taken as 1.0",
     "finite": "isnan/isinf/isfinite of activations taken as finite (no overflow)",
-    "host_bool": "booleans the script reads back from device data without values taken as False (a generation "
-                 "loop's 'every sequence stopped?': it runs to its length limit)",
+    "host_bool": "booleans the script reads back from device data without values taken as False, and sampled "
+                 "tokens never a stop token (isin: False): a generation loop runs to its length limit",
     "host_without_values": "large host tensors from factories whose values do not matter (empty, zeros, randn…: "
                            "weights before .to('cuda'), synthetic data) kept without values: no RAM",
 }

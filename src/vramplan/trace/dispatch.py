@@ -97,6 +97,8 @@ HOST_ARGS: dict[Any, tuple[int, ...]] = {
 """Ops whose tensor arguments at these positions live on the host in a CUDA run (PyTorch
 checks "should be a 1D CPU int64 tensor"): they get real CPU tensors in the trace too."""
 SCALAR_READS = frozenset({aten._local_scalar_dense.default, aten.item.default})
+ISIN_OPS = frozenset(getattr(aten.isin, n) for n in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")
+                     if hasattr(aten.isin, n))
 """A device value read back to the host (``.item()`` reaches the mode itself under inference mode)."""
 COPY_OPS = frozenset({aten.copy_.default})
 """Copies between the host and the device (``load_state_dict`` into a model on the other side)."""
@@ -339,6 +341,12 @@ class TraceMode(TorchDispatchMode):
             self._drop_mutated(func, args)
         if cpu_out is None and isinstance(out, torch.Tensor) and func in ROUTING_OPS:
             self._routing(func, args, out)
+        if cpu_out is None and func in ISIN_OPS and self.bool_reads is False and isinstance(out, torch.Tensor) \
+                and out.numel() <= SHADOW_LIMIT:
+            # `isin(sampled tokens, stop tokens)` without values: no stop token is generated, so a
+            # generation loop runs to its length limit (the worst case for memory)
+            values.set_shadow(out, torch.zeros(tuple(out.shape), dtype=torch.bool))
+            self.rules_used["host_bool"] += 1
         if func in INDEX_BOUND_OPS:
             self._set_bound(func, args, kwargs, out)
         elif rule is not None and rule[0] == "nms" and isinstance(out, torch.Tensor):
