@@ -14,7 +14,7 @@ import torch
 import vramplan
 from vramplan.emulate import DeviceFacts, LiveAllocator, emulated_gpu
 from vramplan.errors import TraceError
-from vramplan.events import EventLog
+from vramplan.events import Category, EventLog
 
 EX = Path(__file__).parent / "examples"
 MODULES = ("cuda", "cuda.memory", "cuda.random", "cuda.nvtx", "accelerator", "accelerator.memory")
@@ -272,3 +272,14 @@ def test_checkpoints_load_to_the_device_and_copies_count_where_they_land(tmp_pat
     inputs = [t for t in r.top_tensors if t.category == "input" and t.shape == (1024, 1024)]
     assert not inputs  # the checkpoint was freed before the step's peak
     assert r.peak.allocated < 3 * n  # weights, gradients and the step: no second model on the GPU
+
+
+def test_a_loop_without_an_optimizer_stops_after_its_backward_passes() -> None:
+    r = vramplan.run_script(EX / "lstm_manual_sgd.py", steps=2)
+    assert r.ran is not None and r.ran.line().startswith("task train · batch 20 · seq 35")  # time-major LSTM input
+    assert r.workload.task.value == "train" and r.ran.optimizers == ()
+    assert any("stopped after 2 backward pass(es)" in n for n in r.notes)
+    ev = r.events
+    assert ev is not None
+    grads = sum(ev.size[k] for k in range(len(ev)) if ev.action[k] == 0 and ev.category[k] == int(Category.GRADIENT))
+    assert grads >= r.model_states.weights  # every parameter's gradient is labelled as one (two steps)

@@ -111,7 +111,7 @@ def what_ran(run: ScriptRun, world: int = 1) -> tuple[Workload, Ran, list[str]]:
         fields["seq"] = run.seq
     if run.image:
         fields["image_size"] = run.image
-    task = Task.TRAIN if run.steps > 0 else Task.INFER
+    task = Task.TRAIN if run.steps > 0 or run.backwards > 0 else Task.INFER
     w = Workload(task=task, parallel=Parallel(dp=world), **fields)  # type: ignore[arg-type]
     kinds: dict[str, int] = {}
     for n, i in run.optimizer_kinds:

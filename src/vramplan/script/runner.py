@@ -117,6 +117,8 @@ class ScriptRun:
     image: int | None = None
     workers: int = 0
     """DataLoader workers the script asked for (run in this process instead)."""
+    backwards: int = 0
+    """Backward passes (``loss.backward()``, ``torch.autograd.backward``)."""
 
 
 class _Hooks:
@@ -138,6 +140,8 @@ class _Hooks:
         """Ranks of the declared world (the script is rank 0)."""
         self.places: Places | None = None
         self.path = Path(".")
+        self._backward_depth = 0
+        self._root_modules: list[weakref.ref[nn.Module]] = []
 
     # --- progress -----------------------------------------------------------------------
     def report(self, what: str) -> None:
@@ -168,22 +172,25 @@ class _Hooks:
         if self.on_device(p):
             run.device_forwards += 1
             if run.device_forwards == 1:
-                self._shapes(args)
+                self._shapes(args, time_major=any(isinstance(m, nn.RNNBase) and not m.batch_first
+                                                  for m in mod.modules()))
         else:
             run.host_forwards += 1
             if not run.host_model:
                 run.host_model = f"{type(mod).__name__} at {self.where()}"
 
-    def _shapes(self, args: Any) -> None:
+    def _shapes(self, args: Any, time_major: bool = False) -> None:
+        """Batch and sequence (or image size) from the first call's inputs; ``time_major``: an RNN
+        without ``batch_first`` takes ``[seq, batch]``."""
         run = self.run
         seen = [(tuple(a.shape), str(a.dtype)) for a in (args if isinstance(args, tuple) else (args,))
                 if isinstance(a, torch.Tensor)] or run.inputs
         ints = [s for s, d in seen if "int" in d and len(s) >= 2]
         floats = [s for s, d in seen if "float" in d or "bfloat" in d]
         if seen and seen[0][0]:
-            run.batch = seen[0][0][0]
+            run.batch = seen[0][0][1 if time_major and len(seen[0][0]) > 1 else 0]
         if ints:
-            run.batch, run.seq = ints[0][0], ints[0][1]
+            run.batch, run.seq = (ints[0][1], ints[0][0]) if time_major else (ints[0][0], ints[0][1])
         elif floats and len(floats[0]) == 4:
             run.image = floats[0][-1]
 
@@ -204,6 +211,7 @@ class _Hooks:
 
     def _add_root(self, mod: nn.Module) -> None:
         self._roots.add(id(mod))
+        self._root_modules.append(weakref.ref(mod))
         for m in mod.modules():
             self._roots.add(id(m))
         name = type(mod).__name__
@@ -268,8 +276,27 @@ class _Hooks:
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         self.report("backward")
-        with self.sess.backward():
-            yield
+        self._backward_depth += 1
+        try:
+            with self.sess.backward():
+                yield
+        finally:
+            self._backward_depth -= 1
+        if self._backward_depth:
+            return
+        run = self.run
+        run.backwards += 1
+        if not run.optimizers:
+            params = [p for ref in self._root_modules if (m := ref()) is not None for p in m.parameters()]
+            self.sess.label_grads(params)
+            # a loop that updates its parameters by hand (``p.data.add_(p.grad, alpha=-lr)``): a
+            # backward pass is its step
+            run.steps = run.backwards
+            self.report("backward")
+            if run.backwards >= self.steps:
+                run.stopped_by = "backwards"
+                raise _Stop
+            self.sess.start_iteration(run.backwards + 1)
 
     # --- autocast -----------------------------------------------------------------------
     def autocast_enter(self, dtype: torch.dtype) -> None:
@@ -961,6 +988,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     _check_on_device(run, p)
     notes = list(sess.notes)
     what = {"steps": f"stopped after {run.steps} optimizer step(s)",
+            "backwards": f"stopped after {run.backwards} backward pass(es) (no optimizer: the script updates its "
+                         "parameters itself)",
             "forwards": f"stopped after {run.forwards} forward call(s) (no optimizer: inference)",
             "end": f"the script ended after {run.steps} optimizer step(s) and {run.forwards} forward call(s)"}
     notes.append(f"script {p.name}: {what.get(run.stopped_by, '')}; models {', '.join(run.roots) or '-'}")
