@@ -219,6 +219,10 @@ ZOO: tuple[Entry, ...] = (
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64", "--gradient_accumulation_steps", "2"),
           ("--use_cpu", "True"), "HF Trainer gradient accumulation",
           known=(_TILES,)),
+    Entry("TRL SFT, DDP over 2 processes", "trl", "scripts/sft.py",
+          (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
+          ("--use_cpu", "True"), "a torchrun launch: rank 0 of DistributedDataParallel (gloo on the CPU, the fake "
+          "process group under vramplan run)", world=2, known=(_TILES,)),
     Entry("TRL DPO", "trl", "scripts/dpo.py",
           (*_HF, "--dataset_name", "ROOT/hf/pref", "--max_length", "64"),
           ("--use_cpu", "True"), "preference tuning with a reference model", known=(_TILES,)),

@@ -22,16 +22,20 @@ def main() -> int:
         print(json.dumps({"skip": why}))
         return 0
     import vramplan
-    from vramplan.script.truth import compare, cpu_truth
+    from vramplan.script.truth import compare, cpu_truth, cpu_truth_world
 
     fixtures(root, torchtune=(entry.needs == "torchtune"))
     path = entry.path()
     assert path is not None
     argv = [a.replace("ROOT", str(root)) for a in entry.args]
     t0 = time.perf_counter()
-    r = vramplan.run_script(path, argv, gpu="h100-sxm", workspaces=False, steps=entry.steps)
+    r = vramplan.run_script(path, argv, gpu="h100-sxm", workspaces=False, steps=entry.steps, world=entry.world,
+                            gpus=entry.world)
     t1 = time.perf_counter()
-    truth = cpu_truth(path, [*argv, *entry.cpu], steps=entry.steps)
+    if entry.world > 1:  # launched as torchrun would: rank 0 of a real gloo run
+        truth = cpu_truth_world(path, [*argv, *entry.cpu], world=entry.world, steps=entry.steps)
+    else:
+        truth = cpu_truth(path, [*argv, *entry.cpu], steps=entry.steps)
     c = compare(r, truth, entry.known)
     out = dataclasses.asdict(c)
     out.update(residual=c.residual, unexplained=c.unexplained, error=c.error, live=len(truth.at_peak),

@@ -80,6 +80,9 @@ class View:
         d = raw_device(t)
         if d.type != "meta" or RAW[0]:
             return d
+        local = getattr(t, "_local_tensor", None) if type(t) is not torch.Tensor else None
+        if isinstance(local, torch.Tensor):  # a DTensor lives where its local shard does
+            return self.device_of(local)
         try:
             key: int | None = _storage_key(t)
         except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass (DTensor)

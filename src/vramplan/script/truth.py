@@ -293,3 +293,58 @@ def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]]
                       only_predicted=tuple(sorted(only_pred, key=lambda x: -x[1])),
                       only_truth=tuple(sorted(only_truth, key=lambda x: -x[1])),
                       relaid=tuple((a[0], b[0], a[1]) for a, b in relaid), paths=tuple(paths))
+
+
+def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, steps: int = 2,
+                    timeout: float = 600.0) -> Truth:
+    """The script launched as ``world`` processes on the CPU (as ``torchrun --nproc-per-node
+    WORLD`` would: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a local rendezvous; the script's own
+    ``init_process_group`` picks gloo on the CPU), each tracked as :func:`cpu_truth` does; the
+    truth of rank 0 (what ``vramplan run -- torchrun …`` emulates)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            out = Path(tmp) / f"rank{rank}.json"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "vramplan.script.truth", str(out), str(steps), str(path), *argv], env=env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            if p.returncode:
+                errors.append(err[-2000:])
+        if errors:
+            raise RuntimeError(f"a rank of the CPU run failed: {errors[0]}")
+        d = json.loads((Path(tmp) / "rank0.json").read_text())
+    return Truth(peak=d["peak"], at_peak=[tuple(x) for x in d["at_peak"]], steps=d["steps"],  # type: ignore[misc]
+                 forwards=d["forwards"])
+
+
+def _rank_main() -> int:
+    """``python -m vramplan.script.truth OUT STEPS SCRIPT ARGS…``: one rank of :func:`cpu_truth_world`."""
+    import json
+
+    out, steps, script, *argv = sys.argv[1:]
+    t = cpu_truth(script, argv, steps=int(steps))
+    Path(out).write_text(json.dumps({"peak": t.peak, "at_peak": t.at_peak, "steps": t.steps, "forwards": t.forwards}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_rank_main())

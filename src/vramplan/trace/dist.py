@@ -297,8 +297,12 @@ def emulated_streams(rec: Recorder) -> Iterator[StreamTable]:
     table = StreamTable(rec)
     cuda = torch.cuda
 
-    def make_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:
-        return table.new()
+    class make_stream(FakeStream):  # noqa: N801 (stands for torch.cuda.Stream)
+        """``torch.cuda.Stream(...)``: a new emulated stream of this trace (a class, so that code
+        can still name it: ``torch.cuda.Stream | None`` annotations)."""
+
+        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:  # type: ignore[misc]
+            return table.new()
 
     def stream_ctx(stream: Any = None) -> Any:
         return table.use(stream)
