@@ -981,7 +981,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     except VramplanError:
         raise
     except Exception as e:
-        if not _stopped(e):
+        if not caused_by(e, _Stop):
             raise _script_error(e, p) from e
         # the script's own clean-up failed while vramplan stopped it (Lightning moves the model
         # back to the CPU in its teardown): the steps ran; what follows is not the step's memory
@@ -1007,12 +1007,12 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     return result, run
 
 
-def _stopped(e: BaseException) -> bool:
-    """``e`` was raised while vramplan's stop (:class:`_Stop`) unwound the script."""
+def caused_by(e: BaseException, kind: type[BaseException]) -> bool:
+    """``e`` was raised while an exception of ``kind`` unwound (its context chain holds one)."""
     seen: set[int] = set()
     c: BaseException | None = e
     while c is not None and id(c) not in seen:
-        if isinstance(c, _Stop):
+        if isinstance(c, kind):
             return True
         seen.add(id(c))
         c = c.__context__

@@ -21,20 +21,18 @@ import contextlib
 import gc
 import runpy
 import sys
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import Action, EventLog
 from ..results import MemoryReport
 from ..trace.recorder import describe
+from .runner import caused_by
 
 
 class _Enough(BaseException):
@@ -52,60 +50,44 @@ class Truth:
     forwards: int = 0
 
 
-class _Tracker(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: dict[int, int] = {}
-        self.desc: dict[int, str] = {}
-        self.refs: dict[int, Any] = {}
-        self.now = 0
-        self.peak = 0
-        self.stepping = False
-        """Set at the first top-level forward: the peak is the step's (a host-side checkpoint
-        being loaded, which a GPU run keeps on the host, is not the step's memory)."""
-        self._peak_sizes: dict[int, int] = {}
-        self._peak_desc: dict[int, str] = {}
+def _tracker() -> Any:
+    """The model zoo's storage tracker (``trace.testing``'s: live bytes of CPU storages as ops
+    make and free them), with each storage's description and the step's peak composition."""
+    from ..trace.testing import _storage_peak_mode
 
-    def _freed(self, key: int, _ref: object) -> None:
-        if self.refs.pop(key, None) is not None:
-            self.now -= self.sizes.pop(key, 0)
-            self.desc.pop(key, None)
+    class Tracker(_storage_peak_mode()):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.desc: dict[int, str] = {}
+            self.stepping = False
+            """Set at the first top-level forward: the peak is the step's (a host-side checkpoint
+            being loaded, which a GPU run keeps on the host, is not the step's memory)."""
+            self.step_peak = 0
+            self._peak_sizes: dict[int, int] = {}
+            self._peak_desc: dict[int, str] = {}
 
-    def add(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu" or t.is_sparse:
-            return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.refs:
-            return
-        n = st.nbytes()
-        self.sizes[key] = n
-        self.desc[key] = describe(t)
-        self.refs[key] = weakref.ref(st, partial(self._freed, key))
-        self.now += n
-        if self.now > self.peak and self.stepping:  # the composition is copied at each new peak (dict copies: cheap)
-            self.peak = self.now
-            self._peak_sizes = dict(self.sizes)
-            self._peak_desc = dict(self.desc)
+        def add(self, t: torch.Tensor) -> None:
+            before = len(self.live)
+            super().add(t)
+            if len(self.live) != before:
+                self.desc[t.untyped_storage()._cdata] = describe(t)
+            self.mark_peak()
 
-    def composition(self) -> list[tuple[str, int]]:
-        """(description, bytes) of the storages live at the peak, largest first."""
-        return sorted(((self._peak_desc[k], n) for k, n in self._peak_sizes.items()), key=lambda x: -x[1])
+        def mark_peak(self) -> None:
+            if self.stepping and self.current > self.step_peak:  # (dict copies: cheap)
+                self.step_peak = self.current
+                self._peak_sizes = dict(self.sizes)
+                self._peak_desc = {k: self.desc.get(k, "?") for k in self._peak_sizes}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        stack = [out]
-        while stack:
-            o = stack.pop()
-            if isinstance(o, torch.Tensor):
-                self.add(o)
-            elif isinstance(o, (list, tuple)):
-                stack.extend(o)
-        return out
+        def composition(self) -> list[tuple[str, int]]:
+            """(description, bytes) of the storages live at the peak, largest first."""
+            return sorted(((self._peak_desc[k], n) for k, n in self._peak_sizes.items()), key=lambda x: -x[1])
+
+    return Tracker()
 
 
 @contextlib.contextmanager
-def _stops(truth: Truth, steps: int, tracker: _Tracker) -> Iterator[None]:
+def _stops(truth: Truth, steps: int, tracker: Any) -> Iterator[None]:
     import torch.optim.optimizer as oo
 
     depth = [0]
@@ -125,9 +107,7 @@ def _stops(truth: Truth, steps: int, tracker: _Tracker) -> Iterator[None]:
     def pre(mod: nn.Module, args: Any) -> None:
         if not depth[0] and not tracker.stepping and next(mod.parameters(), None) is not None:
             tracker.stepping = True
-            if tracker.now > tracker.peak:
-                tracker.peak = tracker.now
-                tracker._peak_sizes, tracker._peak_desc = dict(tracker.sizes), dict(tracker.desc)
+            tracker.mark_peak()
         depth[0] += 1
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
@@ -153,7 +133,7 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
     """Run the script for real on the CPU (see the module docstring)."""
     p = Path(path)
     truth = Truth()
-    tracker = _Tracker()
+    tracker = _tracker()
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(p), *argv]
     sys.path.insert(0, str(p.parent))
@@ -169,26 +149,16 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
                 if e.code not in (None, 0):
                     raise
             except BaseException as e:
-                if not _stopped(e):
+                if not caused_by(e, _Enough):
                     raise
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
         torch.set_num_threads(threads)
-    truth.peak = tracker.peak
+    truth.peak = tracker.step_peak
     truth.at_peak = tracker.composition()
     return truth
 
-
-def _stopped(e: BaseException) -> bool:
-    c: BaseException | None = e
-    seen: set[int] = set()
-    while c is not None and id(c) not in seen:
-        if isinstance(c, _Enough):
-            return True
-        seen.add(id(c))
-        c = c.__context__
-    return False
 
 
 @dataclass(frozen=True)
