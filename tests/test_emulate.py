@@ -274,6 +274,23 @@ def test_checkpoints_load_to_the_device_and_copies_count_where_they_land(tmp_pat
     assert r.peak.allocated < 3 * n  # weights, gradients and the step: no second model on the GPU
 
 
+def test_a_pickled_module_loads_onto_the_device(tmp_path: Path) -> None:
+    # `torch.save(model)` then `torch.load(f, map_location=device)` (PyTorch examples'
+    # word_language_model/generate.py): the module's parameters land on the GPU
+    ckpt = tmp_path / "whole.pt"
+    torch.save(torch.nn.Linear(1024, 1024), ckpt)
+    script = tmp_path / "load_module.py"
+    script.write_text(
+        "import sys, torch\n"
+        "model = torch.load(sys.argv[1], map_location=torch.device('cuda'), weights_only=False).eval()\n"
+        "assert model.weight.is_cuda, model.weight.device\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(2):\n"
+        "        model(torch.randn(8, 1024, device='cuda'))\n")
+    r = vramplan.run_script(script, [str(ckpt)], steps=2, workspaces=False)
+    assert r.model_states.weights == (1024 * 1024 + 1024) * 4
+
+
 def test_a_loop_without_an_optimizer_stops_after_its_backward_passes() -> None:
     r = vramplan.run_script(EX / "lstm_manual_sgd.py", steps=2)
     assert r.ran is not None and r.ran.line().startswith("task train · batch 20 · seq 35")  # time-major LSTM input

@@ -253,3 +253,37 @@ def test_scripts_make_no_network_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "create_connection", refuse)
     vramplan.run_script(EX / "hf_trainer.py", ["--bf16"], gpu="h100-sxm", steps=1)
     assert calls == []
+
+
+def test_a_sampled_token_read_on_the_host_is_an_index_in_its_range(tmp_path: Path) -> None:
+    # PyTorch examples' word_language_model/generate.py: weights.exp().cpu(), multinomial on the
+    # host, then a Python list indexed by the sampled tensor (its value is read)
+    script = tmp_path / "sample_words.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "words = [f'w{i}' for i in range(100)]\n"
+        "model = nn.Linear(8, 100).cuda().eval()\n"
+        "seen = []\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(3):\n"
+        "        w = model(torch.randn(1, 8, device='cuda')).squeeze().exp().cpu()\n"
+        "        idx = torch.multinomial(w, 1)[0]\n"
+        "        seen.append(words[idx])\n"
+        "        best = int(model(torch.randn(1, 8, device='cuda')).argmax())\n"
+        "        assert 0 <= best < 100, best\n"
+        "print(seen)\n")
+    r = vramplan.run_script(script, gpu="h100-sxm", steps=3)
+    assert r.ran is not None and r.ran.forwards >= 3 and "task infer" in r.ran.line()
+    assert any("middle of their range" in n for n in r.notes)
+
+
+def test_autocast_to_fp32_is_reported_as_fp32() -> None:
+    from vramplan.engine.script import what_ran
+    from vramplan.script.runner import ScriptRun
+
+    run = ScriptRun(param_dtypes={"torch.float32": 100}, autocast=["torch.float32"])
+    _, ran, _ = what_ran(run)
+    assert "fp32" in ran.line() and "mixed" not in ran.line()
+    _, ran, _ = what_ran(ScriptRun(param_dtypes={"torch.float32": 100}, autocast=["torch.bfloat16"]))
+    assert "bf16-mixed" in ran.line()

@@ -56,3 +56,25 @@ def test_cuda_only_workspaces_are_the_difference_they_say(root: Path) -> None:
     assert 0 < gained <= ws
     assert any("cuBLAS workspace" in n for n in cuda.notes)
     assert requested and live
+
+
+def test_dropout_masks_are_one_byte_on_cuda_and_the_difference_they_say(tmp_path: Path) -> None:
+    from vramplan.script.truth import DROPOUT_MASKS, compare, cpu_truth
+
+    script = tmp_path / "dropout_loop.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Dropout(0.1), nn.Linear(1024, 64),\n"
+        "                      nn.Dropout(0.1)).to(device)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    loss = model(torch.randn(2048, 64, device=device)).pow(2).mean()\n"
+        "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    r = vramplan.run_script(script, gpu="h100-sxm", workspaces=False, steps=2)
+    c = compare(r, cpu_truth(script, steps=2))
+    assert c.unexplained == 0
+    masks = [(p, t) for why, p, t in c.paths if why == DROPOUT_MASKS]  # (activations dominate: masks at the peak)
+    assert masks and masks[0][1] == 4 * masks[0][0] > 0  # bool on CUDA, fp32 on the CPU: 1 byte against 4
+    assert c.residual == 0  # the rest is the same storages

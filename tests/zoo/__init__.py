@@ -72,7 +72,7 @@ class Entry:
 def fixtures(root: Path, *, torchtune: bool = False) -> Path:
     """Build the fixtures the zoo uses under ``root`` (idempotent; torchtune's only when asked:
     building them imports torchtune); returns ``root``."""
-    root.mkdir(parents=True, exist_ok=True)
+    (root / "out").mkdir(parents=True, exist_ok=True)  # where scripts write (checkpoints, samples)
     if not (root / "hf" / "done").exists():
         _hf(root / "hf")
         (root / "hf" / "done").write_text("ok")

@@ -50,6 +50,16 @@ def _on_gpu(dest: Any) -> int | None:
     return None
 
 
+_LOADING = [0]
+
+
+def loading() -> bool:
+    """True while ``torch.load`` reads a file: the tensors it rebuilds (a pickled module's
+    parameters among them) are the file's own, real host storages, moved afterwards by where
+    they are bound; the run's host-parameter rule leaves them real until then."""
+    return _LOADING[0] > 0
+
+
 @contextlib.contextmanager
 def loading_to_device() -> Iterator[None]:
     """Patch ``torch.load`` (see the module docstring)."""
@@ -75,7 +85,11 @@ def loading_to_device() -> Iterator[None]:
         extra = rest[2] if len(rest) > 2 and isinstance(rest[2], dict) else {}
         if pickle_module is not None:
             kwargs["pickle_module"] = pickle_module
-        obj = real(f, map_location=restore, **kwargs, **extra)
+        _LOADING[0] += 1
+        try:
+            obj = real(f, map_location=restore, **kwargs, **extra)
+        finally:
+            _LOADING[0] -= 1
         if not gpu:
             return obj
         return _to_device(obj, gpu, {})

@@ -87,8 +87,9 @@ def what_ran(run: ScriptRun, world: int = 1) -> tuple[Workload, Ran, list[str]]:
     dtype = max(run.param_dtypes, key=lambda k: run.param_dtypes[k]) if run.param_dtypes else "torch.float32"
     weights = _SHORT.get(dtype, dtype.removeprefix("torch."))
     auto = [_SHORT.get(d, d) for d in run.autocast]
-    if weights == "fp32" and auto:
-        precision = Precision.FP16_MIXED if auto[0] == "fp16" else Precision.BF16_MIXED
+    lower = [a for a in auto if a in ("fp16", "bf16")]  # (autocast to fp32 lowers nothing)
+    if weights == "fp32" and lower:
+        precision = Precision.FP16_MIXED if lower[0] == "fp16" else Precision.BF16_MIXED
         text = f"{precision} (fp32 weights, autocast {'/'.join(auto)})"
     elif weights in ("bf16", "fp16"):
         precision = Precision(weights)

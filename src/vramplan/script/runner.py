@@ -57,6 +57,7 @@ import torch.utils._device as _device_utils
 from torch import nn
 
 from ..emulate import DeviceFacts, LiveAllocator, emulated_gpu
+from ..emulate.checkpoints import loading as checkpoint_loading
 from ..emulate.construct import _is_cuda as is_cuda
 from ..emulate.modules import CONVERTING
 from ..emulate.tensors import on_meta, raw_device
@@ -423,7 +424,7 @@ def _host_parameters(hooks: _Hooks) -> Iterator[None]:
 
     def new(cls: Any, data: Any = None, requires_grad: bool = True) -> Any:
         if places is not None and type(data) is torch.Tensor and data.numel() and not building() \
-                and raw_device(data).type == "cpu":
+                and not checkpoint_loading() and raw_device(data).type == "cpu":
             with no_tf(), places.scope("cpu"):
                 host = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
             values.set_shadow(host, data.detach())
@@ -894,6 +895,9 @@ def _host_values(sess: TraceSession) -> Any:
         if cpu is not None or exact:
             return cpu
         reads = sess.dispatch.float_reads
+        index = sess.dispatch.sampled_index(t)
+        if index is not None:
+            return torch.full(tuple(t.shape), index, dtype=t.dtype)
         if (t.is_floating_point() or t.is_complex()) and reads is not None:
             sess.dispatch.rules_used["host_float"] += 1
             return torch.full(tuple(t.shape), reads, dtype=t.dtype)

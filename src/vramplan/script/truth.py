@@ -239,6 +239,37 @@ def _unmatched(left: list[tuple[str, int]], right: list[tuple[str, int]],
     return lonely, [x for b in pool.values() for x in b], pairs
 
 
+DROPOUT_MASKS = ("dropout masks: CUDA's fused dropout (native_dropout) keeps a 1-byte bool mask per "
+                 "element, the CPU's dropout a mask in the input's dtype")
+
+
+def _without(items: list[tuple[str, int]], gone: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``items`` less one occurrence of each item of ``gone`` (a multiset difference)."""
+    left = list(items)
+    for g in gone:
+        left.remove(g)
+    return left
+
+
+def _dropout_masks(pred: list[tuple[str, int]],
+                   truth: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The unmatched ``bool[S]`` storages of the prediction paired with unmatched floating
+    ``dtype[S]`` storages of the truth (the same shape): dropout's mask on each side."""
+    floats = ("f32", "bf16", "f16", "f64")
+    pool: dict[str, list[tuple[str, int]]] = {}
+    for item in truth:
+        dtype, _, shape = item[0].partition("[")
+        if dtype in floats and shape:
+            pool.setdefault(shape, []).append(item)
+    p, t = [], []
+    for item in pred:
+        dtype, _, shape = item[0].partition("[")
+        if dtype == "bool" and pool.get(shape):
+            p.append(item)
+            t.append(pool[shape].pop())
+    return p, t
+
+
 def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]] = ()) -> Comparison:
     """Itemise ``report`` (a ``vramplan run`` report) against ``truth`` (see :class:`Comparison`);
     ``known``: (regular expression on ``dtype[shape]``, why) of storages that only one side has
@@ -251,6 +282,10 @@ def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]]
     only_pred, only_truth, _ = _unmatched(pred, truth.at_peak, key=lambda x: x)
     only_pred, only_truth, relaid = _unmatched(only_pred, only_truth, key=lambda x: x[1])
     paths = []
+    masks = _dropout_masks(only_pred, only_truth)
+    if masks[0] or masks[1]:
+        only_pred, only_truth = _without(only_pred, masks[0]), _without(only_truth, masks[1])
+        paths.append((DROPOUT_MASKS, sum(n for _, n in masks[0]), sum(n for _, n in masks[1])))
     for pattern, why in known:
         rx = re.compile(pattern)
         p = [x for x in only_pred if rx.fullmatch(x[0])]

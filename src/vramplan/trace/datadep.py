@@ -63,6 +63,8 @@ RULE_TEXT: dict[str, str] = {
     "finite": "isnan/isinf/isfinite of activations taken as finite (no overflow)",
     "host_bool": "booleans the script reads back from device data without values taken as False, and sampled "
                  "tokens never a stop token (isin: False): a generation loop runs to its length limit",
+    "sampled_index": "sampled or selected indices the script reads back (multinomial, argmax, topk) taken as the "
+                     "middle of their range",
     "host_without_values": "large host tensors from factories whose values do not matter (empty, zeros, randn…: "
                            "weights before .to('cuda'), synthetic data) kept without values: no RAM",
 }

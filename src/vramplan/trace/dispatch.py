@@ -65,6 +65,7 @@ INDEX_BOUND_OPS: dict[Any, tuple[int, int, int | None]] = {
     aten.topk.default: (1, 2, -1), aten.sort.default: (1, 1, -1), aten.sort.stable: (1, 99, -1),
     aten.max.dim: (1, 1, -1), aten.min.dim: (1, 1, -1), aten.argmax.default: (0, 1, None),
     aten.argmin.default: (0, 1, None), aten.argsort.default: (0, 1, -1), aten.argsort.stable: (0, 99, -1),
+    aten.multinomial.default: (0, 99, -1),
 }
 """Ops whose output holds indices into a dimension: (output position, dim argument
 position, default dim; None = all elements)."""
@@ -531,6 +532,9 @@ class TraceMode(TorchDispatchMode):
         if self.bool_reads is not None and func in SCALAR_READS and args[0].dtype == torch.bool:
             self.rules_used["host_bool"] += 1
             return self.bool_reads
+        index = self.sampled_index(args[0])
+        if index is not None and func in SCALAR_READS:
+            return index
         what = "copying tensor values to the host (.cpu()/.tolist()/.numpy())" if func in TO_OPS \
             else "reading a tensor's value (.item(), bool(tensor), if tensor: ...)"
         raise TraceError(
@@ -540,6 +544,19 @@ class TraceMode(TorchDispatchMode):
                  "or a CPU tensor); per-expert token counts are known when they come from bincount / (idx == e)"
                  ".sum() of top-k indices (uniform routing, --routing-skew to change it)",
         )
+
+    def sampled_index(self, t: torch.Tensor) -> int | None:
+        """The value a script reads from a sampled or selected index (``multinomial``, ``argmax``,
+        ``topk`` indices) without values, under ``vramplan run``: the middle of its range (any
+        index is as good for memory, and the middle is no special token at either end of a
+        vocabulary); None elsewhere."""
+        if self.bool_reads is None or t.is_floating_point() or t.dtype == torch.bool:
+            return None
+        bound = self.values.get_bound(t)
+        if bound is None or bound < 1:
+            return None
+        self.rules_used["sampled_index"] += 1
+        return bound // 2
 
     def _routing(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """The routing rule (:mod:`.datadep`) for masks and counts without values:
