@@ -15,6 +15,7 @@ import vramplan
 from vramplan.emulate import DeviceFacts, LiveAllocator, emulated_gpu
 from vramplan.errors import TraceError
 from vramplan.events import Category, EventLog
+from vramplan.hardware.catalog import get_gpu
 
 EX = Path(__file__).parent / "examples"
 MODULES = ("cuda", "cuda.memory", "cuda.random", "cuda.nvtx", "accelerator", "accelerator.memory")
@@ -300,3 +301,17 @@ def test_a_loop_without_an_optimizer_stops_after_its_backward_passes() -> None:
     assert ev is not None
     grads = sum(ev.size[k] for k in range(len(ev)) if ev.action[k] == 0 and ev.category[k] == int(Category.GRADIENT))
     assert grads >= r.model_states.weights  # every parameter's gradient is labelled as one (two steps)
+
+
+def test_a_trace_factory_picks_the_emulated_gpu_as_it_would_a_real_one() -> None:
+    seen: dict[str, object] = {}
+
+    def make() -> torch.nn.Module:  # PyTorch's current examples pick the device this way
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+        seen.update(acc=acc, name=torch.cuda.get_device_name(), cuda=torch.cuda.is_available())
+        return torch.nn.Linear(512, 512).to(acc)
+
+    r = vramplan.trace(make, (torch.randn(8, 512, device="meta"),), gpu="h100-sxm")
+    assert seen == {"acc": torch.device("cuda"), "name": get_gpu("h100-sxm").name, "cuda": True}
+    assert r.model_states.weights == (512 * 512 + 512) * 4
+    assert not torch.cuda.is_available() and not torch.accelerator.is_available()  # restored after

@@ -86,6 +86,7 @@ def load_factory(target: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from ..emulate.construct import fake_construction
     from ..engine import trace
+    from ..engine.user_model import construction_facts
     from ..report.estimate import to_doc
     from ..report.render import emit
     from ..trace.deadline import deadline
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     with deadline(args.timeout, what=f"tracing {args.target}", on_progress=progress, every=PROGRESS_EVERY_S,
                   max_rss=max_rss):
         try:
-            with fake_construction():  # weights on meta, .cuda() emulated: no RAM, no GPU
+            # weights on meta, .cuda() and torch.cuda/torch.accelerator emulated: no RAM, no GPU
+            with fake_construction(construction_facts(args.gpu)):
                 made = factory()
         except VramplanError:
             raise

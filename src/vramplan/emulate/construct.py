@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .facts import DeviceFacts
 from .tensors import on_meta
 
 _META = torch.device("meta")
@@ -61,7 +62,24 @@ def _is_cpu(d: Any) -> bool:
 
 
 @contextlib.contextmanager
-def fake_construction() -> Iterator[None]:
-    """Build models on ``meta`` with CUDA device requests emulated (see the module docstring)."""
-    with torch.device(_META), _FakeCudaConstruction():
+def fake_construction(facts: DeviceFacts | None = None) -> Iterator[None]:
+    """Build models on ``meta`` with CUDA device requests emulated (see the module docstring).
+
+    With ``facts``, ``torch.cuda`` and ``torch.accelerator`` answer as that GPU while the
+    factory runs (the emulated GPU's own answers, :func:`.cuda.patched`), so a factory that
+    picks its device (``torch.accelerator.current_accelerator()``, ``"cuda" if
+    torch.cuda.is_available() else "cpu"``) picks the GPU as it would on one; its memory
+    queries read an empty allocator (nothing of the step has run yet). What it builds still
+    reports ``meta`` (module conversion reads a parameter's device to allocate its copy, which
+    only ``vramplan run``'s dispatch maps back to meta): a factory that asserts ``x.is_cuda``
+    runs under ``vramplan run`` as a script."""
+    with contextlib.ExitStack() as stack:
+        if facts is not None:
+            from ..events import EventLog
+            from .cuda import patched
+            from .live import LiveAllocator
+
+            stack.enter_context(patched(facts, LiveAllocator(EventLog()), lambda kind: None))
+        stack.enter_context(torch.device(_META))
+        stack.enter_context(_FakeCudaConstruction())
         yield

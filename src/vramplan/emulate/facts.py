@@ -52,3 +52,11 @@ class DeviceFacts:
         except Exception:  # noqa: BLE001 (a CPU build has no NCCL: its call raises)
             pass
         return DEFAULT_NCCL_VERSION
+
+
+def facts_of(name: str, sm: tuple[int, int], usable: int | None, outside_allocator: int = 0, *,
+             sm_count: int = 0, count: int = 1) -> DeviceFacts:
+    """The facts of a device profile (``usable``: what CUDA reports as total memory; an unknown
+    capacity reads as 80 GiB, the most common data-centre card's)."""
+    return DeviceFacts(name=name, sm=sm, total_memory=usable if usable is not None else 80 << 30,
+                       outside_allocator=outside_allocator, sm_count=sm_count, count=count)

@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from vramplan.hardware.gpu import GPU
 
 
+def construction_facts(gpu: str | GPU | None) -> Any:
+    """What ``torch.cuda`` / ``torch.accelerator`` say while a user's factory builds its model
+    (:func:`vramplan.emulate.construct.fake_construction`): the target GPU, or the default
+    device profile without one."""
+    from ..emulate.facts import facts_of
+
+    g = resolve_gpu(gpu)
+    dev = profile(g, Workload())
+    return facts_of(g.name if g else dev.name, dev.sm, dev.usable, dev.overhead_bytes,
+                    sm_count=(g.sm_count or 0) if g else 0)
+
+
 def trace(
     build_model: Callable[[], Any] | Any,
     inputs: Any = None,
@@ -66,7 +78,7 @@ def trace(
         parse_conf(alloc_conf)
     dev = profile(g, w)
     tr = trace_model(build_model, inputs, workload=w, optimizer=factory, loss_fn=loss_fn, device=dev,
-                     iterations=iterations, checkpoint_policy=checkpoint_policy)
+                     iterations=iterations, checkpoint_policy=checkpoint_policy, facts=construction_facts(g))
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     label = name or getattr(build_model, "__name__", None) or type(build_model).__name__
     return finish(core, label, w, g, dev, notes=[], user_model=True)

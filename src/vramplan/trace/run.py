@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..emulate.construct import fake_construction
+from ..emulate.facts import DeviceFacts, facts_of
 from ..emulate.tensors import raw_device
 from ..errors import TraceError, VramplanError, WorkloadError
 from ..events import Category, EventLog
@@ -118,6 +119,7 @@ def trace_model(
     iterations: int = 2,
     options: TraceOptions | None = None,
     checkpoint_policy: Policy | None = None,
+    facts: DeviceFacts | None = None,
 ) -> TraceResult:
     """Trace one step (``iterations`` times) of any ``nn.Module`` on fake tensors.
 
@@ -144,7 +146,7 @@ def trace_model(
         raise TraceError("pipeline and context parallelism are traced for catalog models (`vramplan estimate`), "
                          "whose layers and inputs vramplan lays out; a model passed in is traced on one GPU or "
                          "one tensor-parallel rank", hint="drop `pp`/`cp`, or use `method=analytic` on a catalog model")
-    model, notes = _materialize(model_or_factory)
+    model, notes = _materialize(model_or_factory, facts or _facts(device or DEFAULT_PROFILE))
     notes += parallel
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         inputs = inputs()
@@ -540,13 +542,19 @@ def submesh(mesh: Any, name: str) -> Any:
     return mesh if names == (name,) else mesh[name]
 
 
-def _materialize(model_or_factory: Any) -> tuple[nn.Module, list[str]]:
+def _facts(d: DeviceProfile) -> DeviceFacts:
+    return facts_of(d.name, d.sm, d.usable, d.overhead_bytes)
+
+
+def _materialize(model_or_factory: Any, facts: DeviceFacts | None = None) -> tuple[nn.Module, list[str]]:
+    """The model (a factory is called under :func:`fake_construction`, ``torch.cuda`` answering
+    as ``facts`` say)."""
     notes: list[str] = []
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     elif callable(model_or_factory):
         try:
-            with fake_construction():
+            with fake_construction(facts):
                 model = model_or_factory()
         except VramplanError:
             raise
