@@ -145,6 +145,24 @@ def test_module_conversion_keeps_parameters_when_a_swap_is_impossible(tmp_path: 
     assert r.model_states.optimizer == 0 and r.model_states.gradients == (64 * 64 + 64) * 4
 
 
+def test_module_to_with_the_device_as_a_keyword_moves_the_model(tmp_path: Path) -> None:
+    # ``model.to(device=dev, dtype=None)`` (timm's train.py): Module.to's argument parser must see
+    # the device as written, not the emulation's storage device
+    out = tmp_path / "out.json"
+    script = tmp_path / "to_keyword.py"
+    script.write_text(
+        "import json, sys, torch\nfrom torch import nn\n"
+        "a, b = nn.Linear(64, 64), nn.Linear(64, 64)\n"
+        "a.to(device=torch.device('cuda'), dtype=None)\n"
+        "b.to(device='cuda', non_blocking=True)\n"
+        "json.dump([str(a.weight.device), str(b.bias.device)], open(sys.argv[1], 'w'))\n"
+        "opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)\n"
+        "b(a(torch.randn(4, 64, device='cuda'))).sum().backward(); opt.step()\n")
+    r = vramplan.run_script(script, [str(out)], steps=1)
+    assert json.loads(out.read_text()) == ["cuda:0", "cuda:0"]
+    assert r.model_states.weights == 2 * (64 * 64 + 64) * 4
+
+
 def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vramplan.cli.main", *argv], capture_output=True, text=True,
                           timeout=300)

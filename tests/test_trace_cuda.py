@@ -120,6 +120,57 @@ def test_autocast_casts_weights_once_and_keeps_softmax_fp32() -> None:
     assert any(d.startswith("bf16[8,64]") for d in _descs(r, "addmm"))
 
 
+def test_autocast_casts_an_ops_arguments_in_cudas_order() -> None:
+    """CUDA's autocast casts an op's arguments right to left (one C++ pack expansion, as GCC
+    evaluates it), so the backward casts the input's gradient back first, then the weight's, then
+    the bias's. The CPU's autocast is the same wrapper from the same build: its order is the
+    reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(64))
+            self.lin = nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.scale)  # an fp32 input that requires grad: three casts
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default:
+                self.seen.append(f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)}")
+            return out
+
+    net = Net()
+    with Casts() as real:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = net(torch.randn(8, 64))
+        forward = list(real.seen)
+        y.float().sum().backward()
+    backward = real.seen[-3:]  # the three gradients cast back to fp32
+    assert forward == ["bfloat16[32]", "bfloat16[32, 64]", "bfloat16[8, 64]"]  # bias, weight, input
+    r = trace_model(Net(), torch.randn(8, 64), workload=Workload(task="train", precision="bf16-mixed"),
+                    options=NO_WS, iterations=1)
+    log = r.events
+    casts = [(log.phase[k], log.strings[log.desc[k]].split(" ")[0]) for k in range(len(log))
+             if log.action[k] == Action.ALLOC and log.strings[log.op[k]] == "aten._to_copy.default"]
+    names = {"bfloat16": "bf16", "float32": "f32"}
+
+    def short(s: str) -> str:
+        dtype, shape = s.split("[")
+        return f"{names[dtype]}[{shape.replace(' ', '')}"
+
+    assert [d for ph, d in casts if ph == 1][:3] == [short(s) for s in forward]
+    assert backward == ["float32[8, 64]", "float32[32, 64]", "float32[32]"]  # input, weight, bias
+    assert [d for ph, d in casts if ph == 2][-3:] == [short(s) for s in backward]
+
+
 def test_cublas_workspace_once_per_thread_with_the_gpus_size() -> None:
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     for cc, size in (("8.0", 8_519_680), ("9.0", 32 << 20)):

@@ -114,9 +114,14 @@ class Autocast:
             )
         else:
             return args, kwargs
-        new_args = tuple(self.cast(a, to, cache) for a in args)
-        new_kwargs = {k: self.cast(v, to, cache) for k, v in kwargs.items()}
-        return new_args, new_kwargs
+        # CUDA's autocast casts the op's arguments in one C++ pack expansion,
+        # ``op(cached_cast(dtype, args, device)...)``, which GCC (torch's Linux builds) evaluates
+        # right to left: the last argument's copy is made first. The order is the autograd
+        # sequence of the cast nodes, so in the backward the first argument's gradient is cast
+        # back first (``linear``: the input's, then the weight's, then the bias's).
+        cast_kwargs = {k: self.cast(v, to, cache) for k, v in reversed(kwargs.items())}
+        new_args = tuple(reversed([self.cast(a, to, cache) for a in reversed(args)]))
+        return new_args, {k: cast_kwargs[k] for k in kwargs}
 
 
 def handles(name: str) -> bool:

@@ -121,6 +121,11 @@ class CudaFunctionMode(TorchFunctionMode):
 
     def _handle(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = getattr(func, "__name__", "")
+        if name == "_parse_to":
+            # ``Module.to``'s argument parser reads the device it is given and makes nothing: it
+            # must see ``device="cuda"`` as written (``model.to(device=dev)``), as ``Module.to``
+            # then moves each tensor with ``t.to(device, …)``, which is emulated like any copy
+            return _Plain(args, kwargs)
         to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
         if to_cuda:
             host = self.trace.rec.host
