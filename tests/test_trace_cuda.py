@@ -236,3 +236,31 @@ def test_moe_routing_gets_uniform_expert_load() -> None:
     gathered = [d for d in _descs(r, "aten.index.Tensor") if d.endswith(",64]") and d.startswith("f32[")]
     assert f"f32[{per_expert},64]" in gathered
     assert math.isclose(per_expert, tokens * cfg.num_experts_per_tok / cfg.num_local_experts)
+
+
+def test_multihead_attention_runs_cudas_kernels_inside() -> None:
+    # F.multi_head_attention_forward reaches the function mode as one call, which torch handles
+    # with the mode popped: its projections, attention and dropout must still be CUDA's
+    b, t, h = 2, 256, 4
+
+    class MHA(nn.Module):
+        def __init__(self, need_weights: bool) -> None:
+            super().__init__()
+            self.need_weights = need_weights
+            self.attn = nn.MultiheadAttention(64, h, dropout=0.1, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=self.need_weights)[0]
+
+    x = torch.randn(b, t, 64)
+    r = trace_model(MHA(False), x, workload=Workload(task="train", precision="bf16-mixed"),
+                    device=device_profile(_gpu("8.0")), options=NO_WS, iterations=1)
+    assert "SDPA kernels: flash ×1" in r.notes  # not the math path meta would take
+    biggest = max(s for s, a in zip(r.events.size, r.events.action, strict=True) if a == Action.ALLOC)
+    assert biggest < b * h * t * t * 2  # no materialised score matrix
+    assert f"bf16[{b * t},192]" in _descs(r, "aten.mm")  # the packed in-projection, autocast to bf16
+    # the weights path (need_weights=True): softmax, then dropout with CUDA's bool mask
+    r = trace_model(MHA(True), x, workload=Workload(task="train", precision="fp32"),
+                    device=device_profile(_gpu("8.0")), options=NO_WS, iterations=1)
+    assert f"bool[{b * h},{t},{t}]" in _descs(r, "native_dropout")
+    assert f"f32[{b * h},{t},{t}]" not in _descs(r, "empty_like")  # no float noise tensor (the CPU's path)

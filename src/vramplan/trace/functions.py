@@ -18,10 +18,18 @@
   scores with ``dtype=float32``, as transformers' eager attention calls it) is first copied:
   one more fp32 scores-sized tensor while the softmax runs (the composite op reaches the
   trace whole, so the copy is made explicit here).
+
+A torch function written in Python that checks for overrides itself reaches this mode as one
+call, and torch pops the mode while it handles a call: the function's own torch calls would run
+as on ``meta`` (the CPU's paths). ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``,
+so ``nn.Transformer*``) is run with the mode re-entered and its own override check off
+(:func:`_descended`), so that its projections are autocast, its attention goes through the
+fused kernel CUDA picks and its dropout keeps CUDA's bool mask.
 """
 
 from __future__ import annotations
 
+import types
 from collections import Counter
 from typing import Any
 
@@ -78,6 +86,30 @@ def _fused_dropout(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return None
 
 
+_DESCEND = frozenset({"multi_head_attention_forward"})
+"""Python composites of ``torch.nn.functional`` whose inner torch calls the mode must see."""
+_NO_OVERRIDE = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+def _descended(func: Any) -> Any:
+    """``func`` (a :data:`_DESCEND` composite) with its own override check off, or None: a copy
+    of the function over its module's globals as they are now, where the ``has_torch_function*``
+    names answer False (the functions it calls keep their own checks, so this mode sees them)."""
+    if not isinstance(func, types.FunctionType) or func.__name__ not in _DESCEND:
+        return None
+    if func.__module__ != "torch.nn.functional":
+        return None
+    g = dict(func.__globals__)
+    g.update(dict.fromkeys(_NO_OVERRIDE, _never))
+    body = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
 class _Plain:
     """The handler's answer "run the call itself, with these arguments"."""
 
@@ -116,6 +148,10 @@ class CudaFunctionMode(TorchFunctionMode):
         finally:
             RAW[0] -= 1
         if type(out) is _Plain:
+            body = _descended(func)
+            if body is not None:
+                with self:  # torch popped this mode for the call: its inner calls see it again
+                    return body(*out.args, **out.kwargs)
             return func(*out.args, **out.kwargs)
         return out
 
