@@ -333,3 +333,27 @@ def test_a_trace_factory_picks_the_emulated_gpu_as_it_would_a_real_one() -> None
     assert seen == {"acc": torch.device("cuda"), "name": get_gpu("h100-sxm").name, "cuda": True}
     assert r.model_states.weights == (512 * 512 + 512) * 4
     assert not torch.cuda.is_available() and not torch.accelerator.is_available()  # restored after
+
+
+def test_a_dataloader_keeps_its_signature_for_libraries_that_rebuild_it(tmp_path: Path) -> None:
+    # Lightning (DDP: a DistributedSampler) and accelerate rebuild the script's DataLoader from
+    # inspect.signature(loader.__init__); vramplan's in-process workers wrapper must not hide it
+    seen = tmp_path / "seen.json"
+    script = tmp_path / "rebuild.py"
+    script.write_text(
+        "import inspect, json, sys, torch\nfrom torch import nn\n"
+        "from torch.utils.data import DataLoader, SequentialSampler, TensorDataset\n"
+        "ds = TensorDataset(torch.randn(64, 16), torch.randn(64, 1))\n"
+        "dl = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)\n"
+        "params = inspect.signature(dl.__init__).parameters\n"
+        "kw = {k: getattr(dl, k) for k, p in params.items() if k in vars(dl) and k not in ('sampler', 'batch_sampler')\n"
+        "      and p.default != getattr(dl, k)}\n"
+        "again = DataLoader(**kw, sampler=SequentialSampler(ds))\n"
+        "json.dump(list(params), open(sys.argv[1], 'w'))\n"
+        "model = nn.Linear(16, 1).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x, y in again:\n"
+        "    nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward(); opt.step(); opt.zero_grad()\n")
+    r = vramplan.run_script(script, [str(seen)], gpu="h100-sxm", steps=2)
+    assert json.loads(seen.read_text())[:3] == ["dataset", "batch_size", "shuffle"]  # DataLoader's own
+    assert r.ran is not None and r.ran.batch == 8  # not the default batch of 1
+    assert any("num_workers=2 ran in this process" in n for n in r.notes)  # the wrapper still acts

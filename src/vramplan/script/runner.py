@@ -862,10 +862,16 @@ def _workers_in_process(run: ScriptRun) -> Iterator[None]:
     """DataLoader workers run in this process: a worker process would start from this one,
     emulation and all, and send host tensors without values through shared memory, which
     they have none of. What the workers do is host work; the GPU sees the same batches."""
+    import functools
+
     from torch.utils.data import DataLoader
 
     init = DataLoader.__init__
 
+    # DataLoader's own signature (``__wrapped__``): Lightning and accelerate rebuild a loader (a
+    # DistributedSampler under DDP) from ``inspect.signature(loader.__init__)``; a bare
+    # ``(*args, **kwargs)`` would lose batch_size, shuffle, collate_fn…
+    @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         import inspect
 
