@@ -1,5 +1,7 @@
 """The zoo: unmodified public training and inference scripts, shipped by packages on the index
-(torchtune's recipes, TRL's scripts), run under ``vramplan run`` and for real on the CPU.
+(torchtune's recipes, TRL's scripts), and short drivers of models a package ships for the
+purpose (``scripts/``: Lightning's demo transformer under ``Trainer`` and ``Fabric``), run under
+``vramplan run`` and for real on the CPU.
 
 Each entry is the installed script as its package ships it, with the arguments its own docs
 use (configs and CLI flags), pointed at tiny local fixtures built here (:func:`fixtures`): a
@@ -76,10 +78,23 @@ def fixtures(root: Path, *, torchtune: bool = False) -> Path:
     if not (root / "hf" / "done").exists():
         _hf(root / "hf")
         (root / "hf" / "done").write_text("ok")
+    if not (root / "wikitext" / "done").exists():
+        _wikitext(root / "wikitext")
+        (root / "wikitext" / "done").write_text("ok")
     if torchtune and not (root / "tt" / "done").exists():
         _torchtune(root / "tt")
         (root / "tt" / "done").write_text("ok")
     return root
+
+
+def _wikitext(out: Path) -> None:
+    """``wikitext-2.txt`` as Lightning's ``WikiText2`` reads it (one paragraph a line, words split
+    on white space): 4,000 lines of 40 words drawn from 5,000."""
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5000, (4000, 40), generator=g).tolist()
+    (out / "wikitext-2.txt").write_text("".join(" ".join(f"w{i}" for i in row) + "\n" for row in ids),
+                                        encoding="utf8")
 
 
 def _torchtune(out: Path) -> None:
@@ -173,6 +188,18 @@ _TILES = (r"f32\[\d+,504\]|bool\[\d+,504\]", "TRL's chunked log-prob (trl/kernel
 _MASK = (r"f32\[\d+,1,\d+,\d+\]", "the 4-D attention mask: CUDA's memory-efficient SDPA pads its keys to a multiple "
          "of 16 (and the CPU's SDPA takes it unpadded)")
 
+_MHA = (r"f32\[\d+,2,35,35\]|f32\[\d+,2,100,35\]|f32\[\d+,2,64\]|i64\[\]", "nn.MultiheadAttention's SDPA (fp32, "
+        "dropout 0.2): on the CPU the math path keeps the scores [B,H,T,T] (softmax, its dropout mask, the dropped "
+        "weights) and K transposed; on CUDA the memory-efficient kernel keeps its logsumexp [B,H,T rounded up to 32] "
+        "and its philox seed and offset")
+_RNN_STATE = (r"u8\[\d+\]|cudnn .*|f32\[2048,512\]|f32\[2048\]|f32\[35,20,512\]|f32\[20,512\]",
+              "the LSTM kernels' own memory: on CUDA cuDNN's reserve space (kept for the backward), workspace and "
+              "dropout state, and the flat copy of the weights it compacts at every call (after .to('cuda') they are "
+              "not one chunk unless the script calls flatten_parameters); on the CPU oneDNN's workspace, its reordered "
+              "weights and biases, and each layer's time-major output and states, per layer")
+_TOKENS = (r"i64\[164000\]", "WikiText2's token ids (the fixture's 4,000 lines of 41 tokens): a host tensor in the "
+           "GPU run (batches are copied to the device), counted by the CPU run")
+
 ZOO: tuple[Entry, ...] = (
     Entry("torchtune full finetune", "recipes", "full_finetune_single_device.py",
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
@@ -211,6 +238,15 @@ ZOO: tuple[Entry, ...] = (
               "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", "max_new_tokens=8",
               "prompt.user=Count to five.", "top_k=50"),
           ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="inference: sampling with a KV cache"),
+    Entry("Lightning Trainer, demo transformer LM", "zoo", "scripts/lightning_trainer.py", ("ROOT/wikitext",), (),
+          "Lightning's LightningTransformer demo (nn.Transformer, dropout) under Trainer: accelerator auto, "
+          "gradient clipping, SGD", needs="lightning", known=(_MHA, _TOKENS)),
+    Entry("Lightning Fabric, demo transformer LM", "zoo", "scripts/lightning_fabric.py", ("ROOT/wikitext",), (),
+          "the same demo model under Fabric: setup, setup_dataloaders, backward, clip_gradients",
+          needs="lightning", known=(_MHA, _TOKENS)),
+    Entry("Lightning Trainer, demo LSTM LM", "zoo", "scripts/lightning_lstm.py", ("ROOT/wikitext",), (),
+          "Lightning's LightningLSTM demo: a 4-layer LSTM with truncated-BPTT hidden state, SequenceSampler",
+          needs="lightning", known=(_RNN_STATE, _TOKENS)),
     Entry("TRL SFT", "trl", "scripts/sft.py",
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
           ("--use_cpu", "True"), "HF Trainer + accelerate, fused AdamW, TRL's chunked log-prob loss",
