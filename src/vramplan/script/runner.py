@@ -137,6 +137,14 @@ class _Hooks:
         self._autocast_depth = 0
         self._handles: list[Any] = []
         self._last_report = started
+        self.live: LiveAllocator | None = None
+        """The allocator simulation of the run (an inference script stops once its peak stops rising)."""
+        self._inference_peak = -1
+        self._held = -1
+        """The most memory held between two forward calls so far (a KV cache, a growing context)."""
+        self._flat = 0
+        self.rose_until = 0
+        """The last forward call that raised the allocated peak (inference)."""
         self.world = 1
         """Ranks of the declared world (the script is rank 0)."""
         self.places: Places | None = None
@@ -150,7 +158,7 @@ class _Hooks:
         if self.progress is not None and now - self.started > 1.0 and now - self._last_report > 0.5:
             self._last_report = now
             count = f"step {self.run.steps}/{self.steps}" if self.run.optimizers else \
-                f"forward {self.run.forwards}/{self.steps}"
+                f"forward {self.run.forwards}"
             self.progress(f"{what} · {count} · {now - self.started:.1f} s")
 
     # --- modules ------------------------------------------------------------------------
@@ -206,9 +214,27 @@ class _Hooks:
         if self._depth == 0:
             self.run.forwards += 1
             self.report("forward")
-            if self.run.optimizers == 0 and self.run.forwards >= self.steps and not torch.is_grad_enabled():
+            if self.run.optimizers == 0 and not torch.is_grad_enabled() and self._peak_settled():
                 self.run.stopped_by = "forwards"
                 raise _Stop
+
+    def _peak_settled(self) -> bool:
+        """True once ``steps`` forward calls in a row (after the first ``steps``) have raised
+        neither the peak of requested bytes nor the most held after a call: a loop over batches of
+        one shape stops after ``steps`` + 1 or 2 calls, a generation loop whose cache or context
+        grows runs on to its length limit (its peak is at its last token)."""
+        run = self.run
+        if self.live is None:
+            return run.forwards >= self.steps
+        al = self.live.sync()
+        peak, held = al.max_requested, al.requested  # (bytes asked for: not the allocator's rounding, which
+        # moves by up to a block's unsplit tail as free blocks are reused)
+        if peak > self._inference_peak or held > self._held:
+            self._inference_peak, self._held = peak, max(held, self._held)
+            self._flat, self.rose_until = 0, run.forwards
+        else:
+            self._flat += 1
+        return run.forwards >= self.steps and self._flat >= self.steps
 
     def _add_root(self, mod: nn.Module) -> None:
         self._roots.add(id(mod))
@@ -947,6 +973,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     hooks.places = places
     hooks.path = p
     live = LiveAllocator(sess.rec.log, alloc_conf)
+    hooks.live = live
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def on_sync(kind: str) -> None:
@@ -980,6 +1007,12 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                                      hint="check the script's arguments (after --)") from None
                 run.stopped_by = "end"
     except _Timeout:
+        if run.optimizers == 0 and run.forwards and hooks.rose_until >= run.forwards - 1:
+            raise TraceError(
+                f"the script's memory was still growing after {run.forwards} forward call(s) when {timeout:g} s ran "
+                "out (an inference or generation loop runs until its memory stops growing: a cache or context that "
+                "grows each call peaks at its last one)",
+                hint="raise `timeout`, or generate fewer tokens for the run (memory grows linearly with them)") from None
         raise TraceError(
             f"the script did not finish {steps} step(s) within {timeout:g} s (reached step {run.steps}, "
             f"{run.forwards} forward call(s))", hint="raise `timeout`, or lower `steps`") from None
@@ -1000,7 +1033,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     what = {"steps": f"stopped after {run.steps} optimizer step(s)",
             "backwards": f"stopped after {run.backwards} backward pass(es) (no optimizer: the script updates its "
                          "parameters itself)",
-            "forwards": f"stopped after {run.forwards} forward call(s) (no optimizer: inference)",
+            "forwards": f"stopped after {run.forwards} forward call(s) (no optimizer: inference; memory last grew "
+                        f"at call {hooks.rose_until}, then held for {steps})",
             "end": f"the script ended after {run.steps} optimizer step(s) and {run.forwards} forward call(s)"}
     notes.append(f"script {p.name}: {what.get(run.stopped_by, '')}; models {', '.join(run.roots) or '-'}")
     if run.workers:

@@ -4,8 +4,9 @@
 on the CPU as the script runs there (its own CPU switch: ``device=cpu``, ``--use_cpu``), and
 records the live bytes of every CPU tensor storage as ops make and free them (a dispatch-mode
 tracker, as ``trace.testing.real_peak`` does for a step). It stops where ``vramplan run`` stops:
-after ``steps`` optimizer steps (PyTorch's global optimizer step hooks), or ``steps`` top-level
-forward calls of a script that builds no optimizer. The peak is taken from the first
+after ``steps`` optimizer steps (PyTorch's global optimizer step hooks), or, for a script that
+builds no optimizer, once ``steps`` top-level forward calls in a row have raised neither the peak
+nor the most memory held after a call. The peak is taken from the first
 top-level forward of a model on: what the script held on the host before it (a checkpoint being
 loaded) is host memory in a GPU run.
 
@@ -110,11 +111,21 @@ def _stops(truth: Truth, steps: int, tracker: Any) -> Iterator[None]:
             tracker.mark_peak()
         depth[0] += 1
 
+    grown = [-1, -1, 0]  # the peak and the most held after a call so far, calls since either grew
+
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         depth[0] -= 1
         if depth[0] == 0:
             truth.forwards += 1
-            if not optimizers[0] and truth.forwards >= steps and not torch.is_grad_enabled():
+            if optimizers[0] or torch.is_grad_enabled():
+                return
+            # as vramplan run stops an inference script: once `steps` calls in a row have raised
+            # neither the peak nor the most memory held after a call
+            if tracker.step_peak > grown[0] or tracker.current > grown[1]:
+                grown[0], grown[1], grown[2] = tracker.step_peak, max(grown[1], tracker.current), 0
+            else:
+                grown[2] += 1
+            if truth.forwards >= steps and grown[2] >= steps:
                 raise _Enough
 
     handles = [oo.register_optimizer_step_post_hook(step_post),

@@ -69,6 +69,8 @@ INDEX_BOUND_OPS: dict[Any, tuple[int, int, int | None]] = {
 }
 """Ops whose output holds indices into a dimension: (output position, dim argument
 position, default dim; None = all elements)."""
+_INT_ARITH = frozenset({aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar})
+"""Integer arithmetic that keeps sampled indices below a bound (:meth:`DispatchMode._arith_bound`)."""
 HINT_COPY_OPS = frozenset({
     aten._to_copy.default, aten.clone.default, aten.index.Tensor, aten.index_select.default,
     aten.gather.default, aten._unsafe_view.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
@@ -350,6 +352,15 @@ class TraceMode(TorchDispatchMode):
             self.rules_used["host_bool"] += 1
         if func in INDEX_BOUND_OPS:
             self._set_bound(func, args, kwargs, out)
+        elif func is aten.cat.default and cpu_out is None and isinstance(out, torch.Tensor):
+            self._cat_bound(args[0] if args else kwargs.get("tensors", ()), out)
+        elif func in (aten.randint.default, aten.randint.low) and isinstance(out, torch.Tensor):
+            high = args[0] if func is aten.randint.default else args[1] if len(args) > 1 else None
+            low = 0 if func is aten.randint.default else args[0]
+            if isinstance(high, int) and isinstance(low, int) and 0 <= low < high:
+                values.set_bound(out, high)  # random token ids: indices below `high`
+        elif func in _INT_ARITH and cpu_out is None and isinstance(out, torch.Tensor) and len(args) >= 2:
+            self._arith_bound(func, args[0], args[1], out)
         elif rule is not None and rule[0] == "nms" and isinstance(out, torch.Tensor):
             values.set_bound(out, int(args[0].shape[0]))
         elif func in HINT_COPY_OPS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
@@ -544,6 +555,58 @@ class TraceMode(TorchDispatchMode):
                  "or a CPU tensor); per-expert token counts are known when they come from bincount / (idx == e)"
                  ".sum() of top-k indices (uniform routing, --routing-skew to change it)",
         )
+
+    def _top(self, x: Any) -> int | None:
+        """The largest value ``x`` may hold (an index bound's, known values', a Python int's), or
+        None: unknown or negative."""
+        if isinstance(x, bool):
+            return int(x)
+        if isinstance(x, int):
+            return x if x >= 0 else None
+        if not isinstance(x, torch.Tensor) or x.is_floating_point():
+            return None
+        b = self.values.get_bound(x)
+        if b is not None:
+            return b - 1
+        known = self.values.cpu_view(x) if on_meta(x) else x
+        if known is None:
+            return None
+        if not known.numel():
+            return 0
+        lo, hi = int(known.min()), int(known.max())
+        return hi if lo >= 0 else None
+
+    def _arith_bound(self, func: Any, a: Any, b: Any, out: torch.Tensor) -> None:
+        """``next_tokens * unfinished + pad_token_id * (1 - unfinished)`` (transformers' generate):
+        sampled indices times or plus known non-negative values stay below a bound."""
+        if out.is_floating_point() or out.dtype == torch.bool:
+            return
+        if not any(isinstance(x, torch.Tensor) and self.values.get_bound(x) is not None for x in (a, b)):
+            return
+        ta, tb = self._top(a), self._top(b)
+        if ta is None or tb is None:
+            return
+        top = ta * tb if func in (aten.mul.Tensor, aten.mul.Scalar) else ta + tb
+        self.values.set_bound(out, top + 1)
+
+    def _cat_bound(self, parts: Any, out: torch.Tensor) -> None:
+        """Sampled indices joined to known ones (``torch.cat([prompt, next_token])``: a generation
+        loop's growing sequence) stay indices below the largest bound (see :meth:`sampled_index`)."""
+        if out.is_floating_point() or out.dtype == torch.bool or not isinstance(parts, (list, tuple)):
+            return
+        values, bound = self.values, 0
+        for t in parts:
+            if not isinstance(t, torch.Tensor):
+                return
+            b = values.get_bound(t)
+            if b is None:
+                known = values.cpu_view(t) if on_meta(t) else t
+                if known is None or known.is_floating_point():
+                    return
+                b = int(known.max()) + 1 if known.numel() else 0
+            bound = max(bound, b)
+        if bound > 0 and any(values.get_bound(t) is not None for t in parts):
+            values.set_bound(out, bound)
 
     def sampled_index(self, t: torch.Tensor) -> int | None:
         """The value a script reads from a sampled or selected index (``multinomial``, ``argmax``,
