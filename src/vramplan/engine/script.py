@@ -44,7 +44,7 @@ def run_script(
     ``torchrun`` / ``accelerate launch`` start it; the report is that rank's memory, with the
     NCCL communicator of the world.
     """
-    from ..emulate import DeviceFacts
+    from ..emulate.facts import facts_of
     from ..script.runner import trace_script
 
     if gpus < 1:
@@ -62,8 +62,7 @@ def run_script(
     if not workspaces:
         dev = dev.without_workspaces()
     assert dev.usable is not None
-    facts = DeviceFacts(name=g.name, sm=dev.sm, total_memory=dev.usable, outside_allocator=dev.overhead_bytes,
-                        sm_count=g.sm_count or 0, count=gpus)
+    facts = facts_of(g.name, dev.sm, dev.usable, dev.overhead_bytes, sm_count=g.sm_count or 0, count=gpus)
     tr, run = trace_script(path, argv, profile=dev, facts=facts, steps=steps, timeout=timeout,
                            alloc_conf=alloc_conf, progress=progress, online=online, world=world)
     w, ran, notes = what_ran(run, world)

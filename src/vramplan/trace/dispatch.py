@@ -592,21 +592,12 @@ class TraceMode(TorchDispatchMode):
     def _cat_bound(self, parts: Any, out: torch.Tensor) -> None:
         """Sampled indices joined to known ones (``torch.cat([prompt, next_token])``: a generation
         loop's growing sequence) stay indices below the largest bound (see :meth:`sampled_index`)."""
-        if out.is_floating_point() or out.dtype == torch.bool or not isinstance(parts, (list, tuple)):
+        if out.is_floating_point() or out.dtype == torch.bool or not isinstance(parts, (list, tuple)) \
+                or not any(isinstance(t, torch.Tensor) and self.values.get_bound(t) is not None for t in parts):
             return
-        values, bound = self.values, 0
-        for t in parts:
-            if not isinstance(t, torch.Tensor):
-                return
-            b = values.get_bound(t)
-            if b is None:
-                known = values.cpu_view(t) if on_meta(t) else t
-                if known is None or known.is_floating_point():
-                    return
-                b = int(known.max()) + 1 if known.numel() else 0
-            bound = max(bound, b)
-        if bound > 0 and any(values.get_bound(t) is not None for t in parts):
-            values.set_bound(out, bound)
+        tops = [self._top(t) if isinstance(t, torch.Tensor) else None for t in parts]
+        if all(t is not None for t in tops):
+            self.values.set_bound(out, max(t for t in tops if t is not None) + 1)
 
     def sampled_index(self, t: torch.Tensor) -> int | None:
         """The value a script reads from a sampled or selected index (``multinomial``, ``argmax``,
