@@ -357,3 +357,17 @@ def test_a_dataloader_keeps_its_signature_for_libraries_that_rebuild_it(tmp_path
     assert json.loads(seen.read_text())[:3] == ["dataset", "batch_size", "shuffle"]  # DataLoader's own
     assert r.ran is not None and r.ran.batch == 8  # not the default batch of 1
     assert any("num_workers=2 ran in this process" in n for n in r.notes)  # the wrapper still acts
+
+
+def test_the_users_line_is_never_vramplans_own_frame_beside_the_script() -> None:
+    # a script at the root of a vramplan checkout (its src/ in the script's folder): the line
+    # named is the script's, not the runner's hook that noticed the CPU forward
+    import traceback
+
+    from vramplan.script import runner
+
+    pkg = Path(runner.__file__).resolve()
+    script = pkg.parents[3] / "train.py"  # the checkout's root: src/vramplan/script/runner.py below it
+    frames = [traceback.FrameSummary(str(script), 7, "<module>"),
+              traceback.FrameSummary(str(pkg), 189, "module_pre")]
+    assert runner._user_frame(frames, script).endswith("train.py:7")

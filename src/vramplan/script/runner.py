@@ -824,13 +824,15 @@ def _argv(path: Path, argv: Sequence[str]) -> Iterator[None]:
 
 def _user_frame(tb: Any, path: Path) -> str:
     """``file:line`` of the innermost frame in the user's script (or its folder) of a traceback
-    or a list of frames."""
+    or a list of frames (never vramplan's own, even where it lies in that folder: a checkout
+    beside the script)."""
     folder = str(path.parent.resolve())
     best = ""
     frames = tb if isinstance(tb, list) else traceback.extract_tb(tb)
     for fs in frames:
         f = os.path.abspath(fs.filename)
-        if f == str(path.resolve()) or (f.startswith(folder + os.sep) and "site-packages" not in f):
+        if f == str(path.resolve()) or (f.startswith(folder + os.sep) and "site-packages" not in f
+                                        and not f.startswith(_PACKAGE)):
             best = f"{os.path.relpath(f)}:{fs.lineno}"
     return best or str(path)
 
