@@ -6,6 +6,11 @@ these tests check); under CI the examples are derandomised so that a run is repr
 
 import os
 
+# No test reads or writes the user's on-disk store of traces (``vramplan cache``): a stored trace
+# would answer a test that patches the tracer, and test runs would fill ~/.cache. Subprocesses
+# inherit it; tests of the store set their own folder and lift it.
+os.environ["VRAMPLAN_NO_CACHE"] = "1"
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -45,6 +45,7 @@ CASES = {
     "rules-video": ["rules", "video", "--codec", "hevc", "--gpu", "l4"],
     "rules-array": ["rules", "array", "--shape", "4096,4096,4096", "--gpu", "h100"],
     "serve-plan": ["serve-plan", "llama-3.1-8b", "--gpu", "h100"],
+    "cache": ["cache"],
 }
 
 
@@ -55,6 +56,7 @@ def page(tmp_path, monkeypatch):
     for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VRAMPLAN_CACHE_DIR", "store")  # (an empty store under a fixed relative name)
     (tmp_path / "events.jsonl").write_text(EVENTS)
     (tmp_path / "recorded.pickle").write_bytes(pickle.dumps(recorded_snapshot()))
     return tmp_path

@@ -33,6 +33,12 @@ class _FormatAction(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
+def add_cache_arg(p: argparse.ArgumentParser) -> None:
+    """``--no-cache``: neither read nor write the on-disk store of traces (``vramplan cache``)."""
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace again instead of reading the on-disk store, and store nothing (see `vramplan cache`)")
+
+
 def add_output_args(p: argparse.ArgumentParser, plot: bool = True, plot_help: str | None = None) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--format", choices=["table", "json", "markdown"], default="table", action=_FormatAction,

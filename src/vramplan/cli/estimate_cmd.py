@@ -6,7 +6,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+from .common import (
+    add_cache_arg,
+    add_output_args,
+    add_workload_args,
+    hint,
+    note_settings,
+    workload_from_args,
+)
 
 if TYPE_CHECKING:
     from ..planner.nextstep import Suggestion
@@ -24,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     p.add_argument("--snapshot", metavar="FILE.pickle",
                    help="write the predicted trace in PyTorch's memory-snapshot format (needs --method trace)")
+    add_cache_arg(p)
     add_output_args(p)
     p.set_defaults(func=run)
 

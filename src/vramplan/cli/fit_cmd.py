@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+from .common import (
+    add_cache_arg,
+    add_output_args,
+    add_workload_args,
+    hint,
+    note_settings,
+    workload_from_args,
+)
 
 if TYPE_CHECKING:
     from vramplan.planner.sweep import Sweep
@@ -29,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     p.add_argument("--seq-step", type=int, default=None,
                    help="resolution of the max-seq answer in tokens (default: automatic, ≥ 64)")
+    add_cache_arg(p)
     add_output_args(p, plot_help=("write memory against batch size to FILE (.png, .svg or .html) and against "
                       "sequence length to FILE-seq (e.g. out.png and out-seq.png)"))
     p.set_defaults(func=run)

@@ -23,7 +23,7 @@ from ..errors import VramplanError
 
 SUBCOMMANDS = (
     "estimate", "trace", "fit", "plan", "models", "gpus", "gpu", "replay", "snapshot",
-    "measure", "rules", "run", "serve", "web",
+    "measure", "rules", "run", "serve", "web", "cache",
 )
 GC_KEPT = frozenset({"measure", "run", "web"})
 """Commands that keep automatic garbage collection (:func:`entry` pauses it for the others,
@@ -147,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from ..report.render import FLAG_OF
 
+    if getattr(args, "no_cache", False):  # (the store reads it wherever a trace is looked up)
+        os.environ["VRAMPLAN_NO_CACHE"] = "1"
     flags = flag_names(parser, argv)
     token = FLAG_OF.set(flags.get)
     try:

@@ -10,7 +10,14 @@ import argparse
 import sys
 from typing import Any
 
-from .common import add_output_args, add_workload_args, hint, note_settings, workload_from_args
+from .common import (
+    add_cache_arg,
+    add_output_args,
+    add_workload_args,
+    hint,
+    note_settings,
+    workload_from_args,
+)
 
 EMIT_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan", "trainer", "alloc-conf")
 
@@ -45,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--emit", choices=EMIT_FORMATS, default=None,
                    help="print the config to paste for the chosen plan instead of the table")
     o.add_argument("--pick", type=int, default=1, metavar="N", help="which plan (row) to emit (default 1)")
+    add_cache_arg(p)
     add_output_args(p, plot_help=("write memory against micro-batch (.png, .svg or .html) for the top plans, "
                       "or with --rank-gpus for the top GPU types, with each GPU's usable capacity"))
     p.set_defaults(func=run)

@@ -26,6 +26,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -189,27 +190,158 @@ def replay_key(tr: TraceResult, alloc_conf: str | None, capacity: int | None) ->
     return (id(tr), alloc_conf or "", capacity)
 
 
+# --------------------------------------------------------------------------- on disk
+NEARBY = 3
+"""Traces at other batches a trace is written from (:mod:`vramplan.trace.nearby`)."""
+_DISK_KEYS: dict[int, str] = {}
+"""id of a trace in this process → its key on disk (its replays are stored under it)."""
+
+
+@dataclass(frozen=True)
+class DiskKey:
+    """Where a catalog trace lives on disk: its group (the key but for batch and sequence),
+    its name in the group, and the whole key text the file must hold."""
+
+    group: str
+    name: str
+    text: str
+    batch: int
+    seq: int
+
+
+def disk_key(spec: ModelSpec, w: Workload, dev: DeviceProfile, options: Hashable) -> DiskKey | None:
+    """The trace's key on disk (None where a field has no canonical text)."""
+    from . import store
+
+    try:
+        fields = ";".join(f"{f.name}={store.canonical(getattr(w, f.name))}" for f in dataclasses.fields(w)
+                          if f.name not in ("batch", "seq"))
+        group = (f"trace|{store.fingerprint()}|{store.canonical(spec)}|{fields}|{store.canonical(dev)}|"
+                 f"{store.canonical(options)}")
+    except TypeError:
+        return None
+    return DiskKey(group=store.digest(group), name=f"b{w.batch}-s{w.seq}", text=f"{group}|batch={w.batch}|seq={w.seq}",
+                   batch=w.batch, seq=w.seq)
+
+
+def _remember(tr: TraceResult, key: DiskKey) -> None:
+    import weakref
+
+    _DISK_KEYS[id(tr)] = key.text
+    weakref.finalize(tr, _DISK_KEYS.pop, id(tr), None)
+
+
+def _nearby(spec: ModelSpec, w: Workload, key: DiskKey, disk: Any) -> TraceResult | None:
+    """The trace at ``w``'s batch written from three stored traces at other batches of the same
+    key (:mod:`vramplan.trace.nearby`), or None where none bracket it or they do not prove it."""
+    if nearby_refusal(spec, w) is not None:
+        return None
+    others: list[int] = []
+    for name in disk.names("trace", key.group):
+        b, _, s = name.partition("-s")
+        if b[:1] == "b" and b[1:].isdigit() and s.isdigit() and int(s) == key.seq and int(b[1:]) != key.batch:
+            others.append(int(b[1:]))
+    below = sorted(b for b in others if b < key.batch)
+    above = sorted(b for b in others if b > key.batch)
+    if not below or not above:
+        return None
+    picked = {below[-1], above[0]}
+    rest = sorted((b for b in others if b not in picked), key=lambda b: (abs(b - key.batch), b))
+    if not rest:
+        return None
+    xs = sorted(picked | {rest[0]})
+    results = []
+    for b in xs:
+        k = dataclasses.replace(key, name=f"b{b}-s{key.seq}",
+                                text=key.text.rsplit("|batch=", 1)[0] + f"|batch={b}|seq={key.seq}")
+        got = disk.get("trace", k.group, k.name, k.text)
+        if got is None or type(got).__name__ != "TraceResult":
+            return None
+        results.append(got)
+    from ..trace.nearby import write_at
+
+    out = write_at(results, xs, key.batch)
+    if isinstance(out, str):
+        return None
+    note = (f"written from the traces at batches {', '.join(map(str, xs))} (stored on disk), whose event logs "
+            "are equal but for sizes collinear in the batch (`--no-cache` traces it)")
+    return dataclasses.replace(out, notes=(*out.notes, note))
+
+
+def nearby_refusal(spec: ModelSpec, w: Workload) -> str | None:
+    """Why a trace of ``w`` is never written from nearby ones (a count that may step with the
+    batch at points the three traces cannot see), or None."""
+    if spec.is_moe:
+        return "MoE routing rounds each expert's tokens"
+    if w.compile:
+        return "compile"
+    if w.parallel.pp > 1:
+        return "pipeline micro-batches divide the batch"
+    if w.parallel.cp > 1 or w.parallel.sp:
+        return "the sequence is sharded"
+    return None
+
+
 def cached_replay(tr: TraceResult, alloc_conf: str | None, capacity: int | None,
                   run: Callable[[], V]) -> V:
     key = replay_key(tr, alloc_conf, capacity)
     hit = REPLAYS.get(key)
     if hit is not None and hit[0] is tr:
         return hit[1]  # type: ignore[no-any-return]
+    from . import store
+
+    disk = store.default()
+    text = _DISK_KEYS.get(id(tr))
+    where = None
+    if disk is not None and text is not None:
+        tail = f"alloc_conf={alloc_conf or ''!r}|capacity={capacity!r}"
+        where = (store.digest(text), "r" + store.digest(tail)[:24], f"replay|{text}|{tail}")
+        got = disk.get("replay", *where)
+        if got is not None:
+            REPLAYS.put(key, (tr, got))
+            return got  # type: ignore[no-any-return]
     res = run()
     REPLAYS.put(key, (tr, res))
+    if where is not None and disk is not None:
+        disk.put("replay", *where, res)
     return res
 
 
 def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable[[], TraceResult], *,
                  options: Hashable = None) -> TraceResult:
+    """The trace from this process's cache, else from the disk store (this workload's, or one
+    written from nearby batches' traces), else ``run()`` (then stored on disk)."""
     key = trace_key(spec, w, dev, options)
     hit = TRACES.get(key)
     if hit is not None:
         return hit
+    from . import store
+
+    disk = store.default()
+    dk = disk_key(spec, w, dev, options) if disk is not None else None
+    if disk is not None and dk is not None:
+        got = disk.get("trace", dk.group, dk.name, dk.text)
+        if got is not None:
+            got = dataclasses.replace(got, notes=(*got.notes, "the trace stored by an earlier run (`vramplan cache`; "
+                                                  "`--no-cache` traces again)"))
+        else:
+            written = dataclasses.replace(dk, name="w" + dk.name[1:], text=dk.text + "|written")
+            got = disk.get("trace", written.group, written.name, written.text)
+            if got is None:
+                got = _nearby(spec, w, dk, disk)
+                if got is not None:  # (stored apart: never one of the three a later one is written from)
+                    disk.put("trace", written.group, written.name, written.text, got)
+        if got is not None:
+            _remember(got, dk)
+            TRACES.put(key, got)
+            return got  # type: ignore[no-any-return]
     tr = run()
     TRACES.put(key, tr)
+    if disk is not None and dk is not None:
+        disk.put("trace", dk.group, dk.name, dk.text, tr)
+        _remember(tr, dk)
     return tr
 
 
 __all__ = ["BoundedCache", "ModelPool", "TRACES", "REPLAYS", "MODELS", "clear", "spec_key", "trace_key", "replay_key", "cached_trace",
-           "cached_replay", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS", "MAX_MODELS", "MAX_MODULES"]
+           "cached_replay", "disk_key", "DiskKey", "nearby_refusal", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS", "MAX_MODELS", "MAX_MODULES"]

@@ -105,14 +105,22 @@ def analytic_device_used(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFA
 def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
                         checkpoint_policy: Any = None) -> TraceResult:
     """The trace of a catalog model under ``w``; without a checkpoint policy, the process's
-    bounded cache answers a workload traced before (:mod:`.cache`)."""
-    from ..trace.run import TraceOptions, trace_workload
+    bounded cache or the disk store answers a workload traced before, or one written from
+    traces at nearby batches (:mod:`.cache`, :mod:`.store`)."""
+    from ..trace.options import TraceOptions
 
     opts = TraceOptions()  # the defaults, as the environment sets them (VRAMPLAN_FULL_TRACE)
     if checkpoint_policy is not None:  # a function: no key says what it does
+        from ..trace.run import trace_workload
+
         return trace_workload(spec, w, device=dev, options=opts, checkpoint_policy=checkpoint_policy)
-    return cache.cached_trace(spec, w, dev, lambda: trace_workload(spec, w, device=dev, options=opts, models=cache.MODELS),
-                              options=opts)
+
+    def run() -> TraceResult:  # (torch is imported only here: a stored trace answers without it)
+        from ..trace.run import trace_workload
+
+        return trace_workload(spec, w, device=dev, options=opts, models=cache.MODELS)
+
+    return cache.cached_trace(spec, w, dev, run, options=opts)
 
 
 def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None) -> Any:

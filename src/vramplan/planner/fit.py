@@ -9,8 +9,10 @@ one ``estimate``'s verdict reports.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 from vramplan.errors import PlanError
 from vramplan.hardware.gpu import GPU
@@ -75,8 +77,15 @@ class _Fit:
 
     # -- the two searches ------------------------------------------------------------
     def run(self) -> FitResult:
-        batch = self._batch()
-        seq = None if self.spec.family in NO_SEQ_FAMILIES else self._seq()
+        if self.spec.family in NO_SEQ_FAMILIES:
+            batch, seq = self._batch(), None
+        else:
+            with self._ahead() as ahead:  # the sequence searched in a forked child meanwhile (its traces stored)
+                batch = self._batch()
+            seq = self._seq()  # (each of its traces now read from the store: the serial answer, sooner)
+            if getattr(ahead, "forked", 0):
+                self.notes.append("the sequence was searched in a forked process while this one searched the batch; "
+                                  "its traces were read back from the on-disk store (`--no-cache`: one after another)")
         fallback = self.ev.fallback if self.m is Method.AUTO else None
         if fallback is not None:  # every answer came from the formulas: search again, with a margin
             self.margin = margin_of(self.spec, self.w)
@@ -101,6 +110,17 @@ class _Fit:
             seq=seq, evaluations=self.ev.counts(), notes=tuple(self.notes), fallback=fallback,
             suggestion=self._suggest() if batch.value == 0 else None,
         )
+
+    def _ahead(self) -> Any:
+        """The sequence search run ahead in a forked child (:class:`vramplan.trace.forked.Ahead`)
+        where a trace confirms it, a CPU is spare and the on-disk store can carry its traces back."""
+        from ..engine import store
+
+        if self.m is Method.ANALYTIC or store.default() is None:
+            return contextlib.nullcontext()
+        from ..trace.forked import Ahead
+
+        return Ahead(lambda _: self._seq(), [None])
 
     def _suggest(self) -> str | None:
         """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""

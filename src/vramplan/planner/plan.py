@@ -95,6 +95,9 @@ def plan(
                         hint="use `method=analytic` to see the screened plans, or a larger `max_gpus`")
     finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
     notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals) + knob_notes(w, knobs)
+    if search.ahead:
+        notes.append(f"{search.ahead} finalist(s) confirmed in forked processes while this one confirmed the others; "
+                     "their traces were read back from the on-disk store (`--no-cache`: one after another)")
     counts = sorted({c.num_gpus for c in cands})
     if global_batch is not None and max(counts) < max_gpus:
         notes.append(f"global batch {global_batch} splits evenly over {counts} GPU(s) only")
@@ -155,6 +158,8 @@ class PlanBuilder:
     screen: Screen
     instances: Sequence[Any]
     progress: Progress | None
+    ahead: int = 0
+    """Finalists confirmed ahead in forked processes (their traces read back from the store)."""
 
     def baseline(self, global_batch: int | None) -> Plan:
         """The user's workload (at the global batch, when one is given)."""
@@ -208,10 +213,13 @@ class PlanBuilder:
         rest: list[Plan] = []
         ratios: list[float] = []
         tried = done = 0
-        for p in front:
+        ahead, ahead_from = self._ahead(front[:k])
+        for i, p in enumerate(front):
             if done >= k or tried >= 2 * k:
                 rest.append(p)
                 continue
+            if i == ahead_from and ahead is not None:
+                ahead.wait()  # (the rest of the first k are confirmed in children: their traces are stored)
             tried += 1
             if self.progress is not None:
                 self.progress("confirm", tried, min(2 * k, len(front)))
@@ -221,8 +229,31 @@ class PlanBuilder:
             if q.fits:
                 out.append(q)
                 done += 1
+        if ahead is not None:
+            ahead.wait()  # (reaped whatever the loop did)
         worst = max([1.0, *ratios])
         return out + [p for p in rest if p.memory * worst <= p.usable]
+
+
+    def _ahead(self, first: list[Plan]) -> tuple[Any, int]:
+        """The last of the ``first`` finalists confirmed in forked children while this process
+        confirms the others (:class:`vramplan.trace.forked.Ahead`), and the index from which the
+        loop waits for them; (None, -1) where nothing runs ahead (the store is off, a single CPU)."""
+        from ..engine import store
+
+        if store.default() is None or len(first) < 2:
+            return None, -1
+        from ..trace.forked import Ahead, workers
+
+        n = workers()
+        if n < 2:
+            return None, -1
+        here = -(-len(first) // n)  # (this process's share, first)
+        ahead = Ahead(lambda p: self.screen.ev.report(p.workload, gpu=self.gpu, method=self.method), first[here:])
+        if not ahead.forked:
+            return None, -1
+        self.ahead = len(first) - here
+        return ahead, here
 
 
 def _runtime(spec: ModelSpec, w: Workload, gpu: GPU, r: MemoryReport, *, traced_flops: bool) -> StepTime:

@@ -205,3 +205,60 @@ def map_forked(fn: Callable[[T], R], items: Sequence[T], *, processes: int | Non
         for child in children:
             child.kill()
         raise
+
+
+class Ahead:
+    """Work done ahead in forked children for what it leaves behind — traces and replays written
+    to the on-disk store (:mod:`vramplan.engine.store`) — while this process goes on; this
+    process then runs the same work itself, one item after another as a serial run does, and
+    finds each trace stored: the answers are a serial run's by construction (a stored trace is
+    the trace), only sooner. ``fit`` searches the sequence here while it searches the batch;
+    ``plan`` confirms finalists ahead. The items are shared among up to ``workers() - 1``
+    children, each running its share one after another.
+
+    Nothing is forked where :func:`workers` allows one process; the caller forks nothing where
+    the store is off (``VRAMPLAN_NO_CACHE``: a child's work would be lost). :meth:`wait` waits for the children
+    (killed past ``PATIENCE``, scaled by the seconds this process worked meanwhile); a child
+    that failed or was killed leaves fewer stored traces, which this process then makes itself.
+    """
+
+    def __init__(self, fn: Callable[[T], object], items: Sequence[T]) -> None:
+        self._children: list[_Child[object]] = []
+        self._start = time.monotonic()
+        n = min(len(items), max(0, workers() - 1))
+        for k in range(n):  # (child k runs items k, k + n, …, one after another)
+            try:
+                self._children.append(_Child(_quiet(fn), list(items)[k::n]))
+            except OSError:
+                break
+        self.forked = len(self._children)
+        """Children forked (0: nothing runs ahead)."""
+
+    def wait(self) -> None:
+        worked = time.monotonic() - self._start
+        give_up_at = time.monotonic() + PATIENCE[0] + PATIENCE[1] * worked
+        children, self._children = self._children, []
+        for child in children:
+            child.result(give_up_at)
+
+    def __enter__(self) -> Ahead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            for child in self._children:
+                child.kill()
+            self._children = []
+        else:
+            self.wait()
+
+
+def _quiet(fn: Callable[[T], object]) -> Callable[[list[T]], None]:
+    """``fn`` run on each item for its side effects (no result is sent back)."""
+
+    def run(xs: list[T]) -> None:
+        for x in xs:
+            fn(x)
+
+    return run
+

@@ -37,6 +37,7 @@ expert (module paths keep their layer indices; a FREE is matched by its allocati
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
@@ -157,7 +158,8 @@ def _per_layer_config(spec: ModelSpec) -> str | None:
         # (its first import in a trace: import_transformers spares transformers' second folder scan)
         transformers = import_transformers()
 
-        c = {k: v for k, v in cfg.items() if k != "model_type"}
+        # (a deep copy: transformers edits nested entries such as rope_scaling in place)
+        c = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type"})
         with quiet():
             built = transformers.AutoConfig.for_model(str(cfg.get("model_type")), **c)
     except Exception:  # noqa: BLE001 — the model build reports its own errors

@@ -41,3 +41,6 @@ class TraceResult:
     FSDP2 CPU offload's parameters, gradients and optimizer (``offload_params``)."""
     host_parts: tuple[tuple[str, int], ...] = ()
     """(part, bytes) of ``host_memory``."""
+    paths: frozenset[str] = frozenset()
+    """Module paths of the model traced (per-module attribution looks ancestors up in them): kept
+    so that a log written from this one (:mod:`.nearby`) is summarised like a trace."""

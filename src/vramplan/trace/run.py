@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import functools
 import gc
-import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,6 @@ from ..results import HOST_ACTIVATIONS
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import Attention, Loss, Peft, Quant, Task, Workload
 from . import (
-    analysis,
     context_parallel,
     dist,
     features,
@@ -40,6 +38,7 @@ from . import (
     pipeline_parallel,
     replicate,
     reuse,
+    summary,
     tensor_parallel,
 )
 from .dist import rank_session
@@ -49,6 +48,8 @@ from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharde
 from .loss import loss_note
 from .metacache import MetaCache
 from .optim import make_optimizer
+from .options import FULL_TRACE_ENV as FULL_TRACE_ENV
+from .options import TraceOptions
 from .recorder import resolve_categories
 from .result import TraceResult
 from .sac import Policy
@@ -58,37 +59,11 @@ from .usererror import SHAPE_HINT, shape_mismatch
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
 
-FULL_TRACE_ENV = "VRAMPLAN_FULL_TRACE"
 FORK_FROM = 0.2
 """Seconds the first reduced trace must take for the other two to run side by side
 (:func:`.forked.map_forked`): Llama-3.1-8B's train traces (~0.1 s each) gained nothing from a
 fork on a 2-core machine (3.07 vs 3.04 s end to end, medians of 10, alternating), DeepSeek-V3's
 (~0.9 s each) gain most of one trace."""
-
-
-@dataclass(frozen=True)
-class TraceOptions:
-    """Knobs of the CUDA emulation (defaults follow a stock PyTorch on the target GPU)."""
-
-    workspaces: bool = True
-    """cuBLAS / cuDNN workspaces and flash-attention backward buffers."""
-    cache: str = "dynamic"
-    """KV cache class for generation: ``dynamic`` (transformers' default) or ``static``."""
-    count_flops: bool = True
-    meta_cache: bool = True
-    """Reuse meta-kernel results for ops repeated on the same shapes (every layer of a
-    transformer): the events are identical, tracing is ~3x faster (see :mod:`.metacache`)."""
-    extrapolate_decode: bool = True
-    """Generation: trace the first decode steps, write the rest from their exact progression
-    (see :mod:`.decode`); False traces every step."""
-    rank: int = 0
-    """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
-    holds the same; the last one may hold less of a weight whose rows do not divide)."""
-    replicate_layers: bool = dataclasses.field(default_factory=lambda: os.environ.get(FULL_TRACE_ENV, "") in ("", "0"))
-    """Catalog models: trace the model with 2, 3 and 4 of its identical decoder layers (after a
-    dense prefix) and write the other layers' events from their exact progression (see
-    :mod:`.replicate`); where that does not verify, or False, every layer is traced. The
-    environment variable ``VRAMPLAN_FULL_TRACE=1`` turns it off for every trace (debugging)."""
 
 
 @dataclass
@@ -869,27 +844,4 @@ def summarize_log(log: EventLog, paths: Collection[str], *, params: int, trainab
     """Resolve categories and read every figure from an event log (``paths``: the module paths
     of the model, for per-module attribution)."""
     resolve_categories(log)
-    a = analysis.arrays(log)
-    if len(log) == 0:
-        raise TraceError("the trace recorded no memory at all", hint="does the model have parameters or inputs?")
-    k = analysis.peak_of(a)
-    from ..events import PHASES
-    from ..workload import Phase
-
-    return TraceResult(
-        events=log,
-        peak_allocated=int(a.total[k]),
-        peak_index=k,
-        breakdown_at_peak=analysis.breakdown_at(a, k),
-        peak_phase=Phase(PHASES[int(a.phase[k])]),
-        peak_module=log.strings[log.module[k]],
-        phases=analysis.phase_peaks(a),
-        iterations=analysis.iteration_peaks(a),
-        top_tensors=analysis.top_tensors(log, a, k),
-        top_modules=analysis.top_modules(log, a, k, paths if isinstance(paths, set) else set(paths)),
-        params=params,
-        trainable_params=trainable,
-        flops=flops,
-        timeline=analysis.timeline(a),
-        notes=tuple(notes),
-    )
+    return summary.summarize_resolved(log, paths, params=params, trainable=trainable, flops=flops, notes=notes)

@@ -1,0 +1,117 @@
+"""The second question is instant: repeated estimates answered from the on-disk store (issue 33).
+
+In one run, against ``python -c "import torch"`` measured alongside (median of ``--runs``), with
+bytecode caching on in a private folder (as an installed package has its ``.pyc`` files) and a
+private, empty store (``VRAMPLAN_CACHE_DIR``):
+
+1. ``vramplan estimate llama-3.1-8b --task train`` (auto → trace), first in an empty store and with
+   ``--no-cache`` (what the store's writes cost the first question; target ≤ 2.1× ``import torch``);
+2. the same command again (target ≤ 0.3 s and ≤ 0.2× ``import torch``);
+3. a session of nearby questions on one model and GPU (``--peft lora --seq 1024 --gpu h100``, whose
+   verdict searches the largest batch with traces): batch 4 (empty store), batch 4 again, batch 8
+   (written from the stored traces at the batches the first search confirmed), batch 8 again, then
+   ``fit`` and ``plan`` after them and with ``--no-cache``;
+
+and checks that every answer read from the store equals the same command's ``--no-cache`` answer
+(the JSON report but its notes). Wall seconds, medians of ``--runs`` where a command repeats.
+
+    .venv/bin/python bench/cache_speed.py [--runs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BIN = [sys.executable, "-m", "vramplan.cli.main"]
+TRAIN = ["estimate", "llama-3.1-8b", "--task", "train"]
+LORA = ["--task", "train", "--peft", "lora", "--seq", "1024", "--gpu", "h100"]
+
+
+def _env(pyc: str, store: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("VRAMPLAN_NO_CACHE", None)
+    env["PYTHONPYCACHEPREFIX"] = pyc
+    env["VRAMPLAN_CACHE_DIR"] = store
+    return env
+
+
+def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {p.stderr.strip()[-500:]}")
+    return wall, p.stdout
+
+
+def _median(cmd: list[str], env: dict[str, str], runs: int) -> tuple[float, str]:
+    out = [_time(cmd, env) for _ in range(runs)]
+    return statistics.median(w for w, _ in out), out[-1][1]
+
+
+def _figures(stdout: str) -> dict:
+    d = json.loads(stdout)
+    return {k: v for k, v in d.items() if k != "notes"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as pyc, \
+            tempfile.TemporaryDirectory(prefix="vramplan-store-") as store:
+        env = _env(pyc, store)
+        _time([*BIN, "--help"], env)  # fills the bytecode cache
+        _time([sys.executable, "-c", "import torch"], env)
+        torch_s, _ = _median([sys.executable, "-c", "import torch"], env, args.runs)
+        rows: list[tuple[str, float, str]] = []
+
+        def row(label: str, wall: float, target: str = "") -> None:
+            rows.append((label, wall, target))
+            print(f"{label:<64} {wall:6.2f} s  {wall / torch_s:5.2f}x import torch  {target}", flush=True)
+
+        print(f"python -c 'import torch': {torch_s:.2f} s (median of {args.runs})\n")
+        first, ref = _time([*BIN, *TRAIN, "--format", "json"], env)
+        row("estimate llama-3.1-8b --task train, empty store", first, "target <= 2.1x")
+        nocache, fresh = _median([*BIN, *TRAIN, "--format", "json", "--no-cache"], env, 3)
+        row("  the same with --no-cache (median of 3)", nocache)
+        again, hit = _median([*BIN, *TRAIN, "--format", "json"], env, args.runs)
+        row("  the same again (stored)", again, "target <= 0.3 s and <= 0.2x")
+        assert _figures(hit) == _figures(ref) == _figures(fresh), "a stored answer differs from a fresh one"
+
+        print()
+        b4, r4 = _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "4", "--format", "json"], env)
+        row("estimate ... --peft lora --seq 1024 --gpu h100 --batch 4, empty", b4)
+        b4b, r4b = _median([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "4", "--format", "json"], env, args.runs)
+        row("  --batch 4 again", b4b, "target <= 0.3 s")
+        b8, r8 = _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json"], env)
+        row("  --batch 8 (written from stored traces at nearby batches)", b8, "target <= 0.3 s")
+        b8b, _ = _median([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json"], env, args.runs)
+        row("  --batch 8 again", b8b, "target <= 0.3 s")
+        written = [n for n in json.loads(r8)["notes"] if n.startswith("written from the traces")]
+        print(f"    ({written[0] if written else 'NOT written from nearby traces'})")
+        _, f4 = _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "4", "--format", "json", "--no-cache"], env)
+        _, f8 = _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json", "--no-cache"], env)
+        assert _figures(r4) == _figures(r4b) == _figures(f4), "batch 4: a stored answer differs from a fresh one"
+        assert _figures(r8) == _figures(f8), "batch 8: the written answer differs from a fresh trace"
+        print("    every stored or written answer equals the --no-cache one (JSON report but its notes)\n")
+        for cmd in ("fit", "plan"):
+            base = [*BIN, cmd, "llama-3.1-8b", *LORA, "--format", "json"]
+            warm1, _ = _time(base, env)
+            row(f"{cmd} after those estimates (its first run on this store)", warm1)
+            warm, _ = _median(base, env, 3)
+            row(f"  {cmd} again (median of 3)", warm)
+            cold, _ = _time([*base, "--no-cache"], env)
+            row(f"  {cmd} --no-cache", cold)
+
+
+if __name__ == "__main__":
+    main()
