@@ -69,8 +69,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vramplan-pyc-") as pyc, \
             tempfile.TemporaryDirectory(prefix="vramplan-store-") as store:
         env = _env(pyc, store)
-        _time([*BIN, "--help"], env)  # fills the bytecode cache
-        _time([sys.executable, "-c", "import torch"], env)
+        # fill the bytecode cache (as an installed package has its .pyc files) with one run of each
+        # command, in a store that is then deleted
+        with tempfile.TemporaryDirectory(prefix="vramplan-warm-") as warm:
+            wenv = {**env, "VRAMPLAN_CACHE_DIR": warm}
+            _time([sys.executable, "-c", "import torch"], wenv)
+            _time([*BIN, *TRAIN], wenv)
+            for cmd in ("estimate", "fit", "plan"):
+                _time([*BIN, cmd, "llama-3.1-8b", *LORA, "--batch", "4"], wenv)
+            _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8"], wenv)
         torch_s, _ = _median([sys.executable, "-c", "import torch"], env, args.runs)
         rows: list[tuple[str, float, str]] = []
 

@@ -190,6 +190,30 @@ def replay_key(tr: TraceResult, alloc_conf: str | None, capacity: int | None) ->
     return (id(tr), alloc_conf or "", capacity)
 
 
+# --------------------------------------------------------------------------- before a trace
+_BEFORE_TRACE: list[Callable[[], None]] = []
+
+
+def on_first_trace(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` once, just before this process next traces a catalog model (torch and the
+    model's code then imported, nothing stored answered): ``fit`` forks its sequence search
+    there, so that a search answered from the store never imports torch and a child forked for
+    one inherits the imports instead of repeating them. Returns a function that unregisters it."""
+    _BEFORE_TRACE.append(fn)
+
+    def cancel() -> None:
+        if fn in _BEFORE_TRACE:
+            _BEFORE_TRACE.remove(fn)
+
+    return cancel
+
+
+def tracing() -> None:
+    """Called by the trace method just before it traces: runs what :func:`on_first_trace` registered."""
+    while _BEFORE_TRACE:
+        _BEFORE_TRACE.pop(0)()
+
+
 # --------------------------------------------------------------------------- on disk
 NEARBY = 3
 """Traces at other batches a trace is written from (:mod:`vramplan.trace.nearby`)."""
@@ -344,4 +368,4 @@ def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable
 
 
 __all__ = ["BoundedCache", "ModelPool", "TRACES", "REPLAYS", "MODELS", "clear", "spec_key", "trace_key", "replay_key", "cached_trace",
-           "cached_replay", "disk_key", "DiskKey", "nearby_refusal", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS", "MAX_MODELS", "MAX_MODULES"]
+           "cached_replay", "disk_key", "DiskKey", "nearby_refusal", "on_first_trace", "tracing", "MAX_TRACES", "MAX_REPLAYS", "MAX_EVENTS", "MAX_MODELS", "MAX_MODULES"]

@@ -116,8 +116,12 @@ def trace_catalog_model(spec: ModelSpec, w: Workload, dev: DeviceProfile,
         return trace_workload(spec, w, device=dev, options=opts, checkpoint_policy=checkpoint_policy)
 
     def run() -> TraceResult:  # (torch is imported only here: a stored trace answers without it)
+        from ..models.build import import_code
         from ..trace.run import trace_workload
 
+        if cache._BEFORE_TRACE:
+            import_code(spec)  # (what a child forked now inherits)
+            cache.tracing()
         return trace_workload(spec, w, device=dev, options=opts, models=cache.MODELS)
 
     return cache.cached_trace(spec, w, dev, run, options=opts)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vramplan.errors import PlanError
@@ -83,7 +84,7 @@ class _Fit:
             with self._ahead() as ahead:  # the sequence searched in a forked child meanwhile (its traces stored)
                 batch = self._batch()
             seq = self._seq()  # (each of its traces now read from the store: the serial answer, sooner)
-            if getattr(ahead, "forked", 0):
+            if ahead and ahead[0].forked:
                 self.notes.append("the sequence was searched in a forked process while this one searched the batch; "
                                   "its traces were read back from the on-disk store (`--no-cache`: one after another)")
         fallback = self.ev.fallback if self.m is Method.AUTO else None
@@ -111,16 +112,35 @@ class _Fit:
             suggestion=self._suggest() if batch.value == 0 else None,
         )
 
-    def _ahead(self) -> Any:
+    @contextlib.contextmanager
+    def _ahead(self) -> Iterator[Any]:
         """The sequence search run ahead in a forked child (:class:`vramplan.trace.forked.Ahead`)
-        where a trace confirms it, a CPU is spare and the on-disk store can carry its traces back."""
-        from ..engine import store
+        where a trace confirms it, a CPU is spare and the on-disk store can carry its traces back.
+        The child is forked when this process first traces (torch and the model's code imported,
+        which it inherits); a search answered from the store forks nothing and imports no torch."""
+        from ..engine import cache, store
 
         if self.m is Method.ANALYTIC or store.default() is None:
-            return contextlib.nullcontext()
-        from ..trace.forked import Ahead
+            yield None
+            return
+        made: list[Any] = []
 
-        return Ahead(lambda _: self._seq(), [None])
+        def fork() -> None:
+            from ..trace.forked import Ahead
+
+            made.append(Ahead(lambda _: self._seq(), [None]))
+
+        cancel = cache.on_first_trace(fork)
+        try:
+            yield made
+        except BaseException:
+            for a in made:
+                a.__exit__(*sys.exc_info())
+            raise
+        finally:
+            cancel()
+        for a in made:
+            a.wait()
 
     def _suggest(self) -> str | None:
         """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""

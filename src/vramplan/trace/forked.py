@@ -45,8 +45,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Generic, TypeVar
 
-import torch
-
 WORKERS_ENV = "VRAMPLAN_TRACE_WORKERS"
 """Processes :func:`map_forked` may use at most (1: this process only); default: the CPUs this
 process may run on."""
@@ -61,10 +59,17 @@ R = TypeVar("R")
 _in_child = False
 
 
+def _cuda_initialized() -> bool:
+    """CUDA is initialised in this process (never where torch is not even imported: a ``fit``
+    answered from the on-disk store imports no torch)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def workers() -> int:
     """How many processes :func:`map_forked` uses at most, here and now (1: no fork)."""
     if _in_child or sys.platform != "linux" or not hasattr(os, "fork") or threading.active_count() > 1 \
-            or torch.cuda.is_initialized():
+            or _cuda_initialized():
         return 1
     env = os.environ.get(WORKERS_ENV, "").strip()
     if env:
@@ -148,7 +153,9 @@ def _run_child(fn: Callable[[T], R], item: T, out: IO[bytes]) -> None:
         # GNU OpenMP's thread pool does not survive a fork: a parallel CPU op (a host tensor's
         # real values) would wait forever for the parent's threads. One thread, as PyTorch's
         # DataLoader sets in its forked workers.
-        torch.set_num_threads(1)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
