@@ -154,6 +154,26 @@ def test_a_nearby_batch_is_written_from_stored_traces_and_equals_a_fresh_one(tmp
     assert _figures(written) == _figures(fresh)
 
 
+def test_a_nearby_sequence_length_is_written_from_four_stored_traces(tmp_path: Path) -> None:
+    args = [a for a in ARGS if a not in ("--gpu", "rtx-4090")]
+    args[args.index("--seq") + 1:args.index("--seq") + 2] = []
+    args.remove("--seq")
+
+    def run(seq: int, *extra: str) -> tuple[dict, dict]:
+        p = subprocess.run([sys.executable, "-c", PROBE, *args, "--batch", "2", "--seq", str(seq), *extra],
+                           env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout), json.loads(p.stderr.strip().splitlines()[-1])
+
+    for s in (128, 256, 512, 640):
+        run(s)
+    written, mods = run(384)
+    assert not mods["torch"]
+    assert any("written from the traces at sequence lengths 128, 256, 512, 640" in n for n in written["notes"])
+    fresh, _ = run(384, "--no-cache")
+    assert _figures(written) == _figures(fresh)
+
+
 def test_no_cache_writes_nothing_and_cache_command_reports_and_clears(tmp_path: Path) -> None:
     env = _env(tmp_path)
     run = [sys.executable, "-m", "vramplan.cli.main"]

@@ -113,3 +113,28 @@ def test_the_catalog_spec_is_not_changed_by_a_trace() -> None:
     _traces("llama-3.2-1b", dict(task="infer", seq=16), None, (2,))
     after = cache.disk_key(spec, Workload(), profile(None, Workload()), TraceOptions())
     assert dataclasses.asdict(before) == dataclasses.asdict(after)  # type: ignore[arg-type]
+
+
+SEQ_CASES = [
+    ("gpt2", dict(task="train", batch=2)),
+    ("qwen2.5-0.5b", dict(task="train", batch=2, peft="lora", precision="bf16-mixed")),
+    ("llama-3.2-1b", dict(task="infer", batch=3)),
+]
+
+
+@pytest.mark.parametrize(("name", "kw"), SEQ_CASES, ids=[n for n, _ in SEQ_CASES])
+def test_a_sequence_length_written_from_congruent_ones_equals_a_fresh_trace(name: str, kw: dict) -> None:
+    from vramplan.trace.run import trace_workload
+
+    spec = resolve_model(name)
+    tr = {s: trace_workload(spec, w, device=profile(None, w), options=TraceOptions(), models=cache.MODELS)
+          for s, w in ((s, Workload(seq=s, **kw)) for s in (128, 256, 384, 512, 640))}
+    xs = (128, 256, 512, 640)
+    three = write_at([tr[v] for v in xs[:3]], xs[:3], 384, "seq")
+    assert three == "FLOPs are not linear in the seq"  # (attention's seq²: a parabola needs a fourth trace)
+    got = write_at([tr[v] for v in xs], xs, 384, "seq")
+    assert not isinstance(got, str), got
+    assert _same_log(got.events, tr[384].events)
+    for f in FIGURES:
+        assert getattr(got, f) == getattr(tr[384], f), f
+    assert write_at([tr[v] for v in xs], xs, 320, "seq") == "the lengths are not congruent modulo 128"

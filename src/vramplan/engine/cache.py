@@ -215,8 +215,6 @@ def tracing() -> None:
 
 
 # --------------------------------------------------------------------------- on disk
-NEARBY = 3
-"""Traces at other batches a trace is written from (:mod:`vramplan.trace.nearby`)."""
 _DISK_KEYS: dict[int, str] = {}
 """id of a trace in this process → its key on disk (its replays are stored under it)."""
 
@@ -256,40 +254,58 @@ def _remember(tr: TraceResult, key: DiskKey) -> None:
 
 
 def _nearby(spec: ModelSpec, w: Workload, key: DiskKey, disk: Any) -> TraceResult | None:
-    """The trace at ``w``'s batch written from three stored traces at other batches of the same
-    key (:mod:`vramplan.trace.nearby`), or None where none bracket it or they do not prove it."""
+    """The trace at ``w``'s batch (or sequence length) written from three stored traces at other
+    batches (lengths) of the same key (:mod:`vramplan.trace.nearby`), or None where none bracket
+    it or they do not prove it."""
     if nearby_refusal(spec, w) is not None:
         return None
-    others: list[int] = []
+    stored: list[tuple[int, int]] = []
     for name in disk.names("trace", key.group):
         b, _, s = name.partition("-s")
-        if b[:1] == "b" and b[1:].isdigit() and s.isdigit() and int(s) == key.seq and int(b[1:]) != key.batch:
-            others.append(int(b[1:]))
-    below = sorted(b for b in others if b < key.batch)
-    above = sorted(b for b in others if b > key.batch)
+        if b[:1] == "b" and b[1:].isdigit() and s.isdigit():
+            stored.append((int(b[1:]), int(s)))
+    from ..trace.nearby import SEQ_MODULUS, write_at
+
+    for axis in ("batch", "seq"):
+        if axis == "batch":
+            others = [b for b, s in stored if s == key.seq and b != key.batch]
+            x = key.batch
+        else:
+            others = [s for b, s in stored if b == key.batch and s != key.seq and s % SEQ_MODULUS == key.seq % SEQ_MODULUS]
+            x = key.seq
+        xs = _bracket(others, x, 3 if axis == "batch" else 4)
+        if xs is None:
+            continue
+        results = []
+        for v in xs:
+            bb, ss = (v, key.seq) if axis == "batch" else (key.batch, v)
+            got = disk.get("trace", key.group, f"b{bb}-s{ss}", key.text.rsplit("|batch=", 1)[0] + f"|batch={bb}|seq={ss}")
+            if got is None or type(got).__name__ != "TraceResult":
+                break
+            results.append(got)
+        else:
+            out = write_at(results, xs, x, axis)
+            if isinstance(out, str):
+                continue
+            what = "batches" if axis == "batch" else "sequence lengths"
+            note = (f"written from the traces at {what} {', '.join(map(str, xs))} (stored on disk), whose event "
+                    f"logs are equal but for sizes collinear in the {axis} (`--no-cache` traces it)")
+            return dataclasses.replace(out, notes=(*out.notes, note))
+    return None
+
+
+def _bracket(others: list[int], x: int, count: int) -> list[int] | None:
+    """``count`` of ``others`` with ``x`` between the first and the last: the nearest below and
+    above, and the nearest other ones (None where they do not exist)."""
+    below = sorted(v for v in others if v < x)
+    above = sorted(v for v in others if v > x)
     if not below or not above:
         return None
     picked = {below[-1], above[0]}
-    rest = sorted((b for b in others if b not in picked), key=lambda b: (abs(b - key.batch), b))
-    if not rest:
+    rest = sorted((v for v in others if v not in picked), key=lambda v: (abs(v - x), v))
+    if len(rest) < count - 2:
         return None
-    xs = sorted(picked | {rest[0]})
-    results = []
-    for b in xs:
-        k = dataclasses.replace(key, name=f"b{b}-s{key.seq}",
-                                text=key.text.rsplit("|batch=", 1)[0] + f"|batch={b}|seq={key.seq}")
-        got = disk.get("trace", k.group, k.name, k.text)
-        if got is None or type(got).__name__ != "TraceResult":
-            return None
-        results.append(got)
-    from ..trace.nearby import write_at
-
-    out = write_at(results, xs, key.batch)
-    if isinstance(out, str):
-        return None
-    note = (f"written from the traces at batches {', '.join(map(str, xs))} (stored on disk), whose event logs "
-            "are equal but for sizes collinear in the batch (`--no-cache` traces it)")
-    return dataclasses.replace(out, notes=(*out.notes, note))
+    return sorted(picked | set(rest[: count - 2]))
 
 
 def nearby_refusal(spec: ModelSpec, w: Workload) -> str | None:

@@ -16,6 +16,14 @@ at batches ``x0 < x1 < x2`` therefore decide the log at any ``x`` between them w
 3. ``x0 ≤ x ≤ x2``: a count that steps with the batch (loss chunks, a kernel chosen by size) is
    monotone, so equal at both ends means equal between them — outside them it may not be.
 
+The same holds for the sequence length at a fixed batch, with two more conditions: the FLOPs
+grow with ``seq²`` (attention), so they are the parabola through three traces, checked on a
+fourth; and a size
+rounded up to a multiple (an alignment, a chunk of tokens) is linear only across lengths of one
+residue, so the four lengths must be congruent modulo :data:`SEQ_MODULUS` (128: the fit search's
+steps and the lengths people ask for are multiples of it). Attention scores of eager attention
+(``seq²``) are never collinear and are refused by the rule itself.
+
 Where any of it does not hold, :func:`write_at` says why and the caller traces. The parameter
 counts and module paths must be equal. The result is summarised exactly as a trace is
 (:func:`.summary.summarize_resolved`); ``tests/test_trace_nearby.py`` compares it with a fresh
@@ -28,6 +36,7 @@ import dataclasses
 import re
 from array import array
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 
@@ -39,14 +48,18 @@ _DIGITS = re.compile(r"\d+")
 """Numbers of a dtype/shape text (``bf16[4,4096,4096]``: 16, 4, 4096, 4096)."""
 _NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
 """Numbers of a note (thousands separated by commas, as the notes print them)."""
+SEQ_MODULUS = 128
+"""Sequence lengths written from one another must be congruent modulo this: a size rounded up to
+a multiple of any power of two up to 128 (an alignment, loss chunks of a token count) is then
+linear in the length too, where between lengths of other residues it steps."""
 _SAME = ("action", "id", "stream", "category", "phase", "iteration")
 
 
 def _on_line(vals: Sequence[int], xs: Sequence[int], x: int) -> int | None:
-    """The value at ``x`` of the line through ``(xs[i], vals[i])``, or None (not collinear,
-    or not an integer there)."""
-    (x0, x1, x2), (v0, v1, v2) = xs, vals
-    if (v1 - v0) * (x2 - x0) != (v2 - v0) * (x1 - x0):
+    """The value at ``x`` of the line through every ``(xs[i], vals[i])``, or None (not
+    collinear, or not an integer there)."""
+    x0, x1, v0, v1 = xs[0], xs[1], vals[0], vals[1]
+    if any((v - v0) * (x1 - x0) != (v1 - v0) * (xi - x0) for xi, v in zip(xs[2:], vals[2:], strict=True)):
         return None
     num = (v1 - v0) * (x - x0)
     if num % (x1 - x0):
@@ -54,25 +67,47 @@ def _on_line(vals: Sequence[int], xs: Sequence[int], x: int) -> int | None:
     return v0 + num // (x1 - x0)
 
 
+def _on_parabola(vals: Sequence[int], xs: Sequence[int], x: int) -> int | None:
+    """The value at ``x`` of the parabola through the first three ``(xs[i], vals[i])``, checked on
+    every further point, or None (no fourth point to check it, off it, or not an integer)."""
+    if len(xs) < 4:
+        return None
+
+    def at(t: int) -> Fraction:
+        total = Fraction(0)
+        for i in range(3):
+            term = Fraction(vals[i])
+            for j in range(3):
+                if j != i:
+                    term *= Fraction(t - xs[j], xs[i] - xs[j])
+            total += term
+        return total
+
+    if any(at(xi) != v for xi, v in zip(xs[3:], vals[3:], strict=True)):
+        return None
+    got = at(x)
+    return int(got) if got.denominator == 1 else None
+
+
 def _text(texts: Sequence[str], xs: Sequence[int], x: int, pattern: re.Pattern[str]) -> str | None:
-    """A text whose numbers are collinear in the batch, written at ``x`` (None where not)."""
-    if texts[0] == texts[1] == texts[2]:
+    """A text whose numbers are collinear along the axis, written at ``x`` (None where not)."""
+    if all(t == texts[0] for t in texts):
         return texts[0]
     parts = [pattern.split(t) for t in texts]
     nums = [pattern.findall(t) for t in texts]
-    if not (parts[0] == parts[1] == parts[2]) or not (len(nums[0]) == len(nums[1]) == len(nums[2])):
+    if any(p != parts[0] for p in parts) or any(len(n) != len(nums[0]) for n in nums):
         return None
     out = [parts[0][0]]
-    for i, trio in enumerate(zip(*nums, strict=True)):
-        if trio[0] == trio[1] == trio[2]:
-            out.append(trio[0])
+    for i, column in enumerate(zip(*nums, strict=True)):
+        if all(v == column[0] for v in column):
+            out.append(column[0])
         else:
-            if any("." in v for v in trio):
+            if any("." in v for v in column):
                 return None
-            v = _on_line([int(t.replace(",", "")) for t in trio], xs, x)
+            v = _on_line([int(t.replace(",", "")) for t in column], xs, x)
             if v is None or v < 0:
                 return None
-            out.append(f"{v:,}" if any("," in t for t in trio) else str(v))
+            out.append(f"{v:,}" if any("," in t for t in column) else str(v))
         out.append(parts[0][i + 1])
     return "".join(out)
 
@@ -94,16 +129,21 @@ def _strings_equal(logs: Sequence[EventLog], name: str) -> bool:
     return True
 
 
-def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int) -> TraceResult | str:
-    """The trace at batch ``x`` from the traces ``results`` at batches ``xs`` (three, increasing,
-    ``xs[0] ≤ x ≤ xs[2]``), or why it cannot be written (the caller then traces)."""
-    if len(results) != 3 or len(xs) != 3 or not xs[0] < xs[1] < xs[2]:
-        return "need three traces at increasing batches"
-    if not xs[0] <= x <= xs[2]:
-        return f"batch {x} is outside the traced {xs[0]}..{xs[2]}"
+def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int, axis: str = "batch") -> TraceResult | str:
+    """The trace at ``x`` from the traces ``results`` at ``xs`` (three or more, increasing,
+    ``xs[0] ≤ x ≤ xs[-1]``) of one axis (``batch``, or ``seq``: then every length congruent
+    modulo :data:`SEQ_MODULUS`, and a fourth trace checks the FLOPs' parabola), or why it cannot
+    be written (the caller then traces)."""
+    n = len(results)
+    if n < 3 or len(xs) != n or any(a >= b for a, b in zip(xs, xs[1:], strict=False)):
+        return f"need three traces or more at increasing {axis} values"
+    if not xs[0] <= x <= xs[-1]:
+        return f"{axis} {x} is outside the traced {xs[0]}..{xs[-1]}"
+    if axis == "seq" and len({v % SEQ_MODULUS for v in (*xs, x)}) != 1:
+        return f"the lengths are not congruent modulo {SEQ_MODULUS}"
     logs = [r.events for r in results]
-    n = len(logs[0])
-    if any(len(g) != n for g in logs):
+    m = len(logs[0])
+    if any(len(g) != m for g in logs):
         return "the logs differ in length"
     for name in _SAME:
         col = getattr(logs[0], name)
@@ -117,28 +157,29 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int) -> Trace
     for attr in ("params", "trainable_params"):
         if len({getattr(r, attr) for r in results}) != 1:
             return f"{attr} differ"
-    # sizes: collinear event by event, integer at x
+    # sizes: collinear event by event (at every point), integer at x
     s = [_column(g, "size").astype(np.int64) for g in logs]
-    d1, d2 = s[1] - s[0], s[2] - s[0]
-    if not np.array_equal(d1 * (xs[2] - xs[0]), d2 * (xs[1] - xs[0])):
-        return "a size is not linear in the batch"
+    d1 = s[1] - s[0]
+    for k in range(2, n):
+        if not np.array_equal((s[k] - s[0]) * (xs[1] - xs[0]), d1 * (xs[k] - xs[0])):
+            return f"a size is not linear in the {axis}"
     num = d1 * (x - xs[0])
     if np.any(num % (xs[1] - xs[0])):
-        return "a size is not an integer at this batch"
+        return f"a size is not an integer at this {axis}"
     size = s[0] + num // (xs[1] - xs[0])
     if np.any(size < 0):
-        return "a size is negative at this batch"
-    # dtype/shape texts: each distinct trio written once
-    trio = np.stack([_column(g, "desc").astype(np.int64) for g in logs], axis=1)
-    uniq, inverse = np.unique(trio, axis=0, return_inverse=True)
+        return f"a size is negative at this {axis}"
+    # dtype/shape texts: each distinct combination written once
+    column = np.stack([_column(g, "desc").astype(np.int64) for g in logs], axis=1)
+    uniq, inverse = np.unique(column, axis=0, return_inverse=True)
     out = EventLog()
     out.strings = list(logs[0].strings)
     out._index = {t: i for i, t in enumerate(out.strings)}
     desc_of = np.empty(len(uniq), np.int64)
-    for k, (a, b, c) in enumerate(uniq.tolist()):
-        t = _text((logs[0].strings[a], logs[1].strings[b], logs[2].strings[c]), xs, x, _DIGITS)
+    for k, ids in enumerate(uniq.tolist()):
+        t = _text([g.strings[i] for g, i in zip(logs, ids, strict=True)], xs, x, _DIGITS)
         if t is None:
-            return f"the shape {logs[0].strings[a]!r} is not linear in the batch"
+            return f"the shape {logs[0].strings[ids[0]]!r} is not linear in the {axis}"
         desc_of[k] = out.intern(t)
     for name in ("action", "id", "stream", "category", "phase", "iteration", "module", "op"):
         col = getattr(logs[0], name)
@@ -152,16 +193,19 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int) -> Trace
     elif any(f is None for f in flops):
         return "FLOPs counted in some traces only"
     else:
-        total_flops = _on_line([int(f) for f in flops if f is not None], xs, x)
+        counted = [int(f) for f in flops if f is not None]
+        total_flops = _on_line(counted, xs, x)
+        if total_flops is None and axis == "seq":  # (attention's FLOPs grow with seq²: checked on a fourth trace)
+            total_flops = _on_parabola(counted, xs, x)
         if total_flops is None:
-            return "FLOPs are not linear in the batch"
+            return f"FLOPs are not linear in the {axis}"
     if len({len(r.notes) for r in results}) != 1:
         return "the notes differ"
     notes = []
-    for texts in zip(*(r.notes for r in results), strict=True):
+    for texts in zip(*(r.notes for r in results), strict=True):  # (a text per trace)
         t = _text(texts, xs, x, _NUM)
         if t is None:
-            return "a note is not linear in the batch"
+            return f"a note is not linear in the {axis}"
         notes.append(t)
     if len({tuple(name for name, _ in r.host_parts) for r in results}) != 1:
         return "the host-memory parts differ"
@@ -169,7 +213,7 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int) -> Trace
     for k, (name, _) in enumerate(results[0].host_parts):
         v = _on_line([r.host_parts[k][1] for r in results], xs, x)
         if v is None:
-            return "host memory is not linear in the batch"
+            return f"host memory is not linear in the {axis}"
         host_parts.append((name, v))
     got = summarize_resolved(out, results[0].paths, params=results[0].params,
                              trainable=results[0].trainable_params, flops=total_flops, notes=notes)
