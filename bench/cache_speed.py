@@ -9,8 +9,10 @@ private, empty store (``VRAMPLAN_CACHE_DIR``):
 2. the same command again (target ≤ 0.3 s and ≤ 0.2× ``import torch``);
 3. a session of nearby questions on one model and GPU (``--peft lora --seq 1024 --gpu h100``, whose
    verdict searches the largest batch with traces): batch 4 (empty store), batch 4 again, batch 8
-   (written from the stored traces at the batches the first search confirmed), batch 8 again, then
-   ``fit`` and ``plan`` after them and with ``--no-cache``;
+   (written from the stored traces at the batches the first search confirmed), batch 8 again;
+4. ``fit`` and ``plan`` of that workload in an empty store, on all cores and in one process
+   (``VRAMPLAN_TRACE_WORKERS=1``), alternating, twice each (target: ``fit`` ≤ 1.5× the batch-4
+   estimate), with ``--no-cache``, and again on the filled store;
 
 and checks that every answer read from the store equals the same command's ``--no-cache`` answer
 (the JSON report but its notes). Wall seconds, medians of ``--runs`` where a command repeats.
@@ -110,15 +112,43 @@ def main() -> None:
         assert _figures(r4) == _figures(r4b) == _figures(f4), "batch 4: a stored answer differs from a fresh one"
         assert _figures(r8) == _figures(f8), "batch 8: the written answer differs from a fresh trace"
         print("    every stored or written answer equals the --no-cache one (JSON report but its notes)\n")
+        est = b4
         for cmd in ("fit", "plan"):
             base = [*BIN, cmd, "llama-3.1-8b", *LORA, "--format", "json"]
-            warm1, _ = _time(base, env)
-            row(f"{cmd} after those estimates (its first run on this store)", warm1)
-            warm, _ = _median(base, env, 3)
-            row(f"  {cmd} again (median of 3)", warm)
+            par: list[float] = []
+            ser: list[float] = []
+            answers = []
+            for _ in range(2):  # alternating, each in an empty store
+                for workers, into in (("", par), ("1", ser)):
+                    with tempfile.TemporaryDirectory(prefix="vramplan-store-") as empty:
+                        e = {**env, "VRAMPLAN_CACHE_DIR": empty}
+                        if workers:
+                            e["VRAMPLAN_TRACE_WORKERS"] = workers
+                        wall, out = _time(base, e)
+                        into.append(wall)
+                        answers.append(_figures_deep(out))
+            assert all(a == answers[0] for a in answers), f"{cmd}: the answers differ"
+            row(f"{cmd}, empty store, all cores (median of 2)", statistics.median(par),
+                f"{statistics.median(par) / est:.2f}x the batch-4 estimate" + ("; target <= 1.5x" if cmd == "fit" else ""))
+            row(f"  {cmd}, empty store, one process (VRAMPLAN_TRACE_WORKERS=1)", statistics.median(ser),
+                f"all cores: {statistics.median(ser) / statistics.median(par):.2f}x faster")
             cold, _ = _time([*base, "--no-cache"], env)
             row(f"  {cmd} --no-cache", cold)
+            _time(base, env)
+            warm, _ = _median(base, env, 3)
+            row(f"  {cmd} again on the store (median of 3)", warm)
+        print("\n(every fit and plan answer above is the same, notes aside)")
 
+
+def _figures_deep(stdout: str) -> object:
+    def strip(d: object) -> object:
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k != "notes"}
+        if isinstance(d, list):
+            return [strip(x) for x in d]
+        return d
+
+    return strip(json.loads(stdout))
 
 if __name__ == "__main__":
     main()
