@@ -209,9 +209,9 @@ def _strip(d: object) -> object:
 
 @pytest.mark.parametrize("cmd", ["fit", "plan"])
 def test_fit_and_plan_run_ahead_in_forked_processes_with_the_serial_answer(tmp_path: Path, cmd: str) -> None:
-    """``fit`` searches the sequence in a forked child while it searches the batch, ``plan``
-    confirms its last finalists in one; the traces come back through the store, so the answer
-    is the serial one (``--no-cache`` runs one after another)."""
+    """``fit`` confirms the step above each point in a forked child while it confirms the point,
+    ``plan`` confirms its last finalists in one; the traces come back through the store, so the
+    answer is the serial one (``--no-cache`` runs one after another)."""
     env = _env(tmp_path)
     env["VRAMPLAN_TRACE_WORKERS"] = "2"
     args = [sys.executable, "-m", "vramplan.cli.main", cmd, "gpt2", "--task", "train", "--seq", "256",

@@ -67,6 +67,8 @@ class BoundarySearch:
         self.exact = exact and analytic is not None
         """The confirming method is the analytic curve itself: search it, nothing to confirm."""
         self.cal = Calibration(usable)
+        self.ahead = 0
+        """Confirmations run ahead in forked processes (:class:`_Ahead`)."""
 
     @property
     def shaped(self) -> bool:
@@ -79,13 +81,24 @@ class BoundarySearch:
         if a is not None:
             self.cal.add(a, r.peak.device_used)
 
-    def evaluator(self, make: Callable[[int], Workload]) -> Callable[[int], tuple[int | None, bool]]:
+    def evaluator(self, make: Callable[[int], Workload], step: int = 1,
+                  hi: int | None = None) -> Callable[[int], tuple[int | None, bool]]:
+        ahead = _Ahead(self.confirm, self)
+
         def evaluate(x: int) -> tuple[int | None, bool]:
             wx = make(x)
-            r = self.confirm(wx)
+            ahead.claim(wx)
+            nxt = x + step  # (a search ends by confirming the step above its boundary)
+            cancel = ahead.before_trace(make(nxt)) if hi is None or nxt <= hi else None
+            try:
+                r = self.confirm(wx)
+            finally:
+                if cancel is not None:
+                    cancel()
             self._pair(wx, r)
             return r.peak.device_used, fits(r, self.usable)
 
+        evaluate.close = ahead.close  # type: ignore[attr-defined]
         return evaluate
 
     def predictor(self, make: Callable[[int], Workload], lo: int, hi: int, step: int,
@@ -121,10 +134,55 @@ class BoundarySearch:
         predict = self.predictor(make, lo, hi, step, quadratic, start)
         guess = predict({}) if self.shaped else None
         first = int(guess) if guess is not None and guess >= lo else start
-        return boundary_search(self.evaluator(make), first=first, lo=lo, hi=hi, step=step, predict=predict)
+        evaluate = self.evaluator(make, step, hi)
+        try:
+            return boundary_search(evaluate, first=first, lo=lo, hi=hi, step=step, predict=predict)
+        finally:
+            evaluate.close()  # type: ignore[attr-defined]
 
     def largest_batch(self, w: Workload, max_batch: int = MAX_BATCH) -> SearchResult:
         return self.search(lambda b: w.replace(batch=b), lo=1, hi=max_batch, start=min(w.batch, max_batch))
+
+
+class _Ahead:
+    """The step above a point confirmed in a forked child while this process confirms the point
+    (a search that finds its boundary confirms both, one after the other): forked when this
+    process first traces for the point (torch and the model's code imported, which the child
+    inherits), its trace and replay written to the on-disk store, which this process's own
+    confirmation of that step then reads. The search runs exactly as one after another; only
+    sooner. Nothing is forked where the store is off, a single CPU is free, or the point is
+    answered without a trace; a step never asked for is stopped at the end of the search."""
+
+    def __init__(self, confirm: Callable[[Workload], MemoryReport], search: BoundarySearch) -> None:
+        self.confirm = confirm
+        self.search = search
+        self.pending: dict[Workload, object] = {}
+
+    def before_trace(self, w: Workload) -> Callable[[], None] | None:
+        from . import cache, store
+
+        if w in self.pending or store.default() is None:
+            return None
+
+        def fork() -> None:
+            from ..trace.forked import Ahead
+
+            a = Ahead(self.confirm, [w])
+            if a.forked:
+                self.pending[w] = a
+                self.search.ahead += 1
+
+        return cache.on_first_trace(fork)
+
+    def claim(self, w: Workload) -> None:
+        a = self.pending.pop(w, None)
+        if a is not None:
+            a.wait()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        pending, self.pending = self.pending, {}
+        for a in pending.values():
+            a.cancel()  # type: ignore[attr-defined]
 
 
 def _memo(f: Callable[[Workload], int | None]) -> Callable[[Workload], int | None]:

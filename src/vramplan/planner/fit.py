@@ -9,11 +9,8 @@ one ``estimate``'s verdict reports.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 from vramplan.errors import PlanError
 from vramplan.hardware.gpu import GPU
@@ -78,15 +75,8 @@ class _Fit:
 
     # -- the two searches ------------------------------------------------------------
     def run(self) -> FitResult:
-        if self.spec.family in NO_SEQ_FAMILIES:
-            batch, seq = self._batch(), None
-        else:
-            with self._ahead() as ahead:  # the sequence searched in a forked child meanwhile (its traces stored)
-                batch = self._batch()
-            seq = self._seq()  # (each of its traces now read from the store: the serial answer, sooner)
-            if ahead and ahead[0].forked:
-                self.notes.append("the sequence was searched in a forked process while this one searched the batch; "
-                                  "its traces were read back from the on-disk store (`--no-cache`: one after another)")
+        batch = self._batch()
+        seq = None if self.spec.family in NO_SEQ_FAMILIES else self._seq()
         fallback = self.ev.fallback if self.m is Method.AUTO else None
         if fallback is not None:  # every answer came from the formulas: search again, with a margin
             self.margin = margin_of(self.spec, self.w)
@@ -102,6 +92,10 @@ class _Fit:
             self.notes.append(f"{self.spec.name} has no sequence axis; only the batch was searched")
         if batch.value == 0 and (seq is None or seq.value == 0):
             self._nothing_fits(batch, seq)
+        if self.search.ahead:
+            self.notes.append(f"{self.search.ahead} confirmation(s) of the step above a point ran in a forked process "
+                              "while this one confirmed the point; their traces were read back from the on-disk store "
+                              "(`--no-cache`: one after another)")
         if self.shaped and self.m is not Method.ANALYTIC and fallback is None:
             self.notes.append("the analytic curve shaped the search; each boundary was confirmed "
                               f"with the {self.m} method at the boundary and one step above")
@@ -111,36 +105,6 @@ class _Fit:
             seq=seq, evaluations=self.ev.counts(), notes=tuple(self.notes), fallback=fallback,
             suggestion=self._suggest() if batch.value == 0 else None,
         )
-
-    @contextlib.contextmanager
-    def _ahead(self) -> Iterator[Any]:
-        """The sequence search run ahead in a forked child (:class:`vramplan.trace.forked.Ahead`)
-        where a trace confirms it, a CPU is spare and the on-disk store can carry its traces back.
-        The child is forked when this process first traces (torch and the model's code imported,
-        which it inherits); a search answered from the store forks nothing and imports no torch."""
-        from ..engine import cache, store
-
-        if self.m is Method.ANALYTIC or store.default() is None:
-            yield None
-            return
-        made: list[Any] = []
-
-        def fork() -> None:
-            from ..trace.forked import Ahead
-
-            made.append(Ahead(lambda _: self._seq(), [None]))
-
-        cancel = cache.on_first_trace(fork)
-        try:
-            yield made
-        except BaseException:
-            for a in made:
-                a.__exit__(*sys.exc_info())
-            raise
-        finally:
-            cancel()
-        for a in made:
-            a.wait()
 
     def _suggest(self) -> str | None:
         """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""
