@@ -12,7 +12,8 @@ file instead of importing torch and tracing.
   writes it.
 - **Keys**: the canonical text of everything the value depends on (:func:`canonical`), with a
   :func:`fingerprint` of the code: the size and modification time of every vramplan module and
-  of torch's, transformers' and peft's installed files that name their version. Any change of
+  of the installed files that name the versions of torch, transformers, peft and the other
+  packages a trace may run. Any change of
   code or of an installed version is a miss, never a stale answer. The file is named by the
   key's SHA-256 and holds the whole key text, which a read compares (no collision can answer).
 - **Bounded**: at most ``$VRAMPLAN_CACHE_MAX`` bytes (default 2 GiB); a write that passes it
@@ -36,6 +37,7 @@ import os
 import pickle
 import re
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -105,12 +107,16 @@ def canonical(x: Any) -> str:
 
 _FINGERPRINT: str | None = None
 _VERSIONED = (("torch", ("version.py", "__init__.py")), ("transformers", ("__init__.py",)),
-              ("peft", ("__init__.py",)))
+              ("peft", ("__init__.py",)), ("diffusers", ("__init__.py",)), ("timm", ("version.py", "__init__.py")),
+              ("bitsandbytes", ("__init__.py",)), ("torchao", ("__init__.py",)), ("accelerate", ("__init__.py",)))
+"""Packages whose code a trace may run (models, quantisation, layouts), and the files of each that
+change with its version."""
 
 
 def fingerprint() -> str:
-    """The code a trace ran: every vramplan module (size and mtime) and the files of torch,
-    transformers and peft that name their versions (found without importing them)."""
+    """The code a trace ran: every vramplan module and data file (size and mtime), the Python
+    version, and the files of torch, transformers, peft and the other packages a trace may run
+    (:data:`_VERSIONED`) that name their versions, found without importing them."""
     global _FINGERPRINT
     if _FINGERPRINT is None:
         h = hashlib.sha256()
@@ -139,7 +145,7 @@ def fingerprint() -> str:
                 except OSError:
                     continue
                 h.update(f"{mod}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-        h.update(f"format {FORMAT}".encode())
+        h.update(f"format {FORMAT} python {sys.version}".encode())
         _FINGERPRINT = h.hexdigest()[:20]
     return _FINGERPRINT
 
@@ -361,12 +367,15 @@ _STORE: Store | None = None
 
 
 def default() -> Store | None:
-    """The process's store (None when ``VRAMPLAN_NO_CACHE`` is set); its folder and bound are
-    read from the environment each time they change."""
+    """The process's store (None when ``VRAMPLAN_NO_CACHE`` is set, or no folder can be named: no
+    home directory); its folder and bound are read from the environment each time they change."""
     global _STORE
     if off():
         return None
-    root = directory() / f"v{FORMAT}"
+    try:
+        root = directory() / f"v{FORMAT}"
+    except (RuntimeError, KeyError, OSError):  # (Path.home() without HOME or a passwd entry)
+        return None
     if _STORE is None or _STORE.root != root:
         _STORE = Store()
     return _STORE
