@@ -253,7 +253,8 @@ def _remember(tr: TraceResult, key: DiskKey) -> None:
     weakref.finalize(tr, _DISK_KEYS.pop, id(tr), None)
 
 
-def _nearby(spec: ModelSpec, w: Workload, key: DiskKey, disk: Any) -> TraceResult | None:
+def _nearby(spec: ModelSpec, w: Workload, dev: DeviceProfile, options: Hashable, key: DiskKey,
+            disk: Any) -> TraceResult | None:
     """The trace at ``w``'s batch (or sequence length) written from three stored traces at other
     batches (lengths) of the same key (:mod:`vramplan.trace.nearby`), or None where none bracket
     it or they do not prove it."""
@@ -279,9 +280,16 @@ def _nearby(spec: ModelSpec, w: Workload, key: DiskKey, disk: Any) -> TraceResul
         results = []
         for v in xs:
             bb, ss = (v, key.seq) if axis == "batch" else (key.batch, v)
-            got = disk.get("trace", key.group, f"b{bb}-s{ss}", key.text.rsplit("|batch=", 1)[0] + f"|batch={bb}|seq={ss}")
-            if got is None or type(got).__name__ != "TraceResult":
-                break
+            wv = dataclasses.replace(w, batch=bb, seq=ss)
+            got = TRACES.get(trace_key(spec, wv, dev, options))
+            if got is None:
+                text = key.text.rsplit("|batch=", 1)[0] + f"|batch={bb}|seq={ss}"
+                got = disk.get("trace", key.group, f"b{bb}-s{ss}", text)
+                if got is None or type(got).__name__ != "TraceResult":
+                    break
+                # (kept for this process: a search's confirmations ask for these very traces next)
+                _remember(got, dataclasses.replace(key, name=f"b{bb}-s{ss}", text=text, batch=bb, seq=ss))
+                TRACES.put(trace_key(spec, wv, dev, options), got)
             results.append(got)
         else:
             out = write_at(results, xs, x, axis)
@@ -368,7 +376,7 @@ def cached_trace(spec: ModelSpec, w: Workload, dev: DeviceProfile, run: Callable
             written = dataclasses.replace(dk, name="w" + dk.name[1:], text=dk.text + "|written")
             got = disk.get("trace", written.group, written.name, written.text)
             if got is None:
-                got = _nearby(spec, w, dk, disk)
+                got = _nearby(spec, w, dev, options, dk, disk)
                 if got is not None:  # (stored apart: never one of the three a later one is written from)
                     disk.put("trace", written.group, written.name, written.text, got)
         if got is not None:
