@@ -144,33 +144,39 @@ def test_a_repeated_estimate_is_answered_from_the_store_without_torch(tmp_path: 
     assert _figures(fresh) == _figures(first)
 
 
-def test_a_nearby_batch_is_written_from_stored_traces_and_equals_a_fresh_one(tmp_path: Path) -> None:
+def _in_process(monkeypatch, tmp_path: Path, seq: int, batch: int, *, store_on: bool = True) -> dict:
+    """``estimate`` in this process (torch already imported: no start-up per call), on the store
+    of ``_env``; the process's own caches emptied first, so that the answer comes from disk."""
+    from vramplan import estimate
+    from vramplan.engine import cache
+
+    cache.clear()
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "cache"))
+    if store_on:
+        monkeypatch.delenv(store.OFF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(store.OFF_ENV, "1")
+    r = estimate("gpt2", task="train", batch=batch, seq=seq, gpu="rtx-4090", method="trace")
+    return r.to_dict()
+
+
+def test_a_nearby_batch_is_written_from_stored_traces_and_equals_a_fresh_one(tmp_path: Path, monkeypatch) -> None:
     for b in (2, 4, 6):
-        _estimate(tmp_path, b)
-    written, mods = _estimate(tmp_path, 5)
+        _in_process(monkeypatch, tmp_path, 64, b)
+    monkeypatch.delenv(store.DIR_ENV)
+    written, mods = _estimate(tmp_path, 5)  # (a fresh process: no torch imported for it)
     assert not mods["torch"]
     assert any("written from the traces at batches" in n for n in written["notes"])
     fresh, _ = _estimate(tmp_path, 5, "--no-cache")
     assert _figures(written) == _figures(fresh)
 
 
-def test_a_nearby_sequence_length_is_written_from_four_stored_traces(tmp_path: Path) -> None:
-    args = [a for a in ARGS if a not in ("--gpu", "rtx-4090")]
-    args[args.index("--seq") + 1:args.index("--seq") + 2] = []
-    args.remove("--seq")
-
-    def run(seq: int, *extra: str) -> tuple[dict, dict]:
-        p = subprocess.run([sys.executable, "-c", PROBE, *args, "--batch", "2", "--seq", str(seq), *extra],
-                           env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout), json.loads(p.stderr.strip().splitlines()[-1])
-
+def test_a_nearby_sequence_length_is_written_from_four_stored_traces(tmp_path: Path, monkeypatch) -> None:
     for s in (128, 256, 512, 640):
-        run(s)
-    written, mods = run(384)
-    assert not mods["torch"]
+        _in_process(monkeypatch, tmp_path, s, 2)
+    written = _in_process(monkeypatch, tmp_path, 384, 2)
     assert any("written from the traces at sequence lengths 128, 256, 512, 640" in n for n in written["notes"])
-    fresh, _ = run(384, "--no-cache")
+    fresh = _in_process(monkeypatch, tmp_path, 384, 2, store_on=False)
     assert _figures(written) == _figures(fresh)
 
 
