@@ -138,3 +138,35 @@ def test_a_sequence_length_written_from_congruent_ones_equals_a_fresh_trace(name
     for f in FIGURES:
         assert getattr(got, f) == getattr(tr[384], f), f
     assert write_at([tr[v] for v in xs], xs, 320, "seq") == "the lengths are not congruent modulo 128"
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=200), st.data())
+def test_window_argmax_is_argmax_per_window(values: list[int], data) -> None:
+    import numpy as np
+
+    from vramplan.trace.analysis import window_argmax
+
+    n = len(values)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=20)) if n > 1 else []) | {0})
+    cuts = [c for c in cuts if c < n]
+    starts = np.asarray(cuts, np.int64)
+    ends = np.append(starts[1:], n)
+    v = np.asarray(values, np.int64)
+    want = [s + int(np.argmax(v[s:e])) for s, e in zip(starts, ends, strict=True)]
+    assert window_argmax(v, starts, ends).tolist() == want
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=100))
+def test_combinations_are_the_distinct_rows(rows: list[tuple[int, int, int]]) -> None:
+    import numpy as np
+
+    from vramplan.trace.nearby import _combinations
+
+    cols = [np.asarray(c, np.int64) for c in zip(*rows, strict=True)]
+    got, inverse = _combinations(cols)
+    assert sorted(map(tuple, got.tolist())) == sorted(set(rows))
+    assert [tuple(got[k]) for k in inverse.tolist()] == rows

@@ -180,6 +180,16 @@ def _ancestors(path: str, known: set[str]) -> list[str]:
     return out
 
 
+def window_argmax(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """For each window ``[starts[i], ends[i])`` (contiguous, increasing, non-empty, covering
+    ``values``), the index of its first largest value: ``np.argmax`` per window, vectorised."""
+    top = np.maximum.reduceat(values, starts)
+    hits = np.flatnonzero(values == np.repeat(top, ends - starts))
+    window = np.searchsorted(starts, hits, side="right") - 1
+    _, first = np.unique(window, return_index=True)
+    return hits[first].astype(np.int64)
+
+
 def timeline(a: Arrays, points: int = TIMELINE_POINTS) -> Timeline:
     n = len(a.total)
     if n == 0:
@@ -192,7 +202,7 @@ def timeline(a: Arrays, points: int = TIMELINE_POINTS) -> Timeline:
         starts = edges
         ends = np.append(edges[1:], n)
         # within each window keep the event with the highest total (peaks survive decimation)
-        idx = np.array([s + int(np.argmax(a.total[s:e])) for s, e in zip(starts, ends, strict=True)], dtype=np.int64)
+        idx = window_argmax(a.total, starts, ends)
     bucket = _BUCKET_OF_CATEGORY[a.cat]
     series = {}
     for b, key in enumerate(BREAKDOWN_KEYS):

@@ -170,8 +170,7 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int, axis: st
     if np.any(size < 0):
         return f"a size is negative at this {axis}"
     # dtype/shape texts: each distinct combination written once
-    column = np.stack([_column(g, "desc").astype(np.int64) for g in logs], axis=1)
-    uniq, inverse = np.unique(column, axis=0, return_inverse=True)
+    uniq, inverse = _combinations([_column(g, "desc").astype(np.int64) for g in logs])
     out = EventLog()
     out.strings = list(logs[0].strings)
     out._index = {t: i for i, t in enumerate(out.strings)}
@@ -220,6 +219,18 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int, axis: st
     if host_parts:
         got = dataclasses.replace(got, host_memory=sum(v for _, v in host_parts), host_parts=tuple(host_parts))
     return got
+
+
+def _combinations(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of the stacked ``columns`` (one per log) and each event's row number:
+    ``np.unique(..., axis=0, return_inverse=True)``, but by one column at a time on integers
+    (a structured-row sort costs ~10x more on a 20,000-event log)."""
+    code = columns[0]
+    for col in columns[1:]:
+        _, code = np.unique(code * (int(col.max(initial=0)) + 1) + col, return_inverse=True)
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    rows = np.stack([c[first] for c in columns], axis=1)
+    return rows, np.asarray(inverse).reshape(-1)
 
 
 def _array(typecode: str, values: np.ndarray) -> array:
