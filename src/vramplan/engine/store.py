@@ -17,7 +17,8 @@ file instead of importing torch and tracing.
   code or of an installed version is a miss, never a stale answer. The file is named by the
   key's SHA-256 and holds the whole key text, which a read compares (no collision can answer).
 - **Bounded**: at most ``$VRAMPLAN_CACHE_MAX`` bytes (default 2 GiB); a write that passes it
-  deletes the least recently used files (a read touches its file).
+  deletes the least recently used files (a read touches its file). The store is scanned at a
+  process's first write and again only when its count reaches the bound.
 - **Safe**: written to a temporary file in the same folder and renamed over the name (atomic on
   POSIX and Windows), so concurrent writers of one key leave one whole file and a reader never
   sees half of one; a file that does not read back whole (truncated, foreign, from another
@@ -213,6 +214,9 @@ class Store:
         self.root = (root if root is not None else directory()) / f"v{FORMAT}"
         self.limit = limit if limit is not None else max_bytes()
         self.reads = self.hits = self.writes = 0
+        self._held: int | None = None
+        """Bytes the store held at its last scan plus what this process wrote since (other
+        processes write too: it is rescanned whenever it reaches the bound)."""
 
     def _path(self, kind: str, group: str, name: str) -> Path:
         assert _KIND.match(kind) and re.fullmatch(r"[0-9a-f]{16,64}", group) and _KIND.match(name), (kind, group, name)
@@ -276,7 +280,12 @@ class Store:
         except OSError:
             return False
         self.writes += 1
-        self.trim()
+        if self._held is None:
+            self._held = sum(e.bytes for e in self.entries())
+        else:
+            self._held += size
+        if self._held > self.limit:  # (a scan of every file only when the bound may be passed)
+            self.trim()
         return True
 
     def entries(self) -> Iterator[Entry]:
@@ -315,6 +324,7 @@ class Store:
             _unlink(e.path)
             total -= e.bytes
             freed += e.bytes
+        self._held = total
         return freed
 
     def clear(self) -> int:
@@ -323,6 +333,7 @@ class Store:
         for e in list(self.entries()):
             freed += e.bytes
             _unlink(e.path)
+        self._held = 0
         for dirpath, _, _ in sorted(os.walk(self.root), key=lambda t: -len(t[0])) if self.root.is_dir() else ():
             try:
                 os.rmdir(dirpath)

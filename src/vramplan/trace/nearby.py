@@ -46,7 +46,7 @@ from .summary import summarize_resolved
 
 _DIGITS = re.compile(r"\d+")
 """Numbers of a dtype/shape text (``bf16[4,4096,4096]``: 16, 4, 4096, 4096)."""
-_NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
+NOTE_NUMBERS = re.compile(r"\d[\d,]*(?:\.\d+)?")
 """Numbers of a note (thousands separated by commas, as the notes print them)."""
 SEQ_MODULUS = 128
 """Sequence lengths written from one another must be congruent modulo this: a size rounded up to
@@ -89,8 +89,10 @@ def _on_parabola(vals: Sequence[int], xs: Sequence[int], x: int) -> int | None:
     return int(got) if got.denominator == 1 else None
 
 
-def _text(texts: Sequence[str], xs: Sequence[int], x: int, pattern: re.Pattern[str]) -> str | None:
-    """A text whose numbers are collinear along the axis, written at ``x`` (None where not)."""
+def text_on_line(texts: Sequence[str], xs: Sequence[int], x: int, pattern: re.Pattern[str]) -> str | None:
+    """The texts (one per trace, at ``xs``) written at ``x``: equal but for numbers (``pattern``),
+    each collinear along the axis and an integer at ``x`` (None where not; decimals must be
+    equal). :mod:`.replicate` writes its notes with it too (layer copies 0, 1, 2)."""
     if all(t == texts[0] for t in texts):
         return texts[0]
     parts = [pattern.split(t) for t in texts]
@@ -105,7 +107,7 @@ def _text(texts: Sequence[str], xs: Sequence[int], x: int, pattern: re.Pattern[s
             if any("." in v for v in column):
                 return None
             v = _on_line([int(t.replace(",", "")) for t in column], xs, x)
-            if v is None or v < 0:
+            if v is None:
                 return None
             out.append(f"{v:,}" if any("," in t for t in column) else str(v))
         out.append(parts[0][i + 1])
@@ -176,7 +178,7 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int, axis: st
     out._index = {t: i for i, t in enumerate(out.strings)}
     desc_of = np.empty(len(uniq), np.int64)
     for k, ids in enumerate(uniq.tolist()):
-        t = _text([g.strings[i] for g, i in zip(logs, ids, strict=True)], xs, x, _DIGITS)
+        t = text_on_line([g.strings[i] for g, i in zip(logs, ids, strict=True)], xs, x, _DIGITS)
         if t is None:
             return f"the shape {logs[0].strings[ids[0]]!r} is not linear in the {axis}"
         desc_of[k] = out.intern(t)
@@ -202,7 +204,7 @@ def write_at(results: Sequence[TraceResult], xs: Sequence[int], x: int, axis: st
         return "the notes differ"
     notes = []
     for texts in zip(*(r.notes for r in results), strict=True):  # (a text per trace)
-        t = _text(texts, xs, x, _NUM)
+        t = text_on_line(texts, xs, x, NOTE_NUMBERS)
         if t is None:
             return f"a note is not linear in the {axis}"
         notes.append(t)

@@ -73,7 +73,6 @@ _NO_CONTAINER = "\0"
 """A layer list no module path has (expert-cut traces keep their layer indices)."""
 
 _ALLOC = int(Action.ALLOC)
-_NUM = re.compile(r"\d[\d,]*(?:\.\d+)?")
 _PER_LAYER_INTS = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "full_attention_interval",
                    "sliding_window_pattern", "global_attn_every_n_layers", "cross_attention_layers_step")
 
@@ -706,28 +705,10 @@ def _affine(values: Sequence[int]) -> int | None:
 
 def _note(texts: Sequence[str], steps: int) -> str | None:
     """A note whose integers are affine in the layer count, written ``steps`` layers past the
-    shortest trace's (None when it is not)."""
-    if texts[0] == texts[1] == texts[2]:
-        return texts[0]
-    parts = [_NUM.split(t) for t in texts]
-    nums = [_NUM.findall(t) for t in texts]
-    if not (parts[0] == parts[1] == parts[2]) or not (len(nums[0]) == len(nums[1]) == len(nums[2])):
-        return None
-    out = [parts[0][0]]
-    for i, trio in enumerate(zip(*nums, strict=True)):
-        if trio[0] == trio[1] == trio[2]:
-            out.append(trio[0])
-        else:
-            if any("." in x for x in trio):
-                return None
-            vals = [int(x.replace(",", "")) for x in trio]
-            d = _affine(vals)
-            if d is None:
-                return None
-            v = vals[0] + steps * d
-            out.append(f"{v:,}" if any("," in x for x in trio) else str(v))
-        out.append(parts[0][i + 1])
-    return "".join(out)
+    shortest trace's (None when it is not): the three traces are at copies 0, 1 and 2."""
+    from .nearby import NOTE_NUMBERS, text_on_line
+
+    return text_on_line(texts, (0, 1, 2), steps, NOTE_NUMBERS)
 
 
 # --------------------------------------------------------------------------- the whole
