@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
         print()
         return 0
     state = "off: VRAMPLAN_NO_CACHE is set, nothing is read or written" if off() else "on"
+    if not off():
+        try:
+            store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # (a trace then simply stores nothing: say why here)
+            state = f"on, but nothing can be stored: {e.strerror or e}"
     print(f"store: {info.directory} ({state})")
     print(f"holds {info.entries:,} file(s), {fmt_bytes(info.bytes, 'MiB')} of at most {fmt_bytes(info.max_bytes, 'GiB')}")
     for kind, n, b in info.by_kind:
