@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 start=$(date +%s)
 work=$(mktemp -d)
+export VRAMPLAN_CACHE_DIR="$work/store"  # (the traces it runs stay out of ~/.cache)
 trap 'rm -rf "$work"' EXIT
 "$PY" -m venv "$work/venv"
 bin="$work/venv/bin"
@@ -50,6 +51,7 @@ PYEOF
     run 0 "$V" plan llama-3.1-8b --gpu rtx-4090 --allow-peft --method analytic
     run 0 "$V" models
     run 0 "$V" gpus
+    run 0 "$V" cache
     run 2 "$V" estimate llama-3.1-8b --plot "$work/x.png"
     if [ "$pass" = with-transformers ]; then
         run 0 "$V" estimate resnet-50
