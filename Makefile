@@ -36,13 +36,22 @@ $(STAMP214): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)
 
+# The compiled core of the allocator's replay (setup.py; src/vramplan/allocator/core.py), rebuilt
+# when its sources change: the package never runs a build older than its source (it falls back
+# to the Python source, and tests/test_allocator_core.py says so), so a test run rebuilds first.
+CORE := src/vramplan/allocator/_core_build.json
+CORESRC := src/vramplan/allocator/fused.py src/vramplan/allocator/blocks.py src/vramplan/allocator/_keyset.c setup.py
+$(CORE): $(CORESRC) | $(STAMP)
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(CORE)
+
 # The report ends with its answer: the question, the verdict and the change that makes it fit,
 # confirmed by a trace of that change.
 demo: $(STAMP)
 	$(BIN)/vramplan estimate llama-3.1-8b --task train --precision bf16-mixed --optimizer adamw \
 	    --batch 4 --seq 2048 --checkpointing full --gpu h100-sxm
 
-test: $(STAMP)
+test: $(STAMP) $(CORE)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 -p no:cacheprovider
@@ -66,7 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 
 clean:
-	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) build dist src/*.egg-info
+	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) build dist src/*.egg-info src/*.so src/vramplan/allocator/*.so $(CORE)
 
 # The newest releases of accelerate, transformers, peft, trl and lightning against the framework
 # tests, each alone on the pinned set and all together; reports which break (never fails).

@@ -16,9 +16,11 @@ The synthetic trace's rates are those of the event loop (the fast-forward is swi
 them: the target is the loop's); one more line gives the default replay as it runs now.
 
 With ``--moe``, also the log of DeepSeek-V3's training step (what ``vramplan estimate deepseek-v3
---task train`` replays: 2.4 M events, ~55,000 segments, up to 32,000 free blocks in one pool), once
-with every free list a plain sorted list (as the replay kept them before
-:mod:`vramplan.allocator.freelist`) and once as now (long free lists blocked), best of 2 each.
+--task train`` replays: 2.4 M events, ~55,000 segments, up to 32,000 free blocks in one pool),
+replayed by the Python source with every free list a plain sorted list (as the replay kept them
+before :mod:`vramplan.allocator.freelist`), by the Python source as it runs now (long free lists
+blocked), and by the compiled core (:mod:`vramplan.allocator.core`), each in a process of its own,
+best of 3 each, target ≥ 800,000 events/s; every figure of the three compared.
 
     .venv/bin/python bench/replay_speed.py [--events 1000000] [--profile] [--no-real] [--moe]
 """
@@ -177,25 +179,62 @@ def real(args: argparse.Namespace) -> None:
 
 
 def moe() -> None:
-    from vramplan.allocator import freelist
+    """DeepSeek-V3's training log, replayed by the Python source (free lists plain, then long ones
+    blocked) and by the compiled core, each in a process of its own (the choice is made at import:
+    ``VRAMPLAN_PURE_PYTHON``), on one log traced here and handed over in a file."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    from vramplan.allocator import core
     from vramplan.models.catalog import resolve
     from vramplan.trace.run import trace_workload
     from vramplan.workload import Workload
 
     log = trace_workload(resolve("deepseek-v3"), Workload(task="train")).events
-    keep = freelist.HIGH
-    freelist.HIGH = 1 << 62  # (no list is ever blocked)
-    try:
-        before = cpu_best(lambda: replay(log, segment_map=False), repeats=2)
-        ref = replay(log, segment_map=False)
-    finally:
-        freelist.HIGH = keep
-    after = cpu_best(lambda: replay(log, segment_map=False), repeats=2)
-    now = replay(log, segment_map=False)
     n = len(log)
-    print(f"{'deepseek-v3 train (estimate default)':<38} {n:>9,} events  plain free lists {n / before:>9,.0f} ev/s  "
-          f"now (long ones blocked) {n / after:>9,.0f} ev/s ({before / after:4.2f}x; figures "
-          f"{'identical' if now == ref else 'DIFFERENT'}; ratio to target {n / after / REAL_TARGET:4.2f}x)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "log.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(log, f)
+        got = {}
+        for mode in ("plain", "source", "compiled"):
+            env = {**os.environ, core.PURE_ENV: "1" if mode != "compiled" else ""}
+            out = subprocess.run([sys.executable, __file__, "--moe-child", path, mode], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            got[mode] = json.loads(out.strip().splitlines()[-1])
+    src, comp = got["source"], got["compiled"]
+    same = got["plain"]["figures"] == src["figures"] == comp["figures"]
+    print(f"{'deepseek-v3 train (estimate default)':<38} {n:>9,} events (CPU seconds, best of {MOE_REPEATS}); "
+          f"figures {'identical' if same else 'DIFFERENT'} in all three")
+    print(f"  Python source, plain free lists      {n / got['plain']['cpu']:>10,.0f} ev/s")
+    print(f"  Python source, long lists blocked    {n / src['cpu']:>10,.0f} ev/s")
+    print(f"  compiled core                        {n / comp['cpu']:>10,.0f} ev/s ({src['cpu'] / comp['cpu']:4.2f}x the "
+          f"source; ratio to target {n / comp['cpu'] / REAL_TARGET:4.2f}x; {comp['core']})")
+
+
+MOE_REPEATS = 3
+
+
+def moe_child(path: str, mode: str) -> None:
+    """One mode of :func:`moe`, in its own process: prints the best CPU time and the figures."""
+    import json
+    import pickle
+
+    from vramplan.allocator import core, freelist
+
+    with open(path, "rb") as f:
+        log = pickle.load(f)
+    if mode == "plain":
+        freelist.HIGH = 1 << 62  # (no list is ever made long)
+    cpu = cpu_best(lambda: replay(log, segment_map=False), repeats=MOE_REPEATS)
+    r = replay(log, segment_map=False)
+    figures = [r.max_allocated, r.max_reserved, r.peak_allocated_index, r.peak_reserved_index, r.reserved_changes]
+    parts = ", ".join(f"{p.name} {p.state}" for p in core.parts())
+    print(json.dumps({"cpu": cpu, "figures": figures, "core": parts}))
 
 
 def main() -> None:
@@ -203,8 +242,13 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=TARGET_EVENTS)
     ap.add_argument("--profile", action="store_true", help="cProfile one replay")
     ap.add_argument("--no-real", action="store_true", help="skip the real trace logs")
-    ap.add_argument("--moe", action="store_true", help="also DeepSeek-V3's training log, plain vs blocked free lists")
+    ap.add_argument("--moe", action="store_true", help="also DeepSeek-V3's training log: the Python source (plain, "
+                    "then blocked free lists) and the compiled core")
+    ap.add_argument("--moe-child", nargs=2, metavar=("LOG", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.moe_child:
+        moe_child(*args.moe_child)
+        return
     t = time.perf_counter()
     log = synthetic_trace(args.events)
     print(f"synthetic trace: {len(log):,} events (built in {time.perf_counter() - t:.1f} s)")

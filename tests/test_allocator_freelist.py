@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import random
 from bisect import bisect_left, insort
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_allocator_fused import _FIELDS, _STATE
 from test_allocator_props import CONFS, MiB, ops_lists, run_ops
-from vramplan.allocator import freelist
+from vramplan.allocator import core, freelist
 from vramplan.allocator.blocks import SHIFT
 from vramplan.allocator.check import _blocked_problems, check_invariants
 from vramplan.allocator.config import as_config
@@ -27,21 +28,26 @@ from vramplan.allocator.replay import _run_plain, make_allocator, replay
 from vramplan.errors import VramplanError
 from vramplan.events import Action, EventLog
 
+KEYSET = core.keyset()
+"""The C key set where the compiled core is built (None otherwise: only :class:`Blocked` is tested)."""
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @contextlib.contextmanager
-def thresholds(high: int, load: int) -> Iterator[None]:
-    old = freelist.HIGH, freelist.LOAD
-    freelist.HIGH, freelist.LOAD = high, load
+def thresholds(high: int, load: int, long: Callable[[list[int]], Any] = Blocked) -> Iterator[None]:
+    """Free lists made long past ``high`` keys, as ``long`` (:class:`Blocked` with runs of
+    ``load``, unless another kind is given: the C key set of the compiled core)."""
+    old = freelist.HIGH, freelist.LOAD, freelist.lengthen
+    freelist.HIGH, freelist.LOAD, freelist.lengthen = high, load, long
     try:
         yield
     finally:
-        freelist.HIGH, freelist.LOAD = old
+        freelist.HIGH, freelist.LOAD, freelist.lengthen = old
 
 
 def blocked_pools(al: CachingAllocator) -> int:
-    return sum(isinstance(p.keys, Blocked) for pools in (al._small_pools, al._large_pools) for p in pools.values())
+    """Pools whose free list is long (either kind)."""
+    return sum(not isinstance(p.keys, list) for pools in (al._small_pools, al._large_pools) for p in pools.values())
 
 
 @SETTINGS
@@ -131,10 +137,10 @@ def churn_log(r: random.Random, n: int) -> EventLog:
 
 
 def replayed(log: EventLog, conf: str, capacity: int | None, high: int, load: int, use_fused: bool,
-             first_oom: bool = False) -> tuple[tuple, int]:
+             first_oom: bool = False, long: Callable[[list[int]], Any] = Blocked) -> tuple[tuple, int]:
     """Every figure of the pass, every counter after it, the segment map and the GC counts (or
-    the error raised), and how many pools ended blocked."""
-    with thresholds(high, load):
+    the error raised), and how many pools ended blocked (``long``: the long lists' kind)."""
+    with thresholds(high, load, long):
         al = make_allocator(as_config(conf), capacity)
         try:
             run = _run_plain(log, al, fused=use_fused and type(al) is CachingAllocator and not al._es,
@@ -159,11 +165,14 @@ def test_replay_on_blocked_lists_equals_plain_lists():
         capacity = r.choice([None, None, r.randint(40, 600) * MiB])
         first_oom = r.random() < .2
         plain, _ = replayed(log, conf, capacity, 10**9, 512, False, first_oom)
-        for high, load, use_fused in ((10**9, 512, True), (0, 1 + seed % 4, False), (r.randint(0, 3), 1 + seed % 3, True)):
-            got, n = replayed(log, conf, capacity, high, load, use_fused, first_oom)
-            assert got == plain, (seed, conf, capacity, high, load, use_fused)
+        cases = [(10**9, 512, True, Blocked), (0, 1 + seed % 4, False, Blocked), (r.randint(0, 3), 1 + seed % 3, True, Blocked)]
+        if KEYSET is not None:  # (the compiled core's key set, from the first key, in both loops)
+            cases += [(0, 512, False, KEYSET), (r.randint(0, 3), 512, True, KEYSET)]
+        for high, load, use_fused, long in cases:
+            got, n = replayed(log, conf, capacity, high, load, use_fused, first_oom, long)
+            assert got == plain, (seed, conf, capacity, high, load, use_fused, long)
             blocked += n > 0
-    assert blocked > 250  # (the blocked lists were there: most runs end with one)
+    assert blocked > 250 * (len(cases) - 1) / 2  # (the long lists were there: most runs end with one)
 
 
 def test_best_fit_at_the_split_limit_on_a_blocked_list():

@@ -5,10 +5,14 @@ event log through the simulation and returns peaks, segments and fragmentation, 
 ``CachingAllocator`` is the stateful simulator itself for other modules.
 """
 
-from .config import AllocatorConfig, parse_conf
-from .native import CachingAllocator
-from .replay import replay
-from .result import BlockInfo, ReplayResult, ReplayTimeline, SegmentEvent, SegmentInfo
+from . import core
+
+core.select()  # (first: the event loop's modules compiled, or from their source; see core)
+
+from .config import AllocatorConfig, parse_conf  # noqa: E402
+from .native import CachingAllocator  # noqa: E402
+from .replay import replay  # noqa: E402
+from .result import BlockInfo, ReplayResult, ReplayTimeline, SegmentEvent, SegmentInfo  # noqa: E402
 
 __all__ = [
     "AllocatorConfig", "BlockInfo", "CachingAllocator", "ReplayResult", "ReplayTimeline",

@@ -8,12 +8,12 @@ order (size, then address) for one stream.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from .freelist import Keys
 
-SHIFT = 47
+SHIFT: Final = 47
 """Free-list keys are ``size << SHIFT | addr``; simulated addresses stay below 2**SHIFT."""
 ADDR_MASK = (1 << SHIFT) - 1
 

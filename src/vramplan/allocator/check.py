@@ -8,10 +8,15 @@ else is; the byte counters equal what the blocks add up to.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import freelist
 from .blocks import SHIFT, Block
 from .freelist import Blocked
 from .native import CachingAllocator
+
+if TYPE_CHECKING:
+    from .freelist import Long
 
 
 def check_invariants(al: CachingAllocator) -> list[str]:
@@ -74,8 +79,8 @@ def check_invariants(al: CachingAllocator) -> list[str]:
             keys = list(pool.keys)
             if keys != sorted(keys):
                 problems.append(f"{pool.name} pool of stream {pool.stream}: keys not sorted")
-            if isinstance(pool.keys, Blocked):
-                problems += [f"{pool.name} pool of stream {pool.stream}: {p}" for p in _blocked_problems(pool.keys)]
+            if not isinstance(pool.keys, list):
+                problems += [f"{pool.name} pool of stream {pool.stream}: {p}" for p in _long_problems(pool.keys)]
             for key in keys:
                 blk = al._free.get(key)
                 if blk is None or blk.pool is not pool or blk.key != key:
@@ -98,6 +103,24 @@ def check_invariants(al: CachingAllocator) -> list[str]:
     if al.capacity is not None and al.reserved > al.capacity:
         problems.append(f"reserved {al.reserved} exceeds capacity {al.capacity}")
     return problems
+
+
+def _long_problems(keys: Long) -> list[str]:
+    """What breaks a long free list's own invariants (:class:`.freelist.Blocked`, or the C
+    :class:`._keyset.KeySet`: no empty run, none over its limit, the length their sum)."""
+    if isinstance(keys, Blocked):
+        return _blocked_problems(keys)
+    from . import _keyset
+
+    lengths = keys.run_lengths()
+    out = []
+    if any(n <= 0 for n in lengths):
+        out.append("an empty run")
+    if any(n > _keyset.RUN_MAX for n in lengths):
+        out.append(f"a run longer than {_keyset.RUN_MAX}")
+    if len(keys) != sum(lengths):
+        out.append(f"length {len(keys)}, runs hold {sum(lengths)}")
+    return out
 
 
 def _blocked_problems(keys: Blocked) -> list[str]:

@@ -3,11 +3,13 @@ c10/cuda/CUDACachingAllocator.cpp). Identical in PyTorch 2.4 – 2.13."""
 
 from __future__ import annotations
 
+from typing import Final
+
 MiB = 1024 * 1024
 
 MIN_BLOCK_SIZE = 512
 """kMinBlockSize: every request is rounded up to a multiple of 512 bytes (at least 512)."""
-SMALL_SIZE = 1 * MiB
+SMALL_SIZE: Final = 1 * MiB
 """kSmallSize: requests up to 1 MiB (after rounding) go to the small pool."""
 SMALL_BUFFER = 2 * MiB
 """kSmallBuffer: small-pool segments (and small-pool expandable pages) are 2 MiB."""

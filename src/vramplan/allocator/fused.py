@@ -21,21 +21,26 @@ event and in the segment map, on random logs under every allocator option.
 
 from __future__ import annotations
 
+import gc
 from array import array
 from bisect import bisect_left, insort
-from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vramplan.errors import VramplanError
 
 from . import freelist
-from .blocks import SHIFT, Block, Pool
+from .blocks import SHIFT, Block, Pool, Segment
 from .constants import SMALL_SIZE
-from .freelist import Blocked
 from .native import CachingAllocator
 from .sizes import allocation_size, round_size
 
-_MISSING: Any = object()
+if TYPE_CHECKING:
+    from .freelist import Keys
+
+_NOWHERE = Pool(False, -1)
+_MISSING = Block(-1, 0, _NOWHERE, Segment(-1, 0, _NOWHERE, False))
+"""What ``dict.pop`` returns for an id the replay does not hold: a block in no segment's chain
+(a block, so that the loop's variables keep one type, which compiles best)."""
 
 
 def eligible(al: object) -> bool:
@@ -43,10 +48,10 @@ def eligible(al: object) -> bool:
     return type(al) is CachingAllocator and not al._es  # noqa: SLF001 - the allocator's own package
 
 
-def run(al: CachingAllocator, action: array, ident: array, size: array, stream: array,
+def run(al: CachingAllocator, action: array[int], ident: array[int], size: array[int], stream: array[int],
         max_oom_indices: int, *, stop: int = -1,
-        tag: bool = False, first_oom: bool = False, live: dict[int, Any] | None = None,
-        offset: int = 0, block_sizes: array | None = None) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
+        tag: bool = False, first_oom: bool = False, live: dict[int, Block | None] | None = None,
+        offset: int = 0, block_sizes: array[int] | None = None) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
     """Replay the event columns on ``al``: (max allocated, its event index, max reserved, its
     event index, allocated at the reserved peak, segments at the reserved peak, the first
     ``max_oom_indices`` OOM'd event indices, the reserved changes ``(event index, bytes)``).
@@ -56,21 +61,46 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
     ``live`` (id → block) and ``offset`` (the index of the first row) continue a replay run
     in pieces (:mod:`.periodic`): the peaks and changes returned are then the piece's own.
     ``block_sizes`` gets the block size of each allocation that took one, in order."""
+    collecting = gc.isenabled()
+    gc.disable()  # (the blocks' prev/next links are cycles: a collection pass every few thousand
+    try:          # new blocks would walk them all, to find nothing; they are collected after)
+        return _loop(al, action, ident, size, stream, max_oom_indices, stop, tag, first_oom, live, offset,
+                     block_sizes)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: array[int], stream: array[int],
+          max_oom_indices: int, stop: int, tag: bool, first_oom: bool, live: dict[int, Block | None] | None,
+          offset: int, block_sizes: array[int] | None) -> tuple[int, int, int, int, int, int, list[int], list[tuple[int, int]]]:
+    """:func:`run`'s loop, with the cyclic garbage collector paused."""
     # allocator state, read once (these objects are mutated in place, never replaced)
     conf = al.conf
-    free_map = al._free  # noqa: SLF001
-    small_pools, large_pools = al._small_pools, al._large_pools  # noqa: SLF001
-    gc, gc_calls = al._gc, al._gc_calls  # noqa: SLF001
-    msplit, nsr, any_div = al._msplit, al._nsr, al._any_div  # noqa: SLF001
+    free_map: dict[int, Block] = al._free  # noqa: SLF001
+    small_pools: dict[int, Pool] = al._small_pools  # noqa: SLF001
+    large_pools: dict[int, Pool] = al._large_pools  # noqa: SLF001
+    gc_on: bool = al._gc  # noqa: SLF001
+    gc_calls: list[int] = al._gc_calls  # noqa: SLF001
+    msplit: int = al._msplit  # noqa: SLF001
+    nsr: int = al._nsr  # noqa: SLF001
+    any_div: bool = al._any_div  # noqa: SLF001
     malloc_slow = al._malloc_slow  # noqa: SLF001
-    allocated, active, requested = al.allocated, al.active, al.requested
-    inactive_split, reserved = al.inactive_split, al.reserved
-    max_active, max_requested = al.max_active, al.max_requested
-    high = freelist.HIGH
+    allocated: int = al.allocated
+    active: int = al.active
+    requested: int = al.requested
+    inactive_split: int = al.inactive_split
+    reserved: int = al.reserved
+    max_active: int = al.max_active
+    max_requested: int = al.max_requested
+    high: int = freelist.HIGH
+    missing = _MISSING
+    bisect = bisect_left  # (locals: a compiled loop reads globals from a dict on every use)
+    put = insort
 
     if live is None:
         live = {}
-    deferred: dict[int, Any] = {}
+    deferred: dict[int, Block | None] = {}
     oom_indices: list[int] = []
     changes: list[tuple[int, int]] = []
     max_a = max_r = 0
@@ -78,8 +108,11 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
     ia = ir = -1
     alloc_at_peak = segs_at_peak = 0
     k = offset - 1
-    rows = zip(action, ident, size, stream, strict=False)
-    for act, eid, nbytes, st in (rows if stop < 0 else islice(rows, stop + 1)):
+    if stop >= 0:  # (copies of the first rows: the loop below stays a plain zip, which compiles best)
+        action, ident, size, stream = action[:stop + 1], ident[:stop + 1], size[:stop + 1], stream[:stop + 1]
+    b: Block | None
+    keys: Keys
+    for act, eid, nbytes, st in zip(action, ident, size, stream, strict=False):
         k += 1
         if act == 0:  # ALLOC
             if eid in live:
@@ -99,25 +132,22 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             pool = pools.get(st)
             if pool is None:
                 pool = pools[st] = Pool(small, st)
-            if gc:
+            if gc_on:
                 gc_calls[small] += 1
-            b: Block | None = None
-            keys: Any = pool.keys
-            if type(keys) is list:
-                i = bisect_left(keys, rsize << SHIFT)
+            b = None
+            keys = pool.keys
+            if isinstance(keys, list):
+                i = bisect(keys, rsize << SHIFT)
                 if i < len(keys):
                     key = keys[i]
                     bsize = key >> SHIFT
                     if (bsize < msplit) if rsize < msplit else (bsize < rsize + nsr):
                         del keys[i]
                         b = free_map.pop(key)
-            else:  # (a long free list, :mod:`.freelist`: the same search)
-                key = keys.ge(rsize << SHIFT)
+            else:  # (a long free list, :mod:`.freelist`: the same search, and the same limit)
+                key = keys.take(rsize, msplit if rsize < msplit else rsize + nsr)
                 if key >= 0:
-                    bsize = key >> SHIFT
-                    if (bsize < msplit) if rsize < msplit else (bsize < rsize + nsr):
-                        keys.remove(key)
-                        b = free_map.pop(key)
+                    b = free_map.pop(key)
             if b is None:
                 al.allocated, al.active, al.requested, al.inactive_split = allocated, active, requested, inactive_split
                 if tag:
@@ -147,12 +177,12 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                     b.size = remaining
                     key = (remaining << SHIFT) | b.addr
                     keys = pool.keys
-                    if type(keys) is list:  # (made blocked, if long, at the next free)
-                        insort(keys, key)
+                    if isinstance(keys, list):  # (made blocked, if long, at the next free)
+                        put(keys, key)
                     else:
                         keys.add(key)
                     free_map[key] = b
-                    if gc:  # (without GC the count stays 0: so does every gc_base)
+                    if gc_on:  # (without GC the count stays 0: so does every gc_base)
                         b.gc_base = gc_calls[small]
                     if already_split:
                         inactive_split -= rsize
@@ -189,12 +219,12 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                     alloc_at_peak = allocated
                     segs_at_peak = al.num_segments
         elif act == 1:  # FREE
-            b = live.pop(eid, _MISSING)
+            b = live.pop(eid, missing)
             if b is None:
                 continue
-            if b is _MISSING:  # completes a deferred free, or is an error
-                d = deferred.pop(eid, _MISSING)
-                if d is _MISSING:
+            if b is missing:  # completes a deferred free, or is an error
+                d = deferred.pop(eid, missing)
+                if d is missing:
                     raise VramplanError(f"event {k}: free of id {eid}, which is not allocated")
                 if d is None:  # a zero-byte or OOM'd storage: no block
                     continue
@@ -210,13 +240,12 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             allocated -= orig_size
             pool = b.pool
             keys = pool.keys
-            plain = type(keys) is list
             net = 0
             p = b.prev
             if p is not None and not p.allocated and not p.events:  # (every block is mapped)
                 key = (p.size << SHIFT) | p.addr
-                if plain:
-                    del keys[bisect_left(keys, key)]
+                if isinstance(keys, list):
+                    del keys[bisect(keys, key)]
                 else:
                     keys.remove(key)
                 del free_map[key]
@@ -232,8 +261,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             n = b.next
             if n is not None and not n.allocated and not n.events:
                 key = (n.size << SHIFT) | n.addr
-                if plain:
-                    del keys[bisect_left(keys, key)]
+                if isinstance(keys, list):
+                    del keys[bisect(keys, key)]
                 else:
                     keys.remove(key)
                 del free_map[key]
@@ -244,14 +273,14 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
                 if nn is not None:
                     nn.prev = b
             key = (b.size << SHIFT) | b.addr
-            if plain:
-                insort(keys, key)
+            if isinstance(keys, list):
+                put(keys, key)
                 if len(keys) > high:
-                    pool.keys = Blocked(keys)
+                    pool.keys = freelist.lengthen(keys)  # (looked up here: tests swap it)
             else:
                 keys.add(key)
             free_map[key] = b
-            if gc:
+            if gc_on:
                 b.gc_base = gc_calls[pool.small]
             if b.prev is not None or b.next is not None:
                 net += b.size
@@ -260,8 +289,8 @@ def run(al: CachingAllocator, action: array, ident: array, size: array, stream: 
             requested -= b.req
             b.req = 0
         elif act == 2:  # FREE_DEFERRED: CachingAllocator.free(b, deferred=True)
-            b = live.pop(eid, _MISSING)
-            if b is _MISSING:
+            b = live.pop(eid, missing)
+            if b is missing:
                 raise VramplanError(f"event {k}: deferred free of id {eid}, which is not allocated")
             if b is not None:
                 b.allocated = False

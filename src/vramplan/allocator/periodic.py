@@ -176,9 +176,14 @@ def _pair(act: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     src = np.full(len(act), -1, dtype=np.int64)
     alloc_ids = ids[alloc_ix]
     if len(alloc_ids) and (np.diff(alloc_ids) > 0).all():  # (each id allocated once: the tracer's)
-        at = np.searchsorted(alloc_ids, ids[free_ix])
-        ok = at < len(alloc_ids)
-        if not ok.all() or (alloc_ids[at] != ids[free_ix]).any() or (alloc_ix[at] > free_ix).any() \
+        freed = ids[free_ix]
+        if alloc_ids[-1] - alloc_ids[0] == len(alloc_ids) - 1:  # (consecutive, as the tracer numbers them)
+            at = freed - alloc_ids[0]
+            ok = (at >= 0) & (at < len(alloc_ids))
+        else:
+            at = np.searchsorted(alloc_ids, freed)
+            ok = at < len(alloc_ids)
+        if not ok.all() or (alloc_ids[at] != freed).any() or (alloc_ix[at] > free_ix).any() \
                 or np.bincount(at, minlength=len(alloc_ids)).max(initial=0) > 1:
             return None
         src[free_ix] = alloc_ix[at]
@@ -214,11 +219,12 @@ def _signature(si: np.ndarray, act: np.ndarray, src: np.ndarray, rsize: np.ndarr
     """Each event of the small pool's sub-log (indices ``si`` of the log): an allocation its
     rounded size and stream, a free minus its distance back to its allocation in the sub-log."""
     m = len(si)
-    pos = np.full(len(act), -1, dtype=np.int64)
-    pos[si] = np.arange(m)
+    ks = np.arange(m)
+    pos = np.empty(len(act), dtype=np.int64)  # (read only at the small pool's allocations, which are set)
+    pos[si] = ks
     frees = act[si] == 1
     back = np.zeros(m, dtype=np.int64)
-    back[frees] = np.arange(m)[frees] - pos[src[si[frees]]]
+    back[frees] = ks[frees] - pos[src[si[frees]]]
     st = stream[si].astype(np.int64)
     if (st >> 16).any():  # (streams beyond 16 bits: no signature repeats)
         return np.arange(m, dtype=np.int64) + (1 << 40)

@@ -50,7 +50,10 @@ class _VersionAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        parser._print_message(f"{parser.prog} {_version()}\n", sys.stdout)
+        from vramplan.allocator import core
+
+        parts = "; ".join(f"{p.name} {p.state}" for p in core.parts())
+        parser._print_message(f"{parser.prog} {_version()} (allocator replay core: {parts})\n", sys.stdout)
         parser.exit()
 
 
