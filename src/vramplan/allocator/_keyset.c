@@ -371,6 +371,65 @@ static int as_u64_sat(PyObject *o, unsigned long long *out)
     return 0;
 }
 
+/* A block's size and address (non-negative, below 2**63) as the key's value size << SHIFT | addr. */
+static int block_value(PyObject *size_o, PyObject *addr_o, u128 *out)
+{
+    Py_ssize_t size = PyLong_AsSsize_t(size_o), addr;
+    if (size == -1 && PyErr_Occurred())
+        return -1;
+    addr = PyLong_AsSsize_t(addr_o);
+    if (addr == -1 && PyErr_Occurred())
+        return -1;
+    if (size < 0 || addr < 0 || (unsigned long long)addr >> SHIFT) {
+        PyErr_SetString(PyExc_ValueError, "KeySet: a block's size and address are >= 0, the address below 2**SHIFT");
+        return -1;
+    }
+    *out = ((u128)(unsigned long long)size << SHIFT) | (u128)(unsigned long long)addr;
+    return 0;
+}
+
+/* put(key, size, addr): add(key) for key == size << SHIFT | addr, which the caller has at hand
+ * (read from the two small ints: converting the key itself costs more). */
+static PyObject *KeySet_put(KeySet *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    u128 v;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put(key, size, addr) takes three ints");
+        return NULL;
+    }
+    if (!PyLong_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "KeySet keys are ints");
+        return NULL;
+    }
+    if (block_value(args[1], args[2], &v) < 0 || insert(s, v, args[0]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* drop(size, addr): remove(size << SHIFT | addr), which must be present. */
+static PyObject *KeySet_drop(KeySet *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    u128 v;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "drop(size, addr) takes two ints");
+        return NULL;
+    }
+    if (block_value(args[0], args[1], &v) < 0)
+        return NULL;
+    Py_ssize_t j = lower_u128(s->maxes, s->nruns, v);
+    Run *r = j < s->nruns ? s->runs[j] : NULL;
+    Py_ssize_t i = r ? lower_run(r, v) : 0;
+    if (!r || r->e[i].v != v) {
+        PyErr_SetString(PyExc_KeyError, "drop: no such block in the set");
+        return NULL;
+    }
+    PyObject *old = remove_at(s, j, i);
+    if (!old)
+        return NULL;
+    Py_DECREF(old);
+    Py_RETURN_NONE;
+}
+
 /* take(size, limit): the best fit's key for a block of ``size`` bytes, removed; -1 if none.
  * The smallest key >= size << SHIFT, taken only if its size (key >> SHIFT) is below ``limit``. */
 static PyObject *KeySet_take(KeySet *s, PyObject *const *args, Py_ssize_t nargs)
@@ -463,6 +522,10 @@ static PyMethodDef KeySet_methods[] = {
     {"lt", (PyCFunction)KeySet_lt, METH_O, "The largest key < x; -1 if none."},
     {"add", (PyCFunction)KeySet_add, METH_O, "Insert a key that is not held."},
     {"remove", (PyCFunction)KeySet_remove, METH_O, "Remove a key that is held (KeyError otherwise)."},
+    {"put", (PyCFunction)(void (*)(void))KeySet_put, METH_FASTCALL,
+     "put(key, size, addr): add(key), where key == size << SHIFT | addr."},
+    {"drop", (PyCFunction)(void (*)(void))KeySet_drop, METH_FASTCALL,
+     "drop(size, addr): remove(size << SHIFT | addr), which is held."},
     {"take", (PyCFunction)(void (*)(void))KeySet_take, METH_FASTCALL,
      "take(size, limit): the smallest key >= size << SHIFT, removed, if its size is below limit; else -1."},
     {"tolist", (PyCFunction)KeySet_tolist, METH_NOARGS, "The keys in order, as a list."},

@@ -96,6 +96,14 @@ class Blocked:
         self.remove(key)
         return key
 
+    def put(self, key: int, size: int, addr: int) -> None:
+        """:meth:`add` of ``key == size << SHIFT | addr`` (the C key set reads the small ints)."""
+        self.add(key)
+
+    def drop(self, size: int, addr: int) -> None:
+        """:meth:`remove` of ``size << SHIFT | addr``."""
+        self.remove((size << SHIFT) | addr)
+
     def add(self, key: int) -> None:
         maxes = self.maxes
         runs = self.runs

@@ -112,6 +112,9 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
         action, ident, size, stream = action[:stop + 1], ident[:stop + 1], size[:stop + 1], stream[:stop + 1]
     b: Block | None
     keys: Keys
+    # blocks merged into a neighbour (no list, map or chain holds them), reused by the next splits:
+    # that saves allocating, and later collecting, a Python object per split
+    spare: list[Block] = []
     for act, eid, nbytes, st in zip(action, ident, size, stream, strict=False):
         k += 1
         if act == 0:  # ALLOC
@@ -165,7 +168,13 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
                 if (remaining >= 512) if small else (rsize < msplit and remaining > SMALL_SIZE):
                     prev = b.prev
                     already_split = prev is not None or b.next is not None
-                    nb = Block(b.addr, rsize, pool, b.seg)
+                    if spare:  # (a block merged away earlier, its fields as Block() sets them)
+                        nb = spare.pop()
+                        nb.addr, nb.size, nb.pool, nb.seg = b.addr, rsize, pool, b.seg
+                        nb.req = nb.events = nb.gc_base = 0
+                        nb.allocated, nb.mapped, nb.ev = False, True, -1
+                    else:
+                        nb = Block(b.addr, rsize, pool, b.seg)
                     nb.prev = prev
                     if prev is None:
                         b.seg.head = nb
@@ -180,7 +189,7 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
                     if isinstance(keys, list):  # (made blocked, if long, at the next free)
                         put(keys, key)
                     else:
-                        keys.add(key)
+                        keys.put(key, remaining, b.addr)
                     free_map[key] = b
                     if gc_on:  # (without GC the count stays 0: so does every gc_base)
                         b.gc_base = gc_calls[small]
@@ -247,7 +256,7 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
                 if isinstance(keys, list):
                     del keys[bisect(keys, key)]
                 else:
-                    keys.remove(key)
+                    keys.drop(p.size, p.addr)
                 del free_map[key]
                 b.addr = p.addr
                 b.size += p.size
@@ -258,13 +267,15 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
                     b.seg.head = b
                 else:
                     pp.next = b
+                p.prev = p.next = None
+                spare.append(p)
             n = b.next
             if n is not None and not n.allocated and not n.events:
                 key = (n.size << SHIFT) | n.addr
                 if isinstance(keys, list):
                     del keys[bisect(keys, key)]
                 else:
-                    keys.remove(key)
+                    keys.drop(n.size, n.addr)
                 del free_map[key]
                 b.size += n.size
                 net -= n.size
@@ -272,13 +283,15 @@ def _loop(al: CachingAllocator, action: array[int], ident: array[int], size: arr
                 b.next = nn
                 if nn is not None:
                     nn.prev = b
+                n.prev = n.next = None
+                spare.append(n)
             key = (b.size << SHIFT) | b.addr
             if isinstance(keys, list):
                 put(keys, key)
                 if len(keys) > high:
                     pool.keys = freelist.lengthen(keys)  # (looked up here: tests swap it)
             else:
-                keys.add(key)
+                keys.put(key, b.size, b.addr)
             free_map[key] = b
             if gc_on:
                 b.gc_base = gc_calls[pool.small]
