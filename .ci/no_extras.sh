@@ -16,6 +16,8 @@ bin="$work/venv/bin"
 "$bin/pip" install -q . 2>&1 | grep -v "^WARNING: Location" || true
 "$bin/python" -c "import vramplan" || { echo "no-extras: install failed"; exit 1; }
 echo "no-extras: installed in $(( $(date +%s) - start )) s"
+# the compiled core of the replay (setup.py) is built where a C compiler is found: say which runs
+"$bin/vramplan" --version
 cd "$work"  # run the installed package, not the source tree
 
 expect() {  # expect RC CMD...: exit code RC, and no traceback on stderr

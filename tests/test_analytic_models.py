@@ -148,6 +148,25 @@ def test_lora_with_unknown_targets_names_the_linears():
         estimate(llama_8b(), w)
 
 
+def test_lora_targets_beyond_the_layers_linears_are_refused_not_left_out():
+    """peft wraps ``lm_head`` or ``embed_tokens`` when asked (the trace counts their adapters); the
+    analytic method models adapters on the layers' linears only, so it refuses rather than leave
+    them out. Default targets a model partly lacks are skipped, as peft skips them."""
+    for extra in ("lm_head", "embed_tokens", "layers.0.self_attn.q_proj"):
+        w = Workload(task="train", peft="lora", lora_targets=("q_proj", extra))
+        with pytest.raises(WorkloadError, match=f"LoRA target {extra}: the analytic method") as e:
+            estimate(llama_8b(), w)
+        assert e.value.field == "lora_targets" and "method=trace" in e.value.hint
+    est = estimate(llama_8b(), Workload(task="train", peft="lora", lora_targets=("q_proj", "v_proj"), lora_rank=8))
+    assert est.trainable_params == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+
+
+def test_dora_is_refused_by_the_analytic_method():
+    with pytest.raises(WorkloadError, match="DoRA: the analytic method") as e:
+        estimate(llama_8b(), Workload(task="train", peft="lora", lora_dora=True))
+    assert e.value.field == "lora_dora" and "method=trace" in e.value.hint
+
+
 def test_default_lora_targets_map_to_bert_attention():
     est = estimate(bert_base(), Workload(task="train", peft="lora", lora_rank=8, batch=2, seq=128))
     assert est.trainable_params > 0

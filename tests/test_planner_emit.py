@@ -153,6 +153,12 @@ def test_trainer_args_name_the_plan_settings(base_plan):
         assert s in src
 
 
+def test_trainer_args_carry_dora_and_rslora(base_plan):
+    src = emit(_with(base_plan, 1, peft="lora", lora_dora=True, lora_rslora=True, precision="bf16-mixed"), "trainer").text
+    assert "use_dora=True, use_rslora=True" in src
+    assert "use_dora" not in emit(_with(base_plan, 1, peft="lora", precision="bf16-mixed"), "trainer").text
+
+
 def test_alloc_conf_recommends_expandable_segments_when_tight_or_fragmented(base_plan):
     tight = replace(base_plan, memory=int(base_plan.usable * 0.95))
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in emit(tight, "alloc-conf").text.splitlines()

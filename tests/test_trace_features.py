@@ -68,22 +68,71 @@ def test_lora_trains_only_the_adapters(llama) -> None:
     assert any("LoRA r=8" in n for n in r.notes)
 
 
+def test_lora_on_the_head_and_embedding_is_traced(llama) -> None:
+    """peft wraps ``lm_head`` and ``embed_tokens`` when asked: their adapters train too (the
+    analytic method refuses these targets rather than leave them out)."""
+    h, layers, vocab, r = 64, 4, 256, 8
+    q = layers * r * (h + h)
+    for target, extra in (("lm_head", r * (h + vocab)), ("embed_tokens", r * (vocab + h))):
+        got = trace_workload(llama, Workload(**BASE, peft="lora", lora_rank=r, lora_targets=("q_proj", target)),
+                             options=NO_WS)
+        assert got.trainable_params == q + extra, target
+        assert any(target in n for n in got.notes if "LoRA" in n)
+
+
+def test_dora_trains_a_magnitude_per_output_feature_and_rebuilds_each_weight(llama) -> None:
+    """peft's DoRA: one fp32 magnitude per output feature of each adapted layer (trained, with its
+    gradient and AdamW states), and in every forward the adapted weight rebuilt at full size
+    (``lora_B @ lora_A`` through an identity, plus the base weight) to take its row norms."""
+    w = Workload(**BASE, peft="lora", lora_rank=8)
+    lora = trace_workload(llama, w, options=NO_WS)
+    dora = trace_workload(llama, w.replace(lora_dora=True), options=NO_WS)
+    layers, outs = 4, 64 + 32 + 32 + 64  # q, k, v, o output features
+    assert dora.trainable_params == lora.trainable_params + layers * outs
+    assert max(p.breakdown.gradients for p in dora.phases) == 4 * dora.trainable_params
+    opt = [p for p in dora.phases if p.phase is Phase.OPTIMIZER][0]
+    assert opt.breakdown.optimizer == 2 * 4 * dora.trainable_params
+    log = dora.events
+    rebuilt = {log.strings[log.desc[k]] for k in range(len(log))
+               if log.action[k] == Action.ALLOC and "lora_magnitude_vector" in log.strings[log.module[k]]}
+    assert {"f32[64,64]", "f32[32,64]"} <= rebuilt  # q/o and k/v weights, rebuilt in fp32 (the adapters' dtype)
+    assert dora.peak_allocated > lora.peak_allocated
+    assert any(n.startswith("DoRA r=8") for n in dora.notes)
+
+
+def test_rslora_changes_no_memory(llama) -> None:
+    w = Workload(**BASE, peft="lora", lora_rank=8)
+    lora = trace_workload(llama, w, options=NO_WS)
+    rs = trace_workload(llama, w.replace(lora_rslora=True), options=NO_WS)
+    assert list(rs.events.size) == list(lora.events.size) and rs.peak_allocated == lora.peak_allocated
+    assert any("rsLoRA" in n for n in rs.notes)
+
+
+def test_dora_over_quantised_weights_is_refused_with_the_reason() -> None:
+    from vramplan.errors import WorkloadError
+
+    with pytest.raises(WorkloadError, match="QDoRA") as e:
+        Workload(**BASE, peft="qlora", lora_dora=True)
+    assert e.value.field == "lora_dora"
+
+
 def test_lora_adapters_built_on_meta_match_peft_on_the_cpu(llama) -> None:
     """apply_peft builds a meta model's adapters on meta (no real init): same parameters, names,
     shapes, dtypes and trainability as peft's own CPU-built adapters after the move to meta."""
     from vramplan.models.build import build_model
     from vramplan.trace import features
 
-    w = Workload(**BASE, peft="lora", lora_rank=8)
-
     def params(m: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype, bool, str]]:
         return [(n, tuple(p.shape), p.dtype, p.requires_grad, p.device.type) for n, p in m.named_parameters()]
 
-    fast, _ = features.apply_peft(build_model(llama, device="meta"), w)
-    assert all(p.device.type == "meta" for p in fast.parameters())
-    cpu_built, _ = features.apply_peft(build_model(llama, device="cpu"), w)
-    features.to_trace_device(cpu_built)
-    assert params(fast) == params(cpu_built)
+    for dora in (False, True):  # (DoRA: the magnitude vectors too)
+        w = Workload(**BASE, peft="lora", lora_rank=8, lora_dora=dora)
+        fast, _ = features.apply_peft(build_model(llama, device="meta"), w)
+        assert all(p.device.type == "meta" for p in fast.parameters())
+        cpu_built, _ = features.apply_peft(build_model(llama, device="cpu"), w)
+        features.to_trace_device(cpu_built)
+        assert params(fast) == params(cpu_built)
+        assert any("lora_magnitude_vector" in n for n, *_ in params(fast)) == dora
 
 
 def test_qlora_stores_nf4_with_double_quantisation(llama) -> None:

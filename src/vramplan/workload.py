@@ -390,6 +390,13 @@ class Workload:
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
     """Module names LoRA wraps (a tuple, or one comma-separated string); all-linear for every
     linear layer but the head."""
+    lora_dora: bool = False
+    """DoRA (peft's `use_dora`): a trainable magnitude per output feature of each adapted layer,
+    and in every forward the weight-norm path (the adapted weight rebuilt and normed) and the
+    base and adapter outputs it saves. Traced (peft's own code); the analytic method refuses it."""
+    lora_rslora: bool = False
+    """rsLoRA (peft's `use_rslora`): adapters scaled by alpha/sqrt(r) instead of alpha/r (no
+    memory of its own)."""
     peft_base_dtype: DtypeChoice = DtypeChoice.AUTO
     """Storage dtype of the frozen base under LoRA (auto: the compute dtype; fp32 for a
     base loaded in fp32 and run under autocast)."""
@@ -458,6 +465,11 @@ class Workload:
                 raise WorkloadError(f"QLoRA stores the base weights in NF4, not {self.quant}", hint="drop `quant`",
                                     field="quant")
             object.__setattr__(self, "quant", Quant.NF4)
+        if self.lora_dora and self.peft is not Peft.NONE and self.quant is not Quant.NONE:
+            raise WorkloadError(
+                f"DoRA over {self.quant} base weights (QDoRA) is not modelled: peft dequantises the base weight "
+                "with bitsandbytes in every forward, which the trace's own quantised layers do not emulate",
+                hint="use `peft=lora` with `lora_dora`, or drop `lora_dora`", field="lora_dora")
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
             raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
                                 field="task")
@@ -536,6 +548,9 @@ class Workload:
                 notes.append("`lora_rank` applies with `peft=lora` or qlora; ignored without `peft`")
             if "lora_targets" in given or tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
                 notes.append("`lora_targets` applies with `peft=lora` or qlora; ignored without `peft`")
+            for name in ("lora_dora", "lora_rslora"):
+                if getattr(self, name):
+                    notes.append(f"`{name}` applies with `peft=lora` or qlora; ignored without `peft`")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:
             notes.append("`checkpoint_fraction` applies with `checkpointing`; ignored without it")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_every != 1:

@@ -41,6 +41,12 @@ def trainable(arch: Arch, w: Workload) -> Trainable:
         return Trainable(full=False)
     if w.peft is Peft.NONE:
         return Trainable(full=True)
+    if w.lora_dora:
+        raise WorkloadError(
+            "DoRA: the analytic method does not model its weight-norm path (each adapted weight rebuilt "
+            "and normed in every forward, and the base and adapter outputs it saves)",
+            hint="use `method=trace` (auto traces catalog models), which runs peft's own DoRA code",
+            field="lora_dora")
     lins = [lin for g in arch.groups for lin in g.linears if lin.lora]
     wanted = tuple(w.lora_targets)
     if wanted == (ALL_LINEAR,):
@@ -50,6 +56,13 @@ def trainable(arch: Arch, w: Workload) -> Trainable:
     else:
         chosen = {(lin.name, lin.role) for lin in lins
                   if any(lin.name == t or lin.name.endswith("." + t) for t in wanted)}
+        missed = [t for t in wanted if not any(lin.name == t or lin.name.endswith("." + t) for lin in lins)]
+        if chosen and missed and wanted != LORA_DEFAULT_TARGETS:  # (peft would wrap what it finds: lm_head, embed_tokens)
+            raise WorkloadError(
+                f"LoRA target {', '.join(missed)}: the analytic method puts adapters on the layers' linear "
+                f"layers only ({', '.join(arch.linear_names())}), and would leave {'it' if len(missed) == 1 else 'them'} out",
+                hint="use `method=trace` (auto traces catalog models), which wraps every module peft does; "
+                     "or drop it from `lora_targets`", field="lora_targets")
     if not chosen:
         names = ", ".join(arch.linear_names())
         raise WorkloadError(

@@ -346,7 +346,7 @@ def caveats(w: Workload, plans: Sequence[Plan]) -> list[str]:
 def _notes(w: Workload, m: Method, sc: Screen, global_batch: int | None, n: int, fit: int) -> list[str]:
     notes = [f"{n} candidate configurations screened with the {sc.method} method; {fit} fit"]
     if sc.method is not Method.ANALYTIC:
-        notes.append("no analytic formulas for this model: every candidate was traced, so the space was "
+        notes.append("the analytic method does not cover this model or workload: every candidate was traced, so the space was "
                      "kept compact (no selective/partial checkpointing, fused/Adafactor optimizers, ZeRO-1/2)")
     if m is not Method.ANALYTIC and sc.method is Method.ANALYTIC:
         notes.append(f"finalists re-estimated with the {m} method on the target GPU (confirmed = yes)")

@@ -59,7 +59,7 @@ def workload_line(r: MemoryReport) -> str:
             parts.append(f"grad-accum {w.grad_accum}")
         parts.append(f"checkpointing {w.checkpointing}")
     if w.peft.value != "none":
-        parts.append(f"{w.peft} r={w.lora_rank}")
+        parts.append(f"{w.peft} r={w.lora_rank}" + (" DoRA" if w.lora_dora else "") + (" rsLoRA" if w.lora_rslora else ""))
     if w.quant.value != "none":
         parts.append(f"{w.quant} weights")
     if r.has_attention:

@@ -6,8 +6,9 @@ weights → adapters onto the trace device → gradient checkpointing.
 - precision: ``fp32`` and ``*-mixed`` keep fp32 weights (mixed adds emulated CUDA autocast);
   ``bf16``/``fp16`` convert the model (pure low precision); under PEFT the frozen base is
   stored in the compute dtype.
-- LoRA: ``peft.get_peft_model`` with ``LoraConfig(r, alpha=2r, dropout=0)``; peft keeps the
-  adapters in fp32 over 16-bit bases (``autocast_adapter_dtype``), as it does on a GPU.
+- LoRA: ``peft.get_peft_model`` with ``LoraConfig(r, alpha=2r, dropout=0)`` (``use_dora``,
+  ``use_rslora`` as the workload says); peft keeps the adapters in fp32 over 16-bit bases
+  (``autocast_adapter_dtype``), as it does on a GPU.
 - QLoRA / int8 / int4 / nf4 / fp8: base ``nn.Linear`` layers (not the LM head) become
   :class:`~vramplan.trace.quant.QuantLinear` (QLoRA: NF4 with double quantisation).
 - checkpointing: transformers models through ``gradient_checkpointing_enable`` (non-reentrant),
@@ -102,7 +103,7 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
                              hint="set lora_targets to module names of the model, or all-linear")
         targets, note = None, " (the default q/k/v/o names are absent: peft's defaults for this architecture)"
     cfg = LoraConfig(r=w.lora_rank, lora_alpha=2 * w.lora_rank, lora_dropout=0.0,
-                     target_modules=targets, bias="none")
+                     target_modules=targets, bias="none", use_dora=w.lora_dora, use_rslora=w.lora_rslora)
     # On a meta model the adapters are built on meta too: peft would create them on the CPU,
     # initialise them for real (kaiming-uniform A, zero B: ~15 ms per layer on an 8B model, most
     # of a LoRA trace's set-up) and move them next to the base layer; to_trace_device() moves
@@ -117,7 +118,9 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         raise TraceError(f"LoRA cannot wrap this model: {' '.join(str(e).split())}",
                          hint=f"set `lora_targets` to {some}") from None
     used = sorted(cfg.target_modules) if cfg.target_modules else []
-    return peft_model, [f"LoRA r={w.lora_rank} on {', '.join(used)}{note} (peft {_peft_version()})"]
+    kind = "DoRA" if w.lora_dora else "LoRA"
+    scaled = ", rsLoRA scaling" if w.lora_rslora else ""
+    return peft_model, [f"{kind} r={w.lora_rank}{scaled} on {', '.join(used)}{note} (peft {_peft_version()})"]
 
 
 def _peft_version() -> str:
