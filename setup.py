@@ -74,6 +74,7 @@ class OptionalBuildExt(build_ext):
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001
             _say(f"{ext.name} not compiled ({type(e).__name__}: {e}): its Python source runs")
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)  # (an earlier build's, left in build/)
             return
         self._built.add(ext.name)
 
