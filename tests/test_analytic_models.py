@@ -161,6 +161,12 @@ def test_lora_targets_beyond_the_layers_linears_are_refused_not_left_out():
     assert est.trainable_params == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
 
 
+def test_modules_to_save_are_refused_by_the_analytic_method():
+    with pytest.raises(WorkloadError, match="lora_modules_to_save") as e:
+        estimate(llama_8b(), Workload(task="train", peft="lora", lora_modules_to_save="lm_head"))
+    assert e.value.field == "lora_modules_to_save"
+
+
 def test_dora_is_refused_by_the_analytic_method():
     with pytest.raises(WorkloadError, match="DoRA: the analytic method") as e:
         estimate(llama_8b(), Workload(task="train", peft="lora", lora_dora=True))

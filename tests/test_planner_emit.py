@@ -154,8 +154,9 @@ def test_trainer_args_name_the_plan_settings(base_plan):
 
 
 def test_trainer_args_carry_dora_and_rslora(base_plan):
-    src = emit(_with(base_plan, 1, peft="lora", lora_dora=True, lora_rslora=True, precision="bf16-mixed"), "trainer").text
-    assert "use_dora=True, use_rslora=True" in src
+    src = emit(_with(base_plan, 1, peft="lora", lora_dora=True, lora_rslora=True, lora_modules_to_save="lm_head",
+                     precision="bf16-mixed"), "trainer").text
+    assert "use_dora=True, use_rslora=True, modules_to_save=['lm_head']" in src
     assert "use_dora" not in emit(_with(base_plan, 1, peft="lora", precision="bf16-mixed"), "trainer").text
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from vramplan.errors import TraceError
 from vramplan.events import Action, Category
 from vramplan.trace import analysis
 from vramplan.trace.quant import QuantLinear
@@ -106,6 +107,23 @@ def test_rslora_changes_no_memory(llama) -> None:
     rs = trace_workload(llama, w.replace(lora_rslora=True), options=NO_WS)
     assert list(rs.events.size) == list(lora.events.size) and rs.peak_allocated == lora.peak_allocated
     assert any("rsLoRA" in n for n in rs.notes)
+
+
+def test_modules_to_save_train_a_copy_of_each_module(llama) -> None:
+    """peft's ``modules_to_save``: a trainable copy of each named module beside the frozen
+    original (weights, gradients and AdamW states of the copy, in the base's bf16)."""
+    w = Workload(**BASE, peft="lora", lora_rank=8)
+    lora = trace_workload(llama, w, options=NO_WS)
+    head = 256 * 64  # vocab × hidden
+    for save, n in ((("lm_head",), 1), (("embed_tokens", "lm_head"), 2)):
+        got = trace_workload(llama, w.replace(lora_modules_to_save=save), options=NO_WS)
+        assert got.trainable_params == lora.trainable_params + n * head
+        assert got.breakdown_at_peak.weights - lora.breakdown_at_peak.weights == n * head * 2
+        assert max(p.breakdown.gradients for p in got.phases) - max(p.breakdown.gradients for p in lora.phases) == n * head * 2
+        assert any("trained in full" in note for note in got.notes)
+    with pytest.raises(TraceError, match="no module named nope") as e:
+        trace_workload(llama, w.replace(lora_modules_to_save="nope"), options=NO_WS)
+    assert "lm_head" in e.value.hint
 
 
 def test_dora_over_quantised_weights_is_refused_with_the_reason() -> None:

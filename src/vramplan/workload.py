@@ -397,6 +397,10 @@ class Workload:
     lora_rslora: bool = False
     """rsLoRA (peft's `use_rslora`): adapters scaled by alpha/sqrt(r) instead of alpha/r (no
     memory of its own)."""
+    lora_modules_to_save: tuple[str, ...] = ()
+    """Modules peft trains in full beside the adapters (`modules_to_save`, e.g. lm_head,
+    embed_tokens, a classifier head): a trainable copy of each, with its gradients and optimizer
+    states. Traced; the analytic method refuses it."""
     peft_base_dtype: DtypeChoice = DtypeChoice.AUTO
     """Storage dtype of the frozen base under LoRA (auto: the compute dtype; fp32 for a
     base loaded in fp32 and run under autocast)."""
@@ -436,8 +440,12 @@ class Workload:
             ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
-        if isinstance(self.lora_targets, str):
-            object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
+        for name in ("lora_targets", "lora_modules_to_save"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                object.__setattr__(self, name, tuple(t.strip() for t in v.split(",") if t.strip()))
+            elif not isinstance(v, tuple):
+                object.__setattr__(self, name, tuple(v))
         for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size", "checkpoint_every", "loss_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -548,7 +556,7 @@ class Workload:
                 notes.append("`lora_rank` applies with `peft=lora` or qlora; ignored without `peft`")
             if "lora_targets" in given or tuple(self.lora_targets) != LORA_DEFAULT_TARGETS:
                 notes.append("`lora_targets` applies with `peft=lora` or qlora; ignored without `peft`")
-            for name in ("lora_dora", "lora_rslora"):
+            for name in ("lora_dora", "lora_rslora", "lora_modules_to_save"):
                 if getattr(self, name):
                     notes.append(f"`{name}` applies with `peft=lora` or qlora; ignored without `peft`")
         if self.checkpointing is Checkpointing.NONE and self.checkpoint_fraction != 1.0:

@@ -47,6 +47,11 @@ def trainable(arch: Arch, w: Workload) -> Trainable:
             "and normed in every forward, and the base and adapter outputs it saves)",
             hint="use `method=trace` (auto traces catalog models), which runs peft's own DoRA code",
             field="lora_dora")
+    if w.lora_modules_to_save:
+        raise WorkloadError(
+            f"`lora_modules_to_save` ({', '.join(w.lora_modules_to_save)}): the analytic method does not model "
+            "peft's trainable copies of whole modules",
+            hint="use `method=trace` (auto traces catalog models)", field="lora_modules_to_save")
     lins = [lin for g in arch.groups for lin in g.linears if lin.lora]
     wanted = tuple(w.lora_targets)
     if wanted == (ALL_LINEAR,):

@@ -452,6 +452,8 @@ def trainer(plan: Plan) -> Emitted:
     if w.peft is not Peft.NONE:
         targets = "\"all-linear\"" if "all-linear" in w.lora_targets else repr(list(w.lora_targets))
         variants = "".join(f"{k}=True, " for k, on in (("use_dora", w.lora_dora), ("use_rslora", w.lora_rslora)) if on)
+        if w.lora_modules_to_save:
+            variants += f"modules_to_save={list(w.lora_modules_to_save)!r}, "
         src += [f"lora_config = LoraConfig(r={w.lora_rank}, lora_alpha={2 * w.lora_rank}, "
                 f"target_modules={targets}, {variants}task_type=\"CAUSAL_LM\")", ""]
     if w.precision in (Precision.BF16, Precision.FP16):

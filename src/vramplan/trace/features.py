@@ -103,7 +103,8 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
                              hint="set lora_targets to module names of the model, or all-linear")
         targets, note = None, " (the default q/k/v/o names are absent: peft's defaults for this architecture)"
     cfg = LoraConfig(r=w.lora_rank, lora_alpha=2 * w.lora_rank, lora_dropout=0.0,
-                     target_modules=targets, bias="none", use_dora=w.lora_dora, use_rslora=w.lora_rslora)
+                     target_modules=targets, bias="none", use_dora=w.lora_dora, use_rslora=w.lora_rslora,
+                     modules_to_save=list(w.lora_modules_to_save) or None)
     # On a meta model the adapters are built on meta too: peft would create them on the CPU,
     # initialise them for real (kaiming-uniform A, zero B: ~15 ms per layer on an 8B model, most
     # of a LoRA trace's set-up) and move them next to the base layer; to_trace_device() moves
@@ -117,10 +118,18 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         some = f"some of: {', '.join(linear[:8])}, or all-linear" if linear else "module names of the model"
         raise TraceError(f"LoRA cannot wrap this model: {' '.join(str(e).split())}",
                          hint=f"set `lora_targets` to {some}") from None
+    saved = {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules()
+             if type(m).__name__ == "ModulesToSaveWrapper"}
+    missing = [t for t in w.lora_modules_to_save if t.rsplit(".", 1)[-1] not in saved]
+    if missing:  # (peft copies what it finds and says nothing of the rest)
+        heads = [n for n in ("lm_head", "embed_tokens", "score", "classifier", "wte", "word_embeddings") if n in present]
+        raise TraceError(f"`lora_modules_to_save`: no module named {', '.join(missing)} in the model",
+                         hint=f"use module names of the model, such as {', '.join(heads) or 'its head or embedding'}")
     used = sorted(cfg.target_modules) if cfg.target_modules else []
     kind = "DoRA" if w.lora_dora else "LoRA"
     scaled = ", rsLoRA scaling" if w.lora_rslora else ""
-    return peft_model, [f"{kind} r={w.lora_rank}{scaled} on {', '.join(used)}{note} (peft {_peft_version()})"]
+    full = f"; {', '.join(w.lora_modules_to_save)} trained in full (a copy each)" if w.lora_modules_to_save else ""
+    return peft_model, [f"{kind} r={w.lora_rank}{scaled} on {', '.join(used)}{note}{full} (peft {_peft_version()})"]
 
 
 def _peft_version() -> str:
