@@ -13,25 +13,29 @@ STAMP214 := $(VENV214)/.installed
 CONSTRAINTS := requirements/dev-constraints.txt
 # libraries only the zoo's scripts see (tests/zoo): installed apart, put on their path only
 ZOODEPS := .zoo-deps
+# the quantisation libraries whose real layers tests/test_quant_formats.py compares with (child process only)
+QUANTDEPS := .quant-deps
 
 .PHONY: demo test test-noextras test-torch214 test-latest lint typecheck bench clean install
 
-$(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt requirements/quant.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 CPU wheel lies on this machine's disk; the package supports torch>=2.13 (README)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	$(BIN)/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target $(QUANTDEPS) -r requirements/quant.txt
 	touch $(STAMP)
 
 # The same install with torch 2.14.1 (non-reentrant checkpoint moved its generator there).
-$(STAMP214): pyproject.toml $(CONSTRAINTS)
+$(STAMP214): pyproject.toml $(CONSTRAINTS) requirements/quant.txt
 	$(PY) -m venv $(VENV214)
 	$(VENV214)/bin/pip install -q --upgrade pip
 	$(VENV214)/bin/pip install -q torch==2.14.1
 	$(VENV214)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
+	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(QUANTDEPS) -r requirements/quant.txt
 	touch $(STAMP214)
 
 install: $(STAMP)
@@ -75,7 +79,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 
 clean:
-	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) build dist src/*.egg-info src/*.so src/vramplan/allocator/*.so $(CORE)
+	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) $(QUANTDEPS) build dist src/*.egg-info src/*.so src/vramplan/allocator/*.so $(CORE)
 
 # The newest releases of accelerate, transformers, peft, trl and lightning against the framework
 # tests, each alone on the pinned set and all together; reports which break (never fails).

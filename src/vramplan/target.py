@@ -32,6 +32,8 @@ class DeviceProfile:
     """Compute capability (major, minor); AMD/Intel get an equivalent for kernel support."""
     vendor: str = "nvidia"
     arch: str = "ampere"
+    sm_count: int = 108
+    """Streaming multiprocessors (kernels that size scratch per SM: Marlin's fp32 reduce buffer)."""
     bf16: bool = True
     """Native bf16 (Ampere and newer, CDNA): fused bf16 SDPA kernels exist."""
     fp8: bool = False

@@ -102,6 +102,21 @@ class Quant(_StrEnum):
     INT4 = "int4"  # bitsandbytes FP4 / generic 4-bit
     NF4 = "nf4"
     FP8 = "fp8"
+    # other libraries' formats (inference; vramplan.quantformats holds what each one stores)
+    AWQ = "awq"  # AutoAWQ GEMM, 4-bit, group 128
+    GPTQ = "gptq"  # GPTQModel / auto-gptq ExLlamaV2, 4-bit, group 128
+    HQQ = "hqq"  # hqq HQQLinear, 4-bit, group 64
+    AO_INT4 = "ao-int4"  # torchao Int4WeightOnlyConfig
+    AO_INT8 = "ao-int8"  # torchao Int8WeightOnlyConfig
+    AO_INT8_DYN = "ao-int8-dyn"  # torchao Int8DynamicActivationInt8WeightConfig
+    AO_FP8 = "ao-fp8"  # torchao Float8WeightOnlyConfig
+    AO_FP8_DYN = "ao-fp8-dyn"  # torchao Float8DynamicActivationFloat8WeightConfig
+    CT_W4A16 = "ct-w4a16"  # compressed-tensors (llm-compressor) checkpoints under transformers
+    CT_W8A8 = "ct-w8a8"
+    CT_FP8 = "ct-fp8"
+
+
+BNB_QUANTS = frozenset({Quant.INT8, Quant.INT4, Quant.NF4})
 
 
 class Attention(_StrEnum):
@@ -486,6 +501,12 @@ class Workload:
                 f"full training of {self.quant}-quantised weights is not supported",
                 hint="add `peft=lora` (QLoRA-style) or drop `quant`", field="quant",
             )
+        if self.peft is not Peft.NONE and self.quant not in (Quant.NONE, Quant.FP8) and self.quant not in BNB_QUANTS:
+            raise WorkloadError(
+                f"LoRA over {self.quant} base weights is not modelled (the {self.quant} format is traced for "
+                "inference: its library's backward through the quantised kernels is not emulated)",
+                hint="use `peft=qlora` (NF4, bitsandbytes) for adapters over a 4-bit base, or `task=infer`",
+                field="quant")
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM
         ):

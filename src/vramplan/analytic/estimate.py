@@ -6,6 +6,7 @@ from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import fsdp_cpu_offload
+from vramplan.quantformats import format_of
 from vramplan.results import HOST_ACTIVATIONS, PhasePeak
 from vramplan.workload import Attention, Engine, Loss, Task, Workload
 
@@ -50,6 +51,11 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
     """
     check_against_model(spec, w)
+    if format_of(w.quant) is not None:
+        raise WorkloadError(
+            f"`quant={w.quant}`: the analytic method has bitsandbytes and fp8 storage only; {w.quant}'s "
+            "kernels allocate what a formula does not see (decompression, dequantised copies, scratch)",
+            hint="use `method=trace` (auto traces catalog models), which runs the format's own layer", field="quant")
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:
         raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
                             hint="use `loss=full`", field="loss")

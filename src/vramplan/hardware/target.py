@@ -54,7 +54,7 @@ def device_profile(gpu: GPU | None, *, world_size: int = 1, workspaces: bool = T
     nvidia = gpu.vendor == "nvidia"
     usable, source = usable_capacity(gpu)
     p = DeviceProfile(
-        name=gpu.key, sm=sm, vendor=gpu.vendor, arch=gpu.arch, bf16=supports_bf16(gpu), fp8=supports_fp8(gpu),
+        name=gpu.key, sm=sm, vendor=gpu.vendor, arch=gpu.arch, sm_count=gpu.sm_count or 108, bf16=supports_bf16(gpu), fp8=supports_fp8(gpu),
         cublas_workspace=cublas_workspace_bytes(gpu), prefer_cudnn_attention=nvidia and sm[0] in (9, 10),
         has_cudnn_attention=nvidia, cudnn_conv_workspace=nvidia, usable=usable, usable_source=source,
         overhead=tuple(device_overhead(gpu, world_size=world_size, communicators=communicators)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from vramplan.models.flops import checkpointed_fraction
 from vramplan.models.shape import ModelShape
 from vramplan.precision import precision_model
+from vramplan.quantformats import bytes_per_weight, format_of
 from vramplan.workload import (
     Attention,
     Checkpointing,
@@ -28,15 +29,38 @@ _PER_HIDDEN = 20
 _PER_FFN = 6
 
 
+_FUSED = frozenset({Quant.AWQ, Quant.GPTQ, Quant.AO_INT4, Quant.AO_FP8_DYN, Quant.AO_INT8_DYN})
+"""Formats whose kernels read the stored weight directly (no dequantised copy per forward)."""
+_DENSE = frozenset({Quant.CT_W4A16, Quant.CT_W8A8, Quant.CT_FP8})
+"""compressed-tensors under transformers: dense compute-dtype weights after the first forward."""
+
+
+def reads_packed(w: Workload) -> bool:
+    """The format's matmul kernel reads the stored (packed) weight directly."""
+    return w.quant in _FUSED
+
+
+def _format_bytes(w: Workload) -> float | None:
+    if format_of(w.quant) is None:
+        return None
+    if w.quant in _DENSE:
+        return float(precision_model(w).compute)
+    return bytes_per_weight(w.quant, precision_model(w).compute_dtype)
+
+
 def weight_storage_bytes(w: Workload) -> float:
     """Bytes per base weight as stored on the GPU."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant]
-    return float(precision_model(w).weight)
+    other = _format_bytes(w)
+    return other if other is not None else float(precision_model(w).weight)
 
 
 def matmul_weight_bytes(w: Workload) -> float:
-    """Bytes per weight a matmul reads: its compute dtype (fp32: 4, else 2)."""
+    """Bytes per weight a matmul reads: its compute dtype (fp32: 4, else 2); a fused
+    quantised kernel reads the stored weight."""
+    if reads_packed(w):
+        return weight_storage_bytes(w)
     return float(precision_model(w).compute)
 
 
@@ -48,6 +72,8 @@ def cast_bytes(w: Workload) -> float:
     the compute dtype already (PEFT's 16-bit base): the precision model's ``cast_bytes``."""
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant] + 2.0
+    if format_of(w.quant) is not None:  # HQQ and torchao weight-only dequantise every forward
+        return 0.0 if w.quant in _FUSED or w.quant in _DENSE else weight_storage_bytes(w) + 2.0
     return float(precision_model(w).cast_bytes)
 
 

@@ -266,6 +266,9 @@ class _Hooks:
         for b in mod.buffers():
             if on_meta(b):
                 rec.relabel(b, Category.BUFFER)
+        for sub in mod.modules():
+            if hasattr(sub, "vramplan_on_new_weight"):  # (quantised layers that decompress in the step)
+                sub.__dict__["vramplan_on_new_weight"] = lambda t: rec.relabel(t, Category.BUFFER)
 
     # --- optimizer ----------------------------------------------------------------------
     def step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -29,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from ..precision import fsdp_shards_quantised, precision_model
+from ..quantformats import format_of
+from ..target import DEFAULT_PROFILE, DeviceProfile
 from ..workload import (
     ALL_LINEAR,
     LORA_DEFAULT_TARGETS,
@@ -39,6 +41,7 @@ from ..workload import (
 )
 from . import sac
 from .quant import quantize_linears
+from .quantkernels import quantize_format
 
 
 def param_dtype(w: Workload) -> torch.dtype:
@@ -138,9 +141,18 @@ def _peft_version() -> str:
     return str(peft.__version__)
 
 
-def apply_quant(model: nn.Module, w: Workload) -> list[str]:
+def apply_quant(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_PROFILE) -> list[str]:
     if w.quant is Quant.NONE:
         return []
+    fmt = format_of(w.quant)
+    if fmt is not None:
+        if device.sm < fmt.min_sm:
+            raise TraceError(f"{w.quant} does not run on {device.name} (sm{device.sm[0]}{device.sm[1]}): {fmt.min_sm_why}",
+                             hint="pick a newer GPU, or another `quant`")
+        cd = compute_dtype(w)
+        n = quantize_format(model, w.quant, cd, sm_count=device.sm_count)
+        return [f"{n} linear layers stored as {fmt.library} (LM head kept in {_name(param_dtype(w))}); "
+                f"per forward: {fmt.forward} [{fmt.source}]"]
     double = w.peft is Peft.QLORA and not w.bnb_single_quant
     pm = precision_model(w)
     four_bit = w.quant in (Quant.NF4, Quant.INT4)

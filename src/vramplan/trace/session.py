@@ -75,6 +75,8 @@ class TraceSession:
                 rec.relabel(local_tensor(p), Category.PARAMETER)
             for b in mod.buffers(recurse=False):
                 rec.relabel(local_tensor(b), Category.BUFFER)
+            if hasattr(mod, "vramplan_on_new_weight"):  # (quantkernels: weights decompressed in the step)
+                mod.__dict__["vramplan_on_new_weight"] = lambda t: rec.relabel(t, Category.BUFFER)
         rec.module = 0
 
     def add_inputs(self, tensors: Iterable[Any]) -> None:
