@@ -137,3 +137,53 @@ def test_workload_and_analytic_refuse_what_is_not_modelled() -> None:
         Workload(task="train", quant="gptq")
     with pytest.raises(WorkloadError, match="method=trace"):
         estimate("llama-3.1-8b", task="infer", quant="hqq", method="analytic")
+
+
+EX = Path(__file__).parent / "examples"
+
+
+@pytest.mark.parametrize("method,extra", [("awq", {}), ("gptq", {}), ("nf4", {"bnb_compute_dtype": "bf16"}),
+                                          ("int8", {}), ("ct-w4a16", {}), ("ct-fp8", {})])
+def test_from_pretrained_quantization_config_runs_as_its_estimate(method: str, extra: dict) -> None:
+    # transformers' from_pretrained(quantization_config=…) under `vramplan run`: the same layers as
+    # `estimate --quant`, the dense weights never on the device
+    import vramplan
+
+    r = vramplan.run_script(EX / "pretrained_quant.py", ["qwen2.5-0.5b", method, "1", "128"], gpu="h100-sxm")
+    e = vramplan.estimate("qwen2.5-0.5b", task="infer", batch=1, seq=128, precision="bf16", quant=method,
+                          method="trace", gpu="h100-sxm", **extra)
+    assert abs(r.breakdown.weights - e.breakdown.weights) <= 1024  # (rotary inv_freq copies)
+    assert abs(r.peak.allocated - e.peak.allocated) <= 0.005 * e.peak.allocated
+    assert any(n.startswith("from_pretrained: ") for n in r.notes)
+
+
+def test_quantization_configs_map_to_their_formats_or_stop_with_the_reason() -> None:
+    from torch import nn
+
+    from vramplan.script import quantized
+    from vramplan.target import DeviceProfile
+
+    h100 = DeviceProfile(name="h100", sm=(9, 0), sm_count=132)
+
+    def kind(qc: dict) -> Quant | None:
+        return quantized._kind(quantized._method(qc), qc)
+
+    assert kind({"quant_method": "torchao", "quant_type": {"default": {"_type": "Int8WeightOnlyConfig"}}}) \
+        is Quant.AO_INT8
+    fp8 = {"num_bits": 8, "type": "float"}
+    assert kind({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": fp8}}}) is Quant.CT_FP8
+    assert kind({"quant_method": "compressed-tensors", "dequantize": True}) is None  # dense weights
+    asym = {"num_bits": 4, "type": "int", "symmetric": False}
+    with pytest.raises(TraceError, match="asymmetric"):
+        kind({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": asym}}})
+    with pytest.raises(TraceError, match="desc_act"):
+        kind({"quant_method": "gptq", "bits": 4, "desc_act": True})
+    with pytest.raises(TraceError, match="bits=8"):
+        kind({"quant_method": "awq", "bits": 8})
+    with pytest.raises(TraceError, match="quant_method=eetq"):
+        kind({"quant_method": "eetq"})
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(TraceError, match="cannot load HQQ"):
+        quantized.apply(model, {"quant_method": "hqq"}, h100)
+    notes = quantized.apply(model, {"quant_method": "gptq", "bits": 4, "group_size": 32}, h100)
+    assert "GPTQModel" in notes[0] and model[0].scales.shape == (2, 64)  # the config's group size

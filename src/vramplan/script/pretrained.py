@@ -9,8 +9,8 @@ it (an import hook), so scripts that never use it pay nothing.
 
 Follows transformers 5's loading rules for what matters to memory: ``dtype``/``torch_dtype``
 (``"auto"`` or absent: the checkpoint's ``torch_dtype`` from its config, transformers 5's
-default), ``attn_implementation``. ``quantization_config`` is not emulated here yet: the run
-stops with a message naming it.
+default), ``attn_implementation``, ``quantization_config`` (and the checkpoint's own one): the
+quantised layers each library loads (:mod:`.quantized`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..emulate.imports import patched_on_import, replace
-from ..errors import TraceError
+from ..target import DEFAULT_PROFILE, DeviceProfile
+from . import quantized
+
+_context: list[tuple[DeviceProfile, list[str]]] = []
+"""The device a run targets and the list its notes go to (:func:`weightless_from_pretrained`)."""
 
 _building = [0]
 
@@ -36,7 +41,7 @@ def _config_dict(name: str) -> dict[str, Any]:
     from ..models.catalog import resolve
 
     spec = resolve(str(name))
-    return {k: v for k, v in spec.config.items() if k not in ("auto_map", "quantization_config")}
+    return {k: v for k, v in spec.config.items() if k != "auto_map"}
 
 
 def _dtype(value: Any, config: Any) -> torch.dtype | None:
@@ -54,10 +59,10 @@ def _dtype(value: Any, config: Any) -> torch.dtype | None:
 
 
 def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
-    if kwargs.get("quantization_config") is not None or kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit"):
-        raise TraceError("from_pretrained(quantization_config=…) is not emulated by vramplan run yet",
-                         hint="use `vramplan estimate MODEL --quant nf4` (or int8) for quantised weights")
+    qc = quantized.requested(kwargs, config)
     dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config)
+    if qc is not None:
+        dtype = quantized.load_dtype(qc, dtype)
     extra: dict[str, Any] = {}
     if kwargs.get("attn_implementation"):
         extra["attn_implementation"] = kwargs["attn_implementation"]
@@ -65,8 +70,14 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
         extra["dtype"] = dtype
     _building[0] += 1
     try:
-        with torch.device("meta"):  # (stands for weights loaded on the host: not a meta model)
-            model = klass._from_config(config, **extra)
+        # a quantised load never holds the dense weights on the device (each is quantised as it is
+        # read): the dense model is built unrecorded, and only what the quantised layers keep is
+        # recorded, when the model first runs (the script runner's root registration)
+        with torch.device("meta"), (_disable_current_modes() if qc is not None else contextlib.nullcontext()):
+            model = klass._from_config(config, **extra)  # (stands for weights loaded on the host: not a meta model)
+            if qc is not None:
+                device, notes = _context[-1] if _context else (DEFAULT_PROFILE, [])
+                notes += quantized.apply(model, qc, device)
     finally:
         _building[0] -= 1
     model.eval()  # from_pretrained returns a model in eval mode
@@ -78,7 +89,11 @@ def _config(name: Any) -> Any:
 
     cfg = _config_dict(name)
     model_type = cfg.pop("model_type", None)
-    return AutoConfig.for_model(model_type, **cfg)
+    qc = cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(model_type, **cfg)
+    if qc is not None:  # a quantised checkpoint's own config: from_pretrained applies it
+        config._vramplan_quantization_config = qc
+    return config
 
 
 def _named(model: Any, name_or_path: Any) -> Any:
@@ -153,12 +168,17 @@ def _patch_config(ca: Any, undo: contextlib.ExitStack) -> None:
 
 
 @contextlib.contextmanager
-def weightless_from_pretrained() -> Iterator[None]:
+def weightless_from_pretrained(device: DeviceProfile = DEFAULT_PROFILE, notes: list[str] | None = None) -> Iterator[None]:
     """Within the block, transformers' ``from_pretrained`` builds on meta from the config
-    (transformers is patched when the script imports it: :func:`~vramplan.emulate.imports.patched_on_import`)."""
-    with patched_on_import({
-        "transformers.modeling_utils": _patch_model,
-        "transformers.models.auto.auto_factory": _patch_auto,
-        "transformers.models.auto.configuration_auto": _patch_config,
-    }):
-        yield
+    (transformers is patched when the script imports it: :func:`~vramplan.emulate.imports.patched_on_import`);
+    quantised loads target ``device`` and say what they built in ``notes``."""
+    _context.append((device, notes if notes is not None else []))
+    try:
+        with patched_on_import({
+            "transformers.modeling_utils": _patch_model,
+            "transformers.models.auto.auto_factory": _patch_auto,
+            "transformers.models.auto.configuration_auto": _patch_config,
+        }):
+            yield
+    finally:
+        _context.pop()

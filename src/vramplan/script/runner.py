@@ -992,7 +992,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                              on_gpu=sess.rec.records) \
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
-                weightless_from_pretrained(), _InputMode(sess, places, run), _argv(p, argv), \
+                weightless_from_pretrained(profile, sess.notes), _InputMode(sess, places, run), _argv(p, argv), \
                 _no_process_exit(), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)

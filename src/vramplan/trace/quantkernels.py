@@ -43,7 +43,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> to
 class FormatLinear(nn.Module):
     """A frozen quantised ``nn.Linear`` in one of :data:`vramplan.quantformats.FORMATS`."""
 
-    def __init__(self, lin: nn.Linear, kind: Quant, compute: torch.dtype, sm_count: int = 108) -> None:
+    def __init__(self, lin: nn.Linear, kind: Quant, compute: torch.dtype, sm_count: int = 108, group: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.kind, self.compute = kind, compute
@@ -53,7 +53,7 @@ class FormatLinear(nn.Module):
         makes, so that it is booked as a weight and not as a forward temporary."""
         self.sm_count = sm_count
         dev = lin.weight.device
-        for name, dtype, shape in stored(kind, self.in_features, self.out_features, _name(compute)):
+        for name, dtype, shape in stored(kind, self.in_features, self.out_features, _name(compute), group=group):
             self.register_buffer(name, torch.empty(shape, dtype=_dt(dtype), device=dev))
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=compute, device=dev),
                                  requires_grad=False) if lin.bias is not None else None
@@ -252,14 +252,14 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def quantize_format(model: nn.Module, kind: Quant, compute: torch.dtype, *,
-                    skip: tuple[str, ...] = ("lm_head",), sm_count: int = 108) -> int:
+                    skip: tuple[str, ...] = ("lm_head",), sm_count: int = 108, group: int = 0) -> int:
     """Replace every ``nn.Linear`` (except ``skip`` names) by :class:`FormatLinear`; returns the
     count. compressed-tensors formats get transformers' first-forward decompression hook."""
     layers: list[FormatLinear] = []
     for mod in list(model.modules()):
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and child_name not in skip:
-                fl = FormatLinear(child, kind, compute, sm_count)
+                fl = FormatLinear(child, kind, compute, sm_count, group)
                 setattr(mod, child_name, fl)
                 layers.append(fl)
     if kind in _CT and layers:
