@@ -119,6 +119,15 @@ class Quant(_StrEnum):
 BNB_QUANTS = frozenset({Quant.INT8, Quant.INT4, Quant.NF4})
 
 
+class Float8(_StrEnum):
+    """torchao float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    ROWWISE_GW_HP = "rowwise-gw-hp"  # torchao's "rowwise_with_gw_hp"
+
+
 class Attention(_StrEnum):
     EAGER = "eager"
     SDPA = "sdpa"
@@ -427,6 +436,14 @@ class Workload:
     bnb_single_quant: bool = False
     """bitsandbytes 4-bit without double quantisation of the absmax constants (QLoRA uses
     double quantisation)."""
+    float8: Float8 = Float8.NONE
+    """FP8 training: torchao's ``convert_to_float8_training`` with this recipe (its
+    ``Float8Linear`` for each linear but the output head and those with a dimension not a
+    multiple of 16, as torchtitan filters them). Traced by running torchao itself (installed
+    beside vramplan), on sm89+ GPUs; the analytic method refuses it."""
+    float8_fsdp_all_gather: bool = False
+    """torchao's ``enable_fsdp_float8_all_gather`` (tensorwise only): FSDP2 all-gathers the
+    weights cast to fp8."""
     kv_dtype: KVDtype = KVDtype.AUTO
     """Storage dtype of the KV cache (auto: the compute dtype)."""
     attention: Attention = Attention.SDPA
@@ -453,6 +470,7 @@ class Workload:
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
             ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
+            ("float8", Float8),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         for name in ("lora_targets", "lora_modules_to_save"):
@@ -507,6 +525,8 @@ class Workload:
                 "inference: its library's backward through the quantised kernels is not emulated)",
                 hint="use `peft=qlora` (NF4, bitsandbytes) for adapters over a 4-bit base, or `task=infer`",
                 field="quant")
+        if self.float8 is not Float8.NONE:
+            self._check_float8()
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             Optimizer.ADAM, Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM
         ):
@@ -531,6 +551,20 @@ class Workload:
             Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT
         ):
             pass  # bitsandbytes supports 8-bit states on 16-bit params
+
+    def _check_float8(self) -> None:
+        if self.task is not Task.TRAIN:
+            raise WorkloadError("`float8` is a training recipe (torchao's Float8Linear)",
+                                hint="use `task=train`, or `quant=ao-fp8`/`ao-fp8-dyn` for fp8 inference", field="float8")
+        if self.peft is not Peft.NONE or self.quant is not Quant.NONE:
+            raise WorkloadError("`float8` trains the whole model in fp8 matmuls; with PEFT or quantised weights it is "
+                                "not modelled", hint="drop `peft`/`quant`, or drop `float8`", field="float8")
+        if self.parallel.tp > 1:
+            raise WorkloadError("`float8` with tensor parallelism (torchao's Float8ColwiseParallel/RowwiseParallel) "
+                                "is not modelled", hint="use `tp=1` (FSDP/DDP), or drop `float8`", field="float8")
+        if self.float8_fsdp_all_gather and self.float8 is not Float8.TENSORWISE:
+            raise WorkloadError("`float8_fsdp_all_gather` exists for the tensorwise recipe only (torchao asserts it)",
+                                hint="use `float8=tensorwise`", field="float8_fsdp_all_gather")
 
     def _check_peft_base_dtype(self) -> None:
         base, p = self.peft_base_dtype, self.precision
@@ -597,6 +631,8 @@ class Workload:
                 self.bnb_compute_dtype is not DtypeChoice.AUTO or self.bnb_single_quant):
             notes.append("`bnb_compute_dtype` and `bnb_single_quant` apply to 4-bit quantisation "
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
+        if self.float8_fsdp_all_gather and (self.float8 is Float8.NONE or p.dp == 1):
+            notes.append("`float8_fsdp_all_gather` applies to float8 training under FSDP; ignored otherwise")
         if p.pp == 1 and (p.pp_schedule != "1F1B" or p.pp_virtual):
             notes.append("`pp_schedule` and `pp_virtual` apply to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.microbatches and p.pp == 1:

@@ -56,6 +56,11 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             f"`quant={w.quant}`: the analytic method has bitsandbytes and fp8 storage only; {w.quant}'s "
             "kernels allocate what a formula does not see (decompression, dequantised copies, scratch)",
             hint="use `method=trace` (auto traces catalog models), which runs the format's own layer", field="quant")
+    if w.float8.value != "none":
+        raise WorkloadError(
+            f"`float8={w.float8}`: the analytic method does not model torchao's Float8Linear (its fp8 casts of "
+            "inputs, weights and gradients, and what it saves for backward)",
+            hint="use `method=trace` with torchao installed (auto traces catalog models)", field="float8")
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:
         raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
                             hint="use `loss=full`", field="loss")

@@ -35,6 +35,7 @@ from ..workload import (
     ALL_LINEAR,
     LORA_DEFAULT_TARGETS,
     Checkpointing,
+    Float8,
     Peft,
     Quant,
     Workload,
@@ -168,6 +169,57 @@ def apply_quant(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_P
             f"{_name(storage)}, sharded, and the quant state (absmax, codes) stays whole on every rank") \
         if storage is not None else ""
     return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how}){fsdp}"]
+
+
+FLOAT8_SM = (8, 9)
+
+
+def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_PROFILE) -> list[str]:
+    """torchao's ``convert_to_float8_training`` with the workload's recipe, run for real on the
+    meta model: its ``Float8Linear`` casts and ``_scaled_mm`` calls are what the trace records.
+    Filtered as torchtitan filters (``float8.py``): not the output head, and no linear with a
+    dimension that is not a multiple of 16."""
+    if w.float8 is Float8.NONE:
+        return []
+    if device.sm < FLOAT8_SM:
+        raise TraceError(f"float8 training needs an sm89+ GPU (fp8 tensor cores for torch._scaled_mm); "
+                         f"{device.name} is sm{device.sm[0]}{device.sm[1]}", hint="pick an H100/H200/L40S/B200, or drop `float8`")
+    if precision_model(w).autocast:
+        raise TraceError("float8 training under autocast (AMP: `*-mixed` without FSDP) is not traced: the emulated "
+                         "autocast casts torchao's fp8 tensors where CUDA's leaves them to torchao",
+                         hint="use `precision=bf16`, or FSDP (`zero=3`: its mixed precision has no autocast), as "
+                              "torchtitan trains float8")
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise TraceError(f"float8 training is traced by running torchao's own Float8Linear, and torchao does not import "
+                         f"here ({type(e).__name__}: {e})", hint="pip install torchao (0.18 tested)") from e
+    if w.float8_fsdp_all_gather and w.parallel.dp > 1:
+        raise TraceError("FSDP2's float8 all-gather (torchao's WeightWithDynamicFloat8CastTensor) traces 4 % below a "
+                         "real 2-process gloo run of the same model (tests/float8_probe.py): not trusted until the "
+                         "gap is found", hint="drop `float8_fsdp_all_gather` (the bf16 all-gather is traced exactly)")
+    recipe = {Float8.ROWWISE_GW_HP: "rowwise_with_gw_hp"}.get(w.float8, str(w.float8))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if w.float8_fsdp_all_gather:
+        import dataclasses
+
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    getter: Any = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        if mod is head or fqn.rsplit(".", 1)[-1] in ("lm_head", "output") or not isinstance(mod, nn.Linear):
+            return False
+        return mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    before = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    after = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    gather = "; FSDP all-gathers the weights in fp8" if w.float8_fsdp_all_gather else ""
+    return [f"float8 training ({recipe}): {before - after} linear layers converted to torchao {torchao.__version__}'s "
+            f"Float8Linear (its own code traced), the output head and layers with a dimension not a multiple of 16 "
+            f"kept{gather}"]
 
 
 def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:

@@ -612,6 +612,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         features.to_trace_device(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w, device or DEFAULT_PROFILE)
+        notes += features.apply_float8(model, w, device or DEFAULT_PROFILE)
         features.to_trace_device(model)
         if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
             notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)

@@ -1,0 +1,75 @@
+"""FP8 training with torchao's Float8Linear: the trace runs torchao's own code on the emulated
+GPU, and agrees with a real CPU run of the same conversion (tests/float8_probe.py, in a child
+process with ``.quant-deps`` — torchao — on its path: the test venv does not import torchao)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramplan import estimate
+from vramplan.errors import TraceError, WorkloadError
+from vramplan.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPS = ROOT / ".quant-deps"
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    if not DEPS.is_dir():
+        pytest.skip(".quant-deps is not installed (make test installs it from requirements/quant.txt)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DEPS), *sys.path]))
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "float8_probe.py"),
+                          "tensorwise", "rowwise", "rowwise-gw-hp", "fsdp"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("FLOAT8-PROBE ")]
+    assert line, out.stderr[-3000:]
+    return json.loads(line[0].removeprefix("FLOAT8-PROBE "))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise-gw-hp"])
+def test_float8_recipes_trace_as_torchao_runs_on_the_cpu(probe, recipe: str) -> None:
+    r = probe[recipe]
+    assert abs(r["traced"] - r["real"]) <= 0.001 * r["real"], r
+
+
+def test_float8_under_fsdp2_traces_as_a_real_gloo_run(probe) -> None:
+    r = probe["fsdp"]
+    for traced, real in zip(r["traced"], r["real"], strict=True):
+        assert abs(traced - real) <= 0.0001 * real, r
+
+
+def test_float8_is_refused_where_it_is_not_modelled() -> None:
+    with pytest.raises(WorkloadError, match="training recipe"):
+        Workload(task="infer", float8="tensorwise")
+    with pytest.raises(WorkloadError, match="tensorwise recipe only"):
+        Workload(task="train", float8="rowwise", float8_fsdp_all_gather=True)
+    with pytest.raises(WorkloadError, match="tensor parallelism"):
+        Workload(task="train", float8="rowwise").replace(tp=2)
+    with pytest.raises(WorkloadError, match="method=trace"):
+        estimate("llama-3.2-1b", task="train", float8="tensorwise", method="analytic")
+    with pytest.raises(TraceError, match="sm89"):  # an A100 has no fp8 tensor cores
+        estimate("llama-3.2-1b", task="train", precision="bf16", float8="tensorwise", method="trace",
+                 gpu="a100-sxm4-80gb", seq=64)
+
+
+def test_float8_needs_torchao_and_says_so() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is importable in this venv")
+    with pytest.raises(TraceError, match="pip install torchao"):
+        estimate("llama-3.2-1b", task="train", precision="bf16", float8="tensorwise", method="trace",
+                 gpu="h100-sxm", seq=64)
+
+
+def test_float8_under_emulated_autocast_is_refused_with_the_fix() -> None:
+    with pytest.raises(TraceError, match="autocast"):
+        estimate("llama-3.2-1b", task="train", precision="bf16-mixed", float8="tensorwise", method="trace",
+                 gpu="h100-sxm", seq=64)
