@@ -91,10 +91,65 @@ def test_compile_lowers_the_traced_activations() -> None:
     assert comp.peak_allocated < eager.peak_allocated
 
 
-def test_compile_leaves_checkpointed_blocks_eager() -> None:
+def test_compile_traces_checkpointed_blocks_inside_their_checkpoint() -> None:
     spec = tiny_spec("llama-3.1-8b", layers=2)
     w = Workload(task="train", batch=2, seq=128, precision="bf16", compile=True, checkpointing="full",
                  checkpoint_every=2)
     r = trace_workload(spec, w, options=NO_WS)
-    assert any("1 checkpointed blocks traced eagerly" in n for n in r.notes)
-    assert any("(1 blocks" in n for n in r.notes)
+    assert any("1 blocks compiled inside their activation checkpoint" in n for n in r.notes)
+    assert any("(2 blocks" in n for n in r.notes) and not any("not emulated" in n for n in r.notes)
+
+
+def _saved_new(layer, x, cos, sin) -> list[tuple[tuple[int, ...], int]]:
+    """As :func:`_saved`, also leaving out the rotary inputs (existing memory) and the CPU
+    generator state a checkpoint keeps to replay dropout (a host tensor on a GPU too)."""
+    own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, cos, sin)}
+    seen: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and t.dtype != torch.uint8:
+            seen[ptr] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=(cos, sin), attention_mask=None)
+    return sorted(seen.values())
+
+
+@pytest.mark.skipif(NO_CC, reason="Inductor on CPU needs a C compiler")
+@pytest.mark.parametrize("how", ["transformers", "vramplan"])
+def test_compiled_checkpointed_block_saves_what_real_torch_compile_saves(how: str) -> None:
+    """A checkpointed Llama decoder layer under torch.compile (Inductor, CPU: the checkpoint
+    becomes a tagged region of the compiled graph) keeps for backward what the emulation keeps
+    — the checkpoint's inputs only — whether transformers' gradient checkpointing or vramplan's
+    own wrapper checkpoints it; eager checkpointing keeps the same, and an uncheckpointed
+    compiled layer keeps more."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from vramplan.trace import features
+
+    make, x, cos, sin = _layer_and_inputs("sdpa")
+
+    def checkpointed():
+        layer = make()
+        if how == "transformers":
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        else:
+            features._wrap_checkpoint(layer, {"use_reentrant": False})
+        return layer
+
+    ours = checkpointed()
+    compiler = BlockCompiler(paused_dispatch)
+    compiler.wrap(ours)
+    ours(x, position_embeddings=(cos, sin), attention_mask=None)  # compiles (first call)
+    assert compiler.checkpointed == 1 and not compiler.failures and compiler.cache
+    emulated = _saved_new(ours, x, cos, sin)
+    real = _saved_new(torch.compile(checkpointed(), backend="inductor"), x, cos, sin)
+    assert emulated == real == []
+    plain = make()
+    BlockCompiler(paused_dispatch).wrap(plain)
+    assert _saved_new(plain, x, cos, sin)  # without the checkpoint the compiled layer keeps tensors

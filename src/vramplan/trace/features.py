@@ -288,7 +288,7 @@ def apply_checkpointing(model: nn.Module, w: Workload, policy: sac.Policy | None
     return [f"{sac.describe(w, policy)} of {len(keep)} layers{every} ({how}, use_reentrant=False)"]
 
 
-def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
+def apply_compile(model: nn.Module, w: Workload, policy: sac.Policy | None = None) -> tuple[Any, list[str]]:
     """``compile``: each block of the model's largest block list compiled on its own
     (:mod:`.compile`); returns (the compiler, whose notes come after the trace; notes)."""
     if not w.compile:
@@ -301,8 +301,6 @@ def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
     blocks = _largest_module_list(model)
     if blocks is None:
         return None, ["torch.compile requested but the model has no block list; traced eagerly"]
-    plain = [b for b in blocks if not getattr(b, "gradient_checkpointing", False)
-             and not getattr(b, "_vramplan_checkpointed", False)]
     notes: list[str] = []
     config = getattr(_hf_model(model), "config", None)
     if config is not None and getattr(config, "use_cache", False):
@@ -310,7 +308,11 @@ def apply_compile(model: nn.Module, w: Workload) -> tuple[Any, list[str]]:
         # emulated; a compiled training step has no use for it
         config.use_cache = False
         notes.append("torch.compile: the model's KV cache is off in training (use_cache=False)")
-    return tc.apply_compile(plain, skipped=len(blocks) - len(plain)), notes
+    if w.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.OP) or policy is not None:
+        notes.append("torch.compile with selective checkpointing: the policy's saved ops are kept as eager SAC "
+                     "keeps them (every must-save output); Inductor's partitioner drops those backward does not "
+                     "read (a Llama block's down_proj output): an upper bound by up to one [tokens, hidden] per block")
+    return tc.apply_compile(list(blocks)), notes
 
 
 def _hf_model(model: nn.Module) -> Any:
@@ -331,10 +333,11 @@ def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _wrap_checkpoint(block: nn.Module, kwargs: dict[str, Any]) -> None:
-    inner = block.forward
+    block.__dict__["_vramplan_forward"] = block.forward  # (what runs inside the checkpoint: compile replaces it)
     block._vramplan_checkpointed = True  # type: ignore[assignment]
 
     def forward(*args: Any, **kw: Any) -> Any:
+        inner = block.__dict__["_vramplan_forward"]
         if not torch.is_grad_enabled():
             return inner(*args, **kw)
         return checkpoint(inner, *args, **kwargs, **kw)

@@ -623,7 +623,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
                 masks = functools.partial(tensor_parallel.full_length_masks, seq)
                 step_context = masks if step_context is None else functools.partial(_both, masks, step_context)
         notes += features.apply_checkpointing(model, w, policy)
-        compiler, compile_notes = features.apply_compile(model, w)
+        compiler, compile_notes = features.apply_compile(model, w, policy)
         notes += compile_notes
         notes += features.apply_experts_impl(model, (device or DEFAULT_PROFILE).sm)
     except VramplanError:
