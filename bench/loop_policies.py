@@ -21,6 +21,8 @@ ROWS = [
     ("none + activation offload", dict(checkpointing="none", activation_offload=True)),
     ("full + activation offload", dict(checkpointing="full", activation_offload=True)),
     ("none + compile", dict(checkpointing="none", compile=True)),
+    ("full + compile", dict(checkpointing="full", compile=True)),
+    ("op + compile", dict(checkpointing="op", compile=True)),
 ]
 GIB = 2**30
 
@@ -34,7 +36,12 @@ def main() -> None:
     spec, gpu = resolve("llama-3.1-8b"), get_gpu("h100-sxm")
     print("| loop | analytic GiB | trace GiB | host RAM GiB (analytic / trace) | step s | trace s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    import sys
+
+    only = sys.argv[1:]  # row names to run (default: all)
     for name, kw in ROWS:
+        if only and name not in only:
+            continue
         a = vramplan.estimate(spec, gpu="h100-sxm", method="analytic", search_max_batch=False, **BASE, **kw)
         t0 = time.perf_counter()
         t = vramplan.estimate(spec, gpu="h100-sxm", method="trace", search_max_batch=False, **BASE, **kw)

@@ -153,3 +153,57 @@ def test_compiled_checkpointed_block_saves_what_real_torch_compile_saves(how: st
     plain = make()
     BlockCompiler(paused_dispatch).wrap(plain)
     assert _saved_new(plain, x, cos, sin)  # without the checkpoint the compiled layer keeps tensors
+
+
+def _saved_by(fn, *inputs) -> list[tuple[tuple[int, ...], int]]:
+    own = {t.untyped_storage().data_ptr() for t in inputs}
+    seen: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sorted(seen.values())
+
+
+@pytest.mark.skipif(NO_CC, reason="Inductor on CPU needs a C compiler")
+def test_compiled_chunk_cross_entropy_keeps_per_token_values_as_real_torch_compile() -> None:
+    """torchtune's compute_cross_entropy compiled for real (Inductor, CPU) keeps two [T, 1] fp32
+    values per chunk, where eager keeps the chunk's fp32 log-softmax [T, V]; the emulation's
+    compiled chunk keeps per-token values only too (a few more bytes a token: the gather index
+    and the mask) and computes the same loss."""
+    import torch.nn.functional as F
+
+    from vramplan.trace.loss import CompiledChunkCrossEntropy
+
+    def compute_cross_entropy(logits, labels):  # torchtune 0.6.1, CEWithChunkedOutputLoss
+        return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+    torch.manual_seed(0)
+    t, v = 64, 1000
+    x = torch.randn(t, v, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (t,))
+    labels[:5] = -100
+    real = _saved_by(torch.compile(compute_cross_entropy, backend="inductor"), x, labels)
+    eager = _saved_by(compute_cross_entropy, x, labels)
+    ce = CompiledChunkCrossEntropy()
+    compiler = BlockCompiler(paused_dispatch)
+    compiler.wrap(ce)
+    ours = _saved_by(ce, x, labels)
+    assert real == [((t, 1), 4 * t), ((t, 1), 4 * t)]
+    assert max(b for _, b in eager) == 4 * t * v
+    assert ours and all(b <= 8 * t for _, b in ours) and not compiler.failures
+    assert torch.allclose(ce(x, labels), compute_cross_entropy(x, labels))
+
+
+def test_compile_drops_the_chunked_losss_fp32_chunks() -> None:
+    spec = tiny_spec("llama-3.1-8b", layers=2)
+    base = Workload(task="train", batch=2, seq=256, precision="bf16", loss="chunked")
+    eager = trace_workload(spec, base, options=NO_WS)
+    comp = trace_workload(spec, base.replace(compile=True), options=NO_WS)
+    vocab = spec.config["vocab_size"]
+    assert eager.peak_allocated - comp.peak_allocated > 2 * 256 * vocab * 4 * 0.5  # about the fp32 chunks' bytes
+    assert any("compute_cross_entropy compiled" in n for n in comp.notes)

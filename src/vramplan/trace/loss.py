@@ -100,14 +100,36 @@ def _head_weight(head: nn.Module) -> torch.Tensor:
 
 
 # --- torchtune ---------------------------------------------------------------------------
-def chunked_ce(logits: list[torch.Tensor], labels: torch.Tensor, chunks: int) -> torch.Tensor:
-    """torchtune 0.6.1 ``CEWithChunkedOutputLoss.forward``, the same ops in the same order."""
+class CompiledChunkCrossEntropy(nn.Module):
+    """torchtune 0.6.1 ``CEWithChunkedOutputLoss.compute_cross_entropy`` (``F.cross_entropy(
+    logits.float(), labels, ignore_index, reduction="sum")``), the function its
+    ``training.compile_loss`` hands to ``torch.compile``: a module here, compiled by
+    :class:`~vramplan.trace.compile.BlockCompiler` like a block. Written as log-softmax, gather
+    and a masked sum — the same value — because AOTAutograd on meta tensors loses the gradient
+    through ``aten::nll_loss`` (its meta kernel has no autograd: the joint graph comes out
+    without a backward); the partitioner then keeps per-token values only, as for the real
+    function (tests/test_trace_compile.py), not the chunk's fp32 log-softmax."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        keep = labels != IGNORE_INDEX
+        logp = logits.float().log_softmax(-1)
+        picked = logp.gather(1, torch.where(keep, labels, 0).unsqueeze(1)).squeeze(1)
+        return -(picked * keep).sum()
+
+
+def chunked_ce(logits: list[torch.Tensor], labels: torch.Tensor, chunks: int,
+               compiled: nn.Module | None = None) -> torch.Tensor:
+    """torchtune 0.6.1 ``CEWithChunkedOutputLoss.forward``, the same ops in the same order;
+    ``compiled``: its ``compute_cross_entropy`` compiled (``compile``)."""
     total_elements = (labels != IGNORE_INDEX).sum()
     label_chunks = [t.reshape(-1) for t in labels.chunk(chunks, dim=1)]
     logit_chunks = [c.reshape(-1, c.size(-1)) for c in logits]
     total_loss: Any = 0.0
     for lc, tc in zip(logit_chunks, label_chunks, strict=False):
-        total_loss += F.cross_entropy(lc.float(), tc, ignore_index=IGNORE_INDEX, reduction="sum")
+        if compiled is not None:
+            total_loss += compiled(lc, tc)
+        else:
+            total_loss += F.cross_entropy(lc.float(), tc, ignore_index=IGNORE_INDEX, reduction="sum")
     return total_loss / total_elements
 
 
@@ -224,8 +246,10 @@ def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 def loss_note(w: Any) -> str:
     """What the trace ran for ``w.loss`` (one line for the report)."""
     if w.loss is Loss.CHUNKED:
+        compiled = ("; compute_cross_entropy compiled (torchtune's compile_loss): each chunk keeps the per-token "
+                    "values the partitioner saves, not its fp32 log-softmax") if getattr(w, "compile", False) else ""
         return (f"loss: torchtune CEWithChunkedOutputLoss, {w.loss_chunks} chunks (logits output as a list of chunks, "
-                "one fp32 upcast at a time)")
+                f"one fp32 upcast at a time){compiled}")
     if w.loss is Loss.LIGER:
         return ("loss: Liger fused linear cross-entropy emulated (allocations of liger_kernel 0.8.5: logits chunk by "
                 "chunk, input/weight gradients computed in the forward)")
@@ -235,7 +259,8 @@ def loss_note(w: Any) -> str:
 
 # --- the step -----------------------------------------------------------------------------------
 def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], loss: Loss, chunks: int,
-                     *, autocast_dtype: torch.dtype | None, sm: tuple[int, int]) -> tuple[Any, torch.Tensor]:
+                     *, autocast_dtype: torch.dtype | None, sm: tuple[int, int],
+                     chunk_ce: nn.Module | None = None) -> tuple[Any, torch.Tensor]:
     """(what the loop holds as the model's output, the loss) for ``loss`` ≠ full."""
     args, kwargs = batch
     kwargs = dict(kwargs)
@@ -249,7 +274,7 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     if loss is Loss.CHUNKED:
         cap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
         logits = [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
-        return (logits, out), chunked_ce(logits, target, chunks)
+        return (logits, out), chunked_ce(logits, target, chunks, chunk_ce)
     weight = _head_weight(head)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if loss is Loss.LIGER:
@@ -260,5 +285,5 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     return out, CutCrossEntropy.apply(flat, weight, target.reshape(-1))
 
 
-__all__ = ["CutCrossEntropy", "LigerFusedLinearCE", "causal_lm_parts", "chunked_ce", "forward_and_loss",
+__all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "causal_lm_parts", "chunked_ce", "forward_and_loss",
            "liger_chunk", "loss_note", "shifted_labels"]

@@ -635,6 +635,19 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
                     compiler=compiler, step_context=step_context, mesh=mesh)
 
 
+def _compiled_chunk_ce(w: Workload, loss_fn: LossFn | None) -> nn.Module | None:
+    """torchtune's ``compile_loss`` under ``compile``: the chunked loss's per-chunk upcast and
+    cross-entropy compiled (AOTAutograd + the partitioner, as the model's blocks are)."""
+    if not (w.compile and w.training and w.loss is Loss.CHUNKED and loss_fn is None):
+        return None
+    from .compile import BlockCompiler, paused_dispatch
+    from .loss import CompiledChunkCrossEntropy
+
+    ce = CompiledChunkCrossEntropy()
+    BlockCompiler(paused_dispatch).wrap(ce)
+    return ce
+
+
 def _sequence_length(batch: Batch) -> int:
     """The token sequence length of a batch (``input_ids``, else the first 2-D positional tensor; 0 if none)."""
     ids = batch[1].get("input_ids")
@@ -731,7 +744,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
-            sm=profile.sm, in_backward=in_backward,
+            sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
         )
         if w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")

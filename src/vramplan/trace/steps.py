@@ -70,6 +70,8 @@ class StepPlan:
     loss_chunks: int = 8
     sm: tuple[int, int] = (9, 0)
     """Compute capability of the target (Liger's sm80+ in-place ``addmm``)."""
+    chunk_ce: nn.Module | None = None
+    """The chunked loss's per-chunk cross-entropy compiled (``compile``: torchtune's ``compile_loss``)."""
     in_backward: dict[nn.Parameter, Any] | None = None
     """``optimizer_in_backward``: one optimizer per parameter, stepped from its gradient hook."""
 
@@ -123,7 +125,8 @@ def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any,
         out = call_model(plan.model, plan.batch)
         return out, loss_of(out, plan.batch, plan.loss_fn)
     dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
-    return forward_and_loss(plan.model, plan.batch, plan.loss, plan.loss_chunks, autocast_dtype=dtype, sm=plan.sm)
+    return forward_and_loss(plan.model, plan.batch, plan.loss, plan.loss_chunks, autocast_dtype=dtype, sm=plan.sm,
+                            chunk_ce=plan.chunk_ce)
 
 
 def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]) -> None:
