@@ -166,7 +166,7 @@ def test_quantization_configs_map_to_their_formats_or_stop_with_the_reason() -> 
     h100 = DeviceProfile(name="h100", sm=(9, 0), sm_count=132)
 
     def kind(qc: dict) -> Quant | None:
-        return quantized._kind(quantized._method(qc), qc)
+        return quantized._kind(quantized.method(qc), qc)
 
     assert kind({"quant_method": "torchao", "quant_type": {"default": {"_type": "Int8WeightOnlyConfig"}}}) \
         is Quant.AO_INT8

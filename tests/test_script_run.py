@@ -328,3 +328,25 @@ def test_a_generation_loop_whose_cache_grows_runs_to_its_last_token(tmp_path: Pa
     assert any("the script ended after 0 optimizer step(s) and 60 forward call(s)" in n for n in r.notes)
     last = 16 * 60 * 256 * 4
     assert r.peak.allocated >= 2 * last - 16 * 256 * 4  # the last cat: the old cache and the new one
+
+
+def test_from_pretrained_without_a_gpu_device_map_loads_on_the_host(tmp_path) -> None:
+    # transformers 5: no device_map → the weights are on the CPU until the script moves them;
+    # a script that never does runs on the CPU, and vramplan says so instead of counting the model
+    from vramplan.errors import TraceError
+
+    body = ("import torch\nfrom transformers import AutoModelForCausalLM\n"
+            "model = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', dtype=torch.bfloat16{dm})\n{move}"
+            "ids = torch.randint(0, 1000, (1, 64), device=next(model.parameters()).device)\n"
+            "with torch.inference_mode():\n    for _ in range(3):\n        model(input_ids=ids)\n")
+    stays = tmp_path / "stays.py"
+    stays.write_text(body.format(dm="", move=""))
+    with pytest.raises(TraceError, match="never reached the GPU"):
+        vramplan.run_script(stays, gpu="h100-sxm")
+    moved = tmp_path / "moved.py"
+    moved.write_text(body.format(dm="", move="model = model.to('cuda')\n"))
+    mapped = tmp_path / "mapped.py"
+    mapped.write_text(body.format(dm=", device_map='auto'", move=""))
+    a, b = vramplan.run_script(moved, gpu="h100-sxm"), vramplan.run_script(mapped, gpu="h100-sxm")
+    assert abs(a.breakdown.weights - b.breakdown.weights) <= 1024 and a.breakdown.weights > 900_000_000
+    assert abs(a.peak.allocated - b.peak.allocated) <= 0.005 * b.peak.allocated

@@ -16,18 +16,32 @@ quantised layers each library loads (:mod:`.quantized`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..emulate.imports import patched_on_import, replace
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from . import quantized
 
-_context: list[tuple[DeviceProfile, list[str]]] = []
-"""The device a run targets and the list its notes go to (:func:`weightless_from_pretrained`)."""
+
+@dataclasses.dataclass
+class _Run:
+    """What a ``from_pretrained`` under ``vramplan run`` needs of the run (:func:`weightless_from_pretrained`)."""
+
+    device: DeviceProfile = DEFAULT_PROFILE
+    notes: list[str] = dataclasses.field(default_factory=list)
+    host_scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    """Books the tensors made inside it on the host."""
+    book: Callable[[nn.Module], None] = lambda model: None
+    """Records a model's parameters and buffers as device memory, now."""
+
+
+_context: list[_Run] = []
 
 _building = [0]
 
@@ -68,20 +82,43 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
         extra["attn_implementation"] = kwargs["attn_implementation"]
     if dtype is not None:
         extra["dtype"] = dtype
+    run = _context[-1] if _context else _Run()
+    on_host = _loads_on_host(kwargs.get("device_map"), qc)
+    # transformers builds the model empty and loads each weight into place (tied weights tied
+    # first; a quantised weight quantised as it is read): no construction-time tensor is device
+    # memory. The model is built unrecorded and its parameters and buffers are then booked on
+    # the device; a model loaded without a GPU device_map is host memory instead (booked there:
+    # the script moves it, or runs on the CPU)
     _building[0] += 1
     try:
-        # a quantised load never holds the dense weights on the device (each is quantised as it is
-        # read): the dense model is built unrecorded, and only what the quantised layers keep is
-        # recorded, when the model first runs (the script runner's root registration)
-        with torch.device("meta"), (_disable_current_modes() if qc is not None else contextlib.nullcontext()):
-            model = klass._from_config(config, **extra)  # (stands for weights loaded on the host: not a meta model)
+        with torch.device("meta"), run.host_scope() if on_host else _disable_current_modes():
+            model = klass._from_config(config, **extra)  # (its meta tensors stand for loaded weights)
             if qc is not None:
-                device, notes = _context[-1] if _context else (DEFAULT_PROFILE, [])
-                notes += quantized.apply(model, qc, device)
+                run.notes += quantized.apply(model, qc, run.device)
+        if not on_host:
+            run.book(model)
     finally:
         _building[0] -= 1
     model.eval()  # from_pretrained returns a model in eval mode
     return model
+
+
+def _loads_on_host(device_map: Any, qc: Any) -> bool:
+    """Where transformers 5 puts the weights: ``device_map`` absent or ``None`` keeps them on
+    the CPU, except for bitsandbytes and fine-grained fp8, whose quantizers set it to the current
+    GPU (``update_device_map``); ``"cpu"``/``"disk"`` (or a map with only those) is the host;
+    anything else (``"auto"``, ``"cuda"``, an index, a map naming a GPU) the GPU."""
+    if device_map is None:
+        return qc is None or quantized.method(qc) not in ("bitsandbytes", "fp8")
+    if isinstance(device_map, dict):
+        return all(_host_name(v) for v in device_map.values()) if device_map else True
+    return _host_name(device_map)
+
+
+def _host_name(where: Any) -> bool:
+    if isinstance(where, torch.device):
+        return where.type == "cpu"
+    return str(where).split(":")[0] in ("cpu", "disk", "meta")
 
 
 def _config(name: Any) -> Any:
@@ -168,11 +205,11 @@ def _patch_config(ca: Any, undo: contextlib.ExitStack) -> None:
 
 
 @contextlib.contextmanager
-def weightless_from_pretrained(device: DeviceProfile = DEFAULT_PROFILE, notes: list[str] | None = None) -> Iterator[None]:
+def weightless_from_pretrained(run: _Run | None = None) -> Iterator[None]:
     """Within the block, transformers' ``from_pretrained`` builds on meta from the config
     (transformers is patched when the script imports it: :func:`~vramplan.emulate.imports.patched_on_import`);
-    quantised loads target ``device`` and say what they built in ``notes``."""
-    _context.append((device, notes if notes is not None else []))
+    ``run``: the run's device, notes and bookings."""
+    _context.append(run or _Run())
     try:
         with patched_on_import({
             "transformers.modeling_utils": _patch_model,

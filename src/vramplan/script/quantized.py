@@ -37,7 +37,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
-def _method(qc: Any) -> str:
+def method(qc: Any) -> str:
     m = _get(qc, "quant_method", "")
     return str(getattr(m, "value", m)).lower()
 
@@ -55,29 +55,29 @@ def requested(kwargs: dict[str, Any], config: Any) -> Any:
 
 def load_dtype(qc: Any, dtype: torch.dtype | None) -> torch.dtype | None:
     """AWQ loads in fp16 on CUDA whatever was asked (transformers quantizer_awq.py ``update_dtype``)."""
-    return torch.float16 if _method(qc) == "awq" else dtype
+    return torch.float16 if method(qc) == "awq" else dtype
 
 
 def apply(model: nn.Module, qc: Any, device: DeviceProfile) -> list[str]:
     """Quantise ``model``'s linears as ``qc`` says; returns the notes."""
-    method = _method(qc)
+    how = method(qc)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     skip = ("lm_head", *(_get(qc, "modules_to_not_convert") or ()), *(_get(qc, "llm_int8_skip_modules") or ()))
-    if method == "bitsandbytes":
+    if how == "bitsandbytes":
         return _bnb(model, qc, dtype, skip)
-    if method == "fp8":
+    if how == "fp8":
         from ..trace.quant import quantize_linears
 
         n = quantize_linears(model, Quant.FP8, dtype, double_quant=False, skip=skip, storage_dtype=dtype)
         return [f"from_pretrained: {n} linear layers in fp8 (FineGrainedFP8Config; vramplan's fp8 layer: "
                 "e4m3 weights, one fp32 scale per row, where transformers keeps one per 128×128 block)"]
-    if method == "hqq":
+    if how == "hqq":
         import transformers
 
         raise TraceError(f"transformers {transformers.__version__} cannot load HQQ models: its HqqHfQuantizer has no "
                          "loading ops (NotImplementedError: QuantizationMethod.HQQ is not available yet) — the real run "
                          "stops here too", hint="quantise with hqq's own API, or use `vramplan estimate MODEL --quant hqq`")
-    kind = _kind(method, qc)
+    kind = _kind(how, qc)
     if kind is None:  # compressed-tensors with dequantize=True: dense weights
         return ["from_pretrained: compressed-tensors with dequantize=True loads dense weights"]
     fmt = FORMATS[kind]

@@ -946,6 +946,22 @@ def _host_values(sess: TraceSession) -> Any:
     return values
 
 
+def _loading(sess: TraceSession, places: Places) -> Any:
+    """What ``from_pretrained`` needs of this run (:mod:`.pretrained`): the device, the notes, the
+    host scope, and the booking of a loaded model's tensors on the device."""
+    from .pretrained import _Run
+
+    def book(model: nn.Module) -> None:
+        for p in model.parameters():
+            if on_meta(p):
+                sess.rec.relabel(p, Category.PARAMETER)
+        for b in model.buffers():
+            if on_meta(b):
+                sess.rec.relabel(b, Category.BUFFER)
+
+    return _Run(device=sess.profile, notes=sess.notes, host_scope=lambda: places.scope("cpu"), book=book)
+
+
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
                  alloc_conf: str | None = None, progress: Progress | None = None,
@@ -992,7 +1008,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                              on_gpu=sess.rec.records) \
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
-                weightless_from_pretrained(profile, sess.notes), _InputMode(sess, places, run), _argv(p, argv), \
+                weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), _argv(p, argv), \
                 _no_process_exit(), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
