@@ -178,3 +178,10 @@ def test_every_format_and_bad_format(base_plan):
         assert e.text.endswith("\n") and e.filename
     with pytest.raises(PlanError, match="unknown `emit` format"):
         emit(base_plan, "yaml")
+
+
+def test_float8_training_is_named_where_the_config_cannot_say_it(base_plan):
+    for fmt in ("torchtitan", "trainer", "fsdp"):
+        out = emit(_with(base_plan, 8, zero=3, float8="rowwise"), fmt)
+        assert any("float8 training (rowwise) is not written" in n for n in out.notes), fmt
+    assert not any("float8" in n for n in emit(_with(base_plan, 8, zero=3), "torchtitan").notes)

@@ -6,6 +6,7 @@ Pure text generation from a :class:`Plan`; nothing here imports the libraries na
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -56,7 +57,15 @@ def emit(plan: Plan, fmt: str) -> Emitted:
     if fmt != "alloc-conf" and not plan.workload.training:
         raise PlanError(f"`emit={fmt}` writes a training configuration; this plan is for `task={plan.workload.task}`",
                         hint="use `emit=alloc-conf`, or `task=train`", field="emit")
-    return makers[fmt](plan)
+    out = makers[fmt](plan)
+    w = plan.workload
+    if fmt != "alloc-conf" and w.float8.value != "none":
+        gather = " with the FSDP float8 all-gather" if w.float8_fsdp_all_gather else ""
+        out = dataclasses.replace(out, notes=(*out.notes, (
+            f"float8 training ({w.float8}{gather}) is not written: convert the model with torchao's "
+            f"convert_to_float8_training (Float8LinearConfig.from_recipe_name) or torchtitan's float8 model "
+            "converter, as the estimate did")))
+    return out
 
 
 def _model_parallel_note(p: Any, where: str) -> str:
