@@ -187,3 +187,13 @@ def test_quantization_configs_map_to_their_formats_or_stop_with_the_reason() -> 
         quantized.apply(model, {"quant_method": "hqq"}, h100)
     notes = quantized.apply(model, {"quant_method": "gptq", "bits": 4, "group_size": 32}, h100)
     assert "GPTQModel" in notes[0] and model[0].scales.shape == (2, 64)  # the config's group size
+
+
+def test_load_in_4bit_keyword_stops_as_transformers_5_stops(tmp_path) -> None:
+    import vramplan
+
+    script = tmp_path / "old.py"
+    script.write_text("from transformers import AutoModelForCausalLM\n"
+                      "m = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', load_in_4bit=True)\n")
+    with pytest.raises(TraceError, match="BitsAndBytesConfig"):
+        vramplan.run_script(script, gpu="h100-sxm")

@@ -2,7 +2,8 @@
 library would load, built on the fake device in place of the model's linears.
 
 Which library and kernel a config means follows transformers 5's quantizers: bitsandbytes
-(``BitsAndBytesConfig``, ``load_in_4bit``/``load_in_8bit``), AWQ and GPTQ (GPTQModel's Marlin
+(``BitsAndBytesConfig``; the ``load_in_4bit``/``load_in_8bit`` keywords are gone in
+transformers 5 and stop the run as they stop the real one), AWQ and GPTQ (GPTQModel's Marlin
 kernels on sm80+; AWQ forces fp16), torchao (``TorchAoConfig`` by its config class),
 compressed-tensors (by its config groups; ``dequantize=True`` loads dense weights) and
 fine-grained fp8. A checkpoint's own ``quantization_config`` (config.json) counts as passed.
@@ -45,9 +46,13 @@ def method(qc: Any) -> str:
 def requested(kwargs: dict[str, Any], config: Any) -> Any:
     """The quantisation a ``from_pretrained`` call asks for (None: none)."""
     qc = kwargs.get("quantization_config")
-    if qc is None and (kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit")):
-        qc = {"quant_method": "bitsandbytes", "load_in_4bit": bool(kwargs.get("load_in_4bit")),
-              "load_in_8bit": bool(kwargs.get("load_in_8bit"))}
+    for old in ("load_in_4bit", "load_in_8bit"):
+        if old in kwargs:
+            import transformers
+
+            raise TraceError(f"from_pretrained({old}=…) is gone in transformers {transformers.__version__}: the "
+                             f"model's __init__ gets it and raises TypeError — the real run stops here too",
+                             hint=f"pass quantization_config=BitsAndBytesConfig({old}=True)")
     if qc is None:
         qc = getattr(config, "_vramplan_quantization_config", None)
     return qc
