@@ -389,3 +389,44 @@ def test_model_at_its_position_limit_plans() -> None:
     # GPT-2: 1024 learned positions; the profile forward must stay within them
     p = serve_plan("gpt2", "t4", dtype="fp16", max_num_batched_tokens=2048)
     assert p.starts and p.max_model_len == 1024 and p.profile_peak > 0
+
+
+def test_vllm_multi_lora_slots_are_in_the_weights_line() -> None:
+    """vLLM 0.10.1.1 --enable-lora: create_lora_weights per wrapped layer (vllm/lora/layers.py),
+    inside load_model's memory profile. Llama-3.1-8B, bf16, tp 1, 4 slots of rank 16: 10 MiB of
+    slots per decoder layer (qkv and gate_up lora_a replicated per slice, lora_b per output slice;
+    o_proj/down_proj lora_a on the input, lora_b on the hidden size), the embedding and logits
+    wrappers (25,362,432 B each), 1,280 extra vocabulary rows and the Punica index tensors."""
+    from vramplan.serving.api import serve_plan
+
+    base = serve_plan("llama-3.1-8b", "h100-sxm")
+    lora = serve_plan("llama-3.1-8b", "h100-sxm", enable_lora=True, max_loras=4, max_lora_rank=16)
+    per_layer = 4 * 16 * (5 * 4096 + (4096 + 1024 + 1024 + 2 * 14336)) + 4 * 16 * (4096 + 14336) + 2 * 4 * 4096 * 16
+    assert per_layer * 2 == 10 * 2**20
+    wrappers = 2 * 25_362_432 + 1280 * 4096 * 2
+    punica = 48 * 8192 + 32 * 1024
+    assert lora.weights - base.weights == 32 * per_layer * 2 + wrappers + punica == 397_180_928
+    assert lora.kv_pool < base.kv_pool and lora.starts
+    assert "--enable-lora --max-loras 4 --max-lora-rank 16" in lora.command
+    # Qwen2's vLLM class declares no embedding_modules: its linears only
+    q = serve_plan("qwen2.5-7b", "h100-sxm", enable_lora=True, max_loras=2)
+    assert not any("embedding and the LM head" in n for n in q.notes)
+    # tensor parallel: lora_b of column-parallel layers sharded; fully sharded shards the rest too
+    t2 = serve_plan("llama-3.1-8b", "h100-sxm", tp=2, enable_lora=True, max_loras=4)
+    fs = serve_plan("llama-3.1-8b", "h100-sxm", tp=2, enable_lora=True, max_loras=4, fully_sharded_loras=True)
+    b2 = serve_plan("llama-3.1-8b", "h100-sxm", tp=2)
+    assert fs.weights - b2.weights < t2.weights - b2.weights < lora.weights - base.weights
+
+
+def test_vllm_lora_settings_are_checked_as_vllm_checks_them() -> None:
+    from vramplan.errors import WorkloadError
+    from vramplan.serving.api import serve_plan
+
+    with pytest.raises(WorkloadError, match="must be one of"):
+        serve_plan("llama-3.1-8b", "h100-sxm", enable_lora=True, max_lora_rank=24)
+    with pytest.raises(WorkloadError, match="max_cpu_loras"):
+        serve_plan("llama-3.1-8b", "h100-sxm", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(WorkloadError, match="vLLM only"):
+        serve_plan("llama-3.1-8b", "h100-sxm", engine="sglang", enable_lora=True)
+    with pytest.raises(WorkloadError, match="MoE"):
+        serve_plan("mixtral-8x7b", "h100-sxm", tp=2, enable_lora=True)

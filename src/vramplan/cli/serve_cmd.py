@@ -52,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cuda-graph-sizes", type=_ints, default=(), help="vLLM: capture sizes (one value = the max; default: the engine's)")
     g.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    g.add_argument("--enable-lora", action="store_true", help="vLLM: multi-LoRA serving (GPU slots for adapters)")
+    g.add_argument("--max-loras", type=int, default=1, help="vLLM: adapters in GPU slots at once (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="vLLM: the slots' rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, help="vLLM: adapters cached in host RAM (default max-loras)")
+    g.add_argument("--fully-sharded-loras", action="store_true", help="vLLM: shard the adapters' ranks over TP")
     g.add_argument("--method", choices=["analytic", "trace"], default="analytic",
                    help="how vramplan estimates the profile forward (default analytic)")
     q = p.add_argument_group("questions")
@@ -75,7 +80,10 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 enable_prefix_caching=args.prefix_caching,
-                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, method=args.method)
+                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, method=args.method,
+                **(dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras, fully_sharded_loras=args.fully_sharded_loras)
+                   if args.enable_lora else {}))
 
 
 def run(args: argparse.Namespace) -> int:

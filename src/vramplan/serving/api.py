@@ -77,6 +77,11 @@ def serve_plan(
     disable_hybrid_kv_cache_manager: bool = False,
     avg_request_len: int | None = None,
     method: str = "analytic",
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
+    fully_sharded_loras: bool = False,
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -89,6 +94,8 @@ def serve_plan(
     budget per step (``chunked_prefill_size``, ``max_batch_prefill_tokens``,
     ``max_num_tokens``); ``block_size`` its page (``page_size``, ``tokens_per_block``).
     ``method`` is how the profile forward is estimated: ``analytic`` or ``trace``.
+    ``enable_lora`` (vLLM only): multi-LoRA serving with ``max_loras`` GPU slots of rank
+    ``max_lora_rank`` (``max_cpu_loras``: the host-RAM cache; ``fully_sharded_loras``).
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -103,6 +110,8 @@ def serve_plan(
                             field="cuda_graph_sizes")
     if method not in ("analytic", "trace"):
         raise WorkloadError(f"invalid method {method!r}", hint="use analytic or trace")
+    if enable_lora:
+        _check_lora(engine, max_loras, max_lora_rank, max_cpu_loras)
     q = check_quant(quantization)
     d = serving_dtype(spec, dtype)
     common: dict[str, Any] = {"tp": tp, "pp": pp, "quant": q, "dtype": d, "avg_request_len": avg_request_len,
@@ -113,7 +122,9 @@ def serve_plan(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size or 16, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
             cuda_graph_sizes=tuple(cuda_graph_sizes), enable_prefix_caching=enable_prefix_caching,
-            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            fully_sharded_loras=fully_sharded_loras)
         return vllm.plan(spec, g, settings=vs, **common)
     if engine == "sglang":
         ss = sglang.SglangSettings(
@@ -136,6 +147,21 @@ def serve_plan(
         max_num_tokens=max_num_batched_tokens or 8192, tokens_per_block=block_size or 32,
         kv_cache_dtype=kv_cache_dtype)
     return trtllm.plan(spec, g, settings=es, **common)
+
+
+def _check_lora(engine: str, max_loras: int, rank: int, cpu: int | None) -> None:
+    """vLLM's own checks (vllm/config/__init__.py ``LoRAConfig.__post_init__``/``verify_with_scheduler_config``)."""
+    if engine != "vllm":
+        raise WorkloadError(f"multi-LoRA serving is modelled for vLLM only, not {engine}", hint="use --engine vllm",
+                            field="enable_lora")
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+        raise WorkloadError(f"`max_loras` must be >= 1, got {max_loras!r}", hint="e.g. --max-loras 4", field="max_loras")
+    if rank not in vllm.LORA_RANKS:
+        raise WorkloadError(f"max_lora_rank ({rank}) must be one of {vllm.LORA_RANKS}.", hint="e.g. --max-lora-rank 16",
+                            field="max_lora_rank")
+    if cpu is not None and cpu < max_loras:
+        raise WorkloadError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})",
+                            hint=f"use --max-cpu-loras {max_loras} or more", field="max_cpu_loras")
 
 
 def largest_max_model_len(model: str | ModelSpec, gpu: str | GPU, **kwargs: Any) -> int:

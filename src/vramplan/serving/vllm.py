@@ -70,6 +70,76 @@ class VllmSettings:
     cuda_graph_sizes: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_extra_vocab_size: int = 256
+    fully_sharded_loras: bool = False
+    enable_lora_bias: bool = False
+
+
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""vllm/config/__init__.py ``LoRAConfig.__post_init__``: the ranks ``max_lora_rank`` may take."""
+LORA_EMBEDDING_TYPES = frozenset({"llama", "mistral", "phi3"})
+"""Model types whose vLLM class declares ``embedding_modules`` (``LlamaForCausalLM`` and its
+subclasses, vllm/model_executor/models/llama.py): ``embed_tokens`` and ``lm_head`` get LoRA
+wrappers too; Qwen2/Qwen3/Gemma declare none (their linears only)."""
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def lora_bytes(spec: ModelSpec, tp: int, s: VllmSettings, dtype_bytes: int, tokens: int, seqs: int) -> tuple[int, int, list[str]]:
+    """(bytes vLLM 0.10.1.1 allocates for ``--enable-lora`` inside "Model loading took", the
+    profile run's extra peak, notes). ``create_lora_weights`` of each wrapper
+    (vllm/lora/layers.py): per decoder layer, ``lora_a_stacked`` ``(L, 1, R, in)`` per slice
+    (replicated under TP; ``fully_sharded_loras``: R/tp) and ``lora_b_stacked`` ``(L, 1, out, R)``
+    per slice (column-parallel: out/tp); row-parallel ``o_proj``/``down_proj`` shard ``lora_a``'s
+    input and keep ``lora_b`` whole (fully sharded: h/tp). Llama-family models also wrap the
+    embedding (``embeddings_tensors`` ``(L, E, h)``, ``lora_a`` ``(L, V + E, R)``, ``lora_b``
+    ``(L, 1, h, R)``) and the logits (``(L, 1, R, h)``, ``(L, 1, pad256(V + E), R)``, ``(L, E, h)``),
+    and grow the embedding by L·E rows and the head to pad256(V + E) rows (llama.py). The Punica
+    wrapper's index tensors: ~48 B per batched token + 32 B per sequence (punica_base.py,
+    punica_gpu.py). All of it is created in ``GPUModelRunner.load_model``'s memory profile
+    (``load_lora_model``), so it is part of the weights line. The profile run's dummy adapters
+    live in pinned host memory (``create_dummy_lora``); each wrapped linear's fp32 shrink buffer
+    ``(slices, tokens, R)`` is the peak's only addition."""
+    if not s.enable_lora:
+        return 0, 0, []
+    if spec.is_moe or spec.kv_lora_rank:
+        raise WorkloadError("multi-LoRA on MoE or MLA models is not modelled (vLLM 0.10.1.1 wraps no expert or "
+                            "MLA projection with LoRA)", hint="drop --enable-lora", field="enable_lora")
+    L, R, E, h = s.max_loras, s.max_lora_rank, s.lora_extra_vocab_size, spec.hidden
+    a_div = tp if s.fully_sharded_loras else 1
+    q, kv, inter = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.intermediate
+    gated = spec.mlp_kind == "gated"
+    col_in = [h] * 3 + [h] * (2 if gated else 1)  # qkv slices, gate/up slices
+    col_out = [q, kv, kv] + [inter] * (2 if gated else 1)
+    per_layer = sum(L * R // a_div * i for i in col_in) + sum(L * o // tp * R for o in col_out)
+    for rin in (q, inter):  # o_proj, down_proj (row parallel)
+        per_layer += L * R * (rin // tp) + L * (h // a_div) * R
+    if s.enable_lora_bias:
+        per_layer += sum(L * o // tp for o in col_out) + 2 * L * (h // a_div)
+    total = per_layer * spec.layers * dtype_bytes
+    notes = [f"--enable-lora: {L} GPU slots of rank {R} for every wrapped linear "
+             f"({per_layer * spec.layers * dtype_bytes / GiB:.2f} GiB), created in load_model's memory profile "
+             "(part of 'Model loading took'); vllm/lora/layers.py create_lora_weights."]
+    if spec.model_type in LORA_EMBEDDING_TYPES and spec.vocab:
+        v = spec.vocab
+        emb = L * E * h * dtype_bytes + (L * (v + E) * R + L * h * R) * dtype_bytes
+        logits = (L * R * h + L * _pad(v + E, 256) * R) * dtype_bytes + L * E * h * dtype_bytes
+        rows = (_pad(v + L * E, 64) - _pad(v, 64) + _pad(v + E, 256) - _pad(v, 64)) * h * dtype_bytes // tp
+        total += emb + logits + rows
+        notes.append(f"The embedding and the LM head get LoRA wrappers ({spec.model_type}'s embedding_modules): "
+                     f"{(emb + logits + rows) / GiB:.3f} GiB with {E} extra vocabulary rows per adapter.")
+    total += 48 * tokens + 32 * seqs
+    cpu = s.max_cpu_loras or L
+    notes.append(f"max_cpu_loras={cpu}: adapters cached in pinned host RAM, not on the GPU; the profile run's "
+                 f"{L} dummy adapters (rank 8) are host tensors copied into the GPU slots.")
+    slices = 3
+    return total, slices * tokens * (R // a_div) * 4, notes
 
 
 def big_gpu(gpu: GPU, total: int) -> bool:
@@ -190,9 +260,11 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     fwd: Forward = forward(spec, tokens=mnbt, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     num_reqs = min(max_num_seqs, mnbt)
     compute = 2
+    lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs)
+    weights = fwd.weights + lora
     sampler = num_reqs * spec.vocab * (compute + SAMPLER_BYTES_PER_LOGIT) if spec.vocab else 0
-    peak = max(fwd.activation_peak, sampler)
-    non_kv = fwd.weights + peak + out.later
+    peak = max(fwd.activation_peak + lora_peak, sampler)
+    non_kv = weights + peak + out.later
     available = requested - non_kv
     sizes = [] if s.enforce_eager else capture_sizes(max_num_seqs, mnbt, s.cuda_graph_sizes)
     graphs = fwd.activation_peak * max(sizes) // mnbt if sizes else 0
@@ -208,6 +280,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     if pp > 1:
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
+    notes += lora_notes
     if s.enable_prefix_caching:
         notes.append("Prefix caching shares blocks between requests with a common prefix; it does not change the pool size.")
     error: str | None = None
@@ -235,11 +308,11 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     # fails, neither exists (the blocks and tokens below are what the memory would have held)
     pool = cfg.pool_bytes if error is None else 0
     graphs = graphs if error is None else 0
-    used = out.context + fwd.weights + peak + out.later + pool + graphs
+    used = out.context + weights + peak + out.later + pool + graphs
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
-    log = [f"Model loading took {fwd.weights / GiB:.4f} GiB",
+    log = [f"Model loading took {weights / GiB:.4f} GiB",
            f"Available KV cache memory: {available / GiB:.2f} GiB"]
     if error is None:
         log += [f"GPU KV cache size: {cfg.tokens:,} tokens",
@@ -255,9 +328,13 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         "cuda_graph_capture_sizes": len(sizes), "enable_prefix_caching": s.enable_prefix_caching,
         "quantization": quant, "dtype": dtype,
     }
+    if s.enable_lora:
+        settings_out.update({"enable_lora": True, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
+                             "max_cpu_loras": s.max_cpu_loras or s.max_loras,
+                             "fully_sharded_loras": s.fully_sharded_loras})
     return ServePlan(
         engine="vllm", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp,
-        settings=settings_out, total_memory=total, budget=requested, weights=fwd.weights,
+        settings=settings_out, total_memory=total, budget=requested, weights=weights,
         profile_peak=peak, non_torch=out.later, context=out.context, cuda_graph=graphs,
         cuda_graph_in_budget=False, kv_available=available, kv_pool=pool,
         block_size=s.block_size, blocks=cfg.num_blocks, tokens=cfg.tokens,
@@ -287,4 +364,9 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append("--enforce-eager")
     if not st["enable_prefix_caching"]:
         parts.append("--no-enable-prefix-caching")
+    if st.get("enable_lora"):
+        parts += ["--enable-lora", f"--max-loras {st['max_loras']}", f"--max-lora-rank {st['max_lora_rank']}",
+                  f"--max-cpu-loras {st['max_cpu_loras']}"]
+        if st.get("fully_sharded_loras"):
+            parts.append("--fully-sharded-loras")
     return " ".join(parts)
