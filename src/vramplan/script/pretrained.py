@@ -30,7 +30,7 @@ from . import quantized
 
 
 @dataclasses.dataclass
-class _Run:
+class Loading:
     """What a ``from_pretrained`` under ``vramplan run`` needs of the run (:func:`weightless_from_pretrained`)."""
 
     device: DeviceProfile = DEFAULT_PROFILE
@@ -41,7 +41,7 @@ class _Run:
     """Records a model's parameters and buffers as device memory, now."""
 
 
-_context: list[_Run] = []
+_context: list[Loading] = []
 
 _building = [0]
 
@@ -82,7 +82,7 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
         extra["attn_implementation"] = kwargs["attn_implementation"]
     if dtype is not None:
         extra["dtype"] = dtype
-    run = _context[-1] if _context else _Run()
+    run = _context[-1] if _context else Loading()
     on_host = _loads_on_host(kwargs.get("device_map"), qc)
     # transformers builds the model empty and loads each weight into place (tied weights tied
     # first; a quantised weight quantised as it is read): no construction-time tensor is device
@@ -205,11 +205,11 @@ def _patch_config(ca: Any, undo: contextlib.ExitStack) -> None:
 
 
 @contextlib.contextmanager
-def weightless_from_pretrained(run: _Run | None = None) -> Iterator[None]:
+def weightless_from_pretrained(run: Loading | None = None) -> Iterator[None]:
     """Within the block, transformers' ``from_pretrained`` builds on meta from the config
     (transformers is patched when the script imports it: :func:`~vramplan.emulate.imports.patched_on_import`);
     ``run``: the run's device, notes and bookings."""
-    _context.append(run or _Run())
+    _context.append(run or Loading())
     try:
         with patched_on_import({
             "transformers.modeling_utils": _patch_model,

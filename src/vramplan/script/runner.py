@@ -949,7 +949,7 @@ def _host_values(sess: TraceSession) -> Any:
 def _loading(sess: TraceSession, places: Places) -> Any:
     """What ``from_pretrained`` needs of this run (:mod:`.pretrained`): the device, the notes, the
     host scope, and the booking of a loaded model's tensors on the device."""
-    from .pretrained import _Run
+    from .pretrained import Loading
 
     def book(model: nn.Module) -> None:
         for p in model.parameters():
@@ -959,7 +959,7 @@ def _loading(sess: TraceSession, places: Places) -> Any:
             if on_meta(b):
                 sess.rec.relabel(b, Category.BUFFER)
 
-    return _Run(device=sess.profile, notes=sess.notes, host_scope=lambda: places.scope("cpu"), book=book)
+    return Loading(device=sess.profile, notes=sess.notes, host_scope=lambda: places.scope("cpu"), book=book)
 
 
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
