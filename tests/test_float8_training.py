@@ -73,3 +73,10 @@ def test_float8_under_emulated_autocast_is_refused_with_the_fix() -> None:
     with pytest.raises(TraceError, match="autocast"):
         estimate("llama-3.2-1b", task="train", precision="bf16-mixed", float8="tensorwise", method="trace",
                  gpu="h100-sxm", seq=64)
+
+
+def test_auto_reports_the_traces_reason_when_the_analytic_method_refuses_too() -> None:
+    # method=auto: the trace refuses float8 under autocast, the analytic method refuses float8: the
+    # user is told the trace's reason (with its fix), not the analytic method's
+    with pytest.raises(TraceError, match="autocast"):
+        estimate("llama-3.2-1b", task="train", precision="bf16-mixed", float8="tensorwise", gpu="h100-sxm", seq=64)

@@ -75,10 +75,17 @@ def test_forward_allocates_what_the_library_allocates(real, q: str) -> None:
 
 @pytest.fixture(scope="module")
 def llama():
-    return tiny_spec("llama-3.1-8b", layers=4)
+    """A 4-layer Llama of width 128 (the grouped formats quantise groups of 128 inputs)."""
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.testing import tiny_config
+
+    cfg = tiny_config(dict(resolve("llama-3.1-8b").config), 4)
+    cfg.update(hidden_size=128, intermediate_size=256)
+    return spec_from_config(cfg, name="tiny-llama-128", source="test")
 
 
-LINEARS = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # q k v o gate up down
+LINEARS = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 256), (128, 256), (256, 128)]  # q k v o gate up down
 
 
 def _stored(q: Quant, **kw) -> int:
@@ -197,3 +204,36 @@ def test_load_in_4bit_keyword_stops_as_transformers_5_stops(tmp_path) -> None:
                       "m = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', load_in_4bit=True)\n")
     with pytest.raises(TraceError, match="BitsAndBytesConfig"):
         vramplan.run_script(script, gpu="h100-sxm")
+
+
+def test_layers_a_format_cannot_pack_and_unconverted_weights_are_refused() -> None:
+    from torch import nn
+
+    from vramplan.trace.quantkernels import quantize_format
+
+    with pytest.raises(TraceError, match="packs out_features in multiples of 8"):
+        quantize_format(nn.Sequential(nn.Linear(128, 30)), Quant.AWQ, torch.float16)
+    with pytest.raises(TraceError, match="groups of 128"):
+        quantize_format(nn.Sequential(nn.Linear(192, 64)), Quant.GPTQ, torch.float16)
+    with pytest.raises(TraceError, match="no nn.Linear"):
+        quantize_format(nn.Sequential(nn.ReLU()), Quant.HQQ, torch.bfloat16)
+    moe = tiny_spec("mixtral-8x7b", layers=2)
+    with pytest.raises(TraceError, match="fused MoE expert"):
+        trace_workload(moe, Workload(**INFER, quant="hqq"), options=NO_WS)
+    with pytest.raises(WorkloadError, match="16-bit"):
+        Workload(task="infer", precision="fp32", quant="awq")
+
+
+def test_config_details_reach_the_layers() -> None:
+    from torch import nn
+
+    from vramplan.script import quantized
+    from vramplan.target import DeviceProfile
+
+    h100 = DeviceProfile(name="h100", sm=(9, 0), sm_count=132)
+    model = nn.Sequential(nn.Sequential(nn.Linear(128, 64), nn.Linear(128, 64)))
+    notes = quantized.apply(model, {"quant_method": "gptq", "bits": 4, "group_size": -1,
+                                    "modules_to_not_convert": ["0.1"]}, h100)
+    assert "1 linear layers" in notes[0]
+    assert model[0][0].scales.shape == (1, 64) and type(model[0][1]) is nn.Linear  # per-channel; full-name skip
+    assert stored(Quant.GPTQ, 256, 512, "bfloat16", group=-1)[1] == ("scales", "bfloat16", (1, 512))

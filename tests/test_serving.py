@@ -430,3 +430,14 @@ def test_vllm_lora_settings_are_checked_as_vllm_checks_them() -> None:
         serve_plan("llama-3.1-8b", "h100-sxm", engine="sglang", enable_lora=True)
     with pytest.raises(WorkloadError, match="MoE"):
         serve_plan("mixtral-8x7b", "h100-sxm", tp=2, enable_lora=True)
+
+
+def test_vllm_lora_under_pipeline_parallelism_counts_the_first_stage() -> None:
+    from vramplan.serving.api import serve_plan
+
+    one = serve_plan("llama-3.1-8b", "h100-sxm", enable_lora=True, max_loras=4)
+    two = serve_plan("llama-3.1-8b", "h100-sxm", pp=2, enable_lora=True, max_loras=4)
+    base1, base2 = serve_plan("llama-3.1-8b", "h100-sxm"), serve_plan("llama-3.1-8b", "h100-sxm", pp=2)
+    per_layer = 10 * 2**20
+    assert two.weights - base2.weights == 16 * per_layer + 25_362_432 + 1024 * 4096 * 2 + 48 * 8192 + 32 * 1024
+    assert two.weights - base2.weights < one.weights - base1.weights

@@ -114,7 +114,7 @@ def stored(q: Quant, d_in: int, d_out: int, compute: str, *, group: int = 0,
     (the bias aside: it stays ``compute``). ``compute``: the torch dtype name the model was
     loaded in. ``decompressed``: compressed-tensors after its first forward."""
     fmt = FORMATS[q]
-    g = group or fmt.group
+    g = d_in if group < 0 else (group or fmt.group)  # (-1: one group per row, GPTQ's per-channel)
     groups = -(-d_in // g) if g else 1
     if q is Quant.AWQ:  # AWQ layout (qweight packs 8 outputs per int32), Marlin-repacked in place: same sizes
         return [("qweight", "int32", (d_in, d_out // 8)), ("qzeros", "int32", (groups, d_out // 8)),
@@ -145,6 +145,30 @@ def stored(q: Quant, d_in: int, d_out: int, compute: str, *, group: int = 0,
         return [("weight", compute if decompressed else "float8_e4m3fn", (d_out, d_in)),
                 ("weight_scale", compute, (d_out, 1))]
     raise ValueError(f"no table entry for {q}")
+
+
+_DIVIDES: dict[Quant, tuple[tuple[str, int], ...]] = {
+    Quant.AWQ: (("out_features", 8),), Quant.GPTQ: (("in_features", 16), ("out_features", 8)),
+    Quant.AO_INT4: (("in_features", 2),), Quant.CT_W4A16: (("in_features", 8),),
+}
+"""Packing rules: what a dimension must divide by for the format's packed layout (8 4-bit values
+per int32 along AWQ's outputs, Marlin's 16-row input tiles, two values per byte); the group size
+must divide ``in_features`` for the grouped formats."""
+
+
+def layout_problem(q: Quant, d_in: int, d_out: int, group: int = 0) -> str | None:
+    """Why a ``d_in → d_out`` linear cannot be stored in ``q`` (None: it can)."""
+    fmt = FORMATS[q]
+    dims = {"in_features": d_in, "out_features": d_out}
+    for name, k in _DIVIDES.get(q, ()):
+        if dims[name] % k:
+            return f"{fmt.library} packs {name} in multiples of {k}; this layer has {dims[name]}"
+    g = d_in if group < 0 else (group or fmt.group)
+    if g and q in (Quant.AWQ, Quant.GPTQ, Quant.AO_INT4, Quant.CT_W4A16) and d_in % g:
+        return f"{fmt.library} quantises groups of {g} inputs; in_features {d_in} is not a multiple"
+    if q is Quant.HQQ and (d_in * d_out) % (2 * g):
+        return f"{fmt.library} packs rows of {g} weights two to a byte; {d_in}×{d_out} weights do not divide"
+    return None
 
 
 def stored_bytes(q: Quant, d_in: int, d_out: int, compute: str, *, group: int = 0, decompressed: bool = False) -> int:

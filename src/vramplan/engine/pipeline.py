@@ -112,7 +112,10 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
             if m is Method.TRACE or not has_analytic(spec):
                 raise
             fallback = Fallback(requested=Method.TRACE, used=Method.ANALYTIC, reason=str(e))
-            core = analytic_core(spec, w, dev)
+            try:
+                core = analytic_core(spec, w, dev)
+            except WorkloadError:
+                raise e from None  # (the analytic method refuses it too: the trace's reason is the one to fix)
     notes += bf16_notes(dev, w, core.method) if g is not None else []
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"`alloc_conf={alloc_conf}` is not simulated by the analytic method: reserved is "

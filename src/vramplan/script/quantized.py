@@ -90,9 +90,22 @@ def apply(model: nn.Module, qc: Any, device: DeviceProfile) -> list[str]:
         raise TraceError(f"{fmt.library} does not run on {device.name}: {fmt.min_sm_why}", hint="pick a newer GPU")
     from ..trace.quantkernels import quantize_format
 
-    group = int(_get(qc, "group_size", 0) or 0) if kind in (Quant.AWQ, Quant.GPTQ) else 0
-    n = quantize_format(model, kind, dtype, skip=skip, sm_count=device.sm_count, group=max(group, 0))
+    n = quantize_format(model, kind, dtype, skip=skip, sm_count=device.sm_count, group=_group(kind, qc))
     return [f"from_pretrained: {n} linear layers as {fmt.library} [{fmt.source}]"]
+
+
+def _group(kind: Quant, qc: Any) -> int:
+    """The config's group size (0: the format's default; -1: one group per row)."""
+    if kind in (Quant.AWQ, Quant.GPTQ):
+        return int(_get(qc, "group_size", 0) or 0)
+    if kind is Quant.AO_INT4:
+        return int(_get(_get(qc, "quant_type"), "group_size", 0) or 0)
+    if kind is Quant.CT_W4A16:
+        inner = _get(qc, "quantization_config") or qc
+        groups = _get(inner, "config_groups") or {}
+        for scheme in (groups.values() if isinstance(groups, dict) else groups):
+            return int(_get(_get(scheme, "weights"), "group_size", 0) or 0)
+    return 0
 
 
 def _bnb(model: nn.Module, qc: Any, dtype: torch.dtype, skip: tuple[str, ...]) -> list[str]:
@@ -127,6 +140,9 @@ def _kind(method: str, qc: Any) -> Quant | None:
         return Quant.AWQ if method == "awq" else Quant.GPTQ
     if method == "torchao":
         qt = _get(qc, "quant_type")
+        if isinstance(qt, str):
+            raise TraceError(f"TorchAoConfig('{qt}'): transformers 5 takes a torchao config object, not a string",
+                             hint="pass e.g. TorchAoConfig(Int4WeightOnlyConfig())")
         name = (qt.get("default", qt).get("_type") if isinstance(qt, dict) else type(qt).__name__) or str(qt)
         if name not in _TORCHAO:
             raise TraceError(f"torchao {name} is not emulated", hint=f"use one of: {', '.join(_TORCHAO)}")

@@ -156,9 +156,12 @@ def _check_lora(engine: str, max_loras: int, rank: int, cpu: int | None) -> None
                             field="enable_lora")
     if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
         raise WorkloadError(f"`max_loras` must be >= 1, got {max_loras!r}", hint="e.g. --max-loras 4", field="max_loras")
-    if rank not in vllm.LORA_RANKS:
+    if isinstance(rank, bool) or rank not in vllm.LORA_RANKS:
         raise WorkloadError(f"max_lora_rank ({rank}) must be one of {vllm.LORA_RANKS}.", hint="e.g. --max-lora-rank 16",
                             field="max_lora_rank")
+    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int)):
+        raise WorkloadError(f"`max_cpu_loras` must be a whole number, got {cpu!r}", hint="e.g. --max-cpu-loras 8",
+                            field="max_cpu_loras")
     if cpu is not None and cpu < max_loras:
         raise WorkloadError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})",
                             hint=f"use --max-cpu-loras {max_loras} or more", field="max_cpu_loras")

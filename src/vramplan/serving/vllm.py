@@ -91,7 +91,8 @@ def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def lora_bytes(spec: ModelSpec, tp: int, s: VllmSettings, dtype_bytes: int, tokens: int, seqs: int) -> tuple[int, int, list[str]]:
+def lora_bytes(spec: ModelSpec, tp: int, s: VllmSettings, dtype_bytes: int, tokens: int, seqs: int,
+               stage_layers: int | None = None, pp: int = 1) -> tuple[int, int, list[str]]:
     """(bytes vLLM 0.10.1.1 allocates for ``--enable-lora`` inside "Model loading took", the
     profile run's extra peak, notes). ``create_lora_weights`` of each wrapper
     (vllm/lora/layers.py): per decoder layer, ``lora_a_stacked`` ``(L, 1, R, in)`` per slice
@@ -122,18 +123,23 @@ def lora_bytes(spec: ModelSpec, tp: int, s: VllmSettings, dtype_bytes: int, toke
         per_layer += L * R * (rin // tp) + L * (h // a_div) * R
     if s.enable_lora_bias:
         per_layer += sum(L * o // tp for o in col_out) + 2 * L * (h // a_div)
-    total = per_layer * spec.layers * dtype_bytes
-    notes = [f"--enable-lora: {L} GPU slots of rank {R} for every wrapped linear "
-             f"({per_layer * spec.layers * dtype_bytes / GiB:.2f} GiB), created in load_model's memory profile "
+    n_layers = stage_layers if stage_layers is not None else spec.layers
+    total = per_layer * n_layers * dtype_bytes
+    notes = [f"--enable-lora: {L} GPU slots of rank {R} for every wrapped linear of the stage's {n_layers} layers "
+             f"({total / GiB:.2f} GiB), created in load_model's memory profile "
              "(part of 'Model loading took'); vllm/lora/layers.py create_lora_weights."]
     if spec.model_type in LORA_EMBEDDING_TYPES and spec.vocab:
         v = spec.vocab
         emb = L * E * h * dtype_bytes + (L * (v + E) * R + L * h * R) * dtype_bytes
+        emb += (_pad(v + L * E, 64) - _pad(v, 64)) * h * dtype_bytes // tp
         logits = (L * R * h + L * _pad(v + E, 256) * R) * dtype_bytes + L * E * h * dtype_bytes
-        rows = (_pad(v + L * E, 64) - _pad(v, 64) + _pad(v + E, 256) - _pad(v, 64)) * h * dtype_bytes // tp
-        total += emb + logits + rows
-        notes.append(f"The embedding and the LM head get LoRA wrappers ({spec.model_type}'s embedding_modules): "
-                     f"{(emb + logits + rows) / GiB:.3f} GiB with {E} extra vocabulary rows per adapter.")
+        logits += (_pad(v + E, 256) - _pad(v, 64)) * h * dtype_bytes // tp
+        if pp > 1:  # the first stage holds the embedding, the last the head: the plan sizes the first
+            logits = 0
+        total += emb + logits
+        where = "embedding (the head's wrapper is on the last stage)" if pp > 1 else "embedding and the LM head"
+        notes.append(f"The {where} get LoRA wrappers ({spec.model_type}'s embedding_modules): "
+                     f"{(emb + logits) / GiB:.3f} GiB with {E} extra vocabulary rows per adapter.")
     total += 48 * tokens + 32 * seqs
     cpu = s.max_cpu_loras or L
     notes.append(f"max_cpu_loras={cpu}: adapters cached in pinned host RAM, not on the GPU; the profile run's "
@@ -260,7 +266,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     fwd: Forward = forward(spec, tokens=mnbt, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     num_reqs = min(max_num_seqs, mnbt)
     compute = 2
-    lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs)
+    lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs,
+                                             stage_layers=len(layers) if pp > 1 else None, pp=pp)
     weights = fwd.weights + lora
     sampler = num_reqs * spec.vocab * (compute + SAMPLER_BYTES_PER_LOGIT) if spec.vocab else 0
     peak = max(fwd.activation_peak + lora_peak, sampler)

@@ -251,7 +251,7 @@ def notes(compiler: BlockCompiler) -> list[str]:
            "intermediates inside a block are run op by op (Inductor would fuse some away)"]
     if checkpointed:
         out.append(f"torch.compile: {checkpointed} blocks compiled inside their activation checkpoint: the "
-                   "forward keeps the checkpoint's inputs, the backward recomputes the compiled forward (the "
-                   "tensors it saves, as above) before the compiled backward — the saved set a real compiled "
-                   "checkpointed block keeps (tests/test_trace_compile.py)")
+                   "backward recomputes the compiled forward (the tensors it saves, as above) before the compiled "
+                   "backward; under full checkpointing the forward keeps the checkpoint's inputs only, as a real "
+                   "compiled checkpointed block does (tests/test_trace_compile.py)")
     return out

@@ -147,7 +147,7 @@ def apply_quant(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_P
         return []
     fmt = format_of(w.quant)
     if fmt is not None:
-        if device.sm < fmt.min_sm:
+        if device.usable is not None and device.sm < fmt.min_sm:  # (no GPU given: nothing to check against)
             raise TraceError(f"{w.quant} does not run on {device.name} (sm{device.sm[0]}{device.sm[1]}): {fmt.min_sm_why}",
                              hint="pick a newer GPU, or another `quant`")
         cd = compute_dtype(w)
@@ -181,7 +181,7 @@ def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_
     dimension that is not a multiple of 16."""
     if w.float8 is Float8.NONE:
         return []
-    if device.sm < FLOAT8_SM:
+    if device.usable is not None and device.sm < FLOAT8_SM:
         raise TraceError(f"float8 training needs an sm89+ GPU (fp8 tensor cores for torch._scaled_mm); "
                          f"{device.name} is sm{device.sm[0]}{device.sm[1]}", hint="pick an H100/H200/L40S/B200, or drop `float8`")
     if precision_model(w).autocast:

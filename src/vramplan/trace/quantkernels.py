@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantformats import stored
+from ..errors import TraceError
+from ..quantformats import layout_problem, stored
 from ..workload import Quant
 
 INT_MM_MIN_ROWS = 17
@@ -171,15 +172,16 @@ class FormatLinear(nn.Module):
         del c
         scale = _empty((rows, 1), torch.float32, x)
         w = self._buf("qdata")
-        if rows < INT_MM_MIN_ROWS:  # safe_int_mm's fallback: fp32 copies of both operands
+        wc = _empty((self.in_features, self.out_features), torch.int8, w)  # mat2.contiguous(), before the try
+        if rows < INT_MM_MIN_ROWS:  # _int_mm refuses 16 rows or fewer: the fallback's fp32 copies of both
             xf = xq.to(torch.float32)
             wf = _empty((self.in_features, self.out_features), torch.float32, w)
-            acc = _empty((*x.shape[:-1], self.out_features), torch.float32, x)
-            del xf, wf
+            f32 = _empty((*x.shape[:-1], self.out_features), torch.float32, x)
+            acc = f32.to(torch.int32)
+            del xf, wf, f32
         else:
-            wc = _empty((self.in_features, self.out_features), torch.int8, w)  # mat2.contiguous()
             acc = _empty((*x.shape[:-1], self.out_features), torch.int32, x)  # torch._int_mm
-            del wc
+        del wc
         del xq
         y = acc.to(torch.float32) * scale.view(*x.shape[:-1], 1)
         del acc, scale
@@ -251,25 +253,47 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def skipped(full: str, skip: tuple[str, ...]) -> bool:
+    """transformers' ``modules_to_not_convert`` rule: a name matches itself, a leaf name, or a
+    prefix of the module's full name."""
+    leaf = full.rsplit(".", 1)[-1]
+    return any(p == full or p == leaf or full.startswith(p + ".") or full.endswith("." + p) for p in skip)
+
+
 def quantize_format(model: nn.Module, kind: Quant, compute: torch.dtype, *,
                     skip: tuple[str, ...] = ("lm_head",), sm_count: int = 108, group: int = 0) -> int:
     """Replace every ``nn.Linear`` (except ``skip`` names) by :class:`FormatLinear`; returns the
-    count. compressed-tensors formats get transformers' first-forward decompression hook."""
+    count. compressed-tensors formats get transformers' first-forward decompression hook.
+    Refused (:class:`TraceError`): a layer the format cannot pack, a model with nothing to
+    quantise, and MoE expert weights outside ``nn.Linear`` (fused expert tensors: not modelled)."""
     layers: list[FormatLinear] = []
-    for mod in list(model.modules()):
+    for prefix, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and child_name not in skip:
+            full = f"{prefix}.{child_name}" if prefix else child_name
+            if type(child) is nn.Linear and not skipped(full, skip):
+                why = layout_problem(kind, child.in_features, child.out_features, group)
+                if why:
+                    raise TraceError(f"{kind}: {full} ({child.in_features}→{child.out_features}) cannot be stored: {why}",
+                                     hint="use another `quant` (nf4/int8 store any shape)")
                 fl = FormatLinear(child, kind, compute, sm_count, group)
                 setattr(mod, child_name, fl)
                 layers.append(fl)
-    if kind in _CT and layers:
+    if not layers:
+        raise TraceError(f"{kind}: the model has no nn.Linear layer to quantise (GPT-2's Conv1D and fused expert "
+                         "tensors are not converted)", hint="use a model with nn.Linear layers, or drop `quant`")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.dim() >= 3)
+    if experts:
+        raise TraceError(f"{kind} with fused MoE expert weights ({experts:,} parameters in 3-D expert tensors) is not "
+                         "modelled: the format's libraries quantise experts their own way", hint="drop `quant`, "
+                         "or use `quant=nf4`/`int8` (bitsandbytes leaves fused experts in 16-bit, as traced)")
+    if kind in _CT:
         model.register_forward_pre_hook(_DecompressOnce(layers))
     return len(layers)
 
 
 class _DecompressOnce:
     """compressed_tensors ``ct_decompress_hook``: on the model's first forward, decompress each
-    quantised module in turn, then remove itself."""
+    quantised module in turn (later calls find nothing left to decompress)."""
 
     def __init__(self, layers: list[FormatLinear]) -> None:
         self.layers = layers
