@@ -522,7 +522,7 @@ class Workload:
         if self.quant not in (Quant.NONE, Quant.FP8) and self.quant not in BNB_QUANTS \
                 and self.precision is Precision.FP32:
             raise WorkloadError(f"{self.quant} models run in 16-bit (AWQ loads in fp16; the others' scales and kernels "
-                                "take the model's 16-bit dtype)", hint="use `precision=bf16` or `fp16`", field="precision")
+                                "take the model's 16-bit dtype)", hint="use `precision=bf16` (or fp16)", field="precision")
         if self.peft is not Peft.NONE and self.quant not in (Quant.NONE, Quant.FP8) and self.quant not in BNB_QUANTS:
             raise WorkloadError(
                 f"LoRA over {self.quant} base weights is not modelled (the {self.quant} format is traced for "
