@@ -41,20 +41,23 @@ class Format:
     min_sm_why: str = ""
 
 
+_MARLIN_FORWARD = ("the Marlin kernel writes the output and takes an fp32 reduce scratch of SMs × min(rows "
+                   "rounded to 16, 64) × 256 for the call; no dequantised weight")
+DECOMPRESSED = frozenset({Quant.CT_W4A16, Quant.CT_W8A8, Quant.CT_FP8})
+"""compressed-tensors under transformers 5: dense compute-dtype weights after the first forward."""
+
 FORMATS: dict[Quant, Format] = {f.quant: f for f in (
     Format(Quant.AWQ, "GPTQModel 7.7 AwqMarlinLinear (transformers 5 loads AWQ through GPTQModel; w_bit=4, "
            "zero point, fp16)", 128,
            "transformers/quantizers/quantizer_awq.py, integrations/awq.py (hf_select_quant_linear_v2); "
            "gptqmodel/nn_modules/qlinear/marlin_awq.py; gptqmodel_ext/marlin/gptq_marlin.cu, marlin_scratch.cuh",
-           "the Marlin kernel writes the output and takes an fp32 reduce scratch of SMs × min(rows rounded "
-           "to 16, 64) × 256 for the call; no dequantised weight",
+           _MARLIN_FORWARD,
            (8, 0), "GPTQModel's Marlin kernels need sm80+ (older GPUs fall to other kernels, not modelled)"),
     Format(Quant.GPTQ, "GPTQModel 7.7 MarlinLinear (transformers 5 / optimum's default on sm80+; bits=4, sym, "
            "desc_act=False)", 128,
            "optimum/gptq/quantizer.py; gptqmodel/utils/importer.py (kernel priority); "
            "gptqmodel/nn_modules/qlinear/marlin.py (post_init repack, forward); gptqmodel_ext/marlin/gptq_marlin.cu",
-           "the Marlin kernel writes the output and takes an fp32 reduce scratch of SMs × min(rows rounded "
-           "to 16, 64) × 256 for the call; no dequantised weight",
+           _MARLIN_FORWARD,
            (8, 0), "GPTQModel's Marlin kernels need sm80+ (older GPUs fall to ExLlamaV2, not modelled)"),
     Format(Quant.HQQ, "hqq 0.2.8 (HQQLinear, nbits=4, axis=1, PYTORCH backend)", 64,
            "hqq/core/quantize.py (Quantizer.quantize/dequantize, HQQLinear.forward_pytorch_backprop); "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from vramplan.models.flops import checkpointed_fraction
 from vramplan.models.shape import ModelShape
 from vramplan.precision import precision_model
-from vramplan.quantformats import bytes_per_weight, format_of
+from vramplan.quantformats import DECOMPRESSED, bytes_per_weight, format_of
 from vramplan.workload import (
     Attention,
     Checkpointing,
@@ -31,8 +31,6 @@ _PER_FFN = 6
 
 _FUSED = frozenset({Quant.AWQ, Quant.GPTQ, Quant.AO_INT4, Quant.AO_FP8_DYN, Quant.AO_INT8_DYN})
 """Formats whose kernels read the stored weight directly (no dequantised copy per forward)."""
-_DENSE = frozenset({Quant.CT_W4A16, Quant.CT_W8A8, Quant.CT_FP8})
-"""compressed-tensors under transformers: dense compute-dtype weights after the first forward."""
 
 
 def reads_packed(w: Workload) -> bool:
@@ -43,7 +41,7 @@ def reads_packed(w: Workload) -> bool:
 def _format_bytes(w: Workload) -> float | None:
     if format_of(w.quant) is None:
         return None
-    if w.quant in _DENSE:
+    if w.quant in DECOMPRESSED:
         return float(precision_model(w).compute)
     return bytes_per_weight(w.quant, precision_model(w).compute_dtype)
 
@@ -73,7 +71,7 @@ def cast_bytes(w: Workload) -> float:
     if w.quant in _QUANT_STORAGE:
         return _QUANT_STORAGE[w.quant] + 2.0
     if format_of(w.quant) is not None:  # HQQ and torchao weight-only dequantise every forward
-        return 0.0 if w.quant in _FUSED or w.quant in _DENSE else weight_storage_bytes(w) + 2.0
+        return 0.0 if w.quant in _FUSED or w.quant in DECOMPRESSED else weight_storage_bytes(w) + 2.0
     return float(precision_model(w).cast_bytes)
 
 

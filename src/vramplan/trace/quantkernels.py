@@ -22,23 +22,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TraceError
-from ..quantformats import layout_problem, stored
+from ..quantformats import DECOMPRESSED, layout_problem, stored
 from ..workload import Quant
+from .quant import _empty
 
 INT_MM_MIN_ROWS = 17
 """torchao ``safe_int_mm``: cuBLAS ``_int_mm`` needs more than 16 rows; fewer fall back to fp32."""
 
-_CT = (Quant.CT_W4A16, Quant.CT_W8A8, Quant.CT_FP8)
+_KERNELS = {Quant.AWQ: "_marlin", Quant.GPTQ: "_marlin", Quant.HQQ: "_hqq", Quant.AO_INT4: "_ao_int4",
+            Quant.AO_INT8: "_ao_int8", Quant.AO_INT8_DYN: "_ao_int8_dyn", Quant.AO_FP8: "_ao_fp8",
+            Quant.AO_FP8_DYN: "_ao_fp8_dyn", **{q: "_ct" for q in DECOMPRESSED}}
+"""Each format's forward (the method that allocates what its library's forward allocates)."""
 
 
 def _dt(name: str) -> torch.dtype:
     dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype)
     return dtype
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
 
 
 class FormatLinear(nn.Module):
@@ -93,22 +93,7 @@ class FormatLinear(nn.Module):
 
     # --- forwards ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.kind
-        if k in (Quant.AWQ, Quant.GPTQ):
-            return self._marlin(x)
-        if k is Quant.HQQ:
-            return self._hqq(x)
-        if k is Quant.AO_INT4:
-            return self._ao_int4(x)
-        if k is Quant.AO_INT8:
-            return self._ao_int8(x)
-        if k is Quant.AO_INT8_DYN:
-            return self._ao_int8_dyn(x)
-        if k is Quant.AO_FP8:
-            return self._ao_fp8(x)
-        if k is Quant.AO_FP8_DYN:
-            return self._ao_fp8_dyn(x)
-        return self._ct(x)
+        return getattr(self, _KERNELS[self.kind])(x)  # type: ignore[no-any-return]
 
     def _rows(self, x: torch.Tensor) -> int:
         return x.numel() // max(x.shape[-1], 1)
@@ -286,7 +271,7 @@ def quantize_format(model: nn.Module, kind: Quant, compute: torch.dtype, *,
         raise TraceError(f"{kind} with fused MoE expert weights ({experts:,} parameters in 3-D expert tensors) is not "
                          "modelled: the format's libraries quantise experts their own way", hint="drop `quant`, "
                          "or use `quant=nf4`/`int8` (bitsandbytes leaves fused experts in 16-bit, as traced)")
-    if kind in _CT:
+    if kind in DECOMPRESSED:
         model.register_forward_pre_hook(_DecompressOnce(layers))
     return len(layers)
 
