@@ -117,6 +117,7 @@ def test_a_script_cannot_tell_the_emulated_gpu_from_a_real_one(tmp_path: Path) -
     assert seen["accelerator"] == [True, "cuda", 1, 0]
     assert seen["param"] == ["cuda:0", True, 0, False, "torch.cuda.FloatTensor"]
     assert seen["input"] == ["cuda:0", True, 0]
+    assert seen["int_device"] == "cuda:0"
     assert seen["tied"] and seen["same_object"]  # .to() kept the Parameter objects and the tie
     assert seen["format"].strip().replace(".", "").isdigit() and seen["repr_device"]
     assert seen["host"] == ["cpu", True]

@@ -3,6 +3,9 @@ PyTorch's fake process group."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from vramplan.script.launch import parse_launch
 EX = Path(__file__).parent / "examples"
 FSDP = str(EX / "fsdp2_loop.py")
 DDP = str(EX / "ddp_loop.py")
+FSDP1 = str(EX / "fsdp1_loop.py")
 MODEL = 4 * 1024 * 1024 * 4  # four fp32 1024×1024 linears
 
 
@@ -86,6 +90,23 @@ def test_fsdp2_meta_init_script_keeps_only_the_materialised_shards():
     # and moved with .cuda() is on the GPU whole until each layer is sharded
     assert whole_weights(meta) == 0
     assert whole_weights(built) == 4
+
+
+def test_fsdp1_script_runs_with_flat_sharded_states(tmp_path):
+    """FSDP1 (``FullyShardedDataParallel``, flat parameters, a model built on the host and moved
+    by ``device_id=torch.cuda.current_device()``): it runs (it stopped at ``torch.device(0)`` and
+    at ``record_stream`` with an emulated stream), its states are 1/world flat shards, and right
+    after the wrap only the shards are on the GPU. A fresh process: the first traced op imported
+    torch._dynamo on the script's stack, whose import left a frame cycle pinning FSDP's
+    per-parameter copies to the device (a whole model, until the next garbage collection)."""
+    out = tmp_path / "after_wrap.txt"
+    p = subprocess.run([sys.executable, "-m", "vramplan.cli.main", "run", "--gpu", "h100-sxm", "--json", "--", "torchrun",
+                        "--nproc_per_node", "8", FSDP1, str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert int(out.read_text()) == MODEL // 8
+    b = json.loads(p.stdout)["breakdown"]
+    assert b["weights"] == MODEL // 8 and b["optimizer"] == 2 * MODEL // 8
+    assert 0 < b["gradients"] <= MODEL // 8
 
 
 def test_ddp_script_traces_rank_zero_with_whole_states():

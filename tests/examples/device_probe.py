@@ -37,8 +37,11 @@ info["same_object"] = p is before and opt.param_groups[0]["params"][0] is p
 info["params"] = sum(q.numel() for q in model.parameters())
 x = torch.randint(0, 512, (4, 16)).to("cuda")
 info["input"] = [str(x.device), x.is_cuda, x.get_device()]
-with torch.cuda.stream(stream=torch.cuda.Stream()):
+side = torch.cuda.Stream()
+with torch.cuda.stream(stream=side):
     loss = model(x).float().logsumexp(-1).mean()
+loss.record_stream(side)  # the caching allocator's cross-stream guard (FSDP1 frees with it)
+info["int_device"] = str(torch.device(0))  # the current accelerator's device 0
 info["format"] = f"{loss:6.2f}"
 info["repr_device"] = "device='cuda:0'" in repr(loss)
 host = loss.detach().cpu()

@@ -81,6 +81,9 @@ def fixtures(root: Path, *, torchtune: bool = False) -> Path:
     if not (root / "wikitext" / "done").exists():
         _wikitext(root / "wikitext")
         (root / "wikitext" / "done").write_text("ok")
+    if not (root / "mnist" / "done").exists():
+        _mnist(root / "mnist")
+        (root / "mnist" / "done").write_text("ok")
     if torchtune and not (root / "tt" / "done").exists():
         _torchtune(root / "tt")
         (root / "tt" / "done").write_text("ok")
@@ -95,6 +98,17 @@ def _wikitext(out: Path) -> None:
     ids = torch.randint(0, 5000, (4000, 40), generator=g).tolist()
     (out / "wikitext-2.txt").write_text("".join(" ".join(f"w{i}" for i in row) + "\n" for row in ids),
                                         encoding="utf8")
+
+
+def _mnist(out: Path) -> None:
+    """MNIST as Lightning's ``_MNIST`` reads it (``MNIST/complete/{training,test}.pt``: uint8 images
+    [N, 28, 28] and int64 labels): 512 and 64 random images."""
+    folder = out / "MNIST" / "complete"
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for n, name in ((512, "training.pt"), (64, "test.pt")):
+        torch.save((torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8),
+                    torch.randint(0, 10, (n,), generator=g)), folder / name)
 
 
 def _torchtune(out: Path) -> None:
@@ -200,6 +214,12 @@ _RNN_STATE = (r"u8\[\d+\]|cudnn .*|f32\[2048,512\]|f32\[2048\]|f32\[35,20,512\]|
 _TOKENS = (r"i64\[164000\]", "WikiText2's token ids (the fixture's 4,000 lines of 41 tokens): a host tensor in the "
            "GPU run (batches are copied to the device), counted by the CPU run")
 
+_MNIST_DATA = (r"u8\[512,28,28\]|i64\[512\]", "the fixture's MNIST images and labels (_MNIST loads them whole): host "
+               "tensors in the GPU run (batches are copied to the device), counted by the CPU run")
+_SCALARS = (r"f32\[\]|i32\[\]", "0-dim scalars: the GradScaler's scale and growth tracker exist on the GPU only "
+            "(Fabric's 16-mixed is bf16-mixed without a scaler on the CPU); Adadelta's step counters stay on the host "
+            "unless capturable (torch/optim/adadelta.py), counted by the CPU run")
+
 ZOO: tuple[Entry, ...] = (
     Entry("torchtune full finetune", "recipes", "full_finetune_single_device.py",
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
@@ -247,6 +267,9 @@ ZOO: tuple[Entry, ...] = (
     Entry("Lightning Trainer, demo LSTM LM", "zoo", "scripts/lightning_lstm.py", ("ROOT/wikitext",), (),
           "Lightning's LightningLSTM demo: a 4-layer LSTM with truncated-BPTT hidden state, SequenceSampler",
           needs="lightning", known=(_RNN_STATE, _TOKENS)),
+    Entry("Lightning Fabric, demo MNIST CNN, 16-mixed", "zoo", "scripts/lightning_mnist_amp.py", ("ROOT/mnist",), (),
+          "vision (convolutions, max-pooling, dropout) with AMP: fp16 autocast and a GradScaler on the GPU, "
+          "Adadelta", needs="lightning", known=(_MNIST_DATA, _SCALARS)),
     Entry("TRL SFT", "trl", "scripts/sft.py",
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
           ("--use_cpu", "True"), "HF Trainer + accelerate, fused AdamW, TRL's chunked log-prob loss",

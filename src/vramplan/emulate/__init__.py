@@ -62,6 +62,13 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
     conversion cannot keep a Parameter object; ``on_launch(tensors)`` hears of each Triton launch
     (the tensors it was given, which it writes); ``on_gpu(key)`` says whether a meta storage is
     device memory (None: every meta storage off the ``places`` is)."""
+    # torch's Python kernels (``_prims_common.wrappers``' ``_disable_dynamo``) import torch._dynamo
+    # on their first call; inside a traced op that import runs on the script's stack and some of
+    # its module-level code leaves a frame cycle (``inspect.currentframe()`` kept in a local) that
+    # pins every frame below it — the script's locals with it (FSDP1's per-parameter copies: a
+    # whole model) — until the next cyclic collection. A real GPU run never takes that path.
+    import torch._dynamo  # noqa: F401
+
     state = CudaState(facts)
     view = View(current=lambda: state.current, on_gpu=on_gpu)
     view.places.extend(places)

@@ -140,6 +140,18 @@ Values = Callable[..., "torch.Tensor | None"]
 (known values; with ``exact``, None where unknown; else the run's rule for a read without them)."""
 
 
+def _record_stream_of(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        """On the emulated GPU the trace is one serial order and a block is reusable as soon as
+        it is freed: recording a stream changes nothing (emulated streams are not ``torch.Stream``,
+        which torch's argument parser asks for). Elsewhere torch's own."""
+        if on_meta(self):
+            return None
+        return orig(self, stream)
+
+    return record_stream
+
+
 def _repr_of(orig: Callable[..., str], values: Values) -> Callable[..., str]:
     def __repr__(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:  # noqa: N807
         if not on_meta(self) or not _ACTIVE:
@@ -190,6 +202,7 @@ def device_view(view: View, values: Values) -> Iterator[View]:
         "get_device": _get_device,
         "type": _type,
         "__repr__": _repr_of(T.__repr__, values),
+        "record_stream": _record_stream_of(T.record_stream),
         "numpy": _read_of(T.numpy, "numpy", values),
         "tolist": _read_of(T.tolist, "tolist", values),
         "__array__": _read_of(T.__array__, "__array__", values),

@@ -162,6 +162,10 @@ class CudaFunctionMode(TorchFunctionMode):
             # must see ``device="cuda"`` as written (``model.to(device=dev)``), as ``Module.to``
             # then moves each tensor with ``t.to(device, …)``, which is emulated like any copy
             return _Plain(args, kwargs)
+        if func is torch.device and len(args) == 1 and not kwargs and type(args[0]) is int:
+            # ``torch.device(0)``: the current accelerator's device 0 (FSDP1's ``device_id``,
+            # ``torch.device(local_rank)``); a CPU-only torch has no accelerator to ask
+            return torch.device("cuda", args[0])
         to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
         if to_cuda:
             host = self.trace.rec.host
