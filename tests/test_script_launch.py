@@ -104,9 +104,13 @@ def test_fsdp1_script_runs_with_flat_sharded_states(tmp_path):
                         "--nproc_per_node", "8", FSDP1, str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert int(out.read_text()) == MODEL // 8
-    b = json.loads(p.stdout)["breakdown"]
-    assert b["weights"] == MODEL // 8 and b["optimizer"] == 2 * MODEL // 8
-    assert 0 < b["gradients"] <= MODEL // 8
+    report = json.loads(p.stdout)
+    states, b = report["model_states"], report["breakdown"]
+    assert states == {"weights": MODEL // 8, "gradients": MODEL // 8, "optimizer": 2 * MODEL // 8,
+                      "total": 4 * MODEL // 8}  # persistent: fp32 flat shards, their gradients, AdamW's two states
+    assert b["optimizer"] == 2 * MODEL // 8 and 0 < b["gradients"] <= MODEL // 8
+    # at the peak, beside the shards, whole units gathered (one layer's flat parameter: 4 MiB each)
+    assert (b["weights"] - MODEL // 8) % (MODEL // 4) == 0 and b["weights"] > MODEL // 8
 
 
 def test_ddp_script_traces_rank_zero_with_whole_states():

@@ -135,9 +135,10 @@ def _precision_model(w: Workload) -> PrecisionModel:
     if not w.mixed:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=False, grad=2, state=2,
                               compute_dtype=half)
-    if w.training and dp_engine(w) == "fsdp" and w.quant is Quant.NONE:
-        return PrecisionModel(weight=4, stream=2, compute=2, autocast=False, master=False, grad=4, state=4,
-                              compute_dtype=half)
+    if w.training and dp_engine(w) in ("fsdp", "fsdp1") and w.quant is Quant.NONE:
+        # FSDP1 as accelerate runs it: its MixedPrecision and, around the forward, CUDA autocast
+        return PrecisionModel(weight=4, stream=2, compute=2, autocast=dp_engine(w) == "fsdp1", master=False,
+                              grad=4, state=4, compute_dtype=half)
     if w.training and w.parallel.zero >= 1:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=True, grad=2, state=4,
                               compute_dtype=half)
@@ -150,7 +151,7 @@ def _precision_model(w: Workload) -> PrecisionModel:
 
 def dp_engine(w: Workload) -> str:
     """The data-parallel engine whose semantics apply: ``ddp`` (no ZeRO), ``fsdp`` (FSDP2) or
-    ``deepspeed``. ``Parallel.engine`` when set; by default DDP without ZeRO, DeepSpeed for
+    ``deepspeed`` (``fsdp1``: FSDP1, set explicitly). ``Parallel.engine`` when set; by default DDP without ZeRO, DeepSpeed for
     ZeRO-1/2 and FSDP for ZeRO-3 (with one data-parallel rank nothing is distributed: ``none``)."""
     p = w.parallel
     e = str(getattr(p, "engine", "auto"))

@@ -148,6 +148,7 @@ class Engine(_StrEnum):
     AUTO = "auto"  # DDP without ZeRO; DeepSpeed accounting for ZeRO-1/2, FSDP for ZeRO-3
     DDP = "ddp"  # torch DistributedDataParallel (no sharding)
     FSDP = "fsdp"  # FSDP2 fully_shard (ZeRO-3 = reshard after forward, ZeRO-2 = keep gathered)
+    FSDP1 = "fsdp1"  # FullyShardedDataParallel, flat parameters (ZeRO-3 FULL_SHARD, 2 SHARD_GRAD_OP, 0 NO_SHARD)
     DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO 1/2/3 with its bucket buffers and host RAM
 
 
@@ -239,8 +240,9 @@ class Parallel:
     """HSDP: ranks per shard group of the data-parallel ranks (0 = all of them, plain FSDP/ZeRO;
     8 = shard inside a node and replicate across nodes)."""
     engine: Engine = Engine.AUTO
-    """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2)
-    or deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
+    """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2),
+    fsdp1 (``FullyShardedDataParallel``, what accelerate and HF Trainer run by default) or
+    deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule as torch.distributed.pipelining names it: GPipe, 1F1B, Interleaved1F1B,
     LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble; a step's `grad_accum` micro-batches run through it."""
@@ -286,11 +288,11 @@ class Parallel:
         if self.engine is Engine.DDP and self.zero:
             raise WorkloadError(f"DDP does not shard: `engine=ddp` with `zero={self.zero}`",
                                 hint="use `engine=fsdp` or deepspeed, or `zero=0`", field="engine")
-        if self.engine is Engine.FSDP and self.zero == 1:
+        if self.engine in (Engine.FSDP, Engine.FSDP1) and self.zero == 1:
             raise WorkloadError("FSDP has no ZeRO-1 (optimizer states only)",
                                 hint="use `zero=2` (reshard_after_forward=False) or 3, or `engine=deepspeed`",
                                 field="zero")
-        if self.engine is Engine.FSDP and self.offload_optimizer and not self.offload_params:
+        if self.engine in (Engine.FSDP, Engine.FSDP1) and self.offload_optimizer and not self.offload_params:
             raise WorkloadError("FSDP's CPUOffloadPolicy offloads parameters, gradients and optimizer together",
                                 hint="add `offload_params` (with `zero=3`), or use `engine=deepspeed`",
                                 field="offload_optimizer")
@@ -313,6 +315,18 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def fsdp1_strategy(self) -> str:
+        """FSDP1's ``ShardingStrategy`` for this layout: ZeRO-3 ``FULL_SHARD``, ZeRO-2
+        ``SHARD_GRAD_OP``, 0 ``NO_SHARD``; under HSDP (``dp_shard``) ``HYBRID_SHARD`` /
+        ``_HYBRID_SHARD_ZERO2``."""
+        hybrid = 0 < self.dp_shard < self.dp
+        if self.zero == 3:
+            return "HYBRID_SHARD" if hybrid else "FULL_SHARD"
+        if self.zero == 2:
+            return "_HYBRID_SHARD_ZERO2" if hybrid else "SHARD_GRAD_OP"
+        return "NO_SHARD"
 
     @property
     def shard_group(self) -> int:

@@ -49,7 +49,7 @@ def margin_of(spec: ModelSpec, w: Workload) -> Margin:
         return MOE
     if spec.family is Family.ENCODER:
         return ENCODER
-    if w.parallel.dp > 1 and dp_engine(w) in ("fsdp", "deepspeed"):
+    if w.parallel.dp > 1 and dp_engine(w) in ("fsdp", "fsdp1", "deepspeed"):
         return SHARDED
     if w.peft is Peft.QLORA or w.quant is not Quant.NONE:
         return QUANTISED

@@ -184,7 +184,8 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
              Precision.FP16: "fp16"}.get(w.precision, "no")
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False,
-        "distributed_type": {"none": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}[kind],
+        "distributed_type": {"none": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP",
+                             "fsdp1": "FSDP"}[kind],
         "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
         "mixed_precision": mixed, "num_machines": machines, "num_processes": n,
         "rdzv_backend": "static", "same_network": True, "use_cpu": False,
@@ -203,7 +204,21 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
             "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": p.offload_params,
             "fsdp_reshard_after_forward": p.zero == 3, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
+    elif kind == "fsdp1":  # what the trace ran (trace/layout.py _fsdp1)
+        cfg["fsdp_config"] = {
+            "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_activation_checkpointing": w.checkpointing is not Checkpointing.NONE,
+            "fsdp_backward_prefetch": "NO_PREFETCH", "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_forward_prefetch": False, "fsdp_offload_params": p.offload_params,
+            "fsdp_sharding_strategy": p.fsdp1_strategy, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_sync_module_states": True, "fsdp_use_orig_params": True,
+        }
     return cfg
+
+
+def n_per_machine(n: int) -> int:
+    """Processes per machine when ``n`` GPUs are laid on nodes of 8."""
+    return _nodes(n)[1]
 
 
 def accelerate(plan: Plan) -> Emitted:
@@ -214,8 +229,11 @@ def accelerate(plan: Plan) -> Emitted:
     p = plan.workload.parallel
     if p.tp * p.pp * p.cp > 1:
         notes.append(_model_parallel_note(p, "an Accelerate config"))
-    if p.dp_shard:
+    if p.dp_shard and backend(plan.workload) != "fsdp1":
         notes.append("HSDP: set fsdp_sharding_strategy HYBRID_SHARD (FSDP1) or a 2-D mesh (see `emit=fsdp`)")
+    elif p.dp_shard and p.dp_shard != n_per_machine(plan.num_gpus):
+        notes.append(f"FSDP1's {p.fsdp1_strategy} shards within each machine ({n_per_machine(plan.num_gpus)} "
+                     f"processes), not in groups of dp_shard={p.dp_shard}")
     return Emitted("accelerate", text, "accelerate.yaml", tuple(notes))
 
 
@@ -487,6 +505,9 @@ def trainer(plan: Plan) -> Emitted:
     elif kind == "fsdp":
         opts = "full_shard auto_wrap" + (" offload" if p.offload_params else "")
         args += [f"    fsdp=\"{opts}\",", "    fsdp_config={\"fsdp_version\": 2},"]
+    elif kind == "fsdp1":  # Trainer's FSDP1 defaults: use_orig_params, NO_PREFETCH (what the trace ran)
+        opts = f"{p.fsdp1_strategy.strip('_').lower()} auto_wrap" + (" offload" if p.offload_params else "")
+        args += [f"    fsdp=\"{opts}\",", "    fsdp_config={\"fsdp_version\": 1},"]
     src += ["args = TrainingArguments(", *args, ")"]
     return Emitted("trainer", "\n".join(src) + "\n", "training_args.py", (_header(plan),))
 

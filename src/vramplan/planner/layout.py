@@ -36,7 +36,7 @@ READ_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan")
 CARRIES: dict[str, frozenset[str]] = {
     "deepspeed": frozenset({"batch", "grad_accum", "precision", "optimizer", "dp", "zero", "engine",
                             "offload_optimizer", "offload_params"}),
-    "accelerate": frozenset({"dp", "zero", "engine", "offload_optimizer", "offload_params"}),
+    "accelerate": frozenset({"dp", "zero", "engine", "offload_optimizer", "offload_params", "dp_shard"}),
     "fsdp": frozenset({"batch", "grad_accum", "precision", "optimizer", "optimizer_impl", "dp", "zero", "engine",
                        "offload_optimizer", "offload_params", "dp_shard"}),
     "torchtitan": frozenset({"batch", "grad_accum", "precision", "seq", "optimizer", "optimizer_impl", "dp", "zero",
@@ -129,6 +129,14 @@ def read_deepspeed(text: str, base: Workload) -> ReadLayout:
 
 
 # ------------------------------------------------------------------------------ Accelerate
+_FSDP1_STRATEGIES: dict[str, tuple[int, bool]] = {
+    "FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False), "HYBRID_SHARD": (3, True),
+    "_HYBRID_SHARD_ZERO2": (2, True), "1": (3, False), "2": (2, False), "3": (0, False), "4": (3, True),
+    "5": (2, True)}
+"""``fsdp_sharding_strategy`` (a name, or accelerate's 1-based index) → (ZeRO stage, hybrid: sharded
+within each machine, replicated across machines)."""
+
+
 def read_accelerate(text: str, base: Workload) -> ReadLayout:
     import yaml
 
@@ -152,8 +160,18 @@ def read_accelerate(text: str, base: Workload) -> ReadLayout:
     elif kind == "FSDP":
         fs = cfg.get("fsdp_config") or {}
         off = bool(fs.get("fsdp_offload_params", False))
-        changes.update(zero=3 if fs.get("fsdp_reshard_after_forward", True) else 2, engine=Engine.FSDP,
-                       offload_params=off, offload_optimizer=off)
+        if int(fs.get("fsdp_version", 1)) == 1:  # accelerate's default version (FSDP_VERSION, "1")
+            strategy = _FSDP1_STRATEGIES.get(str(fs.get("fsdp_sharding_strategy", "FULL_SHARD")).upper())
+            if strategy is None:
+                raise _bad("accelerate", f"fsdp_sharding_strategy {fs.get('fsdp_sharding_strategy')!r} is not one "
+                                         f"of FSDP1's ({', '.join(k for k in _FSDP1_STRATEGIES if not k.isdigit())})")
+            zero, hybrid = strategy
+            machines = int(cfg.get("num_machines", 1))
+            changes.update(zero=zero, engine=Engine.FSDP1, offload_params=off, offload_optimizer=off,
+                           dp_shard=n // machines if hybrid and machines > 1 else 0)
+        else:
+            changes.update(zero=3 if fs.get("fsdp_reshard_after_forward", True) else 2, engine=Engine.FSDP,
+                           offload_params=off, offload_optimizer=off)
     else:
         raise _bad("accelerate", f"distributed_type {kind} is not one vramplan models (NO, MULTI_GPU, DEEPSPEED, FSDP)")
     mp = str(cfg.get("mixed_precision", "no")).lower()

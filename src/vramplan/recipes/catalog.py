@@ -103,6 +103,15 @@ def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
     )
 
 
+def _accelerate_fsdp(w: Workload) -> tuple[str, ...]:
+    p = w.parallel
+    if p.dp > 1 and p.zero >= 2 and p.framework.value == "fsdp":
+        return (f"accelerate's FSDP plugin runs FSDP1 unless `fsdp_version: 2` is set ({_ACC}/utils/dataclasses.py: "
+                "FullyShardedDataParallelPlugin.__post_init__ reads FSDP_VERSION, default '1'); this estimate is "
+                "FSDP2's: `engine=fsdp1` for FSDP1",)
+    return ()
+
+
 def _lightning(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("keep_grads", False, f"{_PL}/core/module.py#L1391 (`optimizer_zero_grad` calls "
@@ -247,7 +256,7 @@ CATALOG: dict[Recipe, RecipeSpec] = {
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
         _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)
-                                    + " (`mixed_precision` default 'no')",)),
+                                    + " (`mixed_precision` default 'no')", *_accelerate_fsdp(w))),
     Recipe.LIGHTNING: RecipeSpec(
         Recipe.LIGHTNING, "Lightning 2.6.6, automatic optimization",
         "gradients freed by zero_grad, the loss returned from training_step", _lightning, (),

@@ -322,7 +322,8 @@ def emulated_streams(rec: Recorder) -> Iterator[StreamTable]:
     # t.device.type)`` = ``getattr(torch, type)``): our device tensors are ``meta``
     had_meta = hasattr(torch, "meta")
     meta_saved = getattr(torch, "meta", None)
-    torch.meta = types.SimpleNamespace(**patches, synchronize=lambda device=None: None)  # type: ignore[attr-defined]
+    torch.meta = types.SimpleNamespace(**patches, synchronize=lambda device=None: None,  # type: ignore[attr-defined]
+                                       is_available=lambda: True, device_count=lambda: 1)
     acc = getattr(torch, "accelerator", None)
     acc_saved = getattr(acc, "current_stream", None) if acc is not None else None
     for k, v in patches.items():
@@ -365,7 +366,7 @@ def recorded_resizes(rec: Recorder) -> Iterator[None]:
 # --------------------------------------------------------------------------- FSDP on meta
 @contextlib.contextmanager
 def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
-    """FSDP2 on the trace device.
+    """FSDP1 (:func:`_fsdp1_on_meta`) and FSDP2 on the trace device.
 
     - FSDP2 refuses to train parameters still on ``meta`` (``FSDPParamGroup.
       _validate_no_meta_params`` at lazy init: "FSDP parameters should be materialized from
@@ -376,6 +377,48 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
       resizing): they are recorded as parameters (the report's weights), each re-allocation
       too (a resize keeps the category).
     """
+    with _fsdp1_on_meta(rec):
+        yield from _fsdp2_on_meta(rec)
+
+
+def _fsdp1_on_meta(rec: Recorder) -> contextlib.ExitStack:
+    """FSDP1 (``FullyShardedDataParallel``) on the trace device.
+
+    - Its check that an unsharded flat parameter is allocated reads the storage's data pointer
+      (``torch.distributed.utils._data_ptr_allocated``), which is 0 for every ``meta`` storage:
+      on the trace device a storage of more than 0 bytes is allocated.
+    - The padded unsharded flat parameters it all-gathers into (``_full_param_padded``, and
+      under mixed precision the 16-bit ``_mp_shard`` and the full-precision
+      ``_full_prec_full_param_padded``), made at lazy init, then freed and re-allocated by
+      storage resizes, are recorded as parameters (the report's weights), as FSDP2's are."""
+    import torch.distributed.fsdp._flat_param as flat
+
+    stack = contextlib.ExitStack()
+    ptr = flat._data_ptr_allocated
+
+    def allocated(t: torch.Tensor) -> bool:
+        return t.untyped_storage().nbytes() > 0 if on_meta(t) else bool(ptr(t))
+
+    init = flat.FlatParamHandle.init_flat_param_attributes
+
+    def init_flat_param_attributes(self: Any) -> Any:
+        out = init(self)
+        from ..events import Category
+
+        for name in ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded"):
+            t = getattr(self.flat_param, name, None)
+            if isinstance(t, torch.Tensor) and on_meta(t):
+                rec.relabel(t, Category.PARAMETER)
+        return out
+
+    for owner, name, value in ((flat, "_data_ptr_allocated", allocated),
+                               (flat.FlatParamHandle, "init_flat_param_attributes", init_flat_param_attributes)):
+        stack.callback(setattr, owner, name, getattr(owner, name))
+        setattr(owner, name, value)
+    return stack
+
+
+def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:
     fpg: Any = None
     fp: Any = None
     for base in ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp"):  # 2.6+ / 2.4-2.5

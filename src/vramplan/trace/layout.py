@@ -53,10 +53,12 @@ class Layout:
 
     world: World
     kind: str
-    """``fsdp2`` or ``ddp``."""
+    """``fsdp2``, ``fsdp1`` or ``ddp``."""
     reshard_after_forward: bool = True
     bucket_cap_mb: float = DDP_BUCKET_MB
     gradient_as_bucket_view: bool = False
+    strategy: str = "FULL_SHARD"
+    """FSDP1's ``ShardingStrategy`` (:attr:`vramplan.workload.Parallel.fsdp1_strategy`)."""
     cpu_offload: bool = False
     """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and the
     optimizer step on the host (:mod:`.host`)."""
@@ -88,12 +90,17 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
                          "see unsharded gradients)", hint="use `method=analytic`, or drop `optimizer_in_backward`")
     shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
     tp = {"tp": p.tp} if p.tp > 1 else {}  # TP × FSDP / DDP: a 2-D (dp, tp) mesh, TP innermost
-    if engine == "fsdp" and 0 < shard < p.dp:
+    if engine in ("fsdp", "fsdp1") and 0 < shard < p.dp:
         world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard, **tp), rank=rank)
     else:
         world = dataclasses.replace(world_of(dp=p.dp, **tp), rank=rank)
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3, cpu_offload=offload)
+    if engine == "fsdp1":
+        if offload:
+            raise TraceError("FSDP1's CPUOffload is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
+                             hint="use `engine=fsdp` (FSDP2) for CPU offload, or drop `offload_params`")
+        return Layout(world, "fsdp1", reshard_after_forward=p.zero == 3, strategy=p.fsdp1_strategy)
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
@@ -125,7 +132,64 @@ def apply_layout(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload
     """Lay ``model`` out on this rank; returns (the module to call, notes)."""
     if layout.kind == "fsdp2":
         return model, _fsdp2(model, layout, ctx, w, compute_dtype)
+    if layout.kind == "fsdp1":
+        return _fsdp1(model, layout, ctx, w, compute_dtype)
     return _ddp(model, layout, ctx)
+
+
+def _on_the_device(module: nn.Module) -> None:
+    """FSDP1's ``param_init_fn`` for the trace's model: its parameters are on the trace device
+    already (``meta`` is the GPU here), so FSDP1 has nothing to materialise (without it, it would
+    ``to_empty`` each unit and call ``reset_parameters``, which not every module has)."""
+
+
+def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
+           compute_dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+    """FSDP1 as accelerate's ``FullyShardedDataParallelPlugin`` and HF Trainer wrap it: one
+    ``FullyShardedDataParallel`` unit per transformer block (``transformer_auto_wrap_policy`` on
+    the ``_no_split_modules`` classes) and the root, ``use_orig_params=True`` (Trainer's
+    default; accelerate's is False: the same bytes, flat optimizer states), ``limit_all_gathers=
+    True``, no backward prefetch (both frameworks' default ``NO_PREFETCH``; torch's own default is
+    ``BACKWARD_PRE``, one more unit gathered in the backward); under
+    ``*-mixed`` precision accelerate's ``MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=
+    <16-bit>)`` — fp32 flat shards, 16-bit all-gathers and reduce-scatters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    hsdp = "dp_replicate" in layout.world.names
+    strategy = layout.strategy
+    if hsdp:  # (intra-node shard group, inter-node replicate group), as FSDP1 takes them
+        group: Any = (ctx.submesh("dp").get_group(), ctx.submesh("dp_replicate").get_group())
+    else:
+        group = ctx.submesh("dp").get_group()
+    rec = ctx.streams.rec
+    for p in model.parameters():  # the unsharded meta model is not on the GPU: FSDP1 flattens each unit
+        rec.ignore(p)
+    kw: dict[str, Any] = {}
+    mp = ""
+    if w.mixed:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=compute_dtype,
+                                               buffer_dtype=compute_dtype)
+        mp = f", MixedPrecision({_name(compute_dtype)} parameters, reduce and buffers)"
+    blocks = transformer_blocks(model)
+    classes = {type(b) for b in blocks}
+    # the trace's device tensors are on ``meta``, whose device module the rank session provides;
+    # FSDP1 takes its compute device from ``device_handle.current_device()`` at construction
+    handle = torch.meta  # type: ignore[attr-defined]
+    saved = handle.current_device
+    handle.current_device = lambda: torch.device("meta")
+    try:
+        wrapped = FullyShardedDataParallel(
+            model, process_group=group, sharding_strategy=getattr(ShardingStrategy, strategy),
+            auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None, device_id=torch.device("meta"),
+            param_init_fn=_on_the_device, use_orig_params=True, limit_all_gathers=True, backward_prefetch=None, **kw)
+    finally:
+        handle.current_device = saved
+    n = layout.world.dim("dp")
+    over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+    return wrapped, [f"FSDP1 ({strategy}) over {over}: FullyShardedDataParallel units on {len(blocks)} blocks "
+                     f"and the root, flat parameters, use_orig_params=True, limit_all_gathers, no backward prefetch{mp}; rank "
+                     f"{layout.world.rank} traced on the fake process group"]
 
 
 def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, compute_dtype: torch.dtype) -> list[str]:

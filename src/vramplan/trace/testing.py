@@ -264,14 +264,17 @@ def _StoragePeak() -> Any:  # noqa: N802 (a class built on first use: torch impo
 
 def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: str, iterations: int = 2,
                     lr: float = 1e-4, bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True,
-                    timeout: float = 300.0) -> list[int]:
+                    mixed: bool = False, timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of the
     trace's training step on ``world`` processes with the gloo backend: ``layout`` ``fsdp2``
     (``fully_shard`` on each child of the model's largest ``ModuleList`` and the root) or
-    ``ddp`` (``DistributedDataParallel``). ``make_model`` / ``make_inputs`` must be picklable
+    ``ddp`` (``DistributedDataParallel``), or ``fsdp1-<ShardingStrategy>`` (``FullyShardedDataParallel``
+    units on those children and the root, ``use_orig_params``; ``mixed``: accelerate's bf16
+    ``MixedPrecision`` and autocast around the forward and loss, on the CPU).
+    ``make_model`` / ``make_inputs`` must be picklable
     (module-level functions): each process calls them. Storage resizes (FSDP2 frees and
     re-allocates its unsharded parameters that way) are counted."""
-    args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward)
+    args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, mixed)
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
@@ -305,7 +308,8 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
 
 
 def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_inputs: Any, iterations: int, lr: float,
-                 bucket_cap_mb: float, reshard_after_forward: bool, tmp: str, env: dict[str, str]) -> None:
+                 bucket_cap_mb: float, reshard_after_forward: bool, mixed: bool, tmp: str, env: dict[str, str]) -> None:
+    import contextlib
     import os
 
     import torch
@@ -336,6 +340,28 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
                 fully_shard(blk, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
             step_model: nn.Module = model
+        elif layout.startswith("fsdp1"):  # fsdp1-FULL_SHARD, fsdp1-SHARD_GRAD_OP, fsdp1-NO_SHARD
+            from torch.distributed.fsdp import (
+                FullyShardedDataParallel,
+                MixedPrecision,
+                ShardingStrategy,
+            )
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            classes = {type(b) for b in max(lists, key=len)} if lists else set()
+            bf16 = torch.bfloat16
+            strategy = layout.partition("-")[2] or "FULL_SHARD"
+            where: dict[str, Any] = {}
+            if "HYBRID" in strategy:  # 2 replicas × shard groups of world / 2 (replicate outer, shard inner)
+                from torch.distributed.device_mesh import init_device_mesh
+
+                where["device_mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            step_model = FullyShardedDataParallel(
+                model, sharding_strategy=getattr(ShardingStrategy, strategy), **where,
+                auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None, device_id=torch.device("cpu"),
+                use_orig_params=True, limit_all_gathers=True, backward_prefetch=None,
+                mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16) if mixed else None)
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -346,8 +372,9 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=lr, foreach=True)
             for _ in range(iterations):
-                out = step_model(*batch[0], **batch[1])
-                loss = loss_of(out, batch, None)
+                with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+                    out = step_model(*batch[0], **batch[1])
+                    loss = loss_of(out, batch, None)
                 del out
                 loss.backward()
                 del loss
