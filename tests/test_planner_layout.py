@@ -68,7 +68,8 @@ CASES = {
         dict(dp=8, zero=2, engine="fsdp1", precision="bf16"),
         dict(dp=4, zero=0, engine="fsdp1"),
         dict(dp=16, zero=3, engine="fsdp1", dp_shard=8),
-        dict(dp=16, zero=2, engine="fsdp1", dp_shard=8),
+        dict(dp=16, zero=2, engine="fsdp1", dp_shard=8, fsdp1_prefetch="none"),
+        dict(dp=8, zero=3, engine="fsdp1", fsdp1_prefetch="backward-post"),
     ],
     "fsdp": [
         dict(dp=8, zero=3, engine="fsdp"),
@@ -113,13 +114,15 @@ def test_an_accelerate_fsdp_config_without_a_version_is_fsdp1(template):
     w = read_layout("accelerate", text, Workload(seq=1024)).workload
     assert (w.parallel.engine.value, w.parallel.zero, w.parallel.dp, w.parallel.dp_shard) == ("fsdp1", 3, 16, 8)
     assert w.parallel.fsdp1_strategy == "HYBRID_SHARD"
+    assert w.parallel.fsdp1_prefetch.value == "none"  # no fsdp_backward_prefetch: accelerate's None
     with pytest.raises(PlanError, match="fsdp_sharding_strategy"):
         read_layout("accelerate", text.replace("strategy: 4", "strategy: SIDEWAYS"), Workload(seq=1024))
 
 
 def test_trainer_emits_fsdp1_as_the_trace_ran_it(template):
     out = emit(_plan(template, dp=16, zero=2, engine="fsdp1", dp_shard=8), "trainer").text
-    assert 'fsdp="hybrid_shard_zero2 auto_wrap"' in out and '{"fsdp_version": 1}' in out
+    assert 'fsdp="hybrid_shard_zero2 auto_wrap"' in out
+    assert '{"fsdp_version": 1, "backward_prefetch": "BACKWARD_PRE"}' in out
 
 
 def test_every_front_plan_round_trips_through_its_own_framework(template):

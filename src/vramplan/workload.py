@@ -152,6 +152,14 @@ class Engine(_StrEnum):
     DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO 1/2/3 with its bucket buffers and host RAM
 
 
+class Fsdp1Prefetch(_StrEnum):
+    """FSDP1's ``backward_prefetch`` (``torch.distributed.fsdp.BackwardPrefetch``)."""
+
+    BACKWARD_PRE = "backward-pre"  # torch's default; `accelerate config`'s first choice; TRL's fsdp1.yaml
+    BACKWARD_POST = "backward-post"
+    NONE = "none"  # accelerate's plugin and Trainer's fsdp_config when the key is absent (NO_PREFETCH)
+
+
 class Method(_StrEnum):
     AUTO = "auto"
     ANALYTIC = "analytic"
@@ -243,6 +251,10 @@ class Parallel:
     """Data-parallel engine: auto (DDP, DeepSpeed ZeRO-1/2, FSDP for ZeRO-3), ddp, fsdp (FSDP2),
     fsdp1 (``FullyShardedDataParallel``, what accelerate and HF Trainer run by default) or
     deepspeed (ZeRO buffers and host RAM as DeepSpeed allocates them)."""
+    fsdp1_prefetch: Fsdp1Prefetch = Fsdp1Prefetch.BACKWARD_PRE
+    """FSDP1's backward prefetch (`engine=fsdp1`): backward-pre gathers the next unit before the
+    current one's gradient is computed (torch's default, one more unit gathered in the backward),
+    backward-post after it, none waits (accelerate's and Trainer's default without a config key)."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule as torch.distributed.pipelining names it: GPipe, 1F1B, Interleaved1F1B,
     LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble; a step's `grad_accum` micro-batches run through it."""
@@ -256,6 +268,7 @@ class Parallel:
             raise WorkloadError(f"`bucket_cap_mb` must be a positive number of MiB, got {self.bucket_cap_mb!r}",
                                 hint="DDP's default is 25", field="bucket_cap_mb")
         object.__setattr__(self, "engine", as_enum(Engine, self.engine, "engine"))
+        object.__setattr__(self, "fsdp1_prefetch", as_enum(Fsdp1Prefetch, self.fsdp1_prefetch, "fsdp1_prefetch"))
         if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 0:
             raise WorkloadError(f"`dp_shard` must be 0 (all data-parallel ranks) or a positive integer, "
                                 f"got {self.dp_shard!r}", field="dp_shard")
@@ -655,6 +668,8 @@ class Workload:
             notes.append("`pp_schedule` and `pp_virtual` apply to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.microbatches and p.pp == 1:
             notes.append("`microbatches` applies to pipeline parallelism; ignored without `pp` of 2 or more")
+        if p.fsdp1_prefetch is not Fsdp1Prefetch.BACKWARD_PRE and (p.engine is not Engine.FSDP1 or p.dp == 1):
+            notes.append("`fsdp1_prefetch` applies to FSDP1 (`engine=fsdp1` with `dp` of 2 or more); ignored otherwise")
         if p.engine is not Engine.AUTO and p.dp == 1:
             notes.append(f"`engine={p.engine}` runs data parallelism: with `dp=1` it changes nothing (add `dp=N`)")
         if p.dp_shard and p.dp_shard == p.dp:

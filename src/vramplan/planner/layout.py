@@ -36,7 +36,8 @@ READ_FORMATS = ("deepspeed", "accelerate", "fsdp", "torchtitan")
 CARRIES: dict[str, frozenset[str]] = {
     "deepspeed": frozenset({"batch", "grad_accum", "precision", "optimizer", "dp", "zero", "engine",
                             "offload_optimizer", "offload_params"}),
-    "accelerate": frozenset({"dp", "zero", "engine", "offload_optimizer", "offload_params", "dp_shard"}),
+    "accelerate": frozenset({"dp", "zero", "engine", "offload_optimizer", "offload_params", "dp_shard",
+                             "fsdp1_prefetch"}),
     "fsdp": frozenset({"batch", "grad_accum", "precision", "optimizer", "optimizer_impl", "dp", "zero", "engine",
                        "offload_optimizer", "offload_params", "dp_shard"}),
     "torchtitan": frozenset({"batch", "grad_accum", "precision", "seq", "optimizer", "optimizer_impl", "dp", "zero",
@@ -135,6 +136,10 @@ _FSDP1_STRATEGIES: dict[str, tuple[int, bool]] = {
     "5": (2, True)}
 """``fsdp_sharding_strategy`` (a name, or accelerate's 1-based index) → (ZeRO stage, hybrid: sharded
 within each machine, replicated across machines)."""
+_FSDP1_PREFETCH = {"BACKWARD_PRE": "backward-pre", "BACKWARD_POST": "backward-post", "NO_PREFETCH": "none",
+                   "1": "backward-pre", "2": "backward-post"}
+"""``fsdp_backward_prefetch`` → ``Parallel.fsdp1_prefetch`` (absent: accelerate's plugin takes None,
+no prefetch)."""
 
 
 def read_accelerate(text: str, base: Workload) -> ReadLayout:
@@ -167,8 +172,12 @@ def read_accelerate(text: str, base: Workload) -> ReadLayout:
                                          f"of FSDP1's ({', '.join(k for k in _FSDP1_STRATEGIES if not k.isdigit())})")
             zero, hybrid = strategy
             machines = int(cfg.get("num_machines", 1))
+            prefetch = _FSDP1_PREFETCH.get(str(fs.get("fsdp_backward_prefetch", "NO_PREFETCH")).upper())
+            if prefetch is None:
+                raise _bad("accelerate", f"fsdp_backward_prefetch {fs.get('fsdp_backward_prefetch')!r} is not one of "
+                                         "BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH")
             changes.update(zero=zero, engine=Engine.FSDP1, offload_params=off, offload_optimizer=off,
-                           dp_shard=n // machines if hybrid and machines > 1 else 0)
+                           dp_shard=n // machines if hybrid and machines > 1 else 0, fsdp1_prefetch=prefetch)
         else:
             changes.update(zero=3 if fs.get("fsdp_reshard_after_forward", True) else 2, engine=Engine.FSDP,
                            offload_params=off, offload_optimizer=off)

@@ -59,6 +59,8 @@ class Layout:
     gradient_as_bucket_view: bool = False
     strategy: str = "FULL_SHARD"
     """FSDP1's ``ShardingStrategy`` (:attr:`vramplan.workload.Parallel.fsdp1_strategy`)."""
+    prefetch: str = "backward-pre"
+    """FSDP1's ``backward_prefetch`` (:class:`vramplan.workload.Fsdp1Prefetch`)."""
     cpu_offload: bool = False
     """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and the
     optimizer step on the host (:mod:`.host`)."""
@@ -100,7 +102,8 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
         if offload:
             raise TraceError("FSDP1's CPUOffload is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
                              hint="use `engine=fsdp` (FSDP2) for CPU offload, or drop `offload_params`")
-        return Layout(world, "fsdp1", reshard_after_forward=p.zero == 3, strategy=p.fsdp1_strategy)
+        return Layout(world, "fsdp1", reshard_after_forward=p.zero == 3, strategy=p.fsdp1_strategy,
+                      prefetch=p.fsdp1_prefetch.value)
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
@@ -149,11 +152,16 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
     ``FullyShardedDataParallel`` unit per transformer block (``transformer_auto_wrap_policy`` on
     the ``_no_split_modules`` classes) and the root, ``use_orig_params=True`` (Trainer's
     default; accelerate's is False: the same bytes, flat optimizer states), ``limit_all_gathers=
-    True``, no backward prefetch (both frameworks' default ``NO_PREFETCH``; torch's own default is
-    ``BACKWARD_PRE``, one more unit gathered in the backward); under
+    True``, the workload's backward prefetch (``fsdp1_prefetch``; torch's ``BACKWARD_PRE`` by
+    default); under
     ``*-mixed`` precision accelerate's ``MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=
     <16-bit>)`` — fp32 flat shards, 16-bit all-gathers and reduce-scatters."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     hsdp = "dp_replicate" in layout.world.names
@@ -173,6 +181,21 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
         mp = f", MixedPrecision({_name(compute_dtype)} parameters, reduce and buffers)"
     blocks = transformer_blocks(model)
     classes = {type(b) for b in blocks}
+    policy: Any = ModuleWrapPolicy(classes) if classes else None
+    adapters = ""
+    if any(not p.requires_grad for p in model.parameters()):
+        if w.peft.value != "lora":
+            raise TraceError(f"{w.peft} under FSDP1 is not traced (its 4-bit storage needs FSDP1's mixed precision "
+                             "in the quant-storage dtype, which is not checked yet)",
+                             hint="use `engine=fsdp` (FSDP2 shards QLoRA's packed weights), or `peft=lora`")
+        # Trainer and accelerate wrap a PEFT model with peft's own policy (transformers
+        # update_fsdp_plugin_peft): the blocks, and each leaf with a trainable weight (the
+        # adapters: one dtype per flat parameter) as its own unit
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(model)
+        adapters = ", each LoRA adapter its own unit (peft's fsdp_auto_wrap_policy)"
+    prefetch = None if layout.prefetch == "none" else BackwardPrefetch[layout.prefetch.upper().replace("-", "_")]
     # the trace's device tensors are on ``meta``, whose device module the rank session provides;
     # FSDP1 takes its compute device from ``device_handle.current_device()`` at construction
     handle = torch.meta  # type: ignore[attr-defined]
@@ -181,14 +204,15 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
     try:
         wrapped = FullyShardedDataParallel(
             model, process_group=group, sharding_strategy=getattr(ShardingStrategy, strategy),
-            auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None, device_id=torch.device("meta"),
-            param_init_fn=_on_the_device, use_orig_params=True, limit_all_gathers=True, backward_prefetch=None, **kw)
+            auto_wrap_policy=policy, device_id=torch.device("meta"), param_init_fn=_on_the_device,
+            use_orig_params=True, limit_all_gathers=True, backward_prefetch=prefetch, **kw)
     finally:
         handle.current_device = saved
     n = layout.world.dim("dp")
     over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
     return wrapped, [f"FSDP1 ({strategy}) over {over}: FullyShardedDataParallel units on {len(blocks)} blocks "
-                     f"and the root, flat parameters, use_orig_params=True, limit_all_gathers, no backward prefetch{mp}; rank "
+                     f"and the root{adapters}, flat parameters, use_orig_params=True, limit_all_gathers, backward prefetch "
+                     f"{layout.prefetch}{mp}; rank "
                      f"{layout.world.rank} traced on the fake process group"]
 
 

@@ -264,17 +264,20 @@ def _StoragePeak() -> Any:  # noqa: N802 (a class built on first use: torch impo
 
 def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: str, iterations: int = 2,
                     lr: float = 1e-4, bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True,
-                    mixed: bool = False, timeout: float = 300.0) -> list[int]:
+                    mixed: bool = False, lora: tuple[str, ...] = (), timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of the
     trace's training step on ``world`` processes with the gloo backend: ``layout`` ``fsdp2``
     (``fully_shard`` on each child of the model's largest ``ModuleList`` and the root) or
-    ``ddp`` (``DistributedDataParallel``), or ``fsdp1-<ShardingStrategy>`` (``FullyShardedDataParallel``
+    ``ddp`` (``DistributedDataParallel``), or ``fsdp1-<ShardingStrategy>[-<BackwardPrefetch>]``
+    (``FullyShardedDataParallel``
     units on those children and the root, ``use_orig_params``; ``mixed``: accelerate's bf16
-    ``MixedPrecision`` and autocast around the forward and loss, on the CPU).
+    ``MixedPrecision`` and autocast around the forward and loss, on the CPU; ``lora``: peft's LoRA
+    (rank 16, as the trace's default) on those module names, wrapped by peft's own
+    ``fsdp_auto_wrap_policy`` as transformers does).
     ``make_model`` / ``make_inputs`` must be picklable
     (module-level functions): each process calls them. Storage resizes (FSDP2 frees and
     re-allocates its unsharded parameters that way) are counted."""
-    args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, mixed)
+    args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, mixed, lora)
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
@@ -308,7 +311,8 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
 
 
 def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_inputs: Any, iterations: int, lr: float,
-                 bucket_cap_mb: float, reshard_after_forward: bool, mixed: bool, tmp: str, env: dict[str, str]) -> None:
+                 bucket_cap_mb: float, reshard_after_forward: bool, mixed: bool, lora: tuple[str, ...], tmp: str,
+                 env: dict[str, str]) -> None:
     import contextlib
     import os
 
@@ -327,6 +331,14 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
         tracker = _StoragePeak()
         tracker.redispatch_dtensors = True
         model = make_model()
+        policy: Any = None
+        if lora:
+            from peft import LoraConfig, get_peft_model
+            from peft.utils.other import fsdp_auto_wrap_policy
+
+            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(lora),
+                                                     bias="none"))
+            policy = fsdp_auto_wrap_policy(model)
         model.train()
         inputs = make_inputs()
         batch: Any = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
@@ -340,8 +352,9 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
                 fully_shard(blk, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
             step_model: nn.Module = model
-        elif layout.startswith("fsdp1"):  # fsdp1-FULL_SHARD, fsdp1-SHARD_GRAD_OP, fsdp1-NO_SHARD
+        elif layout.startswith("fsdp1"):  # fsdp1-FULL_SHARD, fsdp1-SHARD_GRAD_OP-BACKWARD_PRE, …
             from torch.distributed.fsdp import (
+                BackwardPrefetch,
                 FullyShardedDataParallel,
                 MixedPrecision,
                 ShardingStrategy,
@@ -351,7 +364,8 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
             classes = {type(b) for b in max(lists, key=len)} if lists else set()
             bf16 = torch.bfloat16
-            strategy = layout.partition("-")[2] or "FULL_SHARD"
+            _, strategy, prefetch = (layout.split("-") + ["", ""])[:3]  # fsdp1-STRATEGY[-PREFETCH]
+            strategy = strategy or "FULL_SHARD"
             where: dict[str, Any] = {}
             if "HYBRID" in strategy:  # 2 replicas × shard groups of world / 2 (replicate outer, shard inner)
                 from torch.distributed.device_mesh import init_device_mesh
@@ -359,8 +373,9 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
                 where["device_mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             step_model = FullyShardedDataParallel(
                 model, sharding_strategy=getattr(ShardingStrategy, strategy), **where,
-                auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None, device_id=torch.device("cpu"),
-                use_orig_params=True, limit_all_gathers=True, backward_prefetch=None,
+                auto_wrap_policy=policy or (ModuleWrapPolicy(classes) if classes else None), device_id=torch.device("cpu"),
+                use_orig_params=True, limit_all_gathers=True,
+                backward_prefetch=getattr(BackwardPrefetch, prefetch) if prefetch else None,
                 mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16) if mixed else None)
         else:
             from torch.nn.parallel import DistributedDataParallel
