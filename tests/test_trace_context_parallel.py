@@ -62,3 +62,39 @@ def test_context_with_pipeline_parallelism_is_not_traced():
     with pytest.raises(TraceError, match="context parallelism is traced alone or with tensor parallelism"):
         estimate(spec, Workload(task="train", seq=256, grad_accum=2, parallel=Parallel(cp=2, pp=2)), method="trace",
                  search_max_batch=False)
+
+
+@pytest.mark.parametrize("dp, cp, tp, shard", [(1, 4, 1, 0), (2, 2, 1, 0), (4, 2, 1, 2), (2, 2, 2, 0)])
+def test_context_with_fsdp_shards_over_dp_times_cp(dp, cp, tp, shard):
+    """CP × FSDP2 as torchtitan runs it (issue 34): fully_shard over the flattened dp × cp mesh
+    (HSDP: replicas × that), ring attention on mesh["cp"]; each rank's gradients and optimizer
+    states are 1 / (dp_shard × cp), as the analytic method now counts them."""
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="train", batch=1, seq=1024,
+                 parallel=Parallel(dp=dp, cp=cp, tp=tp, sp=tp > 1, zero=3, dp_shard=shard))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE and t.fallback is None
+    assert (t.model_states.gradients, t.model_states.optimizer) == (a.model_states.gradients, a.model_states.optimizer)
+    assert any("the flattened dp × cp mesh" in n for n in t.notes) and any(f"rank 0 of cp={cp}" in n for n in t.notes)
+    assert abs(t.peak.allocated / a.peak.allocated - 1) < 0.05, (t.peak.allocated, a.peak.allocated)
+
+
+def test_fsdp_one_by_cp_eight_shards_the_states_eightfold():
+    """FSDP 1 × CP 8 (torchtitan's long-context layout): the states of Llama-3.1-8B sharded over
+    the 8 context-parallel ranks, as FSDP × 8 shards them (they used to be whole: 120 GiB)."""
+    from vramplan.models.catalog import resolve
+
+    spec = resolve("llama-3.1-8b")
+    cp8 = estimate(spec, Workload(task="train", seq=8192, parallel=Parallel(cp=8, zero=3)), method="analytic",
+                   search_max_batch=False)
+    dp8 = estimate(spec, Workload(task="train", seq=8192, parallel=Parallel(dp=8, zero=3)), method="analytic",
+                   search_max_batch=False)
+    assert cp8.model_states == dp8.model_states
+    assert cp8.model_states.optimizer == 2 * 4 * spec.params // 8  # AdamW's fp32 states, an eighth each
+
+
+def test_context_with_ddp_is_refused_with_the_fix():
+    with pytest.raises(TraceError, match="context parallelism is traced with FSDP2"):
+        estimate(tiny_spec("llama-3.1-8b"), Workload(task="train", seq=256, parallel=Parallel(dp=2, cp=2)),
+                 method="trace", search_max_batch=False)

@@ -343,8 +343,10 @@ class Parallel:
 
     @property
     def shard_group(self) -> int:
-        """Ranks that ZeRO/FSDP shards over: the shard group under HSDP, else every data-parallel rank."""
-        return self.dp_shard or self.dp
+        """Ranks that ZeRO/FSDP shards over: the shard group under HSDP, else every data-parallel
+        rank — times the context-parallel ranks, which hold the same parameters (torchtitan shards
+        over the flattened ``dp_shard × cp`` mesh, ``parallel_dims.py`` ``dp_shard_cp``)."""
+        return (self.dp_shard or self.dp) * self.cp
 
     @property
     def framework(self) -> Engine:
@@ -674,9 +676,9 @@ class Workload:
             notes.append(f"`engine={p.engine}` runs data parallelism: with `dp=1` it changes nothing (add `dp=N`)")
         if p.dp_shard and p.dp_shard == p.dp:
             notes.append("`dp_shard` equal to `dp` is plain FSDP (one shard group): no replicas")
-        if p.zero and p.dp == 1:
-            notes.append(f"ZeRO stage {p.zero} shards over data-parallel ranks: with `dp=1` nothing is sharded "
-                         "(add `dp=N` for N GPUs)")
+        if p.zero and p.dp == 1 and p.cp == 1:
+            notes.append(f"ZeRO stage {p.zero} shards over data-parallel (and context-parallel) ranks: with `dp=1` "
+                         "nothing is sharded (add `dp=N` for N GPUs)")
         if self.tokens > PLAUSIBLE_TOKENS:
             notes.append(f"a micro-batch of {self.tokens:,} tokens (batch {self.batch:,} x seq {self.seq:,}) is far "
                          f"beyond any real job (the largest published global batches are ~{PLAUSIBLE_TOKENS // 2**20}M "

@@ -387,7 +387,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[str]]
         notes.append("ZeRO-1/2 with optimizer-only offload is DeepSpeed's: torchtitan shards with FSDP2")
     if p.tp > 1 and not p.sp:
         notes.append("torchtitan's tensor parallelism always shards norms over the sequence (SP)")
-    shard = p.shard_group if p.zero else 1
+    shard = (p.dp_shard or p.dp) if p.zero else 1  # (torchtitan flattens dp_shard × cp itself)
     replicate = p.dp // shard
     ac: dict[str, Any] = {"mode": "none"}
     if w.checkpointing is Checkpointing.FULL:

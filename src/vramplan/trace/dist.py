@@ -628,6 +628,22 @@ class RankContext:
             raise TraceError(f"the mesh has no dimension(s) {missing}; it has {list(self.world.names)}")
         return self.mesh[names[0] if len(names) == 1 else names]
 
+    def shard_mesh(self) -> Any:
+        """The mesh FSDP shards over: ``dp``, times ``cp`` when there is context parallelism
+        (torchtitan's flattened ``dp_shard_cp``: context-parallel ranks hold the same parameters),
+        with ``dp_replicate`` in front under HSDP."""
+        dims = tuple(d for d in ("dp", "cp") if d in self.world.names)
+        if not dims:
+            raise TraceError(f"the mesh has no dp or cp dimension; it has {list(self.world.names)}")
+        if len(dims) == 2:
+            self.mesh[dims]._flatten("dp_cp")
+            shard = "dp_cp"
+        else:
+            shard = dims[0]
+        if "dp_replicate" in self.world.names:
+            return self.mesh["dp_replicate", shard]
+        return self.mesh[shard] if len(self.world.names) > 1 else self.mesh
+
 
 @contextlib.contextmanager
 def rank_session(sess: Any, world: World, mesh: Any = None) -> Iterator[RankContext]:

@@ -69,10 +69,14 @@ class Layout:
 def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     """The layout the trace runs for ``w`` as rank ``rank`` (None: one unsharded GPU)."""
     p = w.parallel
-    if p.pp > 1 or p.cp > 1 or p.ep > 1:
-        raise TraceError("pipeline / context / expert parallelism are not laid out with data parallelism here",
+    if p.pp > 1 or p.ep > 1:
+        raise TraceError("pipeline / expert parallelism are not laid out with data parallelism here",
                          hint="use `method=analytic` for these layouts")
     engine = dp_engine(w)
+    if p.cp > 1 and engine not in ("fsdp", "none"):
+        raise TraceError(f"context parallelism is traced with FSDP2 (torchtitan shards over the flattened dp × cp "
+                         f"mesh); with {engine} it is not", hint="use `engine=fsdp` with `zero=3` or 2, or "
+                                                                 "`method=analytic`")
     offload = p.offload_params or p.offload_optimizer
     if offload and engine != "fsdp":
         raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
@@ -92,6 +96,8 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
                          "see unsharded gradients)", hint="use `method=analytic`, or drop `optimizer_in_backward`")
     shard = int(getattr(p, "dp_shard", 0) or 0)  # HSDP: shard within groups, replicate across them
     tp = {"tp": p.tp} if p.tp > 1 else {}  # TP × FSDP / DDP: a 2-D (dp, tp) mesh, TP innermost
+    if p.cp > 1:  # CP × FSDP2: (dp, cp[, tp]), FSDP over dp × cp flattened (RankContext.shard_mesh)
+        tp = {"cp": p.cp, **tp}
     if engine in ("fsdp", "fsdp1") and 0 < shard < p.dp:
         world = dataclasses.replace(world_of(dp_replicate=p.dp // shard, dp=shard, **tp), rank=rank)
     else:
@@ -229,7 +235,7 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
             raise TraceError(f"torch {torch.__version__} has no FSDP2 (fully_shard)",
                              hint="tracing ZeRO-2/3 layouts needs torch >= 2.4; `method=analytic` works without") from None
     hsdp = "dp_replicate" in layout.world.names
-    mesh = ctx.submesh("dp_replicate", "dp") if hsdp else ctx.submesh("dp")  # a 2-D mesh: HSDP
+    mesh = ctx.shard_mesh()  # dp (× cp, flattened); a 2-D mesh under HSDP
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": layout.reshard_after_forward}
     mp = ""
     if w.mixed:
@@ -249,8 +255,11 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
             fully_shard(blk, **kw)
         fully_shard(model, **kw)
     n = layout.world.dim("dp")
+    cp = layout.world.dim("cp")
     stage = "ZeRO-3 / FULL_SHARD" if layout.reshard_after_forward else "ZeRO-2 / SHARD_GRAD_OP"
-    over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+    group = f"{n} × cp {cp} (the flattened dp × cp mesh)" if cp > 1 else f"{n}"
+    over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {group}" if hsdp else \
+        (f"dp {group}" if cp > 1 else f"dp={n}")
     return [f"FSDP2 ({stage}) over {over}: fully_shard on {len(blocks)} blocks and the root"
             f"{mp}{offload}; rank {layout.world.rank} traced on the fake process group"]
 

@@ -427,11 +427,10 @@ def _parallel_notes(w: Workload) -> list[str]:
                          "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
                          "method divides the experts by `ep`", hint="use `method=analytic`")
     sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
-    if sharded and (p.pp > 1 or p.cp > 1):
-        raise TraceError("pipeline / context parallelism are traced without data parallelism (one rank of the "
-                         "model-parallel group); combined with FSDP/ZeRO/DDP or offload they are not traced yet "
-                         "(torchtitan shards FSDP over the flattened dp × cp mesh and splits stages before sharding)",
-                         hint="use `method=analytic` for this layout, or trace `dp=1`")
+    if sharded and p.pp > 1:
+        raise TraceError("pipeline parallelism is traced without data parallelism (one rank of the pipeline); "
+                         "combined with FSDP/ZeRO/DDP or offload it is not traced yet (torchtitan splits stages "
+                         "before sharding)", hint="use `method=analytic` for this layout, or trace `dp=1`")
     if sharded:
         data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
     if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
@@ -479,10 +478,10 @@ def _model_parallel(w: Workload) -> bool:
 def data_layout(w: Workload, *, rank: int = 0) -> Layout | None:
     """The FSDP2 / DDP layout the trace runs for ``w`` (None: no data-parallel sharding or
     buckets): plain data parallelism, or TP × FSDP / DDP on a 2-D ``(dp, tp)`` mesh (HSDP × TP
-    on ``(dp_replicate, dp, tp)``). Pipeline / context / expert layouts are laid out by their
-    own modules."""
+    on ``(dp_replicate, dp, tp)``), CP × FSDP2 on ``(dp, cp[, tp])`` (sharded over dp × cp).
+    Pipeline / expert layouts are laid out by their own modules."""
     p = w.parallel
-    if p.pp > 1 or p.cp > 1 or p.ep > 1:
+    if p.pp > 1 or p.ep > 1:
         return None
     return layout_of(w, rank=rank)
 
@@ -497,7 +496,7 @@ def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
     if tp == 1 and cp == 1:
         yield None
         return
-    layout = data_layout(w, rank=rank) if tp > 1 else None
+    layout = data_layout(w, rank=rank)
     world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
     with dist.fake_world(world) as mesh:
         yield mesh
