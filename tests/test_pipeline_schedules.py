@@ -161,7 +161,8 @@ def test_zbv_rank_0_holds_the_first_and_the_last_stage():
     assert w.parallel.pp_schedule == "ZBVZeroBubble" and w.parallel.stage_ids(0) == (0, 3)
     r = estimate(spec, w, method="trace", search_max_batch=False)
     note = next(n for n in r.notes if n.startswith("pipeline parallelism traced per rank"))
-    assert "rank 0 (layers 0–1, layers 6–7, embeddings, head + loss)" in note
+    # torchtitan's split of 8 layers into 4 stages: 2, 3, 2, 1 (the embeddings and the head count as one each)
+    assert "rank 0 (layers 0–1, layer 7, embeddings, head + loss)" in note
     assert "ZBVZeroBubble over 4 micro-batches" in note
     assert r.method is Method.TRACE
 
@@ -181,7 +182,7 @@ def test_bad_schedule_knobs_are_one_line_errors(kwargs, match):
 @pytest.mark.parametrize("parallel,accum,match", [
     (dict(pp=4), 2, "at least 4 micro-batches"),
     (dict(pp=4, pp_schedule="Interleaved1F1B"), 9, "rounds"),
-    (dict(pp=2, pp_schedule="Interleaved1F1B", pp_virtual=3), 4, "does not divide"),
+    (dict(pp=2, pp_schedule="Interleaved1F1B", pp_virtual=20), 4, "40 pipeline stages cannot be cut from 32 layers"),
 ])
 def test_schedule_checks_against_the_model(parallel, accum, match):
     w = Workload(task="train", grad_accum=accum, parallel=Parallel(**parallel))
@@ -241,7 +242,9 @@ def test_lora_pipeline_is_traced_and_matches_the_analytic(schedule):
     assert t.method is Method.TRACE
     assert (t.breakdown.gradients, t.breakdown.optimizer) == (a.breakdown.gradients, a.breakdown.optimizer)
     assert t.trainable_params == a.trainable_params < t.params  # the whole model's adapters
-    assert t.peak.allocated == pytest.approx(a.peak.allocated, rel=0.03)
+    # (ZBV: a rank's two stages differ in size under torchtitan's split — 2 and 1 layers on rank 0,
+    # 3 and 2 on rank 1 — and the analytic method averages a micro-batch's chunks over them)
+    assert t.peak.allocated == pytest.approx(a.peak.allocated, rel=0.06 if schedule == "ZBVZeroBubble" else 0.03)
 
 
 def test_pipeline_inference_is_one_forward_only_micro_batch():
@@ -250,8 +253,34 @@ def test_pipeline_inference_is_one_forward_only_micro_batch():
     t = estimate(spec, w, method="trace", search_max_batch=False)
     assert t.method is Method.TRACE and t.breakdown.gradients == t.breakdown.optimizer == 0
     note = next(n for n in t.notes if n.startswith("pipeline parallelism traced per rank"))
-    assert "GPipe forward-only over one micro-batch of 2" in note and "rank 3 (layers 6–7, head)" in note
+    assert "GPipe forward-only over one micro-batch of 2" in note and "rank 3 (layer 7, head)" in note
     a = estimate(spec, w, method="analytic", search_max_batch=False)
     assert t.breakdown.weights == pytest.approx(a.breakdown.weights, abs=1024)
     looped = w.replace(pp_schedule="Interleaved1F1B")
     assert estimate(spec, looped, search_max_batch=False).method is Method.ANALYTIC  # refused with a reason
+
+
+@pytest.mark.parametrize("layers, pp, v, sizes", [
+    (126, 8, 1, (15, 16, 16, 16, 16, 16, 16, 15)),  # Llama-3.1-405B on 8 stages (torchtitan's 405B split)
+    (32, 4, 1, (8, 9, 8, 7)),  # 34 effective layers: 8 each and 2 over, to the first stages
+    (32, 4, 2, (4, 5, 4, 4, 4, 4, 4, 3)),
+    (8, 8, 1, (1, 2, 1, 1, 1, 1, 1, 0)),  # the last stage holds only the norm and the head
+])
+def test_stages_split_as_torchtitan_splits_them(layers, pp, v, sizes):
+    """torchtitan's generate_llm_fqn_per_model_part (pipeline_parallel.py): effective layers =
+    layers + 1 (embeddings) + 1 (norm and head), shared evenly, the remainder to the first stages."""
+    p = Parallel(pp=pp, pp_schedule="Interleaved1F1B" if v > 1 else "1F1B", pp_virtual=v if v > 1 else 0)
+    bounds = p.stage_bounds(layers)
+    assert tuple(hi - lo for lo, hi in bounds) == sizes
+    assert bounds[0][0] == 0 and bounds[-1][1] == layers and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    even = Parallel(pp=pp, pp_first_less=0, pp_last_less=0).stage_bounds(layers) if layers % pp == 0 else None
+    assert even is None or {hi - lo for lo, hi in even} == {layers // pp}
+
+
+def test_a_405b_on_eight_stages_is_estimated_and_names_the_split():
+    """126 layers on 8 stages used to be refused ("does not divide"); torchtitan runs it."""
+    r = estimate("llama-3.1-405b", Workload(task="train", seq=4096, grad_accum=8, parallel=Parallel(pp=8)),
+                 method="analytic", search_max_batch=False)
+    assert any("stages of 15–16 layers as torchtitan splits 126" in n for n in r.notes)
+    with pytest.raises(WorkloadError, match="`pp_first_less=20`"):
+        Parallel(pp=8, pp_first_less=20).stage_bounds(126)

@@ -84,6 +84,7 @@ CASES = {
         dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, checkpointing="op"),
         dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, pp_schedule="Interleaved1F1B"),
         dict(dp=2, zero=3, engine="fsdp", pp=4, grad_accum=8, pp_schedule="ZBVZeroBubble"),
+        dict(dp=2, engine="ddp", pp=4, grad_accum=8, pp_first_less=0, pp_last_less=2),
         dict(dp=2, engine="ddp", pp=4, batch=2, grad_accum=2, pp_schedule="GPipe"),
         dict(dp=2, zero=3, engine="fsdp", cp=2, tp=2, sp=True, optimizer_impl="fused"),
         dict(dp=32, zero=3, engine="fsdp", dp_shard=8, checkpointing="full", checkpoint_fraction=0.5),

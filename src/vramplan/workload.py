@@ -261,6 +261,12 @@ class Parallel:
     pp_virtual: int = 0
     """Pipeline stages per rank of the looped schedules (Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble; 0 = 2, torchtitan's default; ZBVZeroBubble takes exactly 2); GPipe and 1F1B hold 1."""
+    pp_first_less: int = 1
+    """Decoder layers the first pipeline stage holds fewer, for its embeddings (torchtitan's
+    `pipeline_parallel_first_stage_less_layers`, default 1; 0 with `pp_last_less=0` splits evenly)."""
+    pp_last_less: int = 1
+    """Decoder layers the last pipeline stage holds fewer, for its norm and head (torchtitan's
+    `pipeline_parallel_last_stage_less_layers`, default 1)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
@@ -310,6 +316,10 @@ class Parallel:
                                 hint="add `offload_params` (with `zero=3`), or use `engine=deepspeed`",
                                 field="offload_optimizer")
         object.__setattr__(self, "pp_schedule", pp_schedule_name(self.pp_schedule))
+        for name in ("pp_first_less", "pp_last_less"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise WorkloadError(f"`{name}` must be 0 or a positive number of layers, got {v!r}", field=name)
         if not isinstance(self.pp_virtual, int) or isinstance(self.pp_virtual, bool) or self.pp_virtual < 0:
             raise WorkloadError(f"`pp_virtual` must be 0 (the schedule's default) or a positive number of stages "
                                 f"per rank, got {self.pp_virtual!r}", field="pp_virtual")
@@ -365,6 +375,45 @@ class Parallel:
         if self.pp_schedule not in PP_LOOPED:
             return 1
         return self.pp_virtual or 2
+
+    def stage_bounds(self, layers: int) -> tuple[tuple[int, int], ...]:
+        """[start, stop) of the decoder layers of each of the ``pp × stages_per_rank`` pipeline
+        stages, as torchtitan splits a model (``generate_llm_fqn_per_model_part``,
+        torchtitan/distributed/pipeline_parallel.py): the embeddings count as ``pp_first_less``
+        layers and the norm and head as ``pp_last_less``; the effective layers are spread evenly,
+        the remainder one each to the first stages; the first and last stages then hold that many
+        decoder layers fewer. Raises where torchtitan raises."""
+        stages = self.pp * self.stages_per_rank
+        if stages == 1:
+            return ((0, layers),)
+        first, last = self.pp_first_less, self.pp_last_less
+        effective = layers + first + last
+        per, extra = divmod(effective, stages)
+        if stages > effective or per == 0:
+            raise WorkloadError(f"{stages} pipeline stages cannot be cut from {layers} layers (with the embeddings as "
+                                f"{first} and the head as {last}: {effective} to share, torchtitan's rule)",
+                                hint=f"use at most {effective} stages (`pp` × stages per rank)", field="pp")
+        if first > per or last > per:
+            raise WorkloadError(f"`pp_first_less={first}` / `pp_last_less={last}` exceed the {per} layers per stage "
+                                f"of {stages} stages over {layers} layers (torchtitan refuses it)",
+                                hint=f"use at most {per}", field="pp_first_less" if first > per else "pp_last_less")
+        out = []
+        lo = 0
+        for i in range(stages):
+            n = per + (i < extra) - (first if i == 0 else 0) - (last if i == stages - 1 else 0)
+            hi = min(layers, lo + max(0, n))
+            out.append((lo, hi))
+            lo = hi
+        return tuple(out)
+
+    def pipeline_ranks(self) -> tuple[int, ...]:
+        """The pipeline ranks whose memory bounds the others': the first (embeddings, the most
+        micro-batches in flight), rank 1 (under torchtitan's split the middle stages hold the
+        most layers, rank 1 the most of them and no fewer micro-batches in flight than the ranks
+        after it, under every schedule) and the last (head, logits, loss)."""
+        if self.pp == 1:
+            return (0,)
+        return (0, self.pp - 1) if self.pp == 2 else (0, 1, self.pp - 1)
 
     def stage_ids(self, rank: int) -> tuple[int, ...]:
         """The pipeline stages (of ``pp × stages_per_rank``) rank ``rank`` holds: torch's
@@ -666,6 +715,8 @@ class Workload:
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
         if self.float8_fsdp_all_gather and (self.float8 is Float8.NONE or p.dp == 1):
             notes.append("`float8_fsdp_all_gather` applies to float8 training under FSDP; ignored otherwise")
+        if p.pp == 1 and (p.pp_first_less != 1 or p.pp_last_less != 1):
+            notes.append("`pp_first_less` and `pp_last_less` apply to pipeline parallelism; ignored without `pp`")
         if p.pp == 1 and (p.pp_schedule != "1F1B" or p.pp_virtual):
             notes.append("`pp_schedule` and `pp_virtual` apply to pipeline parallelism; ignored without `pp` of 2 or more")
         if p.microbatches and p.pp == 1:

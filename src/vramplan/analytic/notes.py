@@ -48,9 +48,14 @@ def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, worksp
     if p.pp > 1:
         v = p.stages_per_rank
         per = f" of {v} stages each" if v > 1 else ""
-        out.append(f"Pipeline ({p.pp_schedule} over {w.grad_accum} micro-batches): reporting stage {stage}, the "
-                   f"highest of the first rank (embeddings{per}) and the last (head and logits{per}); a rank holds "
-                   "the activations of the forwards its schedule runs before their backwards.")
+        sizes = sorted({hi - lo for lo, hi in p.stage_bounds(arch.layers)})
+        split = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]}"
+        middle = ", rank 1 (the most layers of the middle ranks)" if p.pp > 2 else ""
+        out.append(f"Pipeline ({p.pp_schedule} over {w.grad_accum} micro-batches): reporting rank {stage}, the "
+                   f"highest of the first rank (embeddings{per}){middle} and the last (head and logits{per}); stages "
+                   f"of {split} layers as torchtitan splits {arch.layers} (the embeddings counted as "
+                   f"{p.pp_first_less}, the head as {p.pp_last_less}); a rank holds the activations of the forwards "
+                   "its schedule runs before their backwards.")
     if p.tp > 1:
         sp = " with sequence parallelism sharding norm/dropout activations" if p.sp else ""
         out.append(f"Tensor parallel {p.tp}: Megatron column/row splits, vocab-parallel embeddings and logits{sp}.")

@@ -1,12 +1,14 @@
 """Per-rank view of a model under TP/PP/EP/CP/SP, and the checks that sizes divide.
 
-Pipeline ranks get ``layers / pp`` layers: one run of consecutive layers under GPipe and
-1F1B, ``pp_virtual`` runs of ``layers / (pp × pp_virtual)`` (stages ``r, r + pp, …``) under
-the looped schedules, stages ``r`` and ``2 pp − 1 − r`` under ZBVZeroBubble's V. The rank
-with the first stage holds the input embeddings, the rank with the last the final norm, the
-output head and the logits (a tied head is a copy of the embeddings). How many micro-batches'
-activations a rank holds at once follows the order in which torch's schedule runs its
-forwards and backwards (:func:`chunks_in_flight`).
+Pipeline stages hold the decoder layers torchtitan gives them
+(:meth:`~vramplan.workload.Parallel.stage_bounds`: an even share of the layers plus the
+embeddings and the head counted as ``pp_first_less`` / ``pp_last_less`` layers, so the first and
+last stages hold fewer); a rank holds one stage under GPipe and 1F1B, ``pp_virtual`` (stages
+``r, r + pp, …``) under the looped schedules, stages ``r`` and ``2 pp − 1 − r`` under
+ZBVZeroBubble's V. The rank with the first stage holds the input embeddings, the rank with the
+last the final norm, the output head and the logits (a tied head is a copy of the embeddings).
+How many micro-batches' activations a rank holds at once follows the order in which torch's
+schedule runs its forwards and backwards (:func:`chunks_in_flight`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from vramplan._dataclass import dataclass
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
-from vramplan.workload import PP_V_SHAPED, Task, Workload
+from vramplan.workload import Task, Workload
 
 from .arch import Arch, LayerGroup, Linear
 
@@ -58,17 +60,17 @@ class Stage:
 
 
 def stages(arch: Arch, w: Workload) -> tuple[Stage, ...]:
-    """The pipeline ranks that bound the others: the first (embeddings, and the most
-    micro-batches in flight) and the last (head, logits and loss); one stage when pp = 1."""
+    """The pipeline ranks that bound the others (:meth:`~vramplan.workload.Parallel.pipeline_ranks`:
+    the first, rank 1 and the last); one stage when pp = 1."""
     p = w.parallel
     if p.pp == 1:
         return (Stage(0, tuple((g, g.count) for g in arch.groups), True, True, 1),)
     v = p.stages_per_rank
-    chunk = arch.layers // (p.pp * v)
+    bounds = p.stage_bounds(arch.layers)
     out = []
-    for rank in (0, p.pp - 1):
+    for rank in p.pipeline_ranks():
         ids = p.stage_ids(rank)
-        groups = _merge([g for i in ids for g in _slice(arch, i * chunk, (i + 1) * chunk)])
+        groups = _merge([g for i in ids for g in _slice(arch, *bounds[i])])
         if not w.training:
             flight = v
         elif rank == 0 and p.microbatches:  # the user's count of micro-batches in flight
@@ -264,17 +266,8 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
             if size and size % p.tp:
                 raise WorkloadError(f"`tp={p.tp}` does not divide the {what} {size} of {name}",
                                     hint=f"use {ok_tp}", field="tp")
-    if spec.layers % p.pp:
-        raise WorkloadError(f"`pp={p.pp}` does not divide {spec.layers} layers of {name}",
-                            hint=f"use {_divisors(spec.layers)}", field="pp")
-    if p.pp > 1 and spec.layers % (p.pp * p.stages_per_rank):
-        v = p.stages_per_rank
-        fits = [d for d in range(1, spec.layers // p.pp + 1) if (spec.layers // p.pp) % d == 0]
-        raise WorkloadError(f"{p.pp_schedule} with `pp={p.pp}` × {v} stages per rank cuts {spec.layers} layers of "
-                            f"{name} into {p.pp * v} stages, which does not divide them",
-                            hint=f"use `pp_virtual` of {', '.join(map(str, fits[:6]))}"
-                            if p.pp_schedule not in PP_V_SHAPED else "use a `pp` that divides half the layers",
-                            field="pp_virtual")
+    if p.pp > 1:
+        p.stage_bounds(spec.layers)  # torchtitan's split of the layers over the stages (raises where it raises)
     if p.ep > 1:
         if not spec.is_moe:
             raise WorkloadError(f"`ep={p.ep}` needs a mixture-of-experts model; {name} is dense", hint="drop `ep`", field="ep")

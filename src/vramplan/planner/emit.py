@@ -407,6 +407,8 @@ def torchtitan_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[str]]
         training["local_batch_size"] = w.batch * w.grad_accum
         parallelism["pipeline_parallel_microbatch_size"] = w.batch
         parallelism["pipeline_parallel_schedule"] = p.pp_schedule
+        parallelism["pipeline_parallel_first_stage_less_layers"] = p.pp_first_less
+        parallelism["pipeline_parallel_last_stage_less_layers"] = p.pp_last_less
         if p.pp_virtual not in (0, 2) and p.pp_schedule in PP_LOOPED:  # torchtitan's default: 2 stages per rank
             notes.append(f"{p.pp_virtual} stages per rank: set pipeline_parallel_layers_per_stage to the model's "
                          f"layers / {p.pp * p.pp_virtual} (torchtitan infers 2 per rank for {p.pp_schedule}); read "

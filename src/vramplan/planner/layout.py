@@ -42,7 +42,7 @@ CARRIES: dict[str, frozenset[str]] = {
                        "offload_optimizer", "offload_params", "dp_shard"}),
     "torchtitan": frozenset({"batch", "grad_accum", "precision", "seq", "optimizer", "optimizer_impl", "dp", "zero",
                              "engine", "dp_shard", "tp", "pp", "cp", "sp", "microbatches", "offload_optimizer",
-                             "offload_params", "pp_schedule"}),
+                             "offload_params", "pp_schedule", "pp_first_less", "pp_last_less"}),
 }
 """The Workload / Parallel fields each format states (the rest come from the base workload).
 Accelerate's ``mixed_precision`` names the 16-bit type only: the base says pure or mixed."""
@@ -302,6 +302,9 @@ def read_torchtitan(text: str, base: Workload) -> ReadLayout:
     notes: list[str] = []
     if pp > 1:
         changes["microbatches"] = base.parallel.microbatches
+        for key, field in (("pipeline_parallel_first_stage_less_layers", "pp_first_less"),
+                           ("pipeline_parallel_last_stage_less_layers", "pp_last_less")):
+            changes[field] = int(par.get(key, 1))  # torchtitan's default: 1 each
         name = str(par.get("pipeline_parallel_schedule", "1F1B"))
         try:
             changes["pp_schedule"] = pp_schedule_name(name)

@@ -1,10 +1,12 @@
 """Pipeline parallelism in a trace: one rank of ``torch.distributed.pipelining`` per trace.
 
 A transformers causal LM (``model.model.layers``, ``embed_tokens``, ``norm``, ``lm_head``) is
-cut into ``pp × v`` stages of ``layers / (pp × v)`` consecutive decoder layers (``v`` stages
-per rank under the looped schedules, :attr:`~vramplan.workload.Parallel.stages_per_rank`), as
-torchtitan cuts its Llama into model parts (``torchtitan/distributed/pipeline_parallel.py``,
-without its lighter first and last stage): the token embeddings on the first stage only, the
+cut into ``pp × v`` stages of consecutive decoder layers (``v`` stages per rank under the
+looped schedules, :attr:`~vramplan.workload.Parallel.stages_per_rank`), as torchtitan cuts its
+Llama into model parts (``torchtitan/distributed/pipeline_parallel.py``
+``generate_llm_fqn_per_model_part``: :meth:`~vramplan.workload.Parallel.stage_bounds`, the first
+and last stages lighter by the layers their embeddings and head count for, uneven where the
+layers do not divide): the token embeddings on the first stage only, the
 final norm and the head on the last stage only (other stages pass hidden states: the norm and
 head become identities, transformers' model is called with ``inputs_embeds``). A tied head on
 the last stage keeps its own copy of the table. A rank holds the stages torch's
@@ -16,9 +18,10 @@ The rank runs PyTorch's real schedule class (``ScheduleGPipe``, ``Schedule1F1B``
 micro-batches of ``batch`` sequences, on a fake process group whose rank is the rank's: the
 receive buffers are the schedule's own, sends and receives communicate nothing, and the
 order of forwards, backwards (and the zero-bubble schedules' separate weight-gradient steps)
-is the schedule's. The ranks that bound the others are traced: the first (embeddings, the
-most micro-batches in flight) and the last (head, logits, loss); middle ranks hold as many
-layers as the first, without embeddings and with no more micro-batches in flight.
+is the schedule's. The ranks that bound the others are traced
+(:meth:`~vramplan.workload.Parallel.pipeline_ranks`): the first (embeddings, the most
+micro-batches in flight), rank 1 (the most layers of the middle ranks, no fewer micro-batches in
+flight than the ranks after it) and the last (head, logits, loss).
 
 The schedule's P2P warm-up vote (torch >= 2.13, ``_PipelineSchedule._warmup_p2p``) reads a
 tensor's value, which a fake process group never fills: it is replaced by its outcome for
@@ -37,11 +40,6 @@ from torch import nn
 
 from ..errors import TraceError
 from ..workload import Phase
-
-
-def stage_ranks(pp: int) -> tuple[int, ...]:
-    """The pipeline ranks whose memory bounds the others': the first and the last."""
-    return (0, pp - 1)
 
 
 def schedule_class(name: str) -> Any:
@@ -87,8 +85,9 @@ class _Stage(nn.Module):
         return out.logits if self.last else out.last_hidden_state
 
 
-def split(model: nn.Module, index: int, stages: int) -> tuple[nn.Module, StageSpec]:
-    """Cut ``model`` in place to pipeline stage ``index`` of ``stages``; returns the stage module."""
+def split(model: nn.Module, index: int, bounds: tuple[tuple[int, int], ...]) -> tuple[nn.Module, StageSpec]:
+    """Cut ``model`` in place to pipeline stage ``index``, whose decoder layers are
+    ``bounds[index]`` (:meth:`~vramplan.workload.Parallel.stage_bounds`); returns the stage module."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -96,12 +95,10 @@ def split(model: nn.Module, index: int, stages: int) -> tuple[nn.Module, StageSp
             and isinstance(head, nn.Linear) and hasattr(inner, "norm")):
         raise TraceError(f"pipeline parallelism is traced for transformers causal LMs (model.layers, embed_tokens, "
                          f"norm, lm_head); {type(model).__name__} is not one", hint="use `method=analytic`")
-    n = len(layers)
-    if n % stages:
-        raise TraceError(f"{stages} pipeline stages do not divide the {n} layers",
-                         hint="use a `pp` (× `pp_virtual`) that divides the layers")
-    per = n // stages
-    lo, hi = index * per, (index + 1) * per
+    n, stages = len(layers), len(bounds)
+    if bounds[-1][1] != n:
+        raise TraceError(f"the stage bounds {bounds} do not cover the model's {n} layers")
+    lo, hi = bounds[index]
     first, last = index == 0, index == stages - 1
     assert inner is not None
     inner.layers = nn.ModuleList(list(layers)[lo:hi])
@@ -110,7 +107,7 @@ def split(model: nn.Module, index: int, stages: int) -> tuple[nn.Module, StageSp
         if attn is not None and hasattr(attn, "layer_idx"):
             attn.layer_idx = i
     cfg: Any = model.config
-    cfg.num_hidden_layers = per
+    cfg.num_hidden_layers = hi - lo
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) == n:
         cfg.layer_types = types[lo:hi]

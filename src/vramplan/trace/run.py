@@ -338,7 +338,8 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
     _check_iterations(iterations)
     opts = options or TraceOptions()
     p = w.parallel
-    pp, nstages = p.pp, p.pp * p.stages_per_rank
+    pp = p.pp
+    bounds = p.stage_bounds(spec.layers)
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     results: list[tuple[int, TraceResult]] = []
 
@@ -350,13 +351,13 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
             lora, _ = features.apply_peft(full, w)
         return sum(q.numel() for q in lora.parameters() if q.requires_grad)
 
-    for rank in pipeline_parallel.stage_ranks(pp):
+    for rank in p.pipeline_ranks():
         parts, specs = [], []
         params = 0
         for index in p.stage_ids(rank):
             full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
             params = sum(q.numel() for q in full.parameters())
-            part, st = pipeline_parallel.split(full, index, nstages)
+            part, st = pipeline_parallel.split(full, index, bounds)
             # torchtitan applies activation checkpointing per model part (each part's own block list)
             part_notes = features.apply_checkpointing(part, w, checkpoint_policy)
             parts.append(part)
@@ -385,11 +386,12 @@ def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, 
     results = trace_pipeline_stages(spec, w, device=device, iterations=iterations, options=opts, notes=notes,
                                     checkpoint_policy=checkpoint_policy)
     rank, worst = max(results, key=lambda r: r[1].peak_allocated)
-    per = spec.layers // (p.pp * p.stages_per_rank)
+    bounds = p.stage_bounds(spec.layers)
 
     def holds(r: int) -> str:
         ids = p.stage_ids(r)
-        parts = [f"layers {i * per}–{(i + 1) * per - 1}" for i in ids]
+        parts = [f"layers {lo}–{hi - 1}" if hi - lo > 1 else f"layer {lo}" if hi > lo else "no layers"
+                 for lo, hi in (bounds[i] for i in ids)]
         if 0 in ids:
             parts.append("embeddings")
         if p.pp * p.stages_per_rank - 1 in ids:
@@ -402,9 +404,9 @@ def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, 
            f"GPipe forward-only over one micro-batch of {w.batch} (no_grad; stages hand on hidden states, no KV cache)")
     extra = (f"pipeline parallelism traced per rank ({stages}): PyTorch's torch.distributed.pipelining "
              f"{run} on a fake process group; "
-             f"peak allocated {peaks}; the report shows rank {rank}, the worst"
-             + ("; middle ranks hold as many layers as the first, without its embeddings and with no more "
-                "micro-batches in flight" if p.pp > 2 else ""))
+             f"peak allocated {peaks}; the report shows rank {rank}, the worst; stages split as torchtitan "
+             f"splits them (embeddings counted as {p.pp_first_less} layer(s), the head as {p.pp_last_less})"
+             + ("; ranks after rank 1 hold no more layers and no more micro-batches in flight" if p.pp > 3 else ""))
     return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 

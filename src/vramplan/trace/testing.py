@@ -485,14 +485,14 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
         spec = tiny_spec(model_name, layers=layers)
         par = Parallel(pp=pp, pp_schedule=schedule)
-        nstages = pp * par.stages_per_rank
+        bounds = par.stage_bounds(layers)
         torch.manual_seed(0)
         tracker = _StoragePeak()
         parts, specs = [], []
         with quiet():
             for index in par.stage_ids(rank):
                 full = build_model(spec, task="train", attention="eager", device="cpu", dtype=torch.float32)
-                part, st = ppl.split(full, index, nstages)
+                part, st = ppl.split(full, index, bounds)
                 part.train()
                 parts.append(part)
                 specs.append(st)
