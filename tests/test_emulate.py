@@ -372,3 +372,22 @@ def test_the_users_line_is_never_vramplans_own_frame_beside_the_script() -> None
     frames = [traceback.FrameSummary(str(script), 7, "<module>"),
               traceback.FrameSummary(str(pkg), 189, "module_pre")]
     assert runner._user_frame(frames, script).endswith("train.py:7")
+
+
+def test_data_assignment_across_host_and_device_keeps_the_object(tmp_path: Path) -> None:
+    """``param.data = param.to("cuda")`` (FSDP1's own move, ``_move_states_to_device``) on a small
+    host model: on a GPU the Parameter object stays (CPU and CUDA tensors are shallow-copy
+    compatible); here the moved contents are swapped into it, its attributes and the optimizer
+    built before the move kept."""
+    out = tmp_path / "seen.json"
+    script = tmp_path / "data_move.py"
+    script.write_text(
+        "import json, sys, torch\nfrom torch import nn\n"
+        "m = nn.Linear(8, 8)\nw = m.weight\nw.tag = 'kept'\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for p in m.parameters():\n    p.data = p.to('cuda')\n"
+        "m(torch.randn(2, 8, device='cuda')).sum().backward()\n"
+        "json.dump([m.weight is w, str(w.device), w.tag, type(w).__name__, w.grad is not None], open(sys.argv[1], 'w'))\n"
+        "opt.step()\n")
+    r = vramplan.run_script(script, [str(out)], steps=1)
+    assert json.loads(out.read_text()) == [True, "cuda:0", "kept", "Parameter", True]
+    assert r.model_states.weights == (8 * 8 + 8) * 4

@@ -105,12 +105,30 @@ def test_fsdp1_script_runs_with_flat_sharded_states(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert int(out.read_text()) == MODEL // 8
     report = json.loads(p.stdout)
+    assert report["params"] == MODEL // 4  # the model's parameters, not this rank's shard of them
     states, b = report["model_states"], report["breakdown"]
     assert states == {"weights": MODEL // 8, "gradients": MODEL // 8, "optimizer": 2 * MODEL // 8,
                       "total": 4 * MODEL // 8}  # persistent: fp32 flat shards, their gradients, AdamW's two states
     assert b["optimizer"] == 2 * MODEL // 8 and 0 < b["gradients"] <= MODEL // 8
     # at the peak, beside the shards, whole units gathered (one layer's flat parameter: 4 MiB each)
     assert (b["weights"] - MODEL // 8) % (MODEL // 4) == 0 and b["weights"] > MODEL // 8
+
+
+def test_accelerate_launch_gives_the_script_accelerates_own_environment(tmp_path):
+    """`accelerate launch --config_file` turns the file into ACCELERATE_* / FSDP_* variables the
+    script's Accelerator() reads (distributed type, mixed precision, the FSDP plugin): computed
+    by accelerate's own launcher, not read by hand."""
+    pytest.importorskip("accelerate")
+    cfg = tmp_path / "fsdp.yaml"
+    cfg.write_text("distributed_type: FSDP\nnum_processes: 4\nmixed_precision: bf16\nfsdp_config:\n"
+                   "  fsdp_version: 1\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    launch = parse_launch(["accelerate", "launch", "--config_file", str(cfg), FSDP])
+    env = dict(launch.env)
+    assert launch.world == 4
+    assert (env["ACCELERATE_USE_FSDP"], env["ACCELERATE_MIXED_PRECISION"], env["FSDP_SHARDING_STRATEGY"],
+            env["FSDP_VERSION"]) == ("true", "bf16", "SHARD_GRAD_OP", "1")
+    assert not [k for k in env if not k.startswith(("ACCELERATE_", "FSDP_"))]
+    assert dict(parse_launch(["torchrun", "--nproc-per-node", "2", FSDP]).env) == {}
 
 
 def test_ddp_script_traces_rank_zero_with_whole_states():

@@ -78,3 +78,32 @@ def test_dropout_masks_are_one_byte_on_cuda_and_the_difference_they_say(tmp_path
     masks = [(p, t) for why, p, t in c.paths if why == DROPOUT_MASKS]  # (activations dominate: masks at the peak)
     assert masks and masks[0][1] == 4 * masks[0][0] > 0  # bool on CUDA, fp32 on the CPU: 1 byte against 4
     assert c.residual == 0  # the rest is the same storages
+
+
+def test_trl_sft_under_trls_own_fsdp1_accelerate_config(root: Path) -> None:
+    """TRL's SFT script launched with the FSDP1 accelerate config TRL ships
+    (``trl/accelerate_configs/fsdp1.yaml``: FULL_SHARD, BACKWARD_PRE, forward prefetch,
+    use_orig_params, bf16), both unmodified, as ``accelerate launch`` runs them on 2 processes:
+    rank 0 holds half of each flat parameter and of AdamW's states, and the header counts the
+    whole model."""
+    e = next(x for x in ZOO if x.name == "TRL SFT")
+    why = e.available()
+    if why:
+        pytest.skip(why)
+    from vramplan.script.launch import parse_launch
+
+    script, cfg = e.path(), e.path().parent.parent / "accelerate_configs" / "fsdp1.yaml"  # type: ignore[union-attr]
+    assert cfg.is_file()
+    launch = parse_launch(["accelerate", "launch", "--config_file", str(cfg), "--num_processes", "2", str(script),
+                           *_args(e, root)])
+    env = dict(launch.env)  # accelerate's own launcher turns the config into the script's environment
+    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["FSDP_BACKWARD_PREFETCH"]) == ("true", "1", "BACKWARD_PRE")
+    r = vramplan.run_script(launch.script, launch.argv, gpu="h100-sxm", workspaces=False, steps=2, world=launch.world,
+                            gpus=launch.per_node, env=env)
+    assert r.ran is not None and "bf16-mixed" in r.ran.line()
+    whole = vramplan.run_script(script, _args(e, root), gpu="h100-sxm", workspaces=False, steps=2)
+    assert r.params == whole.params  # (not rank 0's shard)
+    # fp32 flat shards: half the model's parameters, gradients and AdamW states (less than 1 KiB
+    # apart: the flat parameters' padding, and the buffers FSDP1 keeps whole in bf16)
+    for part in ("weights", "gradients", "optimizer"):
+        assert abs(getattr(r.model_states, part) - getattr(whole.model_states, part) // 2) <= 1024, part

@@ -70,9 +70,11 @@ def run(args: argparse.Namespace) -> int:
         raise VramplanError(f"`gpus` must be at least 1, got {args.gpus}", hint="use `gpus=1`", field="gpus")
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     world = 1
+    env: dict[str, str] = {}
     if cmd and Path(cmd[0]).name in LAUNCHERS:
         launch = parse_launch(cmd, gpus=args.gpus)
         path, argv, world, gpus = launch.script, list(launch.argv), launch.world, launch.per_node
+        env = dict(launch.env)
         hint(f"vramplan run: {launch.launcher} declares {world} process(es), {gpus} per node: "
              "emulating rank 0 on PyTorch's fake process group")
     else:
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     quiet = contextlib.redirect_stdout(sys.stderr) if args.format == "json" else contextlib.nullcontext()
     with quiet:
         report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
-                            alloc_conf=args.alloc_conf, online=args.online,
+                            alloc_conf=args.alloc_conf, online=args.online, env=env,
                             progress=lambda line: hint(f"vramplan run: {line}"))
     emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)

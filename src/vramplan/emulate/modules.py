@@ -16,7 +16,8 @@ conversion runs as torch would run it without the flag, and optimizers built so 
 pointed at the new Parameters, as the real move would have left them.
 
 ``model.to(0)`` — an int is a CUDA ordinal, which a CPU build of torch cannot parse — becomes
-``model.to("cuda:0")``.
+``model.to("cuda:0")``. ``param.data = moved`` across the host and the emulated GPU (FSDP1's own
+move) swaps the moved contents into the same object (:func:`_set_data`).
 """
 
 from __future__ import annotations
@@ -72,11 +73,47 @@ def keeping_identity(optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
 
     nn.Module._apply = _apply  # type: ignore[method-assign]
     nn.Module.to = to  # type: ignore[method-assign]
+    had_data = "data" in torch.Tensor.__dict__
+    saved_data = torch.Tensor.__dict__.get("data")
+    torch.Tensor.data = property(_DATA.__get__, _set_data)  # type: ignore[assignment,method-assign]
     try:
         yield
     finally:
         nn.Module._apply = orig_apply  # type: ignore[method-assign]
         nn.Module.to = orig_to  # type: ignore[method-assign]
+        if had_data:
+            torch.Tensor.data = saved_data  # type: ignore[assignment,method-assign]
+        else:
+            del torch.Tensor.data
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _set_data(self: torch.Tensor, value: Any) -> None:
+    """``t.data = moved`` where one side is on the emulated GPU (``meta`` storage) and the other a
+    real host tensor: on a GPU CPU and CUDA tensors are shallow-copy compatible and the object
+    keeps its identity (FSDP1 moves each parameter with ``param.data = param.to(device)``); here
+    the moved contents are swapped into the same object (``torch.utils.swap_tensors``), which
+    keeps its class, attributes, ``requires_grad`` and gradient."""
+    try:
+        _DATA.__set__(self, value)
+        return
+    except RuntimeError as e:
+        if "incompatible tensor type" not in str(e) or not isinstance(value, torch.Tensor):
+            raise
+    attrs = dict(self.__dict__)
+    grad = self.grad if self.is_leaf else None
+    new = value.detach()
+    new = type(self)(new, requires_grad=self.requires_grad) if isinstance(self, nn.Parameter) else \
+        new.requires_grad_(self.requires_grad)
+    torch.utils.swap_tensors(self, new)
+    self.__dict__.update(attrs)
+    if grad is not None and self.grad is None:
+        try:
+            self.grad = grad
+        except RuntimeError:  # (a host gradient beside a device parameter: its own `.data =` moves it)
+            pass
 
 
 def _repoint(optimizers: weakref.WeakSet[Any], moved: dict[int, Any]) -> None:

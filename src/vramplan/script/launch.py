@@ -37,6 +37,10 @@ class Launch:
     per_node: int
     """Processes per node (GPUs each node's script sees)."""
     launcher: str = "python"
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment the launcher gives the script beside the ranks' (``accelerate launch``: its
+    ``ACCELERATE_*`` / ``FSDP_*`` variables from the config file and flags — distributed type,
+    mixed precision, the FSDP plugin's settings — which ``Accelerator()`` reads)."""
 
 
 def _int(flag: str, value: str, launcher: str) -> int:
@@ -92,6 +96,40 @@ def _accelerate_config_processes(path: str) -> tuple[int | None, int | None]:
     return (n if isinstance(n, int) else None), (m if isinstance(m, int) else None)
 
 
+def _accelerate_env(options: list[str]) -> tuple[tuple[str, str], ...]:
+    """The ``ACCELERATE_*`` and ``FSDP_*`` variables ``accelerate launch options…`` sets for its
+    processes, computed by accelerate's own launcher (``_validate_launch_command`` reads the config
+    file and fills the defaults; ``prepare_*_env`` turns them into the environment). Nothing when
+    accelerate is not installed (the script could not use it either)."""
+    try:
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+        from accelerate.utils import launch as acl
+    except ImportError:
+        return ()
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = launch_command_parser().parse_args(options)
+            args = _validate_launch_command(args)[0]
+            # rank 0's node: the rendezvous of a multi-node launch is not the script's business here
+            args.machine_rank = args.machine_rank or 0
+            args.main_process_ip = args.main_process_ip or "127.0.0.1"
+            args.main_process_port = args.main_process_port or 29500
+            if args.use_deepspeed and not args.cpu:
+                env = acl.prepare_deepspeed_cmd_env(args)[1]
+            elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
+                env = acl.prepare_multi_gpu_env(args)
+            else:
+                env = acl.prepare_simple_launcher_cmd_env(args)[1]
+    except (SystemExit, Exception) as e:  # noqa: BLE001 (accelerate's own refusal of the options)
+        why = f"{type(e).__name__}: {e}" if not isinstance(e, SystemExit) else "its argument parser refused them"
+        raise VramplanError(f"accelerate launch could not read its options ({why})",
+                            hint="check the options and the config file as `accelerate launch` takes them") from None
+    return tuple(sorted((k, str(v)) for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))))
+
+
 def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
     """The script, arguments and world of ``command`` (after ``--``); ``gpus``: the GPUs per
     node the user declared (``vramplan run --gpus``), checked against the launcher's count."""
@@ -104,6 +142,7 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
     if launcher not in LAUNCHERS:
         raise VramplanError(f"not a launcher: {cmd[0]}", hint="torchrun … or accelerate launch …")
     rest = cmd[1:]
+    env: tuple[tuple[str, str], ...] = ()
     if launcher == "torchrun":
         opts, tail = _options(rest, launcher, _TORCHRUN_FLAGS)
         per_node = _int("--nproc-per-node", opts.get("--nproc-per-node", "1"), launcher)
@@ -125,6 +164,7 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
             raise VramplanError(f"accelerate launch: {world} processes do not split over {nodes} machines",
                                 hint="give accelerate launch machines × GPUs-per-machine processes")
         per_node = world // nodes
+        env = _accelerate_env(rest[1:])
     if not tail or not tail[0].endswith(".py"):
         raise VramplanError(f"expected a script after {launcher}'s options", hint=f"{launcher} … train.py ARGS")
     if gpus is not None and gpus != per_node:
@@ -134,7 +174,7 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
     path = Path(tail[0])
     if not path.is_file():
         raise VramplanError(f"no such script: {path}", hint=f"check the path after {launcher}")
-    return Launch(path, tuple(tail[1:]), world, per_node, launcher)
+    return Launch(path, tuple(tail[1:]), world, per_node, launcher, env)
 
 
 __all__ = ["LAUNCHERS", "Launch", "parse_launch"]

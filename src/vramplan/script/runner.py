@@ -182,18 +182,20 @@ class _Hooks:
             run.device_forwards += 1
             if run.device_forwards == 1:
                 self._shapes(args, time_major=any(isinstance(m, nn.RNNBase) and not m.batch_first
-                                                  for m in mod.modules()))
+                                                  for m in mod.modules()), model=mod)
         else:
             run.host_forwards += 1
             if not run.host_model:
                 run.host_model = f"{type(mod).__name__} at {self.where()}"
 
-    def _shapes(self, args: Any, time_major: bool = False) -> None:
-        """Batch and sequence (or image size) from the first call's inputs; ``time_major``: an RNN
-        without ``batch_first`` takes ``[seq, batch]``."""
+    def _shapes(self, args: Any, time_major: bool = False, model: nn.Module | None = None) -> None:
+        """Batch and sequence (or image size) from the first call's inputs (else the host tensors
+        copied to the device before it, less those shaped like the model's own buffers: FSDP1
+        moves them itself); ``time_major``: an RNN without ``batch_first`` takes ``[seq, batch]``."""
         run = self.run
+        own = set() if model is None else {(tuple(b.shape), str(b.dtype)) for b in model.buffers()}
         seen = [(tuple(a.shape), str(a.dtype)) for a in (args if isinstance(args, tuple) else (args,))
-                if isinstance(a, torch.Tensor)] or run.inputs
+                if isinstance(a, torch.Tensor)] or [x for x in run.inputs if x not in own]
         ints = [s for s, d in seen if "int" in d and len(s) >= 2]
         floats = [s for s, d in seen if "float" in d or "bfloat" in d]
         if seen and seen[0][0]:
@@ -248,13 +250,15 @@ class _Hooks:
         rec = self.sess.rec
         run = self.run
         seen: set[int] = set()
+        whole = _fsdp1_whole_numels(mod)
         for p in mod.parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            run.params += p.numel()
+            count = whole.get(id(p), p.numel())  # (FSDP1: the model's parameters, not this rank's shard)
+            run.params += count
             if p.requires_grad:
-                run.trainable += p.numel()
+                run.trainable += count
             n = p.numel() * p.element_size()
             if self.on_device(p):
                 run.device_param_bytes += n
@@ -354,6 +358,23 @@ class _Hooks:
         self._autocast_depth -= 1
         if self._autocast_depth == 0:
             ac.exit()
+
+
+def _fsdp1_whole_numels(mod: nn.Module) -> dict[int, int]:
+    """id(parameter) → its unsharded element count, for the parameters FSDP1 flattened in ``mod``:
+    with ``use_orig_params`` each original parameter is a view of this rank's shard (its
+    ``numel()`` the part in the shard, 0 outside it); without, each unit's ``FlatParameter`` is
+    the shard of all its parameters. Empty for any other model."""
+    out: dict[int, int] = {}
+    for m in mod.modules():
+        flat = getattr(getattr(m, "_handle", None), "flat_param", None)
+        numels = getattr(flat, "_numels", None)
+        if flat is None or not isinstance(numels, (tuple, list)):
+            continue
+        out[id(flat)] = int(sum(numels))
+        for p, n in zip(getattr(flat, "_params", None) or (), numels, strict=False):
+            out[id(p)] = int(n)
+    return out
 
 
 def _replace(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
@@ -708,7 +729,8 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             if not self._on_device(src) and self._on_device(out):
                 self.sess.rec.relabel(out, Category.INPUT)
                 run = self.run
-                if run is not None and not run.device_forwards and not CONVERTING[0] and len(run.inputs) < 64:
+                if run is not None and not run.device_forwards and not CONVERTING[0] and len(run.inputs) < 64 \
+                        and not isinstance(src, nn.Parameter):  # (FSDP1 moves parameters itself: not inputs)
                     run.inputs.append((tuple(out.shape), str(out.dtype)))
                 if raw_device(src).type == "cpu" and not src.is_floating_point() and src.numel() <= 1 << 20:
                     self.sess.values.set_shadow(out, src)
@@ -965,11 +987,13 @@ def _loading(sess: TraceSession, places: Places) -> Any:
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
                  alloc_conf: str | None = None, progress: Progress | None = None,
-                 online: bool = False, world: int = 1) -> tuple[TraceResult, ScriptRun]:
+                 online: bool = False, world: int = 1,
+                 env: dict[str, str] | None = None) -> tuple[TraceResult, ScriptRun]:
     """Run the script at ``path`` with ``argv`` and trace it (see the module docstring).
 
     ``world`` > 1: the script is rank 0 of that many processes (a torchrun / accelerate
-    launch), on PyTorch's fake process group; ``facts.count`` is the GPUs per node."""
+    launch), on PyTorch's fake process group; ``facts.count`` is the GPUs per node. ``env``: the
+    launcher's own variables for the script (``accelerate launch``'s), set while it runs."""
     from ..trace.run import _collect_deterministically, _emulation_notes, summarize
 
     p = Path(path)
@@ -1002,7 +1026,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with _offline(online), _collect_deterministically(), _rank_zero(world, facts.count), sess, \
+        with _offline(online), _collect_deterministically(), _environ(env or {}), _rank_zero(world, facts.count), \
+                sess, \
                 emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
                              optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
                              on_gpu=sess.rec.records) \
