@@ -112,12 +112,15 @@ def _accelerate_env(options: list[str]) -> tuple[tuple[str, str], ...]:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             args = launch_command_parser().parse_args(options)
-            args = _validate_launch_command(args)[0]
+            args, defaults, mp_from_config = _validate_launch_command(args)[:3]
             # rank 0's node: the rendezvous of a multi-node launch is not the script's business here
             args.machine_rank = args.machine_rank or 0
             args.main_process_ip = args.main_process_ip or "127.0.0.1"
             args.main_process_port = args.main_process_port or 29500
-            if args.use_deepspeed and not args.cpu:
+            if args.use_deepspeed and not args.cpu:  # (as launch_command fills it before deepspeed_launcher)
+                fields = list(defaults.deepspeed_config.keys()) if defaults else []
+                args.deepspeed_fields_from_accelerate_config = ",".join(
+                    [*fields, *(["mixed_precision"] if mp_from_config else [])])
                 env = acl.prepare_deepspeed_cmd_env(args)[1]
             elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
                 env = acl.prepare_multi_gpu_env(args)
