@@ -140,3 +140,29 @@ def test_ddp_script_traces_rank_zero_with_whole_states():
 def test_world_must_fill_nodes():
     with pytest.raises(VramplanError, match="does not fill nodes"):
         vramplan.run_script(EX / "fsdp2_loop.py", [], gpu="h100-sxm", world=12, gpus=8)
+
+
+def test_accelerate_deepspeed_config_runs_deepspeeds_engine(tmp_path):
+    """An accelerate DeepSpeed ZeRO-2 config: the script's Accelerator() builds DeepSpeed's own
+    engine on the emulated GPU (it used to run as DDP: the config file's type was never seen);
+    ZeRO-2 partitions the fp32 master weights and AdamW's states over the 2 ranks."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    cfg = tmp_path / "ds.yaml"
+    cfg.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: bf16\n"
+                   "deepspeed_config:\n  zero_stage: 2\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom accelerate import Accelerator\nacc = Accelerator()\n"
+        "model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=1e-4)\n"
+        "data = torch.utils.data.DataLoader(torch.randn(16, 512), batch_size=2)\n"
+        "model, opt, data = acc.prepare(model, opt, data)\n"
+        "for x in data:\n    acc.backward(model(x.to(torch.bfloat16)).float().pow(2).mean()); opt.step(); opt.zero_grad()\n")
+    launch = parse_launch(["accelerate", "launch", "--config_file", str(cfg), str(script)])
+    assert dict(launch.env)["ACCELERATE_USE_DEEPSPEED"] == "true"
+    r = vramplan.run_script(launch.script, launch.argv, gpu="h100-sxm", world=launch.world, gpus=launch.per_node,
+                            env=dict(launch.env), workspaces=False)
+    assert any("DeepSpeedEngine" in n for n in r.notes)
+    n = 4 * (512 * 512 + 512)
+    assert r.model_states.optimizer <= (4 + 4 + 4) * n // 2 + 4096  # fp32 master + exp_avg + exp_avg_sq, halved

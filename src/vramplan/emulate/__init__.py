@@ -80,8 +80,29 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
             on_launch(tensors)
 
     with patched(facts, live, on_sync, state), device_view(view, values), keeping_identity(em.optimizers), \
-            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched), data_parallel():
+            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched), data_parallel(), \
+            _fresh_deepspeed_accelerator():
         yield em
+
+
+@contextlib.contextmanager
+def _fresh_deepspeed_accelerator() -> Iterator[None]:
+    """DeepSpeed picks its accelerator once, at its first ``get_accelerator()`` (its import calls
+    it), and keeps it: imported before the emulated GPU came up, it chose the CPU, and its buckets
+    would be host tensors beside device gradients. The choice is made again inside the block
+    (where it finds CUDA, as on a GPU) and put back afterwards."""
+    import sys
+
+    mod = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    if mod is None or not hasattr(mod, "ds_accelerator"):
+        yield
+        return
+    saved = mod.ds_accelerator
+    setattr(mod, "ds_accelerator", None)  # noqa: B010 (a module of an optional package)
+    try:
+        yield
+    finally:
+        setattr(mod, "ds_accelerator", saved)  # noqa: B010
 
 
 __all__ = ["DeviceFacts", "Emulated", "LiveAllocator", "Place", "View", "emulated_gpu", "on_meta", "raw_device"]

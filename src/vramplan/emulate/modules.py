@@ -100,14 +100,18 @@ def _set_data(self: torch.Tensor, value: Any) -> None:
         _DATA.__set__(self, value)
         return
     except RuntimeError as e:
-        if "incompatible tensor type" not in str(e) or not isinstance(value, torch.Tensor):
+        if "incompatible tensor type" not in str(e) or not isinstance(value, torch.Tensor) or not self.is_leaf:
             raise
+        refused = e
     attrs = dict(self.__dict__)
-    grad = self.grad if self.is_leaf else None
+    grad = self.grad
     new = value.detach()
     new = type(self)(new, requires_grad=self.requires_grad) if isinstance(self, nn.Parameter) else \
         new.requires_grad_(self.requires_grad)
-    torch.utils.swap_tensors(self, new)
+    try:
+        torch.utils.swap_tensors(self, new)
+    except RuntimeError:  # (held elsewhere or in an autograd graph: torch's own refusal stands)
+        raise refused from None
     self.__dict__.update(attrs)
     if grad is not None and self.grad is None:
         try:
