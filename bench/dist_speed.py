@@ -103,6 +103,19 @@ def agreement() -> None:
         err = (traced - real) / real
         line(f"{layout} over 2 gloo processes, rank {rank}: trace vs real",
              f"{err:+.4%} ({traced:,} / {real:,} B)", "within 1 %", abs(err) < 0.01)
+    from vramplan.trace.run import TraceOptions, trace_model
+    from vramplan.trace.testing import block_inputs, block_model, real_dist_peaks
+    from vramplan.workload import Precision, Task, Workload
+
+    for strategy, zero in (("FULL_SHARD", 3), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 0)):
+        real = real_dist_peaks(block_model, block_inputs, world=2, layout=f"fsdp1-{strategy}-BACKWARD_PRE")
+        w = Workload(task=Task.TRAIN, precision=Precision.FP32).replace(dp=2, zero=zero, engine="fsdp1")
+        for rank, peak in enumerate(real):
+            traced = trace_model(block_model, block_inputs(), workload=w,
+                                 options=TraceOptions(workspaces=False, count_flops=False, rank=rank)).peak_allocated
+            err = (traced - peak) / peak
+            line(f"fsdp1 {strategy} over 2 gloo processes, rank {rank}: trace vs real",
+                 f"{err:+.4%} ({traced:,} / {peak:,} B)", "within 0.01 %", abs(err) < 1e-4)
     from vramplan.trace.testing import pipeline_agreement
     from vramplan.workload import PP_SCHEDULES
 
