@@ -30,8 +30,8 @@ def test_gloo_run_agrees_with_trace() -> None:
 def test_fsdp1_gloo_run_agrees_with_trace(strategy, zero, world, shard, mixed, width, prefetch, lora) -> None:  # noqa: ANN001
     """FSDP1 (``FullyShardedDataParallel``: flat parameters per unit, ``use_orig_params``) run for
     real on ``world`` gloo processes and traced as ``engine=fsdp1`` on the fake process group:
-    each rank's storage peak within 0.01 % (issue 34's bar; what is left is the real run's
-    host-side optimizer step counters and the like, tens of bytes)."""
+    each rank's storage peak within 0.01 % (issue 34's bar; what is left, tens of bytes, is not
+    itemised)."""
     from functools import partial
 
     from vramplan.trace.run import TraceOptions, trace_model
