@@ -391,3 +391,25 @@ def test_data_assignment_across_host_and_device_keeps_the_object(tmp_path: Path)
     r = vramplan.run_script(script, [str(out)], steps=1)
     assert json.loads(out.read_text()) == [True, "cuda:0", "kept", "Parameter", True]
     assert r.model_states.weights == (8 * 8 + 8) * 4
+
+
+def test_cuda_generators_and_legacy_tensor_types(tmp_path: Path) -> None:
+    """``torch.Generator("cuda")`` (diffusers' seeded sampling) and ``torch.cuda.FloatTensor`` &
+    co. (``Tensor = torch.cuda.FloatTensor``; ``x.type(Tensor)``) exist only in a CUDA build; on
+    the emulated GPU they make and describe tensors of the target, and torch's own classes still
+    answer ``isinstance`` for host generators."""
+    out = tmp_path / "seen.json"
+    script = tmp_path / "legacy.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "g = torch.Generator('cuda').manual_seed(0)\nz = torch.randn(2, 4, device='cuda', generator=g)\n"
+        "T = torch.cuda.FloatTensor\na = T(4, 3).fill_(1.0)\nb = torch.randn(2, 3).type(T)\n"
+        "c = torch.cuda.LongTensor([1, 2])\n"
+        "seen = [str(g.device), isinstance(g, torch.Generator), isinstance(torch.Generator(), torch.Generator),\n"
+        "        str(z.device), str(a.device), str(a.dtype), str(b.device), str(c.dtype), isinstance(a, T),\n"
+        "        isinstance(c, T), str(torch.randn(2).type('torch.cuda.HalfTensor').dtype)]\n"
+        "json.dump(seen, open(sys.argv[1], 'w'))\n"
+        "m = torch.nn.Linear(3, 3).cuda(); m(a).sum().backward()\n")
+    vramplan.run_script(script, [str(out)], steps=1)
+    assert json.loads(out.read_text()) == ["cuda:0", True, True, "cuda:0", "cuda:0", "torch.float32", "cuda:0",
+                                           "torch.int64", True, False, "torch.float16"]

@@ -245,11 +245,85 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
     for name in ("make_graphed_callables", "graph_pool_handle"):
         put(cuda, name, _unsupported(graphs, graph_hint))
     _patch_modules(put, cuda, functions, facts, on_sync, st, current_stream, set_stream, Stream, live)
+    put(torch, "Generator", _generators(st), exact=False)
+    for name, dtype in LEGACY_TYPES.items():
+        put(cuda, name, _legacy_type(name, dtype), exact=False)
     try:
         with stack:
             yield st
     finally:
         pass
+
+
+LEGACY_TYPES: dict[str, torch.dtype] = {
+    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool}
+"""``torch.cuda.FloatTensor`` & co.: the legacy tensor types (``Tensor = torch.cuda.FloatTensor if
+cuda else torch.FloatTensor``, ``x.type(Tensor)`` in older GAN and RL code)."""
+
+
+def _legacy_type(name: str, dtype: torch.dtype) -> type:
+    """``torch.cuda.<name>``: ``T(*sizes)`` an uninitialised tensor on the emulated GPU, ``T(data)``
+    one from data, ``isinstance(x, T)`` true for tensors of that dtype on it (a CPU build of torch
+    has no CUDA types at all)."""
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, torch.Tensor) and obj.dtype == dtype and obj.is_cuda
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and not isinstance(args[0], int) and not isinstance(args[0], torch.Size):
+                data = args[0]
+                if isinstance(data, torch.Tensor):
+                    return data.to(device="cuda", dtype=dtype)
+                return torch.tensor(data, dtype=dtype, device="cuda")
+            sizes = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else args
+            return torch.empty(*sizes, dtype=dtype, device="cuda")
+
+    return _Meta(name, (), {"__module__": "torch.cuda", "_vramplan_dtype": dtype,
+                            "__doc__": f"torch.cuda.{name} on the emulated GPU (vramplan)"})
+
+
+def _generators(st: CudaState) -> type:
+    """``torch.Generator`` that makes generators of the emulated GPU: ``torch.Generator("cuda")``
+    (diffusers' ``generator=torch.Generator("cuda").manual_seed(0)``, seeded sampling) needs
+    ATen's CUDA library; here it is a host generator that reports ``cuda:N`` (``randn(device=
+    "cuda", generator=g)`` runs on the trace device, whose kernels take any generator). Other
+    devices, ``isinstance`` and ``issubclass`` answer as torch's own class."""
+    real: Any = torch.Generator
+
+    class _DeviceGenerator(real):  # type: ignore[misc,valid-type]
+        _vramplan_index = 0
+
+        @property
+        def device(self) -> torch.device:
+            return torch.device("cuda", self._vramplan_index)
+
+        def __repr__(self) -> str:
+            return f"<torch.Generator object (vramplan emulated cuda:{self._vramplan_index})>"
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, real)
+
+        def __subclasscheck__(cls, sub: Any) -> bool:
+            return isinstance(sub, type) and issubclass(sub, real)
+
+        def __call__(cls, device: Any = None) -> Any:
+            d = device if device is None or isinstance(device, torch.device) else \
+                torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+            if d is not None and d.type == "cuda":
+                g = _DeviceGenerator()
+                g._vramplan_index = st.index(d)
+                return g
+            return real() if device is None else real(device)
+
+    class Generator(metaclass=_Meta):
+        __doc__ = real.__doc__
+        __module__ = "torch"
+
+    return Generator
 
 
 def _patch_modules(put: Callable[..., None], cuda: Any, functions: dict[str, Any], facts: DeviceFacts,
