@@ -220,6 +220,10 @@ _SCALARS = (r"f32\[\]|i32\[\]", "0-dim scalars: the GradScaler's scale and growt
             "(Fabric's 16-mixed is bf16-mixed without a scaler on the CPU); Adadelta's step counters stay on the host "
             "unless capturable (torch/optim/adadelta.py), counted by the CPU run")
 
+_SCHEDULER = (r"f32\[100\]|i64\[3\]|f32\[\]", "DDPMScheduler's tables (betas, alphas, their cumulative "
+              "product: f32[100]) and timesteps stay host tensors in the GPU run (the pipeline moves the UNet, not "
+              "the scheduler), counted by the CPU run")
+
 ZOO: tuple[Entry, ...] = (
     Entry("torchtune full finetune", "recipes", "full_finetune_single_device.py",
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
@@ -270,6 +274,9 @@ ZOO: tuple[Entry, ...] = (
     Entry("Lightning Fabric, demo MNIST CNN, 16-mixed", "zoo", "scripts/lightning_mnist_amp.py", ("ROOT/mnist",), (),
           "vision (convolutions, max-pooling, dropout) with AMP: fp16 autocast and a GradScaler on the GPU, "
           "Adadelta", needs="lightning", known=(_MNIST_DATA, _SCALARS)),
+    Entry("diffusers DDPM pipeline", "zoo", "scripts/diffusers_ddpm.py", (), (),
+          "diffusion inference: a UNet's denoising steps, a seeded generator on the device", needs="diffusers",
+          known=(_SCHEDULER,)),
     Entry("TRL SFT", "trl", "scripts/sft.py",
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
           ("--use_cpu", "True"), "HF Trainer + accelerate, fused AdamW, TRL's chunked log-prob loss",
