@@ -100,7 +100,7 @@ def test_trl_sft_under_trls_own_fsdp1_accelerate_config(root: Path) -> None:
     assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["FSDP_BACKWARD_PREFETCH"]) == ("true", "1", "BACKWARD_PRE")
     r = vramplan.run_script(launch.script, launch.argv, gpu="h100-sxm", workspaces=False, steps=2, world=launch.world,
                             gpus=launch.per_node, env=env)
-    assert r.ran is not None and "bf16-mixed" in r.ran.line()
+    assert r.ran is not None and "bf16-mixed" in r.ran.line() and "FSDP mixed precision bf16" in r.ran.line()
     whole = vramplan.run_script(script, _args(e, root), gpu="h100-sxm", workspaces=False, steps=2)
     assert r.params == whole.params  # (not rank 0's shard)
     # fp32 flat shards: half the model's parameters, gradients and AdamW states (less than 1 KiB

@@ -89,9 +89,13 @@ def what_ran(run: ScriptRun, world: int = 1) -> tuple[Workload, Ran, list[str]]:
     weights = _SHORT.get(dtype, dtype.removeprefix("torch."))
     auto = [_SHORT.get(d, d) for d in run.autocast]
     lower = [a for a in auto if a in ("fp16", "bf16")]  # (autocast to fp32 lowers nothing)
-    if weights == "fp32" and lower:
-        precision = Precision.FP16_MIXED if lower[0] == "fp16" else Precision.BF16_MIXED
-        text = f"{precision} (fp32 weights, autocast {'/'.join(auto)})"
+    fsdp = _SHORT.get(run.fsdp_compute, "") if run.fsdp_compute else ""
+    if weights == "fp32" and (lower or fsdp):
+        half = lower[0] if lower else fsdp
+        precision = Precision.FP16_MIXED if half == "fp16" else Precision.BF16_MIXED
+        how = [f"autocast {'/'.join(auto)}"] if auto else []
+        how += [f"FSDP mixed precision {fsdp}"] if fsdp else []
+        text = f"{precision} (fp32 weights, {', '.join(how)})"
     elif weights in ("bf16", "fp16"):
         precision = Precision(weights)
         text = f"{precision} weights" + (f", autocast {'/'.join(auto)}" if auto else "")

@@ -120,6 +120,9 @@ class ScriptRun:
     """DataLoader workers the script asked for (run in this process instead)."""
     backwards: int = 0
     """Backward passes (``loss.backward()``, ``torch.autograd.backward``)."""
+    fsdp_compute: str = ""
+    """The 16-bit dtype FSDP's mixed precision computes in (FSDP1 ``MixedPrecision.param_dtype``,
+    FSDP2 ``MixedPrecisionPolicy.param_dtype``: gathered parameters cast from fp32 shards), if any."""
 
 
 class _Hooks:
@@ -251,6 +254,8 @@ class _Hooks:
         run = self.run
         seen: set[int] = set()
         whole = _fsdp1_whole_numels(mod)
+        if not run.fsdp_compute:
+            run.fsdp_compute = _fsdp_compute_dtype(mod)
         for p in mod.parameters():
             if id(p) in seen:
                 continue
@@ -358,6 +363,22 @@ class _Hooks:
         self._autocast_depth -= 1
         if self._autocast_depth == 0:
             ac.exit()
+
+
+def _fsdp_compute_dtype(mod: nn.Module) -> str:
+    """``torch.bfloat16`` / ``torch.float16`` when FSDP's mixed precision casts ``mod``'s gathered
+    parameters to it (FSDP1's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``), else ''."""
+    for m in mod.modules():
+        dtype = getattr(getattr(m, "mixed_precision", None), "param_dtype", None)  # FSDP1
+        get_state = getattr(m, "_get_fsdp_state", None)  # FSDP2 (FSDPModule)
+        if dtype is None and callable(get_state):
+            try:
+                dtype = getattr(getattr(get_state(), "_mp_policy", None), "param_dtype", None)
+            except Exception:  # noqa: BLE001 (not laid out yet: no policy to read)
+                dtype = None
+        if dtype in (torch.bfloat16, torch.float16):
+            return str(dtype)
+    return ""
 
 
 def _fsdp1_whole_numels(mod: nn.Module) -> dict[int, int]:
@@ -551,6 +572,38 @@ def _rank_zero(world: int, per_node: int) -> Iterator[None]:
            "PYTORCH_DDP_USE_SIDE_STREAM": "0"}
     with _environ(env), fake_world(World((("world", world),))):
         yield
+
+
+_ACCELERATE_STATES = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def _accelerate_states() -> list[dict[str, Any]]:
+    import sys
+
+    mod = sys.modules.get("accelerate.state")
+    out = []
+    for name in _ACCELERATE_STATES:
+        shared = getattr(getattr(mod, name, None), "_shared_state", None)
+        if isinstance(shared, dict):
+            out.append(shared)
+    return out
+
+
+@contextlib.contextmanager
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps its process state (distributed type, mixed precision, the FSDP or
+    DeepSpeed plugin) in class-level singletons; a script starts with none, as a new process does,
+    and whatever it set is cleared afterwards (the caller's own state put back)."""
+    saved = [(d, dict(d)) for d in _accelerate_states()]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d in _accelerate_states():  # (accelerate may have been imported by the script)
+            d.clear()
+        for d, items in saved:
+            d.update(items)
 
 
 @contextlib.contextmanager
@@ -1026,8 +1079,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
 
     try:
-        with _offline(online), _collect_deterministically(), _environ(env or {}), _rank_zero(world, facts.count), \
-                sess, \
+        with _offline(online), _collect_deterministically(), _environ(env or {}), _fresh_accelerate_state(), \
+                _rank_zero(world, facts.count), sess, \
                 emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
                              optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
                              on_gpu=sess.rec.records) \
