@@ -159,6 +159,12 @@ class Fsdp1Prefetch(_StrEnum):
     BACKWARD_POST = "backward-post"
     NONE = "none"  # accelerate's plugin and Trainer's fsdp_config when the key is absent (NO_PREFETCH)
 
+    @property
+    def config_name(self) -> str:
+        """The name torch's ``BackwardPrefetch`` and accelerate's / Trainer's FSDP configs use
+        (``NO_PREFETCH`` for none: torch takes ``None``)."""
+        return "NO_PREFETCH" if self is Fsdp1Prefetch.NONE else self.value.upper().replace("-", "_")
+
 
 class Method(_StrEnum):
     AUTO = "auto"

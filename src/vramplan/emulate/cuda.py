@@ -29,6 +29,7 @@ from ..errors import TraceError
 from .facts import DeviceFacts
 from .live import LiveAllocator
 from .signatures import bind_init, like, signature_of
+from .tensors import LEGACY_TYPES
 
 
 @dataclass
@@ -253,14 +254,6 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
             yield st
     finally:
         pass
-
-
-LEGACY_TYPES: dict[str, torch.dtype] = {
-    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
-    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
-    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool}
-"""``torch.cuda.FloatTensor`` & co.: the legacy tensor types (``Tensor = torch.cuda.FloatTensor if
-cuda else torch.FloatTensor``, ``x.type(Tensor)`` in older GAN and RL code)."""
 
 
 def _legacy_type(name: str, dtype: torch.dtype) -> type:

@@ -125,17 +125,19 @@ def _get_device(self: torch.Tensor) -> int:
 
 
 _TYPE = torch._C.TensorBase.type
-_LEGACY_DTYPES: dict[str, torch.dtype] = {
+LEGACY_TYPES: dict[str, torch.dtype] = {
     "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
     "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
     "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool}
+"""``torch.cuda.FloatTensor`` & co.: the legacy tensor types (``Tensor = torch.cuda.FloatTensor if
+cuda else torch.FloatTensor``, ``x.type(Tensor)`` in older GAN and RL code; made by :mod:`.cuda`)."""
 
 
 def _type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     target = args[0] if args else kwargs.get("dtype")
     dtype = getattr(target, "_vramplan_dtype", None)  # torch.cuda.FloatTensor & co. (emulate.cuda)
     if dtype is None and isinstance(target, str) and target.startswith("torch.cuda."):
-        dtype = _LEGACY_DTYPES.get(target.removeprefix("torch.cuda."))
+        dtype = LEGACY_TYPES.get(target.removeprefix("torch.cuda."))
     if dtype is not None:
         return self.to(device="cuda", dtype=dtype, non_blocking=bool(args[1:2] and args[1]) or
                        bool(kwargs.get("non_blocking", False)))

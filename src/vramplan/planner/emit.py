@@ -208,16 +208,12 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
         cfg["fsdp_config"] = {
             "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_activation_checkpointing": w.checkpointing is not Checkpointing.NONE,
-            "fsdp_backward_prefetch": _FSDP1_PREFETCH[p.fsdp1_prefetch.value], "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_backward_prefetch": p.fsdp1_prefetch.config_name, "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_forward_prefetch": False, "fsdp_offload_params": p.offload_params,
             "fsdp_sharding_strategy": p.fsdp1_strategy, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_sync_module_states": True, "fsdp_use_orig_params": True,
         }
     return cfg
-
-
-_FSDP1_PREFETCH = {"backward-pre": "BACKWARD_PRE", "backward-post": "BACKWARD_POST", "none": "NO_PREFETCH"}
-"""``Parallel.fsdp1_prefetch`` → the name accelerate's and Trainer's FSDP configs use."""
 
 
 def n_per_machine(n: int) -> int:
@@ -513,7 +509,7 @@ def trainer(plan: Plan) -> Emitted:
         args += [f"    fsdp=\"{opts}\",", "    fsdp_config={\"fsdp_version\": 2},"]
     elif kind == "fsdp1":  # Trainer's FSDP1 defaults use_orig_params; the prefetch the trace ran
         opts = f"{p.fsdp1_strategy.strip('_').lower()} auto_wrap" + (" offload" if p.offload_params else "")
-        prefetch = _FSDP1_PREFETCH[p.fsdp1_prefetch.value]
+        prefetch = p.fsdp1_prefetch.config_name
         args += [f"    fsdp=\"{opts}\",",
                  f"    fsdp_config={{\"fsdp_version\": 1, \"backward_prefetch\": \"{prefetch}\"}},"]
     src += ["args = TrainingArguments(", *args, ")"]

@@ -25,6 +25,7 @@ from vramplan.workload import (
     PP_SCHEDULES,
     Checkpointing,
     Engine,
+    Fsdp1Prefetch,
     Optimizer,
     OptimizerImpl,
     Precision,
@@ -136,8 +137,7 @@ _FSDP1_STRATEGIES: dict[str, tuple[int, bool]] = {
     "5": (2, True)}
 """``fsdp_sharding_strategy`` (a name, or accelerate's 1-based index) → (ZeRO stage, hybrid: sharded
 within each machine, replicated across machines)."""
-_FSDP1_PREFETCH = {"BACKWARD_PRE": "backward-pre", "BACKWARD_POST": "backward-post", "NO_PREFETCH": "none",
-                   "1": "backward-pre", "2": "backward-post"}
+_FSDP1_PREFETCH = {**{m.config_name: m.value for m in Fsdp1Prefetch}, "1": "backward-pre", "2": "backward-post"}
 """``fsdp_backward_prefetch`` → ``Parallel.fsdp1_prefetch`` (absent: accelerate's plugin takes None,
 no prefetch)."""
 

@@ -401,10 +401,10 @@ def _fsdp1_on_meta(rec: Recorder) -> contextlib.ExitStack:
 
     init = flat.FlatParamHandle.init_flat_param_attributes
 
+    from ..events import Category
+
     def init_flat_param_attributes(self: Any) -> Any:
         out = init(self)
-        from ..events import Category
-
         for name in ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded"):
             t = getattr(self.flat_param, name, None)
             if isinstance(t, torch.Tensor) and on_meta(t):

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..precision import dp_engine
-from ..workload import Workload
+from ..workload import Fsdp1Prefetch, Workload
 from .dist import RankContext, World, world_of
 from .host import PARAMETERS
 
@@ -201,7 +201,8 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
 
         policy = fsdp_auto_wrap_policy(model)
         adapters = ", each LoRA adapter its own unit (peft's fsdp_auto_wrap_policy)"
-    prefetch = None if layout.prefetch == "none" else BackwardPrefetch[layout.prefetch.upper().replace("-", "_")]
+    name = Fsdp1Prefetch(layout.prefetch).config_name
+    prefetch = None if name == "NO_PREFETCH" else BackwardPrefetch[name]
     # the trace's device tensors are on ``meta``, whose device module the rank session provides;
     # FSDP1 takes its compute device from ``device_handle.current_device()`` at construction
     handle = torch.meta  # type: ignore[attr-defined]
