@@ -4,12 +4,14 @@ In one run, against ``python -c "import torch"`` measured alongside (median of `
 bytecode caching on in a private folder (as an installed package has its ``.pyc`` files) and a
 private, empty store (``VRAMPLAN_CACHE_DIR``):
 
-1. ``vramplan estimate llama-3.1-8b --task train`` (auto → trace), first in an empty store and with
+1. ``vramplan estimate llama-3.1-8b --task train`` (auto → trace), first in an empty store (``--runs``
+   + 1 times, each in a store of its own, the median) and with
    ``--no-cache`` (what the store's writes cost the first question; target ≤ 2.1× ``import torch``);
 2. the same command again (target ≤ 0.3 s and ≤ 0.2× ``import torch``);
 3. a session of nearby questions on one model and GPU (``--peft lora --seq 1024 --gpu h100``, whose
    verdict searches the largest batch with traces): batch 4 (empty store), batch 4 again, batch 8
-   (written from the stored traces at the batches the first search confirmed), batch 8 again;
+   (written from the stored traces at the batches the first search confirmed: ``--runs`` + 1
+   first askings, each of a copy of the store as batch 4 left it, the median), batch 8 again;
 4. ``fit`` and ``plan`` of that workload in an empty store, on all cores and in one process
    (``VRAMPLAN_TRACE_WORKERS=1``), alternating, twice each (target: ``fit`` ≤ 1.5× the batch-4
    estimate), with ``--no-cache``, and again on the filled store;
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,8 +91,16 @@ def main() -> None:
             print(f"{label:<64} {wall:6.2f} s  {wall / torch_s:5.2f}x import torch  {target}", flush=True)
 
         print(f"python -c 'import torch': {torch_s:.2f} s (median of {args.runs})\n")
+        # the first estimate: --runs times, each in an empty store of its own, then in the store
+        # the next rows read
+        firsts0 = []
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="vramplan-store-") as empty:
+                firsts0.append(_time([*BIN, *TRAIN, "--format", "json"], {**env, "VRAMPLAN_CACHE_DIR": empty})[0])
         first, ref = _time([*BIN, *TRAIN, "--format", "json"], env)
-        row("estimate llama-3.1-8b --task train, empty store", first, "target <= 2.1x")
+        firsts0.append(first)
+        row(f"estimate llama-3.1-8b --task train, empty store (median of {len(firsts0)})",
+            statistics.median(firsts0), "target <= 2.1x")
         nocache, fresh = _median([*BIN, *TRAIN, "--format", "json", "--no-cache"], env, 3)
         row("  the same with --no-cache (median of 3)", nocache)
         again, hit = _median([*BIN, *TRAIN, "--format", "json"], env, args.runs)
@@ -101,8 +112,19 @@ def main() -> None:
         row("estimate ... --peft lora --seq 1024 --gpu h100 --batch 4, empty", b4)
         b4b, r4b = _median([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "4", "--format", "json"], env, args.runs)
         row("  --batch 4 again", b4b, "target <= 0.3 s")
-        b8, r8 = _time([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json"], env)
-        row("  --batch 8 (written from stored traces at nearby batches)", b8, "target <= 0.3 s")
+        # the first batch-8 question, asked --runs times, each of a copy of the store as it stands
+        # now (so that each is answered by writing from the stored traces, never from a stored answer)
+        b8_cmd = [*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json"]
+        firsts = []
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="vramplan-store-") as copy:
+                shutil.copytree(store, copy, dirs_exist_ok=True)
+                firsts.append(_time(b8_cmd, {**env, "VRAMPLAN_CACHE_DIR": copy}))
+        assert all(_figures(out) == _figures(firsts[0][1]) for _, out in firsts), "batch 8: the written answers differ"
+        b8, r8 = _time(b8_cmd, env)  # and once in the store itself, which the next rows read
+        firsts.append((b8, r8))
+        row(f"  --batch 8 (written from stored traces at nearby batches; median of {len(firsts)})",
+            statistics.median(w for w, _ in firsts), "target <= 0.3 s and <= 0.2x")
         b8b, _ = _median([*BIN, "estimate", "llama-3.1-8b", *LORA, "--batch", "8", "--format", "json"], env, args.runs)
         row("  --batch 8 again", b8b, "target <= 0.3 s")
         written = [n for n in json.loads(r8)["notes"] if n.startswith("written from the traces")]

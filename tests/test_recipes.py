@@ -118,7 +118,7 @@ def test_unknown_recipe_lists_the_recipes() -> None:
 def test_caveats_say_what_is_not_modelled() -> None:
     assert any("FSDP2" in n for n in recipes.notes(recipes.apply("torchtitan")))
     assert any("engine specifics" in n for n in recipes.notes(recipes.apply("deepspeed")))
-    assert any("Cut Cross-Entropy" in n for n in recipes.notes(recipes.apply("trl-sft")))
+    assert recipes.apply("trl-sft").loss is Loss.TRL  # TRL's own fused head, no longer estimated as another
     assert any("precision" in n for n in recipes.notes(recipes.apply("hf-trainer")))
     assert recipes.notes(recipes.apply("plain")) == ()
 

@@ -67,6 +67,13 @@ class Loss(_StrEnum):
     CHUNKED = "chunked"  # torchtune's CEWithChunkedOutputLoss: logits in `loss_chunks` chunks
     LIGER = "liger"  # Liger Kernel's fused linear + cross-entropy (chunked over tokens)
     CCE = "cce"  # Cut Cross-Entropy: logits never materialised
+    TRL = "trl"  # TRL's fused LM head: log-probabilities in [4096 tokens, 32768 vocabulary] tiles
+
+
+TRL_TOKEN_TILE = 4096
+"""``loss=trl``: tokens per tile, trl 1.16 trl/kernels/chunked_logprob.py ``TOKEN_CHUNK_SIZE``."""
+TRL_VOCAB_TILE = 32768
+"""``loss=trl``: vocabulary entries per tile, trl 1.16 trl/trainer/utils.py ``_CHUNKED_LOGPROB_CHUNK_SIZE``."""
 
 
 class Recipe(_StrEnum):

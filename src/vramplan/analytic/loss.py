@@ -21,6 +21,13 @@ bytes, ``r`` the residual stream's (the dtype of the hidden states the head read
   average per vocabulary entry saved (plus the 16-bit cast of fp32 hidden states under
   autocast); the backward allocates ``de`` (``c·T·H``), ``dc`` (``c·V·H``, its copy to an
   fp32 weight's dtype) and the vocabulary ordering (int64 + int32 per entry).
+- trl (TRL 1.16's fused LM head on CUDA): no logits; the scored positions' hidden states copied
+  (``r·T·H``), their int64 labels, an fp32 log-sum-exp per token and the label mask saved; in
+  the forward seven fp32 statistics per token, one ``[min(T, 4096), 32768]`` tile buffer in the
+  compute dtype, the compute-dtype cast of a token tile (when ``r`` ≠ ``c``) and of a 32,768-row
+  slice of the weight (when the weight's dtype ≠ ``c``); in the backward fp32 ``grad_hidden``
+  (``4·T·H``) and ``grad_weight`` (``4·V·H``, when the head trains), the same buffer and casts,
+  and the gradients' casts back to the hidden states' and the weight's dtypes.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import math
 
 from vramplan._dataclass import dataclass
-from vramplan.workload import Loss, Workload
+from vramplan.workload import TRL_TOKEN_TILE, TRL_VOCAB_TILE, Loss, Workload
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,19 @@ def loss_memory(w: Workload, *, tokens: int, classes: int, hidden: int, compute:
         if head_trains and stream != c:
             work += c * chunk * hidden  # the input chunk cast for the in-place addmm
         return LossMemory(forward_saved=grads, forward_transient=work, backward_saved=grads, backward_transient=0)
+    if w.loss is Loss.TRL:
+        rows = min(tokens, TRL_TOKEN_TILE)
+        buf = c * rows * TRL_VOCAB_TILE
+        h_cast = c * rows * hidden if stream != c else 0
+        w_cast = c * min(classes, TRL_VOCAB_TILE) * hidden if head_weight != c else 0
+        # hidden[mask], labels (int64), log_z, the entropy (SFTTrainer asks for it), the mask
+        saved = stream * tokens * hidden + 17 * tokens
+        fwd_work = 47 * tokens + buf + h_cast + w_cast  # 7 statistics, log(sum_exp), the per-token fields
+        bwd = 4 * tokens + 4 * tokens * hidden + buf + h_cast + w_cast + (stream * tokens * hidden if stream != 4 else 0)
+        if head_trains:
+            bwd += 4 * vh + (head_weight * vh if head_weight != 4 else 0)
+        return LossMemory(forward_saved=saved, forward_transient=fwd_work, backward_saved=saved,
+                          backward_transient=bwd)
     # Cut Cross-Entropy
     cast = c * tokens * hidden if autocast and stream == 4 else 0
     saved = 4 * tokens + 4 * classes + cast

@@ -173,6 +173,17 @@ def _forward_loss(torch: Any, model: Any, inputs: Mapping[str, Any], w: Workload
 
     if w.loss is Loss.CHUNKED:
         return forward_and_loss(model, ((), dict(inputs)), w.loss, w.loss_chunks, autocast_dtype=None, sm=(0, 0))
+    if w.loss is Loss.TRL:  # TRL's own head, as its trainers add it (after PEFT, on the base model)
+        try:
+            from trl.trainer.utils import add_fused_lm_head
+        except ImportError:
+            raise WorkloadError("measuring loss=trl needs TRL", hint="pip install trl") from None
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        if not getattr(base, "_vramplan_trl_head", False):
+            add_fused_lm_head(base)
+            base._vramplan_trl_head = True
+        out = model(**inputs, fused_lm_head=True)
+        return out, out.loss
     _hf, backbone, head = causal_lm_parts(model)
     out = backbone(**{k: v for k, v in inputs.items() if k != "labels"})
     hidden = out.last_hidden_state

@@ -134,7 +134,7 @@ def train_flops(f: FlopsLayout, w: Workload, batch: int, seq: int) -> StepFlops:
         recompute = frac * 0.5 * (layers + adapters)
     else:
         recompute = 0.0
-    if w.loss is Loss.CCE:  # Cut Cross-Entropy recomputes the logits blockwise in its backward
+    if w.loss in (Loss.CCE, Loss.TRL):  # both recompute the logits tile by tile in their backward
         recompute += head
     return StepFlops(forward, backward, recompute)
 

@@ -68,7 +68,8 @@ def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
 
 # --- TRL SFTTrainer ---------------------------------------------------------------------
 _TRL_HEAD = (f"{_TRL}/trainer/sft_trainer.py#L1141-L1146 (`add_fused_lm_head`: log-probs in tiles of "
-             f"{_TRL}/kernels/chunked_logprob.py#L31 TOKEN_CHUNK_SIZE=4096 tokens, logits never materialised)")
+             f"{_TRL}/kernels/chunked_logprob.py#L31 TOKEN_CHUNK_SIZE=4096 tokens by 32,768 vocabulary entries, "
+             "logits never materialised)")
 
 
 def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
@@ -79,19 +80,11 @@ def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
                 f"{_TRL}/trainer/base_config.py#L62 (`gradient_checkpointing` default True)"),
         Default("keep_grads", False, _HF_ZERO_GRAD),
         Default("keep_outputs", False, _HF_LOSS),
-        Default("loss", Loss.CCE, _TRL_HEAD),
+        Default("loss", Loss.TRL, _TRL_HEAD),
         Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (Trainer's loop)"),
         Default("compile", False, f"{_HF}/training_args.py#L940"),
         Default("activation_offload", False, f"{_TRL}/trainer/sft_config.py#L291 (`activation_offloading` False)"),
     )
-
-
-def _trl_caveats(w: Workload) -> tuple[str, ...]:
-    if w.loss is not Loss.CCE:
-        return ()
-    return ("TRL's fused LM head (tiles of 4,096 tokens by a vocabulary chunk, trl 1.16 "
-            "trl/kernels/chunked_logprob.py) is estimated as Cut Cross-Entropy (`loss=cce`): neither materialises "
-            "the logits; its tile buffers are not counted",)
 
 
 # --- accelerate and Lightning: the user's own loop ---------------------------------------
@@ -235,7 +228,7 @@ _NO_OP_SAC_TRAINER = Restriction(
     "checkpointing", (Checkpointing.NONE, Checkpointing.FULL),
     "the Trainer checkpoints whole decoder layers (`activation_checkpointing`, training_args.py L908, v5.24.0)")
 _TRAINER_LOSS = Restriction(
-    "loss", (Loss.FULL, Loss.LIGER, Loss.CCE),
+    "loss", (Loss.FULL, Loss.LIGER, Loss.CCE, Loss.TRL),
     "the model's own loss, Liger's (`use_liger_kernel`) or a fused head; torchtune's chunked loss is not a Trainer option")
 
 CATALOG: dict[Recipe, RecipeSpec] = {
@@ -251,8 +244,8 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         Recipe.TRL_SFT, "TRL SFTTrainer 1.16.0 on transformers 5.24.0",
         "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
         _trl_sft, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
-        lambda w: (*_trl_caveats(w), _NOT_PRECISION.format(fw="trl-sft", p=w.precision)
-                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)")),
+        lambda w: (_NOT_PRECISION.format(fw="trl-sft", p=w.precision)
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
         _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)

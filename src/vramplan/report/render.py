@@ -7,15 +7,13 @@ import io
 import os
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import IO, Literal
-
-from rich import box
-from rich.console import Console
-from rich.table import Table as RichTable
-from rich.text import Text
+from typing import IO, TYPE_CHECKING, Literal
 
 from ..errors import with_flags
 from .doc import Doc, KeyValues, Notes, Table
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 FORMATS = ("table", "json", "markdown")
 PIPE_WIDTH = 140
@@ -52,6 +50,11 @@ def _align(t: Table, i: int) -> Literal["left", "right"]:
 
 
 def render_console(doc: Doc, console: Console) -> None:
+    # rich is imported here, not at module level: JSON and markdown output never load it
+    from rich import box
+    from rich.table import Table as RichTable
+    from rich.text import Text
+
     console.print(Text(doc.title, style="bold"))
     if doc.subtitle:
         console.print(Text(doc.subtitle, style="dim"))
@@ -84,6 +87,8 @@ def render_console(doc: Doc, console: Console) -> None:
 
 def to_text(doc: Doc, width: int = 110) -> str:
     """Plain text (no colour) — what tests compare."""
+    from rich.console import Console
+
     buf = io.StringIO()
     render_console(doc, Console(file=buf, width=width, color_system=None, force_terminal=False,
                                  highlight=False, soft_wrap=False, emoji=False, markup=False))
@@ -142,7 +147,7 @@ def emit(doc: Doc, fmt: str, stream: IO[str], json_obj: object | Callable[[], ob
         # (VRAMPLAN_COLUMNS when set, as the golden tests do).
         # emoji=False: no ":name:" in a report is an emoji code (and rich need not load its table);
         # markup=False: a "[...]" in a cell is text, never a rich style tag
-        render_console(doc, _Console(file=stream, highlight=False, emoji=False, markup=False,
+        render_console(doc, _console_class()(file=stream, highlight=False, emoji=False, markup=False,
                                      width=None if isatty else _page_width()))
 
 
@@ -153,9 +158,14 @@ def _page_width() -> int:
         return PIPE_WIDTH
 
 
-class _Console(Console):
-    """rich exits with status 1 on a closed pipe (``vramplan gpus | head``); let the CLI decide."""
+def _console_class() -> type[Console]:
+    from rich.console import Console
 
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        raise BrokenPipeError
+    class _Console(Console):
+        """rich exits with status 1 on a closed pipe (``vramplan gpus | head``); let the CLI decide."""
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console

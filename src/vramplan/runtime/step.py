@@ -400,6 +400,8 @@ def loop_notes(w: Workload) -> list[str]:
         out.append("chunked cross-entropy: the same FLOPs and bytes as the full loss")
     elif w.loss is Loss.CCE:
         out.append("Cut Cross-Entropy: logits never written to memory; the backward recomputes the head matmul")
+    elif w.loss is Loss.TRL:
+        out.append("TRL's fused LM head: logit tiles kept in one buffer; the backward recomputes the head matmul")
     elif w.loss is Loss.LIGER:
         out.append("Liger fused linear cross-entropy: gradients computed in the forward, no extra FLOPs")
     if w.checkpointing is Checkpointing.OP:

@@ -101,7 +101,9 @@ def activation_bytes(s: ModelShape, w: Workload, batch: int, seq: int, *, traini
     total = float(tokens) * s.layers * (_PER_HIDDEN * s.hidden + _PER_FFN * s.ffn) * cb
     if w.attention is Attention.EAGER:  # scores written, softmax (fp32) read/written, read
         total += float(s.layers) * batch * s.heads * seq * seq * (3 * cb + 4)
-    if s.lm_vocab and not (training and w.loss is Loss.CCE):  # Cut Cross-Entropy keeps logits on chip
+    if s.lm_vocab and training and w.loss is Loss.TRL:  # TRL's tiles: written by the GEMM, read by the fold
+        total += float(tokens) * s.lm_vocab * 2 * cb
+    elif s.lm_vocab and not (training and w.loss is Loss.CCE):  # Cut Cross-Entropy keeps logits on chip
         total += float(tokens) * s.lm_vocab * (cb + 8 if training else cb)  # fp32 CE upcast
     return total
 

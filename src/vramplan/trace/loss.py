@@ -28,6 +28,16 @@ state and the output head's weight.
   filtering), the backward allocates ``de = zeros_like(e)``, ``dc = zeros_like(c,
   dtype=e.dtype)`` (+ ``dc.to(c.dtype)``), two int32 lock tables and the vocabulary ordering
   (``argsort(logit_avg).to(int32)``). :class:`CutCrossEntropy` allocates the same.
+- ``trl`` — TRL 1.16's fused LM head (``add_fused_lm_head`` in trl/trainer/utils.py, called with
+  ``fused_lm_head=True`` by its SFT, DPO, KTO and GRPO trainers; ``ChunkedLogProbFunction`` in
+  trl/kernels/chunked_logprob.py) on CUDA, where Triton folds each tile in place: the backbone's
+  last hidden state without its last position, only the positions whose label is not ignored
+  (``hidden[mask]``: a copy, saved), seven fp32 statistics per token, one
+  ``[min(N, 4096), 32768]`` tile buffer in the compute dtype that every ``mm(out=)`` writes, the
+  16-bit copy of each token tile and of each vocabulary slice of an fp32 weight; the backward
+  recomputes the tiles into an fp32 ``grad_hidden`` (and ``grad_weight`` when the head trains),
+  accumulated in place (``addmm(out_dtype=float32)``, torch ≥ 2.8). :class:`TrlChunkedLogProb`
+  allocates the same; :func:`trl_log_probs` is the head's wrapper.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TraceError
-from ..workload import Loss
+from ..workload import TRL_TOKEN_TILE, TRL_VOCAB_TILE, Loss
 
 IGNORE_INDEX = -100
 
@@ -236,6 +246,101 @@ class CutCrossEntropy(torch.autograd.Function):
         return de, dc.to(c.dtype) if dc is not None else None, None
 
 
+# --- TRL -------------------------------------------------------------------------------------------
+
+
+TRL_OPTIONAL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""trl 1.16 ``OPTIONAL_OUTPUTS``: per-token fields besides the log-probabilities, each computed
+only when asked for."""
+TRL_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+"""What ``SFTTrainer`` asks of the head (trl 1.16 trl/trainer/sft_trainer.py, ``add_fused_lm_head(...,
+outputs=("log_probs", "entropy", "is_top1"))``: its entropy and token-accuracy metrics)."""
+
+
+class TrlChunkedLogProb(torch.autograd.Function):
+    """The allocations of TRL 1.16 ``ChunkedLogProbFunction`` on CUDA with Triton, its locals'
+    lifetimes included (the last token tile's cast lives until the function returns; in the
+    backward each weight slice's cast is bound to a name, so the next is made before it is freed).
+    The Triton kernels write into preallocated buffers and allocate nothing: left out here, as is
+    the in-place ``addmm(out_dtype=float32)`` into the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+                compute_dtype: torch.dtype, outputs: tuple[str, ...]) -> tuple[torch.Tensor | None, ...]:
+        ctx.set_materialize_grads(False)
+        n, vocab, dev = hidden.shape[0], weight.shape[0], hidden.device
+        f32 = torch.float32
+        running_max = torch.full((n,), float("-inf"), device=dev, dtype=f32)
+        sum_exp = torch.zeros((n,), device=dev, dtype=f32)
+        x_sum_exp = torch.zeros((n,), device=dev, dtype=f32)
+        sq_sum_exp = torch.zeros((n,), device=dev, dtype=f32)
+        z_sum = torch.zeros((n,), device=dev, dtype=f32)
+        max_before_target = torch.full((n,), float("-inf"), device=dev, dtype=f32)
+        target_logit = torch.zeros((n,), device=dev, dtype=f32)
+        mm_buf = torch.empty((min(n, TRL_TOKEN_TILE), TRL_VOCAB_TILE), device=dev, dtype=compute_dtype)
+        for token_start in range(0, n, TRL_TOKEN_TILE):
+            token_end = min(token_start + TRL_TOKEN_TILE, n)
+            hidden_chunk = hidden[token_start:token_end].to(compute_dtype)
+            for start in range(0, vocab, TRL_VOCAB_TILE):
+                end = min(start + TRL_VOCAB_TILE, vocab)
+                tile = mm_buf[: token_end - token_start, : end - start]
+                torch.mm(hidden_chunk, weight[start:end].to(compute_dtype).t(), out=tile)
+        log_z = running_max + torch.log(sum_exp)
+        logprobs = target_logit - log_z
+        entropy = log_z - x_sum_exp / sum_exp if "entropy" in outputs else None
+        log_sum_sq = torch.log(sq_sum_exp) - 2 * torch.log(sum_exp) if "log_sum_sq_probs" in outputs else None
+        mean_logits = z_sum / vocab if "mean_logits" in outputs else None
+        is_top1 = ((target_logit >= running_max) & (target_logit > max_before_target)
+                   if "is_top1" in outputs else None)
+        ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)
+        ctx.compute_dtype = compute_dtype
+        ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
+        return logprobs, entropy, log_sum_sq, mean_logits, is_top1
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None,  # type: ignore[override]
+                 *_: Any) -> tuple[Any, ...]:
+        hidden, weight, _targets, _log_z, _ = ctx.saved_tensors
+        compute = ctx.compute_dtype
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        n, vocab = hidden.shape[0], weight.shape[0]
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
+        mm_buf = torch.empty((min(n, TRL_TOKEN_TILE), TRL_VOCAB_TILE), device=hidden.device, dtype=compute)
+        grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
+        grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+        for token_start in range(0, n, TRL_TOKEN_TILE):
+            token_end = min(token_start + TRL_TOKEN_TILE, n)
+            hidden_chunk = hidden[token_start:token_end].to(compute)
+            for start in range(0, vocab, TRL_VOCAB_TILE):
+                end = min(start + TRL_VOCAB_TILE, vocab)
+                w_chunk = weight[start:end].to(compute)
+                tile = mm_buf[: token_end - token_start, : end - start]
+                torch.mm(hidden_chunk, w_chunk.t(), out=tile)
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None)
+
+
+def trl_log_probs(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
+                  outputs: tuple[str, ...] = TRL_SFT_OUTPUTS) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """TRL 1.16's ``_fused_forward`` after the backbone (``fused_lm_head=True``, no
+    ``shift_labels``, on CUDA: only the positions with a label are scored): (each requested
+    per-position field ``[batch, seq - 1]``, zero where ignored; the label mask)."""
+    if getattr(head, "bias", None) is not None:
+        raise TraceError("loss=trl is modelled for an output head without a bias", hint="use `loss=full`")
+    weight = _head_weight(head)
+    hidden_states = hidden[:, :-1]
+    shifted = labels[:, 1:]
+    mask = shifted != IGNORE_INDEX
+    compute = autocast_dtype or hidden.dtype
+    per_token = TrlChunkedLogProb.apply(hidden_states[mask], weight, shifted[mask], compute, outputs)
+    names = ("log_probs", *TRL_OPTIONAL)
+    fields = {name: x.new_zeros(mask.shape).masked_scatter(mask, x) for name, x in zip(names, per_token, strict=True)
+              if x is not None}
+    del per_token
+    return fields, mask
+
+
 def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """transformers' final-logit soft-capping (Gemma 2): ``tanh(logits / cap) * cap``."""
     if not cap:
@@ -250,6 +355,9 @@ def loss_note(w: Any) -> str:
                     "values the partitioner saves, not its fp32 log-softmax") if getattr(w, "compile", False) else ""
         return (f"loss: torchtune CEWithChunkedOutputLoss, {w.loss_chunks} chunks (logits output as a list of chunks, "
                 f"one fp32 upcast at a time){compiled}")
+    if w.loss is Loss.TRL:
+        return ("loss: TRL's fused LM head emulated (allocations of trl 1.16 ChunkedLogProbFunction on CUDA: no "
+                "logits, [4,096 tokens, 32,768 vocabulary] tiles, fp32 gradient accumulators)")
     if w.loss is Loss.LIGER:
         return ("loss: Liger fused linear cross-entropy emulated (allocations of liger_kernel 0.8.5: logits chunk by "
                 "chunk, input/weight gradients computed in the forward)")
@@ -268,8 +376,13 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     if not isinstance(labels, torch.Tensor):
         raise TraceError(f"loss={loss} needs labels in the batch (a causal LM's training inputs)", hint="use `loss=full`")
     hf, backbone, head = causal_lm_parts(model)
+    if loss is Loss.TRL:
+        kwargs["use_cache"] = False  # (TRL's fused forward sets it)
     out = backbone(*args, **kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    if loss is Loss.TRL:  # (its loss: -log_probs.sum() / mask.sum().clamp(min=1))
+        fields, mask = trl_log_probs(hidden, head, labels, autocast_dtype)
+        return (fields, out), -fields["log_probs"].sum() / mask.sum().clamp(min=1)
     target = shifted_labels(labels)
     if loss is Loss.CHUNKED:
         cap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
@@ -285,5 +398,6 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     return out, CutCrossEntropy.apply(flat, weight, target.reshape(-1))
 
 
-__all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "causal_lm_parts", "chunked_ce", "forward_and_loss",
-           "liger_chunk", "loss_note", "shifted_labels"]
+__all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "TrlChunkedLogProb", "causal_lm_parts",
+           "chunked_ce", "forward_and_loss", "liger_chunk", "loss_note", "shifted_labels", "trl_log_probs",
+           "TRL_SFT_OUTPUTS"]

@@ -1,0 +1,144 @@
+"""``loss=trl``: TRL's fused LM head (trl 1.16 ``add_fused_lm_head`` + ``ChunkedLogProbFunction``)
+as it runs on CUDA, where a Triton kernel folds each logit tile in place.
+
+The emulation (:class:`vramplan.trace.loss.TrlChunkedLogProb`) is compared with TRL's own code
+traced on the same model, with the decisions its code takes on a CUDA device with Triton:
+``_use_triton`` true (only the labelled positions scored, ``hidden[mask]``), the Triton launches
+as no-ops (they allocate nothing: their outputs are the preallocated statistics and the tile
+buffer) and ``_addmm_fp32`` in place (``torch.addmm(..., out_dtype=float32, out=acc)``, torch ≥ 2.8).
+On the CPU TRL takes another path (tiles upcast with torch ops), so no CPU run can check it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.analytic.estimate import estimate
+from vramplan.events import Action
+from vramplan.models.catalog import resolve
+from vramplan.models.normalize import spec_from_config
+from vramplan.trace.loss import TRL_SFT_OUTPUTS
+from vramplan.trace.run import TraceOptions, trace_model, trace_workload
+from vramplan.trace.testing import tiny_config
+from vramplan.workload import Workload
+
+transformers = pytest.importorskip("transformers")
+
+NO_WS = TraceOptions(workspaces=False)
+# two token tiles (2 x 2,100 - 2 = 4,198 > 4,096 scored positions) and two vocabulary tiles
+# (40,000 > 32,768): every branch of the tile loops
+B, S, V, H = 2, 2100, 40000, 64
+
+
+def _llama(tied: bool) -> nn.Module:
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=V, max_position_embeddings=4096, use_cache=False,
+                                   tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class _TorchUnderAutocast:
+    """``torch`` as TRL's kernel module sees it on CUDA inside a bf16 autocast region (the trace
+    runs on ``meta``, where torch answers no autocast question)."""
+
+    def __init__(self, autocast: torch.dtype | None) -> None:
+        self._autocast = autocast
+
+    def is_autocast_enabled(self, device_type: str) -> bool:
+        return self._autocast is not None
+
+    def get_autocast_dtype(self, device_type: str) -> torch.dtype:
+        assert self._autocast is not None
+        return self._autocast
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@pytest.fixture
+def trl_on_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """TRL's head, taking the decisions its code takes on a CUDA device with Triton; returns
+    ``(add_fused_lm_head, set_autocast)``."""
+    utils = pytest.importorskip("trl.trainer.utils")
+    kernels = pytest.importorskip("trl.kernels.chunked_logprob")
+
+    class _Launch:  # `kernel[grid](...)`: a Triton launch, which allocates nothing
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *a, **k: None
+
+    class _Triton:
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+    monkeypatch.setattr(kernels, "_use_triton", lambda device: True)
+    monkeypatch.setattr(utils, "_use_triton", lambda device: True)
+    monkeypatch.setattr(kernels, "_forward_kernel", _Launch(), raising=False)
+    monkeypatch.setattr(kernels, "_backward_kernel", _Launch(), raising=False)
+    monkeypatch.setattr(kernels, "triton", _Triton, raising=False)
+    monkeypatch.setattr(kernels, "_addmm_fp32", lambda acc, a, b: None)
+
+    def set_autocast(dtype: torch.dtype | None) -> None:
+        monkeypatch.setattr(kernels, "torch", _TorchUnderAutocast(dtype))
+
+    return utils.add_fused_lm_head, set_autocast
+
+
+def _allocs(r: Any) -> list[tuple[int, str]]:
+    log = r.events
+    return [(log.size[k], log.strings[log.desc[k]]) for k in range(len(log)) if log.action[k] == int(Action.ALLOC)]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16", "fp32"])
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_the_emulated_head_allocates_what_trls_own_code_allocates_on_cuda(trl_on_cuda: Any, precision: str,
+                                                                         peft: str) -> None:
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
+
+    def with_trl_head() -> nn.Module:
+        m = _llama(tied=False)
+        add_fused_lm_head(m, outputs=TRL_SFT_OUTPUTS)  # as SFTTrainer adds it
+        return m
+
+    def trl_loss(out: Any) -> torch.Tensor:
+        return out.loss
+
+    w = Workload(task="train", optimizer="adamw", precision=precision, peft=peft)
+    inputs = {**_inputs(), "fused_lm_head": True}
+    theirs = trace_model(with_trl_head, inputs, workload=w, loss_fn=trl_loss, options=NO_WS)
+    ours = trace_model(lambda: _llama(tied=False), _inputs(), workload=w.replace(loss="trl"), options=NO_WS)
+    assert _allocs(ours) == _allocs(theirs)
+    assert ours.peak_allocated == theirs.peak_allocated
+    assert [p.allocated for p in ours.phases] == [p.allocated for p in theirs.phases]
+
+
+def test_the_head_never_materialises_the_logits_and_keeps_one_tile_buffer() -> None:
+    w = Workload(task="train", optimizer="adamw", precision="bf16-mixed")
+    r = trace_model(lambda: _llama(tied=False), _inputs(), workload=w.replace(loss="trl"), options=NO_WS)
+    sizes = _allocs(r)
+    assert not any(d.endswith(f",{V}]") for _, d in sizes)  # no [tokens, vocabulary] tensor
+    assert sizes.count((4096 * 32768 * 2, "bf16[4096,32768]")) == 2 * 2  # forward and backward, two iterations
+    full = trace_model(lambda: _llama(tied=False), _inputs(), workload=w, options=NO_WS)
+    assert r.peak_allocated < full.peak_allocated
+
+
+def test_analytic_agrees_with_the_trace() -> None:
+    spec = resolve("llama-3.1-8b")
+    c = tiny_config(dict(spec.config), 2)
+    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
+    small = spec_from_config(c, name="small-llama", source="test")
+    for kw in ({}, {"peft": "lora"}, {"precision": "bf16"}):
+        w = Workload(**{"task": "train", "batch": 2, "seq": 2048, "precision": "bf16-mixed", "loss": "trl", **kw})
+        a, r = estimate(small, w), trace_workload(small, w)
+        assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (kw, r.peak_allocated,
+                                                                                   a.peak.allocated)
