@@ -37,6 +37,7 @@ CASES = [
     ("llama-3.2-1b", dict(task="train", seq=32, peft="qlora"), None),
     ("llama-3.2-1b", dict(task="generate", seq=16, new_tokens=6), "rtx-4090"),
     ("llama-3.2-1b", dict(task="train", seq=32, loss="chunked"), None),
+    ("llama-3.2-1b", dict(task="train", seq=32, loss="trl"), None),
     ("llama-3.2-1b", dict(task="train", seq=32, optimizer="adamw-8bit"), None),
     ("llama-3.2-1b", dict(task="train", seq=32, attention="eager"), None),
     ("llama-3.2-1b", dict(task="train", seq=32, grad_accum=2), None),
