@@ -30,3 +30,56 @@ def _fresh_estimate_caches():
 
     cache.clear()
     yield
+
+
+# --- TRL's fused head with the decisions its code takes on CUDA (tests/test_trl_head.py, test_dpo.py)
+import typing  # noqa: E402
+
+import torch  # noqa: E402
+
+
+class _TorchUnderAutocast:
+    """``torch`` as TRL's kernel module sees it on CUDA inside a bf16 autocast region (the trace
+    runs on ``meta``, where torch answers no autocast question)."""
+
+    def __init__(self, autocast: torch.dtype | None) -> None:
+        self._autocast = autocast
+
+    def is_autocast_enabled(self, device_type: str) -> bool:
+        return self._autocast is not None
+
+    def get_autocast_dtype(self, device_type: str) -> torch.dtype:
+        assert self._autocast is not None
+        return self._autocast
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(torch, name)
+
+
+@pytest.fixture
+def trl_on_cuda(monkeypatch: pytest.MonkeyPatch) -> typing.Any:
+    """TRL's head, taking the decisions its code takes on a CUDA device with Triton; returns
+    ``(add_fused_lm_head, set_autocast)``."""
+    utils = pytest.importorskip("trl.trainer.utils")
+    kernels = pytest.importorskip("trl.kernels.chunked_logprob")
+
+    class _Launch:  # `kernel[grid](...)`: a Triton launch, which allocates nothing
+        def __getitem__(self, grid: typing.Any) -> typing.Any:
+            return lambda *a, **k: None
+
+    class _Triton:
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+    monkeypatch.setattr(kernels, "_use_triton", lambda device: True)
+    monkeypatch.setattr(utils, "_use_triton", lambda device: True)
+    monkeypatch.setattr(kernels, "_forward_kernel", _Launch(), raising=False)
+    monkeypatch.setattr(kernels, "_backward_kernel", _Launch(), raising=False)
+    monkeypatch.setattr(kernels, "triton", _Triton, raising=False)
+    monkeypatch.setattr(kernels, "_addmm_fp32", lambda acc, a, b: None)
+
+    def set_autocast(dtype: torch.dtype | None) -> None:
+        monkeypatch.setattr(kernels, "torch", _TorchUnderAutocast(dtype))
+
+    return utils.add_fused_lm_head, set_autocast

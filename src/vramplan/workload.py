@@ -70,6 +70,22 @@ class Loss(_StrEnum):
     TRL = "trl"  # TRL's fused LM head: log-probabilities in [4096 tokens, 32768 vocabulary] tiles
 
 
+class Objective(_StrEnum):
+    """What a training step optimises (``vramplan.trace.preference`` for the preference ones)."""
+
+    SFT = "sft"  # next-token prediction: the model's loss (or `loss`'s implementation) on one batch
+    DPO = "dpo"  # direct preference optimisation: chosen and rejected sequences, a frozen reference
+
+
+class Reference(_StrEnum):
+    """Where DPO's reference log-probabilities come from."""
+
+    AUTO = "auto"  # TRL's choice: the policy with its adapters disabled under PEFT, else a frozen copy
+    MODEL = "model"  # a frozen copy of the model in the policy's dtype (TRL `ref_model`)
+    ADAPTERS = "adapters"  # the policy itself with its LoRA adapters disabled (no second model)
+    PRECOMPUTED = "precomputed"  # read from the dataset (TRL `precompute_ref_log_probs=True`)
+
+
 TRL_TOKEN_TILE = 4096
 """``loss=trl``: tokens per tile, trl 1.16 trl/kernels/chunked_logprob.py ``TOKEN_CHUNK_SIZE``."""
 TRL_VOCAB_TILE = 32768
@@ -82,6 +98,7 @@ class Recipe(_StrEnum):
     PLAIN = "plain"  # vramplan's own loop: the Workload defaults
     HF_TRAINER = "hf-trainer"
     TRL_SFT = "trl-sft"
+    TRL_DPO = "trl-dpo"
     ACCELERATE = "accelerate"
     LIGHTNING = "lightning"
     TORCHTUNE = "torchtune"
@@ -491,6 +508,13 @@ class Workload:
     Cross-Entropy, logits never materialised); the last three for causal language models."""
     loss_chunks: int = 8
     """Chunks of the chunked cross-entropy (torchtune's `num_output_chunks`)."""
+    objective: Objective = Objective.SFT
+    """What training optimises: sft (the next-token loss) or dpo (direct preference optimisation:
+    `batch` pairs, each a chosen and a rejected sequence of `seq` tokens run as one batch of
+    2 x `batch`, and a reference forward without gradients); causal language models."""
+    reference: Reference = Reference.AUTO
+    """DPO's reference: auto (the policy with adapters disabled under PEFT, else a frozen copy, as
+    TRL), model, adapters or precomputed (log-probabilities read from the dataset)."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter from its gradient hook during backward, and the
     gradient is freed right after (torchtune's `optimizer_in_bwd`; not with gradient
@@ -547,7 +571,7 @@ class Workload:
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
     recipe: Recipe = Recipe.PLAIN
-    """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft,
+    """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft, trl-dpo,
     accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
     loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
@@ -561,7 +585,7 @@ class Workload:
             ("optimizer_impl", OptimizerImpl), ("checkpointing", Checkpointing), ("peft", Peft),
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
             ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
-            ("float8", Float8),
+            ("float8", Float8), ("objective", Objective), ("reference", Reference),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         for name in ("lora_targets", "lora_modules_to_save"):
@@ -605,6 +629,12 @@ class Workload:
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
             raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
                                 field="task")
+        if self.objective is Objective.DPO and self.task is not Task.TRAIN:
+            raise WorkloadError("`objective=dpo` is a training objective", hint="use `task=train`, or drop `objective`",
+                                field="objective")
+        if self.reference is Reference.ADAPTERS and (self.objective is Objective.DPO and self.peft is Peft.NONE):
+            raise WorkloadError("`reference=adapters` disables the policy's adapters, and there are none",
+                                hint="add `peft=lora`, or use `reference=model`", field="reference")
         if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
             raise WorkloadError(
                 f"full training of {self.quant}-quantised weights is not supported",
@@ -715,6 +745,10 @@ class Workload:
             notes.append("`checkpoint_every` applies with `checkpointing`; ignored without it")
         if task is not Task.TRAIN and self.loss is not Loss.FULL:
             notes.append(f"`loss` applies to training; ignored for `task={task}`")
+        if self.objective is not Objective.DPO and self.reference is not Reference.AUTO:
+            notes.append("`reference` applies with `objective=dpo`; ignored otherwise")
+        if self.objective is Objective.DPO and self.loss not in (Loss.FULL, Loss.TRL):
+            notes.append(f"`loss={self.loss}` is not DPO's: `objective=dpo` scores with TRL's fused head (`loss=trl`)")
         if self.keep_grads and self.optimizer_in_backward and task is Task.TRAIN:
             notes.append("`keep_grads` has no effect with `optimizer_in_backward`: each gradient is freed by its "
                          "parameter's step inside backward")
@@ -765,6 +799,19 @@ class Workload:
     @property
     def mixed(self) -> bool:
         return self.precision in (Precision.FP16_MIXED, Precision.BF16_MIXED)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the model runs per micro-batch: ``batch``, or twice it for DPO (each pair's
+        chosen and rejected sequences concatenated into one batch, as TRL does)."""
+        return 2 * self.batch if self.objective is Objective.DPO else self.batch
+
+    @property
+    def reference_source(self) -> Reference:
+        """DPO's reference with ``auto`` resolved as TRL resolves it (adapters under PEFT)."""
+        if self.reference is not Reference.AUTO:
+            return self.reference
+        return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL
 
     @property
     def tokens(self) -> int:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.precision import fsdp_cpu_offload
 from vramplan.quantformats import format_of
 from vramplan.results import HOST_ACTIVATIONS, PhasePeak
-from vramplan.workload import Attention, Engine, Loss, Task, Workload
+from vramplan.workload import (
+    Attention,
+    Engine,
+    Loss,
+    Objective,
+    Peft,
+    Quant,
+    Reference,
+    Task,
+    Workload,
+)
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
 from . import decoder, kv
@@ -67,6 +79,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             "padding, all-gather and reduce-scatter buffers, its rate limiter) are traced",
             hint="use `method=trace` (auto traces catalog models), which runs FullyShardedDataParallel itself",
             field="engine")
+    if w.objective is Objective.DPO:
+        return _dpo(spec, w, workspace_bytes)
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:
         raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
                             hint="use `loss=full`", field="loss")
@@ -120,6 +134,39 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
         host_memory=sum(n for _, n in host.get(stage.index, ())), host_parts=host.get(stage.index, ()),
     )
+
+
+def _dpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> AnalyticEstimate:
+    """DPO (:mod:`vramplan.trace.preference`): the policy's step is the next-token step of
+    ``2 × batch`` sequences through TRL's fused head; the reference forward runs under no_grad
+    after it, holding one layer's temporaries and its own head's, no more than the policy's head
+    held at the end of its forward; ``reference=model`` adds a frozen copy of the weights."""
+    if not spec.is_decoder:
+        raise WorkloadError(f"`objective=dpo` trains a causal language model; {spec.name} is not one",
+                            hint="drop `objective`", field="objective")
+    p = w.parallel
+    model_ref = w.reference_source is Reference.MODEL
+    if model_ref and (p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or w.quant is not Quant.NONE):
+        raise WorkloadError("a DPO reference model under parallelism or quantisation is not modelled",
+                            hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
+                            field="reference")
+    sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, batch=w.sequences, loss=Loss.TRL)
+    base = estimate(spec, sft, workspace_bytes=workspace_bytes)
+    ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
+        if model_ref else 0
+
+    def more(ph: PhasePeak) -> PhasePeak:
+        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref)
+        return PhasePeak(ph.phase, ph.allocated + ref, b)
+
+    phases = tuple(more(ph) for ph in base.phases)
+    source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
+              Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]
+    note = (f"DPO (TRL 1.16 DPOTrainer): the step of {w.sequences} sequences (chosen and rejected) through TRL's "
+            f"fused head; reference: {source}, its forward under no_grad bounded by the policy's head instant")
+    return dataclasses.replace(
+        base, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*base.notes, note),
+        states=dataclasses.replace(base.states, weights=base.states.weights + ref))
 
 
 def _deepspeed_notes(arch: Arch, w: Workload, total_params: int) -> tuple[str, ...]:

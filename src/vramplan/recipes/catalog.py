@@ -15,10 +15,12 @@ from __future__ import annotations
 from ..workload import (
     Checkpointing,
     Loss,
+    Objective,
     OptimizerImpl,
     Peft,
     Precision,
     Recipe,
+    Reference,
     Workload,
 )
 from ..workload import Optimizer as Opt
@@ -84,6 +86,19 @@ def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (Trainer's loop)"),
         Default("compile", False, f"{_HF}/training_args.py#L940"),
         Default("activation_offload", False, f"{_TRL}/trainer/sft_config.py#L291 (`activation_offloading` False)"),
+    )
+
+
+def _trl_dpo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        *(d for d in _trl_sft(peft, dp) if d.field != "loss"),
+        Default("loss", Loss.TRL, f"{_TRL}/trainer/dpo_trainer.py#L953-L962 (`add_fused_lm_head` on the policy, with "
+                "log-probs, entropy, mean logits and top-1, and on the reference)"),
+        Default("objective", Objective.DPO, f"{_TRL}/trainer/dpo_trainer.py#L1285-L1335 (`_compute_loss`: chosen and "
+                "rejected concatenated, the reference forward under no_grad)"),
+        Default("reference", Reference.AUTO, f"{_TRL}/trainer/dpo_trainer.py#L907-L928 (no `ref_model`: the adapters "
+                f"disabled under PEFT, else a copy loaded in the policy's dtype; {_TRL}/trainer/dpo_config.py#L227 "
+                "`precompute_ref_log_probs` False)"),
     )
 
 
@@ -245,6 +260,13 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
         _trl_sft, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
         lambda w: (_NOT_PRECISION.format(fw="trl-sft", p=w.precision)
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
+    Recipe.TRL_DPO: RecipeSpec(
+        Recipe.TRL_DPO, "TRL DPOTrainer 1.16.0 on transformers 5.24.0",
+        "DPO on chosen/rejected pairs with a reference forward (adapters disabled under PEFT, else a frozen copy), "
+        "TRL's fused LM head, gradient checkpointing on, fused AdamW",
+        _trl_dpo, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
+        lambda w: (_NOT_PRECISION.format(fw="trl-dpo", p=w.precision)
                    + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",

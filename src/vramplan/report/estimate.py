@@ -43,9 +43,10 @@ def workload_line(r: MemoryReport) -> str:
     if r.ran is not None:  # a script: what it did, not what vramplan would default to
         return r.ran.line()
     w = r.workload
-    parts = [f"task {w.task}"]
+    parts = [f"task {w.task}" + (" (DPO)" if w.objective.value == "dpo" else "")]
     if not r.user_model:  # a user's own inputs fix their own shapes
-        parts.append(f"batch {w.batch}")
+        dpo = w.objective.value == "dpo"
+        parts.append(f"batch {w.batch} pairs ({w.sequences} sequences)" if dpo else f"batch {w.batch}")
         if r.has_sequence:
             parts.append(f"seq {w.seq}")
         else:

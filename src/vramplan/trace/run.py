@@ -28,7 +28,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..results import HOST_ACTIVATIONS
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Loss, Peft, Quant, Task, Workload
+from ..workload import Attention, Loss, Objective, Peft, Quant, Task, Workload
 from . import (
     context_parallel,
     dist,
@@ -36,6 +36,7 @@ from . import (
     forked,
     offload,
     pipeline_parallel,
+    preference,
     replicate,
     reuse,
     summary,
@@ -80,6 +81,8 @@ class Prepared:
     mesh: Any = None
     """The fake world's ``DeviceMesh`` the model was laid out on (TP, CP; TP × FSDP/DDP: the
     whole ``(dp, tp)`` mesh, whose data-parallel dimensions the trace shards over), or None."""
+    reference: nn.Module | None = None
+    """DPO's frozen reference model (``reference=model``): a copy of the model before PEFT."""
 
 
 # --------------------------------------------------------------------------- public
@@ -268,8 +271,10 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
         used = attention_used(model)
         context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
     labels = w.task is Task.TRAIN
-    batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
+    batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    if w.objective is Objective.DPO:
+        batch_kwargs = preference.dpo_inputs(batch_kwargs, w.batch, w.reference_source)
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
     with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
@@ -312,9 +317,11 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
     if lent is None:  # (the same order as a fresh trace: build, inputs, prepare)
         model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
         notes += _build_notes(spec, w, model, attention)
-    batch_kwargs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device="meta",
+    batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=w.task is Task.TRAIN,
                                   dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    if w.objective is Objective.DPO:
+        batch_kwargs = preference.dpo_inputs(batch_kwargs, w.batch, w.reference_source)
     if lent is None:
         assert model is not None
         prepared = _prepare(model, ((), {}), w, notes, spec.name, device)
@@ -608,6 +615,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     try:
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
+        reference = preference.reference_copy(model, w)
         model, peft_notes = features.apply_peft(model, w)
         notes += peft_notes
         features.to_trace_device(model)
@@ -632,8 +640,11 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     except Exception as e:
         raise TraceError(f"preparing the model for the workload failed: {type(e).__name__}: {_line(e)}") from e
     model.train(w.training)
+    if reference is not None:
+        features.to_trace_device(reference)
+        notes.append(preference.reference_note(reference))
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    compiler=compiler, step_context=step_context, mesh=mesh)
+                    compiler=compiler, step_context=step_context, mesh=mesh, reference=reference)
 
 
 def _compiled_chunk_ce(w: Workload, loss_fn: LossFn | None) -> nn.Module | None:
@@ -711,6 +722,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             stack.enter_context(offload.offloading(
                 model, ledger, lambda t: sess.label_tensors([t], Category.ACTIVATION)))
         sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
+        if p.reference is not None:
+            sess.add_model(p.reference, "reference")
         if experts is not None:
             experts.attach(p.model, sess.modules.name_of)
             stack.callback(experts.detach)
@@ -746,8 +759,11 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
+            objective=w.objective, reference=p.reference, reference_source=w.reference_source,
         )
-        if w.training and w.loss is not Loss.FULL:
+        if w.training and w.objective is Objective.DPO:
+            notes.append(preference.step_note(w) if loss_fn is None else "objective=dpo ignored: the given loss_fn runs")
+        elif w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
         runner = runner or RUNNERS[str(w.task)]
         with p.step_context() if p.step_context is not None else contextlib.nullcontext():

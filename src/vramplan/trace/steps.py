@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..events import Category
-from ..workload import KVDtype, Loss, Phase
+from ..workload import KVDtype, Loss, Objective, Phase, Reference
 from .decode import MODEL_STEPS, DecodeExtrapolator, eligible
 from .kvcache import make_cache
 from .loss import forward_and_loss
@@ -74,6 +74,10 @@ class StepPlan:
     """The chunked loss's per-chunk cross-entropy compiled (``compile``: torchtune's ``compile_loss``)."""
     in_backward: dict[nn.Parameter, Any] | None = None
     """``optimizer_in_backward``: one optimizer per parameter, stepped from its gradient hook."""
+    objective: Objective = Objective.SFT
+    reference: nn.Module | None = None
+    """DPO's frozen reference model (``reference=model``), or None."""
+    reference_source: Reference = Reference.MODEL
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -121,6 +125,11 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any, torch.Tensor]:
     """(the model's outputs, the loss) as the workload's loss implementation computes them."""
+    if plan.objective is Objective.DPO and plan.loss_fn is None:
+        from .preference import dpo_forward_loss
+
+        dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
+        return dpo_forward_loss(plan.model, plan.reference, plan.reference_source, plan.batch, dtype)
     if plan.loss is Loss.FULL or plan.loss_fn is not None:
         out = call_model(plan.model, plan.batch)
         return out, loss_of(out, plan.batch, plan.loss_fn)

@@ -1,0 +1,186 @@
+"""``objective=dpo``: DPO as TRL 1.16 ``DPOTrainer`` runs it (:mod:`vramplan.trace.preference`).
+
+The traced step is compared with TRL's own ``DPOTrainer._compute_loss`` traced on the same model,
+called on a stand-in for the trainer that holds the attributes the method reads (TRL 1.16's
+defaults: the sigmoid loss, β = 0.1, no weighting, no aux loss) and with the decisions TRL's head
+takes on CUDA with Triton (``tests/test_trl_head.py``'s fixture). The stand-in's accelerator
+answers the metrics' ``gather`` calls with host scalars, so the few device scalars the metrics
+make are the one difference allowed (they are not modelled).
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.errors import WorkloadError
+from vramplan.events import Action
+from vramplan.trace.preference import DPO_POLICY_OUTPUTS
+from vramplan.trace.run import TraceOptions, trace_model, trace_workload
+from vramplan.workload import Reference, Workload
+
+transformers = pytest.importorskip("transformers")
+dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
+
+NO_WS = TraceOptions(workspaces=False)
+PAIRS, S, V, H = 2, 64, 512, 64
+
+
+def _llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=V, max_position_embeddings=256, use_cache=False,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _inputs(source: Reference, *, attention_mask: bool) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, V, (2 * PAIRS, S), generator=torch.Generator().manual_seed(0))
+    out = {"input_ids": ids, "completion_mask": torch.ones_like(ids)}
+    if attention_mask:
+        out["attention_mask"] = torch.ones_like(ids)
+    if source is Reference.PRECOMPUTED:
+        out.update(ref_chosen_logps=torch.zeros(PAIRS), ref_rejected_logps=torch.zeros(PAIRS))
+    return out
+
+
+class _Accelerator:
+    device = torch.device("meta")
+
+    @staticmethod
+    def unwrap_model(model: nn.Module) -> nn.Module:
+        return model
+
+    @staticmethod
+    def gather_for_metrics(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(())
+
+    gather = gather_for_metrics
+
+
+class _TrlDpoStep(nn.Module):
+    """``DPOTrainer._compute_loss(self, model, inputs)`` as a module the trace can run."""
+
+    def __init__(self, policy: nn.Module, ref: nn.Module | None, source: Reference) -> None:
+        super().__init__()
+        self.policy, self.ref = policy, ref
+        self.source = source
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        trainer = types.SimpleNamespace(
+            model=self.policy, ref_model=self.ref, accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+            precompute_ref_logps=self.source is Reference.PRECOMPUTED, f_divergence_type="reverse_kl",
+            loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, label_smoothing=0.0,
+            args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+            _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+        return dpo_trainer.DPOTrainer._compute_loss(trainer, self.policy, inputs, False)
+
+
+def _theirs(add_fused_lm_head: Any, source: Reference, peft: bool) -> nn.Module:
+    policy = _llama()
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        from vramplan.workload import LORA_DEFAULT_TARGETS
+
+        policy = get_peft_model(policy, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                   target_modules=list(LORA_DEFAULT_TARGETS)))
+    # as DPOTrainer.__init__ adds the heads: on the base model (after PEFT) with its fields, and on the reference
+    add_fused_lm_head(policy.get_base_model() if peft else policy, outputs=DPO_POLICY_OUTPUTS)
+    ref = None
+    if source is Reference.MODEL:
+        ref = _llama()
+        ref.requires_grad_(False)
+        ref.eval()
+        add_fused_lm_head(ref)
+    return _TrlDpoStep(policy, ref, source)
+
+
+def _alloc_bytes(r: Any) -> int:
+    log = r.events
+    return sum(log.size[k] for k in range(len(log)) if log.action[k] == int(Action.ALLOC))
+
+
+CASES = [(Reference.MODEL, "none", "fp32"), (Reference.MODEL, "none", "bf16-mixed"),
+         (Reference.PRECOMPUTED, "none", "bf16-mixed"), (Reference.ADAPTERS, "lora", "bf16-mixed"),
+         (Reference.ADAPTERS, "lora", "fp32")]
+
+
+@pytest.mark.parametrize(("source", "peft", "precision"), CASES, ids=[f"{s}-{p}-{q}" for s, p, q in CASES])
+def test_the_dpo_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, source: Reference,
+                                                                 peft: str, precision: str) -> None:
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
+    base = Workload(task="train", optimizer="adamw", precision=precision)
+    theirs = trace_model(lambda: _theirs(add_fused_lm_head, source, peft == "lora"),
+                         _inputs(source, attention_mask=True), workload=base, loss_fn=lambda out: out, options=NO_WS)
+    # (TRL's policy here is the fp32 model with fp32 LoRA adapters: vramplan's LoRA base is bf16 unless told)
+    w = base.replace(objective="dpo", reference=source, peft=peft, **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
+    ours = trace_model(_llama, _inputs(source, attention_mask=False), workload=w, options=NO_WS)
+    assert ours.trainable_params == theirs.trainable_params
+    # theirs holds the collator's all-ones attention_mask as an input (2·PAIRS·S int64; the trace leaves it
+    # out: transformers builds no mask from it) and a few bytes of the metrics' device scalars
+    mask = 2 * PAIRS * S * 8
+    for a, b in zip(ours.phases, theirs.phases, strict=True):
+        assert a.phase == b.phase
+        assert mask <= b.allocated - a.allocated <= mask + 64, (a.phase, a.allocated, b.allocated)
+    assert mask <= theirs.peak_allocated - ours.peak_allocated <= mask + 64
+
+
+def test_the_reference_model_is_a_frozen_copy_in_the_policys_dtype() -> None:
+    from vramplan.models.catalog import resolve
+
+    spec = resolve("llama-3.2-1b")
+    w = Workload(task="train", batch=1, seq=64, precision="bf16-mixed", objective="dpo")
+    ref = trace_workload(spec, w)
+    pre = trace_workload(spec, w.replace(reference="precomputed"))
+    # the frozen copy: the model's fp32 weights and buffers once more, and no gradient or optimizer state
+    assert ref.breakdown_at_peak.weights == 2 * pre.breakdown_at_peak.weights > 4 * ref.params
+    assert ref.breakdown_at_peak.optimizer == pre.breakdown_at_peak.optimizer
+    assert ref.trainable_params == pre.trainable_params == ref.params
+    assert any(n.startswith("DPO reference: a frozen copy") for n in ref.notes)
+
+
+def test_pairs_double_the_sequences_and_layers_are_replicated_exactly() -> None:
+    from vramplan.models.catalog import resolve
+
+    spec = resolve("llama-3.2-1b")
+    w = Workload(task="train", batch=2, seq=64, precision="bf16-mixed", objective="dpo", peft="lora")
+    fast = trace_workload(spec, w)
+    full = trace_workload(spec, w, options=TraceOptions(replicate_layers=False))
+    assert fast.peak_allocated == full.peak_allocated
+    assert any("identical layers traced once" in n for n in fast.notes)
+    sft = trace_workload(spec, w.replace(objective="sft", batch=4, loss="trl"))
+    assert fast.peak_allocated > sft.peak_allocated * 0.9  # the same 4 sequences, plus a reference forward
+
+
+def test_dpo_workloads_are_checked() -> None:
+    with pytest.raises(WorkloadError, match="training objective"):
+        Workload(task="infer", objective="dpo")
+    with pytest.raises(WorkloadError, match="no adapters|there are none"):
+        Workload(task="train", objective="dpo", reference="adapters")
+    assert Workload(task="train", objective="dpo").reference_source is Reference.MODEL
+    assert Workload(task="train", objective="dpo", peft="lora").reference_source is Reference.ADAPTERS
+    assert Workload(task="train", objective="dpo", batch=3).sequences == 6
+    assert any("`reference`" in n for n in Workload(task="train", reference="model").setting_notes())
+
+
+@pytest.mark.parametrize("kw", [{}, {"peft": "lora"}, {"reference": "precomputed"}, {"precision": "bf16"}],
+                         ids=["model", "adapters", "precomputed", "bf16"])
+def test_analytic_agrees_with_the_trace(kw: dict) -> None:
+    from vramplan.analytic.estimate import estimate
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.testing import tiny_config
+
+    spec = resolve("llama-3.1-8b")
+    c = tiny_config(dict(spec.config), 2)
+    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
+    small = spec_from_config(c, name="small-llama", source="test")
+    w = Workload(**{"task": "train", "batch": 2, "seq": 512, "precision": "bf16-mixed", "objective": "dpo", **kw})
+    a, r = estimate(small, w), trace_workload(small, w)
+    assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (r.peak_allocated, a.peak.allocated)
