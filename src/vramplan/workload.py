@@ -75,10 +75,11 @@ class Objective(_StrEnum):
 
     SFT = "sft"  # next-token prediction: the model's loss (or `loss`'s implementation) on one batch
     DPO = "dpo"  # direct preference optimisation: chosen and rejected sequences, a frozen reference
+    KTO = "kto"  # Kahneman-Tversky optimisation: unpaired labelled sequences, a KL batch, a reference
 
 
 class Reference(_StrEnum):
-    """Where DPO's reference log-probabilities come from."""
+    """Where the reference log-probabilities of a preference objective (DPO, KTO) come from."""
 
     AUTO = "auto"  # TRL's choice: the policy with its adapters disabled under PEFT, else a frozen copy
     MODEL = "model"  # a frozen copy of the model in the policy's dtype (TRL `ref_model`)
@@ -99,6 +100,7 @@ class Recipe(_StrEnum):
     HF_TRAINER = "hf-trainer"
     TRL_SFT = "trl-sft"
     TRL_DPO = "trl-dpo"
+    TRL_KTO = "trl-kto"
     ACCELERATE = "accelerate"
     LIGHTNING = "lightning"
     TORCHTUNE = "torchtune"
@@ -509,12 +511,15 @@ class Workload:
     loss_chunks: int = 8
     """Chunks of the chunked cross-entropy (torchtune's `num_output_chunks`)."""
     objective: Objective = Objective.SFT
-    """What training optimises: sft (the next-token loss) or dpo (direct preference optimisation:
+    """What training optimises: sft (the next-token loss), dpo (direct preference optimisation:
     `batch` pairs, each a chosen and a rejected sequence of `seq` tokens run as one batch of
-    2 x `batch`, and a reference forward without gradients); causal language models."""
+    2 x `batch`, and a reference forward without gradients) or kto (`batch` labelled sequences,
+    a KL batch of as many mismatched ones and the reference's forwards, without gradients);
+    causal language models, as TRL's trainers run them."""
     reference: Reference = Reference.AUTO
-    """DPO's reference: auto (the policy with adapters disabled under PEFT, else a frozen copy, as
-    TRL), model, adapters or precomputed (log-probabilities read from the dataset)."""
+    """The preference objective's reference: auto (the policy with adapters disabled under PEFT,
+    else a frozen copy, as TRL), model, adapters or precomputed (log-probabilities read from the
+    dataset)."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter from its gradient hook during backward, and the
     gradient is freed right after (torchtune's `optimizer_in_bwd`; not with gradient
@@ -572,7 +577,7 @@ class Workload:
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
     recipe: Recipe = Recipe.PLAIN
     """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft, trl-dpo,
-    accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
+    trl-kto, accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
     loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
     def __post_init__(self) -> None:
@@ -629,10 +634,10 @@ class Workload:
         if self.peft is not Peft.NONE and self.task is not Task.TRAIN:
             raise WorkloadError("PEFT (LoRA/QLoRA) applies to training", hint="use `task=train`, or drop `peft`",
                                 field="task")
-        if self.objective is Objective.DPO and self.task is not Task.TRAIN:
-            raise WorkloadError("`objective=dpo` is a training objective", hint="use `task=train`, or drop `objective`",
-                                field="objective")
-        if self.reference is Reference.ADAPTERS and (self.objective is Objective.DPO and self.peft is Peft.NONE):
+        if self.objective is not Objective.SFT and self.task is not Task.TRAIN:
+            raise WorkloadError(f"`objective={self.objective}` is a training objective",
+                                hint="use `task=train`, or drop `objective`", field="objective")
+        if self.reference is Reference.ADAPTERS and (self.objective is not Objective.SFT and self.peft is Peft.NONE):
             raise WorkloadError("`reference=adapters` disables the policy's adapters, and there are none",
                                 hint="add `peft=lora`, or use `reference=model`", field="reference")
         if self.quant is not Quant.NONE and self.task is Task.TRAIN and self.peft is Peft.NONE:
@@ -745,10 +750,11 @@ class Workload:
             notes.append("`checkpoint_every` applies with `checkpointing`; ignored without it")
         if task is not Task.TRAIN and self.loss is not Loss.FULL:
             notes.append(f"`loss` applies to training; ignored for `task={task}`")
-        if self.objective is not Objective.DPO and self.reference is not Reference.AUTO:
-            notes.append("`reference` applies with `objective=dpo`; ignored otherwise")
-        if self.objective is Objective.DPO and self.loss not in (Loss.FULL, Loss.TRL):
-            notes.append(f"`loss={self.loss}` is not DPO's: `objective=dpo` scores with TRL's fused head (`loss=trl`)")
+        if self.objective is Objective.SFT and self.reference is not Reference.AUTO:
+            notes.append("`reference` applies with `objective=dpo` or kto; ignored otherwise")
+        if self.objective is not Objective.SFT and self.loss not in (Loss.FULL, Loss.TRL):
+            notes.append(f"`loss={self.loss}` is not {self.objective}'s: `objective={self.objective}` scores with "
+                         "TRL's fused head (`loss=trl`)")
         if self.keep_grads and self.optimizer_in_backward and task is Task.TRAIN:
             notes.append("`keep_grads` has no effect with `optimizer_in_backward`: each gradient is freed by its "
                          "parameter's step inside backward")
@@ -808,7 +814,8 @@ class Workload:
 
     @property
     def reference_source(self) -> Reference:
-        """DPO's reference with ``auto`` resolved as TRL resolves it (adapters under PEFT)."""
+        """The preference objective's reference with ``auto`` resolved as TRL resolves it (adapters
+        under PEFT)."""
         if self.reference is not Reference.AUTO:
             return self.reference
         return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL

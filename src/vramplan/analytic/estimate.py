@@ -79,8 +79,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             "padding, all-gather and reduce-scatter buffers, its rate limiter) are traced",
             hint="use `method=trace` (auto traces catalog models), which runs FullyShardedDataParallel itself",
             field="engine")
-    if w.objective is Objective.DPO:
-        return _dpo(spec, w, workspace_bytes)
+    if w.objective is not Objective.SFT:
+        return _preference(spec, w, workspace_bytes)
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:
         raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
                             hint="use `loss=full`", field="loss")
@@ -136,18 +136,19 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     )
 
 
-def _dpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> AnalyticEstimate:
-    """DPO (:mod:`vramplan.trace.preference`): the policy's step is the next-token step of
-    ``2 × batch`` sequences through TRL's fused head; the reference forward runs under no_grad
-    after it, holding one layer's temporaries and its own head's, no more than the policy's head
-    held at the end of its forward; ``reference=model`` adds a frozen copy of the weights."""
+def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> AnalyticEstimate:
+    """DPO and KTO (:mod:`vramplan.trace.preference`): the policy's step is the next-token step of
+    its sequences (DPO: ``2 × batch``; KTO: ``batch``) through TRL's fused head; the reference's
+    forwards (and KTO's KL batch) run under no_grad, each holding one layer's temporaries and its
+    own head's, no more than the policy's head held at the end of its forward;
+    ``reference=model`` adds a frozen copy of the weights."""
     if not spec.is_decoder:
-        raise WorkloadError(f"`objective=dpo` trains a causal language model; {spec.name} is not one",
+        raise WorkloadError(f"`objective={w.objective}` trains a causal language model; {spec.name} is not one",
                             hint="drop `objective`", field="objective")
     p = w.parallel
     model_ref = w.reference_source is Reference.MODEL
     if model_ref and (p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or w.quant is not Quant.NONE):
-        raise WorkloadError("a DPO reference model under parallelism or quantisation is not modelled",
+        raise WorkloadError("a preference reference model under parallelism or quantisation is not modelled",
                             hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
                             field="reference")
     sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, batch=w.sequences, loss=Loss.TRL)
@@ -162,8 +163,10 @@ def _dpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> AnalyticE
     phases = tuple(more(ph) for ph in base.phases)
     source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
               Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]
-    note = (f"DPO (TRL 1.16 DPOTrainer): the step of {w.sequences} sequences (chosen and rejected) through TRL's "
-            f"fused head; reference: {source}, its forward under no_grad bounded by the policy's head instant")
+    what = ("DPO (TRL 1.16 DPOTrainer): the step of {n} sequences (chosen and rejected)" if w.objective is Objective.DPO
+            else "KTO (TRL 1.16 KTOTrainer): the step of {n} sequences (and a KL batch as large, under no_grad)")
+    note = (what.format(n=w.sequences) + f" through TRL's fused head; reference: {source}, its forwards under no_grad "
+            "bounded by the policy's head instant")
     return dataclasses.replace(
         base, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*base.notes, note),
         states=dataclasses.replace(base.states, weights=base.states.weights + ref))

@@ -102,6 +102,19 @@ def _trl_dpo(peft: Peft, dp: int) -> tuple[Default, ...]:
     )
 
 
+def _trl_kto(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        *(d for d in _trl_sft(peft, dp) if d.field != "loss"),
+        Default("loss", Loss.TRL, f"{_TRL}/trainer/kto_trainer.py#L965-L972 (`add_fused_lm_head` on the policy, with "
+                "log-probs, entropy and mean logits, and on the reference)"),
+        Default("objective", Objective.KTO, f"{_TRL}/trainer/kto_trainer.py#L1337-L1440 (`_compute_kl_logps` and "
+                "`_compute_loss`: the KL batch and the reference's forwards under no_grad; loss_type 'kto' computes "
+                f"the KL term, {_TRL}/trainer/kto_trainer.py#L815)"),
+        Default("reference", Reference.AUTO, f"{_TRL}/trainer/kto_trainer.py#L919-L938 (no `ref_model`: the adapters "
+                "disabled under PEFT, else a copy loaded in the policy's dtype)"),
+    )
+
+
 # --- accelerate and Lightning: the user's own loop ---------------------------------------
 def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
@@ -267,6 +280,13 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         "TRL's fused LM head, gradient checkpointing on, fused AdamW",
         _trl_dpo, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
         lambda w: (_NOT_PRECISION.format(fw="trl-dpo", p=w.precision)
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
+    Recipe.TRL_KTO: RecipeSpec(
+        Recipe.TRL_KTO, "TRL KTOTrainer 1.16.0 on transformers 5.24.0",
+        "KTO on labelled sequences with a KL batch and the reference's forwards (adapters disabled under PEFT, else "
+        "a frozen copy), TRL's fused LM head, gradient checkpointing on, fused AdamW",
+        _trl_kto, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
+        lambda w: (_NOT_PRECISION.format(fw="trl-kto", p=w.precision)
                    + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",

@@ -43,7 +43,7 @@ def workload_line(r: MemoryReport) -> str:
     if r.ran is not None:  # a script: what it did, not what vramplan would default to
         return r.ran.line()
     w = r.workload
-    parts = [f"task {w.task}" + (" (DPO)" if w.objective.value == "dpo" else "")]
+    parts = [f"task {w.task}" + (f" ({w.objective.value.upper()})" if w.objective.value != "sft" else "")]
     if not r.user_model:  # a user's own inputs fix their own shapes
         dpo = w.objective.value == "dpo"
         parts.append(f"batch {w.batch} pairs ({w.sequences} sequences)" if dpo else f"batch {w.batch}")

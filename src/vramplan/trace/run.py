@@ -273,8 +273,8 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     labels = w.task is Task.TRAIN
     batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    if w.objective is Objective.DPO:
-        batch_kwargs = preference.dpo_inputs(batch_kwargs, w.batch, w.reference_source)
+    if w.objective is not Objective.SFT:
+        batch_kwargs = preference.preference_inputs(batch_kwargs, w)
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
     with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
@@ -320,8 +320,8 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
     batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=w.task is Task.TRAIN,
                                   dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
-    if w.objective is Objective.DPO:
-        batch_kwargs = preference.dpo_inputs(batch_kwargs, w.batch, w.reference_source)
+    if w.objective is not Objective.SFT:
+        batch_kwargs = preference.preference_inputs(batch_kwargs, w)
     if lent is None:
         assert model is not None
         prepared = _prepare(model, ((), {}), w, notes, spec.name, device)
@@ -761,8 +761,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source,
         )
-        if w.training and w.objective is Objective.DPO:
-            notes.append(preference.step_note(w) if loss_fn is None else "objective=dpo ignored: the given loss_fn runs")
+        if w.training and w.objective is not Objective.SFT:
+            notes.append(preference.step_note(w) if loss_fn is None else
+                         f"objective={w.objective} ignored: the given loss_fn runs")
         elif w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
         runner = runner or RUNNERS[str(w.task)]

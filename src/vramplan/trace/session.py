@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -22,9 +23,16 @@ from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
 from .values import Values
 
+_ACTIVE: contextvars.ContextVar[TraceSession | None] = contextvars.ContextVar("vramplan_trace_session", default=None)
+
 
 class TraceSession:
     """Owns the recording state of one trace; a context manager around the traced steps."""
+
+    @staticmethod
+    def current() -> TraceSession | None:
+        """The session whose steps are running (innermost), or None outside a trace."""
+        return _ACTIVE.get()
 
     def __init__(self, profile: DeviceProfile, *, autocast_dtype: torch.dtype | None = None) -> None:
         self.profile = profile
@@ -53,6 +61,8 @@ class TraceSession:
             warnings.simplefilter("ignore")
             st.enter_context(self.functions)
             st.enter_context(self.dispatch)
+            token = _ACTIVE.set(self)
+            st.callback(_ACTIVE.reset, token)
         except BaseException:
             st.close()  # a refused set-up (e.g. unknown checkpoint internals) undoes the patches
             raise

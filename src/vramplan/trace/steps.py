@@ -125,17 +125,33 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any, torch.Tensor]:
     """(the model's outputs, the loss) as the workload's loss implementation computes them."""
-    if plan.objective is Objective.DPO and plan.loss_fn is None:
-        from .preference import dpo_forward_loss
+    if per_call_autocast(plan):
+        from .preference import dpo_forward_loss, kto_forward_loss
 
-        dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
-        return dpo_forward_loss(plan.model, plan.reference, plan.reference_source, plan.batch, dtype)
+        assert sess is not None
+        ac = sess.autocast if plan.autocast else None
+        step = kto_forward_loss if plan.objective is Objective.KTO else dpo_forward_loss
+
+        def region() -> Any:  # accelerate's prepare_model: torch.autocast around each forward call
+            return sess.autocast_region(plan.autocast)
+
+        return step(plan.model, plan.reference, plan.reference_source, plan.batch,
+                    ac.dtype if ac is not None else None, region)
     if plan.loss is Loss.FULL or plan.loss_fn is not None:
         out = call_model(plan.model, plan.batch)
         return out, loss_of(out, plan.batch, plan.loss_fn)
     dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
     return forward_and_loss(plan.model, plan.batch, plan.loss, plan.loss_chunks, autocast_dtype=dtype, sm=plan.sm,
                             chunk_ce=plan.chunk_ce)
+
+
+def per_call_autocast(plan: StepPlan) -> bool:
+    """Whether each model call runs in its own autocast region (the preference trainers, whose
+    models accelerate wraps: ``model.forward`` under ``torch.autocast``, the loss outside it)
+    instead of one region around the step's forward and loss. It matters beyond where the loss is
+    computed: a region's weight-cast cache lives until it exits, and a cast made under
+    ``no_grad`` (a reference or KL forward) must not serve a later forward with gradients."""
+    return plan.objective is not Objective.SFT and plan.loss_fn is None
 
 
 def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]) -> None:
@@ -157,7 +173,7 @@ def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]
 def train_step(sess: TraceSession, plan: StepPlan) -> None:
     scale = None
     for _ in range(plan.grad_accum):
-        with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast):
+        with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast and not per_call_autocast(plan)):
             out, loss = forward_loss(plan, sess)
             _label_model_cache(sess, out)
             if not plan.keep_outputs:

@@ -1,8 +1,9 @@
-"""``objective=dpo``: DPO as TRL 1.16 ``DPOTrainer`` runs it (:mod:`vramplan.trace.preference`).
+"""``objective=dpo`` / ``kto``: DPO and KTO as TRL 1.16's ``DPOTrainer`` and ``KTOTrainer`` run them
+(:mod:`vramplan.trace.preference`).
 
-The traced step is compared with TRL's own ``DPOTrainer._compute_loss`` traced on the same model,
-called on a stand-in for the trainer that holds the attributes the method reads (TRL 1.16's
-defaults: the sigmoid loss, β = 0.1, no weighting, no aux loss) and with the decisions TRL's head
+The traced step is compared with TRL's own ``_compute_loss`` traced on the same model, called on
+a stand-in for the trainer that holds the attributes the method reads (TRL 1.16's defaults: DPO's
+sigmoid loss, KTO's ``kto`` loss with its KL term, β = 0.1, no weighting, no aux loss) and with the decisions TRL's head
 takes on CUDA with Triton (``tests/test_trl_head.py``'s fixture). The stand-in's accelerator
 answers the metrics' ``gather`` calls with host scalars, so the few device scalars the metrics
 make are the one difference allowed (they are not modelled).
@@ -10,6 +11,7 @@ make are the one difference allowed (they are not modelled).
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections import defaultdict
 from typing import Any
@@ -20,12 +22,14 @@ from torch import nn
 
 from vramplan.errors import WorkloadError
 from vramplan.events import Action
-from vramplan.trace.preference import DPO_POLICY_OUTPUTS
+from vramplan.trace.preference import DPO_POLICY_OUTPUTS, KTO_POLICY_OUTPUTS
 from vramplan.trace.run import TraceOptions, trace_model, trace_workload
-from vramplan.workload import Reference, Workload
+from vramplan.trace.session import TraceSession
+from vramplan.workload import Phase, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
 dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
+kto_trainer = pytest.importorskip("trl.trainer.kto_trainer")
 
 NO_WS = TraceOptions(workspaces=False)
 PAIRS, S, V, H = 2, 64, 512, 64
@@ -80,6 +84,37 @@ class _TrlDpoStep(nn.Module):
         return dpo_trainer.DPOTrainer._compute_loss(trainer, self.policy, inputs, False)
 
 
+@contextlib.contextmanager
+def _accelerate_autocast() -> Any:
+    """accelerate's ``prepare_model``: ``torch.autocast`` around each forward call, so the region
+    (and its weight-cast cache) ends with the call; the step's own region is left for the call."""
+    sess = TraceSession.current()
+    ac = sess.autocast if sess is not None else None
+    if ac is None or not ac.enabled:
+        yield
+        return
+    ac.exit()
+    ac.enter()
+    try:
+        yield
+    finally:
+        ac.exit()
+        ac.enter()
+
+
+def _prepared(model: nn.Module) -> nn.Module:
+    """``model.forward`` wrapped as accelerate wraps it (a method, so that the trace's copy of the
+    model calls its own forward)."""
+    model._pre_accelerate_forward = model.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with _accelerate_autocast():
+            return self._pre_accelerate_forward(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
 def _theirs(add_fused_lm_head: Any, source: Reference, peft: bool) -> nn.Module:
     policy = _llama()
     if peft:
@@ -97,7 +132,7 @@ def _theirs(add_fused_lm_head: Any, source: Reference, peft: bool) -> nn.Module:
         ref.requires_grad_(False)
         ref.eval()
         add_fused_lm_head(ref)
-    return _TrlDpoStep(policy, ref, source)
+    return _TrlDpoStep(_prepared(policy), _prepared(ref) if ref is not None else None, source)
 
 
 def _alloc_bytes(r: Any) -> int:
@@ -122,6 +157,10 @@ def test_the_dpo_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: An
     w = base.replace(objective="dpo", reference=source, peft=peft, **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
     ours = trace_model(_llama, _inputs(source, attention_mask=False), workload=w, options=NO_WS)
     assert ours.trainable_params == theirs.trainable_params
+    # every trainable parameter has its gradient before the step (a weight cast cached under no_grad and
+    # reused with gradients would leave some without)
+    step = next(p for p in ours.phases if p.phase is Phase.OPTIMIZER)
+    assert step.breakdown.gradients >= 2 * ours.trainable_params
     # theirs holds the collator's all-ones attention_mask as an input (2·PAIRS·S int64; the trace leaves it
     # out: transformers builds no mask from it) and a few bytes of the metrics' device scalars
     mask = 2 * PAIRS * S * 8
@@ -184,3 +223,76 @@ def test_analytic_agrees_with_the_trace(kw: dict) -> None:
     w = Workload(**{"task": "train", "batch": 2, "seq": 512, "precision": "bf16-mixed", "objective": "dpo", **kw})
     a, r = estimate(small, w), trace_workload(small, w)
     assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (r.peak_allocated, a.peak.allocated)
+
+
+# --------------------------------------------------------------------------- KTO
+def _kto_inputs(source: Reference, *, attention_mask: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (PAIRS, S), generator=g)
+    out = {"input_ids": ids, "completion_mask": torch.ones_like(ids), "KL_input_ids": ids.roll(1, 0),
+           "KL_completion_mask": torch.ones_like(ids), "label": torch.tensor([True, False])}
+    if attention_mask:
+        out.update(attention_mask=torch.ones_like(ids), KL_attention_mask=torch.ones_like(ids))
+    if source is Reference.PRECOMPUTED:
+        out.update(ref_logps=torch.zeros(PAIRS), ref_KL_logps=torch.zeros(PAIRS))
+    return out
+
+
+class _TrlKtoStep(_TrlDpoStep):
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        trainer = types.SimpleNamespace(
+            model=self.policy, ref_model=self.ref, accelerator=_Accelerator(), aux_loss_enabled=False,
+            calculate_KL=True, precompute_ref_logps=self.source is Reference.PRECOMPUTED, loss_type="kto", beta=0.1,
+            desirable_weight=1.0, undesirable_weight=1.0,
+            args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+            _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+        trainer._compute_kl_logps = types.MethodType(kto_trainer.KTOTrainer._compute_kl_logps, trainer)
+        return kto_trainer.KTOTrainer._compute_loss(trainer, self.policy, inputs, False)
+
+
+def _theirs_kto(add_fused_lm_head: Any, source: Reference, peft: bool) -> nn.Module:
+    def heads(m: nn.Module, outputs: tuple[str, ...] = ("log_probs",)) -> None:  # as KTOTrainer.__init__ adds them
+        add_fused_lm_head(m, outputs=KTO_POLICY_OUTPUTS if outputs != ("log_probs",) else outputs)
+
+    step = _theirs(heads, source, peft)
+    return _TrlKtoStep(step.policy, step.ref, source)
+
+
+@pytest.mark.parametrize(("source", "peft", "precision"), CASES, ids=[f"{s}-{p}-{q}" for s, p, q in CASES])
+def test_the_kto_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, source: Reference,
+                                                                 peft: str, precision: str) -> None:
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
+    base = Workload(task="train", optimizer="adamw", precision=precision)
+    theirs = trace_model(lambda: _theirs_kto(add_fused_lm_head, source, peft == "lora"),
+                         _kto_inputs(source, attention_mask=True), workload=base, loss_fn=lambda out: out,
+                         options=NO_WS)
+    w = base.replace(objective="kto", reference=source, peft=peft, **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
+    ours = trace_model(_llama, _kto_inputs(source, attention_mask=False), workload=w, options=NO_WS)
+    assert ours.trainable_params == theirs.trainable_params
+    step = next(p for p in ours.phases if p.phase is Phase.OPTIMIZER)
+    assert step.breakdown.gradients >= 2 * ours.trainable_params  # (see the DPO test)
+    masks = 2 * PAIRS * S * 8  # the collator's two all-ones attention masks (batch and KL batch)
+    for a, b in zip(ours.phases, theirs.phases, strict=True):
+        assert a.phase == b.phase
+        assert masks <= b.allocated - a.allocated <= masks + 64, (a.phase, a.allocated, b.allocated)
+    assert masks <= theirs.peak_allocated - ours.peak_allocated <= masks + 64
+
+
+def test_kto_runs_one_sequence_per_example_and_the_analytic_agrees() -> None:
+    from vramplan.analytic.estimate import estimate
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.testing import tiny_config
+
+    w = Workload(task="train", objective="kto", batch=3)
+    assert w.sequences == 3
+    spec = resolve("llama-3.1-8b")
+    c = tiny_config(dict(spec.config), 2)
+    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
+    small = spec_from_config(c, name="small-llama", source="test")
+    for kw in ({}, {"peft": "lora"}, {"reference": "precomputed"}):
+        w = Workload(**{"task": "train", "batch": 4, "seq": 512, "precision": "bf16-mixed", "objective": "kto", **kw})
+        a, r = estimate(small, w), trace_workload(small, w)
+        assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (kw, r.peak_allocated,
+                                                                                   a.peak.allocated)
