@@ -83,3 +83,16 @@ def trl_on_cuda(monkeypatch: pytest.MonkeyPatch) -> typing.Any:
         monkeypatch.setattr(kernels, "torch", _TorchUnderAutocast(dtype))
 
     return utils.add_fused_lm_head, set_autocast
+
+
+@pytest.fixture
+def small_llama() -> typing.Any:
+    """Llama-3.1-8B's config cut to 2 layers of width 256, with a 40,000-entry vocabulary (two of
+    TRL's 32,768-entry vocabulary tiles): a catalog-like spec for analytic-vs-trace checks."""
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.testing import tiny_config
+
+    c = tiny_config(dict(resolve("llama-3.1-8b").config), 2)
+    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
+    return spec_from_config(c, name="small-llama", source="test")

@@ -145,31 +145,6 @@ CASES = [(Reference.MODEL, "none", "fp32"), (Reference.MODEL, "none", "bf16-mixe
          (Reference.ADAPTERS, "lora", "fp32")]
 
 
-@pytest.mark.parametrize(("source", "peft", "precision"), CASES, ids=[f"{s}-{p}-{q}" for s, p, q in CASES])
-def test_the_dpo_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, source: Reference,
-                                                                 peft: str, precision: str) -> None:
-    add_fused_lm_head, set_autocast = trl_on_cuda
-    set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
-    base = Workload(task="train", optimizer="adamw", precision=precision)
-    theirs = trace_model(lambda: _theirs(add_fused_lm_head, source, peft == "lora"),
-                         _inputs(source, attention_mask=True), workload=base, loss_fn=lambda out: out, options=NO_WS)
-    # (TRL's policy here is the fp32 model with fp32 LoRA adapters: vramplan's LoRA base is bf16 unless told)
-    w = base.replace(objective="dpo", reference=source, peft=peft, **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
-    ours = trace_model(_llama, _inputs(source, attention_mask=False), workload=w, options=NO_WS)
-    assert ours.trainable_params == theirs.trainable_params
-    # every trainable parameter has its gradient before the step (a weight cast cached under no_grad and
-    # reused with gradients would leave some without)
-    step = next(p for p in ours.phases if p.phase is Phase.OPTIMIZER)
-    assert step.breakdown.gradients >= 2 * ours.trainable_params
-    # theirs holds the collator's all-ones attention_mask as an input (2·PAIRS·S int64; the trace leaves it
-    # out: transformers builds no mask from it) and a few bytes of the metrics' device scalars
-    mask = 2 * PAIRS * S * 8
-    for a, b in zip(ours.phases, theirs.phases, strict=True):
-        assert a.phase == b.phase
-        assert mask <= b.allocated - a.allocated <= mask + 64, (a.phase, a.allocated, b.allocated)
-    assert mask <= theirs.peak_allocated - ours.peak_allocated <= mask + 64
-
-
 def test_the_reference_model_is_a_frozen_copy_in_the_policys_dtype() -> None:
     from vramplan.models.catalog import resolve
 
@@ -208,20 +183,16 @@ def test_dpo_workloads_are_checked() -> None:
     assert any("`reference`" in n for n in Workload(task="train", reference="model").setting_notes())
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
 @pytest.mark.parametrize("kw", [{}, {"peft": "lora"}, {"reference": "precomputed"}, {"precision": "bf16"}],
                          ids=["model", "adapters", "precomputed", "bf16"])
-def test_analytic_agrees_with_the_trace(kw: dict) -> None:
+def test_analytic_agrees_with_the_trace(small_llama: Any, objective: str, kw: dict) -> None:
     from vramplan.analytic.estimate import estimate
-    from vramplan.models.catalog import resolve
-    from vramplan.models.normalize import spec_from_config
-    from vramplan.trace.testing import tiny_config
 
-    spec = resolve("llama-3.1-8b")
-    c = tiny_config(dict(spec.config), 2)
-    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
-    small = spec_from_config(c, name="small-llama", source="test")
-    w = Workload(**{"task": "train", "batch": 2, "seq": 512, "precision": "bf16-mixed", "objective": "dpo", **kw})
-    a, r = estimate(small, w), trace_workload(small, w)
+    batch = 2 if objective == "dpo" else 4  # (four sequences either way)
+    w = Workload(**{"task": "train", "batch": batch, "seq": 512, "precision": "bf16-mixed", "objective": objective,
+                    **kw})
+    a, r = estimate(small_llama, w), trace_workload(small_llama, w)
     assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (r.peak_allocated, a.peak.allocated)
 
 
@@ -258,41 +229,35 @@ def _theirs_kto(add_fused_lm_head: Any, source: Reference, peft: bool) -> nn.Mod
     return _TrlKtoStep(step.policy, step.ref, source)
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
 @pytest.mark.parametrize(("source", "peft", "precision"), CASES, ids=[f"{s}-{p}-{q}" for s, p, q in CASES])
-def test_the_kto_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, source: Reference,
-                                                                 peft: str, precision: str) -> None:
+def test_the_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, objective: str, source: Reference,
+                                                             peft: str, precision: str) -> None:
     add_fused_lm_head, set_autocast = trl_on_cuda
     set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
+    theirs_step, inputs = (_theirs, _inputs) if objective == "dpo" else (_theirs_kto, _kto_inputs)
     base = Workload(task="train", optimizer="adamw", precision=precision)
-    theirs = trace_model(lambda: _theirs_kto(add_fused_lm_head, source, peft == "lora"),
-                         _kto_inputs(source, attention_mask=True), workload=base, loss_fn=lambda out: out,
-                         options=NO_WS)
-    w = base.replace(objective="kto", reference=source, peft=peft, **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
-    ours = trace_model(_llama, _kto_inputs(source, attention_mask=False), workload=w, options=NO_WS)
+    theirs = trace_model(lambda: theirs_step(add_fused_lm_head, source, peft == "lora"),
+                         inputs(source, attention_mask=True), workload=base, loss_fn=lambda out: out, options=NO_WS)
+    # (TRL's policy here is the fp32 model with fp32 LoRA adapters: vramplan's LoRA base is bf16 unless told)
+    w = base.replace(objective=objective, reference=source, peft=peft,
+                     **({"peft_base_dtype": "fp32"} if peft == "lora" else {}))
+    ours = trace_model(_llama, inputs(source, attention_mask=False), workload=w, options=NO_WS)
     assert ours.trainable_params == theirs.trainable_params
+    # every trainable parameter has its gradient before the step (a weight cast cached under no_grad and
+    # reused with gradients would leave some without)
     step = next(p for p in ours.phases if p.phase is Phase.OPTIMIZER)
-    assert step.breakdown.gradients >= 2 * ours.trainable_params  # (see the DPO test)
-    masks = 2 * PAIRS * S * 8  # the collator's two all-ones attention masks (batch and KL batch)
+    assert step.breakdown.gradients >= 2 * ours.trainable_params
+    # theirs holds the collator's all-ones attention masks as inputs (DPO: one of 2·PAIRS sequences; KTO: the
+    # batch's and the KL batch's, PAIRS sequences each; the trace leaves them out: transformers builds no mask
+    # from them) and a few bytes of the metrics' device scalars
+    masks = 2 * PAIRS * S * 8
     for a, b in zip(ours.phases, theirs.phases, strict=True):
         assert a.phase == b.phase
         assert masks <= b.allocated - a.allocated <= masks + 64, (a.phase, a.allocated, b.allocated)
     assert masks <= theirs.peak_allocated - ours.peak_allocated <= masks + 64
 
 
-def test_kto_runs_one_sequence_per_example_and_the_analytic_agrees() -> None:
-    from vramplan.analytic.estimate import estimate
-    from vramplan.models.catalog import resolve
-    from vramplan.models.normalize import spec_from_config
-    from vramplan.trace.testing import tiny_config
-
-    w = Workload(task="train", objective="kto", batch=3)
-    assert w.sequences == 3
-    spec = resolve("llama-3.1-8b")
-    c = tiny_config(dict(spec.config), 2)
-    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
-    small = spec_from_config(c, name="small-llama", source="test")
-    for kw in ({}, {"peft": "lora"}, {"reference": "precomputed"}):
-        w = Workload(**{"task": "train", "batch": 4, "seq": 512, "precision": "bf16-mixed", "objective": "kto", **kw})
-        a, r = estimate(small, w), trace_workload(small, w)
-        assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (kw, r.peak_allocated,
-                                                                                   a.peak.allocated)
+def test_kto_runs_one_sequence_per_example() -> None:
+    assert Workload(task="train", objective="kto", batch=3).sequences == 3
+    assert Workload(task="train", objective="kto", peft="lora").reference_source is Reference.ADAPTERS

@@ -19,11 +19,8 @@ from torch import nn
 
 from vramplan.analytic.estimate import estimate
 from vramplan.events import Action
-from vramplan.models.catalog import resolve
-from vramplan.models.normalize import spec_from_config
 from vramplan.trace.loss import TRL_SFT_OUTPUTS
 from vramplan.trace.run import TraceOptions, trace_model, trace_workload
-from vramplan.trace.testing import tiny_config
 from vramplan.workload import Workload
 
 transformers = pytest.importorskip("transformers")
@@ -85,13 +82,9 @@ def test_the_head_never_materialises_the_logits_and_keeps_one_tile_buffer() -> N
     assert r.peak_allocated < full.peak_allocated
 
 
-def test_analytic_agrees_with_the_trace() -> None:
-    spec = resolve("llama-3.1-8b")
-    c = tiny_config(dict(spec.config), 2)
-    c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
-    small = spec_from_config(c, name="small-llama", source="test")
+def test_analytic_agrees_with_the_trace(small_llama: Any) -> None:
     for kw in ({}, {"peft": "lora"}, {"precision": "bf16"}):
         w = Workload(**{"task": "train", "batch": 2, "seq": 2048, "precision": "bf16-mixed", "loss": "trl", **kw})
-        a, r = estimate(small, w), trace_workload(small, w)
+        a, r = estimate(small_llama, w), trace_workload(small_llama, w)
         assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (kw, r.peak_allocated,
                                                                                    a.peak.allocated)

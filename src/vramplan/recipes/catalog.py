@@ -12,6 +12,8 @@ recipe cannot know: ``precision`` stays as given (``auto``: bf16-mixed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..workload import (
     Checkpointing,
     Loss,
@@ -259,6 +261,15 @@ _TRAINER_LOSS = Restriction(
     "loss", (Loss.FULL, Loss.LIGER, Loss.CCE, Loss.TRL),
     "the model's own loss, Liger's (`use_liger_kernel`) or a fused head; torchtune's chunked loss is not a Trainer option")
 
+def _trl(recipe: Recipe, trainer: str, summary: str, defaults: Callable[[Peft, int], tuple[Default, ...]]) -> RecipeSpec:
+    """A TRL trainer's recipe: the Trainer's restrictions and TRL's precision caveat."""
+    return RecipeSpec(
+        recipe, f"TRL {trainer} 1.16.0 on transformers 5.24.0", summary, defaults,
+        (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
+        lambda w: (_NOT_PRECISION.format(fw=recipe.value, p=w.precision)
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",))
+
+
 CATALOG: dict[Recipe, RecipeSpec] = {
     Recipe.PLAIN: RecipeSpec(Recipe.PLAIN, "vramplan's own loop",
                              "zero_grad(set_to_none=True), logits freed before backward, full-vocabulary fp32 loss",
@@ -268,26 +279,16 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         "fused AdamW, no checkpointing, the model's full-vocabulary loss, gradients freed after the step",
         _hf_trainer, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
         lambda w: (_NOT_PRECISION.format(fw="hf-trainer", p=w.precision),)),
-    Recipe.TRL_SFT: RecipeSpec(
-        Recipe.TRL_SFT, "TRL SFTTrainer 1.16.0 on transformers 5.24.0",
-        "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
-        _trl_sft, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
-        lambda w: (_NOT_PRECISION.format(fw="trl-sft", p=w.precision)
-                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
-    Recipe.TRL_DPO: RecipeSpec(
-        Recipe.TRL_DPO, "TRL DPOTrainer 1.16.0 on transformers 5.24.0",
-        "DPO on chosen/rejected pairs with a reference forward (adapters disabled under PEFT, else a frozen copy), "
-        "TRL's fused LM head, gradient checkpointing on, fused AdamW",
-        _trl_dpo, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
-        lambda w: (_NOT_PRECISION.format(fw="trl-dpo", p=w.precision)
-                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
-    Recipe.TRL_KTO: RecipeSpec(
-        Recipe.TRL_KTO, "TRL KTOTrainer 1.16.0 on transformers 5.24.0",
-        "KTO on labelled sequences with a KL batch and the reference's forwards (adapters disabled under PEFT, else "
-        "a frozen copy), TRL's fused LM head, gradient checkpointing on, fused AdamW",
-        _trl_kto, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
-        lambda w: (_NOT_PRECISION.format(fw="trl-kto", p=w.precision)
-                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",)),
+    Recipe.TRL_SFT: _trl(Recipe.TRL_SFT, "SFTTrainer",
+                         "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
+                         _trl_sft),
+    Recipe.TRL_DPO: _trl(Recipe.TRL_DPO, "DPOTrainer",
+                         "DPO on chosen/rejected pairs with a reference forward (adapters disabled under PEFT, else a "
+                         "frozen copy), TRL's fused LM head, gradient checkpointing on, fused AdamW", _trl_dpo),
+    Recipe.TRL_KTO: _trl(Recipe.TRL_KTO, "KTOTrainer",
+                         "KTO on labelled sequences with a KL batch and the reference's forwards (adapters disabled "
+                         "under PEFT, else a frozen copy), TRL's fused LM head, gradient checkpointing on, fused AdamW",
+                         _trl_kto),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
         _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)
