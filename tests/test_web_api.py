@@ -68,6 +68,19 @@ def test_workload_flags_reach_the_estimate(client, capsys):
     assert r.json() == expected
 
 
+def test_the_preference_objectives_reach_the_estimate(client, capsys):
+    """The page offers DPO and KTO (issue 32): the query keys are the CLI's flags."""
+    for objective, reference in (("dpo", "adapters"), ("kto", "precomputed")):
+        q = (f"model=llama-3.2-1b&task=train&batch=2&seq=512&peft=lora&objective={objective}&reference={reference}"
+             "&gpu=h100&method=analytic")
+        r = client.get(f"/api/estimate?{q}")
+        assert r.status_code == 200, r.text
+        assert r.json() == cli_json(capsys, "estimate", "llama-3.2-1b", "--task", "train", "--batch", "2", "--seq",
+                                    "512", "--peft", "lora", "--objective", objective, "--reference", reference,
+                                    "--gpu", "h100", "--method", "analytic", "--json")
+        assert r.json()["workload"]["objective"] == objective
+
+
 def test_trace_estimate_timeline_and_snapshot(client, capsys, tmp_path):
     q = "model=gpt2&batch=1&seq=128&gpu=rtx-4090&method=trace"
     r = client.get(f"/api/estimate?{q}")

@@ -87,6 +87,13 @@ class Reference(_StrEnum):
     PRECOMPUTED = "precomputed"  # read from the dataset (TRL `precompute_ref_log_probs=True`)
 
 
+def auto_checkpointing(peft: Peft | str, task: Task | str) -> Checkpointing:
+    """``checkpointing=auto`` (the CLI's and the page's default): full for PEFT fine-tuning (TRL's
+    ``SFTConfig`` turns ``gradient_checkpointing`` on, trl/trainer/base_config.py), none otherwise."""
+    peft_on = as_enum(Peft, peft, "peft") is not Peft.NONE
+    return Checkpointing.FULL if peft_on and as_enum(Task, task, "task") is Task.TRAIN else Checkpointing.NONE
+
+
 TRL_TOKEN_TILE = 4096
 """``loss=trl``: tokens per tile, trl 1.16 trl/kernels/chunked_logprob.py ``TOKEN_CHUNK_SIZE``."""
 TRL_VOCAB_TILE = 32768

@@ -13,7 +13,15 @@ from typing import Any
 
 from ..errors import VramplanError
 from ..units import parse_bytes
-from ..workload import Checkpointing, Method, Parallel, Precision, Workload, field_docs
+from ..workload import (
+    Checkpointing,
+    Method,
+    Parallel,
+    Precision,
+    Workload,
+    auto_checkpointing,
+    field_docs,
+)
 
 
 def _choices(cls: Any) -> list[str]:
@@ -165,7 +173,7 @@ def checkpointing_arg(args: argparse.Namespace) -> str:
     ``gradient_checkpointing=True``, trl/trainer/sft_config.py, trl main 2026), none otherwise."""
     if args.checkpointing != "auto":
         return str(args.checkpointing)
-    return "full" if args.peft != "none" and args.task == "train" else "none"
+    return str(auto_checkpointing(args.peft, args.task))
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:

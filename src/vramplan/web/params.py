@@ -25,7 +25,7 @@ from functools import cache
 from typing import Any
 
 from vramplan.errors import FIELD_REF, VramplanError, did_you_mean
-from vramplan.workload import Method, Parallel, Workload, field_docs
+from vramplan.workload import Method, Parallel, Workload, auto_checkpointing, field_docs
 
 MAX_CONFIG_BYTES = 256 * 1024
 """Largest config.json the page accepts (a transformers config.json is a few KiB)."""
@@ -87,13 +87,13 @@ def fields() -> tuple[Field, ...]:
                 continue
             tp = hints[f.name]
             default = getattr(base, f.name)
-            if f.name == "precision":  # the dataclass default is the string "auto" (resolved per task)
+            if f.name in ("precision", "checkpointing"):  # "auto": resolved per task (and PEFT), as the CLI does
                 default = "auto"
             choices: tuple[str, ...] = ()
             if isinstance(tp, type) and issubclass(tp, enum.Enum):
                 kind = "enum"
                 choices = tuple(str(m.value) for m in tp)
-                if f.name == "precision":
+                if f.name in ("precision", "checkpointing"):
                     choices = ("auto", *choices)
                 default = default.value if isinstance(default, enum.Enum) else default
             elif tp is bool:
@@ -240,6 +240,11 @@ def parse_workload(q: Mapping[str, str]) -> Workload:
         v = _convert(f, raw)
         (par if f.parallel else values)[f.name] = v
     try:
+        if str(values.get("checkpointing", "auto")) == "auto":
+            values.pop("checkpointing", None)
+            if str(values.get("recipe", "plain")) == "plain":  # (with a recipe: the recipe's)
+                values["checkpointing"] = auto_checkpointing(values.get("peft", Workload.peft),
+                                                              values.get("task", Workload.task))
         if str(values.get("recipe", "plain")) != "plain":  # the recipe fills the knobs the query leaves out
             from ..recipes import apply
 
