@@ -42,9 +42,15 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _inputs(source: Reference, *, attention_mask: bool) -> dict[str, torch.Tensor]:
+def _completion_mask(ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    m = torch.ones_like(ids)
+    m[:, :prompt] = 0
+    return m
+
+
+def _inputs(source: Reference, *, attention_mask: bool, prompt: int = 0) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, V, (2 * PAIRS, S), generator=torch.Generator().manual_seed(0))
-    out = {"input_ids": ids, "completion_mask": torch.ones_like(ids)}
+    out = {"input_ids": ids, "completion_mask": _completion_mask(ids, prompt)}
     if attention_mask:
         out["attention_mask"] = torch.ones_like(ids)
     if source is Reference.PRECOMPUTED:
@@ -197,11 +203,11 @@ def test_analytic_agrees_with_the_trace(small_llama: Any, objective: str, kw: di
 
 
 # --------------------------------------------------------------------------- KTO
-def _kto_inputs(source: Reference, *, attention_mask: bool) -> dict[str, torch.Tensor]:
+def _kto_inputs(source: Reference, *, attention_mask: bool, prompt: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (PAIRS, S), generator=g)
-    out = {"input_ids": ids, "completion_mask": torch.ones_like(ids), "KL_input_ids": ids.roll(1, 0),
-           "KL_completion_mask": torch.ones_like(ids), "label": torch.tensor([True, False])}
+    out = {"input_ids": ids, "completion_mask": _completion_mask(ids, prompt), "KL_input_ids": ids.roll(1, 0),
+           "KL_completion_mask": _completion_mask(ids, prompt), "label": torch.tensor([True, False])}
     if attention_mask:
         out.update(attention_mask=torch.ones_like(ids), KL_attention_mask=torch.ones_like(ids))
     if source is Reference.PRECOMPUTED:
@@ -261,3 +267,29 @@ def test_the_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, o
 def test_kto_runs_one_sequence_per_example() -> None:
     assert Workload(task="train", objective="kto", batch=3).sequences == 3
     assert Workload(task="train", objective="kto", peft="lora").reference_source is Reference.ADAPTERS
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_prompt_is_not_scored(objective: str) -> None:
+    """``prompt=P``: the head copies and scores ``S - P`` positions per sequence (TRL's
+    ``hidden[mask]`` over the completion tokens; the trace takes them by slicing, a copy of the
+    same size, since it does not hold the mask's values), not the ``S - 1`` of ``prompt=0``."""
+    prompt = 24
+    sequences = 2 * PAIRS if objective == "dpo" else PAIRS
+    inputs = _inputs if objective == "dpo" else _kto_inputs
+    w = Workload(task="train", optimizer="adamw", precision="fp32", objective=objective, reference="precomputed",
+                 seq=S, prompt=prompt)
+    rows = {}
+    for p in (0, prompt):
+        r = trace_model(_llama, inputs(Reference.PRECOMPUTED, attention_mask=False, prompt=p),
+                        workload=w.replace(prompt=p), options=NO_WS)
+        rows[p] = {d for _, d in _allocs_with_desc(r)}
+    assert f"f32[{sequences * (S - 1)},{H}]" in rows[0] and f"f32[{sequences * (S - prompt)},{H}]" not in rows[0]
+    assert f"f32[{sequences * (S - prompt)},{H}]" in rows[prompt] and f"f32[{sequences * (S - 1)},{H}]" not in rows[prompt]
+    with pytest.raises(WorkloadError, match="prompt"):
+        Workload(task="train", objective=objective, seq=64, prompt=64)
+
+
+def _allocs_with_desc(r: Any) -> list[tuple[int, str]]:
+    log = r.events
+    return [(log.size[k], log.strings[log.desc[k]]) for k in range(len(log)) if log.action[k] == int(Action.ALLOC)]

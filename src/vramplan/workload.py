@@ -523,6 +523,10 @@ class Workload:
     2 x `batch`, and a reference forward without gradients) or kto (`batch` labelled sequences,
     a KL batch of as many mismatched ones and the reference's forwards, without gradients);
     causal language models, as TRL's trainers run them."""
+    prompt: int = 0
+    """Tokens at the start of each sequence that are prompt, not scored by the preference
+    objective's head (TRL scores the completion tokens only); 0: every position but the first,
+    as if the completion filled the sequence (an upper bound)."""
     reference: Reference = Reference.AUTO
     """The preference objective's reference: auto (the policy with adapters disabled under PEFT,
     else a frozen copy, as TRL), model, adapters or precomputed (log-probabilities read from the
@@ -612,6 +616,9 @@ class Workload:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
             raise WorkloadError(f"`new_tokens` must be >= 0, got {self.new_tokens!r}", field="new_tokens")
+        if not isinstance(self.prompt, int) or isinstance(self.prompt, bool) or not 0 <= self.prompt < self.seq:
+            raise WorkloadError(f"`prompt` must be 0 or a number of tokens below `seq={self.seq}`, got {self.prompt!r}",
+                                hint="the prompt and the completion share the sequence", field="prompt")
         if isinstance(self.routing_skew, bool) or not isinstance(self.routing_skew, (int, float)) \
                 or not (1.0 <= float(self.routing_skew) <= 64.0):
             raise WorkloadError(f"`routing_skew` must be a number in [1, 64], got {self.routing_skew!r}",
@@ -757,8 +764,8 @@ class Workload:
             notes.append("`checkpoint_every` applies with `checkpointing`; ignored without it")
         if task is not Task.TRAIN and self.loss is not Loss.FULL:
             notes.append(f"`loss` applies to training; ignored for `task={task}`")
-        if self.objective is Objective.SFT and self.reference is not Reference.AUTO:
-            notes.append("`reference` applies with `objective=dpo` or kto; ignored otherwise")
+        if self.objective is Objective.SFT and (self.reference is not Reference.AUTO or self.prompt):
+            notes.append("`reference` and `prompt` apply with `objective=dpo` or kto; ignored otherwise")
         if self.objective is not Objective.SFT and self.loss not in (Loss.FULL, Loss.TRL):
             notes.append(f"`loss={self.loss}` is not {self.objective}'s: `objective={self.objective}` scores with "
                          "TRL's fused head (`loss=trl`)")

@@ -88,6 +88,8 @@ def loss_memory(w: Workload, *, tokens: int, classes: int, hidden: int, compute:
             work += c * chunk * hidden  # the input chunk cast for the in-place addmm
         return LossMemory(forward_saved=grads, forward_transient=work, backward_saved=grads, backward_transient=0)
     if w.loss is Loss.TRL:
+        if w.prompt:  # (the preference collators' prompt tokens carry no label: not scored)
+            tokens = max(1, tokens * (w.seq - w.prompt) // w.seq)
         rows = min(tokens, TRL_TOKEN_TILE)
         buf = c * rows * TRL_VOCAB_TILE
         h_cast = c * rows * hidden if stream != c else 0

@@ -322,10 +322,16 @@ class TrlChunkedLogProb(torch.autograd.Function):
 
 
 def trl_log_probs(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
-                  outputs: tuple[str, ...] = TRL_SFT_OUTPUTS) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  outputs: tuple[str, ...] = TRL_SFT_OUTPUTS, prompt: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """TRL 1.16's ``_fused_forward`` after the backbone (``fused_lm_head=True``, no
     ``shift_labels``, on CUDA: only the positions with a label are scored): (each requested
-    per-position field ``[batch, seq - 1]``, zero where ignored; the label mask)."""
+    per-position field ``[batch, seq - 1]``, zero where ignored; the label mask).
+
+    ``prompt``: the first ``prompt`` tokens of each sequence carry no label (the preference
+    collators' completion mask). TRL selects the scored positions with the boolean mask
+    (``hidden[mask]``, a copy); the trace does not know the labels' values, so with a prompt it
+    takes the same positions by slicing (``[:, prompt - 1:]``, a copy of the same size) instead of
+    the mask's every-position rule."""
     if getattr(head, "bias", None) is not None:
         raise TraceError("loss=trl is modelled for an output head without a bias", hint="use `loss=full`")
     weight = _head_weight(head)
@@ -333,7 +339,14 @@ def trl_log_probs(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, a
     shifted = labels[:, 1:]
     mask = shifted != IGNORE_INDEX
     compute = autocast_dtype or hidden.dtype
-    per_token = TrlChunkedLogProb.apply(hidden_states[mask], weight, shifted[mask], compute, outputs)
+    if prompt:
+        first = prompt - 1
+        scored_hidden = hidden_states[:, first:].reshape(-1, hidden_states.shape[-1])
+        scored_labels = shifted[:, first:].reshape(-1)
+    else:
+        scored_hidden, scored_labels = hidden_states[mask], shifted[mask]
+    per_token = TrlChunkedLogProb.apply(scored_hidden, weight, scored_labels, compute, outputs)
+    del scored_hidden, scored_labels
     names = ("log_probs", *TRL_OPTIONAL)
     fields = {name: x.new_zeros(mask.shape).masked_scatter(mask, x) for name, x in zip(names, per_token, strict=True)
               if x is not None}

@@ -89,12 +89,17 @@ def step_note(w: Workload) -> str:
     if w.objective is Objective.KTO:
         return ("KTO step as TRL 1.16 KTOTrainer runs it: the KL batch (mismatched completions) under no_grad, then "
                 f"the labelled sequences, through TRL's fused LM head (log-probs, entropy, mean logits); reference: "
-                f"{ref}, both batches under no_grad. Every position but the first is scored (completions filling the "
-                "sequence: an upper bound where prompts are long); the metrics' scalars are not counted")
+                f"{ref}, both batches under no_grad. {_scored(w)}; the metrics' scalars are not counted")
     return ("DPO step as TRL 1.16 DPOTrainer runs it: the pairs' chosen and rejected sequences as one batch through "
             f"TRL's fused LM head (log-probs, entropy, mean logits, top-1); reference: {ref}, under no_grad; the "
-            "sigmoid loss. Every position but the first is scored (completions filling the sequence: an upper bound "
-            "where prompts are long); the metrics' scalars are not counted")
+            f"sigmoid loss. {_scored(w)}; the metrics' scalars are not counted")
+
+
+def _scored(w: Workload) -> str:
+    if w.prompt:
+        return f"The completion's {w.seq - w.prompt:,} tokens of each sequence are scored, not the {w.prompt:,} of the prompt"
+    return ("Every position but the first is scored (completions filling the sequence: an upper bound where there is "
+            "a prompt, `prompt=N`)")
 
 
 def reference_note(reference: nn.Module) -> str:
@@ -116,8 +121,8 @@ def preference_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
     if not isinstance(ids, torch.Tensor):
         raise TraceError(f"objective={w.objective} needs a token model's inputs (input_ids)")
     out = {k: v for k, v in kwargs.items() if k != "labels"}
-    out["completion_mask"] = torch.ones_like(ids)
-    keys = PRECOMPUTED_KEYS
+    out["completion_mask"] = torch.ones_like(ids)  # (zeros over the first `prompt` tokens: values the trace does
+    keys = PRECOMPUTED_KEYS                        # not hold; the step takes the prompt from the workload)
     if w.objective is Objective.KTO:
         out["KL_input_ids"] = torch.empty_like(ids)
         out["KL_completion_mask"] = torch.ones_like(ids)
@@ -132,7 +137,7 @@ Region = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 def _sequence_logps(model: nn.Module, kwargs: dict[str, Any], labels: torch.Tensor, autocast: torch.dtype | None,
-                    outputs: tuple[str, ...], region: Region) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    outputs: tuple[str, ...], region: Region, prompt: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(the head's per-position fields, the per-sequence log-probabilities): one model call in its
     own autocast region (``region``), its per-sequence sum outside it, as the trainers do."""
     _hf, backbone, head = causal_lm_parts(model)
@@ -140,7 +145,7 @@ def _sequence_logps(model: nn.Module, kwargs: dict[str, Any], labels: torch.Tens
         out = backbone(**{**kwargs, "use_cache": False})
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         del out
-        fields, _mask = trl_log_probs(hidden, head, labels, autocast, outputs)
+        fields, _mask = trl_log_probs(hidden, head, labels, autocast, outputs, prompt)
         del hidden, _mask
     seq_len = labels.shape[1] - 1
     return fields, fields["log_probs"][:, -seq_len:].sum(dim=1)
@@ -148,7 +153,7 @@ def _sequence_logps(model: nn.Module, kwargs: dict[str, Any], labels: torch.Tens
 
 def dpo_forward_loss(model: nn.Module, reference: nn.Module | None, source: Reference,
                      batch: tuple[tuple[Any, ...], dict[str, Any]], autocast: torch.dtype | None,
-                     region: Region) -> tuple[Any, torch.Tensor]:
+                     region: Region, prompt: int = 0) -> tuple[Any, torch.Tensor]:
     """(the outputs a loop would hold, the loss) of one DPO micro-batch."""
     args, kwargs = batch
     if args:
@@ -159,7 +164,7 @@ def dpo_forward_loss(model: nn.Module, reference: nn.Module | None, source: Refe
         raise TraceError("objective=dpo needs input_ids and a completion_mask in the batch (preference_inputs)")
     pre = [kwargs.pop(k, None) for k in PRECOMPUTED_KEYS]
     labels = kwargs["input_ids"].masked_fill(completion_mask == 0, -100)
-    fields, logps = _sequence_logps(model, kwargs, labels, autocast, DPO_POLICY_OUTPUTS, region)
+    fields, logps = _sequence_logps(model, kwargs, labels, autocast, DPO_POLICY_OUTPUTS, region, prompt)
     chosen_logps, rejected_logps = logps.chunk(2, dim=0)
     if source is Reference.PRECOMPUTED:
         ref_chosen, ref_rejected = pre
@@ -169,7 +174,7 @@ def dpo_forward_loss(model: nn.Module, reference: nn.Module | None, source: Refe
         with torch.no_grad():
             ctx, ref_model, outputs = _reference(model, reference, source, DPO_POLICY_OUTPUTS)
             with ctx:
-                ref_fields, ref_logps = _sequence_logps(ref_model, kwargs, labels, autocast, outputs, region)
+                ref_fields, ref_logps = _sequence_logps(ref_model, kwargs, labels, autocast, outputs, region, prompt)
         ref_chosen, ref_rejected = ref_logps.chunk(2, dim=0)
         del ref_logps
     chosen_logratios = chosen_logps - ref_chosen
@@ -196,7 +201,7 @@ def _reference(model: nn.Module, reference: nn.Module | None, source: Reference,
 
 def kto_forward_loss(model: nn.Module, reference: nn.Module | None, source: Reference,
                      batch: tuple[tuple[Any, ...], dict[str, Any]], autocast: torch.dtype | None,
-                     region: Region) -> tuple[Any, torch.Tensor]:
+                     region: Region, prompt: int = 0) -> tuple[Any, torch.Tensor]:
     """(the outputs a loop would hold, the loss) of one KTO micro-batch (``KTOTrainer._compute_loss``)."""
     args, kwargs = batch
     kwargs = dict(kwargs)
@@ -216,12 +221,12 @@ def kto_forward_loss(model: nn.Module, reference: nn.Module | None, source: Refe
         # (`_compute_kl_logps`: the KL labels made afresh for each model, freed on return)
         kl_labels = kl_ids.masked_fill(kl_mask == 0, -100)
         with torch.no_grad():
-            _fields, logps = _sequence_logps(m, kl_kwargs, kl_labels, autocast, outputs, region)
+            _fields, logps = _sequence_logps(m, kl_kwargs, kl_labels, autocast, outputs, region, prompt)
         return logps
 
     kl_logps = kl_logps_of(model, KTO_POLICY_OUTPUTS)
     completion_labels = kwargs["input_ids"].masked_fill(completion_mask == 0, -100)
-    fields, completion_logps = _sequence_logps(model, kwargs, completion_labels, autocast, KTO_POLICY_OUTPUTS, region)
+    fields, completion_logps = _sequence_logps(model, kwargs, completion_labels, autocast, KTO_POLICY_OUTPUTS, region, prompt)
     bool_labels = label.to(torch.bool)
     chosen_idx = torch.nonzero(bool_labels, as_tuple=False).view(-1)
     rejected_idx = torch.nonzero(~bool_labels, as_tuple=False).view(-1)
@@ -239,7 +244,7 @@ def kto_forward_loss(model: nn.Module, reference: nn.Module | None, source: Refe
             ctx, ref_model, outputs = _reference(model, reference, source, KTO_POLICY_OUTPUTS)
             with ctx:
                 ref_kl_logps = kl_logps_of(ref_model, outputs)
-                ref_outputs, ref_completion = _sequence_logps(ref_model, kwargs, completion_labels, autocast, outputs, region)
+                ref_outputs, ref_completion = _sequence_logps(ref_model, kwargs, completion_labels, autocast, outputs, region, prompt)
         ref_chosen = ref_completion.index_select(0, chosen_idx)
         ref_rejected = ref_completion.index_select(0, rejected_idx)
     kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)

@@ -759,7 +759,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
-            objective=w.objective, reference=p.reference, reference_source=w.reference_source,
+            objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
         )
         if w.training and w.objective is not Objective.SFT:
             notes.append(preference.step_note(w) if loss_fn is None else

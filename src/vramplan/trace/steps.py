@@ -78,6 +78,8 @@ class StepPlan:
     reference: nn.Module | None = None
     """DPO's frozen reference model (``reference=model``), or None."""
     reference_source: Reference = Reference.MODEL
+    prompt: int = 0
+    """Prompt tokens per sequence a preference objective does not score (``Workload.prompt``)."""
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -136,7 +138,7 @@ def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any,
             return sess.autocast_region(plan.autocast)
 
         return step(plan.model, plan.reference, plan.reference_source, plan.batch,
-                    ac.dtype if ac is not None else None, region)
+                    ac.dtype if ac is not None else None, region, plan.prompt)
     if plan.loss is Loss.FULL or plan.loss_fn is not None:
         out = call_model(plan.model, plan.batch)
         return out, loss_of(out, plan.batch, plan.loss_fn)
