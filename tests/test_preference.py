@@ -25,7 +25,7 @@ from vramplan.events import Action
 from vramplan.trace.preference import DPO_POLICY_OUTPUTS, KTO_POLICY_OUTPUTS
 from vramplan.trace.run import TraceOptions, trace_model, trace_workload
 from vramplan.trace.session import TraceSession
-from vramplan.workload import Phase, Reference, Workload
+from vramplan.workload import Parallel, Phase, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
 dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -176,6 +176,15 @@ def test_pairs_double_the_sequences_and_layers_are_replicated_exactly() -> None:
     assert any("identical layers traced once" in n for n in fast.notes)
     sft = trace_workload(spec, w.replace(objective="sft", batch=4, loss="trl"))
     assert fast.peak_allocated > sft.peak_allocated * 0.9  # the same 4 sequences, plus a reference forward
+
+
+@pytest.mark.parametrize("method", ["trace", "analytic"])
+def test_a_reference_copy_under_parallelism_is_refused_by_both_methods(small_llama: Any, method: str) -> None:
+    from vramplan.analytic.estimate import estimate
+
+    w = Workload(task="train", batch=1, seq=64, objective="dpo", parallel=Parallel(dp=2))
+    with pytest.raises(WorkloadError, match="reference model under data or model parallelism"):
+        estimate(small_llama, w) if method == "analytic" else trace_workload(small_llama, w)
 
 
 def test_dpo_workloads_are_checked() -> None:

@@ -834,6 +834,18 @@ class Workload:
             return self.reference
         return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL
 
+    def check_reference_model(self) -> None:
+        """Refuse what neither method models: a preference objective's frozen reference copy
+        under parallelism (frameworks prepare and shard it with the policy) or quantisation."""
+        p = self.parallel
+        if self.objective is Objective.SFT or self.reference_source is not Reference.MODEL:
+            return
+        if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
+            raise WorkloadError("a preference reference model under data or model parallelism or quantisation is not "
+                                "modelled (frameworks prepare and shard it with the policy)",
+                                hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
+                                field="reference")
+
     @property
     def tokens(self) -> int:
         return self.batch * self.seq

@@ -16,7 +16,6 @@ from vramplan.workload import (
     Loss,
     Objective,
     Peft,
-    Quant,
     Reference,
     Task,
     Workload,
@@ -145,12 +144,8 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     if not spec.is_decoder:
         raise WorkloadError(f"`objective={w.objective}` trains a causal language model; {spec.name} is not one",
                             hint="drop `objective`", field="objective")
-    p = w.parallel
+    w.check_reference_model()
     model_ref = w.reference_source is Reference.MODEL
-    if model_ref and (p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or w.quant is not Quant.NONE):
-        raise WorkloadError("a preference reference model under parallelism or quantisation is not modelled",
-                            hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
-                            field="reference")
     sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, batch=w.sequences, loss=Loss.TRL)
     base = estimate(spec, sft, workspace_bytes=workspace_bytes)
     ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \

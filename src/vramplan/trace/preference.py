@@ -27,10 +27,10 @@ logits, top-1), the per-sequence log-probabilities are summed and split; then, u
   ``ref_chosen_logps`` / ``ref_rejected_logps``), no reference forward.
 
 The sigmoid loss ``-logsigmoid(β · ((c − c_ref) − (r − r_ref)))`` is averaged over the pairs and
-the step goes on as :func:`.steps.train_step` (backward, optimizer). What is not modelled: the
-metrics' scalars DPOTrainer logs (a few values per pair), and prompts: every position but the
-first is scored, as if the completions filled the sequences (TRL scores the completion tokens
-only: an upper bound on the head's share).
+the step goes on as :func:`.steps.train_step` (backward, optimizer). The metrics' scalars the
+trainers log (a few values per sequence) are not modelled. TRL scores the completion tokens only:
+``Workload.prompt`` says how many tokens of each sequence are prompt (0: every position but the
+first, as if the completions filled the sequences, an upper bound on the head's share).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TraceError
-from ..workload import Objective, Quant, Reference, Workload
+from ..workload import Objective, Reference, Workload
 from .loss import causal_lm_parts, trl_log_probs
 
 DPO_POLICY_OUTPUTS: tuple[str, ...] = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -66,14 +66,7 @@ def reference_copy(model: nn.Module, w: Workload) -> nn.Module | None:
     ``evaluation_mode=True``); None for every other workload."""
     if w.objective is Objective.SFT or w.reference_source is not Reference.MODEL:
         return None
-    if w.quant is not Quant.NONE:
-        raise TraceError("a quantised preference reference model is not modelled",
-                         hint="use `reference=adapters` (TRL's choice under PEFT) or `reference=precomputed`")
-    p = w.parallel
-    if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1:
-        raise TraceError("a preference reference model under data or model parallelism is not modelled (the trace would "
-                         "have to shard it as the framework prepares it)",
-                         hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`")
+    w.check_reference_model()
     import copy
 
     ref = copy.deepcopy(model)
