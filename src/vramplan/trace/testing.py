@@ -281,6 +281,20 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
+def _exit_after(rank: int, worker: Any, *args: Any) -> None:
+    """``worker(rank, *args)``, then the process ends without the interpreter's teardown: once
+    the result is written, a gloo thread still joinable when C++ statics are destroyed aborted the
+    process now and then ("terminate called without an active exception"), failing the run. An
+    exception in the worker still propagates (traceback, non-zero exit)."""
+    import os
+    import sys
+
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[int]:
     """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` spawned processes on a free local
     port; each writes its integer result to ``tmp/rank<r>``, returned in rank order."""
@@ -296,7 +310,8 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        ctx = mp.start_processes(worker, args=(*args, tmp, env), nprocs=nprocs, join=False, start_method="spawn")
+        ctx = mp.start_processes(_exit_after, args=(worker, *args, tmp, env), nprocs=nprocs, join=False,
+                                 start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
