@@ -76,15 +76,17 @@ class Objective(_StrEnum):
     SFT = "sft"  # next-token prediction: the model's loss (or `loss`'s implementation) on one batch
     DPO = "dpo"  # direct preference optimisation: chosen and rejected sequences, a frozen reference
     KTO = "kto"  # Kahneman-Tversky optimisation: unpaired labelled sequences, a KL batch, a reference
+    GRPO = "grpo"  # group relative policy optimisation: a rollout (generate), then the policy-gradient step
 
 
 class Reference(_StrEnum):
-    """Where the reference log-probabilities of a preference objective (DPO, KTO) come from."""
+    """Where the reference log-probabilities of a preference or RL objective come from."""
 
-    AUTO = "auto"  # TRL's choice: the policy with its adapters disabled under PEFT, else a frozen copy
+    AUTO = "auto"  # TRL's choice: DPO/KTO: the adapters disabled under PEFT, else a frozen copy; GRPO: none
     MODEL = "model"  # a frozen copy of the model in the policy's dtype (TRL `ref_model`)
     ADAPTERS = "adapters"  # the policy itself with its LoRA adapters disabled (no second model)
     PRECOMPUTED = "precomputed"  # read from the dataset (TRL `precompute_ref_log_probs=True`)
+    NONE = "none"  # no reference: GRPO with TRL's default `beta=0.0` (no KL term)
 
 
 def auto_checkpointing(peft: Peft | str, task: Task | str) -> Checkpointing:
@@ -108,6 +110,7 @@ class Recipe(_StrEnum):
     TRL_SFT = "trl-sft"
     TRL_DPO = "trl-dpo"
     TRL_KTO = "trl-kto"
+    TRL_GRPO = "trl-grpo"
     ACCELERATE = "accelerate"
     LIGHTNING = "lightning"
     TORCHTUNE = "torchtune"
@@ -521,16 +524,21 @@ class Workload:
     """What training optimises: sft (the next-token loss), dpo (direct preference optimisation:
     `batch` pairs, each a chosen and a rejected sequence of `seq` tokens run as one batch of
     2 x `batch`, and a reference forward without gradients) or kto (`batch` labelled sequences,
-    a KL batch of as many mismatched ones and the reference's forwards, without gradients);
+    a KL batch of as many mismatched ones and the reference's forwards, without gradients) or
+    grpo (a rollout: `batch` x `grad_accum` completions of `seq - prompt` tokens generated after
+    `prompt` tokens, then `grad_accum` policy-gradient micro-steps of `batch` completions each);
     causal language models, as TRL's trainers run them."""
     prompt: int = 0
     """Tokens at the start of each sequence that are prompt, not scored by the preference
     objective's head (TRL scores the completion tokens only); 0: every position but the first,
-    as if the completion filled the sequence (an upper bound)."""
+    as if the completion filled the sequence (an upper bound). GRPO generates after it: at least 1."""
+    generations: int = 8
+    """GRPO's completions per prompt (TRL `num_generations`); the generation batch (`batch` x
+    data-parallel ranks x `grad_accum`) must hold whole groups of them."""
     reference: Reference = Reference.AUTO
-    """The preference objective's reference: auto (the policy with adapters disabled under PEFT,
-    else a frozen copy, as TRL), model, adapters or precomputed (log-probabilities read from the
-    dataset)."""
+    """The objective's reference: auto (as TRL: DPO/KTO: the policy with adapters disabled under
+    PEFT, else a frozen copy; GRPO: none, its `beta=0.0`), model, adapters, precomputed
+    (log-probabilities read from the dataset; DPO/KTO) or none (GRPO without a KL term)."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter from its gradient hook during backward, and the
     gradient is freed right after (torchtune's `optimizer_in_bwd`; not with gradient
@@ -588,7 +596,7 @@ class Workload:
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
     recipe: Recipe = Recipe.PLAIN
     """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft, trl-dpo,
-    trl-kto, accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
+    trl-kto, trl-grpo, accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
     loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
     def __post_init__(self) -> None:
@@ -610,7 +618,8 @@ class Workload:
                 object.__setattr__(self, name, tuple(t.strip() for t in v.split(",") if t.strip()))
             elif not isinstance(v, tuple):
                 object.__setattr__(self, name, tuple(v))
-        for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size", "checkpoint_every", "loss_chunks"):
+        for name in ("batch", "seq", "grad_accum", "lora_rank", "image_size", "checkpoint_every", "loss_chunks",
+                     "generations"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
@@ -651,6 +660,12 @@ class Workload:
         if self.objective is not Objective.SFT and self.task is not Task.TRAIN:
             raise WorkloadError(f"`objective={self.objective}` is a training objective",
                                 hint="use `task=train`, or drop `objective`", field="objective")
+        if self.objective is Objective.GRPO:
+            self._check_grpo()
+        elif self.reference is Reference.NONE and self.objective is not Objective.SFT:
+            raise WorkloadError(f"`objective={self.objective}` needs a reference (its loss compares with it)",
+                                hint="use `reference=model`, adapters (with `peft=lora`) or precomputed",
+                                field="reference")
         if self.reference is Reference.ADAPTERS and (self.objective is not Objective.SFT and self.peft is Peft.NONE):
             raise WorkloadError("`reference=adapters` disables the policy's adapters, and there are none",
                                 hint="add `peft=lora`, or use `reference=model`", field="reference")
@@ -765,7 +780,9 @@ class Workload:
         if task is not Task.TRAIN and self.loss is not Loss.FULL:
             notes.append(f"`loss` applies to training; ignored for `task={task}`")
         if self.objective is Objective.SFT and (self.reference is not Reference.AUTO or self.prompt):
-            notes.append("`reference` and `prompt` apply with `objective=dpo` or kto; ignored otherwise")
+            notes.append("`reference` and `prompt` apply with `objective=dpo`, kto or grpo; ignored otherwise")
+        if self.objective is not Objective.GRPO and self.generations != 8:
+            notes.append("`generations` applies with `objective=grpo`; ignored otherwise")
         if self.objective is not Objective.SFT and self.loss not in (Loss.FULL, Loss.TRL):
             notes.append(f"`loss={self.loss}` is not {self.objective}'s: `objective={self.objective}` scores with "
                          "TRL's fused head (`loss=trl`)")
@@ -820,6 +837,37 @@ class Workload:
     def mixed(self) -> bool:
         return self.precision in (Precision.FP16_MIXED, Precision.BF16_MIXED)
 
+    def _check_grpo(self) -> None:
+        if self.prompt < 1:
+            raise WorkloadError("`objective=grpo` generates each completion after a prompt: `prompt` must be set",
+                                hint=f"give `prompt=N` with N below `seq={self.seq}` (the completion is `seq - prompt`)",
+                                field="prompt")
+        if self.reference is Reference.PRECOMPUTED:
+            raise WorkloadError("GRPO's reference scores completions generated during training: they cannot be "
+                                "precomputed", hint="use `reference=none` (beta=0), model or adapters",
+                                field="reference")
+        gen = self.batch * self.parallel.dp * self.grad_accum
+        if self.generations < 2 or gen % self.generations:
+            raise WorkloadError(f"the generation batch ({self.batch} x {self.parallel.dp} ranks x {self.grad_accum} "
+                                f"accumulation steps = {gen}) must hold whole groups of `generations={self.generations}` "
+                                "completions, and GRPO needs at least 2 (TRL GRPOConfig.__post_init__)",
+                                hint="make `batch` x `grad_accum` a multiple of `generations`", field="generations")
+
+    @property
+    def batch_step(self) -> int:
+        """The smallest valid change of ``batch`` (GRPO: the generation batch holds whole groups
+        of ``generations``; 1 otherwise)."""
+        if self.objective is not Objective.GRPO:
+            return 1
+        import math
+
+        return self.generations // math.gcd(self.generations, self.parallel.dp * self.grad_accum)
+
+    @property
+    def completion(self) -> int:
+        """Tokens a GRPO rollout generates per completion (``seq - prompt``)."""
+        return self.seq - self.prompt
+
     @property
     def sequences(self) -> int:
         """Sequences the model runs per micro-batch: ``batch``, or twice it for DPO (each pair's
@@ -832,6 +880,8 @@ class Workload:
         under PEFT)."""
         if self.reference is not Reference.AUTO:
             return self.reference
+        if self.objective is Objective.GRPO:
+            return Reference.NONE  # (GRPOConfig `beta=0.0`: "the reference model is not needed")
         return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL
 
     def check_reference_model(self) -> None:

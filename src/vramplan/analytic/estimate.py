@@ -78,6 +78,10 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             "padding, all-gather and reduce-scatter buffers, its rate limiter) are traced",
             hint="use `method=trace` (auto traces catalog models), which runs FullyShardedDataParallel itself",
             field="engine")
+    if w.objective is Objective.GRPO:
+        from .grpo import estimate_grpo
+
+        return estimate_grpo(spec, w, workspace_bytes, estimate)
     if w.objective is not Objective.SFT:
         return _preference(spec, w, workspace_bytes)
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:

@@ -141,7 +141,9 @@ class BoundarySearch:
             evaluate.close()  # type: ignore[attr-defined]
 
     def largest_batch(self, w: Workload, max_batch: int = MAX_BATCH) -> SearchResult:
-        return self.search(lambda b: w.replace(batch=b), lo=1, hi=max_batch, start=min(w.batch, max_batch))
+        step = w.batch_step  # (GRPO: batches that hold whole groups of generations)
+        hi = max(step, max_batch - max_batch % step)
+        return self.search(lambda b: w.replace(batch=b), lo=step, hi=hi, step=step, start=min(w.batch, hi))
 
 
 class _Ahead:

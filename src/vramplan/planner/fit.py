@@ -17,7 +17,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.units import fmt_bytes
-from vramplan.workload import Attention, Method, Task, Workload, as_enum
+from vramplan.workload import Attention, Method, Objective, Task, Workload, as_enum
 
 from ..engine.boundary import MAX_BATCH, BoundarySearch
 from ..engine.margin import Margin, describe, margin_limit, margin_of
@@ -110,7 +110,7 @@ class _Fit:
         """The cheapest change that makes batch 1 at the asked sequence fit (analytic screen)."""
         from .nextstep import cheapest_fix
 
-        fix = cheapest_fix(self.spec, self.w.replace(batch=1), self.g, method=self.m)
+        fix = cheapest_fix(self.spec, self.w.replace(batch=self.w.batch_step), self.g, method=self.m)
         return fix.sentence() if fix is not None else None
 
     def _batch(self) -> Boundary:
@@ -121,7 +121,7 @@ class _Fit:
 
         res = self.search.largest_batch(w, self.max_batch)
         limited = "search limit" if res.above is None else self._memory()
-        return self._boundary("batch", res.value, w.seq, 1, limited, make, res.above)
+        return self._boundary("batch", res.value, w.seq, w.batch_step, limited, make, res.above)
 
     def _seq(self) -> Boundary:
         w = self.w
@@ -150,7 +150,11 @@ class _Fit:
                                 hint=f"use `seq_step={cap}` or less", field="seq_step")
             raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower `new_tokens`")
         hi = cap // step * step
-        res = self.search.search(make, lo=step, hi=hi, step=step, quadratic=quadratic, start=w.seq)
+        lo = (w.prompt // step + 1) * step if w.objective is Objective.GRPO else step  # (GRPO: past the prompt)
+        if lo > hi:
+            raise PlanError(f"{self.spec.name} allows {cap} positions: no room after the {w.prompt}-token prompt",
+                            hint="lower `prompt`", field="prompt")
+        res = self.search.search(make, lo=lo, hi=hi, step=step, quadratic=quadratic, start=max(w.seq, lo))
         limited = "max_positions" if res.above is None else self._memory()
         return self._boundary("seq", max(res.value, 0), w.batch, step, limited, make, res.above)
 

@@ -331,7 +331,7 @@ def plan_sweep(model: str | ModelSpec, result: PlanResult, *, top: int = PLAN_SE
     chosen: list[tuple[int, Plan]] = []
     seen: set[Workload] = set()
     for i, p in enumerate(result.plans, 1):
-        key = p.workload.replace(batch=1, grad_accum=1)
+        key = p.workload.replace(batch=1, grad_accum=1, objective="sft", generations=8)
         if key in seen:
             continue
         seen.add(key)

@@ -117,6 +117,21 @@ def _trl_kto(peft: Peft, dp: int) -> tuple[Default, ...]:
     )
 
 
+def _trl_grpo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        *(d for d in _trl_sft(peft, dp) if d.field != "loss"),
+        Default("loss", Loss.TRL, f"{_TRL}/trainer/grpo_trainer.py#L1066-L1073 (`add_fused_lm_head` on the policy, "
+                "with log-probs and entropy)"),
+        Default("objective", Objective.GRPO, f"{_TRL}/trainer/grpo_trainer.py#L1763-L1890 (`_generate_single_turn`: "
+                f"`generate` without vLLM, {_TRL}/trainer/grpo_config.py#L587-L588 `use_vllm` False) and "
+                f"{_TRL}/trainer/grpo_trainer.py#L3020 (`_compute_loss`, {_TRL}/trainer/grpo_config.py#L801-L802 "
+                "`loss_type` 'dapo')"),
+        Default("reference", Reference.AUTO, f"{_TRL}/trainer/grpo_config.py#L681-L682 (`beta` 0.0) and "
+                f"{_TRL}/trainer/grpo_trainer.py#L983-L990 (beta 0: no reference model)"),
+        Default("generations", 8, f"{_TRL}/trainer/grpo_config.py#L480-L481 (`num_generations` 8)"),
+    )
+
+
 # --- accelerate and Lightning: the user's own loop ---------------------------------------
 def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
@@ -289,6 +304,10 @@ CATALOG: dict[Recipe, RecipeSpec] = {
                          "KTO on labelled sequences with a KL batch and the reference's forwards (adapters disabled "
                          "under PEFT, else a frozen copy), TRL's fused LM head, gradient checkpointing on, fused AdamW",
                          _trl_kto),
+    Recipe.TRL_GRPO: _trl(Recipe.TRL_GRPO, "GRPOTrainer",
+                          "GRPO: a rollout with `generate` on the training model, then micro-steps through TRL's "
+                          "fused LM head with the dapo loss; no reference (beta 0), gradient checkpointing on, fused "
+                          "AdamW", _trl_grpo),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
         _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)

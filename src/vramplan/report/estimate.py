@@ -47,7 +47,9 @@ def workload_line(r: MemoryReport) -> str:
     if not r.user_model:  # a user's own inputs fix their own shapes
         dpo = w.objective.value == "dpo"
         parts.append(f"batch {w.batch} pairs ({w.sequences} sequences)" if dpo else f"batch {w.batch}")
-        if r.has_sequence:
+        if r.has_sequence and w.objective.value == "grpo":
+            parts.append(f"seq {w.seq} (prompt {w.prompt} + completion {w.completion}) · {w.generations} generations")
+        elif r.has_sequence:
             parts.append(f"seq {w.seq}")
         else:
             parts.append(f"image {w.image_size}")

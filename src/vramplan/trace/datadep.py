@@ -15,8 +15,8 @@ nonzero / argwhere /      every element counts as non-zero (the no-padding, all-
                           uniform MoE routing, each expert gets ``tokens·top_k/n`` tokens
                           (times ``Workload.routing_skew``, capped at every token)
 mask.sum() / count        of such a mask: ``numel·share`` (a known value, so ``.item()`` works)
-x[bool_mask],             as nonzero of the mask
-masked_select
+x[bool_mask],             as nonzero of the mask; a mask with values (labels built from
+masked_select             known masks) indexing model data: its exact count
 unique (all variants)     every element distinct
 torchvision nms           every box kept (an upper bound; detectors keep ``post_nms_top_n`` /
                           ``detections_per_img`` of them right after)
@@ -76,6 +76,9 @@ def _meta(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
 
 def _count(values: Values, mask: torch.Tensor, numel: int | None = None) -> int:
     n = mask.numel() if numel is None else numel
+    known = values.cpu_view(mask)
+    if known is not None:  # a mask with values (indexing model data with it: the data has none)
+        return int(known.count_nonzero()) * (n // max(mask.numel(), 1))
     d = values.get_density(mask)
     return n if d >= 1.0 else max(1, min(n, math.ceil(n * d)))
 
@@ -180,6 +183,17 @@ def rule_values(name: str, values: Values, args: tuple[Any, ...], kwargs: dict[s
         if values.get_bound(x) is not None and out.numel() <= SHADOW_LIMIT:
             return uniform_counts(x.numel(), out.numel(), values.routing_skew)
     return None
+
+
+def known_masks(values: Values, rule: str, args: tuple[Any, ...]) -> bool:
+    """Whether the boolean masks a rule counts all have values (its answer is then exact)."""
+    if rule == "index_bool":
+        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    elif rule == "masked_select":
+        masks = [args[1]]
+    else:
+        return False
+    return bool(masks) and all(values.cpu_view(m) is not None for m in masks)
 
 
 def _has_bool_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -28,10 +28,10 @@ from ..events import Category
 from ..workload import Phase
 from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
-from .datadep import NO_VALUE_OPS, SKIP_OPS, needs_rule, rule_values, uniform_counts
+from .datadep import NO_VALUE_OPS, SKIP_OPS, known_masks, needs_rule, rule_values, uniform_counts
 from .metacache import MetaCache
 from .modules import ModuleTracker
-from .recorder import PHASE_INDEX, Recorder
+from .recorder import PHASE_INDEX, Recorder, describe
 from .values import SHADOW_LIMIT, Values, to_cpu_args
 from .where import user_frame
 
@@ -313,7 +313,8 @@ class TraceMode(TorchDispatchMode):
             cpu_out = func(*cpu_args[0], **cpu_args[1])
             out = _mirror(cpu_out)
         elif rule is not None:
-            self.rules_used[rule[0]] += 1
+            if not known_masks(values, rule[0], args):  # (known masks over model data: exact counts)
+                self.rules_used[rule[0]] += 1
             out = rule[1](values, func, args, kwargs)
             cpu_out = rule_values(rule[0], values, args, kwargs, out)
         else:
@@ -368,6 +369,16 @@ class TraceMode(TorchDispatchMode):
 
         if func in BLAS_OPS:
             self._blas_workspace()
+        elif func is aten.multinomial.default and isinstance(args[0], torch.Tensor) and on_meta(args[0]) \
+                and (len(args) < 3 or not args[2] or args[1] == 1):
+            # ATen's multinomial (native/Distributions.cpp, the fast path for one sample or no
+            # replacement): ``q = at::empty_like(self).exponential_(1); div_out(q, self, q)``, then
+            # argmax/topk of q: one temporary the size of the probabilities
+            x = args[0]
+            eid = self.rec.synthetic_alloc(x.numel() * x.element_size(), Category.TEMPORARY,
+                                           describe(x),
+                                           op="multinomial.exponential_")
+            self.rec.synthetic_free(eid, Category.TEMPORARY, op="multinomial.exponential_")
         elif func in CONV_OPS and self.profile.cudnn_conv_workspace:
             self._conv_workspace(func, args, out)
         elif func is FLASH_BWD:

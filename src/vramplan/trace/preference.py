@@ -95,11 +95,12 @@ def _scored(w: Workload) -> str:
             "a prompt, `prompt=N`)")
 
 
-def reference_note(reference: nn.Module) -> str:
+def reference_note(reference: nn.Module, w: Workload) -> str:
     n = sum(q.numel() for q in reference.parameters())
     dtypes = sorted({str(q.dtype).removeprefix("torch.") for q in reference.parameters()})
-    return (f"DPO reference: a frozen copy of the model ({n:,} parameters, {'/'.join(dtypes)}, the policy's dtype as "
-            "TRL loads it), run under no_grad after the policy's forward")
+    when = "after the rollout" if w.objective is Objective.GRPO else "after the policy's forward"
+    return (f"{str(w.objective).upper()} reference: a frozen copy of the model ({n:,} parameters, {'/'.join(dtypes)}, "
+            f"the policy's dtype as TRL loads it), run under no_grad {when}")
 
 
 def preference_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:

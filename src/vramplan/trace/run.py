@@ -34,6 +34,7 @@ from . import (
     dist,
     features,
     forked,
+    grpo,
     offload,
     pipeline_parallel,
     preference,
@@ -55,7 +56,7 @@ from .recorder import resolve_categories
 from .result import TraceResult
 from .sac import Policy
 from .session import TraceSession
-from .steps import RUNNERS, Batch, LossFn, StepPlan, register_in_backward
+from .steps import RUNNERS, Batch, LossFn, StepPlan, grpo_step, register_in_backward
 from .usererror import SHAPE_HINT, shape_mismatch
 from .values import SHADOW_LIMIT
 from .where import user_frame_of
@@ -274,7 +275,7 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                                   labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
     if w.objective is not Objective.SFT:
-        batch_kwargs = preference.preference_inputs(batch_kwargs, w)
+        batch_kwargs = _objective_inputs(batch_kwargs, w)
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
     with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
@@ -289,6 +290,11 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
                 f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
         return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache,
                       experts=experts)
+
+
+def _objective_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
+    """The batch the objective's trainer feeds its step (GRPO: none; its rollout makes them)."""
+    return grpo.inputs(kwargs, w) if w.objective is Objective.GRPO else preference.preference_inputs(kwargs, w)
 
 
 def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str) -> list[str]:
@@ -321,7 +327,7 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
                                   labels=w.task is Task.TRAIN,
                                   dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
     if w.objective is not Objective.SFT:
-        batch_kwargs = preference.preference_inputs(batch_kwargs, w)
+        batch_kwargs = _objective_inputs(batch_kwargs, w)
     if lent is None:
         assert model is not None
         prepared = _prepare(model, ((), {}), w, notes, spec.name, device)
@@ -642,7 +648,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     model.train(w.training)
     if reference is not None:
         features.to_trace_device(reference)
-        notes.append(preference.reference_note(reference))
+        notes.append(preference.reference_note(reference, w))
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
                     compiler=compiler, step_context=step_context, mesh=mesh, reference=reference)
 
@@ -760,12 +766,16 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
+            micro_batch=w.batch, completion=w.completion,
         )
         if w.training and w.objective is not Objective.SFT:
-            notes.append(preference.step_note(w) if loss_fn is None else
-                         f"objective={w.objective} ignored: the given loss_fn runs")
+            step_note = grpo.step_note if w.objective is Objective.GRPO else preference.step_note
+            notes.append(step_note(w) if loss_fn is None else f"objective={w.objective} ignored: the given loss_fn runs")
         elif w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
+        if runner is None and w.training and w.objective is Objective.GRPO and loss_fn is None:
+            runner = grpo_step
+            plan.runner_name = "grpo"
         runner = runner or RUNNERS[str(w.task)]
         with p.step_context() if p.step_context is not None else contextlib.nullcontext():
             for it in range(1, iterations + 1):
@@ -805,6 +815,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
+    if plan.runner_name == "grpo":
+        result = dataclasses.replace(result, notes=(*result.notes, grpo.limit_note(result.phases)))
     if not host_parts:
         return result
     return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)

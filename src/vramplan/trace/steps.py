@@ -80,6 +80,15 @@ class StepPlan:
     reference_source: Reference = Reference.MODEL
     prompt: int = 0
     """Prompt tokens per sequence a preference objective does not score (``Workload.prompt``)."""
+    micro_batch: int = 0
+    """GRPO: completions per micro-step (``Workload.batch``)."""
+    completion: int = 0
+    """GRPO: tokens generated per completion (``Workload.completion``)."""
+    runner_name: str = ""
+    """"grpo" when :func:`grpo_step` runs (its report names the limiting phase)."""
+    held: list[Any] = field(default_factory=list)
+    """GRPO: the generation window's buffered micro-batches (TRL's ``_buffered_inputs``), alive
+    until the next window replaces them."""
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -125,26 +134,38 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
-def forward_loss(plan: StepPlan, sess: TraceSession | None = None) -> tuple[Any, torch.Tensor]:
+def forward_loss(plan: StepPlan, sess: TraceSession | None = None,
+                 batch: Batch | None = None) -> tuple[Any, torch.Tensor]:
     """(the model's outputs, the loss) as the workload's loss implementation computes them."""
+    if per_call_autocast(plan) and plan.objective is Objective.GRPO:
+        from . import grpo
+
+        assert sess is not None and batch is not None
+        dtype, region = _per_call(sess, plan)
+        return grpo.forward_loss(plan.model, batch[1], steps=plan.grad_accum, autocast=dtype, region=region)
     if per_call_autocast(plan):
         from .preference import dpo_forward_loss, kto_forward_loss
 
         assert sess is not None
-        ac = sess.autocast if plan.autocast else None
         step = kto_forward_loss if plan.objective is Objective.KTO else dpo_forward_loss
-
-        def region() -> Any:  # accelerate's prepare_model: torch.autocast around each forward call
-            return sess.autocast_region(plan.autocast)
-
-        return step(plan.model, plan.reference, plan.reference_source, plan.batch,
-                    ac.dtype if ac is not None else None, region, plan.prompt)
+        dtype, region = _per_call(sess, plan)
+        return step(plan.model, plan.reference, plan.reference_source, plan.batch, dtype, region, plan.prompt)
     if plan.loss is Loss.FULL or plan.loss_fn is not None:
         out = call_model(plan.model, plan.batch)
         return out, loss_of(out, plan.batch, plan.loss_fn)
     dtype = sess.autocast.dtype if sess is not None and sess.autocast is not None and sess.autocast.enabled else None
     return forward_and_loss(plan.model, plan.batch, plan.loss, plan.loss_chunks, autocast_dtype=dtype, sm=plan.sm,
                             chunk_ce=plan.chunk_ce)
+
+
+def _per_call(sess: TraceSession, plan: StepPlan) -> tuple[torch.dtype | None, Callable[[], Any]]:
+    """(the autocast dtype or None, a region per model call) for :func:`per_call_autocast` steps."""
+    ac = sess.autocast if plan.autocast else None
+
+    def region() -> Any:  # accelerate's prepare_model: torch.autocast around each forward call
+        return sess.autocast_region(plan.autocast)
+
+    return (ac.dtype if ac is not None else None), region
 
 
 def per_call_autocast(plan: StepPlan) -> bool:
@@ -172,11 +193,11 @@ def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]
         p.register_post_accumulate_grad_hook(step)
 
 
-def train_step(sess: TraceSession, plan: StepPlan) -> None:
+def train_step(sess: TraceSession, plan: StepPlan, batches: list[Batch] | None = None) -> None:
     scale = None
-    for _ in range(plan.grad_accum):
+    for i in range(plan.grad_accum):
         with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast and not per_call_autocast(plan)):
-            out, loss = forward_loss(plan, sess)
+            out, loss = forward_loss(plan, sess, batches[i] if batches is not None else None)
             _label_model_cache(sess, out)
             if not plan.keep_outputs:
                 del out
@@ -209,6 +230,20 @@ def train_step(sess: TraceSession, plan: StepPlan) -> None:
                     p.grad.zero_()
                 else:
                     p.grad = None
+
+
+def grpo_step(sess: TraceSession, plan: StepPlan) -> None:
+    """One GRPO optimizer step (:mod:`.grpo`): the rollout of the window, then its micro-steps."""
+    from . import grpo
+
+    dtype, region = _per_call(sess, plan)
+    window = grpo.rollout(sess, plan.model, plan.reference, plan.reference_source, micro_batch=plan.micro_batch,
+                          steps=plan.grad_accum, prompt=plan.prompt, completion=plan.completion, autocast=dtype,
+                          region=region, cache_kind=plan.cache, kv_dtype=plan.kv_dtype, compute=plan.compute_dtype,
+                          notes=plan.notes)
+    plan.held[:] = window  # (the previous window's buffer dies here)
+    del window
+    train_step(sess, plan, [((), b) for b in plan.held])
 
 
 def infer_step(sess: TraceSession, plan: StepPlan) -> None:

@@ -1,0 +1,85 @@
+"""GRPO (:mod:`vramplan.trace.grpo`): a generation window, then training micro-steps.
+
+The training micro-steps are the next-token step of ``batch`` sequences of ``seq`` tokens
+through TRL's fused head, scoring the ``seq - prompt`` completion tokens (the estimate of
+``objective=sft, loss=trl`` with the same prompt). The generation window is ``generate`` of
+``batch x grad_accum`` completions after ``prompt``-token prompts, in the compute dtype, on the
+training model as it stands between steps: its weights and optimizer states (gradients freed by
+``zero_grad``, unless ``keep_grads``), autocast's 16-bit weight copies under mixed precision, and
+the sampling's fp32 probabilities and ``multinomial``'s temporary of the same size, and the
+backward thread's cuBLAS workspace (cached since the first backward). A frozen
+reference (``reference=model``) adds its weights to every phase; its no-grad scoring forwards are
+bounded by the policy's training forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from vramplan.errors import WorkloadError
+from vramplan.models.spec import ModelSpec
+from vramplan.results import Breakdown, PhasePeak
+from vramplan.workload import Checkpointing, Loss, Objective, Peft, Precision, Reference, Task, Workload
+
+from ..target import CUBLAS_WORKSPACE_PRE_HOPPER as CUBLAS_WORKSPACE
+from .result import AnalyticEstimate
+
+_COMPUTE = {Precision.BF16_MIXED: Precision.BF16, Precision.FP16_MIXED: Precision.FP16}
+
+
+def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
+                  estimate: Callable[..., AnalyticEstimate]) -> AnalyticEstimate:
+    if not spec.is_decoder:
+        raise WorkloadError(f"`objective=grpo` trains a causal language model; {spec.name} is not one",
+                            hint="drop `objective`", field="objective")
+    w.check_reference_model()
+    sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8)
+    train = estimate(spec, sft, workspace_bytes=workspace_bytes)
+    ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
+        if w.reference_source is Reference.MODEL else 0
+    window = w.batch * w.grad_accum
+    gen_w = Workload(task=Task.GENERATE, batch=window, seq=w.prompt, new_tokens=w.completion,
+                     precision=_COMPUTE.get(w.precision, w.precision), attention=w.attention, kv_dtype=w.kv_dtype,
+                     quant=w.quant, checkpointing=Checkpointing.NONE)
+    gen = estimate(spec, gen_w, workspace_bytes=workspace_bytes)
+    casts = _casts(spec, sft) if w.mixed else 0
+    sampling = window * spec.vocab * 8  # fp32 probabilities and multinomial's exponential draws
+    # the backward thread's cuBLAS workspace, cached since the first step's backward
+    backward_ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
+    s = train.states
+    resident = Breakdown(weights=s.weights, gradients=s.gradients if w.keep_grads else 0, optimizer=s.optimizer)
+
+    def rollout(ph: PhasePeak) -> PhasePeak:
+        b = ph.breakdown
+        out = resident + Breakdown(activations=b.activations, kv_cache=b.kv_cache,
+                                   temporaries=b.temporaries + casts + sampling + backward_ws)
+        return PhasePeak(ph.phase, out.total, out)
+
+    def more(ph: PhasePeak) -> PhasePeak:
+        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref)
+        return PhasePeak(ph.phase, ph.allocated + ref, b)
+
+    phases = tuple(more(ph) for ph in (*(rollout(ph) for ph in gen.phases), *train.phases))
+    source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
+              Reference.NONE: "none (beta=0)"}[w.reference_source]
+    note = (f"GRPO (TRL 1.16 GRPOTrainer, use_vllm=False): generation of {window:,} completions of {w.completion:,} "
+            f"tokens after {w.prompt:,}-token prompts on the training model (its weights and optimizer states, "
+            f"{'autocast weight copies, ' if casts else ''}fp32 sampling), then {w.grad_accum} micro-step(s) of "
+            f"{w.batch:,} sequences through TRL's fused head scoring the completion tokens; reference: {source}")
+    return dataclasses.replace(
+        train, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*train.notes, note),
+        states=dataclasses.replace(s, weights=s.weights + ref), kv_cache=gen.kv_cache)
+
+
+def _casts(spec: ModelSpec, w: Workload) -> int:
+    """Autocast's 16-bit copies of the weights one forward uses (cached for the call)."""
+    from .estimate import build_arch
+    from .parallel import stages
+    from .regime import regime, trainable
+    from .states import stage_states
+
+    arch: Any = build_arch(spec)
+    rg, tr = regime(w), trainable(arch, w)
+    return max(stage_states(arch, st, w, rg, tr).casts_all for st in stages(arch, w))

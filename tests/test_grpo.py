@@ -1,0 +1,337 @@
+"""``objective=grpo``: GRPO as TRL 1.16's ``GRPOTrainer`` runs it (:mod:`vramplan.trace.grpo`).
+
+Each part of the traced step is compared with the code it models, traced on the same model:
+the training micro-step with TRL's own ``GRPOTrainer._compute_loss`` (a stand-in for the
+trainer holding the attributes it reads, TRL 1.16's defaults: ``loss_type='dapo'``, token-level
+importance sampling, no entropy bonus; its accelerator answers the metrics' ``reduce``/``gather``
+with host values, so the metrics' device scalars are the one difference allowed), the reference
+scoring with TRL's ``_get_per_token_logps_and_entropies`` under ``no_grad``, and the rollout with
+transformers' own ``generate`` (sampling; no EOS token, so that it runs to ``max_new_tokens``
+without reading sampled values, as the trace's every-completion-at-full-length bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.errors import WorkloadError
+from vramplan.events import Action, Category
+from vramplan.trace import grpo
+from vramplan.trace.run import TraceOptions, trace_model, trace_workload
+from vramplan.trace.session import TraceSession
+from vramplan.workload import KVDtype, Objective, Phase, Reference, Workload
+
+transformers = pytest.importorskip("transformers")
+grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+
+NO_WS = TraceOptions(workspaces=False)
+B, P, C, V, H = 4, 16, 48, 512, 64
+
+
+def _llama(**kw: Any) -> nn.Module:
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=256,
+                                   tie_word_embeddings=False, **kw)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _window(n: int, *, ref: bool = False) -> dict[str, torch.Tensor]:
+    """A micro-batch as ``_generate_and_score_completions`` leaves it: left-padded prompts (one
+    padded position), completions, their masks, advantages, the token count."""
+    pm = torch.ones(n, P, dtype=torch.long)
+    pm[0, 0] = 0
+    out = {"prompt_ids": torch.zeros(n, P, dtype=torch.long), "prompt_mask": pm,
+           "completion_ids": torch.zeros(n, C, dtype=torch.long), "completion_mask": torch.ones(n, C, dtype=torch.long),
+           "advantages": torch.zeros(n), "num_items_in_batch": torch.tensor(n * C)}
+    if ref:
+        out["ref_per_token_logps"] = torch.zeros(n, C)
+    return out
+
+
+class _Accelerator:
+    device = torch.device("meta")
+    num_processes = 1
+    is_main_process = True
+
+    @staticmethod
+    def autocast() -> Any:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def reduce(t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return torch.zeros(2)
+
+    @staticmethod
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1)
+
+
+def _trainer(model: nn.Module, beta: float) -> Any:
+    t = types.SimpleNamespace(
+        accelerator=_Accelerator(), top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=beta, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+        args=types.SimpleNamespace(delta=None, steps_per_generation=1, use_bias_correction_kl=False), use_vllm=False,
+        model=model, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+    t._get_per_token_logps_and_entropies = types.MethodType(
+        grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies, t)
+    return t
+
+
+@contextlib.contextmanager
+def _accelerate_autocast() -> Any:
+    """accelerate's ``prepare_model``: ``torch.autocast`` around each forward call."""
+    sess = TraceSession.current()
+    ac = sess.autocast if sess is not None else None
+    if ac is None or not ac.enabled:
+        yield
+        return
+    ac.exit()
+    ac.enter()
+    try:
+        yield
+    finally:
+        ac.exit()
+        ac.enter()
+
+
+def _prepared(model: nn.Module) -> nn.Module:
+    """``model.forward`` wrapped as accelerate wraps it: a method (the trace's copy of the model
+    calls its own forward) that keeps the forward's signature (accelerate's ``functools.wraps``:
+    ``generate`` sees ``position_ids`` and passes them)."""
+    model._pre_accelerate_forward = model.forward
+    sig = inspect.signature(model.forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with _accelerate_autocast():
+            return self._pre_accelerate_forward(*args, **kwargs)
+
+    forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *sig.parameters.values()])
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+class _TrlLoss(nn.Module):
+    def __init__(self, model: nn.Module, beta: float) -> None:
+        super().__init__()
+        self.m, self.beta = model, beta
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return grpo_trainer.GRPOTrainer._compute_loss(_trainer(self.m, self.beta), self.m, inputs)
+
+
+class _OurLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        sess = TraceSession.current()
+        assert sess is not None
+        ac = sess.autocast.dtype if sess.autocast is not None and sess.autocast.enabled else None
+        _held, loss = grpo.forward_loss(self.m, inputs, steps=1, autocast=ac, region=_accelerate_autocast)
+        return loss
+
+
+def _allocs(r: Any) -> Counter[tuple[str, int]]:
+    log = r.events
+    return Counter((log.strings[log.desc[k]], log.phase[k]) for k in range(len(log))
+                   if log.action[k] == int(Action.ALLOC))
+
+
+SCALARS = {"f32[]", "i64[]", "f32[1]", "bool[]", "bool[4]"}
+"""The metrics' (and generate's stopping checks') device scalars, read on the host."""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-reference", "kl"])
+def test_the_micro_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, precision: str,
+                                                                   beta: float) -> None:
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
+
+    def theirs() -> nn.Module:
+        m = _llama()
+        add_fused_lm_head(m, outputs=grpo.POLICY_OUTPUTS)  # as GRPOTrainer.__init__ adds it
+        return _TrlLoss(_prepared(m), beta)
+
+    w = Workload(task="train", optimizer="adamw", precision=precision)
+    a = trace_model(theirs, _window(B, ref=beta > 0), workload=w, loss_fn=lambda out: out, options=NO_WS)
+    b = trace_model(lambda: _OurLoss(_llama()), _window(B, ref=beta > 0), workload=w, loss_fn=lambda out: out,
+                    options=NO_WS)
+    for x, y in zip(a.phases, b.phases, strict=True):
+        assert x.phase == y.phase
+        assert 0 <= x.allocated - y.allocated <= 64, (x.phase, x.allocated, y.allocated)
+    extra = _allocs(a) - _allocs(b)
+    assert not _allocs(b) - _allocs(a)
+    assert {d for d, _ in extra} <= SCALARS, extra
+    # TRL's head scored the completion tokens only: B x C rows of the hidden states, no more
+    assert any(d.endswith(f"[{B * C},{H}]") for d, _ in _allocs(b))
+    assert not any(d.endswith(f"[{B * (P + C - 1)},{H}]") for d, _ in _allocs(b))
+
+
+def test_the_reference_scoring_is_trls_in_chunks_of_the_micro_batch(trl_on_cuda: Any) -> None:
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(None)
+    window = 3 * B
+
+    class Theirs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = _llama()
+            add_fused_lm_head(self.m)  # the reference's head: log-probs only
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                logps, _e, _a = _trainer(self.m, 0.04)._get_per_token_logps_and_entropies(
+                    self.m, ids, mask, C, batch_size=B)
+            return logps
+
+    class Ours(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = _llama()
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                logps, _e = grpo._logps(self.m, ids, mask, C, B, None, contextlib.nullcontext, grpo.REF_OUTPUTS,
+                                        entropy=False)
+            return logps
+
+    mask = torch.ones(window, P + C, dtype=torch.long)
+    mask[0, 0] = 0
+    inputs = {"ids": torch.zeros(window, P + C, dtype=torch.long), "mask": mask}
+    w = Workload(task="infer", precision="fp32")
+    a, b = (trace_model(m, inputs, workload=w, options=NO_WS) for m in (Theirs, Ours))
+    # TRL's head also computes its (unused) mean loss per chunk: a few device scalars
+    assert not _allocs(b) - _allocs(a)
+    assert {d for d, _ in _allocs(a) - _allocs(b)} <= SCALARS
+    assert 0 <= a.peak_allocated - b.peak_allocated <= 512
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_rollout_allocates_what_transformers_generate_allocates(precision: str) -> None:
+    new = 12
+    kw = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
+
+    class Theirs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = _prepared(_llama(**kw))
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            cfg = transformers.GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_p=1.0,
+                                                top_k=0, pad_token_id=0, eos_token_id=None, disable_compile=True)
+            with torch.no_grad():
+                return self.m.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=cfg)
+
+    class Ours(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = _llama(**kw)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            sess = TraceSession.current()
+            with torch.no_grad():
+                return grpo.generate(sess, self.m, input_ids, attention_mask, new, _accelerate_autocast, "dynamic",
+                                     KVDtype.AUTO, torch.bfloat16 if precision != "fp32" else torch.float32, [],
+                                     eos=False)
+
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[0, 0] = 0
+    inputs = {"input_ids": torch.zeros(B, P, dtype=torch.long), "attention_mask": mask}
+    # (task=train runs the forward under autocast as the trainer's model does; nothing here has gradients)
+    w = Workload(task="infer", precision="fp32")
+    if precision != "fp32":
+        w = Workload(task="infer", precision="bf16-mixed")
+    a, b = (trace_model(m, inputs, workload=w, options=NO_WS) for m in (Theirs, Ours))
+    assert 0 <= a.peak_allocated - b.peak_allocated <= 64, (a.peak_allocated, b.peak_allocated)
+    theirs, ours = (Counter(d for (d, _p), n in _allocs(r).items() for _ in range(n)) for r in (a, b))
+    extra = theirs - ours  # (by shape: the trace's rollout names its phases prefill and decode)
+    assert not ours - theirs
+    # transformers' own bookkeeping: stopping-check scalars, the prompt mask's padding checks and
+    # the rotary inv_freq moved to the device once more
+    assert set(extra) <= SCALARS | {f"bool[{B},{P}]", f"f32[{H // 4 // 2}]"}, extra
+
+
+def test_multinomial_holds_a_temporary_the_size_of_the_probabilities() -> None:
+    """ATen's one-sample path: ``q = empty_like(p).exponential_(1)``, ``p / q``, argmax."""
+
+    class Draw(nn.Module):
+        def forward(self, p: torch.Tensor) -> torch.Tensor:
+            return torch.multinomial(p, 1)
+
+    r = trace_model(Draw, {"p": torch.rand(8, 1000)}, workload=Workload(task="infer", precision="fp32"),
+                    options=NO_WS)
+    log = r.events
+    temps = [log.size[k] for k in range(len(log)) if log.action[k] == int(Action.ALLOC)
+             and log.category[k] == int(Category.TEMPORARY) and log.strings[log.desc[k]] == "f32[8,1000]"]
+    assert temps == [8 * 1000 * 4] * 2  # (one per traced iteration)
+
+
+def test_a_step_is_a_rollout_then_the_micro_steps() -> None:
+    from vramplan.models.catalog import resolve
+
+    spec = resolve("llama-3.2-1b")
+    w = Workload(task="train", batch=2, grad_accum=2, seq=80, prompt=16, precision="bf16-mixed", objective="grpo",
+                 generations=4, peft="lora")
+    r = trace_workload(spec, w)
+    phases = {p.phase: p for p in r.phases}
+    assert {Phase.PREFILL, Phase.DECODE, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER} <= set(phases)
+    # the rollout's KV cache: the whole window (batch x grad_accum) at prompt + completion tokens, bf16
+    c = spec.config
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 2
+    assert phases[Phase.DECODE].breakdown.kv_cache >= per_token * 4 * (80 - 1)
+    assert phases[Phase.DECODE].breakdown.kv_cache <= per_token * 4 * 80
+    assert phases[Phase.FORWARD].breakdown.kv_cache == 0
+    assert any(n.startswith("GRPO peaks: generation") for n in r.notes)
+    assert any("rollout decode steps" in n for n in r.notes)  # the decode steps' exact progression
+
+
+@pytest.mark.parametrize("kw", [{}, {"reference": "model"}, {"peft": "lora"}, {"precision": "bf16"},
+                                {"batch": 2, "grad_accum": 4, "generations": 8}],
+                         ids=["full", "reference", "lora", "bf16", "window"])
+def test_analytic_agrees_with_the_trace(small_llama: Any, kw: dict) -> None:
+    from vramplan.analytic.estimate import estimate
+
+    w = Workload(**{"task": "train", "batch": 4, "seq": 512, "prompt": 128, "precision": "bf16-mixed",
+                    "objective": "grpo", "generations": 4, **kw})
+    a, r = estimate(small_llama, w), trace_workload(small_llama, w)
+    assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (r.peak_allocated, a.peak.allocated)
+    gen = {p.phase: p.allocated for p in a.phases}
+    traced = {p.phase: p.allocated for p in r.phases}
+    assert abs(gen[Phase.DECODE] - traced[Phase.DECODE]) / traced[Phase.DECODE] < 0.05
+
+
+def test_grpo_workloads_are_checked() -> None:
+    with pytest.raises(WorkloadError, match="prompt"):
+        Workload(task="train", objective="grpo", batch=8)
+    with pytest.raises(WorkloadError, match="whole groups"):
+        Workload(task="train", objective="grpo", batch=6, seq=64, prompt=8)
+    with pytest.raises(WorkloadError, match="cannot be precomputed"):
+        Workload(task="train", objective="grpo", batch=8, seq=64, prompt=8, reference="precomputed")
+    with pytest.raises(WorkloadError, match="needs a reference"):
+        Workload(task="train", objective="dpo", reference="none")
+    w = Workload(task="train", objective="grpo", batch=8, seq=64, prompt=8)
+    assert (w.reference_source, w.completion, w.sequences, w.batch_step) == (Reference.NONE, 56, 8, 8)
+    assert Workload(task="train", objective="grpo", batch=2, grad_accum=4, seq=64, prompt=8).batch_step == 2
+    assert Workload(task="train", objective="grpo", batch=8, seq=64, prompt=8, peft="lora",
+                    reference="auto").reference_source is Reference.NONE
+    assert w.objective is Objective.GRPO
+
+
+def test_the_largest_batch_holds_whole_groups(small_llama: Any) -> None:
+    from vramplan.engine import estimate as run_estimate
+
+    w = Workload(task="train", objective="grpo", batch=8, seq=256, prompt=64, precision="bf16-mixed")
+    r = run_estimate(small_llama, w, gpu="rtx-4090", method="analytic")
+    assert r.verdict is not None and r.verdict.max_batch and r.verdict.max_batch % 8 == 0
