@@ -335,3 +335,34 @@ def test_the_largest_batch_holds_whole_groups(small_llama: Any) -> None:
     w = Workload(task="train", objective="grpo", batch=8, seq=256, prompt=64, precision="bf16-mixed")
     r = run_estimate(small_llama, w, gpu="rtx-4090", method="analytic")
     assert r.verdict is not None and r.verdict.max_batch and r.verdict.max_batch % 8 == 0
+
+
+def test_trls_own_grpo_script_under_vramplan_run_agrees_with_the_recipe(tmp_path: Any) -> None:
+    """``vramplan run -- python trl/scripts/grpo.py …`` (TRL's script, unmodified: its trainer's
+    ``generate``, the completions decoded for the reward function, the step) and ``estimate
+    --recipe trl-grpo`` with the same settings: batch 2, 2 generations, 16-token completions after
+    the chat template's 21-token prompts, fp32, the zoo's 2-layer Llama."""
+    import sys
+    from pathlib import Path
+
+    import vramplan
+    from vramplan.engine import resolve_gpu, resolve_model
+    from vramplan.hardware.target import device_profile
+    from vramplan.recipes import apply
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import fixtures, package_dir
+
+    fixtures(tmp_path)
+    script = package_dir("trl")
+    assert script is not None
+    argv = ["--model_name_or_path", str(tmp_path / "hf/model"), "--per_device_train_batch_size", "2",
+            "--max_steps", "3", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--save_strategy", "no",
+            "--dataloader_num_workers", "0", "--bf16", "False", "--dataset_name", str(tmp_path / "hf/prompts"),
+            "--reward_funcs", "think_format_reward", "--num_generations", "2", "--max_completion_length", "16"]
+    run = vramplan.run_script(script / "scripts" / "grpo.py", argv, gpu="h100-sxm", workspaces=False, steps=2)
+    w = apply("trl-grpo", task="train", batch=2, seq=37, prompt=21, generations=2, precision="fp32")
+    est = trace_workload(resolve_model(str(tmp_path / "hf/model")), w,
+                         device=device_profile(resolve_gpu("h100-sxm"), workspaces=False))
+    assert abs(est.peak_allocated - run.peak.allocated) <= 0.005 * run.peak.allocated, (est.peak_allocated,
+                                                                                       run.peak.allocated)

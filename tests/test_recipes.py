@@ -29,6 +29,25 @@ def _valid(recipe: str, peft: str) -> bool:
     return not (recipe == "torchtitan" and peft != "none")
 
 
+NEEDS: dict[str, dict[str, int]] = {"trl-grpo": {"batch": 8, "seq": 1024, "prompt": 512}}
+"""What a recipe cannot run without (GRPO: a prompt length, and a batch of whole groups of
+`generations`), given as a user would."""
+
+
+def _needs(recipe: str) -> dict[str, int]:
+    return NEEDS.get(recipe, {})
+
+
+def _flags(recipe: str) -> list[str]:
+    return [a for k, v in _needs(recipe).items() for a in (f"--{k}", str(v))]
+
+
+def test_grpo_without_a_prompt_is_one_line_naming_the_fix() -> None:
+    with pytest.raises(WorkloadError) as e:
+        recipes.apply("trl-grpo", batch=8)
+    assert e.value.field == "prompt" and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("peft", PEFTS)
 def test_bundle_applies_every_default_with_its_source(name: str, peft: str) -> None:
@@ -36,7 +55,7 @@ def test_bundle_applies_every_default_with_its_source(name: str, peft: str) -> N
         with pytest.raises(WorkloadError, match="peft"):
             recipes.apply(name, peft=peft)
         return
-    w = recipes.apply(name, peft=peft)
+    w = recipes.apply(name, peft=peft, **_needs(name))
     assert w.recipe is Recipe(name)
     defaults = recipes.defaults(name, peft=peft)
     for d in defaults:
@@ -134,7 +153,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 @pytest.mark.parametrize("peft", PEFTS)
 def test_estimate_with_every_recipe_on_llama_8b(name: str, peft: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "estimate", "llama-3.1-8b", "--task", "train", "--recipe", name, "--peft", peft,
-                        "--method", "analytic", "--json")
+                        "--method", "analytic", "--json", *_flags(name))
     if not _valid(name, peft):
         assert rc == 2 and err.count("\n") == 1 and "--peft" in err and "use none" in err
         return
@@ -234,7 +253,8 @@ def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
     """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences)."""
     import vramplan
 
-    r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, seq=128, method="trace", search_max_batch=False)
+    r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, method="trace", search_max_batch=False,
+                          **{**_needs(name), "seq": 128, **({"prompt": 64} if _needs(name) else {})})
     assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
     assert r.peak.allocated > r.breakdown.weights > 0
     assert tuple(recipes.notes(r.workload)) == tuple(n for n in r.notes if n in recipes.notes(r.workload))

@@ -140,7 +140,8 @@ TT_MODEL = {"vocab_size": 128256, "num_layers": 2, "num_heads": 4, "num_kv_heads
 
 def _hf(out: Path) -> None:
     """A 2-layer Llama saved as a Hub folder (config, safetensors, a word-level tokenizer with a
-    chat template) and JSON-lines datasets: plain text, preference pairs, unpaired KTO labels."""
+    chat template) and JSON-lines datasets: plain text, preference pairs, unpaired KTO labels,
+    conversational prompts (GRPO)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -168,7 +169,8 @@ def _hf(out: Path) -> None:
     for name, row in (("text", lambda: {"text": text(60)}),
                       ("pref", lambda: {"prompt": text(20), "chosen": text(30), "rejected": text(25)}),
                       ("kto", lambda: {"prompt": text(20), "completion": text(30),
-                                       "label": bool(torch.randint(0, 2, (), generator=g))})):
+                                       "label": bool(torch.randint(0, 2, (), generator=g))}),
+                      ("prompts", lambda: {"prompt": [{"role": "user", "content": text(20)}]})):
         d = out / name
         d.mkdir(exist_ok=True)
         with open(d / "train.jsonl", "w") as f:
@@ -196,6 +198,9 @@ _HF = ("--model_name_or_path", "ROOT/hf/model", "--per_device_train_batch_size",
        "--output_dir", "ROOT/out/hf", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1",
        "--dataloader_num_workers", "0", "--bf16", "False")
 
+_COMPACT = (r"f32\[\d+,32768\]", "TRL's fused head (trl/trainer/utils.py `_fused_forward`, kernels/chunked_logprob.py): "
+            "its [rows, 32768] fp32 projection buffer holds the scored (completion) rows on CUDA (`compact`, "
+            "hidden_states[mask]) and every position on the CPU")
 _TILES = (r"f32\[\d+,504\]|bool\[\d+,504\]", "TRL's chunked log-prob (trl/kernels/chunked_logprob.py): on the "
           "CPU logit tiles [tokens, vocab] and their mask; on CUDA a Triton kernel folds each tile into one "
           "preallocated buffer")
@@ -296,6 +301,12 @@ ZOO: tuple[Entry, ...] = (
           (*_HF, "--dataset_name", "ROOT/hf/pref", "--max_length", "64"),
           ("--use_cpu", "True"), "sequence-classification head on chosen/rejected pairs; the peak falls in the "
           "backward on CUDA (the embedding's gradient) and earlier on the CPU", known=(_MASK,), residual=0.06),
+    Entry("TRL GRPO", "trl", "scripts/grpo.py",
+          (*_HF, "--dataset_name", "ROOT/hf/prompts", "--reward_funcs", "think_format_reward", "--num_generations",
+           "2", "--max_completion_length", "16"),
+          ("--use_cpu", "True"), "GRPO: `generate` on the training model (sampled tokens, the stop check read on "
+          "the host), the completions decoded for the reward function, then the policy-gradient step through TRL's "
+          "fused head", known=(_TILES, _COMPACT)),
     Entry("TRL KTO", "trl", "scripts/kto.py",
           (*_HF, "--dataset_name", "ROOT/hf/kto", "--max_length", "64"),
           ("--use_cpu", "True"), "unpaired preference tuning with a reference model; the CPU's tile path peaks in the "

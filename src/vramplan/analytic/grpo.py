@@ -21,7 +21,16 @@ from typing import Any
 from vramplan.errors import WorkloadError
 from vramplan.models.spec import ModelSpec
 from vramplan.results import Breakdown, PhasePeak
-from vramplan.workload import Checkpointing, Loss, Objective, Peft, Precision, Reference, Task, Workload
+from vramplan.workload import (
+    Checkpointing,
+    Loss,
+    Objective,
+    Peft,
+    Precision,
+    Reference,
+    Task,
+    Workload,
+)
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER as CUBLAS_WORKSPACE
 from .result import AnalyticEstimate

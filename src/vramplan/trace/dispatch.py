@@ -301,6 +301,8 @@ class TraceMode(TorchDispatchMode):
             out = host_mem.to_host(func, args, kwargs)
             if cpu_args is not None:
                 _attach(values, out, func(*cpu_args[0], **cpu_args[1]))
+            elif isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+                _copy_hints(values, args[0], out)  # (sampled token ids read back on the host)
             return out
         if func in NO_VALUE_OPS or (func in TO_OPS and _to_host(args, kwargs)):
             return self._value_op(func, args, kwargs, cpu_args)

@@ -92,12 +92,12 @@ def _no_checkpointing(hf: nn.Module) -> Any:
     ``use_cache`` off in checkpointed layers)."""
     flagged = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", None) is True]
     for m in flagged:
-        m.gradient_checkpointing = False
+        setattr(m, "gradient_checkpointing", False)  # noqa: B010 (a module attribute, not a submodule)
     try:
         yield
     finally:
         for m in flagged:
-            m.gradient_checkpointing = True
+            setattr(m, "gradient_checkpointing", True)  # noqa: B010
 
 
 def generate(sess: Any, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
@@ -151,8 +151,8 @@ def generate(sess: Any, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
             if eos:
                 done = done | torch.isin(ids[:, -1], torch.tensor([0], device=ids.device))  # EosTokenCriteria
             unfinished = unfinished & ~done
-            (unfinished.max() == 0)  # (`this_peer_finished`, read on the host)
-            del out, nxt, done
+            finished = unfinished.max() == 0  # (`this_peer_finished`, read on the host)
+            del out, nxt, done, finished
         if fast is not None and step and fast.finish(remaining=new_tokens - 1 - step):
             note = (f"rollout decode steps {step + 1}–{new_tokens - 1} written from the exact progression of steps "
                     f"{step - MODEL_STEPS + 1}–{step} (every event; see vramplan.trace.decode)")

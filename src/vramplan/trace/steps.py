@@ -236,6 +236,11 @@ def grpo_step(sess: TraceSession, plan: StepPlan) -> None:
     """One GRPO optimizer step (:mod:`.grpo`): the rollout of the window, then its micro-steps."""
     from . import grpo
 
+    # Boolean reads without values read False, as under ``vramplan run``: transformers' "no
+    # padding?" check (``fast_all(padding_mask)``) on masks too large to keep values for (a
+    # window above vramplan.trace.values.SHADOW_LIMIT elements) answers as the smaller ones do:
+    # there is padding, the 4-D mask is built
+    sess.dispatch.bool_reads = False
     dtype, region = _per_call(sess, plan)
     window = grpo.rollout(sess, plan.model, plan.reference, plan.reference_source, micro_batch=plan.micro_batch,
                           steps=plan.grad_accum, prompt=plan.prompt, completion=plan.completion, autocast=dtype,
