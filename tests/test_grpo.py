@@ -13,6 +13,7 @@ without reading sampled values, as the trace's every-completion-at-full-length b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import types
 from collections import Counter, defaultdict
@@ -27,7 +28,7 @@ from vramplan.events import Action, Category
 from vramplan.trace import grpo
 from vramplan.trace.run import TraceOptions, trace_model, trace_workload
 from vramplan.trace.session import TraceSession
-from vramplan.workload import KVDtype, Objective, Phase, Reference, Workload
+from vramplan.workload import KVDtype, Objective, Parallel, Phase, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
@@ -43,9 +44,10 @@ def _llama(**kw: Any) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _window(n: int, *, ref: bool = False) -> dict[str, torch.Tensor]:
+def _window(n: int, *, ref: bool = False, vllm: bool = False) -> dict[str, torch.Tensor]:
     """A micro-batch as ``_generate_and_score_completions`` leaves it: left-padded prompts (one
-    padded position), completions, their masks, advantages, the token count."""
+    padded position), completions, their masks, advantages, the token count (with vLLM: the old and
+    sampling log-probabilities and the sequence-level importance-sampling ratio)."""
     pm = torch.ones(n, P, dtype=torch.long)
     pm[0, 0] = 0
     out = {"prompt_ids": torch.zeros(n, P, dtype=torch.long), "prompt_mask": pm,
@@ -53,6 +55,9 @@ def _window(n: int, *, ref: bool = False) -> dict[str, torch.Tensor]:
            "advantages": torch.zeros(n), "num_items_in_batch": torch.tensor(n * C)}
     if ref:
         out["ref_per_token_logps"] = torch.zeros(n, C)
+    if vllm:
+        out.update(old_per_token_logps=torch.zeros(n, C), importance_sampling_ratio=torch.ones(n, 1),
+                   sampling_per_token_logps=torch.zeros(n, C))
     return out
 
 
@@ -74,11 +79,12 @@ class _Accelerator:
         return torch.zeros(1)
 
 
-def _trainer(model: nn.Module, beta: float) -> Any:
+def _trainer(model: nn.Module, beta: float, vllm: bool = False) -> Any:
     t = types.SimpleNamespace(
         accelerator=_Accelerator(), top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level="token", beta=beta, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-        args=types.SimpleNamespace(delta=None, steps_per_generation=1, use_bias_correction_kl=False), use_vllm=False,
+        args=types.SimpleNamespace(delta=None, steps_per_generation=1, use_bias_correction_kl=False), use_vllm=vllm,
+        vllm_importance_sampling_correction=vllm,
         model=model, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
     t._get_per_token_logps_and_entropies = types.MethodType(
@@ -121,12 +127,12 @@ def _prepared(model: nn.Module) -> nn.Module:
 
 
 class _TrlLoss(nn.Module):
-    def __init__(self, model: nn.Module, beta: float) -> None:
+    def __init__(self, model: nn.Module, beta: float, vllm: bool = False) -> None:
         super().__init__()
-        self.m, self.beta = model, beta
+        self.m, self.beta, self.vllm = model, beta, vllm
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        return grpo_trainer.GRPOTrainer._compute_loss(_trainer(self.m, self.beta), self.m, inputs)
+        return grpo_trainer.GRPOTrainer._compute_loss(_trainer(self.m, self.beta, self.vllm), self.m, inputs)
 
 
 class _OurLoss(nn.Module):
@@ -153,21 +159,21 @@ SCALARS = {"f32[]", "i64[]", "f32[1]", "bool[]", "bool[4]"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-reference", "kl"])
+@pytest.mark.parametrize("beta,vllm", [(0.0, False), (0.04, False), (0.04, True)], ids=["no-reference", "kl", "vllm"])
 def test_the_micro_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any, precision: str,
-                                                                   beta: float) -> None:
+                                                                   beta: float, vllm: bool) -> None:
     add_fused_lm_head, set_autocast = trl_on_cuda
     set_autocast(torch.bfloat16 if precision.endswith("-mixed") else None)
 
     def theirs() -> nn.Module:
         m = _llama()
         add_fused_lm_head(m, outputs=grpo.POLICY_OUTPUTS)  # as GRPOTrainer.__init__ adds it
-        return _TrlLoss(_prepared(m), beta)
+        return _TrlLoss(_prepared(m), beta, vllm)
 
     w = Workload(task="train", optimizer="adamw", precision=precision)
-    a = trace_model(theirs, _window(B, ref=beta > 0), workload=w, loss_fn=lambda out: out, options=NO_WS)
-    b = trace_model(lambda: _OurLoss(_llama()), _window(B, ref=beta > 0), workload=w, loss_fn=lambda out: out,
-                    options=NO_WS)
+    window = _window(B, ref=beta > 0, vllm=vllm)
+    a = trace_model(theirs, window, workload=w, loss_fn=lambda out: out, options=NO_WS)
+    b = trace_model(lambda: _OurLoss(_llama()), window, workload=w, loss_fn=lambda out: out, options=NO_WS)
     for x, y in zip(a.phases, b.phases, strict=True):
         assert x.phase == y.phase
         assert 0 <= x.allocated - y.allocated <= 64, (x.phase, x.allocated, y.allocated)
@@ -179,7 +185,10 @@ def test_the_micro_step_allocates_what_trls_compute_loss_allocates(trl_on_cuda: 
     assert not any(d.endswith(f"[{B * (P + C - 1)},{H}]") for d, _ in _allocs(b))
 
 
-def test_the_reference_scoring_is_trls_in_chunks_of_the_micro_batch(trl_on_cuda: Any) -> None:
+@pytest.mark.parametrize("outputs", [grpo.REF_OUTPUTS, grpo.POLICY_OUTPUTS], ids=["reference", "policy-old-logps"])
+def test_the_scoring_is_trls_in_chunks_of_the_micro_batch(trl_on_cuda: Any, outputs: tuple[str, ...]) -> None:
+    """The reference's log-probabilities, and the policy's own under ``no_grad`` (with vLLM: TRL's
+    ``old_per_token_logps`` through the policy's head, which has the entropy output too)."""
     add_fused_lm_head, set_autocast = trl_on_cuda
     set_autocast(None)
     window = 3 * B
@@ -188,7 +197,7 @@ def test_the_reference_scoring_is_trls_in_chunks_of_the_micro_batch(trl_on_cuda:
         def __init__(self) -> None:
             super().__init__()
             self.m = _llama()
-            add_fused_lm_head(self.m)  # the reference's head: log-probs only
+            add_fused_lm_head(self.m, outputs=outputs)
 
         def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -203,7 +212,7 @@ def test_the_reference_scoring_is_trls_in_chunks_of_the_micro_batch(trl_on_cuda:
 
         def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
-                logps, _e = grpo._logps(self.m, ids, mask, C, B, None, contextlib.nullcontext, grpo.REF_OUTPUTS,
+                logps, _e = grpo._logps(self.m, ids, mask, C, B, None, contextlib.nullcontext, outputs,
                                         entropy=False)
             return logps
 
@@ -366,3 +375,95 @@ def test_trls_own_grpo_script_under_vramplan_run_agrees_with_the_recipe(tmp_path
                          device=device_profile(resolve_gpu("h100-sxm"), workspaces=False))
     assert abs(est.peak_allocated - run.peak.allocated) <= 0.005 * run.peak.allocated, (est.peak_allocated,
                                                                                        run.peak.allocated)
+
+
+# --------------------------------------------------------------------------- rollout=vllm (colocated)
+def _engine(sleep: bool, scale: int = 1) -> Any:
+    from vramplan.target import RolloutEngine
+
+    mib = 2**20 * scale
+    return RolloutEngine(engine="vLLM test", budget=40 * mib, weights=10 * mib, kv_pool=20 * mib, graphs=3 * mib,
+                         activations=5 * mib, sleep=sleep)
+
+
+@pytest.mark.parametrize("sleep", [False, True], ids=["awake", "sleep-mode"])
+def test_the_colocated_engine_takes_its_blocks_around_the_trainers_step(sleep: bool) -> None:
+    """The engine's blocks in the trainer's allocator, against an engine of no bytes: its weights,
+    KV cache and graphs' pool held through the training phases (sleep mode: the graphs' pool only),
+    all of them and its activations at the generation; sleep mode empties the cache before it wakes
+    and when it sleeps."""
+    from vramplan.models.catalog import resolve
+    from vramplan.target import DEFAULT_PROFILE, RolloutEngine
+
+    spec = resolve("llama-3.2-1b")
+    w = Workload(task="train", batch=2, grad_accum=2, seq=48, prompt=16, precision="bf16-mixed", objective="grpo",
+                 generations=4, peft="lora", rollout="vllm", vllm_sleep=sleep)
+    zero = RolloutEngine(engine="none", budget=0, weights=0, kv_pool=0, graphs=0, activations=0, sleep=sleep)
+    e = _engine(sleep, scale=64)  # (larger than any of the trainer's own phases: the step's peak is the generation)
+    base, r = (trace_workload(spec, w, device=dataclasses.replace(DEFAULT_PROFILE, rollout=x)) for x in (zero, e))
+    a, b = ({p.phase: p.allocated for p in x.phases} for x in (base, r))
+    assert set(a) == set(b) and Phase.PREFILL not in b  # (no generate in the trainer)
+    held = e.graphs + (0 if sleep else e.weights + e.kv_pool)
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
+        assert b[phase] - a[phase] == held, phase
+    assert b[Phase.DECODE] - a[Phase.DECODE] == e.graphs + e.weights + e.kv_pool + e.activations
+    log = r.events
+    empties = sum(1 for k in range(len(log)) if log.action[k] == int(Action.EMPTY_CACHE))
+    assert empties == (4 if sleep else 0)  # (two per generation, one generation per traced step)
+    assert any("colocated vLLM engine" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("sleep", [False, True], ids=["awake", "sleep-mode"])
+def test_analytic_agrees_with_the_trace_with_a_colocated_engine(small_llama: Any, sleep: bool) -> None:
+    from vramplan.engine import estimate as run_estimate
+
+    kw = {"task": "train", "batch": 4, "seq": 512, "prompt": 128, "precision": "bf16-mixed", "objective": "grpo",
+          "generations": 4, "rollout": "vllm", "vllm_sleep": sleep, "vllm_max_len": 1024, "gpu": "l4",
+          "search_max_batch": False}
+    a, t = run_estimate(small_llama, method="analytic", **kw), run_estimate(small_llama, method="trace", **kw)
+    assert abs(t.peak.allocated - a.peak.allocated) / t.peak.allocated < 0.03, (t.peak.allocated, a.peak.allocated)
+    ta, aa = ({p.phase: p.allocated for p in x.phases} for x in (t, a))
+    assert abs(ta[Phase.DECODE] - aa[Phase.DECODE]) / ta[Phase.DECODE] < 0.03
+    assert abs(ta[Phase.BACKWARD] - aa[Phase.BACKWARD]) / ta[Phase.BACKWARD] < 0.05
+    # the engine fills its budget (0.3 of an L4's CUDA total) with its KV cache: the generation's peak holds it
+    assert t.verdict is not None and ta[Phase.DECODE] > 0.3 * t.verdict.usable * 0.9
+
+
+def test_vllm_refuses_to_start_as_vllm_does_and_the_fix_is_its_context_length() -> None:
+    """Llama 3.1 8B with LoRA on an H100 at TRL's 0.3: vLLM's KV cache cannot hold one sequence of
+    the model's 131,072 positions (TRL passes no max_model_len), so the engine refuses to start,
+    whatever the bytes; a context of one prompt and completion starts it."""
+    from vramplan.engine import estimate as run_estimate
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.models.catalog import resolve
+    from vramplan.planner.nextstep import cheapest_fix
+
+    kw = {"task": "train", "recipe": "trl-grpo", "peft": "lora", "batch": 8, "seq": 1536, "prompt": 512,
+          "rollout": "vllm", "gpu": "h100", "method": "analytic", "search_max_batch": False}
+    r = run_estimate("llama-3.1-8b", **kw)
+    assert r.verdict is not None and not r.verdict.fits and r.verdict.headroom > 0
+    assert "max seq len (131072)" in r.verdict.refused and "decreasing `max_model_len`" in r.verdict.refused
+    fix = cheapest_fix(resolve("llama-3.1-8b"), r.workload, get_gpu("h100"))
+    assert fix is not None and fix.flags == "--vllm-max-len 1536"
+    ok = run_estimate("llama-3.1-8b", **kw, vllm_max_len=1536)
+    assert ok.verdict is not None and ok.verdict.fits and not ok.verdict.refused
+    # the trainer's model is on the device before vLLM starts: too little left for its budget
+    big = run_estimate("llama-3.1-8b", **{**kw, "peft": "none", "optimizer": "sgd"}, vllm_max_len=1536,
+                       vllm_memory=0.7)
+    assert big.verdict is not None and big.verdict.refused.startswith("Free memory on device")
+
+
+def test_colocated_vllm_workloads_are_checked() -> None:
+    from vramplan.engine import estimate as run_estimate
+
+    base = {"task": "train", "objective": "grpo", "batch": 8, "seq": 64, "prompt": 8, "rollout": "vllm"}
+    with pytest.raises(WorkloadError, match="vllm_memory"):
+        Workload(**base, vllm_memory=1.2)
+    with pytest.raises(WorkloadError, match="shorter than a prompt"):
+        Workload(**base, vllm_max_len=32)
+    with pytest.raises(WorkloadError, match="data parallelism only"):
+        Workload(**base, parallel=Parallel(tp=2))
+    with pytest.raises(WorkloadError, match="sizes vLLM by the GPU"):
+        run_estimate("qwen2.5-0.5b", Workload(**base), method="analytic")
+    notes = Workload(task="train", batch=8, rollout="vllm", vllm_sleep=True).setting_notes()
+    assert any("`rollout` applies with `objective=grpo`" in n for n in notes)

@@ -112,6 +112,9 @@ class Verdict:
     """Largest micro-batch that fits (None when not searched / not batch-dependent)."""
     num_gpus: int = 1
     capacity_source: str = ""
+    refused: str = ""
+    """A framework's own refusal to start the job on this GPU (a colocated vLLM's start-up
+    error, verbatim): then it does not fit, whatever the bytes."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,8 @@ class MemoryReport:
             d["fits"] = v.fits
             d["headroom"] = v.headroom
             d["max_batch"] = v.max_batch
+            if v.refused:
+                d["refused"] = v.refused
         if self.top_modules:
             d["top_modules"] = [dataclasses.asdict(m) for m in self.top_modules]
         if self.top_tensors:

@@ -24,6 +24,38 @@ DEFAULT_SM = (8, 0)
 
 
 @dataclass(frozen=True)
+class RolloutEngine:
+    """A rollout engine colocated in the trainer's process (GRPO ``rollout=vllm``): the blocks it
+    takes from the same caching allocator, as its own start-up sizing decides them."""
+
+    engine: str
+    """The engine and the version whose rules sized it ("vLLM 0.10.1.1")."""
+    budget: int
+    """What it allows itself: ``gpu_memory_utilization`` x the GPU's total."""
+    weights: int
+    """Its own copy of the policy's weights (the trainer pushes its weights into it)."""
+    kv_pool: int
+    """The KV cache pool: the budget less weights and the profile run's peak."""
+    graphs: int
+    """The CUDA graphs' private pool (captured after the pool; outside the budget)."""
+    activations: int
+    """The profile run's peak above the weights: the most one of its forwards takes (a bound on
+    the eager prefill chunks of a generation)."""
+    sleep: bool
+    """Sleep mode: weights and KV cache released after each generation (``sleep(level=2)``),
+    mapped again before the next."""
+    refusal: str = ""
+    """The engine's own start-up error on this GPU, verbatim (empty: it starts)."""
+    summary: str = ""
+    """One line: the settings it was sized with."""
+
+    @property
+    def resident(self) -> int:
+        """Bytes it holds between generations."""
+        return self.graphs + (0 if self.sleep else self.weights + self.kv_pool)
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """The target GPU as the estimate sees it (defaults: an sm80, A100-class NVIDIA GPU)."""
 
@@ -50,6 +82,8 @@ class DeviceProfile:
     usable_source: str = ""
     overhead: tuple[OverheadItem, ...] = ()
     """Memory outside the caching allocator (CUDA context, kernels, NCCL) for this world size."""
+    rollout: RolloutEngine | None = None
+    """A rollout engine sharing the process (GRPO ``rollout=vllm``), sized for this GPU and workload."""
 
     @property
     def overhead_bytes(self) -> int:
@@ -67,4 +101,4 @@ class DeviceProfile:
 
 DEFAULT_PROFILE = DeviceProfile()
 
-__all__ = ["DeviceProfile", "DEFAULT_PROFILE", "CUBLAS_WORKSPACE_PRE_HOPPER", "CUBLAS_WORKSPACE_HOPPER"]
+__all__ = ["DeviceProfile", "DEFAULT_PROFILE", "RolloutEngine", "CUBLAS_WORKSPACE_PRE_HOPPER", "CUBLAS_WORKSPACE_HOPPER"]

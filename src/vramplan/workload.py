@@ -89,6 +89,13 @@ class Reference(_StrEnum):
     NONE = "none"  # no reference: GRPO with TRL's default `beta=0.0` (no KL term)
 
 
+class Rollout(_StrEnum):
+    """What generates GRPO's completions (TRL ``use_vllm`` / ``vllm_mode``)."""
+
+    HF = "hf"  # the policy's own `generate` in the trainer (TRL's default, use_vllm=False)
+    VLLM = "vllm"  # a colocated vLLM engine in the trainer's process (use_vllm=True, vllm_mode="colocate")
+
+
 def auto_checkpointing(peft: Peft | str, task: Task | str) -> Checkpointing:
     """``checkpointing=auto`` (the CLI's and the page's default): full for PEFT fine-tuning (TRL's
     ``SFTConfig`` turns ``gradient_checkpointing`` on, trl/trainer/base_config.py), none otherwise."""
@@ -535,6 +542,20 @@ class Workload:
     generations: int = 8
     """GRPO's completions per prompt (TRL `num_generations`); the generation batch (`batch` x
     data-parallel ranks x `grad_accum`) must hold whole groups of them."""
+    rollout: Rollout = Rollout.HF
+    """What generates GRPO's completions: hf (the policy's own `generate`, TRL's default) or vllm
+    (a colocated vLLM engine sharing the GPU: its budget is `vllm_memory` x the GPU's memory,
+    its weights, KV cache and CUDA graphs beside the trainer's; needs a GPU)."""
+    vllm_memory: float = 0.3
+    """`rollout=vllm`: the fraction of the GPU's memory vLLM takes (TRL GRPOConfig
+    `vllm_gpu_memory_utilization`, default 0.3)."""
+    vllm_max_len: int = 0
+    """`rollout=vllm`: vLLM's context length (TRL `vllm_max_model_length`); 0: the model's
+    maximum positions, as vLLM infers it when TRL passes none (its KV pool must hold one such
+    sequence, or vLLM refuses to start)."""
+    vllm_sleep: bool = False
+    """`rollout=vllm`: sleep mode (TRL `vllm_enable_sleep_mode`): vLLM's weights and KV cache are
+    released after each generation (`sleep(level=2)`) and mapped again before the next."""
     reference: Reference = Reference.AUTO
     """The objective's reference: auto (as TRL: DPO/KTO: the policy with adapters disabled under
     PEFT, else a frozen copy; GRPO: none, its `beta=0.0`), model, adapters, precomputed
@@ -610,6 +631,7 @@ class Workload:
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
             ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
             ("float8", Float8), ("objective", Objective), ("reference", Reference),
+            ("rollout", Rollout),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         for name in ("lora_targets", "lora_modules_to_save"):
@@ -634,6 +656,13 @@ class Workload:
                                 hint="1.0 is uniform expert load; 1.25 gives every expert 25 % more tokens",
                                 field="routing_skew")
         object.__setattr__(self, "routing_skew", float(self.routing_skew))
+        if isinstance(self.vllm_memory, bool) or not isinstance(self.vllm_memory, (int, float)) \
+                or not 0.0 < self.vllm_memory < 1.0:
+            raise WorkloadError(f"`vllm_memory` is a fraction of the GPU's memory in (0, 1), got {self.vllm_memory!r}",
+                                hint="TRL's default is 0.3", field="vllm_memory")
+        if not isinstance(self.vllm_max_len, int) or isinstance(self.vllm_max_len, bool) or self.vllm_max_len < 0:
+            raise WorkloadError(f"`vllm_max_len` must be 0 (the model's positions) or a number of tokens, got "
+                                f"{self.vllm_max_len!r}", field="vllm_max_len")
         if not (0.0 < self.checkpoint_fraction <= 1.0):
             raise WorkloadError(f"`checkpoint_fraction` must be in (0, 1], got {self.checkpoint_fraction!r}",
                                 field="checkpoint_fraction")
@@ -783,6 +812,10 @@ class Workload:
             notes.append("`reference` and `prompt` apply with `objective=dpo`, kto or grpo; ignored otherwise")
         if self.objective is not Objective.GRPO and self.generations != 8:
             notes.append("`generations` applies with `objective=grpo`; ignored otherwise")
+        if self.objective is not Objective.GRPO and self.rollout is not Rollout.HF:
+            notes.append("`rollout` applies with `objective=grpo`; ignored otherwise")
+        if self.rollout is not Rollout.VLLM and (self.vllm_memory != 0.3 or self.vllm_sleep or self.vllm_max_len):
+            notes.append("`vllm_memory`, `vllm_max_len` and `vllm_sleep` apply with `rollout=vllm`; ignored otherwise")
         if self.objective is not Objective.SFT and self.loss not in (Loss.FULL, Loss.TRL):
             notes.append(f"`loss={self.loss}` is not {self.objective}'s: `objective={self.objective}` scores with "
                          "TRL's fused head (`loss=trl`)")
@@ -846,6 +879,17 @@ class Workload:
             raise WorkloadError("GRPO's reference scores completions generated during training: they cannot be "
                                 "precomputed", hint="use `reference=none` (beta=0), model or adapters",
                                 field="reference")
+        if self.rollout is Rollout.VLLM:
+            if self.vllm_max_len and self.vllm_max_len < self.seq:
+                raise WorkloadError(f"`vllm_max_len={self.vllm_max_len}` is shorter than a prompt and its completion "
+                                    f"(`seq={self.seq}`): vLLM would stop every completion early",
+                                    hint=f"give `vllm_max_len` of {self.seq} or more (TRL: the longest prompt plus "
+                                    "`max_completion_length`)", field="vllm_max_len")
+            p = self.parallel
+            if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1:
+                raise WorkloadError("`rollout=vllm` is modelled with data parallelism only (each rank its own "
+                                    "colocated vLLM engine)", hint="use `rollout=hf`, or drop tp/pp/cp/ep",
+                                    field="rollout")
         gen = self.batch * self.parallel.dp * self.grad_accum
         if self.generations < 2 or gen % self.generations:
             raise WorkloadError(f"the generation batch ({self.batch} x {self.parallel.dp} ranks x {self.grad_accum} "

@@ -296,7 +296,7 @@ ZOO: tuple[Entry, ...] = (
           "process group under vramplan run)", world=2, known=(_TILES,)),
     Entry("TRL DPO", "trl", "scripts/dpo.py",
           (*_HF, "--dataset_name", "ROOT/hf/pref", "--max_length", "64"),
-          ("--use_cpu", "True"), "preference tuning with a reference model", known=(_TILES,)),
+          ("--use_cpu", "True"), "preference tuning with a reference model", known=(_TILES, _COMPACT)),
     Entry("TRL reward model", "trl", "scripts/reward.py",
           (*_HF, "--dataset_name", "ROOT/hf/pref", "--max_length", "64"),
           ("--use_cpu", "True"), "sequence-classification head on chosen/rejected pairs; the peak falls in the "
@@ -310,7 +310,8 @@ ZOO: tuple[Entry, ...] = (
     Entry("TRL KTO", "trl", "scripts/kto.py",
           (*_HF, "--dataset_name", "ROOT/hf/kto", "--max_length", "64"),
           ("--use_cpu", "True"), "unpaired preference tuning with a reference model; the CPU's tile path peaks in the "
-          "forward, CUDA's in the backward (its fp32 weight-gradient buffers)", known=(_TILES,), residual=0.02),
+          "forward, CUDA's in the backward (its fp32 weight-gradient buffers)", known=(_TILES, _COMPACT),
+          residual=0.02),
 )
 
 

@@ -21,7 +21,7 @@ from vramplan.workload import (
     Workload,
 )
 
-from ..target import CUBLAS_WORKSPACE_PRE_HOPPER
+from ..target import CUBLAS_WORKSPACE_PRE_HOPPER, RolloutEngine
 from . import decoder, kv
 from .activations import TokenShape, size, stage_acts
 from .arch import Arch
@@ -54,12 +54,14 @@ def build_arch(spec: ModelSpec) -> Arch:
     raise WorkloadError(f"{spec.name} is not a transformer the analytic method knows", hint="use `method=trace`")
 
 
-def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None) -> AnalyticEstimate:
+def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None,
+             rollout: RolloutEngine | None = None) -> AnalyticEstimate:
     """Per-rank peak allocated bytes of ``w`` on ``spec``, by phase and category.
 
     ``workspace_bytes``: the cuBLAS workspace the caching allocator holds (one per thread
     that runs matmuls: the forward's and autograd's backward thread); default 8,519,680 B
     (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
+    ``rollout``: GRPO's colocated rollout engine (``DeviceProfile.rollout``), for ``rollout=vllm``.
     """
     check_against_model(spec, w)
     if format_of(w.quant) is not None:
@@ -81,7 +83,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     if w.objective is Objective.GRPO:
         from .grpo import estimate_grpo
 
-        return estimate_grpo(spec, w, workspace_bytes, estimate)
+        return estimate_grpo(spec, w, workspace_bytes, estimate, rollout)
     if w.objective is not Objective.SFT:
         return _preference(spec, w, workspace_bytes)
     if w.training and w.loss is not Loss.FULL and not spec.is_decoder:

@@ -26,20 +26,23 @@ from vramplan.workload import (
     Loss,
     Objective,
     Peft,
+    Phase,
     Precision,
     Reference,
+    Rollout,
     Task,
     Workload,
 )
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER as CUBLAS_WORKSPACE
+from ..target import RolloutEngine
 from .result import AnalyticEstimate
 
 _COMPUTE = {Precision.BF16_MIXED: Precision.BF16, Precision.FP16_MIXED: Precision.FP16}
 
 
 def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
-                  estimate: Callable[..., AnalyticEstimate]) -> AnalyticEstimate:
+                  estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None = None) -> AnalyticEstimate:
     if not spec.is_decoder:
         raise WorkloadError(f"`objective=grpo` trains a causal language model; {spec.name} is not one",
                             hint="drop `objective`", field="objective")
@@ -49,6 +52,11 @@ def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
         if w.reference_source is Reference.MODEL else 0
     window = w.batch * w.grad_accum
+    if w.rollout is Rollout.VLLM:
+        if engine is None:
+            raise WorkloadError("`rollout=vllm` sizes vLLM by the GPU's memory (`vllm_memory` x its total)",
+                                hint="add `gpu=NAME` (see `vramplan gpus`), or use `rollout=hf`", field="rollout")
+        return _with_engine(train, w, engine, ref, workspace_bytes, window)
     gen_w = Workload(task=Task.GENERATE, batch=window, seq=w.prompt, new_tokens=w.completion,
                      precision=_COMPUTE.get(w.precision, w.precision), attention=w.attention, kv_dtype=w.kv_dtype,
                      quant=w.quant, checkpointing=Checkpointing.NONE)
@@ -80,6 +88,36 @@ def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     return dataclasses.replace(
         train, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*train.notes, note),
         states=dataclasses.replace(s, weights=s.weights + ref), kv_cache=gen.kv_cache)
+
+
+def _with_engine(train: AnalyticEstimate, w: Workload, e: RolloutEngine, ref: int, workspace_bytes: int | None,
+                 window: int) -> AnalyticEstimate:
+    """GRPO with a colocated vLLM engine: its generation on the trainer's resident states (its
+    weights and KV cache awake, its CUDA graphs' pool, its forward's activations), then the
+    scoring and training micro-steps beside what the engine keeps (all but its activations;
+    its graphs' pool alone in sleep mode) and the window's old and sampling log-probabilities."""
+    s = train.states
+    backward_ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
+    gen = Breakdown(weights=s.weights + ref + e.weights, gradients=s.gradients if w.keep_grads else 0,
+                    optimizer=s.optimizer, activations=e.activations, kv_cache=e.kv_pool,
+                    temporaries=e.graphs + backward_ws)
+    held = window * w.completion * 4 * 2  # old_per_token_logps and sampling_per_token_logps, fp32
+    keep = Breakdown(weights=ref + (0 if e.sleep else e.weights), kv_cache=0 if e.sleep else e.kv_pool,
+                     temporaries=e.graphs + held)
+
+    def more(ph: PhasePeak) -> PhasePeak:
+        return PhasePeak(ph.phase, ph.allocated + keep.total, ph.breakdown + keep)
+
+    phases = (PhasePeak(Phase.DECODE, gen.total, gen), *(more(ph) for ph in train.phases))
+    source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
+              Reference.NONE: "none (beta=0)"}[w.reference_source]
+    note = (f"GRPO (TRL 1.16 GRPOTrainer, use_vllm=True, vllm_mode=colocate): {e.engine} generates {window:,} "
+            f"completions of {w.completion:,} tokens after {w.prompt:,}-token prompts beside the training model's "
+            f"states, then the policy's old log-probabilities (no_grad) and {w.grad_accum} micro-step(s) of "
+            f"{w.batch:,} sequences through TRL's fused head; reference: {source}")
+    return dataclasses.replace(
+        train, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*train.notes, note),
+        states=dataclasses.replace(s, weights=s.weights + ref + (0 if e.sleep else e.weights)))
 
 
 def _casts(spec: ModelSpec, w: Workload) -> int:

@@ -46,8 +46,9 @@ def fits(r: MemoryReport, usable: int) -> bool:
     """The one rule for "this estimate fits", for the verdict and every search: what the step
     needs on the device (device_used; a traced step replayed without a memory limit) is
     within the GPU's usable bytes. A step that would run only by the allocator freeing its
-    cache and retrying at the limit does not count as fitting."""
-    return r.peak.device_used <= usable
+    cache and retrying at the limit does not count as fitting, nor one a framework refuses to
+    start on this GPU (the verdict's ``refused``)."""
+    return r.peak.device_used <= usable and not (r.verdict is not None and r.verdict.refused)
 
 
 class BoundarySearch:

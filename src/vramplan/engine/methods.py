@@ -70,7 +70,7 @@ def analytic_core(spec: ModelSpec, w: Workload, dev: DeviceProfile = DEFAULT_PRO
     """The analytic formulas on ``dev``: its cuBLAS workspace and bf16 kernels, as the trace sees them."""
     from .. import analytic
 
-    est = analytic.estimate(spec, kernel_workload(w, dev), workspace_bytes=dev.cublas_workspace)
+    est = analytic.estimate(spec, kernel_workload(w, dev), workspace_bytes=dev.cublas_workspace, rollout=dev.rollout)
     allocated = est.peak.allocated
     reserved = int(allocated * (1 + ANALYTIC_RESERVE_SLACK))
     notes = tuple(est.notes) + (

@@ -95,6 +95,9 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
     ``confirmation``: the report only confirms a point of a boundary search (its device_used
     and whether it fits are read, then it is dropped): a traced step above the GPU's
     allocator capacity is not replayed a second time within it (see :func:`trace_core`)."""
+    from .rollout import with_rollout
+
+    dev = with_rollout(dev, spec, w, g)  # (a colocated rollout engine is sized per workload)
     notes: list[str] = []
     length = w.seq + (w.new_tokens if w.task is Task.GENERATE else 0)
     if spec.max_positions and spec.family not in (Family.VIT, Family.OTHER) and length > spec.max_positions:
@@ -120,7 +123,29 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
     if alloc_conf and core.method is Method.ANALYTIC:
         notes.append(f"`alloc_conf={alloc_conf}` is not simulated by the analytic method: reserved is "
                      "allocated plus an assumed slack (use `method=trace`)")
-    return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback, spec=spec)
+    refused = ""
+    if dev.rollout is not None:
+        refused = _rollout_refusal(dev, core, w)
+        notes.append(dev.rollout.summary)
+        if refused:
+            notes.append(f"vLLM refuses to start on this GPU: {refused}")
+    return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback, spec=spec,
+                  refused=refused)
+
+
+def _rollout_refusal(dev: DeviceProfile, core: MethodResult, w: Workload) -> str:
+    """The colocated engine's start-up refusal: its own (the KV pool cannot hold one sequence),
+    else too little free once the trainer's model is on the device."""
+    from .rollout import startup_refusal
+
+    e = dev.rollout
+    assert e is not None and dev.usable is not None
+    if e.refusal:
+        return e.refusal
+    weights = core.model_states.weights if core.model_states is not None else 0
+    trainer = weights - (0 if e.sleep else e.weights)  # (before vLLM starts)
+    context = sum(o.bytes for o in dev.overhead if o.name.startswith(("CUDA context", "thread stack")))
+    return startup_refusal(e, trainer, context, dev.usable, w.vllm_memory)
 
 
 def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: DeviceProfile,
@@ -130,6 +155,10 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
     the batch above it. A traced estimate therefore costs about two more traces."""
     w, v = report.workload, report.verdict
     assert v is not None
+    if v.refused:  # (no batch starts the job: the framework's refusal does not depend on the bytes)
+        return report.replace(verdict=dataclasses.replace(v, max_batch=0),
+                              notes=("largest batch none: the job does not start on this GPU (see the verdict)",
+                                     *report.notes))
     cache: dict[int, MemoryReport] = {w.batch: report}
 
     def confirm(wx: Workload) -> MemoryReport:
@@ -139,7 +168,9 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
         return cache[wx.batch]
 
     def analytic(wx: Workload) -> int | None:
-        return analytic_device_used(spec, wx, dev)
+        from .rollout import with_rollout
+
+        return analytic_device_used(spec, wx, with_rollout(dev, spec, wx, g))
 
     from .boundary import BoundarySearch
     from .margin import describe, margin_limit, margin_of
@@ -188,7 +219,7 @@ def _check(spec: ModelSpec, w: Workload) -> None:
 
 def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: DeviceProfile, *,
            notes: list[str], num_gpus: int = 1, fallback: Fallback | None = None,
-           user_model: bool = False, spec: ModelSpec | None = None) -> MemoryReport:
+           user_model: bool = False, spec: ModelSpec | None = None, refused: str = "") -> MemoryReport:
     """Add the device's share (overhead outside the allocator, the verdict) to a method's result."""
     overhead = dev.overhead
     peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + dev.overhead_bytes)
@@ -198,7 +229,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
             fits=False, headroom=use - peak.device_used, max_batch=None,
-            num_gpus=num_gpus, capacity_source=usable_src,
+            num_gpus=num_gpus, capacity_source=usable_src, refused=refused,
         )
     timeline = core.timeline
     report = MemoryReport(

@@ -17,7 +17,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.units import fmt_bytes
-from vramplan.workload import Attention, Method, Objective, Task, Workload, as_enum
+from vramplan.workload import Attention, Method, Objective, Rollout, Task, Workload, as_enum
 
 from ..engine.boundary import MAX_BATCH, BoundarySearch
 from ..engine.margin import Margin, describe, margin_limit, margin_of
@@ -128,6 +128,9 @@ class _Fit:
         cap = self.spec.max_positions or (1 << 20)
         if w.task is Task.GENERATE:
             cap -= w.new_tokens
+        bound = "max_positions"
+        if w.objective is Objective.GRPO and w.rollout is Rollout.VLLM and w.vllm_max_len and w.vllm_max_len < cap:
+            cap, bound = w.vllm_max_len, "vllm_max_len"  # (vLLM's context holds the prompt and the completion)
         quadratic = w.attention is Attention.EAGER
 
         def make(s: int) -> Workload:
@@ -155,7 +158,7 @@ class _Fit:
             raise PlanError(f"{self.spec.name} allows {cap} positions: no room after the {w.prompt}-token prompt",
                             hint="lower `prompt`", field="prompt")
         res = self.search.search(make, lo=lo, hi=hi, step=step, quadratic=quadratic, start=max(w.seq, lo))
-        limited = "max_positions" if res.above is None else self._memory()
+        limited = bound if res.above is None else self._memory()
         return self._boundary("seq", max(res.value, 0), w.batch, step, limited, make, res.above)
 
     def _memory(self) -> str:

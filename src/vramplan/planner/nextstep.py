@@ -31,7 +31,17 @@ from vramplan.errors import VramplanError
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
 from vramplan.recipes import allows
-from vramplan.workload import Checkpointing, Loss, Method, Optimizer, Peft, Task, Workload
+from vramplan.workload import (
+    Checkpointing,
+    Loss,
+    Method,
+    Objective,
+    Optimizer,
+    Peft,
+    Rollout,
+    Task,
+    Workload,
+)
 
 from .evaluator import Estimator, Evaluator
 
@@ -74,6 +84,13 @@ CONFIRMATIONS = 3
 def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, object]]]:
     ckpt = {"checkpointing": Checkpointing.FULL, "checkpoint_fraction": 1.0}
     has_ckpt = w.checkpointing is Checkpointing.FULL and w.checkpoint_fraction >= 1.0
+    if w.objective is Objective.GRPO and w.rollout is Rollout.VLLM:
+        if not w.vllm_max_len or w.vllm_max_len > w.seq:
+            yield (f"--vllm-max-len {w.seq}", "vLLM's context no longer than a prompt and its completion (TRL "
+                   "`vllm_max_model_length`): it starts with a smaller KV cache pool", {"vllm_max_len": w.seq})
+        if not w.vllm_sleep:
+            yield ("--vllm-sleep", "vLLM's weights and KV cache released while the policy trains (TRL "
+                   "`vllm_enable_sleep_mode`): copies at each wake-up", {"vllm_sleep": True})
     if w.batch > 1:
         for b in _halvings(w.batch):
             yield (f"--batch {b} --grad-accum {w.grad_accum * w.batch // b}" if w.batch % b == 0

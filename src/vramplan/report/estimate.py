@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..results import BREAKDOWN_KEYS, MemoryReport, ModuleStat
 from ..units import GiB
-from ..workload import Workload
+from ..workload import Rollout, Workload
 from .doc import Doc, KeyValues, Notes, Table
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ def workload_line(r: MemoryReport) -> str:
         parts.append(f"batch {w.batch} pairs ({w.sequences} sequences)" if dpo else f"batch {w.batch}")
         if r.has_sequence and w.objective.value == "grpo":
             parts.append(f"seq {w.seq} (prompt {w.prompt} + completion {w.completion}) · {w.generations} generations")
+            if w.rollout is Rollout.VLLM:
+                parts.append(f"vLLM colocated ({w.vllm_memory:g} of the GPU{', sleep mode' if w.vllm_sleep else ''})")
         elif r.has_sequence:
             parts.append(f"seq {w.seq}")
         else:
@@ -181,7 +183,7 @@ def to_doc(r: MemoryReport) -> Doc:
         head = f"{g(abs(v.headroom))} GiB {'headroom' if v.headroom >= 0 else 'short'}"
         kv.append(("GPU", f"{v.gpu_name} ({v.gpu}): {g(v.capacity)} GiB, usable {g(v.usable)} GiB"
                    + (f" [{v.capacity_source}]" if v.capacity_source else "")))
-        kv.append(("verdict", f"{verdict} — {head}"))
+        kv.append(("verdict", f"{verdict} — {head}" + (f"; refused at start-up: {v.refused}" if v.refused else "")))
         if v.max_batch is not None:
             kv.append(("largest batch that fits", str(v.max_batch) if v.max_batch else "none (batch 1 does not fit)"))
     doc.add(KeyValues(kv))
@@ -227,7 +229,9 @@ def answer(r: MemoryReport, fix: Suggestion | None, *, searched: bool = True) ->
         batch = f"; largest batch {v.max_batch}" if v.max_batch else ""
         items.append(("answer", f"yes: {used}, {g(v.headroom)} GiB headroom{batch}"))
     else:
-        items.append(("answer", f"no: {used}, {g(-v.headroom)} GiB short"))
+        short = (f"vLLM refuses to start ({used}): {v.refused}" if v.refused
+                 else f"{used}, {g(-v.headroom)} GiB short")
+        items.append(("answer", f"no: {short}"))
         if fix is not None:
             items.append(("to fit", fix.sentence()))
         elif searched:

@@ -293,9 +293,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     error: str | None = None
     free_at_start = total - out.context
     if free_at_start < requested:
-        error = (f"Free memory on device ({free_at_start / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
-                 f"than desired GPU memory utilization ({s.gpu_memory_utilization}, {requested / GiB:.2f} GiB). "
-                 "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+        error = startup_error(free_at_start, total, s.gpu_memory_utilization)
     cc = gpu.compute_capability
     if error is None and dtype == "bf16" and gpu.vendor == "nvidia" and cc and float(cc) < 8.0:
         error = ("Bfloat16 is only supported on GPUs with compute capability of at least 8.0. "
@@ -351,6 +349,14 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         command=command(spec, tp, pp, quant, settings_out), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds=kinds,
     )
+
+
+def startup_error(free: int, total: int, utilization: float) -> str:
+    """``Worker.init_device``'s refusal when less than ``total x utilization`` is free (verbatim)."""
+    requested = int(total * utilization)
+    return (f"Free memory on device ({free / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
+            f"than desired GPU memory utilization ({utilization}, {requested / GiB:.2f} GiB). "
+            "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 
 
 def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]) -> str:

@@ -23,16 +23,24 @@ gradient_accumulation_steps``, ``num_iterations = 1``):
    skips ``old_per_token_logps`` when steps and generation are aligned) and, with a reference,
    the KL term; the logged metrics' masked means; backward; after the last, the optimizer.
 
+With ``rollout=vllm`` (``use_vllm=True``, ``vllm_mode="colocate"``) a vLLM engine in the same
+process generates instead (:func:`engine_rollout`): its blocks (weights, KV cache pool, CUDA graph
+pool, the activations of its forwards; sized by :mod:`vramplan.engine.rollout` by vLLM's own
+start-up rules) sit in the trainer's allocator, released between generations in sleep mode; the
+policy then scores the completions under ``no_grad`` (``old_per_token_logps``) for TRL's
+importance-sampling correction, and the loss multiplies by its ratio.
+
 Not modelled: reward models (TRL's reward functions are the user's; a reward *model* is another
-forward), vLLM rollouts (``use_vllm``), ``num_iterations > 1`` / misaligned windows (the
-``old_per_token_logps`` forward), tool calls, the entropy bonus and top-entropy mask (off by
-default). Completions that stop early at EOS make every tensor of the window narrower: the
+forward), ``num_iterations > 1`` / misaligned windows without vLLM (the ``old_per_token_logps``
+forward), the weight push into vLLM (a LoRA merge's per-layer delta: one weight-sized
+temporary), tool calls, the entropy bonus and top-entropy mask (off by default). Completions that stop early at EOS make every tensor of the window narrower: the
 figure is for completions of the full length.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +48,8 @@ import torch
 from torch import nn
 
 from ..errors import TraceError
-from ..workload import Phase, Reference, Workload
+from ..events import Action, Category
+from ..workload import Phase, Reference, Rollout, Workload
 from .kvcache import make_cache
 from .loss import causal_lm_parts, trl_log_probs
 
@@ -50,6 +59,8 @@ REF_OUTPUTS: tuple[str, ...] = ("log_probs",)
 """``add_fused_lm_head(self.ref_model, ...)``: the default field."""
 EPSILON = 0.2
 """GRPOConfig ``epsilon`` (``epsilon_high`` defaults to it); values do not change memory."""
+IS_CLIP_MAX = 3.0
+"""GRPOConfig ``vllm_importance_sampling_clip_max`` (``clip_min`` None: no lower bound)."""
 BETA = 0.04
 """The KL coefficient used when a reference is asked for (TRL's default ``beta`` is 0.0: none)."""
 
@@ -68,9 +79,14 @@ def step_note(w: Workload) -> str:
            Reference.ADAPTERS: "the policy with its adapters disabled, under no_grad after the rollout"}[
         w.reference_source]
     window = w.batch * w.grad_accum
-    return (f"GRPO step as TRL 1.16 GRPOTrainer runs it (use_vllm=False): a rollout of {window:,} completions "
+    if w.rollout is Rollout.VLLM:
+        how = ("by the colocated vLLM engine (use_vllm=True, vllm_mode=colocate; its blocks in the trainer's "
+               "allocator), the policy's old log-probabilities under no_grad for the importance-sampling correction")
+    else:
+        how = "through `generate` (use_vllm=False: DynamicCache, fp32 sampling)"
+    return (f"GRPO step as TRL 1.16 GRPOTrainer runs it: a rollout of {window:,} completions "
             f"({window // w.generations:,} prompts x {w.generations} generations) of {w.completion:,} tokens after "
-            f"{w.prompt:,}-token prompts through `generate` (DynamicCache, fp32 sampling), then {w.grad_accum} "
+            f"{w.prompt:,}-token prompts {how}, then {w.grad_accum} "
             f"micro-step(s) of {w.batch:,} completions through TRL's fused LM head (log-probs, entropy) with the "
             f"dapo loss; reference: {ref}. Every completion runs to full length (an upper bound)")
 
@@ -220,35 +236,124 @@ def rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Re
         with sess.phase(Phase.FORWARD):
             # the completion ids go to the host (lists) and come back padded, with their masks
             del full
-            prompt_ids = torch.zeros((window, prompt), dtype=torch.long, device=dev)
-            prompt_mask = torch.ones((window, prompt), dtype=torch.long, device=dev)
-            prompt_mask[0, 0] = 0
-            completion_ids = torch.zeros((window, completion), dtype=torch.long, device=dev)
-            completion_mask = torch.ones((window, completion), dtype=torch.long, device=dev)
-            ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            ref_logps = None
-            if source is not Reference.NONE:
-                ctx, ref_model, outputs = _reference(model, reference, source)
-                with ctx:
-                    ref_logps, _ = _logps(ref_model, ids, mask, completion, micro_batch, autocast, region, outputs,
-                                          entropy=False)
-            del ids, mask
-            rewards = torch.zeros((window, 1), dtype=torch.float32, device=dev)  # (one reward function)
-            advantages = rewards.sum(dim=1) - rewards.sum(dim=1).mean()
-            num_items = completion_mask.sum()
-            del rewards
-            window_inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                             "completion_mask": completion_mask, "advantages": advantages,
-                             "num_items_in_batch": num_items}
-            if ref_logps is not None:
-                window_inputs["ref_per_token_logps"] = ref_logps
-            del prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logps
-            perm = torch.randperm(window).to(dev)  # shuffle_sequence_dict: an index copy of each
-            shuffled = {k: (v if v.ndim == 0 else v[perm]) for k, v in window_inputs.items()}
-            del perm, window_inputs
-            return [{k: (v if v.ndim == 0 else v[i * micro_batch:(i + 1) * micro_batch]) for k, v in shuffled.items()}
-                    for i in range(steps)]
+            return _score(model, reference, source, micro_batch=micro_batch, steps=steps, prompt=prompt,
+                          completion=completion, autocast=autocast, region=region, engine=False)
+
+
+def engine_rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Reference, e: Any,
+                   blocks: dict[str, int], *, micro_batch: int, steps: int, prompt: int, completion: int,
+                   autocast: torch.dtype | None, region: Region) -> list[dict[str, torch.Tensor]]:
+    """The generation window with a colocated vLLM engine (``use_vllm=True``, ``vllm_mode=
+    "colocate"``): the engine generates (:func:`_engine_generate`), then the policy scores the
+    completions under ``no_grad`` (``old_per_token_logps``: TRL always computes them with vLLM for
+    its importance-sampling correction, ``vllm_importance_sampling_correction=True``), then as
+    :func:`rollout`."""
+    _engine_generate(sess, e, blocks)
+    with torch.no_grad(), sess.phase(Phase.FORWARD):
+        return _score(model, reference, source, micro_batch=micro_batch, steps=steps, prompt=prompt,
+                      completion=completion, autocast=autocast, region=region, engine=True)
+
+
+def _engine_generate(sess: Any, e: Any, blocks: dict[str, int]) -> None:
+    """The engine's blocks in the trainer's caching allocator around one generation.
+
+    Started once (``LLM(...)`` in ``GRPOTrainer.__init__``): its CUDA graphs' pool, and without
+    sleep mode its weights and KV cache, for good. With sleep mode (``sleep(level=2)`` right after
+    start-up and after each generation) TRL calls ``empty_cache()`` and wakes the weights, then the
+    KV cache, before generating, and puts both back to sleep after: released (modelled as freed and
+    the cache emptied: vLLM's CuMemAllocator unmaps its own pool only, so the trainer's cached
+    blocks would stay). The generation's eager forwards take at most the profile run's peak."""
+    rec = sess.rec
+
+    def take(size: int, cat: Category, desc: str, op: str) -> int | None:
+        return rec.synthetic_alloc(size, cat, desc, op=op) if size > 0 else None
+
+    parts = (("weights", e.weights, Category.PARAMETER, "vLLM weights (colocated engine)"),
+             ("kv", e.kv_pool, Category.KV_CACHE, "vLLM KV cache pool (colocated engine)"))
+    with sess.phase(Phase.DECODE):
+        if "started" not in blocks:
+            blocks["started"] = -1
+            graphs = take(e.graphs, Category.WORKSPACE, "vLLM CUDA graph pool (colocated engine)", "vllm.capture")
+            if graphs is not None:
+                blocks["graphs"] = graphs
+            if not e.sleep:
+                for name, size, cat, desc in parts:
+                    eid = take(size, cat, desc, "vllm.LLM")
+                    if eid is not None:
+                        blocks[name] = eid
+        if e.sleep:
+            rec.emit_action(Action.EMPTY_CACHE, "empty_cache before vllm wake_up")
+            for name, size, cat, desc in parts:
+                eid = take(size, cat, desc, "vllm.wake_up")
+                if eid is not None:
+                    blocks[name] = eid
+        act = take(e.activations, Category.ACTIVATION, "vLLM forward activations (profile-run peak)", "vllm.generate")
+        if act is not None:
+            rec.synthetic_free(act, Category.ACTIVATION, op="vllm.generate")
+        if e.sleep:
+            for name, _size, cat, _desc in parts:
+                if name in blocks:
+                    rec.synthetic_free(blocks.pop(name), cat, op="vllm.sleep")
+            rec.emit_action(Action.EMPTY_CACHE, "vllm sleep(level=2) releases its memory")
+
+
+def _score(model: nn.Module, reference: nn.Module | None, source: Reference, *, micro_batch: int, steps: int,
+           prompt: int, completion: int, autocast: torch.dtype | None, region: Region,
+           engine: bool) -> list[dict[str, torch.Tensor]]:
+    """``_generate_and_score_completions`` after the generation: the ids and masks on the device
+    (with vLLM its sampling log-probabilities too), the policy's old log-probabilities and the
+    importance-sampling ratio (vLLM), the reference's, rewards and advantages, shuffled (an index
+    copy) and split into ``steps`` micro-batches (views)."""
+    dev = _device(model)
+    window = micro_batch * steps
+    # the shuffle's permutation, drawn on the host with a fixed seed (the figure must not depend on
+    # the draw), and one padded prompt position in every micro-batch it makes (prompts differ in
+    # length: transformers builds the 4-D attention mask for each micro-step, not only for one)
+    order = torch.randperm(window, generator=torch.Generator().manual_seed(0))
+    prompt_ids = torch.zeros((window, prompt), dtype=torch.long, device=dev)
+    prompt_mask = torch.ones((window, prompt), dtype=torch.long, device=dev)
+    for i in range(steps):
+        prompt_mask[int(order[i * micro_batch]), 0] = 0
+    completion_ids = torch.zeros((window, completion), dtype=torch.long, device=dev)
+    completion_mask = torch.ones((window, completion), dtype=torch.long, device=dev)
+    sampling = torch.zeros((window, completion), dtype=torch.float32, device=dev) if engine else None
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    old = ratio = None
+    if sampling is not None:
+        old, _ = _logps(model, ids, mask, completion, micro_batch, autocast, region, POLICY_OUTPUTS, entropy=False)
+        diff = torch.nan_to_num((old - sampling) * completion_mask, nan=0.0)
+        ratio = torch.exp(diff.sum(dim=-1, keepdim=True))  # vllm_importance_sampling_mode="sequence_mask"
+        del diff
+        ratio = ratio.masked_fill((ratio < -math.inf) | (ratio > IS_CLIP_MAX), 0.0)
+    ref_logps = None
+    if source is not Reference.NONE:
+        ctx, ref_model, outputs = _reference(model, reference, source)
+        with ctx:
+            ref_logps, _ = _logps(ref_model, ids, mask, completion, micro_batch, autocast, region, outputs,
+                                  entropy=False)
+    del ids, mask
+    rewards = torch.zeros((window, 1), dtype=torch.float32, device=dev)  # (one reward function)
+    advantages = rewards.sum(dim=1) - rewards.sum(dim=1).mean()
+    num_items = completion_mask.sum()
+    del rewards
+    if old is not None and sampling is not None:  # the logged |old - sampling| (its masked selection: at most all)
+        delta = torch.abs(old - sampling)
+        torch.mean(delta), torch.max(delta)
+        del delta
+    window_inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                     "completion_mask": completion_mask, "advantages": advantages, "num_items_in_batch": num_items}
+    if old is not None and ratio is not None and sampling is not None:
+        window_inputs.update(old_per_token_logps=old, importance_sampling_ratio=ratio,
+                             sampling_per_token_logps=sampling)
+    if ref_logps is not None:
+        window_inputs["ref_per_token_logps"] = ref_logps
+    del prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logps, old, ratio, sampling
+    perm = order.to(dev)  # shuffle_sequence_dict: an index copy of each
+    shuffled = {k: (v if v.ndim == 0 else v[perm]) for k, v in window_inputs.items()}
+    del perm, window_inputs, order
+    return [{k: (v if v.ndim == 0 else v[i * micro_batch:(i + 1) * micro_batch]) for k, v in shuffled.items()}
+            for i in range(steps)]
 
 
 def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, steps: int, autocast: torch.dtype | None,
@@ -265,7 +370,8 @@ def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, steps: int
     assert entropies is not None
     tmask = completion_mask
     advantages = batch["advantages"].unsqueeze(1)
-    old = logps.detach()
+    old = batch.get("old_per_token_logps")
+    old = logps.detach() if old is None else old
     log_ratio = logps - old
     coef_1 = torch.exp(log_ratio)
     kl = None
@@ -275,6 +381,8 @@ def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, steps: int
     coef_2 = torch.clamp(coef_1, 1 - EPSILON, 1 + EPSILON)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     del coef_2
+    if "importance_sampling_ratio" in batch:  # (vLLM's correction, before the KL term)
+        per_token_loss = per_token_loss * batch["importance_sampling_ratio"]
     if kl is not None:
         per_token_loss = per_token_loss + BETA * kl
     normalizer = batch["num_items_in_batch"].clamp(min=1.0) / 1
@@ -311,5 +419,5 @@ def limit_note(phases: Any) -> str:
             f"(forward, backward, optimizer) {train / 2**30:,.2f} GiB: the step's peak is {part}")
 
 
-__all__ = ["BETA", "EPSILON", "POLICY_OUTPUTS", "REF_OUTPUTS", "forward_loss", "generate", "inputs", "limit_note",
-           "rollout", "step_note"]
+__all__ = ["BETA", "EPSILON", "IS_CLIP_MAX", "POLICY_OUTPUTS", "REF_OUTPUTS", "engine_rollout", "forward_loss",
+           "generate", "inputs", "limit_note", "rollout", "step_note"]

@@ -767,6 +767,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
             micro_batch=w.batch, completion=w.completion,
+            engine=profile.rollout if w.objective is Objective.GRPO else None,
         )
         if w.training and w.objective is not Objective.SFT:
             step_note = grpo.step_note if w.objective is Objective.GRPO else preference.step_note

@@ -89,6 +89,10 @@ class StepPlan:
     held: list[Any] = field(default_factory=list)
     """GRPO: the generation window's buffered micro-batches (TRL's ``_buffered_inputs``), alive
     until the next window replaces them."""
+    engine: Any = None
+    """GRPO ``rollout=vllm``: the colocated engine (:class:`vramplan.target.RolloutEngine`)."""
+    engine_blocks: dict[str, int] = field(default_factory=dict)
+    """Its blocks alive in the trainer's allocator (event ids by part)."""
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -242,10 +246,15 @@ def grpo_step(sess: TraceSession, plan: StepPlan) -> None:
     # there is padding, the 4-D mask is built
     sess.dispatch.bool_reads = False
     dtype, region = _per_call(sess, plan)
-    window = grpo.rollout(sess, plan.model, plan.reference, plan.reference_source, micro_batch=plan.micro_batch,
-                          steps=plan.grad_accum, prompt=plan.prompt, completion=plan.completion, autocast=dtype,
-                          region=region, cache_kind=plan.cache, kv_dtype=plan.kv_dtype, compute=plan.compute_dtype,
-                          notes=plan.notes)
+    if plan.engine is not None:
+        window = grpo.engine_rollout(sess, plan.model, plan.reference, plan.reference_source, plan.engine,
+                                     plan.engine_blocks, micro_batch=plan.micro_batch, steps=plan.grad_accum,
+                                     prompt=plan.prompt, completion=plan.completion, autocast=dtype, region=region)
+    else:
+        window = grpo.rollout(sess, plan.model, plan.reference, plan.reference_source, micro_batch=plan.micro_batch,
+                              steps=plan.grad_accum, prompt=plan.prompt, completion=plan.completion, autocast=dtype,
+                              region=region, cache_kind=plan.cache, kv_dtype=plan.kv_dtype,
+                              compute=plan.compute_dtype, notes=plan.notes)
     plan.held[:] = window  # (the previous window's buffer dies here)
     del window
     train_step(sess, plan, [((), b) for b in plan.held])

@@ -1,0 +1,75 @@
+"""A rollout engine colocated with the trainer (GRPO ``rollout=vllm``), sized by its own rules.
+
+TRL 1.16's ``VLLMGeneration._init_vllm`` (trl/generation/vllm_generation.py, ``vllm_mode=
+"colocate"``) starts ``vllm.LLM`` in the trainer's process after the model is on the device, with
+``gpu_memory_utilization=vllm_gpu_memory_utilization`` (GRPOConfig default 0.3),
+``max_model_len=vllm_max_model_length`` (default None: vLLM takes the model's), ``max_num_seqs =
+per_device_train_batch_size x vllm_tensor_parallel_size x steps_per_generation``,
+``max_num_batched_tokens=4096`` and ``enable_sleep_mode=vllm_enable_sleep_mode``; CUDA graphs are
+captured (no ``enforce_eager``). The engine's blocks follow the vLLM start-up sizing of
+:mod:`vramplan.serving.vllm` for this GPU; the trainer's step places them in its own allocator
+(:mod:`vramplan.trace.grpo`, :mod:`vramplan.analytic.grpo`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ..errors import WorkloadError
+from ..target import DeviceProfile, RolloutEngine
+from ..units import GiB
+from ..workload import Objective, Peft, Rollout, Workload
+
+if TYPE_CHECKING:
+    from vramplan.hardware.gpu import GPU
+    from vramplan.models.spec import ModelSpec
+
+MAX_NUM_BATCHED_TOKENS = 4096
+"""trl/generation/vllm_generation.py: ``max_num_batched_tokens=4096`` ("the v1 memory profiler is
+misled by the high default value")."""
+
+
+def with_rollout(dev: DeviceProfile, spec: ModelSpec, w: Workload, g: GPU | None) -> DeviceProfile:
+    """``dev`` with ``w``'s colocated rollout engine sized for ``g`` (unchanged without one)."""
+    if w.objective is not Objective.GRPO or w.rollout is not Rollout.VLLM:
+        return dev if dev.rollout is None else dataclasses.replace(dev, rollout=None)
+    if g is None:
+        raise WorkloadError("`rollout=vllm` sizes vLLM by the GPU's memory (`vllm_memory` x its total)",
+                            hint="add `gpu=NAME` (see `vramplan gpus`), or use `rollout=hf`", field="rollout")
+    return dataclasses.replace(dev, rollout=engine(spec, w, g))
+
+
+def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
+    from ..serving import vllm
+    from ..serving.common import serving_dtype
+
+    settings = vllm.VllmSettings(
+        gpu_memory_utilization=w.vllm_memory, max_model_len=w.vllm_max_len or None,
+        max_num_seqs=w.batch * w.grad_accum, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    quant = "bitsandbytes" if w.peft is Peft.QLORA else "none"  # (TRL passes quantization="bitsandbytes")
+    sp = vllm.plan(spec, g, quant=quant, dtype=serving_dtype(spec, "auto"), settings=settings)
+    st = sp.settings
+    summary = (f"vLLM {vllm.VERSION} colocated (TRL 1.16 vllm_mode=colocate): gpu_memory_utilization "
+               f"{w.vllm_memory}, max_model_len {st['max_model_len']:,}, max_num_seqs {st['max_num_seqs']}, "
+               f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS:,}, CUDA graphs, sleep mode "
+               f"{'on (level 2)' if w.vllm_sleep else 'off'}: budget {sp.budget / GiB:.2f} GiB = weights "
+               f"{sp.weights / GiB:.2f} + profile peak {sp.profile_peak / GiB:.2f} + non-torch "
+               f"{sp.non_torch / GiB:.2f} + KV cache {sp.kv_pool / GiB:.2f} GiB ({sp.tokens:,} tokens); CUDA graphs "
+               f"{sp.cuda_graph / GiB:.2f} GiB beside it")
+    return RolloutEngine(
+        engine=f"vLLM {vllm.VERSION}", budget=sp.budget, weights=sp.weights if sp.starts else 0,
+        kv_pool=sp.kv_pool, graphs=sp.cuda_graph, activations=sp.profile_peak if sp.starts else 0,
+        sleep=w.vllm_sleep, refusal=sp.error or "", summary=summary)
+
+
+def startup_refusal(e: RolloutEngine, trainer: int, context: int, total: int, utilization: float) -> str:
+    """vLLM's refusal when the trainer's model already on the device (``trainer`` bytes, with
+    the ``context``) leaves less free than its budget (``Worker.init_device``)."""
+    from ..serving.vllm import startup_error
+
+    free = total - context - trainer
+    return startup_error(free, total, utilization) if free < e.budget else ""
+
+
+__all__ = ["MAX_NUM_BATCHED_TOKENS", "engine", "startup_refusal", "with_rollout"]
