@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from trl_harness import accelerate_autocast
 from vramplan.errors import WorkloadError
 from vramplan.events import Action, Category
 from vramplan.trace import grpo
@@ -92,23 +93,6 @@ def _trainer(model: nn.Module, beta: float, vllm: bool = False) -> Any:
     return t
 
 
-@contextlib.contextmanager
-def _accelerate_autocast() -> Any:
-    """accelerate's ``prepare_model``: ``torch.autocast`` around each forward call."""
-    sess = TraceSession.current()
-    ac = sess.autocast if sess is not None else None
-    if ac is None or not ac.enabled:
-        yield
-        return
-    ac.exit()
-    ac.enter()
-    try:
-        yield
-    finally:
-        ac.exit()
-        ac.enter()
-
-
 def _prepared(model: nn.Module) -> nn.Module:
     """``model.forward`` wrapped as accelerate wraps it: a method (the trace's copy of the model
     calls its own forward) that keeps the forward's signature (accelerate's ``functools.wraps``:
@@ -117,7 +101,7 @@ def _prepared(model: nn.Module) -> nn.Module:
     sig = inspect.signature(model.forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with _accelerate_autocast():
+        with accelerate_autocast():
             return self._pre_accelerate_forward(*args, **kwargs)
 
     forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
@@ -144,7 +128,7 @@ class _OurLoss(nn.Module):
         sess = TraceSession.current()
         assert sess is not None
         ac = sess.autocast.dtype if sess.autocast is not None and sess.autocast.enabled else None
-        _held, loss = grpo.forward_loss(self.m, inputs, steps=1, autocast=ac, region=_accelerate_autocast)
+        _held, loss = grpo.forward_loss(self.m, inputs, steps=1, autocast=ac, region=accelerate_autocast)
         return loss
 
 
@@ -251,7 +235,7 @@ def test_the_rollout_allocates_what_transformers_generate_allocates(precision: s
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
             sess = TraceSession.current()
             with torch.no_grad():
-                return grpo.generate(sess, self.m, input_ids, attention_mask, new, _accelerate_autocast, "dynamic",
+                return grpo.generate(sess, self.m, input_ids, attention_mask, new, accelerate_autocast, "dynamic",
                                      KVDtype.AUTO, torch.bfloat16 if precision != "fp32" else torch.float32, [],
                                      eos=False)
 

@@ -11,7 +11,6 @@ make are the one difference allowed (they are not modelled).
 
 from __future__ import annotations
 
-import contextlib
 import types
 from collections import defaultdict
 from typing import Any
@@ -20,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
+from trl_harness import accelerate_autocast
 from vramplan.errors import WorkloadError
 from vramplan.events import Action
 from vramplan.trace.preference import DPO_POLICY_OUTPUTS, KTO_POLICY_OUTPUTS
 from vramplan.trace.run import TraceOptions, trace_model, trace_workload
-from vramplan.trace.session import TraceSession
 from vramplan.workload import Parallel, Phase, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
@@ -90,31 +89,13 @@ class _TrlDpoStep(nn.Module):
         return dpo_trainer.DPOTrainer._compute_loss(trainer, self.policy, inputs, False)
 
 
-@contextlib.contextmanager
-def _accelerate_autocast() -> Any:
-    """accelerate's ``prepare_model``: ``torch.autocast`` around each forward call, so the region
-    (and its weight-cast cache) ends with the call; the step's own region is left for the call."""
-    sess = TraceSession.current()
-    ac = sess.autocast if sess is not None else None
-    if ac is None or not ac.enabled:
-        yield
-        return
-    ac.exit()
-    ac.enter()
-    try:
-        yield
-    finally:
-        ac.exit()
-        ac.enter()
-
-
 def _prepared(model: nn.Module) -> nn.Module:
     """``model.forward`` wrapped as accelerate wraps it (a method, so that the trace's copy of the
     model calls its own forward)."""
     model._pre_accelerate_forward = model.forward
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with _accelerate_autocast():
+        with accelerate_autocast():
             return self._pre_accelerate_forward(*args, **kwargs)
 
     model.forward = types.MethodType(forward, model)

@@ -81,6 +81,24 @@ def test_the_preference_objectives_reach_the_estimate(client, capsys):
         assert r.json()["workload"]["objective"] == objective
 
 
+def test_grpo_with_a_colocated_vllm_reaches_the_estimate(client, capsys):
+    """The page offers GRPO's rollout knobs (issue 32); vLLM's start-up refusal is in the answer."""
+    base = ("model=llama-3.1-8b&task=train&recipe=trl-grpo&peft=lora&batch=8&seq=1536&prompt=512&rollout=vllm"
+            "&gpu=h100&method=analytic")
+    flags = ["estimate", "llama-3.1-8b", "--task", "train", "--recipe", "trl-grpo", "--peft", "lora", "--batch", "8",
+             "--seq", "1536", "--prompt", "512", "--rollout", "vllm", "--gpu", "h100", "--method", "analytic"]
+    r = client.get(f"/api/estimate?{base}")
+    assert r.status_code == 200, r.text
+    cli = cli_json(capsys, *flags, "--json")
+    assert cli.pop("to_fit")["flags"] == "--vllm-max-len 1536"  # (the page's fix is on its Fit tab)
+    assert r.json() == cli
+    assert not r.json()["fits"] and "max seq len (131072)" in r.json()["refused"]
+    r = client.get(f"/api/estimate?{base}&vllm-max-len=1536&vllm-sleep=true")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, *flags, "--vllm-max-len", "1536", "--vllm-sleep", "--json")
+    assert r.json()["fits"] and "refused" not in r.json()
+
+
 def test_trace_estimate_timeline_and_snapshot(client, capsys, tmp_path):
     q = "model=gpt2&batch=1&seq=128&gpu=rtx-4090&method=trace"
     r = client.get(f"/api/estimate?{q}")

@@ -79,15 +79,12 @@ def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
         return PhasePeak(ph.phase, ph.allocated + ref, b)
 
     phases = tuple(more(ph) for ph in (*(rollout(ph) for ph in gen.phases), *train.phases))
-    source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
-              Reference.NONE: "none (beta=0)"}[w.reference_source]
     note = (f"GRPO (TRL 1.16 GRPOTrainer, use_vllm=False): generation of {window:,} completions of {w.completion:,} "
             f"tokens after {w.prompt:,}-token prompts on the training model (its weights and optimizer states, "
             f"{'autocast weight copies, ' if casts else ''}fp32 sampling), then {w.grad_accum} micro-step(s) of "
-            f"{w.batch:,} sequences through TRL's fused head scoring the completion tokens; reference: {source}")
-    return dataclasses.replace(
-        train, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*train.notes, note),
-        states=dataclasses.replace(s, weights=s.weights + ref), kv_cache=gen.kv_cache)
+            f"{w.batch:,} sequences through TRL's fused head scoring the completion tokens; reference: "
+            f"{_SOURCE[w.reference_source]}")
+    return dataclasses.replace(_finish(train, phases, note, s.weights + ref), kv_cache=gen.kv_cache)
 
 
 def _with_engine(train: AnalyticEstimate, w: Workload, e: RolloutEngine, ref: int, workspace_bytes: int | None,
@@ -109,15 +106,22 @@ def _with_engine(train: AnalyticEstimate, w: Workload, e: RolloutEngine, ref: in
         return PhasePeak(ph.phase, ph.allocated + keep.total, ph.breakdown + keep)
 
     phases = (PhasePeak(Phase.DECODE, gen.total, gen), *(more(ph) for ph in train.phases))
-    source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
-              Reference.NONE: "none (beta=0)"}[w.reference_source]
     note = (f"GRPO (TRL 1.16 GRPOTrainer, use_vllm=True, vllm_mode=colocate): {e.engine} generates {window:,} "
             f"completions of {w.completion:,} tokens after {w.prompt:,}-token prompts beside the training model's "
             f"states, then the policy's old log-probabilities (no_grad) and {w.grad_accum} micro-step(s) of "
-            f"{w.batch:,} sequences through TRL's fused head; reference: {source}")
+            f"{w.batch:,} sequences through TRL's fused head; reference: {_SOURCE[w.reference_source]}")
+    return _finish(train, phases, note, s.weights + ref + (0 if e.sleep else e.weights))
+
+
+_SOURCE = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
+           Reference.NONE: "none (beta=0)"}
+
+
+def _finish(train: AnalyticEstimate, phases: tuple[PhasePeak, ...], note: str, weights: int) -> AnalyticEstimate:
+    """The SFT step's estimate with GRPO's phases, its note, and the weights resident through it."""
     return dataclasses.replace(
         train, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*train.notes, note),
-        states=dataclasses.replace(s, weights=s.weights + ref + (0 if e.sleep else e.weights)))
+        states=dataclasses.replace(train.states, weights=weights))
 
 
 def _casts(spec: ModelSpec, w: Workload) -> int:

@@ -23,6 +23,7 @@ from ..workload import (
     Precision,
     Recipe,
     Reference,
+    Rollout,
     Workload,
 )
 from ..workload import Optimizer as Opt
@@ -129,6 +130,12 @@ def _trl_grpo(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("reference", Reference.AUTO, f"{_TRL}/trainer/grpo_config.py#L681-L682 (`beta` 0.0) and "
                 f"{_TRL}/trainer/grpo_trainer.py#L983-L990 (beta 0: no reference model)"),
         Default("generations", 8, f"{_TRL}/trainer/grpo_config.py#L480-L481 (`num_generations` 8)"),
+        Default("rollout", Rollout.HF, f"{_TRL}/trainer/grpo_config.py#L587-L588 (`use_vllm` False; with it, "
+                f"#L594-L595 `vllm_mode` 'colocate': rollout=vllm)"),
+        Default("vllm_memory", 0.3, f"{_TRL}/trainer/grpo_config.py#L656-L657 (`vllm_gpu_memory_utilization` 0.3)"),
+        Default("vllm_max_len", 0, f"{_TRL}/trainer/grpo_config.py#L664-L665 (`vllm_max_model_length` None: "
+                "vLLM takes the model's)"),
+        Default("vllm_sleep", False, f"{_TRL}/trainer/grpo_config.py#L612-L613 (`vllm_enable_sleep_mode` False)"),
     )
 
 

@@ -234,7 +234,8 @@ function render(r, method, asked) {
     v.dataset.fits = String(r.fits);
     const room = document.createElement("small");
     room.className = "room";
-    room.textContent = r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
+    room.textContent = r.refused ? "refused at start-up" :
+      r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
     v.appendChild(room);
   } else { v.textContent = "no GPU chosen"; delete v.dataset.fits; }
   const w = r.workload;
@@ -249,7 +250,8 @@ function render(r, method, asked) {
   if (r.gpu) {
     const room = r.headroom >= 0 ? `${gib(r.headroom)} GiB headroom` : `${gib(-r.headroom)} GiB short`;
     sum += `<br>${esc(r.gpu.full_name)}: ${gib(r.gpu.capacity)} GiB, usable ${gib(r.gpu.usable)} GiB — ${room}` +
-      (r.max_batch != null ? ` · largest batch that fits: <b id="max-batch" data-value="${r.max_batch}">${r.max_batch >= 1 ? r.max_batch : "none"}</b>` : "");
+      (r.max_batch != null ? ` · largest batch that fits: <b id="max-batch" data-value="${r.max_batch}">${r.max_batch >= 1 ? r.max_batch : "none"}</b>` : "") +
+      (r.refused ? `<br><b id="refused">refused at start-up:</b> ${esc(r.refused)}` : "");
   }
   document.getElementById("summary").innerHTML = sum;
   draw("bar", (W) => barChart(r, W));
