@@ -10,6 +10,9 @@ import pytest
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import get_gpu, usable_capacity
 from vramplan.models.catalog import resolve
+from vramplan.pools import vllm
+from vramplan.pools.base import outside
+from vramplan.pools.kvspec import LayerKV, bytes_per_token, kv_heads_per_rank, layer_specs
 from vramplan.serving import (
     cheapest,
     largest_max_model_len,
@@ -18,10 +21,7 @@ from vramplan.serving import (
     sweep,
     tgi,
     trtllm,
-    vllm,
 )
-from vramplan.serving.common import outside
-from vramplan.serving.kvspec import LayerKV, bytes_per_token, kv_heads_per_rank, layer_specs
 from vramplan.units import GiB
 
 FULL_8B = tuple(LayerKV("full", 8, 128, 2) for _ in range(32))  # Llama-3.1-8B, one rank

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 
 from vramplan.models.catalog import resolve
-from vramplan.serving import vllm as ours
-from vramplan.serving.kvspec import LayerKV, layer_specs
+from vramplan.pools import vllm as ours
+from vramplan.pools.kvspec import LayerKV, layer_specs
 from vramplan.units import GiB
 
 utils = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vLLM's Python sources are not importable here")

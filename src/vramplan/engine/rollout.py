@@ -7,7 +7,8 @@ TRL 1.16's ``VLLMGeneration._init_vllm`` (trl/generation/vllm_generation.py, ``v
 per_device_train_batch_size x vllm_tensor_parallel_size x steps_per_generation``,
 ``max_num_batched_tokens=4096`` and ``enable_sleep_mode=vllm_enable_sleep_mode``; CUDA graphs are
 captured (no ``enforce_eager``). The engine's blocks follow the vLLM start-up sizing of
-:mod:`vramplan.serving.vllm` for this GPU; the trainer's step places them in its own allocator
+:mod:`vramplan.pools.vllm` for this GPU, on vramplan's estimate of its profile run's forward
+(:mod:`.forward`); the trainer's step places them in its own allocator
 (:mod:`vramplan.trace.grpo`, :mod:`vramplan.analytic.grpo`).
 """
 
@@ -41,14 +42,17 @@ def with_rollout(dev: DeviceProfile, spec: ModelSpec, w: Workload, g: GPU | None
 
 
 def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
-    from ..serving import vllm
-    from ..serving.common import serving_dtype
+    from ..pools import vllm
+    from ..pools.base import serving_dtype
+    from .forward import forward
 
     settings = vllm.VllmSettings(
         gpu_memory_utilization=w.vllm_memory, max_model_len=w.vllm_max_len or None,
         max_num_seqs=w.batch * w.grad_accum, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     quant = "bitsandbytes" if w.peft is Peft.QLORA else "none"  # (TRL passes quantization="bitsandbytes")
-    sp = vllm.plan(spec, g, quant=quant, dtype=serving_dtype(spec, "auto"), settings=settings)
+    dtype = serving_dtype(spec, "auto")
+    fwd = forward(spec, tokens=MAX_NUM_BATCHED_TOKENS, tp=1, pp=1, quant=quant, dtype=dtype)
+    sp = vllm.plan(spec, g, fwd, quant=quant, dtype=dtype, settings=settings)
     st = sp.settings
     summary = (f"vLLM {vllm.VERSION} colocated (TRL 1.16 vllm_mode=colocate): gpu_memory_utilization "
                f"{w.vllm_memory}, max_model_len {st['max_model_len']:,}, max_num_seqs {st['max_num_seqs']}, "
@@ -66,7 +70,7 @@ def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
 def startup_refusal(e: RolloutEngine, trainer: int, context: int, total: int, utilization: float) -> str:
     """vLLM's refusal when the trainer's model already on the device (``trainer`` bytes, with
     the ``context``) leaves less free than its budget (``Worker.init_device``)."""
-    from ..serving.vllm import startup_error
+    from ..pools.vllm import startup_error
 
     free = total - context - trainer
     return startup_error(free, total, utilization) if free < e.budget else ""

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from vramplan.pools.result import ServePlan
 from vramplan.serving.api import FRACTION_NAME, Option
-from vramplan.serving.result import ServePlan
 from vramplan.units import GiB
 
 from .doc import Doc, KeyValues, Notes, Table

@@ -9,7 +9,8 @@ for the rules it follows and what is approximated.
 
 from __future__ import annotations
 
+from vramplan.pools.result import ServePlan
+
 from .api import ENGINES, SWEEPS, Option, cheapest, largest_max_model_len, serve_plan, sweep
-from .result import ServePlan
 
 __all__ = ["ENGINES", "SWEEPS", "Option", "ServePlan", "cheapest", "largest_max_model_len", "serve_plan", "sweep"]

@@ -11,10 +11,10 @@ from vramplan.errors import PlanError, WorkloadError
 from vramplan.hardware.catalog import get_gpu
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
+from vramplan.pools.base import check_quant, serving_dtype
+from vramplan.pools.result import ServePlan
 
 from . import sglang, tgi, trtllm, vllm
-from .common import check_quant, serving_dtype
-from .result import ServePlan
 
 ENGINES = ("vllm", "sglang", "tgi", "trtllm")
 VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)

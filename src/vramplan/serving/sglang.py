@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramplan.engine.forward import forward
 from vramplan.hardware.catalog import usable_capacity
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
+from vramplan.pools.base import outside
+from vramplan.pools.kvspec import bytes_per_token, layer_specs
+from vramplan.pools.result import ServePlan
 from vramplan.units import GiB
-
-from .common import forward, outside
-from .kvspec import bytes_per_token, layer_specs
-from .result import ServePlan
 
 VERSION = "0.4.6"
 

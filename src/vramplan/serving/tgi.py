@@ -22,15 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramplan.engine.forward import forward
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import usable_capacity
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
+from vramplan.pools.base import cdiv, outside
+from vramplan.pools.kvspec import bytes_per_token, layer_specs
+from vramplan.pools.result import ServePlan
 from vramplan.units import GiB
-
-from .common import cdiv, forward, outside
-from .kvspec import bytes_per_token, layer_specs
-from .result import ServePlan
 
 VERSION = "3.x"
 WIGGLE_ROOM = 0.95

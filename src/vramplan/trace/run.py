@@ -830,7 +830,14 @@ def _collect_deterministically() -> Iterator[None]:
     process did before (imports, earlier traces): their FREE events would move from one run
     to the next. During a trace automatic collection is off and a full collection runs at
     each iteration's end; objects from before the trace are frozen (``gc.freeze``) so that
-    collection only scans the trace's own objects."""
+    collection only scans the trace's own objects.
+
+    ``torch._dynamo`` is imported first: torch's Python kernels import it on their first call,
+    and inside a traced op that import leaves a frame cycle that pins every frame below it until
+    the next collection (the step's locals with it: a sampler's sort buffers counted at a later
+    peak in a fresh process, not in one that had imported it; see :func:`vramplan.emulate.emulated_gpu`)."""
+    import torch._dynamo  # noqa: F401
+
     enabled = gc.isenabled()
     freeze = gc.get_freeze_count() == 0  # (someone else's frozen objects stay frozen)
     gc.disable()

@@ -1,5 +1,5 @@
-"""What every engine's sizing reads from vramplan: weights per rank, the activation peak of
-a forward over a flat batch of tokens, and the memory outside PyTorch.
+"""What every inference engine's sizing reads from vramplan's own estimate: weights per rank and
+the activation peak of a forward over a flat batch of tokens (:func:`forward`).
 
 - **Weights** per TP rank (first pipeline stage) and the **forward peak** come from
   vramplan's own estimate (:func:`vramplan.engine.estimate`) of a prefill of ``tokens`` positions at
@@ -14,54 +14,13 @@ a forward over a flat batch of tokens, and the memory outside PyTorch.
   The linear-layer element count is the difference of the 16-bit and fp8 estimates.
   AWQ/GPTQ/fp8 kernels do not dequantise whole matrices, so their forward peak is the
   16-bit model's.
-- **Outside PyTorch**: :func:`vramplan.hardware.overhead.device_overhead` items: the CUDA
-  context + kernel images + thread stacks (present before an engine's first memory
-  snapshot) and the cuBLAS handle + NCCL buffers (created after it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from vramplan.errors import WorkloadError
-from vramplan.hardware.gpu import GPU
-from vramplan.hardware.overhead import device_overhead
 from vramplan.models.spec import Family, ModelSpec
-
-QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
-AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
-"""4-bit packed weight + fp16 scale and 4-bit zero point per group of 128."""
-
-
-@dataclass(frozen=True)
-class Forward:
-    """Weights and the forward's activation peak on one rank (bytes)."""
-
-    weights: int
-    activation_peak: int
-    """Allocated above the weights at the forward's peak (no KV pool)."""
-    tokens: int
-    method: str
-
-
-def serving_dtype(spec: ModelSpec, dtype: str) -> str:
-    """``auto``: the checkpoint's 16-bit dtype; fp32 checkpoints are served in bf16 (vLLM
-    ``_get_and_verify_dtype`` downcasts float32 to 16 bit)."""
-    d = dtype.strip().lower()
-    if d == "auto":
-        return "fp16" if spec.dtype in ("float16", "fp16") else "bf16"
-    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-    d = aliases.get(d, d)
-    if d not in ("bf16", "fp16"):
-        raise WorkloadError(f"invalid serving dtype {dtype!r}", hint="use auto, bf16 or fp16")
-    return d
-
-
-def check_quant(quant: str) -> str:
-    q = (quant or "none").strip().lower()
-    if q not in QUANTIZATIONS:
-        raise WorkloadError(f"invalid quantization {quant!r}", hint=f"choose one of {' | '.join(QUANTIZATIONS)}")
-    return q
+from vramplan.pools.base import AWQ_BYTES_PER_WEIGHT, Forward
 
 
 def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype: str,
@@ -113,8 +72,9 @@ def _estimate(key: str, spec: ModelSpec, tokens: int, tp: int, pp: int, quant: s
 
 def _run_estimate(spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dtype: str,
                   method: str) -> tuple[int, int, str]:
-    from vramplan.engine import estimate
     from vramplan.workload import Parallel, Precision, Quant, Task, Workload
+
+    from .pipeline import estimate
 
     wq = {"none": Quant.NONE, "fp8": Quant.FP8, "bitsandbytes": Quant.NF4}[quant]
     w = Workload(task=Task.GENERATE, batch=1, seq=tokens, new_tokens=1, precision=Precision(dtype), quant=wq,
@@ -130,22 +90,4 @@ def _run_estimate(spec: ModelSpec, tokens: int, tp: int, pp: int, quant: str, dt
     return report.breakdown.weights, max(0, act), str(getattr(report.method, "value", report.method))
 
 
-@dataclass(frozen=True)
-class Outside:
-    """Device memory outside PyTorch's allocator on one rank."""
-
-    context: int
-    """CUDA context + kernel images + thread stacks (exists before the engine's first snapshot)."""
-    later: int
-    """cuBLAS handle + NCCL buffers (created after it)."""
-
-
-def outside(gpu: GPU, world: int) -> Outside:
-    items = device_overhead(gpu, world_size=world)
-    context = sum(i.bytes for i in items if i.name.startswith(("CUDA context", "thread stack")))
-    later = sum(i.bytes for i in items) - context
-    return Outside(context=context, later=later)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["forward"]

@@ -1,0 +1,71 @@
+"""What every inference engine's own sizing reads: weights and a forward's peak on one rank
+(:class:`Forward`, measured by :mod:`vramplan.engine.forward`), the serving dtype and the
+quantisation names, and the memory outside PyTorch: the
+:func:`vramplan.hardware.overhead.device_overhead` items, the CUDA context + kernel images +
+thread stacks (present before an engine's first memory snapshot) and the cuBLAS handle + NCCL
+buffers (created after it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.errors import WorkloadError
+from vramplan.hardware.gpu import GPU
+from vramplan.hardware.overhead import device_overhead
+from vramplan.models.spec import ModelSpec
+
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
+AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
+"""4-bit packed weight + fp16 scale and 4-bit zero point per group of 128."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Weights and the forward's activation peak on one rank (bytes)."""
+
+    weights: int
+    activation_peak: int
+    """Allocated above the weights at the forward's peak (no KV pool)."""
+    tokens: int
+    method: str
+
+
+def serving_dtype(spec: ModelSpec, dtype: str) -> str:
+    """``auto``: the checkpoint's 16-bit dtype; fp32 checkpoints are served in bf16 (vLLM
+    ``_get_and_verify_dtype`` downcasts float32 to 16 bit)."""
+    d = dtype.strip().lower()
+    if d == "auto":
+        return "fp16" if spec.dtype in ("float16", "fp16") else "bf16"
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+    d = aliases.get(d, d)
+    if d not in ("bf16", "fp16"):
+        raise WorkloadError(f"invalid serving dtype {dtype!r}", hint="use auto, bf16 or fp16")
+    return d
+
+
+def check_quant(quant: str) -> str:
+    q = (quant or "none").strip().lower()
+    if q not in QUANTIZATIONS:
+        raise WorkloadError(f"invalid quantization {quant!r}", hint=f"choose one of {' | '.join(QUANTIZATIONS)}")
+    return q
+
+
+@dataclass(frozen=True)
+class Outside:
+    """Device memory outside PyTorch's allocator on one rank."""
+
+    context: int
+    """CUDA context + kernel images + thread stacks (exists before the engine's first snapshot)."""
+    later: int
+    """cuBLAS handle + NCCL buffers (created after it)."""
+
+
+def outside(gpu: GPU, world: int) -> Outside:
+    items = device_overhead(gpu, world_size=world)
+    context = sum(i.bytes for i in items if i.name.startswith(("CUDA context", "thread stack")))
+    later = sum(i.bytes for i in items) - context
+    return Outside(context=context, later=later)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
