@@ -97,6 +97,9 @@ def test_grpo_with_a_colocated_vllm_reaches_the_estimate(client, capsys):
     assert r.status_code == 200, r.text
     assert r.json() == cli_json(capsys, *flags, "--vllm-max-len", "1536", "--vllm-sleep", "--json")
     assert r.json()["fits"] and "refused" not in r.json()
+    # the library's spelling of a page key is not ignored
+    r = client.get(f"/api/estimate?{base}&vllm_max_len=1536")
+    assert r.status_code >= 400 and "vllm-max-len" in r.text, r.text
 
 
 def test_trace_estimate_timeline_and_snapshot(client, capsys, tmp_path):

@@ -153,6 +153,11 @@ class Query:
 
 def parse_query(q: Mapping[str, str], *, method: str | None = None) -> Query:
     """A :class:`Query` from the page's parameters (strings); raises :class:`FieldError`."""
+    keys = _keys()
+    for k in q:  # a library spelling of a page key would be ignored: the answer would not be the one asked
+        if k not in keys and k.replace("_", "-") in keys:
+            raise FieldError(f"unknown key `{k}`", field=k.replace("_", "-"),
+                             hint=f"the page's key is `{k.replace('_', '-')}`")
     model = (q.get("model") or "").strip()
     config = decode_config(q["config"]) if q.get("config") else None
     if config is None:
