@@ -13,6 +13,7 @@ import dataclasses
 
 from vramplan._dataclass import dataclass
 
+from .errors import WorkloadError
 from .results import OverheadItem
 
 CUBLAS_WORKSPACE_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8
@@ -53,6 +54,12 @@ class RolloutEngine:
     def resident(self) -> int:
         """Bytes it holds between generations."""
         return self.graphs + (0 if self.sleep else self.weights + self.kv_pool)
+
+
+def rollout_unsized() -> WorkloadError:
+    """``rollout=vllm`` asked of an estimate without a GPU (the engine's budget is a fraction of it)."""
+    return WorkloadError("`rollout=vllm` sizes vLLM by the GPU's memory (`vllm_memory` x its total)",
+                         hint="add `gpu=NAME` (see `vramplan gpus`), or use `rollout=hf`", field="rollout")
 
 
 @dataclass(frozen=True)
@@ -101,4 +108,4 @@ class DeviceProfile:
 
 DEFAULT_PROFILE = DeviceProfile()
 
-__all__ = ["DeviceProfile", "DEFAULT_PROFILE", "RolloutEngine", "CUBLAS_WORKSPACE_PRE_HOPPER", "CUBLAS_WORKSPACE_HOPPER"]
+__all__ = ["DeviceProfile", "DEFAULT_PROFILE", "RolloutEngine", "rollout_unsized", "CUBLAS_WORKSPACE_PRE_HOPPER", "CUBLAS_WORKSPACE_HOPPER"]

@@ -35,7 +35,7 @@ from vramplan.workload import (
 )
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER as CUBLAS_WORKSPACE
-from ..target import RolloutEngine
+from ..target import RolloutEngine, rollout_unsized
 from .result import AnalyticEstimate
 
 _COMPUTE = {Precision.BF16_MIXED: Precision.BF16, Precision.FP16_MIXED: Precision.FP16}
@@ -54,8 +54,7 @@ def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     window = w.batch * w.grad_accum
     if w.rollout is Rollout.VLLM:
         if engine is None:
-            raise WorkloadError("`rollout=vllm` sizes vLLM by the GPU's memory (`vllm_memory` x its total)",
-                                hint="add `gpu=NAME` (see `vramplan gpus`), or use `rollout=hf`", field="rollout")
+            raise rollout_unsized()
         return _with_engine(train, w, engine, ref, workspace_bytes, window)
     gen_w = Workload(task=Task.GENERATE, batch=window, seq=w.prompt, new_tokens=w.completion,
                      precision=_COMPUTE.get(w.precision, w.precision), attention=w.attention, kv_dtype=w.kv_dtype,

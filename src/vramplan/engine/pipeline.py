@@ -125,27 +125,14 @@ def _report(spec: ModelSpec, w: Workload, g: GPU | None, dev: DeviceProfile, m: 
                      "allocated plus an assumed slack (use `method=trace`)")
     refused = ""
     if dev.rollout is not None:
-        refused = _rollout_refusal(dev, core, w)
+        from .rollout import refusal
+
+        refused = refusal(dev, core.model_states.weights if core.model_states is not None else 0, w)
         notes.append(dev.rollout.summary)
         if refused:
             notes.append(f"vLLM refuses to start on this GPU: {refused}")
     return finish(core, spec.name, w, g, dev, notes=notes, num_gpus=num_gpus, fallback=fallback, spec=spec,
                   refused=refused)
-
-
-def _rollout_refusal(dev: DeviceProfile, core: MethodResult, w: Workload) -> str:
-    """The colocated engine's start-up refusal: its own (the KV pool cannot hold one sequence),
-    else too little free once the trainer's model is on the device."""
-    from .rollout import startup_refusal
-
-    e = dev.rollout
-    assert e is not None and dev.usable is not None
-    if e.refusal:
-        return e.refusal
-    weights = core.model_states.weights if core.model_states is not None else 0
-    trainer = weights - (0 if e.sleep else e.weights)  # (before vLLM starts)
-    context = sum(o.bytes for o in dev.overhead if o.name.startswith(("CUDA context", "thread stack")))
-    return startup_refusal(e, trainer, context, dev.usable, w.vllm_memory)
 
 
 def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: DeviceProfile,

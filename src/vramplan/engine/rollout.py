@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ..errors import WorkloadError
-from ..target import DeviceProfile, RolloutEngine
+from ..target import DeviceProfile, RolloutEngine, rollout_unsized
 from ..units import GiB
 from ..workload import Objective, Peft, Rollout, Workload
 
@@ -36,8 +35,7 @@ def with_rollout(dev: DeviceProfile, spec: ModelSpec, w: Workload, g: GPU | None
     if w.objective is not Objective.GRPO or w.rollout is not Rollout.VLLM:
         return dev if dev.rollout is None else dataclasses.replace(dev, rollout=None)
     if g is None:
-        raise WorkloadError("`rollout=vllm` sizes vLLM by the GPU's memory (`vllm_memory` x its total)",
-                            hint="add `gpu=NAME` (see `vramplan gpus`), or use `rollout=hf`", field="rollout")
+        raise rollout_unsized()
     return dataclasses.replace(dev, rollout=engine(spec, w, g))
 
 
@@ -67,13 +65,21 @@ def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
         sleep=w.vllm_sleep, refusal=sp.error or "", summary=summary)
 
 
-def startup_refusal(e: RolloutEngine, trainer: int, context: int, total: int, utilization: float) -> str:
-    """vLLM's refusal when the trainer's model already on the device (``trainer`` bytes, with
-    the ``context``) leaves less free than its budget (``Worker.init_device``)."""
+def refusal(dev: DeviceProfile, weights: int, w: Workload) -> str:
+    """The colocated engine's start-up refusal, verbatim (empty: it starts): its own (the KV pool
+    cannot hold one sequence of ``max_model_len``), else ``Worker.init_device``'s when the
+    trainer's model already on the device (``weights``, the engine's own copy excluded) with the
+    CUDA context leaves less free than its budget."""
+    from ..pools.base import context_bytes
     from ..pools.vllm import startup_error
 
-    free = total - context - trainer
-    return startup_error(free, total, utilization) if free < e.budget else ""
+    e = dev.rollout
+    assert e is not None and dev.usable is not None
+    if e.refusal:
+        return e.refusal
+    trainer = weights - (0 if e.sleep else e.weights)  # (before vLLM starts)
+    free = dev.usable - context_bytes(dev.overhead) - trainer
+    return startup_error(free, dev.usable, w.vllm_memory) if free < e.budget else ""
 
 
-__all__ = ["MAX_NUM_BATCHED_TOKENS", "engine", "startup_refusal", "with_rollout"]
+__all__ = ["MAX_NUM_BATCHED_TOKENS", "engine", "refusal", "with_rollout"]

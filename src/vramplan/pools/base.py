@@ -7,12 +7,14 @@ buffers (created after it)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.hardware.overhead import device_overhead
 from vramplan.models.spec import ModelSpec
+from vramplan.results import OverheadItem
 
 QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
 AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
@@ -60,9 +62,15 @@ class Outside:
     """cuBLAS handle + NCCL buffers (created after it)."""
 
 
+def context_bytes(items: Iterable[OverheadItem]) -> int:
+    """The CUDA context + kernel images + thread stacks among ``items`` (present before an
+    engine's first memory snapshot)."""
+    return sum(i.bytes for i in items if i.name.startswith(("CUDA context", "thread stack")))
+
+
 def outside(gpu: GPU, world: int) -> Outside:
     items = device_overhead(gpu, world_size=world)
-    context = sum(i.bytes for i in items if i.name.startswith(("CUDA context", "thread stack")))
+    context = context_bytes(items)
     later = sum(i.bytes for i in items) - context
     return Outside(context=context, later=later)
 
