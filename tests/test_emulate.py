@@ -413,3 +413,26 @@ def test_cuda_generators_and_legacy_tensor_types(tmp_path: Path) -> None:
     vramplan.run_script(script, [str(out)], steps=1)
     assert json.loads(out.read_text()) == ["cuda:0", True, True, "cuda:0", "cuda:0", "torch.float32", "cuda:0",
                                            "torch.int64", True, False, "torch.float16"]
+
+
+def test_threads_the_script_starts_see_the_emulated_gpu(tmp_path: Path) -> None:
+    # a loader's thread pool moving weights to the device: on a CPU-only torch the worker raised
+    # "not linked with support for cuda devices", reported as the script's own error
+    body = ("import torch\nfrom concurrent.futures import ThreadPoolExecutor\nfrom torch import nn\n"
+            "model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])\n"
+            "def move(p):\n"
+            "    p.data = p.data.to('cuda')\n"
+            "    return p.is_cuda and torch.cuda.is_available() and torch.accelerator.is_available()\n"
+            "{how}\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for _ in range(2):\n"
+            "    model(torch.randn(64, 1024, device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")
+    threaded = tmp_path / "threaded.py"
+    threaded.write_text(body.format(how="with ThreadPoolExecutor(4) as pool:\n"
+                                        "    assert all(pool.map(move, model.parameters()))"))
+    inline = tmp_path / "inline.py"
+    inline.write_text(body.format(how="assert all(map(move, model.parameters()))"))
+    a = vramplan.run_script(threaded, steps=2, workspaces=False)
+    b = vramplan.run_script(inline, steps=2, workspaces=False)
+    assert a.model_states.weights == b.model_states.weights == 4 * (1024 * 1024 + 1024) * 4
+    assert a.peak.allocated == b.peak.allocated

@@ -350,3 +350,50 @@ def test_from_pretrained_without_a_gpu_device_map_loads_on_the_host(tmp_path) ->
     a, b = vramplan.run_script(moved, gpu="h100-sxm"), vramplan.run_script(mapped, gpu="h100-sxm")
     assert abs(a.breakdown.weights - b.breakdown.weights) <= 1024 and a.breakdown.weights > 900_000_000
     assert abs(a.peak.allocated - b.peak.allocated) <= 0.005 * b.peak.allocated
+
+
+def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
+    # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
+    # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);
+    # the rest reach the model's __init__, where an unknown one fails as in transformers
+    import json
+
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    folder = tmp_path / "tiny"
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    out = tmp_path / "seen.json"
+    script = tmp_path / "load.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from transformers import AutoConfig, AutoModelForSequenceClassification\n"
+        "name, out = sys.argv[1], sys.argv[2]\n"
+        "m = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, num_hidden_layers=2,\n"
+        "                                                       use_cache=False, device_map='cuda')\n"
+        "c = AutoConfig.from_pretrained(name, rms_norm_eps=1e-3)\n"
+        "try:\n"
+        "    AutoModelForSequenceClassification.from_pretrained(name, not_an_argument=1)\n"
+        "    err = ''\n"
+        "except TypeError as e:\n"
+        "    err = type(e).__name__\n"
+        "json.dump({'shapes': {k: list(v.shape) for k, v in m.state_dict().items()},\n"
+        "           'use_cache': m.config.use_cache, 'eps': c.rms_norm_eps, 'err': err}, open(out, 'w'))\n"
+        "with torch.no_grad():\n"
+        "    m(input_ids=torch.ones(1, 8, dtype=torch.long, device='cuda'))\n")
+    vramplan.run_script(script, [str(folder), str(out)], gpu="h100-sxm")
+    seen = json.loads(out.read_text())
+    real = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, num_hidden_layers=2,
+                                                              use_cache=False)
+    assert seen["shapes"] == {k: list(v.shape) for k, v in real.state_dict().items()}
+    assert seen["shapes"]["score.weight"] == [1, 64]
+    assert seen["use_cache"] is False and seen["eps"] == AutoConfig.from_pretrained(folder, rms_norm_eps=1e-3).rms_norm_eps
+    with pytest.raises(TypeError):
+        AutoModelForSequenceClassification.from_pretrained(folder, not_an_argument=1)
+    assert seen["err"] == "TypeError"

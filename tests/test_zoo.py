@@ -31,7 +31,7 @@ def test_a_real_script_matches_its_cpu_run(entry: Entry, root: Path) -> None:
     assert c["unexplained"] == 0  # every byte of the difference is in one of the items
     # the caching allocator's rounding: 512-byte blocks, and a large block's unsplit tail (< 1 MiB)
     assert 0 <= c["rounding"] <= (1 << 20) * (c["live"] + len(c["only_predicted"]))
-    assert abs(c["residual"]) <= entry.residual * c["truth"], (c["residual"], c["only_predicted"][:8],
+    assert abs(c["residual"]) <= 0.01 * c["truth"], (c["residual"], c["only_predicted"][:8],
                                                                 c["only_truth"][:8])
     for why, pred, true in c["paths"]:  # a code-path difference that is declared is also seen
         assert pred or true, why
@@ -107,3 +107,25 @@ def test_trl_sft_under_trls_own_fsdp1_accelerate_config(root: Path) -> None:
     # apart: the flat parameters' padding, and the buffers FSDP1 keeps whole in bf16)
     for part in ("weights", "gradients", "optimizer"):
         assert abs(getattr(r.model_states, part) - getattr(whole.model_states, part) // 2) <= 1024, part
+
+
+def test_the_cpu_truth_counts_weights_no_op_made(tmp_path: Path) -> None:
+    # weights a loader reads in worker threads (transformers 5 loads safetensors in a thread
+    # pool) are storages no op the tracker saw made (a dispatch mode is per thread); the truth
+    # counts them all the same (a GPU run holds them on the device): they were left out, and each
+    # TRL row's residual was the embedding's 129,024 B
+    from vramplan.script.truth import cpu_truth
+
+    script = tmp_path / "loaded.py"
+    script.write_text(
+        "import torch\nfrom concurrent.futures import ThreadPoolExecutor\nfrom torch import nn\n"
+        "model = nn.Linear(256, 1024, device='meta')\n"
+        "with ThreadPoolExecutor(2) as pool:\n"
+        "    w, b = pool.map(lambda shape: torch.ones(shape), [(1024, 256), (1024,)])\n"
+        "model.weight, model.bias = nn.Parameter(w), nn.Parameter(b)\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(3):\n"
+        "        model(torch.ones(4, 256))\n")
+    t = cpu_truth(script, steps=2)
+    assert ("f32[1024,256]", 1024 * 256 * 4) in t.at_peak and ("f32[1024]", 1024 * 4) in t.at_peak
+    assert t.peak == 1024 * 256 * 4 + 1024 * 4 + 4 * 256 * 4 + 4 * 1024 * 4  # weights, input, output

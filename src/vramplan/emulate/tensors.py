@@ -22,6 +22,7 @@ functions below them see ``meta`` as before, while torch's Python above them (op
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -35,8 +36,14 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 which would hand the question back to the view: vramplan's own reads go around them (and are
 cheaper that way: ~0.8 µs instead of ~3 µs under a mode)."""
 
-RAW = [0]
-"""While positive, tensors report their storage's device (the trace's modes set it)."""
+class _Raw(threading.local):
+    depth = 0
+
+
+RAW = _Raw()
+"""While ``RAW.depth`` is positive, tensors report their storage's device (the trace's modes set
+it around the kernels they run). Per thread: another thread's kernel must not change what a
+tensor reports here."""
 
 
 def raw_device(t: torch.Tensor) -> torch.device:
@@ -78,7 +85,7 @@ class View:
 
     def device_of(self, t: torch.Tensor) -> torch.device:
         d = raw_device(t)
-        if d.type != "meta" or RAW[0]:
+        if d.type != "meta" or RAW.depth:
             return d
         local = getattr(t, "_local_tensor", None) if type(t) is not torch.Tensor else None
         if isinstance(local, torch.Tensor):  # a DTensor lives where its local shard does
@@ -174,11 +181,11 @@ def _repr_of(orig: Callable[..., str], values: Values) -> Callable[..., str]:
         if known is not None:
             text = orig(known.detach(), *args, **kwargs)
             return text if d.type == "cpu" else text[:-1] + f", device='{d}')"
-        RAW[0] += 1
+        RAW.depth += 1
         try:
             text = orig(self, *args, **kwargs)
         finally:
-            RAW[0] -= 1
+            RAW.depth -= 1
         if d.type == "meta":
             return text
         return text.replace("device='meta'", f"device='{d}'" if d.type != "cpu" else "device='cpu'")
@@ -238,8 +245,8 @@ def device_view(view: View, values: Values) -> Iterator[View]:
 @contextlib.contextmanager
 def raw() -> Iterator[None]:
     """Tensors report their storage's device inside the block (vramplan's own code)."""
-    RAW[0] += 1
+    RAW.depth += 1
     try:
         yield
     finally:
-        RAW[0] -= 1
+        RAW.depth -= 1

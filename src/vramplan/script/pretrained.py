@@ -72,7 +72,7 @@ def _dtype(value: Any, config: Any) -> torch.dtype | None:
     return None
 
 
-def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
+def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[str, Any]) -> Any:
     qc = quantized.requested(kwargs, config)
     dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config)
     if qc is not None:
@@ -92,7 +92,7 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any]) -> Any:
     _building[0] += 1
     try:
         with torch.device("meta"), run.host_scope() if on_host else _disable_current_modes():
-            model = klass._from_config(config, **extra)  # (its meta tensors stand for loaded weights)
+            model = klass._from_config(config, **extra, **model_kwargs)  # (meta tensors stand for loaded weights)
             if qc is not None:
                 run.notes += quantized.apply(model, qc, run.device)
         if not on_host:
@@ -121,16 +121,51 @@ def _host_name(where: Any) -> bool:
     return str(where).split(":")[0] in ("cpu", "disk", "meta")
 
 
-def _config(name: Any) -> Any:
-    from transformers import AutoConfig
+_HUB = frozenset({"cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token",
+                  "code_revision", "_commit_hash", "trust_remote_code", "user_agent", "_from_auto", "_from_pipeline"})
+"""Where a config is read from (transformers 5.24 ``AutoConfig.from_pretrained`` / ``get_config_dict``)."""
+
+_LOADING = frozenset({
+    # transformers 5.24 modeling_utils.PreTrainedModel.from_pretrained: its own parameters …
+    "config", "cache_dir", "ignore_mismatched_sizes", "force_download", "local_files_only", "token", "revision",
+    "use_safetensors", "weights_only", "fusion_config", "disable_mmap",
+    # … and what it pops from its kwargs before the rest reach the model's __init__
+    "proxies", "tqdm_class", "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype",
+    "device_map", "max_memory", "offload_folder", "offload_buffers", "quantization_config", "subfolder",
+    "_commit_hash", "variant", "adapter_kwargs", "adapter_name", "generation_config", "gguf_file",
+    "distributed_config", "device_mesh", "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels",
+    "use_kernels", "kernel_config", "key_mapping", "state_dict", "attn_implementation", "experts_implementation",
+    "low_cpu_mem_usage", "code_revision", "load_in_4bit", "load_in_8bit", "offload_state_dict",
+})
+"""What ``from_pretrained`` takes for loading (never a config attribute or a model argument)."""
+
+
+def _config(name: Any, kwargs: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The config ``from_pretrained`` would read for ``name``, with ``kwargs`` applied as
+    transformers applies them (its own ``PreTrainedConfig.from_dict``: a key the config has sets
+    that attribute, ``num_labels`` its label maps), and the kwargs it left (the model's)."""
+    from transformers import CONFIG_MAPPING
 
     cfg = _config_dict(name)
     model_type = cfg.pop("model_type", None)
     qc = cfg.pop("quantization_config", None)
-    config = AutoConfig.for_model(model_type, **cfg)
+    kw = {k: v for k, v in (kwargs or {}).items() if k not in _HUB and k != "quantization_config"
+          and not (k in ("dtype", "torch_dtype") and v == "auto")}
+    config, unused = CONFIG_MAPPING[model_type].from_dict(cfg, return_unused_kwargs=True, **kw)
     if qc is not None:  # a quantised checkpoint's own config: from_pretrained applies it
         config._vramplan_quantization_config = qc
-    return config
+    return config, unused
+
+
+def _model_kwargs(config: Any, name_or_path: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(config, the model's own keyword arguments), as ``from_pretrained`` splits its kwargs: without
+    a config object, the config's attributes set from them; the rest, less what loading takes,
+    go to the model's ``__init__`` (where an unknown one fails as it fails in transformers)."""
+    if config is None or isinstance(config, str):
+        config, rest = _config(config or name_or_path, kwargs)
+    else:
+        rest = dict(kwargs)
+    return config, {k: v for k, v in rest.items() if k not in _LOADING and k not in _HUB}
 
 
 def _named(model: Any, name_or_path: Any) -> Any:
@@ -147,21 +182,17 @@ def _named(model: Any, name_or_path: Any) -> Any:
 
 def _patch_model(mu: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("config")
-        if config is None or isinstance(config, str):
-            config = _config(config or name_or_path)
-        return _named(_build(klass, config, kwargs), name_or_path)
+        config, model_kwargs = _model_kwargs(kwargs.get("config"), name_or_path, kwargs)
+        return _named(_build(klass, config, kwargs, model_kwargs), name_or_path)
 
     replace(undo, mu.PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
 
 
 def _patch_auto(af: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("config")
-        if config is None or isinstance(config, str):
-            config = _config(config or name_or_path)
+        config, model_kwargs = _model_kwargs(kwargs.get("config"), name_or_path, kwargs)
         model_class = af._get_model_class(config, klass._model_mapping)
-        return _named(_build(model_class, config, kwargs), name_or_path)
+        return _named(_build(model_class, config, kwargs, model_kwargs), name_or_path)
 
     from_pretrained.__vramplan__ = True  # type: ignore[attr-defined]
     base = af._BaseAutoModelClass
@@ -193,13 +224,10 @@ def _unpatch_auto_classes(base: Any, original: Any) -> None:
 
 def _patch_config(ca: Any, undo: contextlib.ExitStack) -> None:
     def from_pretrained(klass: Any, name_or_path: Any, **kwargs: Any) -> Any:
-        config = _config(name_or_path)
+        wanted = kwargs.pop("return_unused_kwargs", False)
+        config, unused = _config(name_or_path, kwargs)
         config._name_or_path = str(name_or_path)
-        if kwargs.get("return_unused_kwargs"):
-            unused = {k: v for k, v in kwargs.items()
-                      if k not in ("return_unused_kwargs", "trust_remote_code", "revision", "token", "cache_dir")}
-            return config, unused
-        return config
+        return (config, unused) if wanted else config
 
     replace(undo, ca.AutoConfig, "from_pretrained", classmethod(from_pretrained))
 

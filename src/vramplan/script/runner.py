@@ -61,9 +61,11 @@ from ..emulate.checkpoints import loading as checkpoint_loading
 from ..emulate.construct import _is_cuda as is_cuda
 from ..emulate.modules import CONVERTING
 from ..emulate.tensors import on_meta, raw_device
+from ..emulate.threads import modes_follow_threads
 from ..errors import TraceError, VramplanError
 from ..events import Action, Category
 from ..target import DeviceProfile
+from ..trace import session as trace_session
 from ..trace.places import Places
 from ..trace.recorder import PHASE_INDEX
 from ..trace.result import TraceResult
@@ -1087,7 +1089,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
                 weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), _argv(p, argv), \
-                _no_process_exit(), _deadline(timeout):
+                modes_follow_threads(trace_session._ACTIVE), _no_process_exit(), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:

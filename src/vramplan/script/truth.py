@@ -3,7 +3,9 @@
 :func:`cpu_truth` runs an unmodified script in this process (``runpy``, its own ``sys.argv``),
 on the CPU as the script runs there (its own CPU switch: ``device=cpu``, ``--use_cpu``), and
 records the live bytes of every CPU tensor storage as ops make and free them (a dispatch-mode
-tracker, as ``trace.testing.real_peak`` does for a step). It stops where ``vramplan run`` stops:
+tracker, as ``trace.testing.real_peak`` does for a step), and of every parameter and buffer of a
+model called (a dispatch mode sees one thread: transformers 5 reads a checkpoint's weights in a
+thread pool, so no op the tracker saw made them). It stops where ``vramplan run`` stops:
 after ``steps`` optimizer steps (PyTorch's global optimizer step hooks), or, for a script that
 builds no optimizer, once ``steps`` top-level forward calls in a row have raised neither the peak
 nor the most memory held after a call. The peak is taken from the first
@@ -106,9 +108,14 @@ def _stops(truth: Truth, steps: int, tracker: Any) -> Iterator[None]:
             raise _Enough
 
     def pre(mod: nn.Module, args: Any) -> None:
-        if not depth[0] and not tracker.stepping and next(mod.parameters(), None) is not None:
-            tracker.stepping = True
-            tracker.mark_peak()
+        if not depth[0]:
+            # weights made where the tracker does not see (a loader's worker threads) are the
+            # model's all the same: a GPU run holds them on the device
+            for t in (*mod.parameters(), *mod.buffers()):
+                tracker.add(t)
+            if not tracker.stepping and next(mod.parameters(), None) is not None:
+                tracker.stepping = True
+                tracker.mark_peak()
         depth[0] += 1
 
     grown = [-1, -1, 0]  # the peak and the most held after a call so far, calls since either grew

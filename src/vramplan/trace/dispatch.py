@@ -229,11 +229,11 @@ class TraceMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        RAW[0] += 1  # kernels and meta functions below see storages' real devices
+        RAW.depth += 1  # kernels and meta functions below see storages' real devices
         try:
             return self._dispatch(func, types, args, kwargs)
         finally:
-            RAW[0] -= 1
+            RAW.depth -= 1
 
     def _dispatch(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         for t in types:

@@ -142,11 +142,11 @@ class CudaFunctionMode(TorchFunctionMode):
         # The emulation's own calls (SDPA kernels, cuDNN RNN, fused dropout…) see storages' real
         # devices; the call itself, when this mode only adjusts its arguments, runs as on a GPU,
         # where torch's Python sees the emulated device (:mod:`vramplan.emulate.tensors`).
-        RAW[0] += 1
+        RAW.depth += 1
         try:
             out = self._handle(func, types, args, kwargs or {})
         finally:
-            RAW[0] -= 1
+            RAW.depth -= 1
         if type(out) is _Plain:
             body = _descended(func)
             if body is not None:
