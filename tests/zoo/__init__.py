@@ -200,6 +200,9 @@ _COMPACT = (r"f32\[\d+,32768\]", "TRL's fused head (trl/trainer/utils.py `_fused
 _TILES = (r"f32\[\d+,504\]|bool\[\d+,504\]", "TRL's chunked log-prob (trl/kernels/chunked_logprob.py): on the "
           "CPU logit tiles [tokens, vocab] and their mask; on CUDA a Triton kernel folds each tile into one "
           "preallocated buffer")
+_DIVERGENCE = (r"f32\[\d+,504\]|bool\[\d+,504\]", "TRL's chunked divergence (trl/kernels/chunked_divergence.py): "
+               "on the CPU the student's and the teacher's logit tiles [tokens, vocab] and the terms computed from "
+               "them; on CUDA Triton kernels fold each tile into preallocated buffers")
 _MASK = (r"f32\[\d+,1,\d+,\d+\]", "the 4-D attention mask: CUDA's memory-efficient SDPA pads its keys to a multiple "
          "of 16 (and the CPU's SDPA takes it unpadded)")
 
@@ -305,6 +308,17 @@ ZOO: tuple[Entry, ...] = (
     Entry("TRL KTO", "trl", "scripts/kto.py",
           (*_HF, "--dataset_name", "ROOT/hf/kto", "--max_length", "64"),
           ("--use_cpu", "True"), "unpaired preference tuning with a reference model", known=(_TILES, _COMPACT)),
+    Entry("TRL RLOO, reward model", "trl", "scripts/rloo.py",
+          (*_HF, "--dataset_name", "ROOT/hf/prompts", "--reward_model_name_or_path", "ROOT/hf/model",
+           "--num_generations", "2", "--max_completion_length", "16"),
+          ("--use_cpu", "True"), "RL with a reward model: `generate`, the completions scored by a "
+          "sequence-classification model, leave-one-out advantages, the policy step", known=(_TILES, _COMPACT)),
+    Entry("TRL distillation", "trl", "scripts/distillation.py",
+          (*_HF, "--dataset_name", "ROOT/hf/prompts", "--teacher_model_name_or_path", "ROOT/hf/model",
+           "--max_completion_length", "16"),
+          ("--use_cpu", "True"), "knowledge distillation: the student's generations, a frozen teacher's hidden "
+          "states inside the student's forward, a generalised JSD over both heads in vocabulary tiles",
+          known=(_DIVERGENCE,)),
 )
 
 

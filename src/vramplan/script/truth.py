@@ -108,11 +108,12 @@ def _stops(truth: Truth, steps: int, tracker: Any) -> Iterator[None]:
             raise _Enough
 
     def pre(mod: nn.Module, args: Any) -> None:
+        # weights made where the tracker does not see (a loader's worker threads) are the model's
+        # all the same: a GPU run holds them on the device. Every module called, at any depth (a
+        # teacher or reward model called inside the student's forward, a head used by weight only)
+        for t in (*mod.parameters(), *mod.buffers()):
+            tracker.add(t)
         if not depth[0]:
-            # weights made where the tracker does not see (a loader's worker threads) are the
-            # model's all the same: a GPU run holds them on the device
-            for t in (*mod.parameters(), *mod.buffers()):
-                tracker.add(t)
             if not tracker.stepping and next(mod.parameters(), None) is not None:
                 tracker.stepping = True
                 tracker.mark_peak()
