@@ -15,10 +15,12 @@ CONSTRAINTS := requirements/dev-constraints.txt
 ZOODEPS := .zoo-deps
 # the quantisation libraries whose real layers tests/test_quant_formats.py compares with (child process only)
 QUANTDEPS := .quant-deps
+# torchtitan and what its trainer imports, for tests/test_torchtitan.py (its runs' path only)
+TITANDEPS := .titan-deps
 
 .PHONY: demo test test-noextras test-torch214 test-latest lint typecheck bench clean install
 
-$(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt requirements/quant.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt requirements/quant.txt requirements/titan.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 CPU wheel lies on this machine's disk; the package supports torch>=2.13 (README)
@@ -26,16 +28,18 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt requirements/quant.
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	$(BIN)/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
 	$(BIN)/pip install -q --no-deps --upgrade --target $(QUANTDEPS) -r requirements/quant.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target $(TITANDEPS) -r requirements/titan.txt
 	touch $(STAMP)
 
 # The same install with torch 2.14.1 (non-reentrant checkpoint moved its generator there).
-$(STAMP214): pyproject.toml $(CONSTRAINTS) requirements/quant.txt
+$(STAMP214): pyproject.toml $(CONSTRAINTS) requirements/quant.txt requirements/titan.txt
 	$(PY) -m venv $(VENV214)
 	$(VENV214)/bin/pip install -q --upgrade pip
 	$(VENV214)/bin/pip install -q torch==2.14.1
 	$(VENV214)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(ZOODEPS) -r requirements/zoo.txt
 	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(QUANTDEPS) -r requirements/quant.txt
+	$(VENV214)/bin/pip install -q --no-deps --upgrade --target $(TITANDEPS) -r requirements/titan.txt
 	touch $(STAMP214)
 
 install: $(STAMP)

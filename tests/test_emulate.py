@@ -436,3 +436,69 @@ def test_threads_the_script_starts_see_the_emulated_gpu(tmp_path: Path) -> None:
     b = vramplan.run_script(inline, steps=2, workspaces=False)
     assert a.model_states.weights == b.model_states.weights == 4 * (1024 * 1024 + 1024) * 4
     assert a.peak.allocated == b.peak.allocated
+
+
+_FLEX = ("import sys, torch\n"
+         "from torch.nn.attention.flex_attention import flex_attention, create_block_mask\n"
+         "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+         "attend = torch.compile(flex_attention) if sys.argv[1] == 'compiled' else flex_attention\n"
+         "train = sys.argv[2] == 'train'\n"
+         "torch.manual_seed(0)\n"
+         "proj = torch.nn.Linear(64, 3 * 64, device=device)\n"
+         "opt = torch.optim.SGD(proj.parameters(), lr=0.1)\n"
+         "bm = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device=device)\n"
+         "x = torch.randn(2, 256, 64, device=device)\n"
+         "with torch.set_grad_enabled(train):\n"
+         "    for _ in range(4):\n"
+         "        q, k, v = proj(x).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)\n"
+         "        out = attend(q, k, v, block_mask=bm)\n"
+         "        if train:\n"
+         "            out.sum().backward(); opt.step(); opt.zero_grad()\n")
+
+
+def test_flex_attention_eager_matches_its_cpu_run_and_compiled_is_the_fused_kernel(tmp_path: Path) -> None:
+    # FlexAttention's autograd kernel traced its score function with fake tensors on the query's
+    # device: 'cuda' on a CPU-only torch aborted the process (C++ terminate). Eager runs torch's
+    # dense reference (the scores [B,H,Q,K] materialised), as on the CPU; compiled, Inductor's
+    # fused kernels allocate their outputs only
+    from vramplan.script.truth import compare, cpu_truth
+
+    script = tmp_path / "flex.py"
+    script.write_text(_FLEX)
+    eager = vramplan.run_script(script, ["eager", "infer"], workspaces=False)
+    c = compare(eager, cpu_truth(script, ["eager", "infer"]))
+    assert c.residual == 0 and c.unexplained == 0  # the same storages at the peak as the CPU run
+    compiled = vramplan.run_script(script, ["compiled", "infer"], workspaces=False)
+    scores = 2 * 4 * 256 * 256 * 4  # one fp32 [B, H, Q, K]
+    assert compiled.peak.allocated + scores <= eager.peak.allocated
+    assert any("fused FlexAttention kernels" in n for n in compiled.notes)
+    # training: backward runs (it has no CPU run to compare with: torch refuses FlexAttention's
+    # backward on the CPU); compiled, no [B, H, Q, K] tensor is ever made
+    for how in ("eager", "compiled"):
+        r = vramplan.run_script(script, [how, "train"], workspaces=False)
+        assert r.ran is not None and r.ran.steps == 2
+        assert r.events is not None
+        shapes = {r.events.strings[r.events.desc[k]] for k in range(len(r.events))}
+        assert any(s.endswith("[2,4,256,256]") for s in shapes) == (how == "eager"), how
+
+
+def test_foreach_gradient_clipping_and_dtype_views_of_host_values(tmp_path: Path) -> None:
+    # torchtitan: clip_grad_norm_(foreach=True) on device parameters, and rank 0's host RNG state
+    # sent to the device and read back as one uint64 (a dtype view of known values)
+    out = tmp_path / "seed.txt"
+    script = tmp_path / "titan_idioms.py"
+    script.write_text(
+        "import sys, torch\n"
+        "seed = torch.get_rng_state()[:8].to('cuda')\n"
+        "open(sys.argv[1], 'w').write(f\"{seed.to('cpu').view(torch.uint64).item()} \"\n"
+        "                             f\"{torch.get_rng_state()[:8].view(torch.uint64).item()}\")\n"
+        "model = torch.nn.Linear(1024, 1024).cuda()\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(8, 1024, device='cuda')).sum().backward()\n"
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)\n"
+        "    opt.step(); opt.zero_grad()\n")
+    r = vramplan.run_script(script, [str(out)], workspaces=False)
+    device_read, host = out.read_text().split()
+    assert device_read == host
+    assert r.ran is not None and r.ran.steps == 2

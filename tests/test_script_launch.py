@@ -46,7 +46,8 @@ def test_accelerate_config_file_gives_the_process_count(tmp_path):
 @pytest.mark.parametrize("cmd, match", [
     (["torchrun", "--nproc-per-node", "auto", FSDP], "counts the GPUs"),
     (["torchrun", "--nproc-per-node", "0", FSDP], "positive integer"),
-    (["torchrun", "-m", "pkg.train"], "-m MODULE"),
+    (["torchrun", "-m", "no_such_pkg.train"], "no module named 'no_such_pkg'"),
+    (["torchrun", "-m"], "expected a module"),
     (["accelerate", "config"], "only `accelerate launch"),
     (["accelerate", "launch", "--num_processes", "6", "--num_machines", "4", FSDP], "do not split"),
     (["torchrun", "--nproc-per-node"], "needs a value"),
@@ -166,3 +167,34 @@ def test_accelerate_deepspeed_config_runs_deepspeeds_engine(tmp_path):
     assert any("DeepSpeedEngine" in n for n in r.notes)
     n = 4 * (512 * 512 + 512)
     assert r.model_states.optimizer <= (4 + 4 + 4) * n // 2 + 4096  # fp32 master + exp_avg + exp_avg_sq, halved
+
+
+def test_modules_run_as_python_dash_m_runs_them(tmp_path):
+    # `python -m pkg.train` and `torchrun -m pkg.train` (torchtitan's own launch line): the
+    # module found from the working folder without importing it, its package imported on the
+    # emulated GPU, run as __main__ with its package set (relative imports work); torchrun with
+    # one process still sets the rank variables (torchtitan reads LOCAL_RANK)
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import torch\nON_GPU = torch.cuda.is_available()\n")
+    (pkg / "model.py").write_text("from torch import nn\nmake = lambda: nn.Linear(1024, 1024)\n")
+    (pkg / "train.py").write_text(
+        "import os, sys, torch\nfrom . import ON_GPU\nfrom .model import make\n"
+        "assert __name__ == '__main__' and __package__ == 'mypkg' and ON_GPU, (__name__, __package__)\n"
+        "assert sys.argv[1:] == ['--lr', '0.1'], sys.argv\n"
+        "if 'LOCAL_RANK' in os.environ:\n"
+        "    torch.distributed.init_process_group('nccl')\n"
+        "    assert torch.distributed.get_world_size() == 1\n"
+        "model = make().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=float(sys.argv[2]))\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(8, 1024, device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")
+    for launch in (["python", "-m"], ["torchrun", "--nproc-per-node", "1", "-m"]):
+        p = subprocess.run([sys.executable, "-m", "vramplan.cli.main", "run", "--json", "--", *launch, "mypkg.train",
+                            "--lr", "0.1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+        doc = json.loads(p.stdout)
+        assert doc["model_states"]["weights"] == (1024 * 1024 + 1024) * 4, launch
+    launch = parse_launch(["torchrun", "--nproc-per-node", "1", "-m", "json.tool", "x"])
+    assert (launch.module, launch.script.name, launch.argv) == ("json.tool", "tool.py", ("x",))
+    with pytest.raises(VramplanError, match="no __main__"):
+        parse_launch(["torchrun", "-m", "email"])

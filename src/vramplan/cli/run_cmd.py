@@ -41,14 +41,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def script_and_args(command: list[str]) -> tuple[Path, list[str]]:
+def script_and_args(command: list[str]) -> tuple[Path, list[str], str | None]:
+    """The script, its arguments, and the module it is when run as ``python -m MODULE``."""
+    from ..script.launch import module_file
+
     cmd = list(command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if cmd and Path(cmd[0]).name.startswith("python"):
         cmd = cmd[1:]
     if cmd and cmd[0] == "-m":
-        raise VramplanError("python -m MODULE is not supported yet", hint="give the script's path: -- python path/to/train.py")
+        if len(cmd) < 2:
+            raise VramplanError("expected a module after python -m", hint="-- python -m package.train ARGS")
+        return module_file(cmd[1]), cmd[2:], cmd[1]
     if not cmd or not cmd[0].endswith(".py"):
         raise VramplanError("expected a script after --", hint="vramplan run --gpu h100-sxm -- python train.py ARGS")
     path = Path(cmd[0])
@@ -56,7 +61,7 @@ def script_and_args(command: list[str]) -> tuple[Path, list[str]]:
         raise VramplanError(f"{path} is a directory", hint="name the script: -- python DIR/train.py")
     if not path.is_file():
         raise VramplanError(f"no such script: {path}", hint="check the path after -- python")
-    return path, cmd[1:]
+    return path, cmd[1:], None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,14 +76,16 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     world = 1
     env: dict[str, str] = {}
+    launched = False
     if cmd and Path(cmd[0]).name in LAUNCHERS:
         launch = parse_launch(cmd, gpus=args.gpus)
-        path, argv, world, gpus = launch.script, list(launch.argv), launch.world, launch.per_node
+        path, argv, world, gpus, module = launch.script, list(launch.argv), launch.world, launch.per_node, launch.module
         env = dict(launch.env)
+        launched = True
         hint(f"vramplan run: {launch.launcher} declares {world} process(es), {gpus} per node: "
              "emulating rank 0 on PyTorch's fake process group")
     else:
-        path, argv = script_and_args(args.command)
+        path, argv, module = script_and_args(args.command)
         gpus = args.gpus or 1
     if args.steps < 1:
         raise VramplanError(f"--steps must be >= 1, got {args.steps}")
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     quiet = contextlib.redirect_stdout(sys.stderr) if args.format == "json" else contextlib.nullcontext()
     with quiet:
         report = run_script(path, argv, gpu=args.gpu, steps=args.steps, timeout=args.timeout, gpus=gpus, world=world,
-                            alloc_conf=args.alloc_conf, online=args.online, env=env,
+                            alloc_conf=args.alloc_conf, online=args.online, env=env, module=module, launched=launched,
                             progress=lambda line: hint(f"vramplan run: {line}"))
     emit(to_doc(report), args.format, sys.stdout, report.to_dict)
     write_extras(report, args)

@@ -33,6 +33,8 @@ def run_script(
     online: bool = False,
     world: int = 1,
     env: dict[str, str] | None = None,
+    module: str | None = None,
+    launched: bool = False,
 ) -> MemoryReport:
     """Run the script at ``path`` (with ``argv``) on an emulated ``gpu`` until ``steps``
     optimizer steps (or forward calls, for inference) and predict its memory. ``online``: let
@@ -44,7 +46,10 @@ def run_script(
     ``world`` > 1: the script is rank 0 of that many processes (``gpus`` per node), as
     ``torchrun`` / ``accelerate launch`` start it; the report is that rank's memory, with the
     NCCL communicator of the world. ``env``: the launcher's variables for the script
-    (``accelerate launch``'s: :attr:`vramplan.script.launch.Launch.env`).
+    (``accelerate launch``'s: :attr:`vramplan.script.launch.Launch.env`). ``module``: the script is
+    that module, run as ``python -m MODULE`` runs it (``path`` is its file:
+    :func:`vramplan.script.launch.module_file`). ``launched``: a launcher started the script (torchrun's
+    rank variables and a process group even for one process).
     """
     from ..emulate.facts import facts_of
     from ..script.runner import trace_script
@@ -66,7 +71,8 @@ def run_script(
     assert dev.usable is not None
     facts = facts_of(g.name, dev.sm, dev.usable, dev.overhead_bytes, sm_count=g.sm_count or 0, count=gpus)
     tr, run = trace_script(path, argv, profile=dev, facts=facts, steps=steps, timeout=timeout,
-                           alloc_conf=alloc_conf, progress=progress, online=online, world=world, env=env)
+                           alloc_conf=alloc_conf, progress=progress, online=online, world=world, env=env,
+                           module=module, launched=launched or world > 1)
     w, ran, notes = what_ran(run, world)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     return finish(core, Path(path).name, w, g, dev, notes=notes, user_model=True).replace(ran=ran)

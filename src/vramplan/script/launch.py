@@ -38,6 +38,8 @@ class Launch:
     """Processes per node (GPUs each node's script sees)."""
     launcher: str = "python"
     env: tuple[tuple[str, str], ...] = ()
+    module: str | None = None
+    """``-m MODULE``: the script is that module (``script`` is its file), run as ``python -m`` runs it."""
     """Environment the launcher gives the script beside the ranks' (``accelerate launch``: its
     ``ACCELERATE_*`` / ``FSDP_*`` variables from the config file and flags — distributed type,
     mixed precision, the FSDP plugin's settings — which ``Accelerator()`` reads)."""
@@ -61,8 +63,6 @@ def _options(args: list[str], launcher: str, flags: set[str]) -> tuple[dict[str,
         a = args[i]
         if not a.startswith("-"):
             break
-        if a in ("-m", "--module"):
-            raise VramplanError(f"{launcher} -m MODULE is not supported yet", hint="give the script's path")
         if "=" in a:
             k, v = a.split("=", 1)
             opts[k.replace("_", "-")] = v
@@ -168,16 +168,52 @@ def parse_launch(command: list[str], gpus: int | None = None) -> Launch:
                                 hint="give accelerate launch machines × GPUs-per-machine processes")
         per_node = world // nodes
         env = _accelerate_env(rest[1:])
-    if not tail or not tail[0].endswith(".py"):
+    as_module = "-m" in opts or "--module" in opts
+    if as_module and not tail:
+        raise VramplanError(f"expected a module after {launcher} -m", hint=f"{launcher} … -m package.train ARGS")
+    module = tail[0] if as_module else None
+    if module is None and (not tail or not tail[0].endswith(".py")):
         raise VramplanError(f"expected a script after {launcher}'s options", hint=f"{launcher} … train.py ARGS")
     if gpus is not None and gpus != per_node:
         raise VramplanError(f"`gpus={gpus}` contradicts {launcher}'s {per_node} process(es) per node",
                             hint=f"drop `gpus` (the launcher declares the world), or use `gpus={per_node}`",
                             field="gpus")
-    path = Path(tail[0])
+    path = module_file(module) if module is not None else Path(tail[0])
     if not path.is_file():
         raise VramplanError(f"no such script: {path}", hint=f"check the path after {launcher}")
-    return Launch(path, tuple(tail[1:]), world, per_node, launcher, env)
+    return Launch(path, tuple(tail[1:]), world, per_node, launcher, env, module)
 
 
-__all__ = ["LAUNCHERS", "Launch", "parse_launch"]
+def module_file(name: str) -> Path:
+    """The file ``python -m NAME`` runs (a package's ``__main__``), found as Python's import system
+    finds it — the working folder first, then ``sys.path`` — without running any package's
+    ``__init__`` (that runs on the emulated GPU, as ``python -m`` runs it before the module)."""
+    import os
+    import sys
+    from importlib.machinery import PathFinder
+
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+        raise VramplanError(f"not a module name: {name!r}", hint="e.g. -m torchtitan.train")
+    parts = name.split(".")
+    search: list[str] = [os.getcwd(), *sys.path]
+    spec = None
+    for i, part in enumerate(parts):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            raise VramplanError(f"no module named {'.'.join(parts[:i + 1])!r}",
+                                hint="install its package in this environment, or give the script's path")
+        if i < len(parts) - 1:
+            if spec.submodule_search_locations is None:
+                raise VramplanError(f"{'.'.join(parts[:i + 1])!r} is not a package", hint="check the module name")
+            search = list(spec.submodule_search_locations)
+    assert spec is not None
+    if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
+        spec = PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+        if spec is None:
+            raise VramplanError(f"{name!r} is a package and has no __main__", hint="name the module inside it")
+    if not spec.origin or not spec.origin.endswith(".py"):
+        raise VramplanError(f"{name!r} has no Python source to run ({spec.origin})", hint="give the script's path")
+    return Path(spec.origin)
+
+
+__all__ = ["LAUNCHERS", "Launch", "module_file", "parse_launch"]

@@ -152,6 +152,8 @@ class _Hooks:
         """The last forward call that raised the allocated peak (inference)."""
         self.world = 1
         """Ranks of the declared world (the script is rank 0)."""
+        self.launched = False
+        """A launcher (torchrun, accelerate launch) started the script: a process group even for one rank."""
         self.places: Places | None = None
         self.path = Path(".")
         self._backward_depth = 0
@@ -480,7 +482,7 @@ def _patched(hooks: _Hooks, optimizers: weakref.WeakSet[Any]) -> Iterator[None]:
 
     stack.enter_context(_host_parameters(hooks))
     stack.enter_context(_patched_grad_scaler())
-    stack.enter_context(_patched_distributed(hooks.world))
+    stack.enter_context(_patched_distributed(hooks.world, hooks.launched))
     with stack:
         yield
 
@@ -526,11 +528,13 @@ def _patched_grad_scaler() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patched_distributed(world: int = 1) -> Iterator[None]:
-    """One process (``world`` 1): ``init_process_group`` stops with a pointer to the launchers.
-    Rank 0 of a declared world: the fake process group is already up (:func:`_rank_zero`), so
-    the script's ``init_process_group`` (its backend and rendezvous) is answered by it, and
-    ``destroy_process_group`` is left to the runner's teardown."""
+def _patched_distributed(world: int = 1, launched: bool = False) -> Iterator[None]:
+    """One process not launched by a launcher: ``init_process_group`` stops with a pointer to the
+    launchers. Rank 0 of a declared world (one process included, under ``torchrun``): the fake
+    process group is already up (:func:`_rank_zero`), so the script's ``init_process_group`` (its
+    backend and rendezvous) is answered by it, and ``destroy_process_group`` is left to the
+    runner's teardown."""
+    world = max(world, 2) if launched else world
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -558,11 +562,12 @@ def _patched_distributed(world: int = 1) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rank_zero(world: int, per_node: int) -> Iterator[None]:
+def _rank_zero(world: int, per_node: int, launched: bool = False) -> Iterator[None]:
     """Rank 0 of ``world`` ranks: the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, as torchrun sets it) and PyTorch's fake process group
-    (:func:`vramplan.trace.dist.fake_world`), torn down afterwards."""
-    if world <= 1:
+    (:func:`vramplan.trace.dist.fake_world`), torn down afterwards; for one process too when a
+    launcher started it (``torchrun --nproc-per-node 1`` sets the same variables)."""
+    if world <= 1 and not launched:
         yield
         return
     from ..trace.dist import World, fake_world
@@ -891,10 +896,12 @@ def _deadline(seconds: float | None, grace: float | None = None) -> Iterator[Non
 
 
 @contextlib.contextmanager
-def _argv(path: Path, argv: Sequence[str]) -> Iterator[None]:
+def _argv(path: Path, argv: Sequence[str], first: Path) -> Iterator[None]:
+    """``sys.argv`` as Python gives it to the script, ``first`` first on ``sys.path`` (the script's
+    folder; for ``python -m``, the working folder)."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
-    sys.path.insert(0, str(path.parent))
+    sys.path.insert(0, str(first))
     try:
         yield
     finally:
@@ -933,6 +940,9 @@ def _script_error(e: BaseException, path: Path) -> TraceError:
     if obj is not None and type(obj).__module__.startswith("vramplan."):
         return TraceError(f"{where}: {what}", hint="an attribute the emulated GPU does not have yet: please report it "
                                                    "with the script")
+    if "<vramplan." in str(e):  # torch names the mode that had no rule (a higher-order operator)
+        return TraceError(f"{where}: {what}", hint="a call the emulated GPU does not run yet (the error names "
+                                                   "vramplan's own mode): please report it with the script")
     if frames and os.path.abspath(frames[-1].filename).startswith(_PACKAGE):
         return TraceError(f"{where}: {what}",
                           hint=f"vramplan's emulation failed here ({os.path.basename(frames[-1].filename)}:"
@@ -1043,12 +1053,16 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                  steps: int = 2, timeout: float | None = 300.0, autocast_dtype: torch.dtype = torch.bfloat16,
                  alloc_conf: str | None = None, progress: Progress | None = None,
                  online: bool = False, world: int = 1,
-                 env: dict[str, str] | None = None) -> tuple[TraceResult, ScriptRun]:
+                 env: dict[str, str] | None = None, module: str | None = None,
+                 launched: bool = False) -> tuple[TraceResult, ScriptRun]:
     """Run the script at ``path`` with ``argv`` and trace it (see the module docstring).
 
     ``world`` > 1: the script is rank 0 of that many processes (a torchrun / accelerate
     launch), on PyTorch's fake process group; ``facts.count`` is the GPUs per node. ``env``: the
-    launcher's own variables for the script (``accelerate launch``'s), set while it runs."""
+    launcher's own variables for the script (``accelerate launch``'s), set while it runs.
+    ``module``: run as ``python -m MODULE`` (``path`` is its file): its packages are imported and
+    it runs as ``__main__`` on the emulated GPU, the working folder first on ``sys.path``.
+    ``launched``: a launcher started it (its rank variables and process group even for one process)."""
     from ..trace.run import _collect_deterministically, _emulation_notes, summarize
 
     p = Path(path)
@@ -1070,6 +1084,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
     hooks = _Hooks(sess, run, steps, progress, started)
     hooks.world = world
+    hooks.launched = launched
     hooks.places = places
     hooks.path = p
     live = LiveAllocator(sess.rec.log, alloc_conf)
@@ -1082,18 +1097,22 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
 
     try:
         with _offline(online), _collect_deterministically(), _environ(env or {}), _fresh_accelerate_state(), \
-                _rank_zero(world, facts.count), sess, \
+                _rank_zero(world, facts.count, launched), sess, \
                 emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
                              optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
                              on_gpu=sess.rec.records) \
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
-                weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), _argv(p, argv), \
+                weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), \
+                _argv(p, argv, Path.cwd() if module else p.parent), \
                 modes_follow_threads(trace_session._ACTIVE), _no_process_exit(), _deadline(timeout):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:
-                runpy.run_path(str(p), run_name="__main__")
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(str(p), run_name="__main__")
                 run.stopped_by = "end"
             except _Stop:
                 pass

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..events import Action, EventLog
 from ..results import MemoryReport
+from ..trace.flex import eager_hop_calls
 from ..trace.recorder import describe
 from .runner import caused_by
 
@@ -86,6 +87,9 @@ def _tracker() -> Any:
             """(description, bytes) of the storages live at the peak, largest first."""
             return sorted(((self._peak_desc[k], n) for k, n in self._peak_sizes.items()), key=lambda x: -x[1])
 
+    from ..trace.flex import register_dense_rules
+
+    register_dense_rules(Tracker)  # (higher-order operators are dispatched by the mode's exact class)
     return Tracker()
 
 
@@ -159,7 +163,7 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _stops(truth, steps, tracker), tracker:
+        with _stops(truth, steps, tracker), eager_hop_calls(), tracker:
             try:
                 runpy.run_path(str(p), run_name="__main__")
             except _Enough:

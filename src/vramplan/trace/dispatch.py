@@ -29,6 +29,7 @@ from ..workload import Phase
 from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
 from .datadep import NO_VALUE_OPS, SKIP_OPS, known_masks, needs_rule, rule_values, uniform_counts
+from .flex import register_rules as register_flex_rules
 from .metacache import MetaCache
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder, describe
@@ -715,6 +716,27 @@ class TraceMode(TorchDispatchMode):
             hint="register one with @torch.library.register_fake for custom ops "
                  "(a CUDA-only extension cannot be traced otherwise)",
         )
+
+
+def _register_higher_order_rules() -> None:
+    """Rules for the higher-order operators a traced step meets. DTensor's random ops (dropout,
+    ``init.normal_`` of a sharded parameter: torchtitan's initialisation) run through
+    ``run_dtensor_rng_op`` (torch ≥ 2.12), which adjusts the CUDA generator's Philox offsets
+    around the op; on the emulated GPU the op itself runs, recorded (memory does not depend
+    on the offsets), as torch's own fake-tensor rule runs it."""
+    try:
+        from torch._prims.rng_prims import run_dtensor_rng_op
+    except ImportError:  # torch < 2.12: DTensor calls the op directly
+        return
+
+    @run_dtensor_rng_op.py_impl(TraceMode)  # type: ignore[untyped-decorator]
+    def _rng_op(mode: TraceMode, start: Any, end: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return op(*args, **kwargs)
+
+
+_register_higher_order_rules()
+register_flex_rules(TraceMode)
 
 
 def _any_meta(args: tuple[Any, ...]) -> bool:

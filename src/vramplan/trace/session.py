@@ -18,6 +18,7 @@ from ..workload import Phase
 from .autocast import Autocast
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
+from .flex import compiled_call, raw_devices_in_autograd
 from .functions import CudaFunctionMode
 from .modules import ModuleTracker
 from .recorder import PHASE_INDEX, Recorder
@@ -54,6 +55,7 @@ class TraceSession:
             st.callback(self.modules.remove)
             st.enter_context(_patched_fused_devices())
             st.enter_context(_patched_compile(self.notes))
+            st.enter_context(raw_devices_in_autograd())
             st.enter_context(_patched_checkpoint(self))
             st.enter_context(_patched_cuda_calls(self.rec))
             st.enter_context(_patched_autocast_query(self))
@@ -183,18 +185,22 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _patched_fused_devices() -> Iterator[None]:
-    """Meta parameters count as CUDA ones for optimizers: ``fused=True`` is accepted and an
-    optimizer built without ``foreach=`` defaults to foreach, as on CUDA."""
+    """Meta parameters count as CUDA ones for optimizers and gradient clipping: ``fused=True`` is
+    accepted, an optimizer built without ``foreach=`` defaults to foreach, and
+    ``clip_grad_norm_(foreach=True)`` (torchtitan's) takes the foreach kernels, as on CUDA (the
+    optimizer module imported torch.utils._foreach_utils' two functions by name: both places)."""
     import torch.optim.optimizer as oo
+    import torch.utils._foreach_utils as fu
 
-    fused, foreach = oo._get_fused_kernels_supported_devices, oo._get_foreach_kernels_supported_devices
-    oo._get_fused_kernels_supported_devices = lambda: [*fused(), "meta"]  # type: ignore[attr-defined]
-    oo._get_foreach_kernels_supported_devices = lambda: [*foreach(), "meta"]  # type: ignore[attr-defined]
+    saved = [(m, name, getattr(m, name)) for m in (oo, fu)
+             for name in ("_get_fused_kernels_supported_devices", "_get_foreach_kernels_supported_devices")]
+    for m, name, fn in saved:
+        setattr(m, name, lambda fn=fn: [*fn(), "meta"])
     try:
         yield
     finally:
-        oo._get_fused_kernels_supported_devices = fused  # type: ignore[attr-defined]
-        oo._get_foreach_kernels_supported_devices = foreach  # type: ignore[attr-defined]
+        for m, name, fn in saved:
+            setattr(m, name, fn)
 
 
 @contextlib.contextmanager
@@ -320,16 +326,29 @@ class _both:  # noqa: N801 (used like the context-manager function it replaced)
         return stack.__exit__(*exc) if stack is not None else None
 
 
+def _is_flex_attention(fn: Any) -> bool:
+    import sys
+
+    mod = sys.modules.get("torch.nn.attention.flex_attention")
+    return mod is not None and fn is getattr(mod, "flex_attention", None)
+
+
 @contextlib.contextmanager
 def _patched_compile(notes: list[str]) -> Iterator[None]:
     """``torch.compile`` is ignored (eager memory is traced) — with a note."""
     orig = torch.compile
 
     def no_compile(model: Any = None, **kwargs: Any) -> Any:
-        if not any("torch.compile" in n for n in notes):
-            notes.append("torch.compile ignored: the eager step is traced (compiled graphs may fuse away temporaries)")
         if model is None:
-            return lambda m: m
+            return lambda m: no_compile(m, **kwargs)
+        if _is_flex_attention(model):  # its fused kernels' memory is counted (trace.flex)
+            note = ("torch.compile(flex_attention): counted as Inductor's fused FlexAttention kernels (their "
+                    "outputs and log-sum-exp; no scores materialised)")
+            if note not in notes:
+                notes.append(note)
+            return compiled_call(model)
+        if not any("torch.compile ignored" in n for n in notes):
+            notes.append("torch.compile ignored: the eager step is traced (compiled graphs may fuse away temporaries)")
         return model
 
     torch.compile = no_compile  # type: ignore[assignment]

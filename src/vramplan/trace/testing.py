@@ -255,6 +255,9 @@ def _storage_peak_mode() -> Any:
                     stack.extend(o)
             return out
 
+    from .flex import register_dense_rules
+
+    register_dense_rules(StoragePeak)
     return StoragePeak
 
 

@@ -52,8 +52,13 @@ class Values:
         if not on_meta(t):
             return t
         flat = self.shadow.get(_key(t))
-        if flat is None or flat.dtype != t.dtype:
+        if flat is None:
             return None
+        if flat.dtype != t.dtype:  # a dtype view (``x.view(torch.uint64)``): the same bytes, reinterpreted
+            try:
+                flat = flat.contiguous().view(torch.uint8).view(t.dtype)
+            except RuntimeError:  # (a storage whose bytes do not divide into t's elements)
+                return None
         return torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
 
     def set_shadow(self, t: torch.Tensor, value: torch.Tensor) -> None:

@@ -1,0 +1,78 @@
+"""torchtitan's own trainer, unmodified, under ``vramplan run``: torchtitan 0.3.0 as its docs launch it
+(``torchrun --nproc-per-node N -m torchtitan.train --module llama3 --config …``), from
+``.titan-deps`` (requirements/titan.txt), in a child process with that folder on its path.
+
+It is the launch line of torchtitan's own ``run_train.sh``: a module run with ``-m``, torchrun's
+rank variables for one process too, DTensor random initialisation (``run_dtensor_rng_op``),
+compiled FlexAttention (torchtitan's default attention), ``clip_grad_norm_(foreach=True)`` and
+rank 0's seed sent to the device and read back. torchtitan has no CPU path (it picks ``cuda``
+without an accelerator), so there is no CPU run to compare with: the tests check what the
+layout fixes exactly (each rank's shards of the parameters, gradients and AdamW states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPS = ROOT / ".titan-deps"
+LLAMA3_8B = 8_030_261_248
+
+
+def _fixtures(tmp: Path) -> Path:
+    """A tokenizer (the zoo's word-level one) and a local JSON text set in the place of c4_test."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from zoo import fixtures
+
+    root = fixtures(tmp / "zoo")
+    assets = tmp / "assets"
+    (assets / "c4").mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (assets / name).write_text((root / "hf" / "model" / name).read_text())
+    (assets / "c4" / "train.jsonl").write_text((root / "hf" / "text" / "train.jsonl").read_text())
+    return assets
+
+
+def _run(tmp: Path, nproc: int, config: str, *extra: str) -> dict:
+    if not (DEPS / "torchtitan").is_dir():
+        pytest.skip(".titan-deps is not installed (make test installs it from requirements/titan.txt)")
+    assets = _fixtures(tmp)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEPS), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "vramplan.cli.main", "run", "--gpu", "h100-sxm", "--json", "--",
+           "torchrun", "--nproc-per-node", str(nproc), "-m", "torchtitan.train", "--module", "llama3",
+           "--config", config, "--hf_assets_path", str(assets), "--dataloader.dataset", "c4_test",
+           "--dataloader.dataset_path", str(assets / "c4"), "--training.steps", "3",
+           "--training.disable_cuda_graphs", "--dump_folder", str(tmp / "out"), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_torchtitan_debug_model_on_one_gpu(tmp_path: Path) -> None:
+    doc = _run(tmp_path, 1, "llama3_debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "2")
+    ran = doc["ran"]
+    assert (ran["batch"], ran["seq"], ran["steps"]) == (2, 64, 2)
+    assert ran["precision"] == "bf16-mixed (fp32 weights, FSDP mixed precision bf16)"
+    assert any("fused FlexAttention kernels" in n for n in doc["notes"])
+    ms = doc["model_states"]
+    assert ms["gradients"] == doc["params"] * 4  # fp32 gradients (FSDP's reduce dtype), one rank: whole
+    assert 0 <= ms["weights"] - ms["gradients"] < 2**20  # fp32 parameters, and the RoPE cache buffer
+    assert 0 <= ms["optimizer"] - 2 * ms["gradients"] <= 4 * 64  # AdamW's two states, step counters
+
+
+def test_torchtitan_llama3_8b_on_eight_gpus(tmp_path: Path) -> None:
+    # torchtitan 0.3.0's default SPMD backend (spmd_types) wants every parameter a DTensor on the
+    # full mesh before FSDP; partial_dtensor (DTensor on the model-parallel axes only) is its
+    # other FSDP-only layout. Rank 0 holds an eighth of each state, to the byte
+    doc = _run(tmp_path, 8, "llama3_8b", "--parallelism.spmd_backend", "partial_dtensor")
+    assert doc["params"] == LLAMA3_8B  # the whole model (not rank 0's shard)
+    ms = doc["model_states"]
+    assert ms["gradients"] == LLAMA3_8B * 4 // 8
+    assert 0 <= ms["optimizer"] - 2 * ms["gradients"] <= 4 * 1024
+    assert doc["ran"]["seq"] == 8192 and doc["ran"]["batch"] == 1
