@@ -543,3 +543,24 @@ def test_recorded_addresses_are_dropped_at_the_first_difference():
     assert a.addr != base + 3
     _, a, _, _ = _two_tied_segments([(1 << 48, 20 * MiB)])
     assert a.addr < 1 << 47
+
+
+# ------------------------------------------------------------------ CUDA graphs' private pools
+def test_a_cuda_graphs_private_pool_keeps_its_segments_and_serves_only_itself():
+    # `release_cached_blocks` skips private pools in use (a live graph's), and a block freed in
+    # the pool serves only allocations of that pool (`get_pool` by the capture's MempoolId)
+    from vramplan.allocator.constants import PRIVATE_POOL
+
+    al = CachingAllocator()
+    pool = PRIVATE_POOL + 1
+    captured = al.malloc(30 * MiB, stream=pool)  # the capture's own segment (30 MiB)
+    al.free(captured)  # freed during capture: back to the pool
+    eager = al.malloc(30 * MiB)  # the rest of the program cannot take it: a new segment
+    assert al.reserved == 60 * MiB
+    again = al.malloc(30 * MiB, stream=pool)  # a capture sharing the pool reuses it
+    assert al.reserved == 60 * MiB
+    al.free(again)
+    al.free(eager)
+    al.empty_cache()  # the eager segment goes; the pool's stays
+    assert al.reserved == 30 * MiB and seg_sizes(al) == [30 * MiB]
+    ok(al)

@@ -502,3 +502,44 @@ def test_foreach_gradient_clipping_and_dtype_views_of_host_values(tmp_path: Path
     device_read, host = out.read_text().split()
     assert device_read == host
     assert r.ran is not None and r.ran.steps == 2
+
+
+def test_cuda_graphs_capture_into_a_private_pool_and_replays_allocate_nothing(tmp_path: Path) -> None:
+    # PyTorch's whole-network capture example (docs "CUDA Graphs"): warm-up on a side stream,
+    # capture forward, backward and the optimizer step, replay. torch's own torch.cuda.graph and
+    # make_graphed_callables run on the emulated CUDAGraph; the captured memory stays in the graph's
+    # pool (empty_cache keeps it), replays allocate nothing
+    out = tmp_path / "mem.json"
+    script = tmp_path / "graphed.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Dropout(0.2), torch.nn.Linear(2048, 512)).cuda()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "x, y = torch.randn(256, 1024, device='cuda'), torch.randn(256, 512, device='cuda')\n"
+        "s = torch.cuda.Stream()\ns.wait_stream(torch.cuda.current_stream())\n"
+        "with torch.cuda.stream(s):\n"
+        "    for _ in range(3):\n"
+        "        opt.zero_grad(set_to_none=True)\n"
+        "        torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()\n"
+        "torch.cuda.current_stream().wait_stream(s)\n"
+        "g = torch.cuda.CUDAGraph()\nopt.zero_grad(set_to_none=True)\n"
+        "assert not torch.cuda.is_current_stream_capturing()\n"
+        "with torch.cuda.graph(g):\n"
+        "    assert torch.cuda.is_current_stream_capturing()\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), y); loss.backward(); opt.step()\n"
+        "mem = {'captured': torch.cuda.memory_allocated(), 'reserved': torch.cuda.memory_reserved()}\n"
+        "for _ in range(4):\n"
+        "    x.copy_(torch.randn(256, 1024, device='cuda')); g.replay()\n"
+        "torch.cuda.empty_cache()\n"
+        "mem.update(replayed=torch.cuda.memory_allocated(), kept=torch.cuda.memory_reserved(),\n"
+        "           grads=all(p.grad is not None for p in model.parameters()))\n"
+        "head = torch.nn.Linear(512, 512).cuda()\n"
+        "graphed = torch.cuda.make_graphed_callables(head, (torch.randn(8, 512, device='cuda', requires_grad=True),))\n"
+        "graphed(torch.randn(8, 512, device='cuda', requires_grad=True)).sum().backward()\n"
+        "json.dump(mem, open(sys.argv[1], 'w'))\n")
+    r = vramplan.run_script(script, [str(out)], steps=20, workspaces=False)
+    mem = json.loads(out.read_text())
+    assert mem["replayed"] == mem["captured"] and mem["grads"]  # the gradients live in the pool
+    assert mem["kept"] == mem["reserved"]  # empty_cache left the graph's pool
+    assert any("CUDA graphs" in n for n in r.notes)
+    assert r.events is not None and any(s >= (1 << 30) for s in r.events.stream)

@@ -5,7 +5,8 @@
 It is the launch line of torchtitan's own ``run_train.sh``: a module run with ``-m``, torchrun's
 rank variables for one process too, DTensor random initialisation (``run_dtensor_rng_op``),
 compiled FlexAttention (torchtitan's default attention), ``clip_grad_norm_(foreach=True)`` and
-rank 0's seed sent to the device and read back. torchtitan has no CPU path (it picks ``cuda``
+rank 0's seed sent to the device and read back, and its default CUDA graph (step 1 warms up,
+step 2 captures the forward-backward into a private pool). torchtitan has no CPU path (it picks ``cuda``
 without an accelerator), so there is no CPU run to compare with: the tests check what the
 layout fixes exactly (each rank's shards of the parameters, gradients and AdamW states).
 """
@@ -48,7 +49,7 @@ def _run(tmp: Path, nproc: int, config: str, *extra: str) -> dict:
            "torchrun", "--nproc-per-node", str(nproc), "-m", "torchtitan.train", "--module", "llama3",
            "--config", config, "--hf_assets_path", str(assets), "--dataloader.dataset", "c4_test",
            "--dataloader.dataset_path", str(assets / "c4"), "--training.steps", "3",
-           "--training.disable_cuda_graphs", "--dump_folder", str(tmp / "out"), *extra]
+           "--dump_folder", str(tmp / "out"), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
@@ -60,6 +61,7 @@ def test_torchtitan_debug_model_on_one_gpu(tmp_path: Path) -> None:
     assert (ran["batch"], ran["seq"], ran["steps"]) == (2, 64, 2)
     assert ran["precision"] == "bf16-mixed (fp32 weights, FSDP mixed precision bf16)"
     assert any("fused FlexAttention kernels" in n for n in doc["notes"])
+    assert any(n.startswith("CUDA graphs:") for n in doc["notes"])  # (torchtitan 0.3.0's default)
     ms = doc["model_states"]
     assert ms["gradients"] == doc["params"] * 4  # fp32 gradients (FSDP's reduce dtype), one rank: whole
     assert 0 <= ms["weights"] - ms["gradients"] < 2**20  # fp32 parameters, and the RoPE cache buffer

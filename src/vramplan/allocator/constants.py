@@ -24,3 +24,8 @@ ROUNDUP_INTERVALS = 16
 """roundup_power2_divisions has one entry per power-of-two interval from 1 MiB to 64 GiB."""
 NO_LIMIT = 2**64 - 1
 """``std::numeric_limits<size_t>::max()``: max_split_size when not set."""
+PRIVATE_POOL: Final = 1 << 30
+"""Event streams from here on are CUDA graphs' private memory pools (``torch.cuda.graph``'s
+``pool``; the trace gives each capture's allocations its pool's id): a pool of its own like a
+stream's, whose cached segments ``empty_cache``, garbage collection and the out-of-memory retry
+leave alone while its graph lives (``release_cached_blocks`` skips private pools in use)."""

@@ -23,7 +23,11 @@ What it reproduces, rule by rule (names are the C++ functions):
 - ``segment_addresses``: a recorded trace's cudaMalloc addresses, so that address-ordered
   ties break as they did on the GPU (:meth:`CachingAllocator._segment_address`).
 
-Not simulated: CUDA graph private pools / MemPools, free-memory callbacks, IPC. An OOM'd
+- CUDA graphs' private pools: streams from :data:`~vramplan.allocator.constants.PRIVATE_POOL` up
+  are pools like a stream's whose cached segments ``release_cached_blocks`` and garbage
+  collection leave alone (a live graph's pool; a graph's destruction is not modelled).
+
+Not simulated: user MemPools (``torch.cuda.MemPool``), free-memory callbacks, IPC. An OOM'd
 request is counted and skipped (the caller would normally see OutOfMemoryError).
 """
 
@@ -36,7 +40,7 @@ from vramplan.errors import ConfigError
 from . import freelist
 from .blocks import SHIFT, Block, Pool, Segment
 from .config import AllocatorConfig, as_config
-from .constants import NO_LIMIT, SMALL_SIZE
+from .constants import NO_LIMIT, PRIVATE_POOL, SMALL_SIZE
 from .counters import Counters
 from .expandable import ExpandableSegmentsMixin
 from .result import BlockInfo, SegmentInfo
@@ -376,6 +380,8 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         for pools in (self._large_pools, self._small_pools):
             to_unmap: list[Block] = []
             for stream in sorted(pools):
+                if stream >= PRIVATE_POOL:  # a CUDA graph's private pool keeps its memory
+                    continue
                 for key in list(pools[stream].keys):
                     b = self._free[key]
                     if b.seg.expandable:
@@ -398,7 +404,8 @@ class CachingAllocator(Counters, ExpandableSegmentsMixin):
         count_now = self._gc_calls[0]
 
         def blocks() -> list[Block]:
-            return [self._free[k] for s in sorted(self._large_pools) for k in self._large_pools[s].keys]
+            return [self._free[k] for s in sorted(self._large_pools) if s < PRIVATE_POOL
+                    for k in self._large_pools[s].keys]
 
         freeable = [b for b in blocks() if b.prev is None and b.next is None]
         count = len(freeable)

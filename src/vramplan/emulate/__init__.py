@@ -53,7 +53,8 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
                  values: Values, places: Sequence[Place] = (),
                  optimizers: weakref.WeakSet[Any] | None = None,
                  on_launch: Callable[[list[Any]], None] | None = None,
-                 on_gpu: Callable[[int], bool] | None = None) -> Iterator[Emulated]:
+                 on_gpu: Callable[[int], bool] | None = None,
+                 on_capture: Callable[[int | None], None] | None = None) -> Iterator[Emulated]:
     """The target GPU emulated until the block ends (see the package docstring).
 
     ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache``; ``values(t, what)`` gives the
@@ -61,7 +62,9 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
     ``places`` say where off-device meta tensors live; ``optimizers`` are re-pointed when a
     conversion cannot keep a Parameter object; ``on_launch(tensors)`` hears of each Triton launch
     (the tensors it was given, which it writes); ``on_gpu(key)`` says whether a meta storage is
-    device memory (None: every meta storage off the ``places`` is)."""
+    device memory (None: every meta storage off the ``places`` is); ``on_capture(pool)`` hears a
+    CUDA graph's capture start in its private pool and end (``None``; without it CUDA graphs stop
+    the run: :mod:`.graphs`)."""
     # torch's Python kernels (``_prims_common.wrappers``' ``_disable_dynamo``) import torch._dynamo
     # on their first call; inside a traced op that import runs on the script's stack and some of
     # its module-level code leaves a frame cycle (``inspect.currentframe()`` kept in a local) that
@@ -79,7 +82,7 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
         if on_launch is not None:
             on_launch(tensors)
 
-    with patched(facts, live, on_sync, state), device_view(view, values), keeping_identity(em.optimizers), \
+    with patched(facts, live, on_sync, state, on_capture), device_view(view, values), keeping_identity(em.optimizers), \
             checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched), data_parallel(), \
             _fresh_deepspeed_accelerator():
         yield em

@@ -106,10 +106,12 @@ def _unsupported_class(name: str, what: str, hint: str) -> type:
 
 @contextlib.contextmanager
 def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], None],
-            state: CudaState | None = None) -> Iterator[CudaState]:
+            state: CudaState | None = None,
+            on_capture: Callable[[int | None], None] | None = None) -> Iterator[CudaState]:
     """Patch ``torch.cuda`` and ``torch.accelerator`` (see the module docstring);
     ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache`` calls (the trace turns them
-    into events)."""
+    into events); ``on_capture(pool)`` a CUDA graph's capture starting in its private pool
+    (``None``: it ended; :mod:`.graphs`) — without it, CUDA graphs stop the run."""
     st = state or CudaState(facts)
     props = Properties(name=facts.name, major=facts.sm[0], minor=facts.sm[1], total_memory=facts.total_memory,
                        multi_processor_count=facts.sm_count, L2_cache_size=facts.l2_cache)
@@ -239,12 +241,24 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
     for name, cls in (("Stream", Stream), ("Event", Event), ("StreamContext", stream_ctx), ("device", device_ctx)):
         put(cuda, name, cls, exact=False)
     put(cuda, "device_of", lambda obj: device_ctx(st.current if not isinstance(obj, torch.Tensor) else 0))
-    graphs = "CUDA graph capture (torch.cuda.CUDAGraph / graph / make_graphed_callables)"
-    graph_hint = "run the eager step (CUDA graphs reuse its memory in their own pool)"
-    for name in ("CUDAGraph", "graph"):
-        put(cuda, name, _unsupported_class(name, graphs, graph_hint), exact=False)
-    for name in ("make_graphed_callables", "graph_pool_handle"):
-        put(cuda, name, _unsupported(graphs, graph_hint))
+    if on_capture is None:
+        graphs = "CUDA graph capture (torch.cuda.CUDAGraph / graph / make_graphed_callables)"
+        graph_hint = "run the eager step (CUDA graphs reuse its memory in their own pool)"
+        for name in ("CUDAGraph", "graph"):
+            put(cuda, name, _unsupported_class(name, graphs, graph_hint), exact=False)
+        for name in ("make_graphed_callables", "graph_pool_handle"):
+            put(cuda, name, _unsupported(graphs, graph_hint))
+    else:  # torch's own graph() and make_graphed_callables run on the emulated CUDAGraph
+        import torch.cuda.graphs as graphs_module
+
+        from .graphs import GraphState, graph_api
+
+        for name, impl in graph_api(GraphState(on_capture)).items():
+            for owner in (cuda, graphs_module):  # (make_graphed_callables calls its module's own names)
+                put(owner, name, impl, exact=name != "CUDAGraph")
+        if not hasattr(torch._C, "_host_emptyCache"):  # (graph() empties the pinned-host cache too)
+            setattr(torch._C, "_host_emptyCache", lambda: None)  # noqa: B010
+            stack.callback(delattr, torch._C, "_host_emptyCache")
     _patch_modules(put, cuda, functions, facts, on_sync, st, current_stream, set_stream, Stream, live)
     put(torch, "Generator", _generators(st), exact=False)
     for name, dtype in LEGACY_TYPES.items():

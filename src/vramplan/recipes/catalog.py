@@ -230,8 +230,7 @@ def _torchtitan_caveats(w: Workload) -> tuple[str, ...]:
            "torchtitan 0.3.0, the release on PyPI, runs otherwise by default: a loss in 8 sequence chunks whose "
            "backward runs chunk by chunk before the model's (`ChunkedLossWrapper`), compiled FlexAttention, foreach "
            "AdamW, and the forward-backward captured in a CUDA graph. For 0.3.0, trace torchtitan itself: "
-           "`vramplan run -- torchrun --nproc-per-node N -m torchtitan.train --module llama3 --config llama3_8b "
-           "--training.disable_cuda_graphs` (CUDA graphs are not emulated yet)"]
+           "`vramplan run -- torchrun --nproc-per-node N -m torchtitan.train --module llama3 --config llama3_8b`"]
     if w.parallel.dp == 1:
         out.append("torchtitan shards the model with FSDP2 over all GPUs (`data_parallel_shard_degree=-1`); on one "
                    "GPU it applies no FSDP and mixed precision by autocast: give `dp=N` for N GPUs")

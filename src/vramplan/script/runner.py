@@ -1033,6 +1033,19 @@ def _host_values(sess: TraceSession) -> Any:
     return values
 
 
+def _capture_pool(sess: TraceSession) -> Callable[[int | None], None]:
+    """A CUDA graph's capture: its allocations go to its private pool (``emulate.graphs``)."""
+    from ..allocator.constants import PRIVATE_POOL
+
+    def on_capture(pool: int | None) -> None:
+        sess.rec.capture_pool = None if pool is None else PRIVATE_POOL + pool
+        if pool is not None and not any("CUDA graph" in n for n in sess.notes):
+            sess.notes.append("CUDA graphs: each capture's allocations are kept in its private pool (reused only by "
+                              "captures sharing the pool, kept through empty_cache); a replay allocates nothing")
+
+    return on_capture
+
+
 def _loading(sess: TraceSession, places: Places) -> Any:
     """What ``from_pretrained`` needs of this run (:mod:`.pretrained`): the device, the notes, the
     host scope, and the booking of a loaded model's tensors on the device."""
@@ -1100,7 +1113,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                 _rank_zero(world, facts.count, launched), sess, \
                 emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
                              optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
-                             on_gpu=sess.rec.records) \
+                             on_gpu=sess.rec.records, on_capture=_capture_pool(sess)) \
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
                 weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), \

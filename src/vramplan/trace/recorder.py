@@ -62,6 +62,9 @@ class Recorder:
         self.phase = 0
         self.iteration = 0
         self.stream = 0
+        self.capture_pool: int | None = None
+        """While a CUDA graph captures: its private pool's id, the stream of every event
+        (:data:`vramplan.allocator.constants.PRIVATE_POOL` and up)."""
         self.module = 0
         """Interned id of the module path the current op belongs to."""
         self.op = 0
@@ -92,7 +95,7 @@ class Recorder:
         self._a.append(action)
         self._id.append(eid)
         self._sz.append(size)
-        self._st.append(self.stream)
+        self._st.append(self.stream if self.capture_pool is None else self.capture_pool)
         self._cat.append(cat)
         self._ph.append(self.phase)
         self._mod.append(self.module)
