@@ -30,8 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-CONVERTING = [0]
-"""Positive while a module conversion (``Module._apply``) runs: its copies move a model, not data."""
+from .threads import Counter
+
+CONVERTING = Counter()
+"""Positive while a module conversion (``Module._apply``) runs in this thread: its copies move a
+model, not data."""
 
 
 @contextlib.contextmanager

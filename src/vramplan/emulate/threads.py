@@ -60,3 +60,37 @@ def modes_follow_threads(*carried: contextvars.ContextVar[Any]) -> Iterator[None
         yield
     finally:
         threading.Thread.start = real_start  # type: ignore[method-assign]
+
+
+class PerThread:
+    """An instance attribute whose value is per thread (``default`` until set in that thread): the
+    emulation's state that says where an op's outputs go (a host scope, a copy to the device, a
+    module conversion) belongs to the thread running the op, not to every thread of the script."""
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_per_thread_{name}"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        local = obj.__dict__.get(self.slot)
+        return self.default if local is None else getattr(local, "value", self.default)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__.setdefault(self.slot, threading.local()).value = value
+
+
+class Counter(threading.local):
+    """A per-thread ``[0]`` counter (the emulation's depth flags, read as ``FLAG[0]``)."""
+
+    value = 0
+
+    def __getitem__(self, index: int) -> int:
+        return self.value
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self.value = value

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..emulate.tensors import on_meta
+from ..emulate.threads import PerThread
 from ..results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
 from .offload import pinned_bytes
 from .recorder import Recorder, local_tensor
@@ -48,6 +49,9 @@ PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STAT
 
 class HostMemory:
     """The host side of one traced rank (see the module docstring)."""
+
+    device_copy = PerThread(False)
+    """While set in a thread, that thread's outputs are device tensors (a host-to-device copy)."""
 
     def __init__(self, rec: Recorder, *, counted: bool = True, device: str = "cpu") -> None:
         self.rec = rec
@@ -66,8 +70,6 @@ class HostMemory:
         self.pageable_peak = 0
         self.part: str | None = None
         """While set, every new storage is a pinned host tensor of this part."""
-        self.device_copy = False
-        """While set, outputs are device tensors (a host-to-device copy)."""
 
     # --- what is on the host -----------------------------------------------------------
     def holds(self, key: int) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..emulate.tensors import on_meta
+from ..emulate.threads import PerThread
 from .host import HostMemory, _flat
 from .recorder import Recorder, local_tensor
 
@@ -36,12 +37,13 @@ class Places:
     counted = False
     host_copies = True
     """A device-to-host copy without known values (``.cpu()``) is a host tensor without values."""
+    device_copy = PerThread(False)
+    _scope = PerThread(None)
+    """(Per thread: a scope one thread opens places that thread's outputs only.)"""
 
     def __init__(self, rec: Recorder, devices: tuple[str, ...] = ("cpu", "meta")) -> None:
         self.rec = rec
         self.by_device = {d: HostMemory(rec, counted=False, device=d) for d in devices}
-        self.device_copy = False
-        self._scope: HostMemory | None = None
 
     @property
     def all(self) -> tuple[HostMemory, ...]:
