@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..emulate.tensors import RAW
+from ..emulate.tensors import raw
 
 
 class _Compiled(threading.local):
@@ -58,17 +58,6 @@ def compiled_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-@contextlib.contextmanager
-def _raw() -> Iterator[None]:
-    """Tensors report their storage's device (``meta``): the rules' Python code makes its index
-    tensors on the query's device, which must not be a ``cuda`` a CPU-only torch lacks."""
-    RAW.depth += 1
-    try:
-        yield
-    finally:
-        RAW.depth -= 1
-
-
 def _module() -> Any:
     try:
         return importlib.import_module("torch._higher_order_ops.flex_attention")
@@ -86,7 +75,7 @@ def register_rules(mode_class: type) -> None:
     @fa.flex_attention.py_impl(mode_class)  # type: ignore[untyped-decorator]
     def _forward(mode: Any, *args: Any, **kwargs: Any) -> Any:
         compiled = _COMPILED.depth > 0
-        with mode, _raw():
+        with mode, raw():
             out = (fa.flex_attention_fake_impl if compiled else fa.sdpa_dense)(*args, **kwargs)
         if compiled:  # its backward is the compiled one too (it runs later, outside the call)
             lse = out[1].untyped_storage()
@@ -99,7 +88,7 @@ def register_rules(mode_class: type) -> None:
         st = logsumexp.untyped_storage()
         compiled = _COMPILED_LSE.get(st._cdata) is st
         rule = fa.flex_attention_backward_fake_tensor_mode if compiled else fa.sdpa_dense_backward
-        with mode, _raw():
+        with mode, raw():
             return rule(query, key, value, out, logsumexp, *args, **kwargs)
 
 
@@ -120,7 +109,7 @@ def raw_devices_in_autograd() -> Iterator[None]:
     original = hop.py_kernels[key]
 
     def autograd(*args: Any, **kwargs: Any) -> Any:
-        with _raw():
+        with raw():
             return original(*args, **kwargs)
 
     hop.py_kernels[key] = autograd
