@@ -228,6 +228,12 @@ _SCHEDULER = (r"f32\[100\]|i64\[3\]|f32\[\]", "DDPMScheduler's tables (betas, al
               "product: f32[100]) and timesteps stay host tensors in the GPU run (the pipeline moves the UNet, not "
               "the scheduler), counted by the CPU run")
 
+_EFFICIENT = (r"i64\[\]|f32\[1,2,\d+\]", "the fp32 SDPA calls: on CUDA the memory-efficient kernel keeps its philox seed and "
+              "offset (i64[] each) for the backward, and a logsumexp [B,H,T rounded up to 32] (the vision tower's "
+              "windows: 2 heads); on the CPU the flash kernel keeps the logsumexp unpadded and no seed")
+_ADAM_STEPS = (r"f32\[\]", "AdamW's step counters: host tensors on CUDA unless capturable or fused "
+               "(torch/optim/adamw.py `_init_group`), counted by the CPU run")
+
 ZOO: tuple[Entry, ...] = (
     Entry("torchtune full finetune", "recipes", "full_finetune_single_device.py",
           _tt("llama3_2/1B_full_single_device.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
@@ -281,6 +287,25 @@ ZOO: tuple[Entry, ...] = (
     Entry("diffusers DDPM pipeline", "zoo", "scripts/diffusers_ddpm.py", (), (),
           "diffusion inference: a UNet's denoising steps, a seeded generator on the device", needs="diffusers",
           known=(_SCHEDULER,)),
+    Entry("diffusers Flux pipeline", "zoo", "scripts/diffusers_flux.py", (), (),
+          "text-to-image: CLIP and T5 text encoders, a Flux transformer over packed latents, the VAE decode",
+          needs="diffusers"),
+    Entry("diffusers Flux pipeline, tiled VAE", "zoo", "scripts/diffusers_flux.py", ("--vae-tiling",), (),
+          "the VAE decoded tile by tile (`vae.enable_tiling()`)", needs="diffusers"),
+    Entry("diffusers Wan 2.1 text-to-video", "zoo", "scripts/diffusers_wan.py", (), (),
+          "text-to-video: UMT5 encoder, a 3-D transformer over video latents with classifier-free guidance, "
+          "the causal 3-D VAE decode", needs="diffusers"),
+    Entry("transformers Qwen2.5-VL training", "zoo", "scripts/transformers_qwen2_5_vl.py", ("train",), (),
+          "vision-language training: a vision tower over the images' patches, the merger, multimodal RoPE; the "
+          "sequence length follows the images' resolution; AdamW on every weight", needs="transformers",
+          known=(_EFFICIENT, _ADAM_STEPS)),
+    Entry("transformers Qwen2.5-VL LoRA", "zoo", "scripts/transformers_qwen2_5_vl.py",
+          ("train", "--lora"), (),
+          "vision-language LoRA: peft adapters on the language model's attention, the vision tower frozen",
+          needs="peft", known=(_ADAM_STEPS,)),
+    Entry("transformers Qwen2.5-VL generate", "zoo", "scripts/transformers_qwen2_5_vl.py", ("generate",), (),
+          "vision-language generation: the image prefill, then greedy decoding with a growing KV cache",
+          needs="transformers"),
     Entry("TRL SFT", "trl", "scripts/sft.py",
           (*_HF, "--dataset_name", "ROOT/hf/text", "--max_length", "64"),
           ("--use_cpu", "True"), "HF Trainer + accelerate, fused AdamW, TRL's chunked log-prob loss",

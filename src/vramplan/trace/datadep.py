@@ -129,16 +129,41 @@ def index_bool(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[st
 def unique(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     name = func.__name__
-    n = x.numel()
     if name.startswith("unique_dim"):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         shape = list(x.shape)
         uniq = _meta(shape, x.dtype)
         return uniq, _meta((x.shape[dim],), torch.int64), _meta((x.shape[dim],), torch.int64)
-    uniq = _meta((n,), x.dtype)
-    if name.startswith("_unique2") or name.startswith("unique_consecutive"):
-        return uniq, _meta(tuple(x.shape), torch.int64), _meta((n,), torch.int64)
-    return uniq, _meta(tuple(x.shape), torch.int64)
+    return cuda_unique(func, args, kwargs, x.numel())
+
+
+def _flag(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> bool:
+    return bool(args[index] if len(args) > index else kwargs.get(name, False))
+
+
+def cuda_unique(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> Any:
+    """The outputs of CUDA's ``unique`` / ``unique_consecutive`` over a flat input with ``count``
+    distinct runs, storages as CUDA's kernel leaves them (ATen ``native/cuda/UniqueCub.cu``
+    ``compute_unique``): the values in a storage of the input's length, resized down to
+    ``count``; counts likewise when asked for (else an empty tensor); inverse indices the
+    input's shape when asked for (else empty). A boolean input that is not consecutive
+    keeps storages of two."""
+    x = args[0]
+    n = x.numel()
+    name = func.__name__
+    consecutive = name.startswith("unique_consecutive")
+    if consecutive:  # unique_consecutive(self, return_inverse, return_counts, dim)
+        inverse, counts = _flag(args, kwargs, 1, "return_inverse"), _flag(args, kwargs, 2, "return_counts")
+    else:  # _unique2(self, sorted, return_inverse, return_counts) / _unique(self, sorted, return_inverse)
+        inverse = _flag(args, kwargs, 2, "return_inverse")
+        counts = name.startswith("_unique2") and _flag(args, kwargs, 3, "return_counts")
+    room = 2 if x.dtype == torch.bool and not consecutive and n else n
+    out = _meta((room,), x.dtype).resize_(count)
+    inv = _meta(tuple(x.shape), torch.int64) if inverse else _meta((0,), torch.int64)
+    if name.startswith("_unique2") or consecutive:
+        cnt = _meta((room,), torch.int64).resize_(count) if counts else _meta((0,), torch.int64)
+        return out, inv, cnt
+    return out, inv
 
 
 def repeat_interleave(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

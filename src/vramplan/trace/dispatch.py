@@ -28,7 +28,15 @@ from ..events import Category
 from ..workload import Phase
 from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
-from .datadep import NO_VALUE_OPS, SKIP_OPS, known_masks, needs_rule, rule_values, uniform_counts
+from .datadep import (
+    NO_VALUE_OPS,
+    SKIP_OPS,
+    cuda_unique,
+    known_masks,
+    needs_rule,
+    rule_values,
+    uniform_counts,
+)
 from .flex import register_rules as register_flex_rules
 from .metacache import MetaCache
 from .modules import ModuleTracker
@@ -314,7 +322,10 @@ class TraceMode(TorchDispatchMode):
         cpu_out: Any = None
         if rule is not None and cpu_args is not None:
             cpu_out = func(*cpu_args[0], **cpu_args[1])
-            out = _mirror(cpu_out)
+            if rule[0] == "unique" and not func.__name__.startswith("unique_dim"):
+                out = cuda_unique(func, args, kwargs, int(cpu_out[0].numel()))  # (CUDA's storages)
+            else:
+                out = _mirror(cpu_out)
         elif rule is not None:
             if not known_masks(values, rule[0], args):  # (known masks over model data: exact counts)
                 self.rules_used[rule[0]] += 1
