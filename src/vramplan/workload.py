@@ -610,7 +610,13 @@ class Workload:
     """Attention kernel: eager (materialised scores), sdpa (PyTorch's fused kernels) or flash."""
     parallel: Parallel = field(default_factory=Parallel)
     image_size: int = 224
-    """Input resolution for vision models."""
+    """Input resolution for vision models (pixels; for vision-language models the images' width,
+    with ``image_height``: ``--image-size 1024x768``)."""
+    image_height: int = 0
+    """Height of the images of a vision-language model (0: square, ``image_size``)."""
+    images: int = 0
+    """Images per sequence for a vision-language model (Qwen2-VL, Qwen2.5-VL): each becomes the
+    image tokens its processor makes, in front of ``seq`` text tokens."""
     routing_skew: float = 1.0
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
@@ -619,6 +625,11 @@ class Workload:
     """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft, trl-dpo,
     trl-kto, trl-grpo, accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
     loop); explicit values win. `vramplan.recipes` cites each default's source."""
+
+    @property
+    def image_hw(self) -> tuple[int, int]:
+        """(width, height) of a vision-language model's images."""
+        return self.image_size, self.image_height or self.image_size
 
     def __post_init__(self) -> None:
         # Coerce strings to enums so that Workload(task="train") works.
@@ -645,6 +656,10 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
+        for name in ("images", "image_height"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise WorkloadError(f"`{name}` must be an integer >= 0, got {v!r}", field=name)
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
             raise WorkloadError(f"`new_tokens` must be >= 0, got {self.new_tokens!r}", field="new_tokens")
         if not isinstance(self.prompt, int) or isinstance(self.prompt, bool) or not 0 <= self.prompt < self.seq:

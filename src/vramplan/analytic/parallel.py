@@ -238,6 +238,13 @@ def _divisors(n: int, limit: int = 8) -> str:
 def check_against_model(spec: ModelSpec, w: Workload) -> None:
     """Raise WorkloadError when the workload's parallel sizes or shapes do not fit the model."""
     name, p = spec.name, w.parallel
+    if w.images:
+        raise WorkloadError(f"`images` applies to vision-language models, which are traced; {name} has no analytic "
+                            "vision tower", hint="use `method=trace` (with a vision-language model), or drop `images`",
+                            field="images")
+    if spec.family is Family.OTHER and spec.vocab and spec.hidden:
+        raise WorkloadError(f"{name} ({spec.model_type}) has no closed-form count: it is traced",
+                            hint="use `method=trace`")
     if spec.family is Family.OTHER or spec.hidden <= 0 or spec.layers <= 0 or spec.heads <= 0:
         raise WorkloadError(
             f"{name} is not a transformer the analytic method knows",

@@ -93,6 +93,23 @@ class _Store(argparse._StoreAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+class _ImageSize(_Store):
+    """``--image-size 1024`` (square) or ``--image-size 1024x768`` (width x height: the height
+    goes to ``image_height``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        text = str(values).strip().lower()
+        parts = text.split("x")
+        if len(parts) not in (1, 2) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"argument {option_string}: expected pixels, e.g. 1024 or 1024x768 (width x height), "
+                         f"got {values!r}")
+        if len(parts) == 2:
+            _mark(namespace, "image_height")
+            namespace.image_height = int(parts[1])
+        super().__call__(parser, namespace, int(parts[0]), option_string)
+
+
 class _Switch(argparse.Action):
     """``--keep-grads`` / ``--no-keep-grads``: on, or explicitly off (to turn off a recipe's default)."""
 
@@ -129,6 +146,8 @@ def _add_field(g: argparse._ArgumentGroup, f: dataclasses.Field[Any], doc: str) 
                 "gradient checkpointing on), none otherwise")
         g.add_argument(flag, choices=["auto", *_choices(Checkpointing)], default=default,
                        help=f"{doc.replace('%', '%%')} {auto} (default: auto)", action=_Store)
+    elif f.name == "image_size":
+        g.add_argument(flag, default=default, metavar="W[xH]", help=text, action=_ImageSize)
     elif isinstance(default, bool):
         g.add_argument(flag, action=_Switch, default=False, help=text)
     elif isinstance(default, Enum):

@@ -240,7 +240,7 @@ def _axes(spec: ModelSpec | None) -> dict[str, bool]:
     """Which workload axes the model has, for the report's header (a CNN has no sequence)."""
     if spec is None:
         return {}
-    return {"has_sequence": spec.family in (Family.DENSE, Family.MOE, Family.MLA, Family.ENCODER),
+    return {"has_sequence": spec.family in (Family.DENSE, Family.MOE, Family.MLA, Family.ENCODER) or spec.vocab > 0,
             "has_attention": spec.family is not Family.OTHER or spec.heads > 0}
 
 

@@ -25,7 +25,10 @@ BASE = "base"
 """The bare backbone (HF ``*Model``; BERT/ViT with their pooler)."""
 DENOISE = "denoise"
 """A diffusion UNet predicting noise."""
-HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOISE)
+IMAGE_TEXT = "image-text-to-text"
+"""A vision-language model: a vision tower whose image tokens join the text of a causal LM
+(transformers ``AutoModelForImageTextToText``)."""
+HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOISE, IMAGE_TEXT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +37,8 @@ class ParamLayout:
 
     family: Family
     kind: str
-    """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet."""
+    """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet | vlm
+    (vision-language: trace only, its language model's sizes read for display)."""
     heads: tuple[str, ...]
     """Heads this architecture supports; the first is the default."""
     tie_default: bool = False
@@ -105,6 +109,11 @@ ARCHS: dict[str, ParamLayout] = {
     "vit": ParamLayout(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),
     "resnet": ParamLayout(family=Family.OTHER, kind="resnet", heads=(IMAGE_CLS, BASE)),
     "UNet2DConditionModel": ParamLayout(family=Family.OTHER, kind="unet", heads=(DENOISE,)),
+    # Qwen2-VL / Qwen2.5-VL: a ViT over 14-pixel patches (windowed attention in 2.5), a merger of
+    # 2 x 2 patches into one token of the language model's width, and a Qwen2 language model with
+    # multimodal RoPE; transformers models/qwen2_5_vl/modeling_qwen2_5_vl.py. Traced (no formula).
+    "qwen2_vl": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
+    "qwen2_5_vl": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
 }
 
 
@@ -140,7 +149,7 @@ def head_from_architectures(config: Mapping[str, Any]) -> str | None:
     for suffix, head in (
         ("ForCausalLM", CAUSAL_LM), ("LMHeadModel", CAUSAL_LM), ("ForMaskedLM", MASKED_LM),
         ("ForSequenceClassification", SEQ_CLS), ("ForImageClassification", IMAGE_CLS),
-        ("Model", BASE),
+        ("ForConditionalGeneration", IMAGE_TEXT), ("Model", BASE),
     ):
         if name.endswith(suffix):
             return head

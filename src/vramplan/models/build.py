@@ -25,6 +25,7 @@ from .arch import (
     DENOISE,
     HEADS,
     IMAGE_CLS,
+    IMAGE_TEXT,
     MASKED_LM,
     SEQ_CLS,
     arch_of,
@@ -120,6 +121,7 @@ def _build_transformers(spec: ModelSpec, head: str, attention: str, dtype: torch
         MASKED_LM: transformers.AutoModelForMaskedLM,
         SEQ_CLS: transformers.AutoModelForSequenceClassification,
         IMAGE_CLS: transformers.AutoModelForImageClassification,
+        IMAGE_TEXT: transformers.AutoModelForImageTextToText,
         BASE: transformers.AutoModel,
     }[head]
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -211,16 +213,29 @@ def example_inputs(
     head: str | None = None,
     labels: bool = True,
     dtype: torch.dtype | str | None = None,
+    images: int = 0,
+    image_height: int = 0,
 ) -> dict[str, Any]:
     """Keyword arguments for the model's forward: token ids (+ labels) for language models,
     ``pixel_values`` (+ labels) for vision models, noisy latents, timestep and text states for a
-    UNet (``image_size`` is the pixel size; latents are 8x smaller). Floats use ``dtype``
-    (default float32)."""
+    UNet (``image_size`` is the pixel size; latents are 8x smaller), token ids with ``images``
+    images of ``image_size`` × ``image_height`` (+ labels) for a vision-language model
+    (:mod:`.vlm`; on ``meta`` without the values the model reads: :func:`.vlm.inputs` gives them).
+    Floats use ``dtype`` (default float32)."""
     if batch < 1 or seq < 1:
         raise WorkloadError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
     chosen = resolve_head(spec, head)
     float_dtype = _torch_dtype(dtype) if dtype is not None else torch.float32
     dev = torch.device(device)
+    if chosen == IMAGE_TEXT:
+        from .vlm import inputs
+
+        size = image_size or 224
+        return inputs(spec, batch=batch, seq=seq, images=images, width=size, height=image_height or size,
+                      device=dev, labels=labels, dtype=float_dtype)[0]
+    if images:
+        raise WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
+                            hint="drop `images`", field="images")
     if chosen == DENOISE:
         return _unet_inputs(spec, batch, image_size, dev, float_dtype)
     if spec.patch_size or spec.model_type == "resnet":

@@ -221,7 +221,24 @@ def _generic(v: ConfigView) -> dict[str, Any]:
     return out
 
 
+def _vlm(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
+    """A vision-language model's language model (``text_config``, or the top level of the older
+    flat configs): its sizes, for display and the KV cache; the vision tower is traced."""
+    text = v.get("text_config")
+    t = ConfigView(text, v.origin) if isinstance(text, Mapping) else v
+    heads = t.integer("num_attention_heads")
+    kv = t.get("num_key_value_heads", heads)
+    hidden = t.integer("hidden_size")
+    return {
+        "hidden": hidden, "layers": t.integer("num_hidden_layers"), "heads": heads,
+        "kv_heads": kv if isinstance(kv, int) and not isinstance(kv, bool) else heads,
+        "head_dim": hidden // heads if heads else 0, "intermediate": t.integer("intermediate_size"),
+        "vocab": t.integer("vocab_size"), "max_positions": t.integer("max_position_embeddings", 0),
+        "tie_embeddings": v.flag("tie_word_embeddings", False),
+    }
+
+
 _READERS = {
     "decoder": _decoder, "mla": _decoder, "gpt2": _gpt2, "bert": _bert, "vit": _vit,
-    "resnet": _resnet, "unet": _unet,
+    "resnet": _resnet, "unet": _unet, "vlm": _vlm,
 }

@@ -53,6 +53,9 @@ def workload_line(r: MemoryReport) -> str:
                 parts.append(f"vLLM colocated ({w.vllm_memory:g} of the GPU{', sleep mode' if w.vllm_sleep else ''})")
         elif r.has_sequence:
             parts.append(f"seq {w.seq}")
+            if w.images:
+                width, height = w.image_hw
+                parts.append(f"{w.images} image{'s' if w.images > 1 else ''} {width}x{height} per sequence")
         else:
             parts.append(f"image {w.image_size}")
     if w.task.value == "generate":

@@ -174,6 +174,21 @@ def repeat_interleave(values: Values, func: Any, args: tuple[Any, ...], kwargs: 
     return _meta((int(size),), torch.int64)
 
 
+def repeat_interleave_self(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``x.repeat_interleave(repeats_tensor, dim, output_size=…)`` without the repeats' values:
+    the size the caller states (else torch's own error: no size to give)."""
+    x = args[0]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    size = args[3] if len(args) > 3 else kwargs.get("output_size")
+    if size is None:
+        return func(*args, **kwargs)
+    if dim is None:
+        return _meta((int(size),), x.dtype)
+    shape = list(x.shape)
+    shape[dim] = int(size)
+    return _meta(shape, x.dtype)
+
+
 def bincount(values: Values, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     x = args[0]
     weights = args[1] if len(args) > 1 else kwargs.get("weights")
@@ -236,6 +251,7 @@ RULES: dict[Any, tuple[str, Rule]] = {
     aten.unique_dim.default: ("unique", unique),
     aten.unique_consecutive.default: ("unique", unique),
     aten.repeat_interleave.Tensor: ("repeat_interleave", repeat_interleave),
+    aten.repeat_interleave.self_Tensor: ("repeat_interleave", repeat_interleave_self),
     aten.bincount.default: ("bincount", bincount),
 }
 INDEX_OPS = frozenset({aten.index.Tensor, aten._unsafe_index.Tensor})

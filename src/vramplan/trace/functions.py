@@ -49,6 +49,12 @@ from .sdpa import run_sdpa
 _META = torch.device("meta")
 _SDPA = "scaled_dot_product_attention"
 _DROPOUT = ("dropout", "dropout_")
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+"""Factories from Python data (lists, numbers)."""
+
+
+def _is_meta(d: Any) -> bool:
+    return (isinstance(d, torch.device) and d.type == "meta") or d == "meta"
 
 
 def _is_cuda(d: Any) -> bool:
@@ -166,6 +172,14 @@ class CudaFunctionMode(TorchFunctionMode):
             # ``torch.device(0)``: the current accelerator's device 0 (FSDP1's ``device_id``,
             # ``torch.device(local_rank)``); a CPU-only torch has no accelerator to ask
             return torch.device("cuda", args[0])
+        if func in _FROM_DATA and _is_meta(kwargs.get("device")) and args and not isinstance(args[0], torch.Tensor):
+            # ``torch.tensor(data, device=x.device)`` where x is a trace tensor: made on the host and
+            # copied under the trace, so that it keeps its values (torch's own copy inside
+            # ``torch.tensor`` bypasses the trace: a meta tensor without them)
+            grad = bool(kwargs.get("requires_grad", False))
+            host_kw = {k: v for k, v in kwargs.items() if k not in ("device", "requires_grad", "pin_memory")}
+            out = func(*args, **host_kw).to(_META)
+            return out.requires_grad_(True) if grad else out
         to_cuda = "device" in kwargs and _is_cuda(kwargs["device"])
         if to_cuda:
             host = self.trace.rec.host

@@ -257,7 +257,7 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
                    opts: TraceOptions, checkpoint_policy: Policy | None,
                    paths: set[str] | None = None, cache: MetaCache | None = None,
                    experts: ExpertLoops | None = None, models: reuse.ModelStore | None = None) -> TraceResult:
-    from ..models.build import attention_used, build_model, example_inputs
+    from ..models.build import attention_used, build_model
 
     attention = "sdpa" if w.attention is Attention.FLASH else str(w.attention)
     notes: list[str] = _parallel_notes(w)
@@ -271,15 +271,13 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     if w.parallel.cp > 1:
         used = attention_used(model)
         context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
-    labels = w.task is Task.TRAIN
-    batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
-                                  labels=labels, dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    batch_kwargs, shadows = _catalog_inputs(spec, w)
     if w.objective is not Objective.SFT:
         batch_kwargs = _objective_inputs(batch_kwargs, w)
-    shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
     with parallel_world(w, rank=opts.rank) as mesh:
         if mesh is not None and (w.parallel.sp or w.parallel.cp > 1):
-            batch_kwargs, shadows = tensor_parallel.position_ids(batch_kwargs)
+            batch_kwargs, more = tensor_parallel.position_ids(batch_kwargs)
+            shadows += more
         prepared = _prepare(model, ((), batch_kwargs), w, notes, spec.name, device, checkpoint_policy, mesh)
         if w.parallel.cp > 1:
             ring = functools.partial(context_parallel.ring_attention, submesh(mesh, "cp"), batch_kwargs)
@@ -292,6 +290,22 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
                       experts=experts)
 
 
+def _catalog_inputs(spec: ModelSpec, w: Workload) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The batch of a catalog model's step on ``meta``, and the values it carries (a
+    vision-language model's token ids and image grid: the model reads them)."""
+    from ..models import vlm
+    from ..models.build import example_inputs
+
+    labels = w.task is Task.TRAIN
+    dtype = features.compute_dtype(w) if not w.mixed else torch.float32
+    if vlm.is_vlm(spec):
+        width, height = w.image_hw
+        return vlm.inputs(spec, batch=w.sequences, seq=w.seq, images=w.images, width=width, height=height,
+                          device="meta", labels=labels, dtype=dtype)
+    return example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
+                          labels=labels, dtype=dtype, images=w.images, image_height=w.image_height), []
+
+
 def _objective_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
     """The batch the objective's trainer feeds its step (GRPO: none; its rollout makes them)."""
     return grpo.inputs(kwargs, w) if w.objective is Objective.GRPO else preference.preference_inputs(kwargs, w)
@@ -299,9 +313,12 @@ def _objective_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
 
 def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str) -> list[str]:
     """What the built model tells about the attention it runs."""
+    from ..models import vlm
     from ..models.build import attention_used
 
     notes = []
+    if w.images and vlm.is_vlm(spec):
+        notes.append(vlm.describe(spec, w.images, *w.image_hw, w.seq))
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     used = attention_used(model)
@@ -315,7 +332,7 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
                 cache: MetaCache | None, experts: ExpertLoops | None = None) -> TraceResult:
     """:func:`_trace_catalog` on a model borrowed from ``models`` (built and prepared when there
     is none), given back after the trace if the trace left it as it was (:mod:`.reuse`)."""
-    from ..models.build import build_model, example_inputs
+    from ..models.build import build_model
 
     key = reuse.key(w, attention, device)
     lent: reuse.Lent | None = models.take(spec, key)
@@ -323,9 +340,7 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
     if lent is None:  # (the same order as a fresh trace: build, inputs, prepare)
         model = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
         notes += _build_notes(spec, w, model, attention)
-    batch_kwargs = example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
-                                  labels=w.task is Task.TRAIN,
-                                  dtype=features.compute_dtype(w) if not w.mixed else torch.float32)
+    batch_kwargs, shadows = _catalog_inputs(spec, w)
     if w.objective is not Objective.SFT:
         batch_kwargs = _objective_inputs(batch_kwargs, w)
     if lent is None:
@@ -334,7 +349,7 @@ def _trace_lent(spec: ModelSpec, w: Workload, device: DeviceProfile | None, iter
         lent = reuse.Lent(prepared=dataclasses.replace(prepared, notes=list(prepared.notes)),
                           state=reuse.state(prepared.model), modules=sum(1 for _ in prepared.model.modules()))
     p = dataclasses.replace(lent.prepared, batch=((), batch_kwargs), notes=list(lent.prepared.notes))
-    result = _trace(p, w, device, iterations, opts, paths=paths, cache=cache, experts=experts)
+    result = _trace(p, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache, experts=experts)
     reuse.settle(p.model)
     if reuse.state(p.model) == lent.state:
         models.give(spec, key, lent)

@@ -278,6 +278,10 @@ def _label_model_cache(sess: TraceSession, out: Any) -> None:
         sess.label_cache(cache)
 
 
+PREFILL_ONLY = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
+"""Inputs of a vision-language model's prompt: the images the prefill encodes."""
+
+
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
     args, kwargs = plan.batch
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -286,6 +290,9 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
                          "[batch, prompt] tensor) as example inputs",
                          hint="pass inputs={'input_ids': ...}, or use task infer/train for other models")
     extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "labels", "attention_mask")}
+    # a vision-language model's images go into the prefill only (transformers'
+    # prepare_inputs_for_generation drops them once the cache holds the prompt)
+    decode_extra = {k: v for k, v in extra.items() if k not in PREFILL_ONLY}
     prompt = ids.shape[1]
     keep = _accepts(plan.model, "logits_to_keep")
     cache_kw = "cache" if _accepts(plan.model, "cache") else "past_key_values"
@@ -324,7 +331,8 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
                 fast.begin_step()
             with sess.phase(Phase.DECODE), sess.autocast_region(plan.autocast):
                 pos = torch.arange(prompt + step - 1, prompt + step, device=ids.device)
-                out = plan.model(input_ids=nxt, use_cache=True, cache_position=pos, **{cache_kw: cache}, **extra)
+                out = plan.model(input_ids=nxt, use_cache=True, cache_position=pos, **{cache_kw: cache},
+                                 **decode_extra)
                 nxt = out.logits[:, -1:].argmax(-1)
                 del out
                 sess.label_cache(cache)

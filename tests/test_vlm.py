@@ -1,0 +1,112 @@
+"""Vision-language models in ``estimate``: the image tokens a processor makes, the batch of a
+step (token ids and image grid with their values), and the traced step against a real CPU run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import vramplan
+from vramplan.cli.main import main
+from vramplan.models.build import build_model
+from vramplan.models.catalog import resolve
+from vramplan.models.vlm import PROCESSORS, image_tokens, inputs
+from vramplan.trace.run import TraceOptions, trace_model
+from vramplan.trace.testing import real_peak
+from vramplan.workload import Workload
+
+transformers = pytest.importorskip("transformers")
+
+TINY = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 400, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "bos_token_id": 390, "eos_token_id": 391, "vision_start_token_id": 392, "vision_end_token_id": 393,
+    "vision_token_id": 394, "image_token_id": 395, "video_token_id": 396,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                      "fullatt_block_indexes": [1], "in_chans": 3},
+}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return tmp_path / "config.json"
+
+
+@pytest.mark.parametrize(("width", "height"), [(1024, 768), (50, 50), (1920, 1080), (4000, 3000), (300, 2000)])
+def test_image_tokens_are_the_processors(width: int, height: int) -> None:
+    spec = resolve("qwen2.5-vl-7b")
+    proc = PROCESSORS["qwen2_5_vl"]
+    real = transformers.Qwen2VLImageProcessor(min_pixels=proc.min_pixels, max_pixels=proc.max_pixels)(
+        images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt")
+    t = image_tokens(spec, width, height)
+    grid = real["image_grid_thw"][0].tolist()
+    assert t.patches == real["pixel_values"].shape[0] == grid[0] * grid[1] * grid[2]
+    assert (t.height // 14, t.width // 14) == (grid[1], grid[2])
+    assert t.tokens == t.patches // 4
+
+
+def test_the_batch_carries_the_values_the_model_reads(tiny: Path) -> None:
+    spec = resolve(str(tiny))
+    kw, shadows = inputs(spec, batch=2, seq=10, images=2, width=112, height=84)
+    one = image_tokens(spec, 112, 84)
+    assert kw["input_ids"].shape == (2, 10 + 2 * (one.tokens + 2)) and kw["input_ids"].is_meta
+    assert kw["pixel_values"].shape == (4 * one.patches, 3 * 2 * 14 * 14)
+    values = {id(m): v for m, v in shadows}
+    ids = values[id(kw["input_ids"])]
+    assert int((ids == TINY["image_token_id"]).sum()) == 2 * 2 * one.tokens
+    assert values[id(kw["image_grid_thw"])].tolist() == [[1, one.height // 14, one.width // 14]] * 4
+    assert int(ids[:, -10:].max()) < TINY["bos_token_id"]  # text ids stay below the special tokens
+
+
+@pytest.mark.parametrize("task", ["train", "infer"])
+def test_a_traced_vlm_step_matches_a_real_cpu_run(tiny: Path, task: str) -> None:
+    spec = resolve(str(tiny))
+
+    def make() -> Any:
+        return build_model(spec, task=task, attention="eager", device="cpu", dtype=torch.float32)
+
+    def batch() -> dict[str, Any]:
+        return inputs(spec, batch=2, seq=12, images=2, width=140, height=112, device="cpu", labels=task == "train")[0]
+
+    ref = real_peak(make, batch, task=task)
+    w = Workload(task=task, precision="fp32", optimizer="adamw", attention="eager")
+    r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
+    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_estimate_of_a_vlm_counts_its_image_tokens(tiny: Path) -> None:
+    base = dict(task="train", precision="bf16-mixed", seq=32, method="trace", gpu="h100-sxm")
+    text = vramplan.estimate(str(tiny), **base)
+    one = vramplan.estimate(str(tiny), images=1, image_size=224, image_height=168, **base)
+    two = vramplan.estimate(str(tiny), images=2, image_size=224, image_height=168, **base)
+    t = image_tokens(resolve(str(tiny)), 224, 168)
+    note = next(n for n in one.notes if "image tokens" in n)
+    assert f"{t.tokens:,} image tokens" in note and f"sequence {32 + t.tokens + 2:,} tokens" in note
+    assert text.peak.allocated < one.peak.allocated < two.peak.allocated
+    gen = vramplan.estimate(str(tiny), task="generate", seq=16, new_tokens=8, images=1, image_size=224,
+                            method="trace", gpu="h100-sxm")
+    cache = {p.phase.value if hasattr(p.phase, "value") else p.phase: p.breakdown.kv_cache for p in gen.phases}
+    assert set(cache) >= {"prefill", "decode"} and cache["decode"] > 0
+
+
+def test_images_on_a_text_model_and_bad_sizes_are_one_line(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for args, words in ((["llama-3.2-1b", "--images", "2"], "error: --images applies to vision-language models"),
+                        ([str(tiny), "--images", "1", "--image-size", "12x"], "e.g. 1024 or 1024x768"),
+                        (["qwen2.5-vl-3b", "--images", "2", "--method", "analytic"], "traced")):
+        try:
+            code = main(["estimate", *args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
