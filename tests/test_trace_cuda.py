@@ -87,6 +87,25 @@ def test_flash_attention_saves_logsumexp_not_scores() -> None:
     assert bufs == [f"f32[{b},4,256]", f"f32[{b},256,4,32]"]  # softmax_d, dq_accum (rounded)
 
 
+class KeywordAttn(Attn):
+    """diffusers' native attention backend: ``F.scaled_dot_product_attention(query=…, key=…, value=…)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_sdpa_called_with_keywords_takes_the_gpus_kernel() -> None:
+    b, t = 2, 256
+    r = trace_model(KeywordAttn(), torch.randn(b, t, 64), workload=Workload(task="train", precision="bf16"),
+                    device=device_profile(_gpu("8.0")), options=NO_WS, iterations=1)
+    assert "SDPA kernels: flash ×1" in r.notes  # it took meta's math path: the scores [B,H,T,T]
+    biggest = max(s for s, a in zip(r.events.size, r.events.action, strict=True) if a == Action.ALLOC)
+    assert biggest < b * 4 * t * t * 2
+
+
 def test_math_path_on_old_gpus_materialises_scores() -> None:
     b, t = 2, 128
     r = trace_model(Attn(), torch.randn(b, t, 64), workload=Workload(task="train", precision="bf16"),

@@ -110,3 +110,17 @@ def test_images_on_a_text_model_and_bad_sizes_are_one_line(tiny: Path, capsys: p
         err = capsys.readouterr().err
         assert code == 2 and words in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_freeze_vision_trains_the_language_model_only(tiny: Path) -> None:
+    base = dict(task="train", precision="bf16-mixed", seq=16, images=1, image_size=112, method="trace",
+                gpu="h100-sxm")
+    full = vramplan.estimate(str(tiny), **base)
+    frozen = vramplan.estimate(str(tiny), freeze_vision=True, **base)
+    visual = sum(p.numel() for p in build_model(resolve(str(tiny)), device="meta").model.visual.parameters())
+    assert full.trainable_params - frozen.trainable_params == visual > 0
+    assert any("vision tower frozen" in n for n in frozen.notes)
+    assert frozen.model_states is not None and full.model_states is not None
+    assert frozen.model_states.optimizer < full.model_states.optimizer
+    with pytest.raises(vramplan.VramplanError, match="vision tower"):
+        vramplan.estimate("llama-3.2-1b", task="train", freeze_vision=True, method="trace")

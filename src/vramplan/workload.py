@@ -617,6 +617,9 @@ class Workload:
     images: int = 0
     """Images per sequence for a vision-language model (Qwen2-VL, Qwen2.5-VL): each becomes the
     image tokens its processor makes, in front of ``seq`` text tokens."""
+    freeze_vision: bool = False
+    """Training a vision-language model: its vision tower (with the merger that projects image
+    tokens into the language model) frozen, only the language model trained."""
     routing_skew: float = 1.0
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..emulate.tensors import on_meta
-from ..errors import TraceError
+from ..errors import TraceError, WorkloadError
 from ..precision import fsdp_shards_quantised, precision_model
 from ..quantformats import format_of
 from ..target import DEFAULT_PROFILE, DeviceProfile
@@ -88,6 +88,30 @@ def lora_targets(model: nn.Module, w: Workload) -> list[str]:
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and m is not out_emb}
     return sorted(names - {"lm_head", "score", "classifier"})
+
+
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""Names of a vision-language model's vision encoder in transformers (Qwen2-VL's ``visual``
+holds its merger too)."""
+
+
+def freeze_vision(model: nn.Module, w: Workload) -> list[str]:
+    """``freeze_vision``: the vision tower's parameters do not train."""
+    if not w.freeze_vision:
+        return []
+    towers = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in VISION_TOWERS]
+    if not towers:
+        raise WorkloadError("`freeze_vision` applies to vision-language models; this model has no vision tower",
+                            hint="drop `freeze_vision`", field="freeze_vision")
+    if not w.training:
+        return []
+    n = 0
+    for _, m in towers:
+        for q in m.parameters():
+            n += q.numel() if q.requires_grad else 0
+            q.requires_grad_(False)
+    return [f"vision tower frozen ({', '.join(name for name, _ in towers)}: {n:,} parameters without gradients "
+            "or optimizer states)"]
 
 
 def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:

@@ -199,6 +199,11 @@ class CudaFunctionMode(TorchFunctionMode):
                 args, kwargs = ac.apply(name, args, kwargs, cache=True)
             elif self.recompute_autocast and torch.is_grad_enabled():
                 args, kwargs = ac.apply(name, args, kwargs, cache=False)
+        if name == _SDPA and len(args) < 3 and all(k in kwargs for k in ("query", "key", "value")[len(args):]):
+            # ``F.scaled_dot_product_attention(query=q, key=k, value=v)`` (diffusers' native backend)
+            names = ("query", "key", "value")[len(args):]
+            args = (*args, *(kwargs[k] for k in names))
+            kwargs = {k: v for k, v in kwargs.items() if k not in names}
         if name == _SDPA and args and isinstance(args[0], torch.Tensor) and on_meta(args[0]):
             out, backend = run_sdpa(self.profile, func, *args, **kwargs)
             self.backends[backend] += 1

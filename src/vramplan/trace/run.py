@@ -637,6 +637,7 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
         reference = preference.reference_copy(model, w)
+        notes += features.freeze_vision(model, w)
         model, peft_notes = features.apply_peft(model, w)
         notes += peft_notes
         features.to_trace_device(model)
