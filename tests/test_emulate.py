@@ -543,3 +543,39 @@ def test_cuda_graphs_capture_into_a_private_pool_and_replays_allocate_nothing(tm
     assert mem["kept"] == mem["reserved"]  # empty_cache left the graph's pool
     assert any("CUDA graphs" in n for n in r.notes)
     assert r.events is not None and any(s >= (1 << 30) for s in r.events.stream)
+
+
+def test_to_meta_leaves_the_device_and_frees_its_copy(tmp_path: Path) -> None:
+    """``t.to("meta")`` (accelerate's offload hooks putting weights away): a meta tensor that holds
+    no memory; the emulated device's own storage is meta too, and torch handed ``t`` back."""
+    out = tmp_path / "seen.json"
+    script = tmp_path / "to_meta.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "x = torch.randn(1024, 1024, device='cuda')\n"
+        "before = torch.cuda.memory_allocated()\n"
+        "y = x.to('meta')\n"
+        "p = torch.nn.Parameter(y)\n"
+        "del x\n"
+        "seen = [before, str(y.device), y.is_meta, torch.cuda.memory_allocated(), p.to('meta') is p]\n"
+        "json.dump(seen, open(sys.argv[1], 'w'))\n"
+        "torch.nn.Linear(4, 4).cuda()(torch.randn(2, 4, device='cuda'))\n")
+    vramplan.run_script(script, [str(out)], steps=1)
+    assert json.loads(out.read_text()) == [1024 * 1024 * 4, "meta", True, 0, True]
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential"])
+def test_diffusers_cpu_offload_hooks_bring_each_model_in_for_its_call(mode: str) -> None:
+    pytest.importorskip("diffusers")
+    pytest.importorskip("accelerate")
+    script = Path(__file__).parent / "zoo" / "scripts" / "diffusers_flux.py"
+    resident = vramplan.run_script(script, [], gpu="h100-sxm", workspaces=False)
+    off = vramplan.run_script(script, ["--offload", mode], gpu="h100-sxm", workspaces=False)
+    assert off.ran is not None and off.ran.forwards > 0  # the hooked models ran on the GPU (else: "stayed on the CPU")
+    assert off.peak.allocated < resident.peak.allocated
+    if mode == "model":  # one model on the GPU at a time: at the peak (the VAE decode), the VAE
+        assert off.breakdown.weights < resident.breakdown.weights
+        assert off.breakdown.activations + off.breakdown.temporaries == pytest.approx(
+            resident.breakdown.activations + resident.breakdown.temporaries, rel=0.05)
+    else:  # layer by layer: no whole model is ever resident
+        assert off.breakdown.weights < resident.breakdown.weights / 4

@@ -185,7 +185,7 @@ class _Hooks:
         if p is None:
             return
         run = self.run
-        if self.on_device(p):
+        if self.on_device(p) or _offloaded_to_device(mod):
             run.device_forwards += 1
             if run.device_forwards == 1:
                 self._shapes(args, time_major=any(isinstance(m, nn.RNNBase) and not m.batch_first
@@ -604,6 +604,7 @@ def _fresh_accelerate_state() -> Iterator[None]:
     saved = [(d, dict(d)) for d in _accelerate_states()]
     for d, _ in saved:
         d.clear()
+    _clear_device_caches()
     try:
         yield
     finally:
@@ -611,6 +612,18 @@ def _fresh_accelerate_state() -> Iterator[None]:
             d.clear()
         for d, items in saved:
             d.update(items)
+        _clear_device_caches()
+
+
+def _clear_device_caches() -> None:
+    """Libraries that detect the accelerator once and cache the answer (diffusers'
+    ``TorchDeviceBackend._detect_device_type``, an ``lru_cache``): asked afresh inside the emulated
+    GPU and again after it, as in a new process."""
+    mod = sys.modules.get("diffusers.utils.torch_utils")
+    detect = getattr(getattr(mod, "TorchDeviceBackend", None), "_detect_device_type", None)
+    clear = getattr(detect, "cache_clear", None)
+    if callable(clear):
+        clear()
 
 
 @contextlib.contextmanager
@@ -725,6 +738,11 @@ def _holds_meta(data: Any, depth: int = 0) -> bool:
     return False
 
 
+def _to_meta(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.to(*rest, **kwargs)`` asks for the meta device."""
+    return _is_meta(kwargs.get("device")) or bool(rest) and _is_meta(rest[0])
+
+
 def _host_request(d: Any) -> bool:
     return d is None or (isinstance(d, torch.device) and d.type == "cpu") or (isinstance(d, str) and d == "cpu")
 
@@ -763,6 +781,15 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             # with what is derived from them (FSDP2's meta shards) — ``device="cuda"`` is the GPU
             with self.places.scope("meta"):
                 return func(*args, **kwargs)
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and _to_meta(args[1:], kwargs) \
+                and not building() and args[0].device.type != "meta":  # (as the script sees it)
+            # ``t.to("meta")`` (accelerate's offload hooks putting a weight away after its call):
+            # a new meta tensor that holds no memory, where the emulated device's own storage is
+            # meta too and torch would hand back ``t`` itself, keeping the device copy alive
+            src = args[0]
+            dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), src.dtype)
+            with self.places.scope("meta"):
+                return torch.empty_strided(src.shape, src.stride(), dtype=dtype, device="meta")
         if name in _VALUELESS and _host_request(kwargs.get("device")) and not building():
             out = self._host_without_values(func, name, args, kwargs)
             if out is not None:
@@ -1216,3 +1243,19 @@ def _check_on_device(run: ScriptRun, path: Path) -> None:
                          "the emulated GPU)",
                          hint="move the model to the GPU as the script would on one (model.to('cuda')); "
                               "if the script picks its device itself, check what it chose")
+
+
+def _offloaded_to_device(mod: nn.Module) -> bool:
+    """Whether accelerate's offload hooks run ``mod`` on the GPU though its weights wait on the
+    host: diffusers' ``enable_model_cpu_offload`` (a ``CpuOffload`` hook that moves the model to
+    its execution device before the forward) and ``enable_sequential_cpu_offload`` (an
+    ``AlignDevicesHook`` per submodule, weights brought in for each call)."""
+    for m in mod.modules():
+        hook = getattr(m, "_hf_hook", None)
+        if hook is None:
+            continue
+        for h in getattr(hook, "hooks", None) or (hook,):
+            dev = getattr(h, "execution_device", None)
+            if dev is not None and (is_cuda(dev) or str(dev).startswith("cuda")):
+                return True
+    return False

@@ -5,7 +5,9 @@ diffusers' docs run it: ``.to(device)``, a seeded generator, ``num_inference_ste
 are Flux's architectures at a small width (16 latent channels, an 8 × downsampling VAE), built
 here with word-level tokenizers: nothing is downloaded.
 
-``python diffusers_flux.py [--size 256] [--steps 3] [--vae-tiling]``"""
+``python diffusers_flux.py [--size 256] [--steps 3] [--vae-tiling] [--offload model|sequential]``
+(``--offload``: diffusers' ``enable_model_cpu_offload`` / ``enable_sequential_cpu_offload`` on a
+GPU; on the CPU the pipeline runs in place)."""
 
 import argparse
 
@@ -29,6 +31,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--size", type=int, default=256)
 ap.add_argument("--steps", type=int, default=3)
 ap.add_argument("--vae-tiling", action="store_true")
+ap.add_argument("--offload", choices=("model", "sequential"))
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,7 +59,11 @@ vae = AutoencoderKL(sample_size=128, in_channels=3, out_channels=3, latent_chann
                     shift_factor=0.1159, scaling_factor=0.3611)
 pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
                     vae=vae, text_encoder=clip, tokenizer=tokenizer(77), text_encoder_2=t5, tokenizer_2=tokenizer(512),
-                    transformer=transformer).to(device)
+                    transformer=transformer)
+if args.offload and device == "cuda":  # accelerate's hooks move each model (or layer) in for its call
+    pipe.enable_model_cpu_offload() if args.offload == "model" else pipe.enable_sequential_cpu_offload()
+else:
+    pipe.to(device)
 pipe.set_progress_bar_config(disable=True)
 if args.vae_tiling:
     pipe.vae.enable_tiling()  # tiles of the config's sample_size (128 pixels, 16 latents), overlapping by 1/4
