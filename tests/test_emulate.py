@@ -574,7 +574,7 @@ def test_diffusers_cpu_offload_hooks_bring_each_model_in_for_its_call(mode: str)
     assert off.ran is not None and off.ran.forwards > 0  # the hooked models ran on the GPU (else: "stayed on the CPU")
     assert off.peak.allocated < resident.peak.allocated
     if mode == "model":  # one model on the GPU at a time: at the peak (the VAE decode), the VAE
-        assert off.breakdown.weights < resident.breakdown.weights
+        assert 0 < off.breakdown.weights < resident.breakdown.weights  # (brought in by the hook: weights)
         assert off.breakdown.activations + off.breakdown.temporaries == pytest.approx(
             resident.breakdown.activations + resident.breakdown.temporaries, rel=0.05)
     else:  # layer by layer: no whole model is ever resident

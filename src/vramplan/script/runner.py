@@ -814,7 +814,8 @@ class _InputMode(torch.overrides.TorchFunctionMode):
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[0]
             if not self._on_device(src) and self._on_device(out):
-                self.sess.rec.relabel(out, Category.INPUT)
+                # a weight brought in by accelerate's offload hooks is a weight (``Parameter(w).to(dev)``)
+                self.sess.rec.relabel(out, Category.PARAMETER if isinstance(src, nn.Parameter) else Category.INPUT)
                 run = self.run
                 if run is not None and not run.device_forwards and not CONVERTING[0] and len(run.inputs) < 64 \
                         and not isinstance(src, nn.Parameter):  # (FSDP1 moves parameters itself: not inputs)
