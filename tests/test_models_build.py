@@ -36,6 +36,9 @@ TINY: dict[str, dict[str, Any]] = {
     "sd15-unet": {"block_out_channels": [32, 64, 64, 64], "layers_per_block": 1,
                   "norm_num_groups": 8, "cross_attention_dim": 16, "attention_head_dim": 4,
                   "sample_size": 8},
+    "flux1-dev-transformer": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 16,
+                              "axes_dims_rope": [4, 6, 6]},
 }
 
 
@@ -56,13 +59,14 @@ def _loss(out: Any) -> torch.Tensor:
     ("llama-3.2-1b", None), ("llama-3.2-1b", "sequence-classification"), ("mixtral-8x7b", None),
     ("deepseek-v2-lite", None), ("gpt2", None), ("bert-base", None),
     ("bert-base", "sequence-classification"), ("vit-base", None), ("resnet-50", None),
-    ("sd15-unet", None),
+    ("sd15-unet", None), ("flux1-dev-transformer", None),
 ])
 def test_example_inputs_run_forward_and_backward_on_cpu(alias: str, head: str | None) -> None:
     spec = tiny(alias)
     torch.manual_seed(0)
     model = build_model(spec, device="cpu", dtype=torch.float32, head=head)
-    inputs = example_inputs(spec, batch=2, seq=8, device="cpu", head=head)
+    inputs = example_inputs(spec, batch=2, seq=8, device="cpu", head=head,
+                            image_size=64 if alias == "flux1-dev-transformer" else None)
     loss = _loss(model(**inputs))
     loss.backward()
     assert torch.isfinite(loss)

@@ -28,6 +28,8 @@ DENOISE = "denoise"
 IMAGE_TEXT = "image-text-to-text"
 """A vision-language model: a vision tower whose image tokens join the text of a causal LM
 (transformers ``AutoModelForImageTextToText``)."""
+DENOISERS = ("UNet2DConditionModel", "FluxTransformer2DModel")
+"""diffusers denoisers (their ``_class_name``) built with the ``denoise`` head."""
 HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOISE, IMAGE_TEXT)
 
 
@@ -37,7 +39,7 @@ class ParamLayout:
 
     family: Family
     kind: str
-    """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet | vlm
+    """Layout the parameter formula follows: decoder | mla | gpt2 | bert | vit | resnet | unet | dit | vlm
     (vision-language: trace only, its language model's sizes read for display)."""
     heads: tuple[str, ...]
     """Heads this architecture supports; the first is the default."""
@@ -109,6 +111,10 @@ ARCHS: dict[str, ParamLayout] = {
     "vit": ParamLayout(family=Family.VIT, kind="vit", heads=(IMAGE_CLS, BASE)),
     "resnet": ParamLayout(family=Family.OTHER, kind="resnet", heads=(IMAGE_CLS, BASE)),
     "UNet2DConditionModel": ParamLayout(family=Family.OTHER, kind="unet", heads=(DENOISE,)),
+    # FLUX.1: a diffusion transformer over 2 x 2 patches of 16-channel latents (64 inputs per token),
+    # double-stream blocks (image and text tokens apart) then single-stream ones; diffusers
+    # models/transformers/transformer_flux.py. Traced (no formula).
+    "FluxTransformer2DModel": ParamLayout(family=Family.OTHER, kind="dit", heads=(DENOISE,)),
     # Qwen2-VL / Qwen2.5-VL: a ViT over 14-pixel patches (windowed attention in 2.5), a merger of
     # 2 x 2 patches into one token of the language model's width, and a Qwen2 language model with
     # multimodal RoPE; transformers models/qwen2_5_vl/modeling_qwen2_5_vl.py. Traced (no formula).
@@ -142,7 +148,7 @@ def require_arch(config: Mapping[str, Any], origin: str = "config") -> ParamLayo
 
 def head_from_architectures(config: Mapping[str, Any]) -> str | None:
     """The head the config's ``architectures[0]`` (or diffusers class) names, if recognisable."""
-    if config.get("_class_name") == "UNet2DConditionModel":
+    if config.get("_class_name") in DENOISERS:
         return DENOISE
     names = config.get("architectures") or []
     name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else ""

@@ -186,19 +186,25 @@ def attention_used(model: nn.Module) -> str:
 
 
 def _build_unet(spec: ModelSpec, attention: str, dtype: torch.dtype) -> nn.Module:
+    """A diffusers denoiser (``UNet2DConditionModel``, ``FluxTransformer2DModel``) from its config."""
     try:
-        from diffusers import UNet2DConditionModel
+        import diffusers
         from diffusers.models.attention_processor import AttnProcessor
     except ImportError:  # diffusers is in the models extra
-        raise TraceError(f"building {spec.name} (a UNet) needs diffusers, which is not installed",
+        raise TraceError(f"building {spec.name} (a diffusion model) needs diffusers, which is not installed",
                          hint="pip install 'vramplan[models]' to trace it") from None
     if attention not in ("eager", "sdpa"):
-        raise TraceError(f"{spec.name}: the diffusers UNet supports attention eager or sdpa, not {attention!r}")
+        raise TraceError(f"{spec.name}: diffusers' models support attention eager or sdpa, not {attention!r}")
+    name = str(spec.config.get("_class_name"))
+    config = {k: v for k, v in spec.config.items() if not k.startswith("_")}
     with quiet():
-        model: nn.Module = UNet2DConditionModel.from_config(dict(spec.config))
+        model: nn.Module = getattr(diffusers, name).from_config(config)
         if dtype != torch.float32:
             model.to(dtype)
         if attention == "eager":
+            if name != "UNet2DConditionModel":
+                raise TraceError(f"{spec.name}: {name} has no eager attention processor in diffusers",
+                                 hint="use `attention=sdpa`")
             model.set_attn_processor(AttnProcessor())  # type: ignore[operator]
     return model
 
@@ -236,6 +242,8 @@ def example_inputs(
     if images:
         raise WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
                             hint="drop `images`", field="images")
+    if chosen == DENOISE and spec.config.get("_class_name") == "FluxTransformer2DModel":
+        return _flux_inputs(spec, batch, image_size, image_height, dev, float_dtype)
     if chosen == DENOISE:
         return _unet_inputs(spec, batch, image_size, dev, float_dtype)
     if spec.patch_size or spec.model_type == "resnet":
@@ -276,6 +284,36 @@ def _image_inputs(spec: ModelSpec, head: str, batch: int, image_size: int | None
         out["interpolate_pos_encoding"] = True
     if labels and head == IMAGE_CLS:
         out["labels"] = torch.zeros(batch, dtype=torch.long, device=dev)
+    return out
+
+
+FLUX_TEXT_TOKENS = 512
+"""T5 tokens FluxPipeline encodes a prompt to (``max_sequence_length`` default 512)."""
+
+
+def _flux_inputs(spec: ModelSpec, batch: int, image_size: int | None, image_height: int, dev: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """One denoising step of FluxPipeline: latents 8x smaller than the image, packed in 2 x 2
+    patches (a token per 16 x 16 pixels, 64 channels), the T5 states, CLIP's pooled vector, the
+    timestep, the guidance scale (FLUX.1-dev) and the position ids (diffusers' 2-D ``img_ids``)."""
+    width = image_size or spec.image_size or 1024
+    height = image_height or width
+    if width % 16 or height % 16:
+        raise WorkloadError(f"image {width}x{height}: FLUX's sides are multiples of 16 pixels "
+                            "(8x latents in 2 x 2 patches)", field="image_size")
+    tokens = (width // 16) * (height // 16)
+    cfg = spec.config
+    out: dict[str, Any] = {
+        "hidden_states": torch.randn(batch, tokens, int(cfg.get("in_channels", 64)), dtype=dtype, device=dev),
+        "encoder_hidden_states": torch.randn(batch, FLUX_TEXT_TOKENS, int(cfg.get("joint_attention_dim", 4096)),
+                                             dtype=dtype, device=dev),
+        "pooled_projections": torch.randn(batch, int(cfg.get("pooled_projection_dim", 768)), dtype=dtype, device=dev),
+        "timestep": torch.full((batch,), 0.5, dtype=dtype, device=dev),
+        "img_ids": torch.zeros(tokens, 3, dtype=dtype, device=dev),
+        "txt_ids": torch.zeros(FLUX_TEXT_TOKENS, 3, dtype=dtype, device=dev),
+    }
+    if cfg.get("guidance_embeds"):
+        out["guidance"] = torch.full((batch,), 3.5, dtype=dtype, device=dev)
     return out
 
 

@@ -221,6 +221,19 @@ def _generic(v: ConfigView) -> dict[str, Any]:
     return out
 
 
+def _dit(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
+    """FLUX.1's transformer: width heads x head size, its double- and single-stream blocks as
+    layers, images of 1024 pixels by default (the pipeline's ``default_sample_size`` 128 latents)."""
+    heads = v.integer("num_attention_heads")
+    return {
+        "hidden": heads * v.integer("attention_head_dim"), "heads": heads, "kv_heads": heads,
+        "head_dim": v.integer("attention_head_dim"),
+        "layers": v.integer("num_layers") + v.integer("num_single_layers", 0),
+        "norm_kind": "layernorm", "mlp_kind": "plain", "image_size": 1024,
+        "num_channels": v.integer("in_channels", 64),
+    }
+
+
 def _vlm(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     """A vision-language model's language model (``text_config``, or the top level of the older
     flat configs): its sizes, for display and the KV cache; the vision tower is traced."""
@@ -240,5 +253,5 @@ def _vlm(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
 
 _READERS = {
     "decoder": _decoder, "mla": _decoder, "gpt2": _gpt2, "bert": _bert, "vit": _vit,
-    "resnet": _resnet, "unet": _unet, "vlm": _vlm,
+    "resnet": _resnet, "unet": _unet, "dit": _dit, "vlm": _vlm,
 }

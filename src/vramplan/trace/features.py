@@ -90,6 +90,10 @@ def lora_targets(model: nn.Module, w: Workload) -> list[str]:
     return sorted(names - {"lm_head", "score", "classifier"})
 
 
+DIFFUSERS_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+"""The attention projections diffusers' LoRA training scripts give adapters (``LoraConfig(
+target_modules=["to_k", "to_q", "to_v", "to_out.0"])``)."""
+
 VISION_TOWERS = ("visual", "vision_tower", "vision_model")
 """Names of a vision-language model's vision encoder in transformers (Qwen2-VL's ``visual``
 holds its merger too)."""
@@ -129,7 +133,12 @@ def apply_peft(model: nn.Module, w: Workload) -> tuple[nn.Module, list[str]]:
         if tuple(w.lora_targets) != LORA_DEFAULT_TARGETS:
             raise TraceError(f"none of the LoRA target modules {targets} exist in the model",
                              hint="set lora_targets to module names of the model, or all-linear")
-        targets, note = None, " (the default q/k/v/o names are absent: peft's defaults for this architecture)"
+        if _diffusers_model(model) is not None:  # (peft has no defaults for a diffusers model: no model_type)
+            targets = [t for t in DIFFUSERS_LORA_TARGETS if t.split(".")[0] in present]
+            note = (" (diffusers' LoRA training scripts' attention targets: train_text_to_image_lora.py, "
+                    "train_dreambooth_lora_*.py)")
+        else:
+            targets, note = None, " (the default q/k/v/o names are absent: peft's defaults for this architecture)"
     cfg = LoraConfig(r=w.lora_rank, lora_alpha=2 * w.lora_rank, lora_dropout=0.0,
                      target_modules=targets, bias="none", use_dora=w.lora_dora, use_rslora=w.lora_rslora,
                      modules_to_save=list(w.lora_modules_to_save) or None)
@@ -284,6 +293,18 @@ def apply_checkpointing(model: nn.Module, w: Workload, policy: sac.Policy | None
     if ctx_fn is not None:
         kwargs["context_fn"] = ctx_fn
     hf = _hf_model(model)
+    dm = _diffusers_model(model)
+    if dm is not None and policy is None and ctx_fn is None and w.checkpoint_every == 1 \
+            and w.checkpoint_fraction == 1.0:
+        # diffusers' own switch: the model's forward checkpoints each block it loops over
+        # (FLUX: its double- and single-stream blocks), through the function given here
+        def checkpoint_fn(module: nn.Module, *args: Any) -> Any:
+            return checkpoint(module.__call__, *args, **kwargs)
+
+        dm.enable_gradient_checkpointing(checkpoint_fn)
+        lists = [(n, len(m)) for n, m in dm.named_children() if isinstance(m, nn.ModuleList) and len(m) > 1]
+        what = ", ".join(f"{n} ({k})" for n, k in lists) or "its blocks"
+        return [f"{sac.describe(w, policy)} (diffusers enable_gradient_checkpointing: {what}, use_reentrant=False)"]
     if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
         if hasattr(hf, "activation_checkpointing_enable"):
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -342,6 +363,16 @@ def apply_compile(model: nn.Module, w: Workload, policy: sac.Policy | None = Non
 def _hf_model(model: nn.Module) -> Any:
     for m in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
         if m is not None and hasattr(m, "gradient_checkpointing_enable"):
+            return m
+    return None
+
+
+def _diffusers_model(model: nn.Module) -> Any:
+    """The diffusers model inside ``model`` (peft wraps it) that has diffusers' checkpointing switch."""
+    for m in (model, getattr(getattr(model, "base_model", None), "model", None)):
+        if m is not None and callable(getattr(m, "enable_gradient_checkpointing", None)) \
+                and getattr(m, "_supports_gradient_checkpointing", False) \
+                and type(m).__module__.startswith("diffusers."):
             return m
     return None
 
