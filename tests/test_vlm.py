@@ -124,3 +124,11 @@ def test_freeze_vision_trains_the_language_model_only(tiny: Path) -> None:
     assert frozen.model_states.optimizer < full.model_states.optimizer
     with pytest.raises(vramplan.VramplanError, match="vision tower"):
         vramplan.estimate("llama-3.2-1b", task="train", freeze_vision=True, method="trace")
+
+
+def test_run_reads_the_batch_from_the_token_ids_not_the_vision_towers_patches() -> None:
+    """``generate`` of Qwen2.5-VL calls the vision tower first (pixel patches [N, 1176]): the
+    header's batch and sequence are the token ids' the script moved to the device."""
+    script = Path(__file__).parent / "zoo" / "scripts" / "transformers_qwen2_5_vl.py"
+    r = vramplan.run_script(script, ["generate"], gpu="h100-sxm")
+    assert r.ran is not None and r.ran.batch == 2 and r.ran.seq is not None and r.ran.seq > 16

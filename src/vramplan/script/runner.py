@@ -201,9 +201,15 @@ class _Hooks:
         moves them itself); ``time_major``: an RNN without ``batch_first`` takes ``[seq, batch]``."""
         run = self.run
         own = set() if model is None else {(tuple(b.shape), str(b.dtype)) for b in model.buffers()}
+        moved = [x for x in run.inputs if x not in own]
         seen = [(tuple(a.shape), str(a.dtype)) for a in (args if isinstance(args, tuple) else (args,))
-                if isinstance(a, torch.Tensor)] or [x for x in run.inputs if x not in own]
+                if isinstance(a, torch.Tensor)] or moved
         ints = [s for s, d in seen if "int" in d and len(s) >= 2]
+        if not ints and any("int" in d and len(s) >= 2 for s, d in moved):
+            # a first call without token ids (a vision-language model's vision tower, called by
+            # `generate` before the model): the token ids the script moved to the device say it
+            seen = moved
+            ints = [s for s, d in seen if "int" in d and len(s) >= 2]
         floats = [s for s, d in seen if "float" in d or "bfloat" in d]
         if seen and seen[0][0]:
             run.batch = seen[0][0][1 if time_major and len(seen[0][0]) > 1 else 0]
