@@ -17,6 +17,7 @@ import math
 
 from vramplan._dataclass import dataclass
 from vramplan.errors import WorkloadError
+from vramplan.models.arch import arch_of
 from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.workload import Task, Workload
@@ -242,9 +243,10 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
         raise WorkloadError(f"`images` applies to vision-language models, which are traced; {name} has no analytic "
                             "vision tower", hint="use `method=trace` (with a vision-language model), or drop `images`",
                             field="images")
-    if spec.family is Family.OTHER and spec.vocab and spec.hidden:
-        raise WorkloadError(f"{name} ({spec.model_type}) has no closed-form count: it is traced",
-                            hint="use `method=trace`")
+    layout = arch_of(spec.config)
+    if layout is not None and layout.kind == "vlm":
+        raise WorkloadError(f"{name} ({spec.model_type}) is a vision-language model: it is traced, with no "
+                            "closed-form count", hint="use `method=trace`")
     if spec.family is Family.OTHER or spec.hidden <= 0 or spec.layers <= 0 or spec.heads <= 0:
         raise WorkloadError(
             f"{name} is not a transformer the analytic method knows",
