@@ -240,8 +240,9 @@ def example_inputs(
         return inputs(spec, batch=batch, seq=seq, images=images, width=size, height=image_height or size,
                       device=dev, labels=labels, dtype=float_dtype)[0]
     if images:
-        raise WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
-                            hint="drop `images`", field="images")
+        from .vlm import no_images
+
+        raise no_images(spec)
     if chosen == DENOISE and spec.config.get("_class_name") == "FluxTransformer2DModel":
         return _flux_inputs(spec, batch, image_size, image_height, dev, float_dtype)
     if chosen == DENOISE:

@@ -64,6 +64,16 @@ def _vision(spec: ModelSpec) -> Mapping[str, Any]:
     return v if isinstance(v, Mapping) else {}
 
 
+def _patch(vision: Mapping[str, Any]) -> int:
+    return int(vision.get("patch_size", vision.get("spatial_patch_size", 14)))
+
+
+def no_images(spec: ModelSpec) -> WorkloadError:
+    """The refusal of ``images`` for a model that takes none."""
+    return WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
+                         hint="drop `images`", field="images")
+
+
 def _token_id(spec: ModelSpec, key: str) -> int:
     for where in (spec.config, spec.config.get("text_config") or {}):
         v = where.get(key) if isinstance(where, Mapping) else None
@@ -75,13 +85,12 @@ def _token_id(spec: ModelSpec, key: str) -> int:
 def image_tokens(spec: ModelSpec, width: int, height: int) -> ImageTokens:
     """What one ``width × height`` image becomes for ``spec``'s processor."""
     if not is_vlm(spec):
-        raise WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
-                            hint="drop `images`", field="images")
+        raise no_images(spec)
     from .build import quiet
     from .hf_import import import_transformers
 
     vision = _vision(spec)
-    patch = int(vision.get("patch_size", vision.get("spatial_patch_size", 14)))
+    patch = _patch(vision)
     merge = int(vision.get("spatial_merge_size", 2))
     proc = PROCESSORS[spec.model_type]
     with quiet():
@@ -129,7 +138,7 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
     if images:
         assert one is not None
         vision = _vision(spec)
-        patch = int(vision.get("patch_size", vision.get("spatial_patch_size", 14)))
+        patch = _patch(vision)
         temporal = int(vision.get("temporal_patch_size", 2))
         channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
         n = batch * images
