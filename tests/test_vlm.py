@@ -4,7 +4,9 @@ step (token ids and image grid with their values), and the traced step against a
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,41 @@ TINY = {
                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                       "fullatt_block_indexes": [1], "in_chans": 3},
 }
+
+GEMMA3 = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "float32",
+    "boi_token_index": 380, "eoi_token_index": 381, "image_token_index": 382, "mm_tokens_per_image": 4,
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 400,
+                    "sliding_window": 8, "max_position_embeddings": 4096},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                      "num_attention_heads": 2, "num_hidden_layers": 2, "image_size": 56, "patch_size": 14,
+                      "vision_use_head": False},
+}
+LLAVA = {
+    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "torch_dtype": "float32",
+    "image_token_index": 390, "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+    "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 400,
+                    "max_position_embeddings": 4096},
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                      "num_attention_heads": 2, "num_hidden_layers": 3, "image_size": 56, "patch_size": 14,
+                      "projection_dim": 64},
+}
+TINIES = {"qwen2_5_vl": TINY, "gemma3": GEMMA3, "llava": LLAVA}
+# Gemma 3 4B's Hub config.json leaves heads, head size and vocabulary to Gemma3TextConfig's defaults
+GEMMA3_SPARSE = {**GEMMA3, "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                           "num_hidden_layers": 34, "sliding_window": 1024},
+                 "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+                 "mm_tokens_per_image": 256,
+                 "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                   "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                   "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def _write(tmp_path: Path, config: dict[str, Any]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path / "config.json"
 
 
 @pytest.fixture
@@ -68,9 +105,53 @@ def test_the_batch_carries_the_values_the_model_reads(tiny: Path) -> None:
     assert int(ids[:, -10:].max()) < TINY["bos_token_id"]  # text ids stay below the special tokens
 
 
+def test_square_processors_are_transformers_own(tmp_path: Path) -> None:
+    """Gemma 3 and LLaVA resize every image to the tower's square: the image processors' output
+    and LLaVA's own token rule (``LlavaProcessor.replace_image_token``)."""
+    big = np.zeros((768, 1024, 3), dtype=np.uint8)
+    gemma = resolve(str(_write(tmp_path, GEMMA3_SPARSE)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pv = transformers.Gemma3ImageProcessor(size={"height": 896, "width": 896})(images=[big], return_tensors="pt")
+        clip = transformers.CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+        lv = clip(images=[big], return_tensors="pt")
+    g = image_tokens(gemma, 1024, 768)
+    assert tuple(pv["pixel_values"].shape[-2:]) == (g.height, g.width) == (896, 896)
+    assert (g.patches, g.tokens, g.markers) == (4096, 256, 4)
+    (tmp_path / "l").mkdir()
+    for strategy in ("default", "full"):
+        config = {**LLAVA, "vision_feature_select_strategy": strategy,
+                  "vision_config": {**LLAVA["vision_config"], "image_size": 336}}
+        llava = resolve(str(_write(tmp_path / "l", config)))
+        own = SimpleNamespace(patch_size=14, num_additional_image_tokens=1, vision_feature_select_strategy=strategy,
+                              image_token="<image>")
+        t = image_tokens(llava, 1024, 768)
+        assert t.tokens == transformers.LlavaProcessor.replace_image_token(own, lv, 0).count("<image>")
+        assert (t.width, t.patches, t.markers) == (336, 576, 0)
+
+
+def test_a_sparse_hub_config_takes_the_class_defaults(tmp_path: Path) -> None:
+    spec = resolve(str(_write(tmp_path, GEMMA3_SPARSE)))
+    text = transformers.Gemma3TextConfig()
+    assert (spec.heads, spec.kv_heads, spec.head_dim, spec.vocab) == (
+        text.num_attention_heads, text.num_key_value_heads, text.head_dim, text.vocab_size) == (8, 4, 256, 262208)
+    assert (spec.hidden, spec.layers) == (2560, 34)
+
+
+def test_gemma3_batches_carry_the_token_types(tmp_path: Path) -> None:
+    spec = resolve(str(_write(tmp_path, GEMMA3)))
+    kw, shadows = inputs(spec, batch=2, seq=5, images=2, width=300, height=200)
+    values = {id(m): v for m, v in shadows}
+    ids, types = values[id(kw["input_ids"])], values[id(kw["token_type_ids"])]
+    assert ids.shape == types.shape == (2, 5 + 2 * (4 + 4)) and kw["pixel_values"].shape == (4, 3, 56, 56)
+    assert ((ids == GEMMA3["image_token_index"]) == (types == 1)).all() and int(types.sum()) == 2 * 2 * 4
+    assert int((ids == GEMMA3["boi_token_index"]).sum()) == int((ids == GEMMA3["eoi_token_index"]).sum()) == 4
+
+
 @pytest.mark.parametrize("task", ["train", "infer"])
-def test_a_traced_vlm_step_matches_a_real_cpu_run(tiny: Path, task: str) -> None:
-    spec = resolve(str(tiny))
+@pytest.mark.parametrize("kind", sorted(TINIES))
+def test_a_traced_vlm_step_matches_a_real_cpu_run(tmp_path: Path, kind: str, task: str) -> None:
+    spec = resolve(str(_write(tmp_path, TINIES[kind])))
 
     def make() -> Any:
         return build_model(spec, task=task, attention="eager", device="cpu", dtype=torch.float32)

@@ -120,6 +120,12 @@ ARCHS: dict[str, ParamLayout] = {
     # multimodal RoPE; transformers models/qwen2_5_vl/modeling_qwen2_5_vl.py. Traced (no formula).
     "qwen2_vl": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
     "qwen2_5_vl": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
+    # Gemma 3 (4B and up): a SigLIP tower over 896-pixel images, its patches average-pooled to 256
+    # soft tokens and projected into a Gemma 3 language model; transformers models/gemma3/modeling_gemma3.py.
+    "gemma3": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
+    # LLaVA (1.5): a CLIP tower's second-to-last layer, a 2-layer projector, a Llama language
+    # model; transformers models/llava/modeling_llava.py.
+    "llava": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
 }
 
 

@@ -6,6 +6,7 @@ vs ``n_routed_experts``); this module reads them once, so estimators never look 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -234,18 +235,40 @@ def _dit(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     }
 
 
+_TEXT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
+              "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
+def _text_defaults(v: ConfigView, text: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``text_config`` with the sizes a Hub config leaves to the class defaults (Gemma 3's lists
+    five keys; heads, head size and vocabulary are ``Gemma3TextConfig``'s) filled in from
+    transformers' config class, when it is installed; as written otherwise."""
+    if all(k in text for k in _TEXT_KEYS):
+        return text
+    try:
+        from .hf_import import import_transformers
+
+        kwargs = copy.deepcopy({k: w for k, w in text.items() if k != "model_type"})
+        t = import_transformers().AutoConfig.for_model(str(text.get("model_type")), **kwargs)
+    except Exception:  # noqa: BLE001 (no transformers or an unknown type: the keys as written)
+        return text
+    return {**{k: getattr(t, k) for k in _TEXT_KEYS if getattr(t, k, None) is not None}, **text}
+
+
 def _vlm(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     """A vision-language model's language model (``text_config``, or the top level of the older
     flat configs): its sizes, for display and the KV cache; the vision tower is traced."""
     text = v.get("text_config")
-    t = ConfigView(text, v.origin) if isinstance(text, Mapping) else v
+    t = ConfigView(_text_defaults(v, text), v.origin) if isinstance(text, Mapping) else v
     heads = t.integer("num_attention_heads")
     kv = t.get("num_key_value_heads", heads)
     hidden = t.integer("hidden_size")
+    head_dim = t.get("head_dim")
     return {
         "hidden": hidden, "layers": t.integer("num_hidden_layers"), "heads": heads,
         "kv_heads": kv if isinstance(kv, int) and not isinstance(kv, bool) else heads,
-        "head_dim": hidden // heads if heads else 0, "intermediate": t.integer("intermediate_size"),
+        "head_dim": head_dim if isinstance(head_dim, int) and head_dim > 0 else hidden // heads if heads else 0,
+        "intermediate": t.integer("intermediate_size"),
         "vocab": t.integer("vocab_size"), "max_positions": t.integer("max_position_embeddings", 0),
         "tie_embeddings": v.flag("tie_word_embeddings", False),
     }

@@ -1,18 +1,29 @@
 """Vision-language models: how many tokens an image becomes, and the batch a step takes.
 
-A Qwen2-VL / Qwen2.5-VL processor resizes each image so both sides are multiples of
-``patch_size × merge_size`` (28 pixels) with the area inside ``[min_pixels, max_pixels]``
-(``smart_resize``), cuts it into 14-pixel patches (the image repeated to
-``temporal_patch_size`` frames: ``pixel_values`` is ``[patches, 3 · 2 · 14 · 14]``), and puts one
-``<|image_pad|>`` token per 2 × 2 group of patches in the text, between ``<|vision_start|>``
-and ``<|vision_end|>`` (``Qwen2_5_VLProcessor.__call__``). The patch count is transformers'
-own (``Qwen2VLImageProcessor.get_number_of_image_patches``); the pixel bounds are the models'
-``preprocessor_config.json`` (:data:`PROCESSORS`), not the class defaults.
+Three processor families (:data:`PROCESSORS`, keyed by the config's ``model_type``):
+
+* **Qwen2-VL / Qwen2.5-VL** resize each image so both sides are multiples of
+  ``patch_size × merge_size`` (28 pixels) with the area inside ``[min_pixels, max_pixels]``
+  (``smart_resize``), cut it into 14-pixel patches (the image repeated to
+  ``temporal_patch_size`` frames: ``pixel_values`` is ``[patches, 3 · 2 · 14 · 14]``), and put one
+  ``<|image_pad|>`` token per 2 × 2 group of patches in the text, between ``<|vision_start|>``
+  and ``<|vision_end|>`` (``Qwen2_5_VLProcessor.__call__``). The patch count is transformers'
+  own (``Qwen2VLImageProcessor.get_number_of_image_patches``); the pixel bounds are the models'
+  ``preprocessor_config.json``, not the class defaults.
+* **Gemma 3** resizes every image to the vision tower's square (896 pixels in the released
+  checkpoints; ``pixel_values`` ``[images, 3, 896, 896]``) and the model pools its patches to
+  ``mm_tokens_per_image`` (256) soft tokens; the processor writes
+  ``"\\n\\n<start_of_image>" + 256 × <image_soft_token> + "<end_of_image>\\n\\n"`` and returns
+  ``token_type_ids`` (1 on the image tokens: their attention is bidirectional within an image)
+  (``Gemma3Processor``; pan-and-scan crops, off by default, are not modelled).
+* **LLaVA** (1.5) resizes and centre-crops to the CLIP tower's square (336) and puts one
+  ``<image>`` token per patch (576; the ``default`` feature strategy drops the CLS position)
+  (``LlavaProcessor._get_number_of_features``).
 
 The batch (:func:`inputs`): each sequence holds ``images`` images and then ``seq`` text tokens,
-so a sequence is ``seq + images × (tokens per image + 2)`` long; token ids and the image grid
-carry their values into the trace (the model reads them: where the image tokens sit, the
-multimodal RoPE positions), the pixels do not.
+so a sequence is ``seq + images × (tokens per image + markers)`` long; token ids, the image grid
+and the token types carry their values into the trace (the model reads them: where the image
+tokens sit, the multimodal RoPE positions, the image blocks of the mask), the pixels do not.
 """
 
 from __future__ import annotations
@@ -31,16 +42,39 @@ from .spec import ModelSpec
 
 @dataclass(frozen=True)
 class Processor:
-    min_pixels: int
-    max_pixels: int
+    family: str
+    """qwen (dynamic resize) | gemma3 | llava (resized to the tower's square)."""
     source: str
+    before: tuple[str, ...] = ()
+    """Config keys of the marker tokens before an image's tokens ('' = a text token: ``\\n\\n``)."""
+    after: tuple[str, ...] = ()
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    @property
+    def markers(self) -> int:
+        return len(self.before) + len(self.after)
 
 
 _QWEN_SOURCE = ("Qwen/Qwen2.5-VL-*-Instruct preprocessor_config.json: min_pixels 3136, max_pixels 12845056 "
                 "(transformers' class default is 1003520)")
+
+
+def _qwen(source: str) -> Processor:
+    return Processor("qwen", source, before=("vision_start_token_id",), after=("vision_end_token_id",),
+                     min_pixels=3136, max_pixels=12845056)
+
+
 PROCESSORS: dict[str, Processor] = {
-    "qwen2_5_vl": Processor(3136, 12845056, _QWEN_SOURCE),
-    "qwen2_vl": Processor(3136, 12845056, _QWEN_SOURCE.replace("Qwen2.5-VL", "Qwen2-VL")),
+    "qwen2_5_vl": _qwen(_QWEN_SOURCE),
+    "qwen2_vl": _qwen(_QWEN_SOURCE.replace("Qwen2.5-VL", "Qwen2-VL")),
+    "gemma3": Processor(
+        "gemma3", "Gemma3Processor: every image resized to the vision tower's square, pooled to mm_tokens_per_image "
+        "soft tokens between \\n\\n<start_of_image> and <end_of_image>\\n\\n; pan-and-scan (off by default) not "
+        "modelled", before=("", "boi_token_index"), after=("eoi_token_index", "")),
+    "llava": Processor(
+        "llava", "LlavaProcessor: resized and centre-cropped to the CLIP tower's square, one <image> token per "
+        "patch (the CLS position dropped by the 'default' feature strategy)"),
 }
 
 
@@ -54,9 +88,11 @@ class ImageTokens:
     height: int
     """The size the processor resizes the image to."""
     patches: int
-    """Rows of ``pixel_values`` for the image."""
+    """Patches the vision tower sees (Qwen: rows of ``pixel_values``)."""
     tokens: int
-    """``<|image_pad|>`` tokens in the text (patches / merge²)."""
+    """Image tokens in the text (Qwen: patches / merge²; Gemma 3: ``mm_tokens_per_image``)."""
+    markers: int
+    """Marker tokens around each image's tokens."""
 
 
 def _vision(spec: ModelSpec) -> Mapping[str, Any]:
@@ -68,6 +104,21 @@ def _patch(vision: Mapping[str, Any]) -> int:
     return int(vision.get("patch_size", vision.get("spatial_patch_size", 14)))
 
 
+def _square(spec: ModelSpec) -> int:
+    """The vision tower's input size (Gemma 3, LLaVA): the config's, else the class default."""
+    size = _vision(spec).get("image_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    return int(_hf_config(spec).vision_config.image_size)
+
+
+def _hf_config(spec: ModelSpec) -> Any:
+    from .build import _hf_config as make
+    from .hf_import import import_transformers
+
+    return make(import_transformers(), spec)
+
+
 def no_images(spec: ModelSpec) -> WorkloadError:
     """The refusal of ``images`` for a model that takes none."""
     return WorkloadError(f"`images` applies to vision-language models; {spec.name} takes no images",
@@ -75,8 +126,18 @@ def no_images(spec: ModelSpec) -> WorkloadError:
 
 
 def _token_id(spec: ModelSpec, key: str) -> int:
+    keys = (key, key.replace("_index", "_id"), key.replace("_id", "_index"))
     for where in (spec.config, spec.config.get("text_config") or {}):
-        v = where.get(key) if isinstance(where, Mapping) else None
+        for k in keys:
+            v = where.get(k) if isinstance(where, Mapping) else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    try:  # a key the Hub config leaves to the class default (Gemma 3, LLaVA)
+        config = _hf_config(spec)
+    except Exception:  # noqa: BLE001 (no transformers, or a config it refuses: the error below)
+        config = None
+    for k in keys:
+        v = getattr(config, k, None)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     raise WorkloadError(f"{spec.name}: the config has no `{key}`", hint="check the config.json")
@@ -86,20 +147,30 @@ def image_tokens(spec: ModelSpec, width: int, height: int) -> ImageTokens:
     """What one ``width × height`` image becomes for ``spec``'s processor."""
     if not is_vlm(spec):
         raise no_images(spec)
-    from .build import quiet
-    from .hf_import import import_transformers
-
+    proc = PROCESSORS[spec.model_type]
     vision = _vision(spec)
     patch = _patch(vision)
-    merge = int(vision.get("spatial_merge_size", 2))
-    proc = PROCESSORS[spec.model_type]
-    with quiet():
-        cls = import_transformers().Qwen2VLImageProcessor  # (the PIL variant without torchvision)
-        smart_resize = importlib.import_module(cls.__module__).smart_resize
-        h, w = smart_resize(height, width, factor=patch * merge, min_pixels=proc.min_pixels,
-                            max_pixels=proc.max_pixels)
-    patches = (h // patch) * (w // patch)
-    return ImageTokens(width=w, height=h, patches=patches, tokens=patches // (merge * merge))
+    if proc.family == "qwen":
+        from .build import quiet
+        from .hf_import import import_transformers
+
+        merge = int(vision.get("spatial_merge_size", 2))
+        with quiet():
+            cls = import_transformers().Qwen2VLImageProcessor  # (the PIL variant without torchvision)
+            smart_resize = importlib.import_module(cls.__module__).smart_resize
+            h, w = smart_resize(height, width, factor=patch * merge, min_pixels=proc.min_pixels,
+                                max_pixels=proc.max_pixels)
+        patches = (h // patch) * (w // patch)
+        return ImageTokens(width=w, height=h, patches=patches, tokens=patches // (merge * merge),
+                           markers=proc.markers)
+    side = _square(spec)
+    patches = (side // patch) ** 2
+    if proc.family == "gemma3":
+        tokens = int(spec.config.get("mm_tokens_per_image") or _hf_config(spec).mm_tokens_per_image)
+    else:  # llava: the CLS position is dropped by the "default" strategy, kept by "full"
+        strategy = spec.config.get("vision_feature_select_strategy", "default")
+        tokens = patches + (0 if strategy == "default" else 1)
+    return ImageTokens(width=side, height=side, patches=patches, tokens=tokens, markers=proc.markers)
 
 
 def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, height: int,
@@ -109,20 +180,33 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
     of ``batch`` sequences of ``images`` images and ``seq`` text tokens each."""
     if images < 0:
         raise WorkloadError(f"`images` must be >= 0, got {images}", field="images")
+    if not is_vlm(spec):
+        raise no_images(spec)
+    proc = PROCESSORS[spec.model_type]
     dev = torch.device(device)
     image_id = _token_id(spec, "image_token_id")
-    start, end = _token_id(spec, "vision_start_token_id"), _token_id(spec, "vision_end_token_id")
-    text_top = max(1, min(spec.vocab, start, end, image_id))  # text ids below the special tokens
+    before = [_token_id(spec, k) if k else -1 for k in proc.before]
+    after = [_token_id(spec, k) if k else -1 for k in proc.after]
+    text_top = max(1, min([spec.vocab, image_id, *(t for t in before + after if t >= 0)]))  # below the specials
     g = torch.Generator().manual_seed(0)
-    rows = []
+
+    def marks(ids: list[int]) -> torch.Tensor:  # -1: a text token (Gemma 3's "\n\n")
+        return torch.tensor([t if t >= 0 else int(torch.randint(0, text_top, (), generator=g)) for t in ids],
+                            dtype=torch.long)
+
+    rows, types = [], []
     one = image_tokens(spec, width, height) if images else None
     for _ in range(batch):
         row: list[torch.Tensor] = []
+        kind: list[torch.Tensor] = []
         for _ in range(images):
             assert one is not None
-            row += [torch.tensor([start]), torch.full((one.tokens,), image_id), torch.tensor([end])]
+            row += [marks(before), torch.full((one.tokens,), image_id), marks(after)]
+            kind += [torch.zeros(len(before)), torch.ones(one.tokens), torch.zeros(len(after))]
         row.append(torch.randint(0, text_top, (seq,), generator=g))
+        kind.append(torch.zeros(seq))
         rows.append(torch.cat(row))
+        types.append(torch.cat(kind))
     ids = torch.stack(rows).to(torch.long)
     real = dev.type != "meta"  # (a measured run on a GPU: the values themselves)
 
@@ -139,13 +223,19 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
         assert one is not None
         vision = _vision(spec)
         patch = _patch(vision)
-        temporal = int(vision.get("temporal_patch_size", 2))
-        channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
+        channels = int(vision.get("in_channels", vision.get("in_chans", vision.get("num_channels", 3))))
         n = batch * images
-        shape = (n * one.patches, channels * temporal * patch * patch)
+        if proc.family == "qwen":
+            temporal = int(vision.get("temporal_patch_size", 2))
+            shape: tuple[int, ...] = (n * one.patches, channels * temporal * patch * patch)
+        else:
+            shape = (n, channels, one.height, one.width)
         out["pixel_values"] = torch.randn(shape, dtype=dtype, device=dev) if real else \
             torch.empty(shape, dtype=dtype, device=dev)
-        out["image_grid_thw"] = carry(torch.tensor([[1, one.height // patch, one.width // patch]] * n))
+        if proc.family == "qwen":
+            out["image_grid_thw"] = carry(torch.tensor([[1, one.height // patch, one.width // patch]] * n))
+    if proc.family == "gemma3":  # the processor returns them with every batch
+        out["token_type_ids"] = carry(torch.stack(types).to(torch.long))
     if labels:
         out["labels"] = torch.randint(0, text_top, tuple(ids.shape), dtype=torch.long, device=dev)
     return out, shadows
@@ -154,10 +244,11 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
 def describe(spec: ModelSpec, images: int, width: int, height: int, seq: int) -> str:
     """One line for the report: what the images became."""
     one = image_tokens(spec, width, height)
-    total = seq + images * (one.tokens + 2)
+    total = seq + images * (one.tokens + one.markers)
     return (f"{images} image(s) of {width}x{height} per sequence, each resized to {one.width}x{one.height} by the "
             f"processor ({PROCESSORS[spec.model_type].source}): {one.patches:,} patches, {one.tokens:,} image tokens "
-            f"+ 2 markers; sequence {total:,} tokens = {seq:,} text + {images} × {one.tokens + 2:,}")
+            f"+ {one.markers} markers; sequence {total:,} tokens = {seq:,} text + {images} × "
+            f"{one.tokens + one.markers:,}")
 
 
 __all__ = ["PROCESSORS", "ImageTokens", "describe", "image_tokens", "inputs", "is_vlm"]

@@ -278,8 +278,11 @@ def _label_model_cache(sess: TraceSession, out: Any) -> None:
         sess.label_cache(cache)
 
 
-PREFILL_ONLY = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
-"""Inputs of a vision-language model's prompt: the images the prefill encodes."""
+PREFILL_ONLY = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                          "token_type_ids"})
+"""Inputs of a vision-language model's prompt: the images the prefill encodes (and Gemma 3's
+token types, which mark the prompt's image tokens; ``Gemma3ForConditionalGeneration.
+prepare_inputs_for_generation`` passes them to the first step only)."""
 
 
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
