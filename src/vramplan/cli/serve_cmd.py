@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .common import add_output_args, hint
@@ -15,6 +16,30 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _limits(text: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` as vLLM takes it: JSON (``'{"image": 1, "video": 0}'``) or the older
+    ``image=1,video=0``."""
+    try:
+        got = json.loads(text) if text.strip().startswith("{") else {
+            k.strip(): int(v) for k, v in (t.split("=", 1) for t in text.split(",") if t.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected \'{{"image": 1, "video": 0}}\' or image=1,video=0, got {text!r}') \
+            from None
+    if not isinstance(got, dict):
+        raise argparse.ArgumentTypeError(f'expected \'{{"image": 1, "video": 0}}\', got {text!r}')
+    return got
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        got = json.loads(text)
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object such as \'{{"max_pixels": 1003520}}\', got {text!r}')
+    return got
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="vLLM: the slots' rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, help="vLLM: adapters cached in host RAM (default max-loras)")
     g.add_argument("--fully-sharded-loras", action="store_true", help="vLLM: shard the adapters' ranks over TP")
+    g.add_argument("--limit-mm-per-prompt", type=_limits,
+                   help='vLLM, vision-language models: items per prompt, \'{"image": 1, "video": 0}\' (default 999 each)')
+    g.add_argument("--mm-processor-kwargs", type=_json_object,
+                   help='vLLM, Qwen-VL: the processor\'s pixel bounds, \'{"max_pixels": 1003520}\'')
+    g.add_argument("--skip-mm-profiling", action="store_true",
+                   help="vLLM, vision-language models: no encoder profile at start-up")
     g.add_argument("--method", choices=["analytic", "trace"], default="analytic",
                    help="how vramplan estimates the profile forward (default analytic)")
     q = p.add_argument_group("questions")
@@ -83,7 +114,10 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, method=args.method,
                 **(dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, fully_sharded_loras=args.fully_sharded_loras)
-                   if args.enable_lora else {}))
+                   if args.enable_lora else {}),
+                **({"limit_mm_per_prompt": args.limit_mm_per_prompt} if args.limit_mm_per_prompt is not None else {}),
+                **({"mm_processor_kwargs": args.mm_processor_kwargs} if args.mm_processor_kwargs is not None else {}),
+                **({"skip_mm_profiling": True} if args.skip_mm_profiling else {}))
 
 
 def run(args: argparse.Namespace) -> int:

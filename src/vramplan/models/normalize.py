@@ -239,7 +239,7 @@ _TEXT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_
               "intermediate_size", "vocab_size", "max_position_embeddings")
 
 
-def _text_defaults(v: ConfigView, text: Mapping[str, Any]) -> Mapping[str, Any]:
+def text_defaults(text: Mapping[str, Any]) -> Mapping[str, Any]:
     """``text_config`` with the sizes a Hub config leaves to the class defaults (Gemma 3's lists
     five keys; heads, head size and vocabulary are ``Gemma3TextConfig``'s) filled in from
     transformers' config class, when it is installed; as written otherwise."""
@@ -259,7 +259,7 @@ def _vlm(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
     """A vision-language model's language model (``text_config``, or the top level of the older
     flat configs): its sizes, for display and the KV cache; the vision tower is traced."""
     text = v.get("text_config")
-    t = ConfigView(_text_defaults(v, text), v.origin) if isinstance(text, Mapping) else v
+    t = ConfigView(text_defaults(text), v.origin) if isinstance(text, Mapping) else v
     heads = t.integer("num_attention_heads")
     kv = t.get("num_key_value_heads", heads)
     hidden = t.integer("hidden_size")

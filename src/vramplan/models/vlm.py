@@ -143,8 +143,10 @@ def _token_id(spec: ModelSpec, key: str) -> int:
     raise WorkloadError(f"{spec.name}: the config has no `{key}`", hint="check the config.json")
 
 
-def image_tokens(spec: ModelSpec, width: int, height: int) -> ImageTokens:
-    """What one ``width × height`` image becomes for ``spec``'s processor."""
+def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> ImageTokens:
+    """What one ``width × height`` image becomes for ``spec``'s processor (Qwen-VL: within
+    ``min_pixels`` … ``max_pixels``, default the checkpoints')."""
     if not is_vlm(spec):
         raise no_images(spec)
     proc = PROCESSORS[spec.model_type]
@@ -156,10 +158,13 @@ def image_tokens(spec: ModelSpec, width: int, height: int) -> ImageTokens:
 
         merge = int(vision.get("spatial_merge_size", 2))
         with quiet():
-            cls = import_transformers().Qwen2VLImageProcessor  # (the PIL variant without torchvision)
+            hf = import_transformers()
+            # the PIL variant (transformers 5; without torchvision the plain name falls back to it, with a warning)
+            cls = getattr(hf, "Qwen2VLImageProcessorPil", None) or hf.Qwen2VLImageProcessor
             smart_resize = importlib.import_module(cls.__module__).smart_resize
-            h, w = smart_resize(height, width, factor=patch * merge, min_pixels=proc.min_pixels,
-                                max_pixels=proc.max_pixels)
+            h, w = smart_resize(height, width, factor=patch * merge,
+                                min_pixels=proc.min_pixels if min_pixels is None else min_pixels,
+                                max_pixels=proc.max_pixels if max_pixels is None else max_pixels)
         patches = (h // patch) * (w // patch)
         return ImageTokens(width=w, height=h, patches=patches, tokens=patches // (merge * merge),
                            markers=proc.markers)
@@ -171,6 +176,35 @@ def image_tokens(spec: ModelSpec, width: int, height: int) -> ImageTokens:
         strategy = spec.config.get("vision_feature_select_strategy", "default")
         tokens = patches + (0 if strategy == "default" else 1)
     return ImageTokens(width=side, height=side, patches=patches, tokens=tokens, markers=proc.markers)
+
+
+TEXT_TYPES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+"""The language model of a Qwen-VL config (its text keys sit at the top level in the Hub
+configs): a Qwen2 decoder. Gemma 3 and LLaVA name theirs in ``text_config.model_type``."""
+
+
+def text_spec(spec: ModelSpec) -> ModelSpec:
+    """The language model alone (its KV cache and forward, as an engine sizes them), named as
+    ``spec``; its parameter count is the language model's."""
+    from .normalize import spec_from_config, text_defaults
+
+    if not is_vlm(spec):
+        return spec
+    text = spec.config.get("text_config")
+    if spec.model_type in TEXT_TYPES:
+        config: dict[str, Any] = {k: v for k, v in spec.config.items() if k not in ("vision_config", "text_config")}
+        if isinstance(text, Mapping):  # (newer configs repeat the language model's keys there)
+            config.update(text)
+        config["model_type"] = TEXT_TYPES[spec.model_type]
+    elif isinstance(text, Mapping):
+        config = dict(text_defaults(text))
+        if "tie_word_embeddings" in spec.config:  # (else the language model class's default)
+            config["tie_word_embeddings"] = spec.config["tie_word_embeddings"]
+    else:
+        raise WorkloadError(f"{spec.name}: the config has no text_config", hint="check the config.json")
+    config["architectures"] = []
+    return spec_from_config(config, name=spec.name, source=spec.source, hub_id=spec.hub_id,
+                            origin=f"{spec.name} (language model)")
 
 
 def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, height: int,

@@ -72,6 +72,12 @@ class ServePlan:
     notes: tuple[str, ...] = ()
     layer_kinds: Mapping[str, int] = field(default_factory=dict)
     """KV layer kinds on this rank: kind → layers."""
+    vision_weights: int = 0
+    """A vision-language model's vision tower (and projector) on this rank, inside ``weights``."""
+    encoder_peak: int = 0
+    """The profile's vision encode: allocated above the weights at its peak (0: not profiled)."""
+    encoder_held: int = 0
+    """The encoder outputs and dummy pixels held through the language-model phase of the profile."""
 
     @property
     def gpus(self) -> int:

@@ -39,6 +39,7 @@ vLLM's custom all-reduce IPC buffers are not counted).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
@@ -49,6 +50,7 @@ from vramplan.units import GiB
 
 from .base import Forward, cdiv, outside
 from .kvspec import LayerKV, bytes_per_token, layer_specs
+from .mm import LIMIT_DEFAULT, Encoder, MmSettings
 from .result import ServePlan
 
 VERSION = "0.10.1.1"
@@ -77,6 +79,9 @@ class VllmSettings:
     lora_extra_vocab_size: int = 256
     fully_sharded_loras: bool = False
     enable_lora_bias: bool = False
+    mm: MmSettings = MmSettings()
+    """Multimodal settings (a vision-language model's ``limit_mm_per_prompt``,
+    ``mm_processor_kwargs``, ``skip_mm_profiling``: :mod:`.mm`)."""
 
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -251,15 +256,22 @@ def profile_tokens(gpu: GPU, s: VllmSettings) -> int:
     return s.max_num_batched_tokens or (8192 if big_gpu(gpu, usable_capacity(gpu)[0]) else 2048)
 
 
+def default_max_num_seqs(gpu: GPU) -> int:
+    """``max_num_seqs`` by default: 1024 on the big GPUs (:func:`big_gpu`), else 256."""
+    return 1024 if big_gpu(gpu, usable_capacity(gpu)[0]) else 256
+
+
 def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, quant: str = "none",
-         dtype: str = "bf16", settings: VllmSettings = VllmSettings(), avg_request_len: int | None = None) -> ServePlan:
+         dtype: str = "bf16", settings: VllmSettings = VllmSettings(), avg_request_len: int | None = None,
+         encoder: Encoder | None = None) -> ServePlan:
     """vLLM's start-up sizing on ``gpu``, given ``fwd``: the weights and the peak of a forward over
-    :func:`profile_tokens` tokens on one rank (:func:`vramplan.engine.forward.forward`)."""
+    :func:`profile_tokens` tokens on one rank (:func:`vramplan.engine.forward.forward`); for a
+    vision-language model ``spec`` is its language model and ``encoder`` its vision tower
+    (:mod:`vramplan.engine.encoder`)."""
     s = settings
     total, _ = usable_capacity(gpu)
-    big = big_gpu(gpu, total)
     mnbt = profile_tokens(gpu, s)
-    max_num_seqs = s.max_num_seqs or (1024 if big else 256)
+    max_num_seqs = s.max_num_seqs or default_max_num_seqs(gpu)
     max_model_len = s.max_model_len or spec.max_positions
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="vllm",
                          sliding=not s.disable_hybrid_kv_cache_manager)
@@ -273,9 +285,15 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     compute = 2
     lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs,
                                              stage_layers=len(layers) if pp > 1 else None, pp=pp)
-    weights = fwd.weights + lora
+    vision = encoder.weights if encoder is not None else 0
+    weights = fwd.weights + lora + vision
     sampler = num_reqs * spec.vocab * (compute + SAMPLER_BYTES_PER_LOGIT) if spec.vocab else 0
-    peak = max(fwd.activation_peak + lora_peak, sampler)
+    peak = lm_phase = max(fwd.activation_peak + lora_peak, sampler)
+    prof = encoder.profile if encoder is not None else None
+    held = 0
+    if encoder is not None and prof is not None:  # profile_run: the encode, then the LM with the outputs held
+        held = encoder.outputs + prof.pixel_bytes
+        peak = max(encoder.peak, held + lm_phase)
     non_kv = weights + peak + out.later
     available = requested - non_kv
     sizes = [] if s.enforce_eager else capture_sizes(max_num_seqs, mnbt, s.cuda_graph_sizes)
@@ -289,6 +307,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         f"{1 - s.gpu_memory_utilization:.0%} of the GPU; the CUDA-graph figure is a lower bound (the shared "
         "pool's activations; published logs show 0.1–1 GiB).",
     ]
+    if encoder is not None:
+        notes += _encoder_notes(encoder, held, lm_phase, s.mm)
     if pp > 1:
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
@@ -322,8 +342,12 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
-    log = [f"Model loading took {weights / GiB:.4f} GiB",
-           f"Available KV cache memory: {available / GiB:.2f} GiB"]
+    log = [f"Model loading took {weights / GiB:.4f} GiB"]
+    if prof is not None:
+        log.append(prof.log())
+    elif encoder is not None and s.mm.skip_mm_profiling:
+        log.append("Skipping memory profiling for multimodal encoder and encoder cache.")
+    log.append(f"Available KV cache memory: {available / GiB:.2f} GiB")
     if error is None:
         log += [f"GPU KV cache size: {cfg.tokens:,} tokens",
                 f"Maximum concurrency for {max_model_len:,} tokens per request: {conc:.2f}x"]
@@ -338,6 +362,11 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         "cuda_graph_capture_sizes": len(sizes), "enable_prefix_caching": s.enable_prefix_caching,
         "quantization": quant, "dtype": dtype,
     }
+    if encoder is not None:
+        limits = {k: v for k, v in (("image", s.mm.limit_image), ("video", s.mm.limit_video)) if v != LIMIT_DEFAULT}
+        pixels = {k: v for k, v in (("max_pixels", s.mm.max_pixels), ("min_pixels", s.mm.min_pixels)) if v is not None}
+        settings_out.update({"limit_mm_per_prompt": limits, "mm_processor_kwargs": pixels,
+                             "skip_mm_profiling": s.mm.skip_mm_profiling})
     if s.enable_lora:
         settings_out.update({"enable_lora": True, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
                              "max_cpu_loras": s.max_cpu_loras or s.max_loras,
@@ -352,8 +381,35 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         avg_request_len=avg_request_len, concurrency_at_avg=conc_avg, max_running=max_num_seqs,
         starts=error is None, error=error, device_used=used, log=tuple(log),
         command=command(spec, tp, pp, quant, settings_out), profile_method=fwd.method, notes=tuple(notes),
-        layer_kinds=kinds,
+        layer_kinds=kinds, vision_weights=vision, encoder_peak=encoder.peak if encoder is not None else 0,
+        encoder_held=held,
     )
+
+
+def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings) -> list[str]:
+    """What the vision tower adds to the start-up (see :mod:`.mm`)."""
+    prof = enc.profile
+    out = [f"Vision tower and projector: {enc.weights / GiB:.2f} GiB of the weights (loaded with the model)."]
+    if prof is None:
+        if mm.skip_mm_profiling:
+            out.append("skip_mm_profiling: the vision encode is not profiled, so its activations and the encoder "
+                       "outputs are not in the budget; leave room for them under gpu_memory_utilization.")
+        else:
+            out.append("No modality has a limit above 0: nothing is encoded at start-up (vLLM does not load the "
+                       "vision tower then; its weights above are the upper bound).")
+        return out
+    t, h, w = prof.grid
+    out.append(
+        f"Multimodal profile: {prof.items} {prof.modality} item(s) of the maximum size, {t}×{h}×{w} patches each "
+        f"({prof.patches:,} patches, {prof.tokens:,} encoder tokens; {prof.max_tokens:,} tokens per item for "
+        f"scheduling), encoded in one forward: peak {enc.peak / GiB:.2f} GiB ({enc.method}, fp32 dummy pixels "
+        f"included); the outputs and pixels ({held / GiB:.2f} GiB) stay through the language-model phase "
+        f"({lm_phase / GiB:.2f} GiB): the larger of the two is the profile's peak.")
+    if prof.modality == "video" and prof.tokens < prof.max_tokens:
+        out.append(f"vLLM {VERSION} sizes the dummy video against max_num_batched_tokens, not max_model_len: it "
+                   f"encodes {prof.tokens:,} of the {prof.max_tokens:,} tokens a video of the maximum size makes; "
+                   "a real one that long encodes more at run time than the profile reserved for.")
+    return out
 
 
 def startup_error(free: int, total: int, utilization: float) -> str:
@@ -387,4 +443,10 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
                   f"--max-cpu-loras {st['max_cpu_loras']}"]
         if st.get("fully_sharded_loras"):
             parts.append("--fully-sharded-loras")
+    if st.get("limit_mm_per_prompt"):
+        parts.append(f"--limit-mm-per-prompt '{json.dumps(st['limit_mm_per_prompt'])}'")
+    if st.get("mm_processor_kwargs"):
+        parts.append(f"--mm-processor-kwargs '{json.dumps(st['mm_processor_kwargs'])}'")
+    if st.get("skip_mm_profiling"):
+        parts.append("--skip-mm-profiling")
     return " ".join(parts)

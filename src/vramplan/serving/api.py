@@ -3,7 +3,7 @@ inverse questions (largest context that starts, cheapest GPU/instance and TP siz
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,9 @@ from vramplan.errors import PlanError, WorkloadError
 from vramplan.hardware.catalog import get_gpu
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
+from vramplan.models.vlm import is_vlm
 from vramplan.pools.base import check_quant, serving_dtype
+from vramplan.pools.mm import LIMIT_DEFAULT, MmSettings
 from vramplan.pools.result import ServePlan
 
 from . import sglang, tgi, trtllm, vllm
@@ -82,6 +84,9 @@ def serve_plan(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     fully_sharded_loras: bool = False,
+    limit_mm_per_prompt: Mapping[str, int] | None = None,
+    mm_processor_kwargs: Mapping[str, Any] | None = None,
+    skip_mm_profiling: bool = False,
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -96,6 +101,9 @@ def serve_plan(
     ``method`` is how the profile forward is estimated: ``analytic`` or ``trace``.
     ``enable_lora`` (vLLM only): multi-LoRA serving with ``max_loras`` GPU slots of rank
     ``max_lora_rank`` (``max_cpu_loras``: the host-RAM cache; ``fully_sharded_loras``).
+    A vision-language model (vLLM only): ``limit_mm_per_prompt`` (``{"image": n, "video": n}``,
+    default 999 each), ``mm_processor_kwargs`` (``max_pixels``, ``min_pixels``),
+    ``skip_mm_profiling`` (:mod:`vramplan.pools.mm`).
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -116,8 +124,13 @@ def serve_plan(
     d = serving_dtype(spec, dtype)
     common: dict[str, Any] = {"tp": tp, "pp": pp, "quant": q, "dtype": d, "avg_request_len": avg_request_len,
                               "method": method}
+    mm = _mm_settings(limit_mm_per_prompt, mm_processor_kwargs, skip_mm_profiling)
+    if engine != "vllm" and (is_vlm(spec) or mm != MmSettings()):
+        raise WorkloadError(f"serving a vision-language model is modelled for vLLM only ({spec.name} with "
+                            f"{engine})", hint="use engine vllm")
     if engine == "vllm":
         vs = vllm.VllmSettings(
+            mm=mm,
             gpu_memory_utilization=memory_fraction if memory_fraction is not None else 0.9,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size or 16, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
@@ -147,6 +160,30 @@ def serve_plan(
         max_num_tokens=max_num_batched_tokens or 8192, tokens_per_block=block_size or 32,
         kv_cache_dtype=kv_cache_dtype)
     return trtllm.plan(spec, g, settings=es, **common)
+
+
+def _mm_settings(limits: Mapping[str, int] | None, kwargs: Mapping[str, Any] | None, skip: bool) -> MmSettings:
+    """vLLM's multimodal settings from its own option forms."""
+    limits = dict(limits or {})
+    bad = sorted(set(limits) - {"image", "video"})
+    if bad:
+        raise WorkloadError(f"limit_mm_per_prompt: unknown modality {bad[0]!r}", hint="use image and video",
+                            field="limit_mm_per_prompt")
+    for k, v in limits.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise WorkloadError(f"limit_mm_per_prompt {k} must be a count, got {v!r}", hint=f"e.g. {k}=1",
+                                field="limit_mm_per_prompt")
+    kw = dict(kwargs or {})
+    bad = sorted(set(kw) - {"max_pixels", "min_pixels"})
+    if bad:
+        raise WorkloadError(f"mm_processor_kwargs: {bad[0]!r} is not modelled", hint="max_pixels and min_pixels are",
+                            field="mm_processor_kwargs")
+    for k, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise WorkloadError(f"mm_processor_kwargs {k} must be a positive pixel count, got {v!r}",
+                                hint='e.g. {"max_pixels": 1003520}', field="mm_processor_kwargs")
+    return MmSettings(limit_image=limits.get("image", LIMIT_DEFAULT), limit_video=limits.get("video", LIMIT_DEFAULT),
+                      max_pixels=kw.get("max_pixels"), min_pixels=kw.get("min_pixels"), skip_mm_profiling=skip)
 
 
 def _check_lora(engine: str, max_loras: int, rank: int, cpu: int | None) -> None:
