@@ -250,7 +250,7 @@ ZOO: tuple[Entry, ...] = (
           ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="LoRA adapters, gradient accumulation, cosine schedule"),
     Entry("torchtune LoRA, activation checkpointing", "recipes", "lora_finetune_single_device.py",
           _tt("llama3_2/1B_lora_single_device.yaml", *_ALPACA, *_LORA, "enable_activation_checkpointing=True",
-              "lr_scheduler.num_warmup_steps=1"),
+              "gradient_accumulation_steps=1", "lr_scheduler.num_warmup_steps=1"),  # (accumulation: the entry above)
           ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="LoRA with activation checkpointing (recompute in backward)"),
     Entry("torchtune LoRA DPO", "recipes", "lora_dpo_single_device.py",
           _tt("llama3_1/8B_lora_dpo_single_device.yaml", *_LORA, "checkpointer.model_type=LLAMA3_2",
