@@ -327,6 +327,37 @@ def test_recipe_fills_the_form_and_an_explicit_value_wins(server, page, capsys):
     assert pg.input_value("#precision") == "auto" and "recipe=" not in pg.url
 
 
+def test_the_job_views_show_their_inputs_and_set_what_makes_the_job(server, page, capsys):
+    """Issue 32: the page offers the job kinds: a job view moves its own inputs beside the main
+    ones, sets its objective (or images) and, for a model that cannot run it, a catalog model."""
+    pg = page
+    pg.goto(f"{server}/?model=llama-3.2-1b&gpu=h100-sxm&method=analytic&task=train&batch=8&seq=512")
+    pg.wait_for_selector("#job")
+    assert pg.input_value("#job") == "lm"
+    in_main = "(k) => !!document.querySelector(`#workload #${k}`)"
+    assert not pg.evaluate(in_main, "generations")
+    pg.select_option("#job", "rl")
+    wait_shown(pg, objective="grpo")
+    assert pg.evaluate(in_main, "generations") and pg.evaluate(in_main, "rollout")
+    assert "job=rl" in pg.url and "objective=grpo" in pg.url and pg.input_value("#prompt") == "256"
+    want = cli_json(capsys, "estimate", "llama-3.2-1b", "--task", "train", "--batch", "8", "--seq", "512",
+                    "--objective", "grpo", "--prompt", "256", "--gpu", "h100-sxm", "--method", "analytic", "--json")
+    assert figures(pg) == {k: want["peak"][k] for k in ("allocated", "reserved", "device_used")}
+    pg.select_option("#job", "preference")
+    wait_shown(pg, objective="dpo")
+    assert not pg.evaluate(in_main, "generations") and pg.evaluate(in_main, "reference")
+    # a job the model cannot run brings a model that can (and back: the objective gives way)
+    pg.select_option("#job", "vlm")
+    pg.wait_for_function("new URLSearchParams(location.search).get('model') === 'qwen2.5-vl-7b'", timeout=30_000)
+    assert pg.evaluate(in_main, "images") and pg.input_value("#images") == "1"
+    assert "objective=" not in pg.url and pg.input_value("#model") == "qwen2.5-vl-7b"
+    # a link without a job opens the view its inputs say
+    pg.goto(f"{server}/?model=flux1-dev-transformer&gpu=h100-sxm&method=analytic")
+    pg.wait_for_selector("#job")
+    pg.wait_for_function("document.getElementById('job').value === 'diffusion'", timeout=30_000)
+    assert pg.evaluate(in_main, "image-size")
+
+
 # ====================================================================== issue 29: items 7-10
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}

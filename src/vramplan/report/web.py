@@ -60,11 +60,22 @@ def legend_json() -> dict[str, Any]:
     return {"order": order, "colors": {k: COLORS[k] for k in order}, "labels": {k: LABELS[k] for k in order}}
 
 
+def job_of(spec: Any) -> str:
+    """The page's job view a model belongs to: ``vlm`` (takes images), ``diffusion`` (a denoiser),
+    else ``lm`` (language and vision models: training objectives, inference, generation)."""
+    from vramplan.models.arch import arch_of
+
+    arch = arch_of(spec.config)
+    kind = arch.kind if arch is not None else ""
+    return "vlm" if kind == "vlm" else "diffusion" if kind in ("unet", "dit") else "lm"
+
+
 def catalog_json(models: list[Any], gpus: list[Any], usable: Mapping[str, int]) -> dict[str, Any]:
-    """The pickers' lists: catalog models (alias, family, params) and GPUs (key, name, memory)."""
+    """The pickers' lists: catalog models (alias, family, params, the job kind they take) and GPUs
+    (key, name, memory)."""
     return {
-        "models": [{"alias": s.name, "hub_id": s.hub_id, "family": str(s.family), "params": s.params}
-                   for s in models],
+        "models": [{"alias": s.name, "hub_id": s.hub_id, "family": str(s.family), "params": s.params,
+                    "job": job_of(s)} for s in models],
         "gpus": [{"key": g.key, "name": g.name, "vendor": g.vendor, "capacity": g.capacity,
                   "usable": usable[g.key]} for g in gpus],
     }

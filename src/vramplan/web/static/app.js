@@ -5,7 +5,21 @@
 const GiB = 2 ** 30;
 const MAIN = ["task", "batch", "seq", "new-tokens", "grad-accum", "precision", "optimizer", "checkpointing",
   "checkpoint-fraction", "peft", "quant", "recipe"];
-const PAGE_KEYS = ["model", "config", "gpu", "method", "tab", "gpus", "budget", "allow-peft", "sort"];
+const PAGE_KEYS = ["model", "config", "gpu", "method", "tab", "gpus", "budget", "allow-peft", "sort", "job"];
+// The job views: each shows its own inputs beside the main ones, sets what makes the job (an
+// objective, images) and, when the model in the form cannot run it, a catalog model that can.
+const JOBS = {
+  lm: { label: "language model: train, fine-tune, infer, generate", keys: [], set: {} },
+  preference: { label: "preference tuning (DPO, KTO)", keys: ["objective", "reference"],
+    set: { objective: "dpo", task: "train" } },
+  rl: { label: "RL: GRPO (rollout, then the policy step)",
+    keys: ["objective", "prompt", "generations", "rollout", "vllm-memory", "vllm-max-len", "vllm-sleep", "reference"],
+    set: { objective: "grpo", task: "train" }, prompt: true }, // + a prompt: half the sequence, the rest completion
+  vlm: { label: "vision-language (images in the sequence)", keys: ["images", "image-size", "image-height", "freeze-vision"],
+    set: { images: "1" }, model: "qwen2.5-vl-7b" },
+  diffusion: { label: "diffusion denoiser (one step at an image size)", keys: ["image-size", "image-height"],
+    set: {}, model: "flux1-dev-transformer" },
+};
 const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization"];
 const SLIDERS = { batch: [0, 10], seq: [7, 17] }; // log2 ranges: batch 1–1,024, seq 128–131,072
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
@@ -772,8 +786,75 @@ function applyWorkload(w, gpu) {
 }
 
 // ------------------------------------------------------------------ form
+// the job a state shows: its own, else what its inputs say (links made before the views)
+function jobOf(state = page.state) {
+  if (state.job && JOBS[state.job]) return state.job;
+  const m = ((page.catalog && page.catalog.models) || []).find((x) => x.alias === state.model);
+  if (state.objective === "grpo") return "rl";
+  if (["dpo", "kto"].includes(state.objective)) return "preference";
+  if (+(state.images || 0) > 0 || (m && m.job === "vlm")) return "vlm";
+  return m && m.job === "diffusion" ? "diffusion" : "lm";
+}
+
+const rows = {}; // field key -> [its row, its error line]
+function layoutJob() {
+  // the job's own inputs sit with the main ones, in the fields' order; the rest stay in "more"
+  const groups = { main: document.getElementById("workload"), more: document.getElementById("workload-more"), parallel: document.getElementById("workload-parallel") };
+  const own = JOBS[jobOf()].keys;
+  for (const f of page.fields) {
+    const g = f.parallel ? groups.parallel : MAIN.includes(f.key) || own.includes(f.key) ? groups.main : groups.more;
+    for (const el of rows[f.key] || []) {
+      el.classList.toggle("job-own", own.includes(f.key));
+      g.append(el);
+    }
+  }
+  document.getElementById("job").value = jobOf();
+}
+
+function onJob(e) {
+  const job = e.target.value;
+  const spec = JOBS[job];
+  if (!spec) return;
+  for (const [k, v] of Object.entries(JOBS[jobOf()].set)) { // the last job's settings give way
+    if (String(page.state[k] ?? "") === v && !(k in spec.set)) delete page.state[k];
+  }
+  page.state.job = job;
+  Object.assign(page.state, spec.set);
+  let extra = "";
+  if (spec.prompt && !page.state.prompt) { // GRPO generates after a prompt: --prompt must be below --seq
+    const f = page.fields.find((x) => x.key === "seq");
+    const seq = +(page.state.seq || (page.effective || {}).seq || (f ? f.default : 0) || 2048);
+    page.state.prompt = String(Math.max(1, Math.floor(seq / 2)));
+    extra = ` Prompt set to ${page.state.prompt} tokens (half the sequence; the rest is the completion).`;
+  }
+  const m = (page.catalog.models || []).find((x) => x.alias === page.state.model);
+  const fits = job === "lm" || job === "preference" || job === "rl" ? !m || m.job === "lm" : m && m.job === job;
+  let note = `${spec.label}: its inputs are with the workload's.${extra}`;
+  if (!fits && !page.state.config && spec.model) {
+    page.state.model = spec.model;
+    note += ` Model set to ${spec.model} (${page.state.model} takes this job; choose another of its kind).`;
+  }
+  formNote(note);
+  layoutJob();
+  fillForm();
+  clearTimeout(debounce);
+  debounce = setTimeout(refresh, 0);
+}
+
 function buildForm() {
   const groups = { main: document.getElementById("workload"), more: document.getElementById("workload-more"), parallel: document.getElementById("workload-parallel") };
+  const jobRow = document.createElement("label");
+  jobRow.className = "row";
+  jobRow.htmlFor = "job";
+  jobRow.title = "what kind of job: shows its own inputs with the main ones";
+  const jobSel = document.createElement("select");
+  jobSel.id = "job"; // a page key (not sent to the estimate): the inputs it shows are
+  for (const [k, j] of Object.entries(JOBS)) { const o = document.createElement("option"); o.value = k; o.textContent = j.label; jobSel.appendChild(o); }
+  jobSel.addEventListener("change", onJob);
+  const jobSpan = document.createElement("span");
+  jobSpan.textContent = "job";
+  jobRow.append(jobSpan, jobSel);
+  groups.main.append(jobRow);
   for (const f of page.fields) {
     const g = f.parallel ? groups.parallel : MAIN.includes(f.key) ? groups.main : groups.more;
     const row = document.createElement("label");
@@ -809,6 +890,7 @@ function buildForm() {
     err.className = "err";
     err.id = `err-${f.key}`;
     g.append(row, err);
+    rows[f.key] = [row, err];
   }
   const dl = document.getElementById("models");
   for (const m of page.catalog.models) {
@@ -882,6 +964,7 @@ function onInput(e) {
   }
   if (input.name === "recipe" || input.name === "peft") switchRecipeKnob(input.name, v);
   page.state[input.name] = v;
+  if (!page.state.job && ["model", "objective", "images"].includes(input.name)) layoutJob(); // (the view follows)
   if (SLIDERS[input.name]) syncSliders();
   fillFormSoon();
   clearTimeout(debounce);
@@ -996,6 +1079,7 @@ function init() {
   requestAnimationFrame(() => setTimeout(() => {
     buildForm();
     fillForm();
+    layoutJob();
     if (page.lastError) { clearErrors(); showError(page.lastError); }
     const form = document.getElementById("form");
     form.addEventListener("input", onInput);
