@@ -57,7 +57,19 @@ LLAVA = {
                       "num_attention_heads": 2, "num_hidden_layers": 3, "image_size": 56, "patch_size": 14,
                       "projection_dim": 64},
 }
-TINIES = {"qwen2_5_vl": TINY, "gemma3": GEMMA3, "llava": LLAVA}
+MLLAMA = {
+    "architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "image_token_index": 390,
+    "torch_dtype": "float32",
+    "text_config": {"model_type": "mllama_text_model", "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 390,
+                    "cross_attention_layers": [1, 3], "max_position_embeddings": 4096,
+                    "rope_scaling": {"rope_type": "default"}, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 32, "intermediate_layers_indices": [1],
+                      "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2, "intermediate_size": 64,
+                      "image_size": 56, "patch_size": 14, "max_num_tiles": 4, "vision_output_dim": 64,
+                      "supported_aspect_ratios": [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]},
+}
+TINIES = {"qwen2_5_vl": TINY, "gemma3": GEMMA3, "llava": LLAVA, "mllama": MLLAMA}
 # Gemma 3 4B's Hub config.json leaves heads, head size and vocabulary to Gemma3TextConfig's defaults
 GEMMA3_SPARSE = {**GEMMA3, "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                                            "num_hidden_layers": 34, "sliding_window": 1024},
@@ -128,6 +140,28 @@ def test_square_processors_are_transformers_own(tmp_path: Path) -> None:
         t = image_tokens(llava, 1024, 768)
         assert t.tokens == transformers.LlavaProcessor.replace_image_token(own, lv, 0).count("<image>")
         assert (t.width, t.patches, t.markers) == (336, 576, 0)
+
+
+@pytest.mark.parametrize(("width", "height"), [(1000, 500), (560, 560), (300, 2000), (4000, 3000), (100, 90)])
+def test_llama_vision_tiles_are_the_processors(tmp_path: Path, width: int, height: int) -> None:
+    """Llama 3.2 Vision: the canvas of up to 4 tiles of 560 pixels, the aspect-ratio id and mask, as
+    ``MllamaImageProcessor`` makes them; every tile slot is encoded."""
+    config = {**MLLAMA, "vision_config": {**MLLAMA["vision_config"], "image_size": 560}}
+    spec = resolve(str(_write(tmp_path, config)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = transformers.MllamaImageProcessorPil(size={"height": 560, "width": 560}, max_image_tiles=4)(
+            images=[[np.zeros((height, width, 3), dtype=np.uint8)]] * 2, return_tensors="pt")
+    t = image_tokens(spec, width, height)
+    assert (t.height // 560) * (t.width // 560) == real["num_tiles"][0][0] and (t.tokens, t.markers) == (1, 0)
+    assert t.patches == 4 * (40 * 40 + 1)
+    kw, shadows = inputs(spec, batch=2, seq=7, images=1, width=width, height=height)
+    values = {id(m): v for m, v in shadows}
+    assert kw["pixel_values"].shape == real["pixel_values"].shape == (2, 1, 4, 3, 560, 560)
+    assert values[id(kw["aspect_ratio_ids"])].tolist() == real["aspect_ratio_ids"].tolist()
+    assert values[id(kw["aspect_ratio_mask"])].tolist() == real["aspect_ratio_mask"].tolist()
+    cross = values[id(kw["cross_attention_mask"])]
+    assert cross.shape == (2, 8, 1, 4) and int(cross[0, :, 0].sum()) == 8 * real["num_tiles"][0][0]
 
 
 def test_a_sparse_hub_config_takes_the_class_defaults(tmp_path: Path) -> None:

@@ -126,6 +126,10 @@ ARCHS: dict[str, ParamLayout] = {
     # LLaVA (1.5): a CLIP tower's second-to-last layer, a 2-layer projector, a Llama language
     # model; transformers models/llava/modeling_llava.py.
     "llava": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
+    # Llama 3.2 Vision: a tiled ViT (up to 4 tiles of 560 pixels, local and global layers) whose
+    # states the Llama language model's interleaved cross-attention layers attend to;
+    # transformers models/mllama/modeling_mllama.py.
+    "mllama": ParamLayout(family=Family.OTHER, kind="vlm", heads=(IMAGE_TEXT,)),
 }
 
 

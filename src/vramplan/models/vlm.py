@@ -75,6 +75,10 @@ PROCESSORS: dict[str, Processor] = {
     "llava": Processor(
         "llava", "LlavaProcessor: resized and centre-cropped to the CLIP tower's square, one <image> token per "
         "patch (the CLS position dropped by the 'default' feature strategy)"),
+    "mllama": Processor(
+        "mllama", "MllamaProcessor: the image fitted to a canvas of up to max_num_tiles tiles of the tower's size "
+        "(get_optimal_tiled_canvas), one <|image|> token in the text; the tower encodes every tile slot (padded to "
+        "max_num_tiles) and the cross-attention layers attend to them"),
 }
 
 
@@ -170,12 +174,56 @@ def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | 
                            markers=proc.markers)
     side = _square(spec)
     patches = (side // patch) ** 2
+    if proc.family == "mllama":
+        th, tw = _tiles(spec, width, height)
+        slots = _max_tiles(spec)  # (every slot is encoded: pixel_values are padded to max_num_tiles)
+        return ImageTokens(width=tw * side, height=th * side, patches=slots * (patches + 1), tokens=1, markers=0)
     if proc.family == "gemma3":
         tokens = int(spec.config.get("mm_tokens_per_image") or _hf_config(spec).mm_tokens_per_image)
     else:  # llava: the CLS position is dropped by the "default" strategy, kept by "full"
         strategy = spec.config.get("vision_feature_select_strategy", "default")
         tokens = patches + (0 if strategy == "default" else 1)
     return ImageTokens(width=side, height=side, patches=patches, tokens=tokens, markers=proc.markers)
+
+
+def _max_tiles(spec: ModelSpec) -> int:
+    v = _vision(spec).get("max_num_tiles")
+    return int(v) if isinstance(v, int) and v > 0 else int(_hf_config(spec).vision_config.max_num_tiles)
+
+
+def _tiles(spec: ModelSpec, width: int, height: int) -> tuple[int, int]:
+    """(tiles high, tiles wide) of Llama 3.2 Vision's canvas for a ``width × height`` image
+    (transformers' ``get_optimal_tiled_canvas``)."""
+    from .build import quiet
+    from .hf_import import import_transformers
+
+    side = _square(spec)
+    with quiet():
+        import_transformers()
+        mod = importlib.import_module("transformers.models.mllama.image_processing_pil_mllama")
+        h, w = mod.get_optimal_tiled_canvas(image_height=height, image_width=width,
+                                            max_image_tiles=_max_tiles(spec), tile_size=side)
+    return h // side, w // side
+
+
+def _mllama_extras(spec: ModelSpec, ids: torch.Tensor, images: int, width: int, height: int,
+                   image_id: int) -> dict[str, torch.Tensor]:
+    """Llama 3.2 Vision's aspect-ratio ids and mask and its cross-attention mask, as
+    ``MllamaImageProcessor`` and ``MllamaProcessor`` make them (transformers' own functions)."""
+    from .build import quiet
+
+    slots = _max_tiles(spec)
+    th, tw = _tiles(spec, width, height)
+    batch, length = ids.shape
+    with quiet():
+        image = importlib.import_module("transformers.models.mllama.image_processing_pil_mllama")
+        text = importlib.import_module("transformers.models.mllama.processing_mllama")
+        ratios = [[(th, tw)] * images for _ in range(batch)]
+        sparse = [text.get_cross_attention_token_mask(row.tolist(), image_id) for row in ids]
+        cross = text.convert_sparse_cross_attention_mask_to_dense(sparse, [[th * tw] * images] * batch, slots, length)
+        return {"aspect_ratio_ids": torch.from_numpy(image.convert_aspect_ratios_to_ids_np(ratios, slots)).long(),
+                "aspect_ratio_mask": torch.from_numpy(image.build_aspect_ratio_mask_np(ratios, slots)).long(),
+                "cross_attention_mask": torch.from_numpy(cross).long()}
 
 
 TEXT_TYPES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
@@ -262,12 +310,18 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
         if proc.family == "qwen":
             temporal = int(vision.get("temporal_patch_size", 2))
             shape: tuple[int, ...] = (n * one.patches, channels * temporal * patch * patch)
+        elif proc.family == "mllama":
+            side = _square(spec)
+            shape = (batch, images, _max_tiles(spec), channels, side, side)
         else:
             shape = (n, channels, one.height, one.width)
         out["pixel_values"] = torch.randn(shape, dtype=dtype, device=dev) if real else \
             torch.empty(shape, dtype=dtype, device=dev)
         if proc.family == "qwen":
             out["image_grid_thw"] = carry(torch.tensor([[1, one.height // patch, one.width // patch]] * n))
+        if proc.family == "mllama":
+            for k, v in _mllama_extras(spec, ids, images, width, height, image_id).items():
+                out[k] = carry(v)
     if proc.family == "gemma3":  # the processor returns them with every batch
         out["token_type_ids"] = carry(torch.stack(types).to(torch.long))
     if labels:

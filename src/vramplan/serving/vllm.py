@@ -24,6 +24,9 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     """A vision-language model is its language model (KV cache, profile forward) plus its vision
     tower (weights, the multimodal profile's encode: :mod:`vramplan.pools.mm`)."""
     mm.check(spec, settings.mm)
+    if spec.model_type == "mllama":
+        raise WorkloadError(f"serving {spec.name} (Llama 3.2 Vision: cross-attention to the image tiles, an "
+                            "encoder-decoder cache in vLLM) is not modelled", hint="plan a Qwen-VL, Gemma 3 or LLaVA model")
     text = vlm.text_spec(spec)
     # vLLM's own refusals of the layout (heads per rank) come before its profile run
     layer_specs(text, tp=tp, pp=pp, kv_cache_dtype=settings.kv_cache_dtype, engine="vllm")

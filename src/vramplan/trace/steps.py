@@ -279,10 +279,15 @@ def _label_model_cache(sess: TraceSession, out: Any) -> None:
 
 
 PREFILL_ONLY = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                          "token_type_ids"})
+                          "token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask"})
 """Inputs of a vision-language model's prompt: the images the prefill encodes (and Gemma 3's
 token types, which mark the prompt's image tokens; ``Gemma3ForConditionalGeneration.
-prepare_inputs_for_generation`` passes them to the first step only)."""
+prepare_inputs_for_generation`` passes them to the first step only; Llama 3.2 Vision's aspect
+ratios likewise)."""
+DECODE_LAST_ROW = frozenset({"cross_attention_mask"})
+"""Per-token inputs a decode step takes one row of: Llama 3.2 Vision's cross-attention mask
+(``MllamaForConditionalGeneration`` extends it by its last row per new token and
+``prepare_inputs_for_generation`` slices it to the step)."""
 
 
 def generate_step(sess: TraceSession, plan: StepPlan) -> None:
@@ -296,6 +301,8 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
     # a vision-language model's images go into the prefill only (transformers'
     # prepare_inputs_for_generation drops them once the cache holds the prompt)
     decode_extra = {k: v for k, v in extra.items() if k not in PREFILL_ONLY}
+    for k in DECODE_LAST_ROW.intersection(decode_extra):  # (a row per token: the step's own)
+        decode_extra[k] = decode_extra[k][:, -1:]
     prompt = ids.shape[1]
     keep = _accepts(plan.model, "logits_to_keep")
     cache_kw = "cache" if _accepts(plan.model, "cache") else "past_key_values"
