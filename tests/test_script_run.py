@@ -397,3 +397,20 @@ def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_
     with pytest.raises(TypeError):
         AutoModelForSequenceClassification.from_pretrained(folder, not_an_argument=1)
     assert seen["err"] == "TypeError"
+
+
+def test_a_second_model_s_modules_carry_its_class(tmp_path: Path) -> None:
+    """A pipeline calls several models whose paths can be the same (a text encoder's and a VAE's
+    ``0``): the models after the first are named under their class."""
+    script = tmp_path / "two_models.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Encoder(nn.Sequential): pass\nclass Decoder(nn.Sequential): pass\n"
+        "enc = Encoder(nn.Linear(64, 4096), nn.ReLU()).cuda()\n"
+        "dec = Decoder(nn.Linear(4096, 8192), nn.ReLU()).cuda()\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(2):\n"
+        "        dec(enc(torch.randn(256, 64, device='cuda')))\n")
+    r = vramplan.run_script(script, gpu="h100-sxm", steps=2)
+    names = {m.module for m in r.top_modules}
+    assert "Decoder.0" in names and "0" in names, names  # (the first model's paths stay as they are)

@@ -257,9 +257,10 @@ class _Hooks:
         for m in mod.modules():
             self._roots.add(id(m))
         name = type(mod).__name__
+        later = bool(self.run.roots)  # (a second model: its paths carry its class, e.g. AutoencoderKL.decoder…)
         if any(True for _ in mod.parameters()):
             self.run.roots.append(name)
-        self.sess.modules.add_root(mod, name)
+        self.sess.modules.add_root(mod, name, prefix=later)
         rec = self.sess.rec
         run = self.run
         seen: set[int] = set()

@@ -36,10 +36,12 @@ class ModuleTracker:
         """id(parameter) → interned path of its module (for AccumulateGrad)."""
         self._handles: list[RemovableHandle] = []
 
-    def add_root(self, model: nn.Module, root_name: str | None = None) -> None:
+    def add_root(self, model: nn.Module, root_name: str | None = None, *, prefix: bool = False) -> None:
+        """Name ``model``'s modules by their paths in it; ``prefix``: after ``root_name`` (a second
+        model of a script: a pipeline's VAE after its denoiser, whose paths could be the same)."""
         root = root_name or type(model).__name__
         for name, mod in model.named_modules(remove_duplicate=False):
-            path = name if name else root
+            path = (f"{root}.{name}" if prefix else name) if name else root
             if id(mod) not in self.names:
                 self.names[id(mod)] = self._intern(path)
                 self.paths.add(path)
