@@ -38,7 +38,7 @@ def _json_object(text: str) -> dict[str, object]:
     except ValueError:
         got = None
     if not isinstance(got, dict):
-        raise argparse.ArgumentTypeError(f'expected a JSON object such as \'{{"max_pixels": 1003520}}\', got {text!r}')
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"max_pixels\": 1003520}}', got {text!r}")
     return got
 
 
@@ -88,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help='vLLM, Qwen-VL: the processor\'s pixel bounds, \'{"max_pixels": 1003520}\'')
     g.add_argument("--skip-mm-profiling", action="store_true",
                    help="vLLM, vision-language models: no encoder profile at start-up")
+    g.add_argument("--speculative-config", type=_json_object,
+                   help='vLLM: speculative decoding, \'{"method": "eagle", "model": "head/config.json", '
+                        '"num_speculative_tokens": 3}\' (eagle, eagle3, deepseek_mtp, ngram)')
     g.add_argument("--method", choices=["analytic", "trace"], default="analytic",
                    help="how vramplan estimates the profile forward (default analytic)")
     q = p.add_argument_group("questions")
@@ -117,7 +120,8 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                    if args.enable_lora else {}),
                 **({"limit_mm_per_prompt": args.limit_mm_per_prompt} if args.limit_mm_per_prompt is not None else {}),
                 **({"mm_processor_kwargs": args.mm_processor_kwargs} if args.mm_processor_kwargs is not None else {}),
-                **({"skip_mm_profiling": True} if args.skip_mm_profiling else {}))
+                **({"skip_mm_profiling": True} if args.skip_mm_profiling else {}),
+                **({"speculative_config": args.speculative_config} if args.speculative_config is not None else {}))
 
 
 def run(args: argparse.Namespace) -> int:

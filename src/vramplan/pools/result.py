@@ -78,6 +78,12 @@ class ServePlan:
     """The profile's vision encode: allocated above the weights at its peak (0: not profiled)."""
     encoder_held: int = 0
     """The encoder outputs and dummy pixels held through the language-model phase of the profile."""
+    draft_weights: int = 0
+    """Speculative decoding: the drafter's weights on this rank, inside ``weights``."""
+    draft_layers: int = 0
+    """Speculative decoding: KV layers the drafter adds to the pool's division."""
+    draft_buffers: int = 0
+    """Speculative decoding: the proposer's persistent buffers, outside the budget (in ``device_used``)."""
 
     @property
     def gpus(self) -> int:

@@ -52,6 +52,7 @@ from .base import Forward, cdiv, outside
 from .kvspec import LayerKV, bytes_per_token, layer_specs
 from .mm import LIMIT_DEFAULT, Encoder, MmSettings
 from .result import ServePlan
+from .spec import SpecSettings, draft_layers, drafter, runtime_logits
 
 VERSION = "0.10.1.1"
 SAMPLER_BYTES_PER_LOGIT = 26
@@ -82,6 +83,8 @@ class VllmSettings:
     mm: MmSettings = MmSettings()
     """Multimodal settings (a vision-language model's ``limit_mm_per_prompt``,
     ``mm_processor_kwargs``, ``skip_mm_profiling``: :mod:`.mm`)."""
+    spec: SpecSettings = SpecSettings()
+    """Speculative decoding (``speculative_config``: :mod:`.spec`)."""
 
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -286,7 +289,10 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs,
                                              stage_layers=len(layers) if pp > 1 else None, pp=pp)
     vision = encoder.weights if encoder is not None else 0
-    weights = fwd.weights + lora + vision
+    draft = drafter(spec, s.spec, tp=tp, weight_bytes=_weight_bytes(fwd, spec, tp, pp), compute_bytes=compute,
+                    max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs)
+    layers = draft_layers(layers, draft)
+    weights = fwd.weights + lora + vision + (draft.weights if draft is not None else 0)
     sampler = num_reqs * spec.vocab * (compute + SAMPLER_BYTES_PER_LOGIT) if spec.vocab else 0
     peak = lm_phase = max(fwd.activation_peak + lora_peak, sampler)
     prof = encoder.profile if encoder is not None else None
@@ -309,6 +315,14 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     ]
     if encoder is not None:
         notes += _encoder_notes(encoder, held, lm_phase, s.mm)
+    if draft is not None:
+        notes += list(draft.notes)
+        later = runtime_logits(spec.vocab, max_num_seqs, mnbt, draft.k, compute)
+        if later > peak:
+            notes.append(f"At run time a full decode batch's logits ({min(max_num_seqs * (draft.k + 1), mnbt):,} "
+                         f"positions: {draft.k} draft tokens + 1 per request) take {later / GiB:.2f} GiB with their "
+                         f"fp32 copy, above the profiled peak ({peak / GiB:.2f} GiB): only the memory outside "
+                         "gpu_memory_utilization holds the difference.")
     if pp > 1:
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
@@ -338,7 +352,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     # fails, neither exists (the blocks and tokens below are what the memory would have held)
     pool = cfg.pool_bytes if error is None else 0
     graphs = graphs if error is None else 0
-    used = out.context + weights + peak + out.later + pool + graphs
+    buffers = draft.buffers if draft is not None else 0
+    used = out.context + weights + peak + out.later + pool + graphs + buffers
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
@@ -362,6 +377,9 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         "cuda_graph_capture_sizes": len(sizes), "enable_prefix_caching": s.enable_prefix_caching,
         "quantization": quant, "dtype": dtype,
     }
+    if draft is not None:
+        settings_out["speculative_config"] = {"method": draft.method, "num_speculative_tokens": draft.k,
+                                              **({"model": s.spec.draft_name} if s.spec.draft_name else {})}
     if encoder is not None:
         limits = {k: v for k, v in (("image", s.mm.limit_image), ("video", s.mm.limit_video)) if v != LIMIT_DEFAULT}
         pixels = {k: v for k, v in (("max_pixels", s.mm.max_pixels), ("min_pixels", s.mm.min_pixels)) if v is not None}
@@ -382,8 +400,15 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         starts=error is None, error=error, device_used=used, log=tuple(log),
         command=command(spec, tp, pp, quant, settings_out), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds=kinds, vision_weights=vision, encoder_peak=encoder.peak if encoder is not None else 0,
-        encoder_held=held,
+        encoder_held=held, draft_weights=draft.weights if draft is not None else 0,
+        draft_layers=draft.layers if draft is not None else 0, draft_buffers=buffers,
     )
+
+
+def _weight_bytes(fwd: Forward, spec: ModelSpec, tp: int, pp: int) -> float:
+    """The target's bytes per weight (quantised targets: their MTP layers are quantised too)."""
+    params = spec.params or 1
+    return max(0.5, min(4.0, fwd.weights * tp * pp / params))
 
 
 def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings) -> list[str]:
@@ -449,4 +474,6 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append(f"--mm-processor-kwargs '{json.dumps(st['mm_processor_kwargs'])}'")
     if st.get("skip_mm_profiling"):
         parts.append("--skip-mm-profiling")
+    if st.get("speculative_config"):
+        parts.append(f"--speculative-config '{json.dumps(st['speculative_config'])}'")
     return " ".join(parts)

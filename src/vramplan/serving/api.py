@@ -12,9 +12,11 @@ from vramplan.hardware.catalog import get_gpu
 from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
 from vramplan.models.vlm import is_vlm
+from vramplan.pools import spec as spec_rules
 from vramplan.pools.base import check_quant, serving_dtype
 from vramplan.pools.mm import LIMIT_DEFAULT, MmSettings
 from vramplan.pools.result import ServePlan
+from vramplan.pools.spec import MTP_TYPES, SpecSettings
 
 from . import sglang, tgi, trtllm, vllm
 
@@ -87,6 +89,7 @@ def serve_plan(
     limit_mm_per_prompt: Mapping[str, int] | None = None,
     mm_processor_kwargs: Mapping[str, Any] | None = None,
     skip_mm_profiling: bool = False,
+    speculative_config: Mapping[str, Any] | None = None,
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -103,7 +106,9 @@ def serve_plan(
     ``max_lora_rank`` (``max_cpu_loras``: the host-RAM cache; ``fully_sharded_loras``).
     A vision-language model (vLLM only): ``limit_mm_per_prompt`` (``{"image": n, "video": n}``,
     default 999 each), ``mm_processor_kwargs`` (``max_pixels``, ``min_pixels``),
-    ``skip_mm_profiling`` (:mod:`vramplan.pools.mm`).
+    ``skip_mm_profiling`` (:mod:`vramplan.pools.mm`). Speculative decoding (vLLM only):
+    ``speculative_config`` as vLLM takes it (``method``, ``num_speculative_tokens``, ``model``: the
+    head's config.json or catalog name; :mod:`vramplan.pools.spec`).
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -125,12 +130,19 @@ def serve_plan(
     common: dict[str, Any] = {"tp": tp, "pp": pp, "quant": q, "dtype": d, "avg_request_len": avg_request_len,
                               "method": method}
     mm = _mm_settings(limit_mm_per_prompt, mm_processor_kwargs, skip_mm_profiling)
+    sp = _spec_settings(spec, speculative_config)
+    if sp.on and engine != "vllm":
+        raise WorkloadError(f"speculative decoding is modelled for vLLM only, not {engine}", hint="use engine vllm",
+                            field="speculative_config")
+    if sp.on and pp > 1:
+        raise WorkloadError("speculative decoding with pipeline parallelism is not modelled (the drafter sits on "
+                            "the last stage)", hint="use tp instead of pp", field="speculative_config")
     if engine != "vllm" and (is_vlm(spec) or mm != MmSettings()):
         raise WorkloadError(f"serving a vision-language model is modelled for vLLM only ({spec.name} with "
                             f"{engine})", hint="use engine vllm")
     if engine == "vllm":
         vs = vllm.VllmSettings(
-            mm=mm,
+            mm=mm, spec=sp,
             gpu_memory_utilization=memory_fraction if memory_fraction is not None else 0.9,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size or 16, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
@@ -184,6 +196,38 @@ def _mm_settings(limits: Mapping[str, int] | None, kwargs: Mapping[str, Any] | N
                                 hint='e.g. {"max_pixels": 1003520}', field="mm_processor_kwargs")
     return MmSettings(limit_image=limits.get("image", LIMIT_DEFAULT), limit_video=limits.get("video", LIMIT_DEFAULT),
                       max_pixels=kw.get("max_pixels"), min_pixels=kw.get("min_pixels"), skip_mm_profiling=skip)
+
+
+def _spec_settings(spec: ModelSpec, config: Mapping[str, Any] | None) -> SpecSettings:
+    """``speculative_config`` as vLLM 0.10.1.1 reads it (``SpeculativeConfig.__post_init__``: with no
+    ``method``, DeepSeek-V3 without a ``model`` takes its own MTP layers, a path with ``eagle-`` or
+    ``eagle3-`` is an EAGLE head, anything else a draft model)."""
+    if not config:
+        return SpecSettings()
+    c = dict(config)
+    bad = sorted(set(c) - {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"})
+    if bad:
+        raise WorkloadError(f"speculative_config: {bad[0]!r} is not modelled",
+                            hint="method, num_speculative_tokens and model are", field="speculative_config")
+    k = c.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise WorkloadError(f"speculative_config needs num_speculative_tokens (an integer), got {k!r}",
+                            hint='e.g. {"method": "eagle", "num_speculative_tokens": 3}', field="speculative_config")
+    model = c.get("model")
+    method = c.get("method")
+    if method is None:
+        if model is None and spec.model_type in MTP_TYPES:
+            method = "deepseek_mtp"
+        elif isinstance(model, str) and any(t in model.lower() for t in ("eagle-", "eagle3-")):
+            method = "eagle"  # (0.10.1.1 detects an EAGLE3- path as eagle: give method eagle3 for one)
+        else:
+            method = "draft_model"
+    draft = None
+    if isinstance(model, str) and method in ("eagle", "eagle3"):
+        draft = _resolve(model)
+    sp = SpecSettings(method=str(method), num_speculative_tokens=k, draft=draft, draft_name=model or "")
+    spec_rules.check(spec, sp)
+    return sp
 
 
 def _check_lora(engine: str, max_loras: int, rank: int, cpu: int | None) -> None:
