@@ -41,14 +41,17 @@ def to_doc(p: ServePlan) -> Doc:
     mem = [
         ["GPU total (CUDA)", _gib(p.total_memory), ""],
         [f"budget ({FRACTION_NAME[p.engine]} {p.settings.get(FRACTION_NAME[p.engine])})", _gib(p.budget), ""],
-        ["weights", _gib(p.weights), ""],
-        ["profile-run peak (activations)", _gib(p.profile_peak), ""],
+        ["weights", _gib(p.weights), _weights_note(p)],
+        ["profile-run peak (activations)", _gib(p.profile_peak),
+         f"vision encode {_gib(p.encoder_peak)} GiB" if p.encoder_peak else ""],
         ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), ""],
         ["available for the KV cache", _gib(p.kv_available), ""],
         ["KV-cache pool", pool, pool_note],
         ["CUDA graphs", graph, graphs],
         ["CUDA context + kernels", _gib(p.context), "outside the budget"],
     ]
+    if p.draft_buffers:
+        mem.append(["speculative proposer buffers", _gib(p.draft_buffers), "outside the budget"])
     doc.add(Table(["memory per GPU", "GiB", "note"], mem, title="Start-up sizing", align=["l", "r", "l"],
                   footer=["predicted device used", _gib(p.device_used), ""]))
     users = [("KV cache size", f"{p.tokens:,} tokens ({p.bytes_per_token:,} B per token per GPU)"),
@@ -143,3 +146,10 @@ def plot_serving(points: Sequence[tuple[float, ServePlan]], path: str | Path, *,
     fig.tight_layout()
     _save(fig, data, "")
     return data
+
+
+def _weights_note(p: ServePlan) -> str:
+    parts = [f"vision tower {_gib(p.vision_weights)}" if p.vision_weights else "",
+             f"drafter {_gib(p.draft_weights)} (+{p.draft_layers} KV layer{'s' if p.draft_layers != 1 else ''})"
+             if p.draft_weights else ""]
+    return "; ".join(x for x in parts if x)
