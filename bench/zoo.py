@@ -1,7 +1,7 @@
 """The zoo table of the README: each real public script (tests/zoo) under ``vramplan run`` against a
 real CPU run of the same script, every difference itemised.
 
-    python bench/zoo.py [--markdown]
+    python bench/zoo.py [--markdown] [--only NAME]
 
 Columns: the CPU run's storage peak from the first forward on (truth); ``vramplan run``'s
 allocated peak with CUDA-only workspaces left out (predicted) and its error; the caching
@@ -28,6 +28,7 @@ MiB = 2**20
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--only", help="the entries whose name contains this (one row of the table)")
     args = ap.parse_args()
     import torch
 
@@ -37,6 +38,8 @@ def main() -> int:
         print("| script | covers | truth MiB | predicted MiB | error | rounding MiB | code paths MiB | residual |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for e in ZOO:
+        if args.only and args.only not in e.name:
+            continue
         c = run(e, root)  # in its own process, as tests/test_zoo.py runs it
         if "skip" in c:
             print(f"| {e.name} | skipped: {c['skip']} |" if args.markdown else f"{e.name}: skipped ({c['skip']})")
