@@ -165,3 +165,12 @@ def test_the_cli_prints_the_encoder_line_and_the_command(capsys: pytest.CaptureF
     assert d["settings"]["limit_mm_per_prompt"] == {"video": 0}
     assert "--limit-mm-per-prompt '{\"video\": 0}'" in d["command"]
     assert vramplan.serve_plan is not None
+
+
+def test_the_language_model_alone_traces_as_a_qwen2_decoder() -> None:
+    """The profile forward traced (``method="trace"``): the language model without the tower, its
+    multimodal RoPE as plain RoPE (the same tables)."""
+    text = text_spec(resolve("qwen2.5-vl-3b"))
+    assert text.model_type == "qwen2" and "rope_scaling" not in text.config and text.tie_embeddings
+    p = serve_plan("qwen2.5-vl-3b", "l4", max_model_len=8192, max_num_batched_tokens=2048, method="trace")
+    assert p.profile_method == "trace" and p.starts

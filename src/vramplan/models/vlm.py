@@ -244,6 +244,10 @@ def text_spec(spec: ModelSpec) -> ModelSpec:
         if isinstance(text, Mapping):  # (newer configs repeat the language model's keys there)
             config.update(text)
         config["model_type"] = TEXT_TYPES[spec.model_type]
+        for key in ("rope_scaling", "rope_parameters"):  # multimodal RoPE: the same tables' sizes as plain RoPE
+            rope = config.get(key)
+            if isinstance(rope, Mapping) and "mrope" in (rope.get("type"), rope.get("rope_type")):
+                config.pop(key)
     elif isinstance(text, Mapping):
         config = dict(text_defaults(text))
         if "tie_word_embeddings" in spec.config:  # (else the language model class's default)
