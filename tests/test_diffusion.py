@@ -90,3 +90,29 @@ def test_a_traced_flux_lora_step_matches_a_real_cpu_run() -> None:
     r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
     assert 0 < r.trainable_params < r.params // 10
     assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_a_traced_unet_lora_step_matches_a_real_cpu_run() -> None:
+    """DreamBooth-LoRA of a Stable Diffusion UNet as diffusers' train_dreambooth_lora.py sets it up
+    (adapters on to_k, to_q, to_v, to_out.0 of the attention blocks), traced and run for real."""
+    from peft import LoraConfig, get_peft_model
+
+    from vramplan.trace.features import DIFFUSERS_LORA_TARGETS
+
+    cfg = copy.deepcopy(dict(resolve("sd15-unet").config))
+    cfg.update({"block_out_channels": [32, 64, 64, 64], "layers_per_block": 1, "norm_num_groups": 8,
+                "cross_attention_dim": 16, "attention_head_dim": 4, "sample_size": 8})
+    spec = spec_from_config(cfg, name="small-unet", source="test")
+
+    def make() -> Any:
+        model = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=list(DIFFUSERS_LORA_TARGETS)))
+
+    def batch() -> dict[str, Any]:
+        return example_inputs(spec, batch=2, image_size=128, device="cpu")
+
+    ref = real_peak(make, batch, task="train")
+    w = Workload(task="train", precision="fp32", optimizer="adamw")
+    r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
+    assert 0 < r.trainable_params < r.params // 10
+    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
