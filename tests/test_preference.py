@@ -283,3 +283,43 @@ def test_a_prompt_is_not_scored(objective: str) -> None:
 def _allocs_with_desc(r: Any) -> list[tuple[int, str]]:
     log = r.events
     return [(log.size[k], log.strings[log.desc[k]]) for k in range(len(log)) if log.action[k] == int(Action.ALLOC)]
+
+
+# --------------------------------------------------------------------------- a vision-language policy
+def _qwen_vl() -> nn.Module:
+    from test_vlm import TINY
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in TINY.items() if k != "architectures"})
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def test_dpo_of_a_vision_language_model_allocates_what_trls_compute_loss_allocates(trl_on_cuda: Any) -> None:
+    """DPOTrainer on Qwen2.5-VL: its collator repeats each pair's images for the chosen and the
+    rejected sequence, and ``_compute_loss`` passes the pixels and the image grid to the policy and
+    to the reference (``model_kwargs``: every input but its own keys)."""
+    from test_vlm import TINY
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.models.vlm import inputs as vlm_inputs
+
+    add_fused_lm_head, set_autocast = trl_on_cuda
+    set_autocast(None)
+    spec = spec_from_config(TINY, name="tiny-qwen-vl", source="test")
+    kw, _ = vlm_inputs(spec, batch=2 * PAIRS, seq=S, images=1, width=112, height=84, device="cpu", labels=False)
+    kw["completion_mask"] = torch.ones_like(kw["input_ids"])
+
+    def theirs_step() -> nn.Module:
+        policy, ref = _qwen_vl(), _qwen_vl()
+        ref.requires_grad_(False)
+        ref.eval()
+        add_fused_lm_head(policy, outputs=DPO_POLICY_OUTPUTS)
+        add_fused_lm_head(ref)
+        return _TrlDpoStep(_prepared(policy), _prepared(ref), Reference.MODEL)
+
+    base = Workload(task="train", optimizer="adamw", precision="fp32")
+    assert "attention_mask" in kw  # (the processor's, as TRL's collator passes it)
+    theirs = trace_model(theirs_step, dict(kw), workload=base, loss_fn=lambda out: out, options=NO_WS)
+    ours = trace_model(_qwen_vl, dict(kw), workload=base.replace(objective="dpo", reference="model"), options=NO_WS)
+    assert ours.trainable_params == theirs.trainable_params
+    for a, b in zip(ours.phases, theirs.phases, strict=True):
+        assert a.phase == b.phase
+        assert 0 <= b.allocated - a.allocated <= 64, (a.phase, a.allocated, b.allocated)  # (the metrics' scalars)

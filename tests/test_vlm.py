@@ -247,3 +247,15 @@ def test_run_reads_the_batch_from_the_token_ids_not_the_vision_towers_patches() 
     script = Path(__file__).parent / "zoo" / "scripts" / "transformers_qwen2_5_vl.py"
     r = vramplan.run_script(script, ["generate"], gpu="h100-sxm")
     assert r.ran is not None and r.ran.batch == 2 and r.ran.seq is not None and r.ran.seq > 16
+
+
+def test_preference_and_rl_objectives_with_images() -> None:
+    """DPO takes the images (the collator repeats them for the chosen and the rejected sequence:
+    checked against TRL's own step in tests/test_preference.py); GRPO and KTO with images are
+    refused in one line rather than traced without them."""
+    r = vramplan.estimate("qwen2.5-vl-3b", task="train", objective="dpo", peft="lora", seq=128, batch=1, images=1,
+                          image_size=224, method="trace", gpu="h100-sxm")
+    assert any("DPO step" in n for n in r.notes) and any("image tokens" in n for n in r.notes)
+    for objective in ("grpo", "kto"):
+        with pytest.raises(vramplan.VramplanError, match="with images is not modelled"):
+            Workload(task="train", objective=objective, images=1, prompt=64, seq=128)

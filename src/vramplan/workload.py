@@ -663,6 +663,10 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise WorkloadError(f"`{name}` must be an integer >= 0, got {v!r}", field=name)
+        if self.images and self.objective in (Objective.GRPO, Objective.KTO):
+            raise WorkloadError(f"`objective={self.objective}` with images is not modelled (GRPO's rollout makes its own "
+                                "prompts; KTO's KL batch of mismatched pairs): DPO and supervised training take images",
+                                hint="drop `images`, or use `objective=dpo`", field="images")
         if not isinstance(self.new_tokens, int) or self.new_tokens < 0:
             raise WorkloadError(f"`new_tokens` must be >= 0, got {self.new_tokens!r}", field="new_tokens")
         if not isinstance(self.prompt, int) or isinstance(self.prompt, bool) or not 0 <= self.prompt < self.seq:

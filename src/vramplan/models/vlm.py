@@ -304,7 +304,9 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
         return meta
 
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    out: dict[str, Any] = {"input_ids": carry(ids)}
+    # the processor's attention mask (all ones: no padding) comes with every batch; Qwen-VL computes
+    # its positions from it
+    out: dict[str, Any] = {"input_ids": carry(ids), "attention_mask": carry(torch.ones_like(ids))}
     if images:
         assert one is not None
         vision = _vision(spec)

@@ -85,13 +85,19 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
 
 
 def _causal_lm_classes() -> frozenset[str]:
+    """transformers' causal LMs, and its image-text-to-text models (a vision-language model's
+    backbone takes the images and gives the language model's hidden states to its head)."""
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        )
     except ImportError:
         return frozenset()
     names: set[str] = set()
-    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update((v,) if isinstance(v, str) else v)
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        for v in mapping.values():
+            names.update((v,) if isinstance(v, str) else v)
     return frozenset(names)
 
 

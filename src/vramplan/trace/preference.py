@@ -136,11 +136,12 @@ def _sequence_logps(model: nn.Module, kwargs: dict[str, Any], labels: torch.Tens
     own autocast region (``region``), its per-sequence sum outside it, as the trainers do."""
     _hf, backbone, head = causal_lm_parts(model)
     with region():
+        # (TRL's fused forward holds the backbone's whole output through the head: a vision-language
+        # model's carries its vision tower's outputs too)
         out = backbone(**{**kwargs, "use_cache": False})
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        del out
         fields, _mask = trl_log_probs(hidden, head, labels, autocast, outputs, prompt)
-        del hidden, _mask
+        del hidden, _mask, out
     seq_len = labels.shape[1] - 1
     return fields, fields["log_probs"][:, -seq_len:].sum(dim=1)
 
