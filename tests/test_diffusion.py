@@ -69,14 +69,12 @@ def test_lora_training_of_flux_uses_diffusers_own_switches() -> None:
     assert infer.breakdown.weights >= 11_901_408_320 * 2 and infer.peak.allocated < r.peak.allocated
 
 
-def test_a_traced_flux_lora_step_matches_a_real_cpu_run() -> None:
-    """A LoRA training step of the denoiser as diffusers' train_dreambooth_lora_flux.py sets it up
-    (peft adapters on to_k, to_q, to_v, to_out.0; the base frozen), traced and run for real."""
+def _lora_step_matches_a_real_cpu_run(spec: Any) -> None:
+    """A LoRA training step of the denoiser as diffusers' LoRA training scripts set it up (peft
+    adapters on to_k, to_q, to_v, to_out.0; the base frozen), traced and run for real."""
     from peft import LoraConfig, get_peft_model
 
     from vramplan.trace.features import DIFFUSERS_LORA_TARGETS
-
-    spec = small()
 
     def make() -> Any:
         model = build_model(spec, task="train", device="cpu", dtype=torch.float32)
@@ -90,29 +88,16 @@ def test_a_traced_flux_lora_step_matches_a_real_cpu_run() -> None:
     r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
     assert 0 < r.trainable_params < r.params // 10
     assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_a_traced_flux_lora_step_matches_a_real_cpu_run() -> None:
+    """train_dreambooth_lora_flux.py's adapters on the FLUX transformer."""
+    _lora_step_matches_a_real_cpu_run(small())
 
 
 def test_a_traced_unet_lora_step_matches_a_real_cpu_run() -> None:
-    """DreamBooth-LoRA of a Stable Diffusion UNet as diffusers' train_dreambooth_lora.py sets it up
-    (adapters on to_k, to_q, to_v, to_out.0 of the attention blocks), traced and run for real."""
-    from peft import LoraConfig, get_peft_model
-
-    from vramplan.trace.features import DIFFUSERS_LORA_TARGETS
-
+    """DreamBooth-LoRA of a Stable Diffusion UNet (train_dreambooth_lora.py's adapters)."""
     cfg = copy.deepcopy(dict(resolve("sd15-unet").config))
     cfg.update({"block_out_channels": [32, 64, 64, 64], "layers_per_block": 1, "norm_num_groups": 8,
                 "cross_attention_dim": 16, "attention_head_dim": 4, "sample_size": 8})
-    spec = spec_from_config(cfg, name="small-unet", source="test")
-
-    def make() -> Any:
-        model = build_model(spec, task="train", device="cpu", dtype=torch.float32)
-        return get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=list(DIFFUSERS_LORA_TARGETS)))
-
-    def batch() -> dict[str, Any]:
-        return example_inputs(spec, batch=2, image_size=128, device="cpu")
-
-    ref = real_peak(make, batch, task="train")
-    w = Workload(task="train", precision="fp32", optimizer="adamw")
-    r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
-    assert 0 < r.trainable_params < r.params // 10
-    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+    _lora_step_matches_a_real_cpu_run(spec_from_config(cfg, name="small-unet", source="test"))

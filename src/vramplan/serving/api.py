@@ -174,26 +174,25 @@ def serve_plan(
     return trtllm.plan(spec, g, settings=es, **common)
 
 
+def _int_options(given: Mapping[str, Any] | None, name: str, keys: tuple[str, ...], *, low: int, what: str,
+                 unknown: str, hint: str) -> dict[str, int]:
+    """An engine option given as a mapping of integers: its keys known, its values integers >= ``low``."""
+    d = dict(given or {})
+    bad = sorted(set(d) - set(keys))
+    if bad:
+        raise WorkloadError(f"{name}: {unknown.format(bad[0])}", hint=f"{' and '.join(keys)} are", field=name)
+    for k, v in d.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise WorkloadError(f"{name} {k} must be {what}, got {v!r}", hint=hint, field=name)
+    return d
+
+
 def _mm_settings(limits: Mapping[str, int] | None, kwargs: Mapping[str, Any] | None, skip: bool) -> MmSettings:
     """vLLM's multimodal settings from its own option forms."""
-    limits = dict(limits or {})
-    bad = sorted(set(limits) - {"image", "video"})
-    if bad:
-        raise WorkloadError(f"limit_mm_per_prompt: unknown modality {bad[0]!r}", hint="use image and video",
-                            field="limit_mm_per_prompt")
-    for k, v in limits.items():
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise WorkloadError(f"limit_mm_per_prompt {k} must be a count, got {v!r}", hint=f"e.g. {k}=1",
-                                field="limit_mm_per_prompt")
-    kw = dict(kwargs or {})
-    bad = sorted(set(kw) - {"max_pixels", "min_pixels"})
-    if bad:
-        raise WorkloadError(f"mm_processor_kwargs: {bad[0]!r} is not modelled", hint="max_pixels and min_pixels are",
-                            field="mm_processor_kwargs")
-    for k, v in kw.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise WorkloadError(f"mm_processor_kwargs {k} must be a positive pixel count, got {v!r}",
-                                hint='e.g. {"max_pixels": 1003520}', field="mm_processor_kwargs")
+    limits = _int_options(limits, "limit_mm_per_prompt", ("image", "video"), low=0, what="a count",
+                          unknown="unknown modality {!r}", hint="e.g. image=1")
+    kw = _int_options(kwargs, "mm_processor_kwargs", ("max_pixels", "min_pixels"), low=1,
+                      what="a positive pixel count", unknown="{!r} is not modelled", hint='e.g. {"max_pixels": 1003520}')
     return MmSettings(limit_image=limits.get("image", LIMIT_DEFAULT), limit_video=limits.get("video", LIMIT_DEFAULT),
                       max_pixels=kw.get("max_pixels"), min_pixels=kw.get("min_pixels"), skip_mm_profiling=skip)
 
