@@ -604,6 +604,23 @@ def test_serving_view_is_the_cli_json(client, capsys, query, argv):
     assert r.json() == cli_json(capsys, *SERVE_CLI, *argv, "--json")
 
 
+def test_serving_view_takes_speculative_decoding_and_multimodal_limits(client, capsys):
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&spec-method=eagle&spec-tokens=4")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, *SERVE_CLI, "--speculative-config",
+                                '{"method": "eagle", "num_speculative_tokens": 4}', "--json")
+    assert r.json()["draft_layers"] == 1
+    r = client.get("/api/serve?model=qwen2.5-vl-7b&gpu=h100-sxm&limit-videos=0&max-model-len=32768")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, "serve-plan", "qwen2.5-vl-7b", "--gpu", "h100-sxm", "--limit-mm-per-prompt",
+                                '{"video": 0}', "--max-model-len", "32768", "--json")
+    for query, field in (("model=llama-3.1-8b&spec-method=medusa", "spec-method"),
+                         ("model=llama-3.1-8b&limit-images=1", "limit-images"),
+                         ("model=llama-3.1-8b&spec-method=eagle&spec-tokens=0", "spec-tokens")):
+        r = client.get(f"/api/serve?gpu=h100-sxm&{query}")
+        assert r.status_code == 400 and r.json()["field"] == field, r.text
+
+
 def test_serving_view_carries_the_terminals_document(client):
     from vramplan.report.serving import to_doc
     from vramplan.serving import serve_plan

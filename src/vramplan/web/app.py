@@ -307,7 +307,8 @@ def serve_choices() -> dict[str, Any]:
 
     return {"engines": list(ENGINES), "fraction_names": dict(FRACTION_NAME),
             "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes"],
-            "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]}
+            "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+            "spec_methods": ["none", "eagle", "eagle3", "deepseek_mtp", "ngram"]}
 
 
 @functools.cache
@@ -371,6 +372,12 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
     for key, name in (("kv-cache-dtype", "kv_cache_dtype"), ("quantization", "quantization")):
         if p.get(key):
             opts[name] = p[key].strip()
+    method = (p.get("spec-method") or "").strip().lower()
+    if method and method != "none":  # (the page's speculative decoding: no head config, the target's layer shape)
+        opts["speculative_config"] = {"method": method, "num_speculative_tokens": _int(p, "spec-tokens", 3, minimum=1)}
+    limits = {m: _int(p, f"limit-{m}s", 0, minimum=0) for m in ("image", "video") if p.get(f"limit-{m}s")}
+    if limits:
+        opts["limit_mm_per_prompt"] = limits
     return opts
 
 

@@ -20,7 +20,8 @@ const JOBS = {
   diffusion: { label: "diffusion denoiser (one step at an image size)", keys: ["image-size", "image-height"],
     set: {}, model: "flux1-dev-transformer" },
 };
-const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization"];
+const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization",
+  "spec-method", "spec-tokens", "limit-images", "limit-videos"];
 const SLIDERS = { batch: [0, 10], seq: [7, 17] }; // log2 ranges: batch 1–1,024, seq 128–131,072
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
 const SVGNS = "http://www.w3.org/2000/svg";
@@ -910,6 +911,7 @@ function buildForm() {
   const sv = page.catalog.serve || { engines: ["vllm"], kv_cache_dtype: ["auto"], quantization: ["none"] };
   const fill = (id, values) => { const s = document.getElementById(id); for (const v of values) { const o = document.createElement("option"); o.value = v; o.textContent = v; s.appendChild(o); } };
   fill("serve-engine", sv.engines); fill("kv-cache-dtype", sv.kv_cache_dtype); fill("quantization", sv.quantization);
+  fill("spec-method", sv.spec_methods || ["none"]);
 }
 
 function fillForm() {
