@@ -174,3 +174,16 @@ def test_the_language_model_alone_traces_as_a_qwen2_decoder() -> None:
     assert text.model_type == "qwen2" and "rope_scaling" not in text.config and text.tie_embeddings
     p = serve_plan("qwen2.5-vl-3b", "l4", max_model_len=8192, max_num_batched_tokens=2048, method="trace")
     assert p.profile_method == "trace" and p.starts
+
+
+def test_a_text_models_plan_still_imports_no_torch() -> None:
+    """The multimodal and speculative rules are pure arithmetic: planning a text model stays
+    torch-free (a fraction of a second), as before them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vramplan.serving.api import serve_plan; "
+            "p = serve_plan('llama-3.1-8b', 'h100-sxm', speculative_config={'method': 'eagle', "
+            "'num_speculative_tokens': 2}); print('torch' in sys.modules, p.draft_layers)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "1"], out.stderr[-2000:]

@@ -31,13 +31,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramplan.errors import WorkloadError
 
 from .spec import ModelSpec
+
+if TYPE_CHECKING:  # (torch is imported where a batch is made: the sizing rules need none)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,8 @@ def _mllama_extras(spec: ModelSpec, ids: torch.Tensor, images: int, width: int, 
                    image_id: int) -> dict[str, torch.Tensor]:
     """Llama 3.2 Vision's aspect-ratio ids and mask and its cross-attention mask, as
     ``MllamaImageProcessor`` and ``MllamaProcessor`` make them (transformers' own functions)."""
+    import torch
+
     from .build import quiet
 
     slots = _max_tiles(spec)
@@ -261,9 +264,13 @@ def text_spec(spec: ModelSpec) -> ModelSpec:
 
 def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, height: int,
            device: str | torch.device = "meta", labels: bool = True,
-           dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+           dtype: torch.dtype | None = None) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """(keyword arguments of the model's forward, (meta tensor, its values) pairs) for a batch
-    of ``batch`` sequences of ``images`` images and ``seq`` text tokens each."""
+    of ``batch`` sequences of ``images`` images and ``seq`` text tokens each (floats in ``dtype``,
+    default float32)."""
+    import torch
+
+    dtype = dtype or torch.float32
     if images < 0:
         raise WorkloadError(f"`images` must be >= 0, got {images}", field="images")
     if not is_vlm(spec):
