@@ -56,11 +56,14 @@ PYEOF
     run 0 "$V" gpus
     run 0 "$V" cache
     run 2 "$V" estimate llama-3.1-8b --plot "$work/x.png"
+    run 0 "$V" serve-plan llama-3.1-8b --gpu h100-sxm --speculative-config '{"method": "eagle", "num_speculative_tokens": 3}'
     if [ "$pass" = with-transformers ]; then
         run 0 "$V" estimate resnet-50
+        run 2 "$V" serve-plan qwen2.5-vl-3b --gpu l4 --max-model-len 8192  # (no Pillow without the models extra)
     else
         run 2 "$V" estimate resnet-50
         run 2 "$V" estimate llama-3.1-8b --method trace
+        run 2 "$V" serve-plan qwen2.5-vl-3b --gpu l4 --max-model-len 8192
     fi
 done
 unset PYTHONPATH

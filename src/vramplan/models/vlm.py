@@ -28,8 +28,9 @@ tokens sit, the multimodal RoPE positions, the image blocks of the mask), the pi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +149,17 @@ def _token_id(spec: ModelSpec, key: str) -> int:
     raise WorkloadError(f"{spec.name}: the config has no `{key}`", hint="check the config.json")
 
 
+@contextlib.contextmanager
+def _image_processing(spec: ModelSpec) -> Iterator[None]:
+    """transformers' image processors (their sizing functions) import Pillow: without it, one line."""
+    try:
+        yield
+    except ImportError as e:
+        raise WorkloadError(f"sizing {spec.name}'s images uses transformers' image processing, which does not import "
+                            f"here ({str(e).splitlines()[0][:120]})",
+                            hint="pip install pillow (the models extra, 'vramplan[models]', brings it)") from None
+
+
 def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> ImageTokens:
     """What one ``width × height`` image becomes for ``spec``'s processor (Qwen-VL: within
@@ -162,7 +174,7 @@ def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | 
         from .hf_import import import_transformers
 
         merge = int(vision.get("spatial_merge_size", 2))
-        with quiet():
+        with quiet(), _image_processing(spec):
             hf = import_transformers()
             # the PIL variant (transformers 5; without torchvision the plain name falls back to it, with a warning)
             cls = getattr(hf, "Qwen2VLImageProcessorPil", None) or hf.Qwen2VLImageProcessor
@@ -199,7 +211,7 @@ def _tiles(spec: ModelSpec, width: int, height: int) -> tuple[int, int]:
     from .hf_import import import_transformers
 
     side = _square(spec)
-    with quiet():
+    with quiet(), _image_processing(spec):
         import_transformers()
         mod = importlib.import_module("transformers.models.mllama.image_processing_pil_mllama")
         h, w = mod.get_optimal_tiled_canvas(image_height=height, image_width=width,
