@@ -31,6 +31,9 @@ Before its dummy language-model forward, ``GPUModelRunner.profile_run``
 ``limit_mm_per_prompt`` defaults to 999 per modality; 0 drops a modality (both 0: no
 encoder profile, and vLLM does not load the vision tower); ``skip_mm_profiling`` (new in
 0.10.1) skips steps 2–4: the encoder's memory is then the user's to leave room for.
+
+The reading behind these rules (vLLM's files and lines per version, and what changed later):
+``docs/research/vllm-multimodal-profile.md``.
 """
 
 from __future__ import annotations

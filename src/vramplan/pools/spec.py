@@ -29,6 +29,9 @@ V1 runs ``ngram``, ``eagle``, ``eagle3``, ``deepseek_mtp`` and ``medusa``; a sep
 - **Not profiled**: at run time the target's logits cover ``k + 1`` positions per request (up to
   the batched-token budget), and the rejection sampler works on them; the note compares that
   with the profiled sampler peak.
+
+The reading behind these rules (vLLM's files and lines per version, and what changed later):
+``docs/research/vllm-spec-decode.md``.
 """
 
 from __future__ import annotations
