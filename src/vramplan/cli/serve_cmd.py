@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from .common import add_output_args, hint
 
@@ -32,14 +33,19 @@ def _limits(text: str) -> dict[str, int]:
     return got
 
 
-def _json_object(text: str) -> dict[str, object]:
-    try:
-        got = json.loads(text)
-    except ValueError:
-        got = None
-    if not isinstance(got, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"max_pixels\": 1003520}}', got {text!r}")
-    return got
+def _json_object(example: str) -> Callable[[str], dict[str, object]]:
+    """An argparse type: a JSON object (``example`` in the message when it is not one)."""
+
+    def parse(text: str) -> dict[str, object]:
+        try:
+            got = json.loads(text)
+        except ValueError:
+            got = None
+        if not isinstance(got, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object such as '{example}', got {text!r}")
+        return got
+
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,11 +90,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--fully-sharded-loras", action="store_true", help="vLLM: shard the adapters' ranks over TP")
     g.add_argument("--limit-mm-per-prompt", type=_limits,
                    help='vLLM, vision-language models: items per prompt, \'{"image": 1, "video": 0}\' (default 999 each)')
-    g.add_argument("--mm-processor-kwargs", type=_json_object,
+    g.add_argument("--mm-processor-kwargs", type=_json_object('{"max_pixels": 1003520}'),
                    help='vLLM, Qwen-VL: the processor\'s pixel bounds, \'{"max_pixels": 1003520}\'')
     g.add_argument("--skip-mm-profiling", action="store_true",
                    help="vLLM, vision-language models: no encoder profile at start-up")
-    g.add_argument("--speculative-config", type=_json_object,
+    g.add_argument("--speculative-config",
+                   type=_json_object('{"method": "eagle", "num_speculative_tokens": 3}'),
                    help='vLLM: speculative decoding, \'{"method": "eagle", "model": "head/config.json", '
                         '"num_speculative_tokens": 3}\' (eagle, eagle3, deepseek_mtp, ngram)')
     g.add_argument("--method", choices=["analytic", "trace"], default="analytic",
