@@ -85,12 +85,8 @@ def _run(spec: ModelSpec, grid: tuple[int, int, int] | None, pixels: tuple[int, 
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16 if dtype == "bf16" else torch.float16
 
-    def make() -> nn.Module:
-        model = build_model(spec, task="infer", attention="sdpa", device="meta", dtype=torch_dtype).model
-        assert isinstance(model, nn.Module)
-        return model
-
-    built = make()
+    built = build_model(spec, task="infer", attention="sdpa", device="meta", dtype=torch_dtype).model
+    assert isinstance(built, nn.Module)
     vision = {id(p): p.numel() for n, m in built.named_modules()  # (Gemma 3's tower holds a vision_model)
               if n.rsplit(".", 1)[-1] in (*VISION_TOWERS, *PROJECTORS) for p in m.parameters()}
     params = sum(vision.values())
@@ -113,7 +109,8 @@ def _run(spec: ModelSpec, grid: tuple[int, int, int] | None, pixels: tuple[int, 
         kw["image_grid_thw"] = torch.tensor([list(grid)])
     w = Workload(task=Task.INFER, batch=1, precision=Precision(dtype), attention=Attention.SDPA)
     dev = profile(get_gpu(gpu) if gpu else None, w)
-    r = trace_model(lambda: Encode(make()), kw, workload=w, device=dev, iterations=1, options=TraceOptions(workspaces=False))
+    # (the model built above, on meta: the trace takes a copy)
+    r = trace_model(Encode(built), kw, workload=w, device=dev, iterations=1, options=TraceOptions(workspaces=False))
     b = r.breakdown_at_peak
     patches = grid[0] * grid[1] * grid[2] if family == "qwen" else vlm.image_tokens(spec, 1, 1).patches
     return params, (r.peak_allocated - b.weights, patches)

@@ -118,6 +118,26 @@ def _square(spec: ModelSpec) -> int:
     return int(_hf_config(spec).vision_config.image_size)
 
 
+def patch_size(spec: ModelSpec) -> int:
+    """The vision tower's patch side in pixels."""
+    return _patch(_vision(spec))
+
+
+def _channels(spec: ModelSpec) -> int:
+    vision = _vision(spec)
+    return int(vision.get("in_channels", vision.get("in_chans", vision.get("num_channels", 3))))
+
+
+def pixel_shape(spec: ModelSpec, *, images: int, patches: int, height: int, width: int) -> tuple[int, ...]:
+    """``pixel_values``' shape for ``images`` images of ``height × width`` (``patches`` in all):
+    Qwen-VL's rows of flattened patches (each ``temporal_patch_size`` frames deep), the others'
+    ``[images, channels, height, width]``."""
+    if PROCESSORS[spec.model_type].family == "qwen":
+        temporal = int(_vision(spec).get("temporal_patch_size", 2))
+        return (patches, _channels(spec) * temporal * patch_size(spec) ** 2)
+    return (images, _channels(spec), height, width)
+
+
 def _hf_config(spec: ModelSpec) -> Any:
     from .build import _hf_config as make
     from .hf_import import import_transformers
@@ -328,18 +348,13 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
     out: dict[str, Any] = {"input_ids": carry(ids), "attention_mask": carry(torch.ones_like(ids))}
     if images:
         assert one is not None
-        vision = _vision(spec)
-        patch = _patch(vision)
-        channels = int(vision.get("in_channels", vision.get("in_chans", vision.get("num_channels", 3))))
+        patch = patch_size(spec)
         n = batch * images
-        if proc.family == "qwen":
-            temporal = int(vision.get("temporal_patch_size", 2))
-            shape: tuple[int, ...] = (n * one.patches, channels * temporal * patch * patch)
-        elif proc.family == "mllama":
+        if proc.family == "mllama":
             side = _square(spec)
-            shape = (batch, images, _max_tiles(spec), channels, side, side)
+            shape: tuple[int, ...] = (batch, images, _max_tiles(spec), _channels(spec), side, side)
         else:
-            shape = (n, channels, one.height, one.width)
+            shape = pixel_shape(spec, images=n, patches=n * one.patches, height=one.height, width=one.width)
         out["pixel_values"] = torch.randn(shape, dtype=dtype, device=dev) if real else \
             torch.empty(shape, dtype=dtype, device=dev)
         if proc.family == "qwen":
@@ -364,4 +379,5 @@ def describe(spec: ModelSpec, images: int, width: int, height: int, seq: int) ->
             f"{one.tokens + one.markers:,}")
 
 
-__all__ = ["PROCESSORS", "ImageTokens", "describe", "image_tokens", "inputs", "is_vlm"]
+__all__ = ["PROCESSORS", "ImageTokens", "describe", "image_tokens", "inputs", "is_vlm", "patch_size",
+           "pixel_shape", "text_spec"]

@@ -157,26 +157,16 @@ def profile(spec: ModelSpec, *, max_model_len: int, max_num_batched_tokens: int,
     budget = max(max_num_batched_tokens, max_tok)
     per_prompt = max(1, min(limits[modality], max_model_len // max_tok))
     items = max(1, min(budget // max_tok, max_num_seqs * per_prompt))
-    patch = _patch(spec)
+    patch = vlm.patch_size(spec)
     side_h, side_w = image.height // patch, image.width // patch
     # the dummy item: ``mm_counts={modality: 1}`` at ``seq_len=max_num_tokens``
     temporal = video(max_num_batched_tokens, False)[1] if modality == "video" else 1
     rows = temporal * side_h * side_w * items
-    if family == "qwen":
-        vision = spec.config.get("vision_config") or {}
-        merge = int(vision.get("spatial_merge_size", 2))
-        pixels: tuple[int, ...] = (rows, 3 * int(vision.get("temporal_patch_size", 2)) * patch * patch)
-        out_tokens = rows // (merge * merge)
-    else:
-        pixels = (items, 3, image.height, image.width)
-        out_tokens = items * image.tokens
+    pixels = vlm.pixel_shape(spec, images=items, patches=rows, height=image.height, width=image.width)
+    # encoder outputs: Qwen-VL's merged patches (a frame pair's tokens per temporal patch), else the tokens per image
+    out_tokens = temporal * image.tokens * items
     return MmProfile(modality=modality, budget=budget, items=items, max_tokens=max_tok,
                      grid=(temporal, side_h, side_w), patches=rows, tokens=out_tokens, pixel_values=pixels)
-
-
-def _patch(spec: ModelSpec) -> int:
-    vision = spec.config.get("vision_config") or {}
-    return int(vision.get("patch_size", vision.get("spatial_patch_size", 14)))
 
 
 def _largest_image(spec: ModelSpec, mm: MmSettings) -> vlm.ImageTokens:
