@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -597,7 +598,11 @@ def dtensor_metadata_unrecorded() -> Iterator[None]:
     def unrecorded(orig: Any) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             with _disable_current_modes():
-                return orig(self, *args, **kwargs)
+                try:
+                    return orig(self, *args, **kwargs)
+                except Exception as e:
+                    _clear_finished_frames(e)
+                    raise
         return run
 
     for n, orig in saved.items():
@@ -607,6 +612,31 @@ def dtensor_metadata_unrecorded() -> Iterator[None]:
     finally:
         for n, orig in saved.items():
             setattr(ShardingPropagator, n, orig)
+
+
+def _clear_finished_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s tracebacks (and its causes').
+
+    Under ``inference_mode`` every DTensor ``aten.linear`` (CompositeImplicitAutograd) reaches
+    ``propagate_op_sharding_non_cached``, which (torch >= 2.13) first tries the op's
+    decomposition, keeps the exception in a local (``decomp_exception = e``) and raises
+    ``NotImplementedError(...) from decomp_exception``; DTensor's dispatcher catches that and
+    decomposes the op itself. The kept exception's traceback refers to the frame that holds
+    it: a reference cycle, and the frame's ``f_back`` chain pins the caller frames (the
+    model's forward calls and their local activations) until the garbage collector runs. A
+    real process collects them at the next generation-0 collection; the trace collects only
+    at the iteration's end, so every forward of a generation (prefill included) stayed alive
+    through the decode loop. The frames are done when the exception reaches here: clearing
+    their locals breaks the cycle (the exceptions keep their messages and line numbers)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # (skips the frames still running: ours)
+        todo += [e.__cause__, e.__context__]
 
 
 # --------------------------------------------------------------------------- one rank

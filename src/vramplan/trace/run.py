@@ -487,11 +487,6 @@ def _parallel_notes(w: Workload) -> list[str]:
                    "torchtitan's plan shards bf16/fp32 linears, not quantised storage")
             raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not "
                              f"({why})", hint="use `method=analytic`")
-        if w.task is Task.GENERATE:
-            raise TraceError(f"generation with `tp={p.tp}` is not traced: transformers' TP generation uses its own "
-                             "tp_plan (logits all-gathered), and the traced decode loop under DTensor keeps the "
-                             "prefill's activations alive (not exact yet)",
-                             hint="use `method=analytic`, or `vramplan serve-plan` for an inference engine")
     if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []

@@ -330,7 +330,7 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
             kw = {"logits_to_keep": 1} if keep else {}
             kw[cache_kw] = cache
             out = plan.model(input_ids=ids, use_cache=True, cache_position=pos, **kw, **extra)
-            nxt = out.logits[:, -1:].argmax(-1)
+            nxt = _last_logits(out).argmax(-1)
             del out
             sess.label_cache(cache)
         fast = None
@@ -343,7 +343,7 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
                 pos = torch.arange(prompt + step - 1, prompt + step, device=ids.device)
                 out = plan.model(input_ids=nxt, use_cache=True, cache_position=pos, **{cache_kw: cache},
                                  **decode_extra)
-                nxt = out.logits[:, -1:].argmax(-1)
+                nxt = _last_logits(out).argmax(-1)
                 del out
                 sess.label_cache(cache)
             if fast is not None and fast.finish(remaining=plan.new_tokens - 1 - step):
@@ -353,6 +353,16 @@ def generate_step(sess: TraceSession, plan: StepPlan) -> None:
                     plan.notes.append(note)
                 break
         del cache, nxt
+
+
+def _last_logits(out: Any) -> torch.Tensor:
+    """The last position's logits, whole: under tensor parallelism the head's output is a
+    vocabulary-sharded DTensor, all-gathered as transformers' TP generation gathers its logits
+    (``colwise_gather_output``). (DTensor's own ``argmax(-1)`` over ``Shard(-1)`` fails in torch
+    2.13, for real too: ``all_gather_single`` with a negative ``gather_dim`` builds a wrong view.)"""
+    logits = out.logits[:, -1:]
+    full = getattr(logits, "full_tensor", None)
+    return full() if full is not None else logits
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
