@@ -7,21 +7,14 @@ import math
 
 import pytest
 
+from vllm_pinned import cheapest, largest_max_model_len, serve_plan, sweep  # noqa: E402
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import get_gpu, usable_capacity
 from vramplan.models.catalog import resolve
 from vramplan.pools import vllm
 from vramplan.pools.base import outside
 from vramplan.pools.kvspec import LayerKV, bytes_per_token, kv_heads_per_rank, layer_specs
-from vramplan.serving import (
-    cheapest,
-    largest_max_model_len,
-    serve_plan,
-    sglang,
-    sweep,
-    tgi,
-    trtllm,
-)
+from vramplan.serving import sglang, tgi, trtllm
 from vramplan.units import GiB
 
 FULL_8B = tuple(LayerKV("full", 8, 128, 2) for _ in range(32))  # Llama-3.1-8B, one rank

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_pinned import serve_plan  # noqa: E402
 from vramplan.cli.main import main
 from vramplan.errors import VramplanError
 from vramplan.models.catalog import resolve
-from vramplan.serving.api import serve_plan
 
 H = 4096
 HEAD = {  # an EAGLE-1 head for Llama-3.1-8B: one Llama decoder layer of the target's shape

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vramplan
+from vllm_pinned import serve_plan  # noqa: E402
 from vramplan.cli.main import main
 from vramplan.engine import encoder as enc
 from vramplan.hardware.catalog import get_gpu
@@ -19,7 +20,6 @@ from vramplan.models.build import build_model
 from vramplan.models.catalog import resolve
 from vramplan.models.vlm import text_spec
 from vramplan.pools.mm import MmSettings, profile
-from vramplan.serving.api import serve_plan
 from vramplan.trace.testing import real_peak
 from vramplan.units import GiB
 

@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=(*ENGINES, "all"), default="vllm",
                    help="serving engine (default vllm); all: the four side by side")
     g = p.add_argument_group("engine settings (engine defaults when omitted)")
+    g.add_argument("--engine-version", help="vLLM: the release to follow, 0.9.2 … 0.34.0 (default the newest, 0.34.0)")
+    g.add_argument("--no-enable-extensible-kv-cache", dest="extensible_kv_cache", action="store_const", const=False,
+                   default=None, help="vLLM 0.34: size the KV cache from the profile, not after warm-up and capture")
     g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (default 1)")
     g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
@@ -70,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default auto)")
     g.add_argument("--memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
                    "--cuda-memory-fraction", "--free-gpu-memory-fraction", dest="memory_fraction", type=float,
-                   help="the engine's memory fraction (vLLM 0.9, SGLang by TP, TGI 1.0, TensorRT-LLM 0.9)")
+                   help="the engine's memory fraction (vLLM: 0.9, 0.92 from 0.20, unset = 1.0 in 0.34; SGLang by TP, "
+                        "TGI 1.0, TensorRT-LLM 0.9)")
     g.add_argument("--max-model-len", "--context-length", "--max-total-tokens", "--max-seq-len",
                    dest="max_model_len", type=int, help="longest request (default: the model's positions)")
     g.add_argument("--max-num-seqs", "--max-running-requests", "--max-batch-size", "--max-concurrent-requests",
@@ -128,7 +132,9 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                 **({"limit_mm_per_prompt": args.limit_mm_per_prompt} if args.limit_mm_per_prompt is not None else {}),
                 **({"mm_processor_kwargs": args.mm_processor_kwargs} if args.mm_processor_kwargs is not None else {}),
                 **({"skip_mm_profiling": True} if args.skip_mm_profiling else {}),
-                **({"speculative_config": args.speculative_config} if args.speculative_config is not None else {}))
+                **({"speculative_config": args.speculative_config} if args.speculative_config is not None else {}),
+                **({"engine_version": args.engine_version} if args.engine_version else {}),
+                **({"extensible_kv_cache": False} if args.extensible_kv_cache is False else {}))
 
 
 def run(args: argparse.Namespace) -> int:

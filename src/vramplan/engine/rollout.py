@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 MAX_NUM_BATCHED_TOKENS = 4096
 """trl/generation/vllm_generation.py: ``max_num_batched_tokens=4096`` ("the v1 memory profiler is
 misled by the high default value")."""
+ROLLOUT_VLLM = "0.10.1.1"
+"""The vLLM release whose sizing the colocated engine follows (the one TRL 1.16's colocate mode was
+checked against here)."""
 
 
 def with_rollout(dev: DeviceProfile, spec: ModelSpec, w: Workload, g: GPU | None) -> DeviceProfile:
@@ -45,14 +48,14 @@ def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
     from .forward import forward
 
     settings = vllm.VllmSettings(
-        gpu_memory_utilization=w.vllm_memory, max_model_len=w.vllm_max_len or None,
+        engine_version=ROLLOUT_VLLM, gpu_memory_utilization=w.vllm_memory, max_model_len=w.vllm_max_len or None,
         max_num_seqs=w.batch * w.grad_accum, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     quant = "bitsandbytes" if w.peft is Peft.QLORA else "none"  # (TRL passes quantization="bitsandbytes")
     dtype = serving_dtype(spec, "auto")
     fwd = forward(spec, tokens=MAX_NUM_BATCHED_TOKENS, tp=1, pp=1, quant=quant, dtype=dtype)
     sp = vllm.plan(spec, g, fwd, quant=quant, dtype=dtype, settings=settings)
     st = sp.settings
-    summary = (f"vLLM {vllm.VERSION} colocated (TRL 1.16 vllm_mode=colocate): gpu_memory_utilization "
+    summary = (f"vLLM {ROLLOUT_VLLM} colocated (TRL 1.16 vllm_mode=colocate): gpu_memory_utilization "
                f"{w.vllm_memory}, max_model_len {st['max_model_len']:,}, max_num_seqs {st['max_num_seqs']}, "
                f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS:,}, CUDA graphs, sleep mode "
                f"{'on (level 2)' if w.vllm_sleep else 'off'}: budget {sp.budget / GiB:.2f} GiB = weights "
@@ -60,7 +63,7 @@ def engine(spec: ModelSpec, w: Workload, g: GPU) -> RolloutEngine:
                f"{sp.non_torch / GiB:.2f} + KV cache {sp.kv_pool / GiB:.2f} GiB ({sp.tokens:,} tokens); CUDA graphs "
                f"{sp.cuda_graph / GiB:.2f} GiB beside it")
     return RolloutEngine(
-        engine=f"vLLM {vllm.VERSION}", budget=sp.budget, weights=sp.weights if sp.starts else 0,
+        engine=f"vLLM {ROLLOUT_VLLM}", budget=sp.budget, weights=sp.weights if sp.starts else 0,
         kv_pool=sp.kv_pool, graphs=sp.cuda_graph, activations=sp.profile_peak if sp.starts else 0,
         sleep=w.vllm_sleep, refusal=sp.error or "", summary=summary)
 
@@ -71,7 +74,7 @@ def refusal(dev: DeviceProfile, weights: int, w: Workload) -> str:
     trainer's model already on the device (``weights``, the engine's own copy excluded) with the
     CUDA context leaves less free than its budget."""
     from ..pools.base import context_bytes
-    from ..pools.vllm import startup_error
+    from ..pools.vllm_release import Release
 
     e = dev.rollout
     assert e is not None and dev.usable is not None
@@ -79,7 +82,7 @@ def refusal(dev: DeviceProfile, weights: int, w: Workload) -> str:
         return e.refusal
     trainer = weights - (0 if e.sleep else e.weights)  # (before vLLM starts)
     free = dev.usable - context_bytes(dev.overhead) - trainer
-    return startup_error(free, dev.usable, w.vllm_memory) if free < e.budget else ""
+    return Release.of(ROLLOUT_VLLM).startup_error(free, dev.usable, w.vllm_memory, e.budget) if free < e.budget else ""
 
 
 __all__ = ["MAX_NUM_BATCHED_TOKENS", "engine", "refusal", "with_rollout"]

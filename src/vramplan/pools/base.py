@@ -60,6 +60,8 @@ class Outside:
     """CUDA context + kernel images + thread stacks (exists before the engine's first snapshot)."""
     later: int
     """cuBLAS handle + NCCL buffers (created after it)."""
+    cublas: int = 0
+    """The cuBLAS/cuBLASLt handle's part of ``later`` (the rest is NCCL's)."""
 
 
 def context_bytes(items: Iterable[OverheadItem]) -> int:
@@ -72,7 +74,8 @@ def outside(gpu: GPU, world: int) -> Outside:
     items = device_overhead(gpu, world_size=world)
     context = context_bytes(items)
     later = sum(i.bytes for i in items) - context
-    return Outside(context=context, later=later)
+    cublas = sum(i.bytes for i in items if i.name.startswith("cuBLAS"))
+    return Outside(context=context, later=later, cublas=cublas)
 
 
 def cdiv(a: int, b: int) -> int:

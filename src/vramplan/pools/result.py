@@ -84,6 +84,12 @@ class ServePlan:
     """Speculative decoding: KV layers the drafter adds to the pool's division."""
     draft_buffers: int = 0
     """Speculative decoding: the proposer's persistent buffers, outside the budget (in ``device_used``)."""
+    runner_buffers: int = 0
+    """vLLM's model runner V2: persistent sampler state allocated after the weights (inside the budget)."""
+    kv_reserve: int = 0
+    """vLLM 0.34's extensible KV cache: memory kept free below the pool (the transient reserve and its margin)."""
+    cuda_graph_estimate: int = 0
+    """vLLM ≥ 0.20: the CUDA-graph estimate taken from the budget (0: none taken)."""
 
     @property
     def gpus(self) -> int:

@@ -1,45 +1,54 @@
-"""vLLM V1 start-up sizing, following vLLM **0.10.1.1** (files cited per rule).
+"""vLLM V1 start-up sizing, for any release from 0.9.2 to 0.34.0 (``--engine-version``; the
+default is the newest). The structure below is 0.10.1.1's, each rule cited there; what each
+later release changes is :class:`.vllm_release.Release` (files and lines per version).
 
 1. ``Worker.init_device`` (``vllm/v1/worker/gpu_worker.py``): a memory snapshot after the
-   CUDA context exists; ``requested_memory = total_memory × gpu_memory_utilization``; it
+   CUDA context exists (from 0.11.0 after NCCL's init, in 0.34.0 after cuBLAS's too);
+   ``requested_memory = total_memory × gpu_memory_utilization`` (rounded up from 0.14.0); it
    refuses to start when free memory is below that ("Free memory on device … on startup is
-   less than desired GPU memory utilization …").
+   less than desired GPU memory utilization …"; not with 0.34's extensible KV cache).
 2. ``Worker.determine_available_memory`` + ``memory_profiling`` (``vllm/utils/__init__.py``):
-   ``available = requested_memory − (weights + torch_peak_increase + non_torch_increase)``.
+   ``available = requested_memory − (weights + torch_peak_increase + non_torch_increase)``
+   (0.27.0 measures the same sum as the drop in free memory plus the transient peak).
    ``torch_peak_increase`` is the allocated peak of ``GPUModelRunner.profile_run`` above the
    weights: a dummy forward over ``max_num_batched_tokens`` tokens split into
    ``min(max_num_seqs, max_num_batched_tokens)`` requests, then ``_dummy_sampler_run`` on one
-   logit row per request. ``non_torch_increase`` is what appeared outside PyTorch since the
-   snapshot (NCCL, cuBLAS). The CUDA context is *not* in the budget; CUDA graphs are
-   captured after the KV cache is allocated and are *not* counted either
-   (``compile_or_warm_up_model``: "`memory_profiling` does not consider CUDAGraph memory size").
+   logit row per request (model runner V2 adds persistent sampler state). ``non_torch_increase``
+   is what appeared outside PyTorch since the snapshot (NCCL, cuBLAS). The CUDA context is
+   *not* in the budget; CUDA graphs are captured after the KV cache is allocated and are *not*
+   counted either in 0.10.1.1 (``compile_or_warm_up_model``: "`memory_profiling` does not
+   consider CUDAGraph memory size"); from 0.20.0 an estimate of them is taken from the budget,
+   and 0.34.0's extensible KV cache sizes the pool after capture from measured free memory.
 3. ``get_kv_cache_config`` (``vllm/v1/core/kv_cache_utils.py``): ``check_enough_kv_cache_memory``
-   (errors quoted verbatim), then one group of all layers when every layer has the same
-   spec (``num_blocks = available // page_size // num_layers``), or for hybrid models
+   (errors quoted verbatim, per release), then one group of all layers when every layer has the
+   same spec (``num_blocks = available // page_size // num_layers``), or for hybrid models
    (sliding window + full) groups of ``min(layers per type)`` layers sharing
    ``group_size`` tensors (``num_blocks = available // page_size // group_size``); the
-   logged token count is ``num_blocks // num_groups × block_size``;
-   ``get_max_concurrency_for_kv_cache_config`` gives "Maximum concurrency".
+   logged token count is ``num_blocks // num_groups × block_size`` (from 0.20.1 ⌊concurrency ×
+   max_model_len⌋); ``get_max_concurrency_for_kv_cache_config`` gives "Maximum concurrency".
 4. Defaults (``vllm/engine/arg_utils.py`` ``_set_default_args_v1``, ``vllm serve``):
    ``max_num_batched_tokens`` 8192 and ``max_num_seqs`` 1024 on GPUs with ≥ 70 GiB that are
    not A100s, else 2048 and 256; ``block_size`` 16 (``vllm/platforms/cuda.py``);
    ``gpu_memory_utilization`` 0.9 (``vllm/config/cache.py``); CUDA-graph capture sizes
    ``[1, 2, 4] + range(8, min(2 × max_num_seqs, 512) + 1, 8)`` capped at
-   ``max_num_batched_tokens`` (``vllm/config/scheduler.py``, ``VllmConfig._set_cudagraph_sizes``).
+   ``max_num_batched_tokens`` (``vllm/config/scheduler.py``, ``VllmConfig._set_cudagraph_sizes``);
+   later releases: :class:`.vllm_release.Release`.
 
-Approximated: the sampler's peak (native top-k/top-p path of
+Approximated: the sampler's peak (0.10.1.1's native top-k/top-p path of
 ``vllm/v1/sample/ops/topk_topp_sampler.py``: 16-bit logits, an fp32 copy, sorted values,
 int64 indices, two boolean masks, the softmax and the scattered result = dtype + 26 bytes
-per logit); the CUDA-graph pool (the activations of one forward at the largest capture
-size, which all graphs share — a lower bound: published logs report "Graph capturing
-finished …, took 0.1–1 GiB", and vLLM ≥ 0.11 can count an estimate of it in the budget,
-which 0.10.1.1 does not); ``non_torch_increase`` (vramplan's cuBLAS and NCCL items;
-vLLM's custom all-reduce IPC buffers are not counted).
+per logit; later paths: :meth:`.vllm_release.Release.sampler_bytes`); the CUDA-graph pool (the
+activations of one forward at the largest capture size, which all graphs share — a lower
+bound: published logs report "Graph capturing finished …, took 0.1–1 GiB"); 0.34's
+transient reserve (the sizing step's torch-reservation growth is taken as the profile's peak);
+``non_torch_increase`` (vramplan's cuBLAS and NCCL items; vLLM's custom all-reduce IPC buffers
+are not counted).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
@@ -53,8 +62,10 @@ from .kvspec import LayerKV, bytes_per_token, layer_specs
 from .mm import LIMIT_DEFAULT, Encoder, MmSettings
 from .result import ServePlan
 from .spec import SpecSettings, draft_layers, drafter, runtime_logits
+from .vllm_release import NEWEST, Release
 
-VERSION = "0.10.1.1"
+VERSION = NEWEST
+"""The release ``serve-plan`` follows unless told (``--engine-version``)."""
 SAMPLER_BYTES_PER_LOGIT = 26
 """Beyond the 16-bit logits: fp32 copy 4 + sorted 4 + int64 indices 8 + two bool masks 2 +
 softmax 4 + scatter output 4 (``apply_top_k_top_p``); a vramplan trace of the same ops peaks
@@ -63,16 +74,22 @@ at 27.4 B per logit in all, the 16-bit logits included (tests/test_serving.py)."
 
 @dataclass(frozen=True, kw_only=True)
 class VllmSettings:
-    gpu_memory_utilization: float = 0.9
+    engine_version: str = NEWEST
+    """The vLLM release whose sizing is followed (:mod:`.vllm_release`, OLDEST … NEWEST)."""
+    gpu_memory_utilization: float | None = None
+    """None: the release's default (0.9; 0.92 from 0.20.0; 1.0 with 0.34's extensible KV cache)."""
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
+    """None: the release's default (16; 64 from 0.34.0)."""
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
+    extensible_kv_cache: bool | None = None
+    """0.34.0's extensible KV cache (None: on, its default on CUDA)."""
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -161,20 +178,18 @@ def big_gpu(gpu: GPU, total: int) -> bool:
     return total >= 70 * GiB and "a100" not in gpu.key
 
 
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, given: tuple[int, ...] = ()) -> list[int]:
-    if len(given) > 1:
-        sizes = sorted(given)
-    else:
-        top = given[0] if given else min(max_num_seqs * 2, 512)
-        sizes = [1, 2, 4] + list(range(8, top + 1, 8))
-    return [s for s in sizes if s <= max_num_batched_tokens]
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, given: tuple[int, ...] = (),
+                  version: str = "0.10.1.1") -> list[int]:
+    """``cudagraph_capture_sizes`` of ``version`` (:meth:`.Release.capture_sizes`)."""
+    return Release.of(version).capture_sizes(max_num_seqs, max_num_batched_tokens, given)
 
 
-def max_memory_usage(layer: LayerKV, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
-    """``KVCacheSpec.max_memory_usage_bytes``: the blocks one request of max_model_len needs."""
+def max_memory_usage(layer: LayerKV, max_model_len: int, block_size: int, inflight: int) -> int:
+    """``KVCacheSpec.max_memory_usage_bytes``: the blocks one request of max_model_len needs
+    (a sliding-window layer: its window + the tokens in flight, :meth:`.Release.inflight_tokens`)."""
     page = layer.page_bytes(block_size)
     if layer.kind == "sliding" and layer.window:
-        tokens = min(layer.window - 1 + max_num_batched_tokens, max_model_len)
+        tokens = min(layer.window - 1 + inflight, max_model_len)
         return (cdiv(tokens, block_size) + 1) * page
     return cdiv(max_model_len, block_size) * page
 
@@ -199,20 +214,17 @@ def estimate_max_model_len(layers: tuple[LayerKV, ...], available: int, current_
 
 
 def check_enough(layers: tuple[LayerKV, ...], available: int, max_model_len: int, block_size: int,
-                 mnbt: int) -> str | None:
-    """``check_enough_kv_cache_memory``: None, or vLLM's ValueError text."""
+                 mnbt: int, version: str = "0.10.1.1", hint: str = "") -> str | None:
+    """``check_enough_kv_cache_memory``: None, or ``version``'s ValueError text (``hint``: 0.34's
+    sizing-mode hint)."""
+    rel = Release.of(version)
     if available <= 0:
-        return ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
-                "when initializing the engine.")
+        return rel.no_memory_error(hint)
     needed = needed_memory(layers, max_model_len, block_size, mnbt)
     if needed <= available:
         return None
     est = estimate_max_model_len(layers, available, max_model_len, block_size, mnbt)
-    est_msg = f"Based on the available memory, the estimated maximum model length is {est}." if est > 0 else ""
-    return (f"To serve at least one request with the models's max seq len ({max_model_len}), "
-            f"({needed / GiB:.2f} GiB KV cache is needed, which is larger than the available KV cache "
-            f"memory ({available / GiB:.2f} GiB). {est_msg} Try increasing `gpu_memory_utilization` or "
-            f"decreasing `max_model_len` when initializing the engine.")
+    return rel.too_long_error(max_model_len, needed, available, est, hint)
 
 
 @dataclass(frozen=True)
@@ -224,7 +236,15 @@ class KVConfig:
     pool_bytes: int
 
 
-def kv_cache_config(layers: tuple[LayerKV, ...], available: int, block_size: int) -> KVConfig:
+def group_size(counts: list[int], version: str = "0.10.1.1") -> int:
+    """Layers per KV-cache group of a hybrid model: the fewest layers of any type; 0.34.0 takes
+    the most when max < 1.5 × min (padding the short type; v1/core/kv_cache_planning.py:561-578)."""
+    lo, hi = min(counts), max(counts)
+    return hi if Release.of(version).since("0.34.0") and hi < 1.5 * lo else lo
+
+
+def kv_cache_config(layers: tuple[LayerKV, ...], available: int, block_size: int,
+                    version: str = "0.10.1.1") -> KVConfig:
     """``_get_kv_cache_config_uniform_type`` / ``_get_kv_cache_config_uniform_page_size``."""
     by_type: dict[LayerKV, int] = {}
     for x in layers:
@@ -237,13 +257,13 @@ def kv_cache_config(layers: tuple[LayerKV, ...], available: int, block_size: int
         (spec, n), = by_type.items()
         blocks = max(0, available // page // n)
         return KVConfig(blocks, ((spec, n),), blocks * block_size, page * blocks * n)
-    group_size = min(by_type.values())
+    size = group_size(list(by_type.values()), version)
     groups: list[tuple[LayerKV, int]] = []
     for spec, n in by_type.items():
-        for start in range(0, n, group_size):
-            groups.append((spec, min(group_size, n - start)))
-    blocks = max(0, available // page // group_size)
-    return KVConfig(blocks, tuple(groups), blocks // len(groups) * block_size, page * blocks * group_size)
+        for start in range(0, n, size):
+            groups.append((spec, min(size, n - start)))
+    blocks = max(0, available // page // size)
+    return KVConfig(blocks, tuple(groups), blocks // len(groups) * block_size, page * blocks * size)
 
 
 def max_concurrency(cfg: KVConfig, max_model_len: int, block_size: int, mnbt: int) -> float:
@@ -254,14 +274,44 @@ def max_concurrency(cfg: KVConfig, max_model_len: int, block_size: int, mnbt: in
     return cfg.num_blocks / cdiv(per_request, per_block)
 
 
+GRANULE = 2 * 1024 * 1024
+"""The extensible KV cache maps each layer's region in whole VMM granules (the driver's
+granularity, at least 2 MiB: vllm/utils/extensible_tensor.py:28-31)."""
+
+
+def blocks_within(budget: int, segments: int, stride: int, capacity: int) -> int:
+    """``blocks_within`` (0.34.0 v1/worker/extensible_kv_cache.py:313-318): the most blocks ≤
+    ``capacity`` whose ``segments`` regions of ``stride`` bytes per block, each rounded up to a
+    granule, fit in ``budget``."""
+    if budget <= 0 or segments <= 0 or stride <= 0:
+        return 0
+
+    def cost(n: int) -> int:
+        return segments * cdiv(n * stride, GRANULE) * GRANULE
+
+    lo, hi = 0, capacity
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def profile_tokens(gpu: GPU, s: VllmSettings) -> int:
     """``max_num_batched_tokens``: the tokens of the profile run's forward."""
-    return s.max_num_batched_tokens or (8192 if big_gpu(gpu, usable_capacity(gpu)[0]) else 2048)
+    return s.max_num_batched_tokens or _batch_defaults(gpu, s.engine_version)[0]
 
 
-def default_max_num_seqs(gpu: GPU) -> int:
-    """``max_num_seqs`` by default: 1024 on the big GPUs (:func:`big_gpu`), else 256."""
-    return 1024 if big_gpu(gpu, usable_capacity(gpu)[0]) else 256
+def default_max_num_seqs(gpu: GPU, version: str = NEWEST) -> int:
+    """``max_num_seqs`` by default (:meth:`.Release.batch_defaults`)."""
+    return _batch_defaults(gpu, version)[1]
+
+
+def _batch_defaults(gpu: GPU, version: str) -> tuple[int, int]:
+    total = usable_capacity(gpu)[0]
+    return Release.of(version).batch_defaults(total, big_gpu(gpu, total), gpu.compute_capability)
 
 
 def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, quant: str = "none",
@@ -270,12 +320,23 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     """vLLM's start-up sizing on ``gpu``, given ``fwd``: the weights and the peak of a forward over
     :func:`profile_tokens` tokens on one rank (:func:`vramplan.engine.forward.forward`); for a
     vision-language model ``spec`` is its language model and ``encoder`` its vision tower
-    (:mod:`vramplan.engine.encoder`)."""
+    (:mod:`vramplan.engine.encoder`). The rules are those of ``settings.engine_version``
+    (:mod:`.vllm_release`)."""
     s = settings
+    rel = Release.of(s.engine_version)
+    ext = rel.extensible_default if s.extensible_kv_cache is None else s.extensible_kv_cache
+    if ext and not rel.since("0.34.0"):
+        raise WorkloadError(f"the extensible KV cache is vLLM 0.34's; {rel.text} sizes the cache from its profile",
+                            hint="drop enable_extensible_kv_cache, or use --engine-version 0.34.0",
+                            field="enable_extensible_kv_cache")
+    moe = spec.is_moe
+    utilization = s.gpu_memory_utilization if s.gpu_memory_utilization is not None else rel.default_utilization(ext)
+    block_size = s.block_size or rel.block_size
     total, _ = usable_capacity(gpu)
     mnbt = profile_tokens(gpu, s)
-    max_num_seqs = s.max_num_seqs or default_max_num_seqs(gpu)
+    max_num_seqs = s.max_num_seqs or default_max_num_seqs(gpu, s.engine_version)
     max_model_len = s.max_model_len or spec.max_positions
+    inflight = rel.inflight_tokens(mnbt, pp)
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="vllm",
                          sliding=not s.disable_hybrid_kv_cache_manager)
     if s.disable_hybrid_kv_cache_manager:
@@ -283,7 +344,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                        for x in layers)
     world = tp * pp
     out = outside(gpu, world)
-    requested = int(total * s.gpu_memory_utilization)
+    requested = math.ceil(total * utilization) if rel.ceil_request else int(total * utilization)
     num_reqs = min(max_num_seqs, mnbt)
     compute = 2
     lora, lora_peak, lora_notes = lora_bytes(spec, tp, s, compute, mnbt, max_num_seqs,
@@ -293,28 +354,49 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                     max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs)
     layers = draft_layers(layers, draft)
     weights = fwd.weights + lora + vision + (draft.weights if draft is not None else 0)
-    sampler = num_reqs * spec.vocab * (compute + SAMPLER_BYTES_PER_LOGIT) if spec.vocab else 0
+    per_logit = rel.sampler_bytes(moe)
+    sampler = num_reqs * spec.vocab * (compute + per_logit) if spec.vocab else 0
+    buffers = rel.runner_buffers(moe, max_num_seqs, spec.vocab)
     peak = lm_phase = max(fwd.activation_peak + lora_peak, sampler)
     prof = encoder.profile if encoder is not None else None
     held = 0
     if encoder is not None and prof is not None:  # profile_run: the encode, then the LM with the outputs held
         held = encoder.outputs + prof.pixel_bytes
         peak = max(encoder.peak, held + lm_phase)
-    non_kv = weights + peak + out.later
-    available = requested - non_kv
-    sizes = [] if s.enforce_eager else capture_sizes(max_num_seqs, mnbt, s.cuda_graph_sizes)
+    # memory outside PyTorch that the first snapshot does not see yet, so the budget pays for it
+    non_torch = (out.cublas if rel.cublas_in_budget else 0) + ((out.later - out.cublas) if rel.nccl_in_budget else 0)
+    sizes = [] if s.enforce_eager else rel.capture_sizes(max_num_seqs, mnbt, s.cuda_graph_sizes,
+                                                         spec_tokens=draft.k if draft is not None else 0)
+    full = len({min(x, max_num_seqs) for x in sizes}) if rel.full_graphs else 0
     graphs = fwd.activation_peak * max(sizes) // mnbt if sizes else 0
+    estimated = bool(sizes) and not ext and rel.graphs_estimated(moe)
+    # vLLM's own estimate: the captures plus its 1 MiB floor for each FULL graph it extrapolates
+    graph_estimate = graphs + max(0, full - 1) * (1 << 20) if estimated else 0
+    counted = buffers if rel.buffers_counted else 0
+    non_kv = weights + counted + peak + non_torch
+    available = requested - non_kv - graph_estimate
+    capacity = available
+    reserve = 0
+    if ext:
+        # measure_kv_cache_bytes (0.34.0 extensible_kv_cache.py:592-618): after warm-up and capture,
+        # free memory + the committed prefix, less a margin and the transient reserve max(P, G)
+        held_now = weights + buffers + graphs
+        device_left = total - out.context - out.later - held_now
+        transient = peak
+        margin = max(GiB, int(0.75 * transient))
+        reserve = margin + transient
+        available = max(0, min(requested - held_now, device_left - margin) - transient)
     notes = [
-        f"Follows vLLM {VERSION} V1 sizing (gpu_worker.determine_available_memory, kv_cache_utils.get_kv_cache_config).",
+        f"Follows vLLM {rel.text} V1 sizing (gpu_worker.determine_available_memory, the KV-cache config; "
+        f"rules per release in vramplan.pools.vllm_release).",
         f"Profile run: {mnbt:,} tokens as {num_reqs} requests; forward peak {fwd.activation_peak / GiB:.2f} GiB "
-        f"({fwd.method}), sampler over {num_reqs} × {spec.vocab:,} logits {sampler / GiB:.2f} GiB; "
-        "the larger is torch_peak_increase.",
-        "The CUDA context and CUDA-graph memory sit outside gpu_memory_utilization's budget, in the remaining "
-        f"{1 - s.gpu_memory_utilization:.0%} of the GPU; the CUDA-graph figure is a lower bound (the shared "
-        "pool's activations; published logs show 0.1–1 GiB).",
+        f"({fwd.method}), sampler over {num_reqs} × {spec.vocab:,} logits {sampler / GiB:.2f} GiB "
+        f"({compute} + {per_logit} bytes per logit); the larger is the profile's transient peak.",
     ]
+    notes += _budget_notes(rel, ext, utilization, s.gpu_memory_utilization is not None, out.later - non_torch,
+                           buffers, max_num_seqs, graphs, graph_estimate, estimated, full, reserve, peak)
     if encoder is not None:
-        notes += _encoder_notes(encoder, held, lm_phase, s.mm)
+        notes += _encoder_notes(encoder, held, lm_phase, s.mm, rel.text)
     if draft is not None:
         notes += list(draft.notes)
         later = runtime_logits(spec.vocab, max_num_seqs, mnbt, draft.k, compute)
@@ -327,24 +409,41 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
     notes += lora_notes
+    if (lora_notes or draft is not None or encoder is not None) and not rel.text.startswith("0.10"):
+        notes.append(f"The multi-LoRA, speculative-decoding and multimodal parts follow vLLM 0.10.1.1's code "
+                     f"(not re-read for {rel.text}).")
     if s.enable_prefix_caching:
         notes.append("Prefix caching shares blocks between requests with a common prefix; it does not change the pool size.")
+    hint = _hint(ext, utilization, after=False)
     error: str | None = None
-    free_at_start = total - out.context
-    if free_at_start < requested:
-        error = startup_error(free_at_start, total, s.gpu_memory_utilization)
+    free_at_start = total - out.context - (out.later - non_torch)
+    if free_at_start < requested and not ext:
+        error = rel.startup_error(free_at_start, total, utilization, requested)
     cc = gpu.compute_capability
     if error is None and dtype == "bf16" and gpu.vendor == "nvidia" and cc and float(cc) < 8.0:
         error = ("Bfloat16 is only supported on GPUs with compute capability of at least 8.0. "
                  f"Your {gpu.name} GPU has compute capability {cc}. You can use float16 instead by "
                  "explicitly setting the `dtype` flag in CLI, for example: --dtype=half.")
+    page_all = sum(x.page_bytes(block_size) for x in layers) if layers else 0
+    null = page_all if rel.null_block else 0
     if error is None:
-        error = check_enough(layers, available, max_model_len, s.block_size, mnbt)
-    cfg = kv_cache_config(layers, max(available, 0), s.block_size)
-    conc = max_concurrency(cfg, max_model_len, s.block_size, mnbt)
+        error = check_enough(layers, capacity - null, max_model_len, block_size, inflight, rel.text, hint)
+    cfg = kv_cache_config(layers, max(capacity if not ext else available, 0), block_size, rel.text)
+    if ext:
+        segments = max(n for _, n in cfg.groups) if cfg.groups else 0
+        page = layers[0].page_bytes(block_size) if layers else 0
+        cap_blocks = kv_cache_config(layers, max(capacity, 0), block_size, rel.text).num_blocks
+        blocks = blocks_within(available, segments, page, cap_blocks)
+        cfg = KVConfig(blocks, cfg.groups, blocks // len(cfg.groups) * block_size if cfg.groups else 0,
+                       page * blocks * segments)
+        if error is None:  # shrink_kv_cache_configs: one request of max_model_len in (blocks - 1) blocks
+            error = check_enough(layers, max(blocks - 1, 0) * page * segments, max_model_len, block_size, inflight,
+                                 rel.text, _hint(ext, utilization, after=True))
+    conc = max_concurrency(cfg, max_model_len, block_size, inflight) if cfg.groups else 0.0
+    tokens = int(conc * max_model_len) if rel.tokens_from_concurrency else cfg.tokens
     conc_avg = None
     if avg_request_len:
-        conc_avg = min(float(max_num_seqs), max_concurrency(cfg, avg_request_len, s.block_size, mnbt))
+        conc_avg = min(float(max_num_seqs), max_concurrency(cfg, avg_request_len, block_size, inflight))
     kinds: dict[str, int] = {}
     for x in layers:
         kinds[x.kind] = kinds.get(x.kind, 0) + 1
@@ -352,31 +451,51 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     # fails, neither exists (the blocks and tokens below are what the memory would have held)
     pool = cfg.pool_bytes if error is None else 0
     graphs = graphs if error is None else 0
-    buffers = draft.buffers if draft is not None else 0
-    used = out.context + weights + peak + out.later + pool + graphs + buffers
+    proposer = draft.buffers if draft is not None else 0
+    resident_peak = 0 if ext else peak  # the extensible cache sizes after empty_cache()
+    used = out.context + out.later + weights + buffers + resident_peak + pool + graphs + proposer
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
-    log = [f"Model loading took {weights / GiB:.4f} GiB"]
+    log = [rel.weights_line(weights, moe)]
     if prof is not None:
         log.append(prof.log())
     elif encoder is not None and s.mm.skip_mm_profiling:
         log.append("Skipping memory profiling for multimodal encoder and encoder cache.")
-    log.append(f"Available KV cache memory: {available / GiB:.2f} GiB")
+    log.append(f"Available KV cache memory: {rel.gib(capacity)} GiB")
+    size_line = [f"GPU KV cache size: {tokens:,} tokens",
+                 f"Maximum concurrency for {max_model_len:,} tokens per request: {conc:.2f}x"]
+    size_lines = [", ".join(size_line)] if rel.kv_one_line else size_line
+    usage = rel.usage_line(free=free_at_start, total=total, utilization=utilization, requested=requested,
+                           weights=weights, non_torch=non_torch, consumed=weights + buffers + non_torch,
+                           peak=peak + (graph_estimate if rel.since("0.27.0") else 0), graphs=graphs,
+                           available=capacity)
     if error is None:
-        log += [f"GPU KV cache size: {cfg.tokens:,} tokens",
-                f"Maximum concurrency for {max_model_len:,} tokens per request: {conc:.2f}x"]
-        if sizes:
-            log.append(f"Graph capturing finished, took {graphs / GiB:.2f} GiB")
+        if ext:
+            if sizes:
+                log.append(f"Graph capturing finished, took {graphs / GiB:.2f} GiB")
+            if usage:
+                log.append(usage)
+            log += size_lines
+            log.append(f"Extended KV cache to {cfg.num_blocks} blocks ({pool / GiB:.2f} GiB).")
+        else:
+            log += size_lines
+            if sizes:
+                log.append(f"Graph capturing finished, took {graphs / GiB:.2f} GiB")
+            if usage:
+                log.append(usage)
     else:
         log.append(f"ValueError: {error}")
-    settings_out = {
-        "gpu_memory_utilization": s.gpu_memory_utilization, "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": mnbt, "block_size": s.block_size,
+    settings_out: dict[str, object] = {
+        "engine_version": rel.text,
+        "gpu_memory_utilization": utilization, "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": mnbt, "block_size": block_size,
         "kv_cache_dtype": s.kv_cache_dtype, "enforce_eager": s.enforce_eager,
         "cuda_graph_capture_sizes": len(sizes), "enable_prefix_caching": s.enable_prefix_caching,
         "quantization": quant, "dtype": dtype,
     }
+    if rel.since("0.34.0"):
+        settings_out["enable_extensible_kv_cache"] = ext
     if draft is not None:
         settings_out["speculative_config"] = {"method": draft.method, "num_speculative_tokens": draft.k,
                                               **({"model": s.spec.draft_name} if s.spec.draft_name else {})}
@@ -390,19 +509,79 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                              "max_cpu_loras": s.max_cpu_loras or s.max_loras,
                              "fully_sharded_loras": s.fully_sharded_loras})
     return ServePlan(
-        engine="vllm", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp,
+        engine="vllm", engine_version=rel.text, model=spec.name, gpu=gpu.key, tp=tp, pp=pp,
         settings=settings_out, total_memory=total, budget=requested, weights=weights,
-        profile_peak=peak, non_torch=out.later, context=out.context, cuda_graph=graphs,
-        cuda_graph_in_budget=False, kv_available=available, kv_pool=pool,
-        block_size=s.block_size, blocks=cfg.num_blocks, tokens=cfg.tokens,
+        profile_peak=peak, non_torch=non_torch, context=out.context + out.later - non_torch, cuda_graph=graphs,
+        cuda_graph_in_budget=ext or estimated, kv_available=available, kv_pool=pool,
+        block_size=block_size, blocks=cfg.num_blocks, tokens=tokens,
         bytes_per_token=bytes_per_token(layers), max_model_len=max_model_len, max_concurrency=conc,
         avg_request_len=avg_request_len, concurrency_at_avg=conc_avg, max_running=max_num_seqs,
         starts=error is None, error=error, device_used=used, log=tuple(log),
         command=command(spec, tp, pp, quant, settings_out), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds=kinds, vision_weights=vision, encoder_peak=encoder.peak if encoder is not None else 0,
         encoder_held=held, draft_weights=draft.weights if draft is not None else 0,
-        draft_layers=draft.layers if draft is not None else 0, draft_buffers=buffers,
+        draft_layers=draft.layers if draft is not None else 0, draft_buffers=proposer,
+        runner_buffers=buffers, kv_reserve=reserve, cuda_graph_estimate=graph_estimate,
     )
+
+
+def _hint(ext: bool, utilization: float, *, after: bool) -> str:
+    """0.34.0's ``_more_kv_cache_memory_hint`` (v1/core/kv_cache_planning.py:64-96)."""
+    if not ext:
+        return ("Try increasing `gpu_memory_utilization` when initializing the engine (this flag also controls CPU "
+                "memory reservation on the CPU backend, despite its name).")
+    used_by = "the model, its activations, CUDA graphs and warmup" if after else "the model and its activations"
+    graphs = " CUDA graphs take less with fewer or smaller capture sizes in the compilation config." if after else ""
+    if utilization < 1.0:
+        return (f"The KV cache gets what is left after {used_by} within `gpu_memory_utilization`={utilization}; "
+                "increase it (with the extensible KV cache it defaults to 1.0) or decrease `max_model_len` or "
+                f"`max_num_seqs`.{graphs}")
+    return (f"The extensible KV cache already takes all device memory left after {used_by}; decrease "
+            f"`max_model_len` or `max_num_seqs`, or the model needs a device with more memory.{graphs}")
+
+
+def _budget_notes(rel: Release, ext: bool, utilization: float, given: bool, before_snapshot: int, buffers: int,
+                  max_num_seqs: int, graphs: int, graph_estimate: int, estimated: bool, full: int, reserve: int,
+                  peak: int) -> list[str]:
+    """Where this release puts each part: inside ``gpu_memory_utilization``'s budget or outside."""
+    out: list[str] = []
+    if before_snapshot:
+        what = "NCCL's buffers and the cuBLAS handles" if not rel.cublas_in_budget else "NCCL's buffers"
+        out.append(f"{what} ({before_snapshot / GiB:.2f} GiB) exist before vLLM {rel.text}'s first memory snapshot: "
+                   "outside the budget, like the CUDA context.")
+    if buffers:
+        out.append(f"Model runner V2's sampler state ({buffers / GiB:.2f} GiB: penalty bin counts for {max_num_seqs} "
+                   "sequences × the vocabulary, int32) is allocated after the weights are measured: "
+                   + ("inside the profile's consumed memory." if rel.buffers_counted else
+                      f"vLLM {rel.text}'s budget does not count it (the profile's peak is taken above it), so the "
+                      "pool is that much larger and the GPU's remaining share holds it."))
+    graph_kind = ("PIECEWISE graphs for every size and FULL decode graphs for "
+                  f"{full} sizes" if full else "PIECEWISE graphs")
+    if ext:
+        out.append(
+            f"Extensible KV cache (vLLM {rel.text}'s default on CUDA; --no-enable-extensible-kv-cache turns it off): the "
+            "pool is sized after warm-up and CUDA-graph capture from measured free memory, less max(1 GiB, 0.75 × "
+            f"the transient peak) and the transient reserve max(P, G): {reserve / GiB:.2f} GiB kept free in all "
+            f"(P = the profile's peak {peak / GiB:.2f} GiB; the torch-reservation growth G of the sizing step is taken as "
+            "P, and the sizing step with attention as no larger than the profile). gpu_memory_utilization "
+            + (f"{utilization} caps the pool at that share of the GPU." if given else
+               "is unset: 1.0, the device's free memory decides.")
+            + f" The 'Available KV cache memory' line is the reservation's capacity, not the pool; {graph_kind} are "
+            f"inside (measured): {graphs / GiB:.2f} GiB, a lower bound (the shared pool's activations at the largest "
+            "size).")
+    elif estimated:
+        out.append(
+            f"CUDA-graph memory is estimated and taken from the budget (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on "
+            f"since 0.20.0): {graph_estimate / GiB:.2f} GiB for {graph_kind} — the shared pool's activations at the "
+            "largest size plus vLLM's 1 MiB floor per extrapolated FULL graph, a lower bound of what it measures.")
+    else:
+        why = ("model runner V2's estimate returns 0 in 0.22–0.28" if rel.since("0.20.0") else
+               "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is off by default" if rel.since("0.18.0") else
+               "memory_profiling does not consider CUDA-graph memory")
+        out.append(f"The CUDA context and CUDA-graph memory sit outside gpu_memory_utilization's budget ({why}), in "
+                   f"the remaining {1 - utilization:.0%} of the GPU; the CUDA-graph figure ({graph_kind}) is a lower "
+                   "bound (the shared pool's activations; published logs show 0.1–1 GiB).")
+    return out
 
 
 def _weight_bytes(fwd: Forward, spec: ModelSpec, tp: int, pp: int) -> float:
@@ -411,7 +590,7 @@ def _weight_bytes(fwd: Forward, spec: ModelSpec, tp: int, pp: int) -> float:
     return max(0.5, min(4.0, fwd.weights * tp * pp / params))
 
 
-def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings) -> list[str]:
+def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings, version: str) -> list[str]:
     """What the vision tower adds to the start-up (see :mod:`.mm`)."""
     prof = enc.profile
     out = [f"Vision tower and projector: {enc.weights / GiB:.2f} GiB of the weights (loaded with the model)."]
@@ -431,18 +610,10 @@ def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings) -> li
         f"included); the outputs and pixels ({held / GiB:.2f} GiB) stay through the language-model phase "
         f"({lm_phase / GiB:.2f} GiB): the larger of the two is the profile's peak.")
     if prof.modality == "video" and prof.tokens < prof.max_tokens:
-        out.append(f"vLLM {VERSION} sizes the dummy video against max_num_batched_tokens, not max_model_len: it "
+        out.append(f"vLLM {version} sizes the dummy video against max_num_batched_tokens, not max_model_len: it "
                    f"encodes {prof.tokens:,} of the {prof.max_tokens:,} tokens a video of the maximum size makes; "
                    "a real one that long encodes more at run time than the profile reserved for.")
     return out
-
-
-def startup_error(free: int, total: int, utilization: float) -> str:
-    """``Worker.init_device``'s refusal when less than ``total x utilization`` is free (verbatim)."""
-    requested = int(total * utilization)
-    return (f"Free memory on device ({free / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
-            f"than desired GPU memory utilization ({utilization}, {requested / GiB:.2f} GiB). "
-            "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 
 
 def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]) -> str:
@@ -451,10 +622,14 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append(f"--tensor-parallel-size {tp}")
     if pp > 1:
         parts.append(f"--pipeline-parallel-size {pp}")
-    parts += [f"--gpu-memory-utilization {st['gpu_memory_utilization']}", f"--max-model-len {st['max_model_len']}",
+    if not (st.get("enable_extensible_kv_cache") and st["gpu_memory_utilization"] == 1.0):  # 1.0: its default
+        parts.append(f"--gpu-memory-utilization {st['gpu_memory_utilization']}")
+    parts += [f"--max-model-len {st['max_model_len']}",
               f"--max-num-seqs {st['max_num_seqs']}", f"--max-num-batched-tokens {st['max_num_batched_tokens']}"]
-    if st["block_size"] != 16:
+    if st["block_size"] != Release.of(str(st.get("engine_version") or NEWEST)).block_size:
         parts.append(f"--block-size {st['block_size']}")
+    if st.get("enable_extensible_kv_cache") is False:
+        parts.append("--no-enable-extensible-kv-cache")
     if st["kv_cache_dtype"] != "auto":
         parts.append(f"--kv-cache-dtype {st['kv_cache_dtype']}")
     if quant != "none":

@@ -33,6 +33,10 @@ def to_doc(p: ServePlan) -> Doc:
               + ("" if p.starts else " — DOES NOT START"),
               subtitle=f"per GPU (TP {p.tp}, PP {p.pp}); GiB = 2^30 bytes; profile forward: {p.profile_method}")
     graphs = "inside" if p.cuda_graph_in_budget else "outside the budget"
+    if p.cuda_graph_estimate:
+        graphs = f"inside: {_gib(p.cuda_graph_estimate)} GiB estimated and taken from the budget"
+    elif p.kv_reserve:
+        graphs = "inside: measured"
     pool, pool_note, graph = _gib(p.kv_pool), f"{p.blocks:,} blocks × {p.block_size} tokens", _gib(p.cuda_graph)
     if not p.starts and not p.kv_pool:  # vLLM: stopped by its check, before the pool and the graphs
         pool, pool_note = "–", f"not allocated: {name} stops first ({p.blocks:,} blocks × {p.block_size} tokens would fit)"
@@ -44,11 +48,20 @@ def to_doc(p: ServePlan) -> Doc:
         ["weights", _gib(p.weights), _weights_note(p)],
         ["profile-run peak (activations)", _gib(p.profile_peak),
          f"vision encode {_gib(p.encoder_peak)} GiB" if p.encoder_peak else ""],
-        ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), ""],
+        ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), "" if p.non_torch or not p.context else
+         "before the first snapshot: outside"],
+    ]
+    if p.runner_buffers:
+        mem.append(["model runner's sampler state", _gib(p.runner_buffers), "allocated after the weights: inside"])
+    if p.kv_reserve:
+        mem.append(["kept free for transients", _gib(p.kv_reserve),
+                    "max(1 GiB, 0.75 P) + max(P, G)"])
+    mem += [
         ["available for the KV cache", _gib(p.kv_available), ""],
         ["KV-cache pool", pool, pool_note],
         ["CUDA graphs", graph, graphs],
-        ["CUDA context + kernels", _gib(p.context), "outside the budget"],
+        ["CUDA context + kernels" + (" (+ NCCL, cuBLAS)" if not p.non_torch and p.engine == "vllm" else ""),
+         _gib(p.context), "outside the budget"],
     ]
     if p.draft_buffers:
         mem.append(["speculative proposer buffers", _gib(p.draft_buffers), "outside the budget"])

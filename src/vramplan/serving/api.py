@@ -17,6 +17,7 @@ from vramplan.pools.base import check_quant, serving_dtype
 from vramplan.pools.mm import LIMIT_DEFAULT, MmSettings
 from vramplan.pools.result import ServePlan
 from vramplan.pools.spec import MTP_TYPES, SpecSettings
+from vramplan.pools.vllm_release import Release
 
 from . import sglang, tgi, trtllm, vllm
 
@@ -90,6 +91,8 @@ def serve_plan(
     mm_processor_kwargs: Mapping[str, Any] | None = None,
     skip_mm_profiling: bool = False,
     speculative_config: Mapping[str, Any] | None = None,
+    engine_version: str | None = None,
+    extensible_kv_cache: bool | None = None,
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -108,7 +111,9 @@ def serve_plan(
     default 999 each), ``mm_processor_kwargs`` (``max_pixels``, ``min_pixels``),
     ``skip_mm_profiling`` (:mod:`vramplan.pools.mm`). Speculative decoding (vLLM only):
     ``speculative_config`` as vLLM takes it (``method``, ``num_speculative_tokens``, ``model``: the
-    head's config.json or catalog name; :mod:`vramplan.pools.spec`).
+    head's config.json or catalog name; :mod:`vramplan.pools.spec`). ``engine_version`` (vLLM only):
+    the release whose sizing is followed, 0.9.2 … 0.34.0 (default the newest); ``extensible_kv_cache``
+    (vLLM 0.34 only): False for ``--no-enable-extensible-kv-cache``.
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -140,12 +145,16 @@ def serve_plan(
     if engine != "vllm" and (is_vlm(spec) or mm != MmSettings()):
         raise WorkloadError(f"serving a vision-language model is modelled for vLLM only ({spec.name} with "
                             f"{engine})", hint="use engine vllm")
+    if engine != "vllm" and (engine_version or extensible_kv_cache is not None):
+        raise WorkloadError(f"--engine-version and the extensible KV cache are modelled for vLLM; {engine} follows "
+                            f"one release", hint="drop --engine-version, or use --engine vllm", field="engine_version")
     if engine == "vllm":
+        rel = Release.of(engine_version)
         vs = vllm.VllmSettings(
-            mm=mm, spec=sp,
-            gpu_memory_utilization=memory_fraction if memory_fraction is not None else 0.9,
+            mm=mm, spec=sp, engine_version=rel.text, extensible_kv_cache=extensible_kv_cache,
+            gpu_memory_utilization=memory_fraction,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size or 16, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+            block_size=block_size, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
             cuda_graph_sizes=tuple(cuda_graph_sizes), enable_prefix_caching=enable_prefix_caching,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,

@@ -38,7 +38,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
             raise WorkloadError(f"quantised serving of a vision-language model ({spec.name}) is not modelled",
                                 hint="use quantization none")
         prof = mm.profile(spec, max_model_len=settings.max_model_len or text.max_positions,
-                          max_num_batched_tokens=mnbt, max_num_seqs=settings.max_num_seqs or rules.default_max_num_seqs(gpu),
+                          max_num_batched_tokens=mnbt, max_num_seqs=settings.max_num_seqs or rules.default_max_num_seqs(gpu, settings.engine_version),
                           mm=settings.mm)
         enc = encoder(spec, prof, dtype=dtype, tp=tp, gpu=gpu, out_hidden=text.hidden)
     return rules.plan(text, gpu, fwd, tp=tp, pp=pp, quant=quant, dtype=dtype, settings=settings,

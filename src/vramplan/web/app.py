@@ -303,12 +303,14 @@ def emit_formats() -> tuple[str, ...]:
 
 def serve_choices() -> dict[str, Any]:
     """The serving view's pickers: ``vramplan serve-plan``'s choices."""
+    from vramplan.pools.vllm_release import RELEASES
     from vramplan.serving.api import ENGINES, FRACTION_NAME
 
     return {"engines": list(ENGINES), "fraction_names": dict(FRACTION_NAME),
             "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes"],
             "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-            "spec_methods": ["none", "eagle", "eagle3", "deepseek_mtp", "ngram"]}
+            "spec_methods": ["none", "eagle", "eagle3", "deepseek_mtp", "ngram"],
+            "vllm_versions": list(RELEASES)}
 
 
 @functools.cache
@@ -375,6 +377,8 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
     method = (p.get("spec-method") or "").strip().lower()
     if method and method != "none":  # (the page's speculative decoding: no head config, the target's layer shape)
         opts["speculative_config"] = {"method": method, "num_speculative_tokens": _int(p, "spec-tokens", 3, minimum=1)}
+    if p.get("engine-version") and opts["engine"] == "vllm":  # (the other engines follow one release each)
+        opts["engine_version"] = p["engine-version"].strip()
     limits = {m: _int(p, f"limit-{m}s", 0, minimum=0) for m in ("image", "video") if p.get(f"limit-{m}s")}
     if limits:
         opts["limit_mm_per_prompt"] = limits

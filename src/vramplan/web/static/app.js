@@ -21,7 +21,7 @@ const JOBS = {
     set: {}, model: "flux1-dev-transformer" },
 };
 const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization",
-  "spec-method", "spec-tokens", "limit-images", "limit-videos"];
+  "spec-method", "spec-tokens", "limit-images", "limit-videos", "engine-version"];
 const SLIDERS = { batch: [0, 10], seq: [7, 17] }; // log2 ranges: batch 1–1,024, seq 128–131,072
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
 const SVGNS = "http://www.w3.org/2000/svg";
@@ -404,6 +404,7 @@ function serveLine() {
   for (const k of ["tp", "pp"]) if (s[k] && String(s[k]) !== "1") parts.push(`--${k} ${s[k]}`);
   for (const k of SERVE_KEYS) {
     if (!s[k] || (k === "serve-engine" && s[k] === "vllm")) continue;
+    if (k === "engine-version" && (s["serve-engine"] || "vllm") !== "vllm") continue; // (vLLM's releases only)
     parts.push(`--${k === "serve-engine" ? "engine" : k} ${s[k]}`);
   }
   parts.push("--json");
@@ -912,6 +913,7 @@ function buildForm() {
   const fill = (id, values) => { const s = document.getElementById(id); for (const v of values) { const o = document.createElement("option"); o.value = v; o.textContent = v; s.appendChild(o); } };
   fill("serve-engine", sv.engines); fill("kv-cache-dtype", sv.kv_cache_dtype); fill("quantization", sv.quantization);
   fill("spec-method", sv.spec_methods || ["none"]);
+  fill("engine-version", sv.vllm_versions || []);
 }
 
 function fillForm() {
