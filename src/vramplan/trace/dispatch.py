@@ -94,6 +94,12 @@ NO_META_KERNEL_INPLACE = frozenset(
     getattr(aten, n).default for n in ("_fused_sgd_", "_fused_adagrad_") if hasattr(aten, n)
 )
 """Fused optimizer kernels without a meta kernel: in-place, they allocate nothing."""
+WRAP_OP = "_c10d_functional._wrap_tensor_autograd.default"
+"""Functional collectives' wrapping of their output (torch >= 2.13: ``all_reduce`` & co. end in
+``_maybe_wrap_tensor`` → this custom op, which returns ``AsyncCollectiveTensor(input)``: a
+wrapper subclass without memory of its own, holding the collective's output). Its meta kernel is
+``empty_like(input)``, a second buffer while the output is still live; the trace runs it as
+``aten.alias`` instead (the output's storage, alive as long as the wrapper)."""
 TO_OPS = frozenset({aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other})
 """Copies that may leave the device (``.cpu()``: values needed); ``aten.to`` reaches the mode
 itself under inference mode."""
@@ -263,6 +269,8 @@ class TraceMode(TorchDispatchMode):
             # not follow autograd into its thread: FSDP2 all-gathers from backward hooks)
             kwargs = {**kwargs, "device": _META_DEVICE}
             to_device = True
+        if func.namespace == "_c10d_functional" and str(func) == WRAP_OP:
+            func = aten.alias.default
         rec = self.rec
         host_mem = rec.host
         op = self._op_ids.get(func)

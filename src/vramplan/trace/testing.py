@@ -195,6 +195,10 @@ def _storage_peak_mode() -> Any:
             self.peak = 0
             self.redispatch_dtensors = False
             """Hand DTensor ops to DTensor, which runs them on its local tensors (seen here)."""
+            self.skip_wrappers = False
+            """Leave out the storages of wrapper subclasses (functional collectives'
+            ``AsyncCollectiveTensor``): sized like the tensor they wrap, they hold no memory (no
+            data pointer); the wrapped tensor is counted."""
 
         def add(self, t: torch.Tensor) -> None:
             if t.device.type != "cpu" or t.is_sparse:
@@ -202,6 +206,11 @@ def _storage_peak_mode() -> Any:
             st = t.untyped_storage()
             if st.device.type != "cpu":  # a FakeTensor (DTensor's shape propagation): no memory
                 return
+            if self.skip_wrappers and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+                try:
+                    st.data_ptr()
+                except RuntimeError:  # "an invalid python storage": a wrapper subclass's
+                    return
             key = st._cdata
             if key in self.live:
                 return
@@ -298,9 +307,10 @@ def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     os._exit(0)
 
 
-def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[int]:
+def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[Any]:
     """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` spawned processes on a free local
-    port; each writes its integer result to ``tmp/rank<r>``, returned in rank order."""
+    port; each writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order."""
+    import json
     import os
     import socket
     import tempfile
@@ -324,7 +334,7 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
         out = []
         for r in range(nprocs):
             with open(os.path.join(tmp, f"rank{r}")) as f:
-                out.append(int(f.read()))
+                out.append(json.loads(f.read()))
     return out
 
 
@@ -417,6 +427,97 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             f.write(str(tracker.peak))
     finally:
         dist.destroy_process_group()
+
+
+def real_tp_generate_peaks(model_name: str, *, tp: int, prompt: int, new_tokens: int,
+                           timeout: float = 300.0) -> list[list[int]]:
+    """Each rank's storage peak per forward (the prefill, then each decode step; as
+    :func:`real_peak` measures it, the live bytes at the forward's start included) of a real CPU
+    run of the trace's greedy generation (:func:`.steps.generate_step`: a transformers
+    ``DynamicCache``, the prefill with ``logits_to_keep=1``, the last logits all-gathered) on
+    ``tp`` gloo processes: the catalog model ``model_name`` shrunk (:func:`tiny_spec`), bf16,
+    sharded by :func:`.tensor_parallel.apply_tensor_parallel` without sequence parallelism.
+
+    Two things differ from a bare measurement, both for memory that a CUDA run does not hold:
+    functional collectives' ``AsyncCollectiveTensor`` wrappers are not counted (their storage
+    has the wrapped tensor's size and no memory), and DTensor's sharding propagation runs inside
+    :func:`.dist.dtensor_metadata_unrecorded`, which breaks the frame ↔ traceback cycle torch
+    2.13 leaves per linear (otherwise the forward's activations stay alive until the next
+    garbage collection, and the figures depend on when it runs)."""
+    return _spawn_gloo(_tp_generate_worker, (tp, model_name, prompt, new_tokens), tp, timeout,
+                       "tensor-parallel generation")
+
+
+def _tp_generate_worker(rank: int, tp: int, model_name: str, prompt: int, new_tokens: int, tmp: str,
+                        env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import DynamicCache
+
+        from ..models.build import build_model, quiet
+        from .dist import dtensor_metadata_unrecorded
+        from .steps import _last_logits
+        from .tensor_parallel import apply_tensor_parallel
+
+        spec = tiny_spec(model_name)
+        torch.manual_seed(0)
+        with quiet():
+            model = build_model(spec, task="generate", device="cpu", dtype=torch.bfloat16)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), sp=False)
+        ids = torch.randint(0, spec.vocab, (1, prompt))
+        tracker = _StoragePeak()
+        tracker.redispatch_dtensors = True
+        tracker.skip_wrappers = True
+        for t in [*model.parameters(), *model.buffers(), ids]:
+            tracker.add(getattr(t, "_local_tensor", t))
+        peaks = []
+        with tracker, dtensor_metadata_unrecorded(), torch.inference_mode():
+            cache = DynamicCache(config=model.config)  # type: ignore[arg-type]
+            nxt = ids
+            for step in range(new_tokens):
+                tracker.peak = tracker.current
+                start = prompt + step - 1 if step else 0
+                pos = torch.arange(start, prompt + step)
+                kw: dict[str, Any] = {} if step else {"logits_to_keep": 1}
+                out = model(input_ids=nxt, use_cache=True, cache_position=pos, past_key_values=cache, **kw)
+                nxt = _last_logits(out).argmax(-1)
+                del out, pos
+                peaks.append(tracker.peak)
+            del cache, nxt
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(peaks))
+    finally:
+        dist.destroy_process_group()
+
+
+def forward_peaks(events: Any) -> list[int]:
+    """Peak live bytes of each phase a trace marks (a generation: the prefill, then each decode
+    step), the bytes live when it starts included: what :func:`real_tp_generate_peaks`
+    measures per forward."""
+    live: dict[int, int] = {}
+    cur, out = 0, []
+    for row in events.rows():
+        action = row["action"]
+        if action == "mark":
+            if row["op"] in ("prefill", "decode"):
+                out.append(cur)
+        elif action == "alloc":
+            live[row["id"]] = row["size"]
+            cur += row["size"]
+            if out:
+                out[-1] = max(out[-1], cur)
+        elif action in ("free", "free_deferred"):
+            cur -= live.pop(row["id"], 0)
+    return out
 
 
 def block_model(width: int = 128, blocks: int = 3) -> Any:
