@@ -282,3 +282,26 @@ def test_log_qwen3_235b_fp8_on_8_l40s_vllm_0_10_2() -> None:
     assert p.cuda_graph < 3.45 * GiB and not p.cuda_graph_in_budget
     usage = next(line for line in p.log if line.startswith("Free memory on device ("))
     assert " GiB for weight, " in usage and usage.endswith(" bytes.") and "Desired GPU memory utilization is (0.9, " in usage
+
+
+def test_multimodal_profile_per_release() -> None:
+    """The dummy item is built at max_num_batched_tokens to 0.10.x and at max_model_len from 0.11.0
+    (a Qwen2.5-VL video of 7 frame pairs at 128,000 tokens instead of one); 0.11.0 pads each image
+    output to the encoder budget (2 × 32,768 rows instead of 2 × 16,384 with 32,768 batched
+    tokens); model runner V2 (0.29.0 for multimodal models) frees the dummy pixels before the
+    language-model phase (docs/research/vllm-multimodal-profile.md §2b)."""
+    from vramplan.pools.mm import MmSettings, profile
+
+    spec = resolve("qwen2.5-vl-7b")
+    common = dict(max_model_len=128000, max_num_batched_tokens=8192, max_num_seqs=1024, mm=MmSettings())
+    old, new = profile(spec, version="0.10.1.1", **common), profile(spec, version="0.11.0", **common)
+    assert old is not None and new is not None
+    assert old.grid == (1, 256, 256) and new.grid == (7, 256, 256) and new.patches == 7 * old.patches
+    images = dict(common, max_num_batched_tokens=32768, mm=MmSettings(limit_video=0))
+    padded, plain = profile(spec, version="0.11.0", **images), profile(spec, version="0.12.0", **images)
+    assert padded is not None and plain is not None
+    assert padded.items == plain.items == 2 and padded.tokens == plain.tokens == 2 * 16384
+    assert padded.held_tokens == 2 * 32768 and plain.held_tokens == 0
+    kw = dict(model="qwen2.5-vl-7b", max_model_len=32768, limit_mm_per_prompt={"image": 1, "video": 0})
+    v1, v2 = plan("0.28.0", **kw), plan("0.29.0", **kw)
+    assert v1.encoder_held - v2.encoder_held == 65536 * 1176 * 4  # the fp32 pixels: 256 × 256 patches × 1176 values

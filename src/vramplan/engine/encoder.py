@@ -38,7 +38,7 @@ def encoder(spec: ModelSpec, prof: MmProfile | None, *, dtype: str, tp: int, gpu
         return Encoder(weights=weights, profile=None)
     act, patches = traced
     peak = math.ceil(act * prof.patches / patches) + prof.pixel_bytes
-    return Encoder(weights=weights, profile=prof, peak=peak, outputs=prof.tokens * out_hidden * _bytes(dtype),
+    return Encoder(weights=weights, profile=prof, peak=peak, outputs=(prof.held_tokens or prof.tokens) * out_hidden * _bytes(dtype),
                    method=f"trace of {patches:,} patches, scaled to {prof.patches:,}")
 
 

@@ -78,9 +78,11 @@ class MmProfile:
     patches: int
     """Patches the vision tower encodes in all (``items`` dummy items)."""
     tokens: int
-    """Rows of the encoder outputs held through the language-model phase."""
+    """Rows of the encoder outputs (what the tower computes)."""
     pixel_values: tuple[int, ...]
     """Shape of the dummy pixel tensor."""
+    held_tokens: int = 0
+    """Rows held through the language-model phase (0: ``tokens``; vLLM 0.11.0 pads each output to the budget)."""
 
     @property
     def pixel_bytes(self) -> int:
@@ -131,9 +133,17 @@ def check(spec: ModelSpec, mm: MmSettings) -> None:
 
 
 def profile(spec: ModelSpec, *, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-            mm: MmSettings) -> MmProfile | None:
-    """The dummy items vLLM 0.10.1.1 encodes at start-up; None for a text model, with both limits
-    0, or with ``skip_mm_profiling``."""
+            mm: MmSettings, version: str = "0.10.1.1") -> MmProfile | None:
+    """The dummy items vLLM ``version`` encodes at start-up; None for a text model, with both limits
+    0, or with ``skip_mm_profiling``. Up to 0.10.x the dummy item is built at
+    ``seq_len=max_num_batched_tokens``; from 0.11.0 at ``max_model_len`` (0.11.0
+    ``gpu_model_runner.py:2867-2894``; 0.19.1 and 0.34.0 through the registry / processor's
+    ``get_dummy_mm_inputs``); 0.11.0 alone pads every output to the encoder budget's rows
+    (``:3370-3385``; 0.12.0 pads to the modality's own maximum, later releases not at all;
+    docs/research/vllm-multimodal-profile.md §2b)."""
+    from .vllm_release import Release
+
+    rel = Release.of(version)
     if not vlm.is_vlm(spec) or mm.skip_mm_profiling:
         return None
     family = vlm.PROCESSORS[spec.model_type].family
@@ -159,14 +169,17 @@ def profile(spec: ModelSpec, *, max_model_len: int, max_num_batched_tokens: int,
     items = max(1, min(budget // max_tok, max_num_seqs * per_prompt))
     patch = vlm.patch_size(spec)
     side_h, side_w = image.height // patch, image.width // patch
-    # the dummy item: ``mm_counts={modality: 1}`` at ``seq_len=max_num_tokens``
-    temporal = video(max_num_batched_tokens, False)[1] if modality == "video" else 1
+    # the dummy item: ``mm_counts={modality: 1}`` at ``seq_len=max_num_tokens`` (from 0.11.0 max_model_len)
+    dummy_len = max_model_len if rel.since("0.11.0") else max_num_batched_tokens
+    temporal = video(dummy_len, False)[1] if modality == "video" else 1
     rows = temporal * side_h * side_w * items
     pixels = vlm.pixel_shape(spec, images=items, patches=rows, height=image.height, width=image.width)
     # encoder outputs: Qwen-VL's merged patches (a frame pair's tokens per temporal patch), else the tokens per image
     out_tokens = temporal * image.tokens * items
+    held = items * budget if rel.since("0.11.0") and not rel.since("0.11.1") and budget > out_tokens // items else 0
     return MmProfile(modality=modality, budget=budget, items=items, max_tokens=max_tok,
-                     grid=(temporal, side_h, side_w), patches=rows, tokens=out_tokens, pixel_values=pixels)
+                     grid=(temporal, side_h, side_w), patches=rows, tokens=out_tokens, pixel_values=pixels,
+                     held_tokens=held)
 
 
 def _largest_image(spec: ModelSpec, mm: MmSettings) -> vlm.ImageTokens:

@@ -329,7 +329,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         raise WorkloadError(f"the extensible KV cache is vLLM 0.34's; {rel.text} sizes the cache from its profile",
                             hint="drop enable_extensible_kv_cache, or use --engine-version 0.34.0",
                             field="enable_extensible_kv_cache")
-    moe = spec.is_moe
+    # model runner V2 took dense text models from 0.25.0 and the rest (MoE, multimodal) from 0.29.0
+    moe = spec.is_moe or encoder is not None
     utilization = s.gpu_memory_utilization if s.gpu_memory_utilization is not None else rel.default_utilization(ext)
     block_size = s.block_size or rel.block_size
     total, _ = usable_capacity(gpu)
@@ -361,7 +362,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     prof = encoder.profile if encoder is not None else None
     held = 0
     if encoder is not None and prof is not None:  # profile_run: the encode, then the LM with the outputs held
-        held = encoder.outputs + prof.pixel_bytes
+        # (the V1 runner keeps the dummy pixel batch in a local through the LM phase; V2 frees it in the encoder runner)
+        held = encoder.outputs + (0 if rel.v2_runner(moe) else prof.pixel_bytes)
         peak = max(encoder.peak, held + lm_phase)
     # memory outside PyTorch that the first snapshot does not see yet, so the budget pays for it
     non_torch = (out.cublas if rel.cublas_in_budget else 0) + ((out.later - out.cublas) if rel.nccl_in_budget else 0)
@@ -396,7 +398,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     notes += _budget_notes(rel, ext, utilization, s.gpu_memory_utilization is not None, out.later - non_torch,
                            buffers, max_num_seqs, graphs, graph_estimate, estimated, full, reserve, peak)
     if encoder is not None:
-        notes += _encoder_notes(encoder, held, lm_phase, s.mm, rel.text)
+        notes += _encoder_notes(encoder, held, lm_phase, s.mm, rel)
     if draft is not None:
         notes += list(draft.notes)
         later = runtime_logits(spec.vocab, max_num_seqs, mnbt, draft.k, compute)
@@ -409,9 +411,13 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
     notes += lora_notes
-    if (lora_notes or draft is not None or encoder is not None) and not rel.text.startswith("0.10"):
-        notes.append(f"The multi-LoRA, speculative-decoding and multimodal parts follow vLLM 0.10.1.1's code "
-                     f"(not re-read for {rel.text}).")
+    if (lora_notes or draft is not None) and not rel.text.startswith("0.10"):
+        notes.append(f"The multi-LoRA and speculative-decoding parts follow vLLM 0.10.1.1's code (not re-read for "
+                     f"{rel.text}).")
+    if encoder is not None and rel.since("0.11.0"):
+        notes.append("The multimodal profile's rules per release (the dummy item at max_model_len from 0.11.0, "
+                     "0.11.0's padded outputs, the pixels freed by model runner V2) were read in 0.10.1.1, 0.10.2, "
+                     "0.11.0, 0.12.0, 0.19.1 and 0.34.0; vLLM's own vision tower is transformers' here.")
     if s.enable_prefix_caching:
         notes.append("Prefix caching shares blocks between requests with a common prefix; it does not change the pool size.")
     hint = _hint(ext, utilization, after=False)
@@ -590,7 +596,7 @@ def _weight_bytes(fwd: Forward, spec: ModelSpec, tp: int, pp: int) -> float:
     return max(0.5, min(4.0, fwd.weights * tp * pp / params))
 
 
-def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings, version: str) -> list[str]:
+def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings, rel: Release) -> list[str]:
     """What the vision tower adds to the start-up (see :mod:`.mm`)."""
     prof = enc.profile
     out = [f"Vision tower and projector: {enc.weights / GiB:.2f} GiB of the weights (loaded with the model)."]
@@ -607,10 +613,14 @@ def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings, versi
         f"Multimodal profile: {prof.items} {prof.modality} item(s) of the maximum size, {t}×{h}×{w} patches each "
         f"({prof.patches:,} patches, {prof.tokens:,} encoder tokens; {prof.max_tokens:,} tokens per item for "
         f"scheduling), encoded in one forward: peak {enc.peak / GiB:.2f} GiB ({enc.method}, fp32 dummy pixels "
-        f"included); the outputs and pixels ({held / GiB:.2f} GiB) stay through the language-model phase "
+        f"included); the outputs{'' if rel.v2_runner(True) else ' and pixels'} ({held / GiB:.2f} GiB) stay through "
+        "the language-model phase "
         f"({lm_phase / GiB:.2f} GiB): the larger of the two is the profile's peak.")
-    if prof.modality == "video" and prof.tokens < prof.max_tokens:
-        out.append(f"vLLM {version} sizes the dummy video against max_num_batched_tokens, not max_model_len: it "
+    if prof.held_tokens:
+        out.append(f"vLLM {rel.text} pads each encoder output to the encoder budget ({prof.budget:,} rows) while the "
+                   "language-model phase runs.")
+    if prof.modality == "video" and prof.tokens < prof.max_tokens and not rel.since("0.11.0"):
+        out.append(f"vLLM {rel.text} sizes the dummy video against max_num_batched_tokens, not max_model_len: it "
                    f"encodes {prof.tokens:,} of the {prof.max_tokens:,} tokens a video of the maximum size makes; "
                    "a real one that long encodes more at run time than the profile reserved for.")
     return out

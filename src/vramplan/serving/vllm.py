@@ -39,7 +39,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
                                 hint="use quantization none")
         prof = mm.profile(spec, max_model_len=settings.max_model_len or text.max_positions,
                           max_num_batched_tokens=mnbt, max_num_seqs=settings.max_num_seqs or rules.default_max_num_seqs(gpu, settings.engine_version),
-                          mm=settings.mm)
+                          mm=settings.mm, version=settings.engine_version)
         enc = encoder(spec, prof, dtype=dtype, tp=tp, gpu=gpu, out_hidden=text.hidden)
     return rules.plan(text, gpu, fwd, tp=tp, pp=pp, quant=quant, dtype=dtype, settings=settings,
                       avg_request_len=avg_request_len, encoder=enc)
