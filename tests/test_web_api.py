@@ -621,6 +621,20 @@ def test_serving_view_takes_speculative_decoding_and_multimodal_limits(client, c
         assert r.status_code == 400 and r.json()["field"] == field, r.text
 
 
+def test_serving_view_follows_the_vllm_release_picked(client, capsys):
+    """The page's vLLM version picker is serve-plan's --engine-version (the other engines ignore it)."""
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&engine-version=0.10.1.1")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, *SERVE_CLI, "--engine-version", "0.10.1.1", "--json")
+    assert r.json()["engine_version"] == "0.10.1.1" and r.json()["block_size"] == 16
+    assert client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm").json()["engine_version"] == "0.34.0"
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&serve-engine=sglang&engine-version=0.10.1.1")
+    assert r.status_code == 200 and r.json()["engine"] == "sglang"
+    versions = client.get("/api/catalog").json()["serve"]["vllm_versions"]
+    assert versions[0] == "0.34.0" and "0.10.1.1" in versions and versions == sorted(versions, key=lambda v: tuple(
+        int(x) for x in v.split(".")), reverse=True)
+
+
 def test_serving_view_carries_the_terminals_document(client):
     from vramplan.report.serving import to_doc
     from vramplan.serving import serve_plan
@@ -637,7 +651,8 @@ def test_serving_view_carries_the_terminals_document(client):
     ("memory-fraction=1.5", "memory-fraction"), ("memory-fraction=x", "memory-fraction"),
     ("tp=3", "tp"), ("max-model-len=10000000", "max-model-len"), ("max-model-len=0", "max-model-len"),
     ("serve-engine=nope", "serve-engine"), ("kv-cache-dtype=int3", "kv-cache-dtype"), ("serve-engine=tgi&pp=2", "pp"),
-    ("max-num-seqs=x", "max-num-seqs"), ("gpu=", None),
+    ("max-num-seqs=x", "max-num-seqs"), ("gpu=", None), ("engine-version=0.7.3", "engine-version"),
+    ("engine-version=latest", "engine-version"),
 ])
 def test_serving_mistakes_are_marked_on_their_field(client, query, field):
     r = client.get(f"/api/serve?model=llama-3.1-8b&gpu=h100-sxm&{query}")
