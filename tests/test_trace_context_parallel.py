@@ -98,3 +98,17 @@ def test_context_with_ddp_is_refused_with_the_fix():
     with pytest.raises(TraceError, match="context parallelism is traced with FSDP2"):
         estimate(tiny_spec("llama-3.1-8b"), Workload(task="train", seq=256, parallel=Parallel(dp=2, cp=2)),
                  method="trace", search_max_batch=False)
+
+
+def test_a_trace_after_another_world_does_not_reuse_its_meshes():
+    """Two distributed traces in one process (the planner traces several layouts; a library user
+    calls estimate() again): DTensor's sharding propagation caches an op's output spec, mesh
+    included, and meshes compare by shape and names, so the tp mesh of a (dp=4, tp=2) world
+    answered for the tp mesh of a later (dp=2, cp=2, tp=2) one, and its collectives named a
+    process group of the destroyed world ("Could not resolve the process group registered under
+    the name 3")."""
+    spec = tiny_spec("llama-3.1-8b")
+    trace_workload(spec, Workload(task="train", batch=1, seq=32, parallel=Parallel(dp=4, tp=2, zero=3)), iterations=1)
+    tr = trace_workload(spec, Workload(task="train", batch=1, seq=256,
+                                       parallel=Parallel(dp=2, cp=2, tp=2, sp=True, zero=3)), iterations=1)
+    assert any("rank 0 of cp=2" in n for n in tr.notes) and any("rank 0 of tp=2" in n for n in tr.notes)

@@ -157,6 +157,7 @@ def _teardown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_sharding_propagation()
     with contextlib.suppress(Exception):  # mesh caches (names vary across torch versions)
         from torch.distributed.device_mesh import _mesh_resources
 
@@ -165,6 +166,26 @@ def _teardown() -> None:
             v: Any = getattr(_mesh_resources, attr, None)
             if hasattr(v, "clear"):
                 v.clear()
+
+
+def _forget_sharding_propagation() -> None:
+    """Empty DTensor's sharding propagation caches (the C++ fast path's and the Python one).
+
+    They map an op's input specs to its output specs, meshes included, and a ``DeviceMesh``
+    compares by value (ranks, layout, dim names): ``mesh["tp"]`` of a later world of another
+    shape (dp=4 × tp=2, then dp=2 × cp=2 × tp=2) equals this world's, so the later trace's op
+    would get this world's mesh back, whose collectives name this world's destroyed groups
+    (group names restart at "0" with each world: "Could not resolve the process group
+    registered under the name 3", or quietly another group of the same name)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        return
+    with contextlib.suppress(Exception):  # older: the Python cache only
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 @contextlib.contextmanager
