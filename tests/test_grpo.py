@@ -271,10 +271,19 @@ def test_multinomial_holds_a_temporary_the_size_of_the_probabilities() -> None:
     assert temps == [8 * 1000 * 4] * 2  # (one per traced iteration)
 
 
-def test_a_step_is_a_rollout_then_the_micro_steps() -> None:
+def _llama_1b_two_layers() -> Any:
+    """Llama-3.2-1B at its full width, cut to 2 layers: what the step tests check holds per layer
+    and per phase (every layer is traced here: the GRPO step's notes keep layers from being
+    replicated), so 2 layers check it as 16 do, at an eighth of the trace."""
     from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
 
     spec = resolve("llama-3.2-1b")
+    return spec_from_config({**spec.config, "num_hidden_layers": 2}, name="llama-3.2-1b-2l", source=spec.source)
+
+
+def test_a_step_is_a_rollout_then_the_micro_steps() -> None:
+    spec = _llama_1b_two_layers()
     w = Workload(task="train", batch=2, grad_accum=2, seq=80, prompt=16, precision="bf16-mixed", objective="grpo",
                  generations=4, peft="lora")
     r = trace_workload(spec, w)
@@ -376,10 +385,9 @@ def test_the_colocated_engine_takes_its_blocks_around_the_trainers_step(sleep: b
     KV cache and graphs' pool held through the training phases (sleep mode: the graphs' pool only),
     all of them and its activations at the generation; sleep mode empties the cache before it wakes
     and when it sleeps."""
-    from vramplan.models.catalog import resolve
     from vramplan.target import DEFAULT_PROFILE, RolloutEngine
 
-    spec = resolve("llama-3.2-1b")
+    spec = _llama_1b_two_layers()
     w = Workload(task="train", batch=2, grad_accum=2, seq=48, prompt=16, precision="bf16-mixed", objective="grpo",
                  generations=4, peft="lora", rollout="vllm", vllm_sleep=sleep)
     zero = RolloutEngine(engine="none", budget=0, weights=0, kv_pool=0, graphs=0, activations=0, sleep=sleep)
