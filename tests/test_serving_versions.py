@@ -305,3 +305,52 @@ def test_multimodal_profile_per_release() -> None:
     kw = dict(model="qwen2.5-vl-7b", max_model_len=32768, limit_mm_per_prompt={"image": 1, "video": 0})
     v1, v2 = plan("0.28.0", **kw), plan("0.29.0", **kw)
     assert v1.encoder_held - v2.encoder_held == 65536 * 1176 * 4  # the fp32 pixels: 256 × 256 patches × 1176 values
+
+
+# --- the host KV tier (--kv-offloading-size) -------------------------------------------------
+def test_native_offloading_from_0_27_is_one_shm_region_of_whole_chunks() -> None:
+    """0.27+: ⌊S·2^30 / c⌋ chunks of c = roundup(b·W, 4096) bytes in one /dev/shm region per engine,
+    each rank pinning its own b per chunk; the GPU pool is sized before the connector exists
+    (docs/research/vllm-kv-offload.md §1.3-1.5)."""
+    base = plan("0.34.0", model="qwen3-8b")
+    p = plan("0.34.0", model="qwen3-8b", kv_offloading_size=10)
+    b = 36 * 64 * 8 * 128 * 2 * 2  # one 64-token block of Qwen3-8B's 36 layers, this rank
+    chunks = 10 * 2**30 // b
+    assert (p.host_kv_tokens, p.host_kv, p.host_kv_shared) == (chunks * 64, chunks * b, chunks * b)
+    assert p.kv_pool == base.kv_pool and p.tokens == base.tokens and p.connector_gpu == 0
+    assert any(line.startswith("Created mmap file /dev/shm/vllm_offload_") for line in p.log)
+    assert "--kv-offloading-size 10" in p.command
+    two = plan("0.34.0", model="qwen3-8b", kv_offloading_size=10, tp=2)  # S is over all ranks
+    assert two.host_kv_tokens == p.host_kv_tokens and two.host_kv == p.host_kv // 2
+
+
+def test_native_offloading_0_14_to_0_26_pins_power_of_two_tensors_per_layer() -> None:
+    """0.14–0.26: N = ⌊S·2^30 / (b·W)⌋ blocks, one pinned tensor per layer per rank, each rounded up to
+    a power of two by PyTorch's pinned allocator: Qwen3-8B, 10 GiB → 4,551 blocks, 18 GiB pinned."""
+    p = plan("0.20.0", model="qwen3-8b", kv_offloading_size=10)
+    assert p.host_kv_tokens == 4551 * 16 and p.host_kv == 36 * 512 * 2**20
+
+
+def test_lmcache_in_process_then_its_own_server() -> None:
+    """0.11.1–0.22.x: LMCacheConnectorV1 in vLLM's process: S/(TP·PP) GiB per rank and a GPU buffer of
+    layers × 2 × 256 tokens × KV heads × head size outside the budget; from 0.23.0 LMCacheMPConnector
+    (a separate server: nothing in vLLM's process)."""
+    p = plan("0.20.0", model="qwen3-8b", kv_offloading_size=10, kv_offloading_backend="lmcache", tp=2)
+    assert p.host_kv == 5 * 2**30 and p.connector_gpu == 36 * 2 * 256 * 4 * 128 * 2
+    assert p.device_used - plan("0.20.0", model="qwen3-8b", tp=2).device_used == p.connector_gpu
+    q = plan("0.23.0", model="qwen3-8b", kv_offloading_size=10, kv_offloading_backend="lmcache")
+    assert q.host_kv == q.connector_gpu == 0 and any("lmcache server" in n for n in q.notes)
+
+
+def test_offloading_refusals_and_the_hybrid_manager() -> None:
+    """The flags appear in 0.11.1; native's flag path is broken to 0.13.x (num_cpu_blocks 0); up to
+    0.21.x any connector turns the hybrid manager off (Gemma 2's sliding layers sized as full)."""
+    with pytest.raises(WorkloadError, match="appears in vLLM 0.11.1"):
+        plan("0.10.1.1", kv_offloading_size=4)
+    with pytest.raises(WorkloadError, match="num_cpu_blocks 0"):
+        plan("0.12.0", kv_offloading_size=4)
+    with pytest.raises(WorkloadError, match="modelled for vLLM"):
+        serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", kv_offloading_size=4)
+    g = dict(model="gemma-2-9b", max_model_len=8192)
+    assert plan("0.21.0", kv_offloading_size=4, **g).layer_kinds == {"full": 42}
+    assert plan("0.22.0", kv_offloading_size=4, **g).layer_kinds == plan("0.22.0", **g).layer_kinds != {"full": 42}

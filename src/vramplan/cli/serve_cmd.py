@@ -61,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serving engine (default vllm); all: the four side by side")
     g = p.add_argument_group("engine settings (engine defaults when omitted)")
     g.add_argument("--engine-version", help="vLLM: the release to follow, 0.9.2 … 0.34.0 (default the newest, 0.34.0)")
+    g.add_argument("--kv-offloading-size", type=float,
+                   help="vLLM ≥ 0.11.1: GiB of host KV tier over all ranks (host RAM, tokens, /dev/shm)")
+    g.add_argument("--kv-offloading-backend", default="native", choices=["native", "lmcache"],
+                   help="vLLM: the tier's backend (default native)")
     g.add_argument("--no-enable-extensible-kv-cache", dest="extensible_kv_cache", action="store_const", const=False,
                    default=None, help="vLLM 0.34: size the KV cache from the profile, not after warm-up and capture")
     g.add_argument("--tp", "--tensor-parallel-size", "--num-shard", dest="tp", type=int, default=1,
@@ -134,7 +138,9 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                 **({"skip_mm_profiling": True} if args.skip_mm_profiling else {}),
                 **({"speculative_config": args.speculative_config} if args.speculative_config is not None else {}),
                 **({"engine_version": args.engine_version} if args.engine_version else {}),
-                **({"extensible_kv_cache": False} if args.extensible_kv_cache is False else {}))
+                **({"extensible_kv_cache": False} if args.extensible_kv_cache is False else {}),
+                **({"kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend}
+                   if args.kv_offloading_size is not None else {}))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -90,6 +90,14 @@ class ServePlan:
     """vLLM 0.34's extensible KV cache: memory kept free below the pool (the transient reserve and its margin)."""
     cuda_graph_estimate: int = 0
     """vLLM ≥ 0.20: the CUDA-graph estimate taken from the budget (0: none taken)."""
+    host_kv: int = 0
+    """vLLM's KV offload tier: host RAM this rank pins for it."""
+    host_kv_shared: int = 0
+    """vLLM ≥ 0.27's native tier: the ``/dev/shm`` region per engine (all ranks' slots)."""
+    host_kv_tokens: int = 0
+    """Tokens the host tier holds (0: none, or outside vLLM's process)."""
+    connector_gpu: int = 0
+    """A KV connector's own device buffer, outside the budget (in ``device_used``; LMCache in-process)."""
 
     @property
     def gpus(self) -> int:

@@ -57,6 +57,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
 from vramplan.units import GiB
 
+from . import offload as kvoff
 from .base import Forward, cdiv, outside
 from .kvspec import LayerKV, bytes_per_token, layer_specs
 from .mm import LIMIT_DEFAULT, Encoder, MmSettings
@@ -90,6 +91,9 @@ class VllmSettings:
     disable_hybrid_kv_cache_manager: bool = False
     extensible_kv_cache: bool | None = None
     """0.34.0's extensible KV cache (None: on, its default on CUDA)."""
+    kv_offloading_size: float | None = None
+    """GiB of host KV tier over all ranks (``--kv-offloading-size``, from 0.11.1; :mod:`.offload`)."""
+    kv_offloading_backend: str = "native"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -338,9 +342,12 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     max_num_seqs = s.max_num_seqs or default_max_num_seqs(gpu, s.engine_version)
     max_model_len = s.max_model_len or spec.max_positions
     inflight = rel.inflight_tokens(mnbt, pp)
+    kvoff.check(rel, s.kv_offloading_size, s.kv_offloading_backend)
+    no_hybrid = s.disable_hybrid_kv_cache_manager or kvoff.disables_hybrid(rel, s.kv_offloading_size,
+                                                                           s.kv_offloading_backend)
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="vllm",
-                         sliding=not s.disable_hybrid_kv_cache_manager)
-    if s.disable_hybrid_kv_cache_manager:
+                         sliding=not no_hybrid)
+    if no_hybrid:
         layers = tuple(LayerKV("full", x.kv_heads, x.head_size, x.dtype_bytes) if x.kind == "sliding" else x
                        for x in layers)
     world = tp * pp
@@ -458,6 +465,15 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     pool = cfg.pool_bytes if error is None else 0
     graphs = graphs if error is None else 0
     proposer = draft.buffers if draft is not None else 0
+    tier = None
+    if s.kv_offloading_size is not None:
+        block_bytes = cfg.pool_bytes // cfg.num_blocks if cfg.num_blocks else sum(x.page_bytes(block_size) for x in layers)
+        tier = kvoff.offload(rel, s.kv_offloading_size, s.kv_offloading_backend, block_bytes=block_bytes,
+                             block_size=block_size, tp=tp, pp=pp, layers=layers,
+                             sliding=any(x.kind == "sliding" for x in layer_specs(spec, tp=tp, pp=pp, engine="vllm",
+                                                                                  kv_cache_dtype=s.kv_cache_dtype)))
+        notes += list(tier.notes)
+        proposer += tier.gpu
     resident_peak = 0 if ext else peak  # the extensible cache sizes after empty_cache()
     used = out.context + out.later + weights + buffers + resident_peak + pool + graphs + proposer
     if used > total and error is None:
@@ -484,12 +500,16 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                 log.append(usage)
             log += size_lines
             log.append(f"Extended KV cache to {cfg.num_blocks} blocks ({pool / GiB:.2f} GiB).")
+            if tier is not None:
+                log += tier.log
         else:
             log += size_lines
             if sizes:
                 log.append(f"Graph capturing finished, took {graphs / GiB:.2f} GiB")
             if usage:
                 log.append(usage)
+            if tier is not None:
+                log += tier.log
     else:
         log.append(f"ValueError: {error}")
     settings_out: dict[str, object] = {
@@ -502,6 +522,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     }
     if rel.since("0.34.0"):
         settings_out["enable_extensible_kv_cache"] = ext
+    if s.kv_offloading_size is not None:
+        settings_out.update({"kv_offloading_size": s.kv_offloading_size, "kv_offloading_backend": s.kv_offloading_backend})
     if draft is not None:
         settings_out["speculative_config"] = {"method": draft.method, "num_speculative_tokens": draft.k,
                                               **({"model": s.spec.draft_name} if s.spec.draft_name else {})}
@@ -528,6 +550,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         encoder_held=held, draft_weights=draft.weights if draft is not None else 0,
         draft_layers=draft.layers if draft is not None else 0, draft_buffers=proposer,
         runner_buffers=buffers, kv_reserve=reserve, cuda_graph_estimate=graph_estimate,
+        host_kv=tier.host_per_rank if tier is not None else 0, host_kv_shared=tier.host_shared if tier is not None else 0,
+        host_kv_tokens=tier.cpu_tokens if tier is not None else 0, connector_gpu=tier.gpu if tier is not None else 0,
     )
 
 
@@ -661,4 +685,8 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append("--skip-mm-profiling")
     if st.get("speculative_config"):
         parts.append(f"--speculative-config '{json.dumps(st['speculative_config'])}'")
+    if st.get("kv_offloading_size") is not None:
+        parts.append(f"--kv-offloading-size {st['kv_offloading_size']}")
+        if st.get("kv_offloading_backend") != "native":
+            parts.append(f"--kv-offloading-backend {st['kv_offloading_backend']}")
     return " ".join(parts)

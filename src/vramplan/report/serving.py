@@ -65,6 +65,8 @@ def to_doc(p: ServePlan) -> Doc:
     ]
     if p.draft_buffers:
         mem.append(["speculative proposer buffers", _gib(p.draft_buffers), "outside the budget"])
+    if p.connector_gpu:
+        mem.append(["KV connector buffer (LMCache)", _gib(p.connector_gpu), "outside the budget"])
     doc.add(Table(["memory per GPU", "GiB", "note"], mem, title="Start-up sizing", align=["l", "r", "l"],
                   footer=["predicted device used", _gib(p.device_used), ""]))
     users = [("KV cache size", f"{p.tokens:,} tokens ({p.bytes_per_token:,} B per token per GPU)"),
@@ -72,6 +74,9 @@ def to_doc(p: ServePlan) -> Doc:
              ("engine's concurrency limit", f"{p.max_running:,} sequences")]
     if p.avg_request_len:
         users.append((f"concurrency at {p.avg_request_len:,} tokens", _x(p.concurrency_at_avg)))
+    if p.host_kv or p.host_kv_tokens:
+        shm = f"; /dev/shm region {_gib(p.host_kv_shared)} GiB per engine" if p.host_kv_shared else ""
+        users.append(("host KV tier", f"{p.host_kv_tokens:,} tokens; {_gib(p.host_kv)} GiB host RAM per rank{shm}"))
     doc.add(KeyValues(users, title="What it means for users" if p.starts else
                       "What it would mean for users, had it started"))
     doc.add(KeyValues([(k, str(v)) for k, v in p.settings.items()], title="Settings in effect"))

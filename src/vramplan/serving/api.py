@@ -93,6 +93,8 @@ def serve_plan(
     speculative_config: Mapping[str, Any] | None = None,
     engine_version: str | None = None,
     extensible_kv_cache: bool | None = None,
+    kv_offloading_size: float | None = None,
+    kv_offloading_backend: str = "native",
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -113,7 +115,9 @@ def serve_plan(
     ``speculative_config`` as vLLM takes it (``method``, ``num_speculative_tokens``, ``model``: the
     head's config.json or catalog name; :mod:`vramplan.pools.spec`). ``engine_version`` (vLLM only):
     the release whose sizing is followed, 0.9.2 … 0.34.0 (default the newest); ``extensible_kv_cache``
-    (vLLM 0.34 only): False for ``--no-enable-extensible-kv-cache``.
+    (vLLM 0.34 only): False for ``--no-enable-extensible-kv-cache``; ``kv_offloading_size`` (GiB over
+    all ranks) and ``kv_offloading_backend`` (``native`` | ``lmcache``): vLLM's host KV tier
+    (:mod:`vramplan.pools.offload`).
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -145,13 +149,14 @@ def serve_plan(
     if engine != "vllm" and (is_vlm(spec) or mm != MmSettings()):
         raise WorkloadError(f"serving a vision-language model is modelled for vLLM only ({spec.name} with "
                             f"{engine})", hint="use engine vllm")
-    if engine != "vllm" and (engine_version or extensible_kv_cache is not None):
+    if engine != "vllm" and (engine_version or extensible_kv_cache is not None or kv_offloading_size is not None):
         raise WorkloadError(f"--engine-version and the extensible KV cache are modelled for vLLM; {engine} follows "
                             f"one release", hint="drop --engine-version, or use --engine vllm", field="engine_version")
     if engine == "vllm":
         rel = Release.of(engine_version)
         vs = vllm.VllmSettings(
             mm=mm, spec=sp, engine_version=rel.text, extensible_kv_cache=extensible_kv_cache,
+            kv_offloading_size=kv_offloading_size, kv_offloading_backend=(kv_offloading_backend or "native").strip().lower(),
             gpu_memory_utilization=memory_fraction,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
