@@ -630,6 +630,11 @@ def test_serving_view_follows_the_vllm_release_picked(client, capsys):
     assert client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm").json()["engine_version"] == "0.34.0"
     r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&serve-engine=sglang&engine-version=0.10.1.1")
     assert r.status_code == 200 and r.json()["engine"] == "sglang"
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&kv-offloading-size=8")
+    assert r.status_code == 200 and r.json() == cli_json(capsys, *SERVE_CLI, "--kv-offloading-size", "8", "--json")
+    assert r.json()["host_kv_tokens"] > 0
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&kv-offloading-size=8&engine-version=0.12.0")
+    assert r.status_code == 400 and r.json()["field"] == "kv-offloading-size", r.text
     versions = client.get("/api/catalog").json()["serve"]["vllm_versions"]
     assert versions[0] == "0.34.0" and "0.10.1.1" in versions and versions == sorted(versions, key=lambda v: tuple(
         int(x) for x in v.split(".")), reverse=True)

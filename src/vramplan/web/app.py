@@ -379,6 +379,12 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
         opts["speculative_config"] = {"method": method, "num_speculative_tokens": _int(p, "spec-tokens", 3, minimum=1)}
     if p.get("engine-version") and opts["engine"] == "vllm":  # (the other engines follow one release each)
         opts["engine_version"] = p["engine-version"].strip()
+    if p.get("kv-offloading-size"):
+        try:
+            opts["kv_offloading_size"] = float(p["kv-offloading-size"])
+        except ValueError:
+            raise FieldError(f"--kv-offloading-size must be a number of GiB, got {p['kv-offloading-size']!r}",
+                             field="kv-offloading-size", hint="e.g. 16") from None
     limits = {m: _int(p, f"limit-{m}s", 0, minimum=0) for m in ("image", "video") if p.get(f"limit-{m}s")}
     if limits:
         opts["limit_mm_per_prompt"] = limits

@@ -44,7 +44,7 @@ SEARCH_KEYS = ("gpus", "budget", "global-batch", "allow-peft", "sort")
 """Planner options (``vramplan plan`` flags) the page sends to the plan and GPU views."""
 SERVE_KEYS = ("serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
               "block-size", "kv-cache-dtype", "quantization", "avg-request-len", "spec-method", "spec-tokens",
-              "limit-images", "limit-videos", "engine-version")
+              "limit-images", "limit-videos", "engine-version", "kv-offloading-size")
 """``vramplan serve-plan`` flags the serving view sends (its TP and PP are the layout's; its
 ``--engine`` is ``serve-engine``, as ``engine`` is the parallel layout's framework)."""
 PAGE_KEYS = ("model", "gpu", "method", "config", *SEARCH_KEYS, *SERVE_KEYS)
@@ -478,7 +478,7 @@ def serve_field(e: BaseException) -> str | None:
     """The serving view's key an error of :func:`vramplan.serving.serve_plan` is about (its
     messages name the engine's own settings, as the engine would)."""
     own = {"speculative_config": "spec-method", "limit_mm_per_prompt": "limit-images", "images": "limit-images",
-           "engine_version": "engine-version"}
+           "engine_version": "engine-version", "kv_offloading_size": "kv-offloading-size"}
     field = getattr(e, "field", None)
     if field in own:
         return own[str(field)]

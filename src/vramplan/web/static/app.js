@@ -21,7 +21,7 @@ const JOBS = {
     set: {}, model: "flux1-dev-transformer" },
 };
 const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization",
-  "spec-method", "spec-tokens", "limit-images", "limit-videos", "engine-version"];
+  "spec-method", "spec-tokens", "limit-images", "limit-videos", "engine-version", "kv-offloading-size"];
 const SLIDERS = { batch: [0, 10], seq: [7, 17] }; // log2 ranges: batch 1–1,024, seq 128–131,072
 const DEFAULTS = { tab: "timeline" }; // + model, gpu, method: the server's (boot.defaults)
 const SVGNS = "http://www.w3.org/2000/svg";
