@@ -365,12 +365,13 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
                       ("avg-request-len", "avg_request_len")):
         if p.get(key):
             opts[name] = _int(p, key, 1, minimum=1)
-    if p.get("memory-fraction"):
-        try:
-            opts["memory_fraction"] = float(p["memory-fraction"])
-        except ValueError:
-            raise FieldError(f"--memory-fraction must be a number, got {p['memory-fraction']!r}",
-                             field="memory-fraction", hint="e.g. 0.9 for 90 % of the GPU") from None
+    for key, name, what, hint in (("memory-fraction", "memory_fraction", "a number", "e.g. 0.9 for 90 % of the GPU"),
+                                  ("kv-offloading-size", "kv_offloading_size", "a number of GiB", "e.g. 16")):
+        if p.get(key):
+            try:
+                opts[name] = float(p[key])
+            except ValueError:
+                raise FieldError(f"--{key} must be {what}, got {p[key]!r}", field=key, hint=hint) from None
     for key, name in (("kv-cache-dtype", "kv_cache_dtype"), ("quantization", "quantization")):
         if p.get(key):
             opts[name] = p[key].strip()
@@ -379,12 +380,6 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
         opts["speculative_config"] = {"method": method, "num_speculative_tokens": _int(p, "spec-tokens", 3, minimum=1)}
     if p.get("engine-version") and opts["engine"] == "vllm":  # (the other engines follow one release each)
         opts["engine_version"] = p["engine-version"].strip()
-    if p.get("kv-offloading-size"):
-        try:
-            opts["kv_offloading_size"] = float(p["kv-offloading-size"])
-        except ValueError:
-            raise FieldError(f"--kv-offloading-size must be a number of GiB, got {p['kv-offloading-size']!r}",
-                             field="kv-offloading-size", hint="e.g. 16") from None
     limits = {m: _int(p, f"limit-{m}s", 0, minimum=0) for m in ("image", "video") if p.get(f"limit-{m}s")}
     if limits:
         opts["limit_mm_per_prompt"] = limits
