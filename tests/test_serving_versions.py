@@ -345,7 +345,7 @@ def test_lmcache_in_process_then_its_own_server() -> None:
 def test_offloading_refusals_and_the_hybrid_manager() -> None:
     """The flags appear in 0.11.1; native's flag path is broken to 0.13.x (num_cpu_blocks 0); up to
     0.21.x any connector turns the hybrid manager off (Gemma 2's sliding layers sized as full)."""
-    with pytest.raises(WorkloadError, match="appears in vLLM 0.11.1"):
+    with pytest.raises(WorkloadError, match="appears in 0.11.1"):
         plan("0.10.1.1", kv_offloading_size=4)
     with pytest.raises(WorkloadError, match="num_cpu_blocks 0"):
         plan("0.12.0", kv_offloading_size=4)

@@ -69,15 +69,15 @@ def check(rel: Release, size: float | None, backend: str) -> None:
                             field="kv_offloading_backend")
     if isinstance(size, bool) or not size > 0:
         raise WorkloadError(f"kv_offloading_size must be a positive number of GiB, got {size!r}",
-                            hint="e.g. --kv-offloading-size 16", field="kv_offloading_size")
+                            hint="e.g. `kv_offloading_size=16`", field="kv_offloading_size")
     if not rel.since("0.11.1"):
-        raise WorkloadError(f"--kv-offloading-size appears in vLLM 0.11.1; {rel.text} offloads only through "
-                            "--kv-transfer-config, which is not modelled", hint="use --engine-version 0.14.0 or later",
+        raise WorkloadError(f"vLLM's kv_offloading_size appears in 0.11.1; {rel.text} offloads only through its "
+                            "kv_transfer_config, which is not modelled", hint="use `engine_version=0.14.0` or later",
                             field="kv_offloading_size")
     if backend == "native" and not rel.since("0.14.0"):
         raise WorkloadError(f"vLLM {rel.text}'s native offloading flag passes num_cpu_blocks 0, which its CPU spec "
                             "rejects at start-up (read in 0.11.1-0.13.0, not run)",
-                            hint="use --engine-version 0.14.0 or later, or --kv-offloading-backend lmcache",
+                            hint="use `engine_version=0.14.0` or later, or `kv_offloading_backend=lmcache`",
                             field="kv_offloading_size")
 
 

@@ -331,7 +331,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     ext = rel.extensible_default if s.extensible_kv_cache is None else s.extensible_kv_cache
     if ext and not rel.since("0.34.0"):
         raise WorkloadError(f"the extensible KV cache is vLLM 0.34's; {rel.text} sizes the cache from its profile",
-                            hint="drop enable_extensible_kv_cache, or use --engine-version 0.34.0",
+                            hint="set extensible_kv_cache only with engine_version 0.34.0",
                             field="enable_extensible_kv_cache")
     # model runner V2 took dense text models from 0.25.0 and the rest (MoE, multimodal) from 0.29.0
     moe = spec.is_moe or encoder is not None

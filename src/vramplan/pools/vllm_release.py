@@ -35,7 +35,7 @@ def parse(text: str) -> tuple[int, int, int]:
     """``0.11``, ``0.10.1.1``, ``v0.20.2rc1``, ``0.11.0+nv25.11`` → (major, minor, patch)."""
     m = _RE.match((text or "").strip().lower())
     if not m:
-        raise WorkloadError(f"invalid vLLM version {text!r}", hint=f"e.g. --engine-version {NEWEST} or 0.11",
+        raise WorkloadError(f"invalid vLLM version {text!r}", hint=f"e.g. `engine_version={NEWEST}` or 0.11",
                             field="engine_version")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
@@ -54,11 +54,11 @@ class Release:
         if v < parse(OLDEST)[:2] + (0,):
             raise WorkloadError(
                 f"vLLM {text} is not modelled: serve-plan follows the V1 engine's sizing from {OLDEST} to {NEWEST} "
-                "(before 0.9 the V0 engine sized the cache its own way)", hint=f"use --engine-version {OLDEST} or later",
+                "(before 0.9 the V0 engine sized the cache its own way)", hint=f"use `engine_version={OLDEST}` or later",
                 field="engine_version")
         if v > parse(NEWEST):
             raise WorkloadError(f"vLLM {text} is newer than the newest release modelled ({NEWEST})",
-                                hint=f"use --engine-version {NEWEST} (or leave it out)", field="engine_version")
+                                hint=f"use `engine_version={NEWEST}` (or leave it out)", field="engine_version")
         return cls(text, v)
 
     def since(self, text: str) -> bool:

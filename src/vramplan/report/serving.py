@@ -47,7 +47,8 @@ def to_doc(p: ServePlan) -> Doc:
         [f"budget ({FRACTION_NAME[p.engine]} {p.settings.get(FRACTION_NAME[p.engine])})", _gib(p.budget), ""],
         ["weights", _gib(p.weights), _weights_note(p)],
         ["profile-run peak (activations)", _gib(p.profile_peak),
-         f"vision encode {_gib(p.encoder_peak)} GiB" if p.encoder_peak else ""],
+         f"vision encode {_gib(p.encoder_peak)} GiB" if p.encoder_peak else
+         "transient: within what is kept free" if p.kv_reserve else ""],
         ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), "" if p.non_torch or not p.context else
          "before the first snapshot: outside"],
     ]
