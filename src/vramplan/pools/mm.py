@@ -44,6 +44,8 @@ from vramplan.errors import WorkloadError
 from vramplan.models import vlm
 from vramplan.models.spec import ModelSpec
 
+from .vllm_release import Release
+
 LIMIT_DEFAULT = 999
 """``MultiModalConfig.get_limit_per_prompt``'s default per modality in V1."""
 MAX_FRAMES_PER_VIDEO = 16
@@ -141,8 +143,6 @@ def profile(spec: ModelSpec, *, max_model_len: int, max_num_batched_tokens: int,
     ``get_dummy_mm_inputs``); 0.11.0 alone pads every output to the encoder budget's rows
     (``:3370-3385``; 0.12.0 pads to the modality's own maximum, later releases not at all;
     docs/research/vllm-multimodal-profile.md §2b)."""
-    from .vllm_release import Release
-
     rel = Release.of(version)
     if not vlm.is_vlm(spec) or mm.skip_mm_profiling:
         return None

@@ -47,6 +47,7 @@ are not counted).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -64,13 +65,10 @@ from .mm import LIMIT_DEFAULT, Encoder, MmSettings
 from .result import ServePlan
 from .spec import SpecSettings, draft_layers, drafter, runtime_logits
 from .vllm_release import NEWEST, Release
+from .vllm_release import SAMPLER_BYTES_PER_LOGIT as SAMPLER_BYTES_PER_LOGIT  # (re-exported)
 
 VERSION = NEWEST
 """The release ``serve-plan`` follows unless told (``--engine-version``)."""
-SAMPLER_BYTES_PER_LOGIT = 26
-"""Beyond the 16-bit logits: fp32 copy 4 + sorted 4 + int64 indices 8 + two bool masks 2 +
-softmax 4 + scatter output 4 (``apply_top_k_top_p``); a vramplan trace of the same ops peaks
-at 27.4 B per logit in all, the 16-bit logits included (tests/test_serving.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,12 +180,6 @@ def big_gpu(gpu: GPU, total: int) -> bool:
     return total >= 70 * GiB and "a100" not in gpu.key
 
 
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, given: tuple[int, ...] = (),
-                  version: str = "0.10.1.1") -> list[int]:
-    """``cudagraph_capture_sizes`` of ``version`` (:meth:`.Release.capture_sizes`)."""
-    return Release.of(version).capture_sizes(max_num_seqs, max_num_batched_tokens, given)
-
-
 def max_memory_usage(layer: LayerKV, max_model_len: int, block_size: int, inflight: int) -> int:
     """``KVCacheSpec.max_memory_usage_bytes``: the blocks one request of max_model_len needs
     (a sliding-window layer: its window + the tokens in flight, :meth:`.Release.inflight_tokens`)."""
@@ -238,6 +230,14 @@ class KVConfig:
     """(layer spec, layers in the group) per KV-cache group."""
     tokens: int
     pool_bytes: int
+    block_bytes: int = 0
+    """One block of every tensor of the pool on this rank (page × layers per group: vLLM 0.34's ``B``)."""
+    block_size: int = 16
+
+    def with_blocks(self, blocks: int) -> KVConfig:
+        """The same layout with ``blocks`` blocks (the logged tokens: blocks per group × block size)."""
+        return dataclasses.replace(self, num_blocks=blocks, pool_bytes=blocks * self.block_bytes,
+                                   tokens=blocks // len(self.groups) * self.block_size)
 
 
 def group_size(counts: list[int], version: str = "0.10.1.1") -> int:
@@ -260,14 +260,15 @@ def kv_cache_config(layers: tuple[LayerKV, ...], available: int, block_size: int
     if len(by_type) == 1:
         (spec, n), = by_type.items()
         blocks = max(0, available // page // n)
-        return KVConfig(blocks, ((spec, n),), blocks * block_size, page * blocks * n)
+        return KVConfig(blocks, ((spec, n),), blocks * block_size, page * blocks * n, page * n, block_size)
     size = group_size(list(by_type.values()), version)
     groups: list[tuple[LayerKV, int]] = []
     for spec, n in by_type.items():
         for start in range(0, n, size):
             groups.append((spec, min(size, n - start)))
     blocks = max(0, available // page // size)
-    return KVConfig(blocks, tuple(groups), blocks // len(groups) * block_size, page * blocks * size)
+    return KVConfig(blocks, tuple(groups), blocks // len(groups) * block_size, page * blocks * size, page * size,
+                    block_size)
 
 
 def max_concurrency(cfg: KVConfig, max_model_len: int, block_size: int, mnbt: int) -> float:
@@ -346,7 +347,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     no_hybrid = s.disable_hybrid_kv_cache_manager or kvoff.disables_hybrid(rel, s.kv_offloading_size,
                                                                            s.kv_offloading_backend)
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="vllm",
-                         sliding=not no_hybrid)
+                         sliding=not s.disable_hybrid_kv_cache_manager)
+    sliding = any(x.kind == "sliding" for x in layers)
     if no_hybrid:
         layers = tuple(LayerKV("full", x.kv_heads, x.head_size, x.dtype_bytes) if x.kind == "sliding" else x
                        for x in layers)
@@ -437,22 +439,17 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         error = ("Bfloat16 is only supported on GPUs with compute capability of at least 8.0. "
                  f"Your {gpu.name} GPU has compute capability {cc}. You can use float16 instead by "
                  "explicitly setting the `dtype` flag in CLI, for example: --dtype=half.")
-    page_all = sum(x.page_bytes(block_size) for x in layers) if layers else 0
-    null = page_all if rel.null_block else 0
-    if error is None:
-        error = check_enough(layers, capacity - null, max_model_len, block_size, inflight, rel.text, hint)
-    cfg = kv_cache_config(layers, max(capacity if not ext else available, 0), block_size, rel.text)
-    if ext:
-        segments = max(n for _, n in cfg.groups) if cfg.groups else 0
-        page = layers[0].page_bytes(block_size) if layers else 0
-        cap_blocks = kv_cache_config(layers, max(capacity, 0), block_size, rel.text).num_blocks
-        blocks = blocks_within(available, segments, page, cap_blocks)
-        cfg = KVConfig(blocks, cfg.groups, blocks // len(cfg.groups) * block_size if cfg.groups else 0,
-                       page * blocks * segments)
+    cfg = kv_cache_config(layers, max(capacity, 0), block_size, rel.text)
+    if error is None:  # (0.34 checks against the budget less one null block)
+        error = check_enough(layers, capacity - (cfg.block_bytes if rel.null_block else 0), max_model_len, block_size,
+                             inflight, rel.text, hint)
+    if ext:  # the pool in whole granules per tensor, within the reservation's capacity
+        segments = max(n for _, n in cfg.groups)
+        cfg = cfg.with_blocks(blocks_within(available, segments, cfg.block_bytes // segments, cfg.num_blocks))
         if error is None:  # shrink_kv_cache_configs: one request of max_model_len in (blocks - 1) blocks
-            error = check_enough(layers, max(blocks - 1, 0) * page * segments, max_model_len, block_size, inflight,
-                                 rel.text, _hint(ext, utilization, after=True))
-    conc = max_concurrency(cfg, max_model_len, block_size, inflight) if cfg.groups else 0.0
+            error = check_enough(layers, max(cfg.num_blocks - 1, 0) * cfg.block_bytes, max_model_len, block_size,
+                                 inflight, rel.text, _hint(ext, utilization, after=True))
+    conc = max_concurrency(cfg, max_model_len, block_size, inflight)
     tokens = int(conc * max_model_len) if rel.tokens_from_concurrency else cfg.tokens
     conc_avg = None
     if avg_request_len:
@@ -467,11 +464,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     proposer = draft.buffers if draft is not None else 0
     tier = None
     if s.kv_offloading_size is not None:
-        block_bytes = cfg.pool_bytes // cfg.num_blocks if cfg.num_blocks else sum(x.page_bytes(block_size) for x in layers)
-        tier = kvoff.offload(rel, s.kv_offloading_size, s.kv_offloading_backend, block_bytes=block_bytes,
-                             block_size=block_size, tp=tp, pp=pp, layers=layers,
-                             sliding=any(x.kind == "sliding" for x in layer_specs(spec, tp=tp, pp=pp, engine="vllm",
-                                                                                  kv_cache_dtype=s.kv_cache_dtype)))
+        tier = kvoff.offload(rel, s.kv_offloading_size, s.kv_offloading_backend, block_bytes=cfg.block_bytes,
+                             block_size=block_size, tp=tp, pp=pp, layers=layers, sliding=sliding)
         notes += list(tier.notes)
         proposer += tier.gpu
     resident_peak = 0 if ext else peak  # the extensible cache sizes after empty_cache()

@@ -28,6 +28,12 @@ page offers. Any release between OLDEST and NEWEST is accepted."""
 NEWEST = "0.34.0"
 """The newest vLLM release on the package index when this was written (the default)."""
 
+SAMPLER_BYTES_PER_LOGIT = 26
+"""0.10.1.1's sort-based sampler, beyond the 16-bit logits: fp32 copy 4 + sorted 4 + int64
+indices 8 + two bool masks 2 + softmax 4 + scatter output 4 (``apply_top_k_top_p``); a vramplan
+trace of the same ops peaks at 27.4 B per logit in all, the 16-bit logits included
+(tests/test_serving.py)."""
+
 _RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+-]?(?:post|rc|dev)\d*)?(?:\+.*)?$")
 
 
@@ -130,7 +136,7 @@ class Release:
         """
         if self.v2_runner(moe):
             return 12 if self.since("0.33.0") else 4
-        return 12 if self.since("0.17.0") else 26
+        return 12 if self.since("0.17.0") else SAMPLER_BYTES_PER_LOGIT
 
     def runner_buffers(self, moe: bool, max_num_seqs: int, vocab: int) -> int:
         """The V2 runner's persistent sampler state, created after "Model loading took" and so in
