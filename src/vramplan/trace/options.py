@@ -24,6 +24,10 @@ class TraceOptions:
     extrapolate_decode: bool = True
     """Generation: trace the first decode steps, write the rest from their exact progression
     (see :mod:`.decode`); False traces every step."""
+    extrapolate_accum: bool = True
+    """Training with gradient accumulation: trace micro-steps until two repeat exactly, write
+    the rest of the iteration's as copies (see :mod:`.microsteps`); single-GPU traces only (a
+    sharded layout's collectives are counted per call). False traces every micro-step."""
     rank: int = 0
     """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
     holds the same; the last one may hold less of a weight whose rows do not divide)."""

@@ -774,6 +774,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",
             new_tokens=w.new_tokens, cache=opts.cache, trainable=trainable, kv_dtype=w.kv_dtype,
             compute_dtype=features.compute_dtype(w), extrapolate_decode=opts.extrapolate_decode,
+            extrapolate_accum=(opts.extrapolate_accum and layout is None and p.mesh is None and not offloaded
+                               and host_side is None),
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,

@@ -34,6 +34,8 @@ from ..workload import KVDtype, Loss, Objective, Phase, Reference
 from .decode import MODEL_STEPS, DecodeExtrapolator, eligible
 from .kvcache import make_cache
 from .loss import forward_and_loss
+from .microsteps import TRACED as ACCUM_TRACED
+from .microsteps import MicrostepRepeater
 from .session import TraceSession
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
@@ -60,6 +62,9 @@ class StepPlan:
     extrapolate_decode: bool = True
     """Trace the first decode steps and write the rest from their exact progression
     (:mod:`.decode`); False traces every step."""
+    extrapolate_accum: bool = False
+    """Trace the first gradient-accumulation micro-steps and write the rest as copies once two
+    repeat exactly (:mod:`.microsteps`); False traces every micro-step."""
     notes: list[str] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(default_factory=list)
     keep_grads: bool = False
@@ -199,7 +204,11 @@ def register_in_backward(sess: TraceSession, optimizers: dict[nn.Parameter, Any]
 
 def train_step(sess: TraceSession, plan: StepPlan, batches: list[Batch] | None = None) -> None:
     scale = None
+    repeat = (MicrostepRepeater(sess.rec, sess.dispatch)
+              if plan.extrapolate_accum and plan.grad_accum > ACCUM_TRACED else None)
     for i in range(plan.grad_accum):
+        if repeat is not None and i > 0:
+            repeat.begin()
         with sess.phase(Phase.FORWARD), sess.autocast_region(plan.autocast and not per_call_autocast(plan)):
             out, loss = forward_loss(plan, sess, batches[i] if batches is not None else None)
             _label_model_cache(sess, out)
@@ -217,6 +226,13 @@ def train_step(sess: TraceSession, plan: StepPlan, batches: list[Batch] | None =
             loss.backward()
         del loss, out
         sess.label_grads(plan.trainable)
+        if repeat is not None and i > 0 and repeat.finish(remaining=plan.grad_accum - 1 - i):
+            note = (f"gradient accumulation: micro-steps {i + 2}–{plan.grad_accum} of each iteration written as "
+                    f"copies of micro-step {i + 1}, which recorded the same events as micro-step {i} (see "
+                    "vramplan.trace.microsteps)")
+            if note not in plan.notes:
+                plan.notes.append(note)
+            break
     if plan.in_backward is not None:
         return  # stepped and freed inside backward
     with sess.phase(Phase.OPTIMIZER):
