@@ -20,6 +20,7 @@ HOST_PARAMETERS = "parameters (pinned)"
 HOST_GRADIENTS = "gradients (pinned)"
 HOST_STATES = "optimizer states"
 HOST_STEP = "optimizer step temporaries"
+HOST_FLAT_SHARDS = "flat shards and lazy-init copies before the first all-gather (pageable)"
 HOST_ACTIVATIONS = "offloaded activations (pinned)"
 """Names of the parts of ``MemoryReport.host_parts`` (the trace and the formulas use the same)."""
 

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..emulate.tensors import RAW, on_meta, raw_device
 from ..errors import TraceError
 from ..events import Category
+from ..results import HOST_STEP
 from ..workload import Phase
 from . import rnn
 from .cuda import DeviceProfile, conv_workspace_bytes
@@ -269,10 +270,17 @@ class TraceMode(TorchDispatchMode):
             # not follow autograd into its thread: FSDP2 all-gathers from backward hooks)
             kwargs = {**kwargs, "device": _META_DEVICE}
             to_device = True
-        if func.namespace == "_c10d_functional" and str(func) == WRAP_OP:
-            func = aten.alias.default
         rec = self.rec
         host_mem = rec.host
+        on_host = False
+        if dev is not None and getattr(host_mem, "reported", False):  # FSDP1's CPUOffload (HostMemory.reporting)
+            kind = torch.device(dev).type
+            to_device = to_device or kind == "meta"  # ``empty_like(host_shard, device=<compute device>)``: the GPU's
+            on_host = kind == "cpu" and host_mem.cpu_factories
+            if on_host:  # FSDP1's own host tensors: pageable host memory, not a real CPU tensor
+                kwargs = {**kwargs, "device": _META_DEVICE}
+        if func.namespace == "_c10d_functional" and str(func) == WRAP_OP:
+            func = aten.alias.default
         op = self._op_ids.get(func)
         if op is None:
             op = self._op_ids[func] = rec.intern(str(func))
@@ -352,7 +360,9 @@ class TraceMode(TorchDispatchMode):
             if cpu_args is not None and _meta_and_small(out):
                 cpu_out = func(*cpu_args[0], **cpu_args[1])
 
-        if host_mem is not None and not to_device:
+        if on_host:
+            host_mem.adopt(out, part=HOST_STEP, pinned=False)
+        elif host_mem is not None and not to_device:
             place = host_mem.target(args)
             if place is not None:
                 place.adopt(out)  # on the host in the real run (FSDP2 CPU offload): not GPU memory

@@ -44,6 +44,8 @@ import torch
 
 from ..emulate.tensors import on_meta
 from ..errors import TraceError
+from ..results import HOST_GRADIENTS, HOST_PARAMETERS
+from .host import HostMemory
 from .recorder import Recorder
 
 MESH_DIMS = ("pp", "dp_replicate", "dp", "cp", "tp", "ep")
@@ -426,15 +428,30 @@ def _fsdp1_on_meta(rec: Recorder) -> contextlib.ExitStack:
     from ..events import Category
 
     def init_flat_param_attributes(self: Any) -> Any:
-        out = init(self)
+        host = rec.host
+        if self._offload_params and isinstance(host, HostMemory):  # CPUOffload: pins the shard, then _cpu_grad
+            with host.pinning(HOST_PARAMETERS, HOST_GRADIENTS), host.factories():
+                out = init(self)
+        else:
+            out = init(self)
         for name in ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded"):
             t = getattr(self.flat_param, name, None)
             if isinstance(t, torch.Tensor) and on_meta(t):
                 rec.relabel(t, Category.PARAMETER)
         return out
 
+    views = flat.FlatParamHandle._use_sharded_views
+
+    def _use_sharded_views(self: Any) -> Any:
+        host = rec.host
+        if self._offload_params and isinstance(host, HostMemory):  # its empty views on the host shard's device
+            with host.factories():
+                return views(self)
+        return views(self)
+
     for owner, name, value in ((flat, "_data_ptr_allocated", allocated),
-                               (flat.FlatParamHandle, "init_flat_param_attributes", init_flat_param_attributes)):
+                               (flat.FlatParamHandle, "init_flat_param_attributes", init_flat_param_attributes),
+                               (flat.FlatParamHandle, "_use_sharded_views", _use_sharded_views)):
         stack.callback(setattr, owner, name, getattr(owner, name))
         setattr(owner, name, value)
     return stack

@@ -44,6 +44,7 @@ from . import rnn
 from .autocast import Autocast, handles
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
+from .host import HostMemory
 from .sdpa import run_sdpa
 
 _META = torch.device("meta")
@@ -191,6 +192,11 @@ class CudaFunctionMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if name == "to" or name == "cuda":
             return self._to(func, name, args, kwargs, to_cuda)
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
+            host = self.trace.rec.host
+            pinned = host.pin(args[0]) if isinstance(host, HostMemory) else None
+            if pinned is not None:  # FSDP1's pinned shard and gradient buffer (CPUOffload)
+                return pinned
         if name == "pin_memory" and args and isinstance(args[0], torch.Tensor) and (raw_device(args[0]).type == "cpu"):
             return args[0]
         ac = self.autocast

@@ -26,6 +26,11 @@ Which tensors are on the host: the parameters FSDP2 shards while :meth:`HostMemo
 is active, device-to-host copies (:meth:`HostMemory.to_host`), and every output of an op
 whose device inputs are all host tensors (the CPU optimizer step); a copy to the GPU
 (``.to("cuda")``) is a device tensor again.
+
+FSDP1's ``CPUOffload(offload_params=True)`` books the same parts (docs/research/fsdp1-cpu-offload.md):
+the pinned ``_local_shard`` and ``_cpu_grad`` of each flat parameter (:meth:`HostMemory.pinning`),
+its pageable shards from construction to the first all-gather (:data:`FLAT_SHARDS`), the step;
+FSDP1 chooses its copies by comparing devices, which :meth:`HostMemory.reporting` answers.
 """
 
 from __future__ import annotations
@@ -38,13 +43,15 @@ from typing import Any
 
 import torch
 
-from ..emulate.tensors import on_meta
+from ..emulate.tensors import View, device_view, on_meta
 from ..emulate.threads import PerThread
-from ..results import HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
+from ..errors import TraceError
+from ..results import HOST_FLAT_SHARDS, HOST_GRADIENTS, HOST_PARAMETERS, HOST_STATES, HOST_STEP
 from .offload import pinned_bytes
 from .recorder import Recorder, local_tensor
 
 PARAMETERS, GRADIENTS, STATES, STEP = HOST_PARAMETERS, HOST_GRADIENTS, HOST_STATES, HOST_STEP
+FLAT_SHARDS = HOST_FLAT_SHARDS
 
 
 class HostMemory:
@@ -68,8 +75,24 @@ class HostMemory:
         self._most: dict[tuple[str, int], int] = {}
         self.pageable = 0
         self.pageable_peak = 0
+        self.flat_shards = 0
+        """Pageable bytes of :data:`FLAT_SHARDS` live now (FSDP1's construction copies)."""
+        self.peak_of_shards = False
+        """Whether the pageable peak was reached while such copies were live."""
+        self.constructing = False
+        """While set, a blocking device-to-host copy is one of FSDP1's flat shards (:meth:`construction`)."""
         self.part: str | None = None
         """While set, every new storage is a pinned host tensor of this part."""
+        self._pins: list[str] = []
+        """The parts of the next pinned copies (:meth:`pinning`)."""
+        self.scope_pinned = True
+        """Whether the storages :meth:`scope` books are pinned."""
+        self.reported = False
+        """While :meth:`reporting`: host tensors report ``cpu``, and an op given ``device="meta"``
+        (FSDP1's compute device) makes device memory whatever its inputs."""
+        self.cpu_factories = False
+        """While set, a factory given ``device="cpu"`` makes a (pageable) host tensor of the
+        trace (FSDP1's flat-parameter code: :meth:`factories`)."""
 
     # --- what is on the host -----------------------------------------------------------
     def holds(self, key: int) -> bool:
@@ -104,7 +127,7 @@ class HostMemory:
     def adopt(self, out: Any, *, part: str | None = None, pinned: bool | None = None) -> None:
         """Book the new storages of ``out`` (a tensor or nested list of them) on the host."""
         part = part or self.part or STEP
-        pin = pinned if pinned is not None else self.part is not None
+        pin = pinned if pinned is not None else self.part is not None and self.scope_pinned
         for t in _flat(out):
             t = local_tensor(t)
             if not on_meta(t):
@@ -123,7 +146,10 @@ class HostMemory:
                 self._most[k] = max(self._most.get(k, 0), self._live[k])
             else:
                 self.pageable += n
-                self.pageable_peak = max(self.pageable_peak, self.pageable)
+                if part == FLAT_SHARDS:
+                    self.flat_shards += n
+                if self.pageable > self.pageable_peak:
+                    self.pageable_peak, self.peak_of_shards = self.pageable, self.flat_shards > 0
 
     def _freed(self, key: int) -> None:
         entry = self.keys.pop(key, None)
@@ -134,16 +160,27 @@ class HostMemory:
             self._live[(part, pinned_bytes(n))] -= 1
         else:
             self.pageable -= n
+            if part == FLAT_SHARDS:
+                self.flat_shards -= n
 
     @contextlib.contextmanager
-    def scope(self, part: str) -> Iterator[None]:
-        """New storages are pinned host tensors of ``part`` (FSDP2 sharding the model)."""
-        saved = self.part
-        self.part = part
+    def scope(self, part: str, *, pinned: bool = True) -> Iterator[None]:
+        """New storages are host tensors of ``part``, pinned unless told (FSDP2 sharding the model)."""
+        saved = self.part, self.scope_pinned
+        self.part, self.scope_pinned = part, pinned
         try:
             yield
         finally:
-            self.part = saved
+            self.part, self.scope_pinned = saved
+
+    @contextlib.contextmanager
+    def factories(self) -> Iterator[None]:
+        """Factories given ``device="cpu"`` make host tensors of the trace for the block."""
+        saved, self.cpu_factories = self.cpu_factories, True
+        try:
+            yield
+        finally:
+            self.cpu_factories = saved
 
     @contextlib.contextmanager
     def copying_to_device(self) -> Iterator[None]:
@@ -161,9 +198,80 @@ class HostMemory:
         dtype = kwargs.get("dtype") or src.dtype
         out = torch.empty_strided(src.shape, src.stride(), dtype=dtype, device="meta") \
             if src.is_contiguous() else torch.empty(src.shape, dtype=dtype, device="meta")
-        self.adopt(out, part=GRADIENTS if kwargs.get("non_blocking") else STEP,
+        self.adopt(out, part=GRADIENTS if kwargs.get("non_blocking") else FLAT_SHARDS if self.constructing else STEP,
                    pinned=bool(kwargs.get("non_blocking")))
         return out
+
+    # --- FSDP1's CPUOffload ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """FSDP1's CPUOffload on the trace device, whose compute device is the trace's ``meta``:
+
+        - host tensors report ``cpu`` (where they are in the real run), every other meta tensor
+          ``meta``: FSDP1 decides where to copy by comparing devices (``flat_param.device !=
+          self.device`` before each all-gather, its ``== cpu`` checks);
+        - ``.to(<meta>)`` of a host tensor is a copy to the GPU (the all-gather input), where a
+          meta tensor moved to ``meta`` would be returned unchanged — in every thread (FSDP1
+          unshards from backward hooks, in autograd's thread, where no function mode runs)."""
+        view = View(current=lambda: 0, on_gpu=lambda key: False)
+        view.places.append(self)
+        T = torch.Tensor  # noqa: N806
+        saved = T.__dict__.get("to")
+        orig = T.to
+        host = self
+
+        def to(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if host.is_host(t) and any(_is_meta(a) for a in (*args, kwargs.get("device"))):
+                with host.copying_to_device():
+                    return orig(t, *args, **{**kwargs, "copy": True})
+            return orig(t, *args, **kwargs)
+
+        T.to = to  # type: ignore[method-assign,assignment]
+        self.reported = True
+        try:
+            with device_view(view, _no_values):
+                yield
+        finally:
+            self.reported = False
+            if saved is None:
+                del T.to
+            else:
+                T.to = saved  # type: ignore[method-assign]
+
+    @contextlib.contextmanager
+    def construction(self) -> Iterator[None]:
+        """FSDP1 being built with CPUOffload: each unit's flat shard is moved to pageable host
+        memory (``_init_utils.py`` ``_init_param_handle_from_params``), where it stays until
+        the unit's first all-gather (:data:`FLAT_SHARDS`)."""
+        saved, self.constructing = self.constructing, True
+        try:
+            yield
+        finally:
+            self.constructing = saved
+
+    @contextlib.contextmanager
+    def pinning(self, *parts: str) -> Iterator[None]:
+        """The next ``pin_memory()`` calls on host tensors (:meth:`pin`) book their copies as
+        ``parts``, in order (FSDP1's lazy init pins the local shard, then the gradient buffer);
+        a different count is a torch release that pins otherwise: refused, not guessed."""
+        saved, self._pins = self._pins, list(parts)
+        try:
+            yield
+            left = len(self._pins)
+        finally:
+            self._pins = saved
+        if left:
+            raise TraceError(f"torch {torch.__version__} pinned {len(parts) - left} host tensors where "
+                             f"{len(parts)} ({', '.join(parts)}) were expected",
+                             hint="use `engine=fsdp` (FSDP2's CPUOffloadPolicy), or `method=analytic`")
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t.pin_memory()`` of a host tensor while :meth:`pinning`: a copy in a pinned block (a
+        power-of-two class) of the next part; None outside (FSDP2 pins inside :meth:`scope`)."""
+        if not self._pins:
+            return None
+        with self.scope(self._pins.pop(0)):
+            return torch.empty_like(t)
 
     # --- figures -----------------------------------------------------------------------
     def pinned(self, part: str) -> int:
@@ -177,9 +285,22 @@ class HostMemory:
         states = self.pageable
         if not self.counted:
             return ()
+        rest = FLAT_SHARDS if self.peak_of_shards else STEP  # (FSDP1 with little optimizer state: LoRA)
         out = [(PARAMETERS, self.pinned(PARAMETERS)), (GRADIENTS, self.pinned(GRADIENTS)),
-               (STATES, states), (STEP, max(0, self.pageable_peak - states))]
+               (STATES, states), (rest, max(0, self.pageable_peak - states))]
         return tuple((name, n) for name, n in out if n)
+
+
+def _is_meta(d: Any) -> bool:
+    return (isinstance(d, torch.device) and d.type == "meta") or (isinstance(d, str) and d == "meta")
+
+
+def _no_values(t: torch.Tensor, what: str, exact: bool = False) -> torch.Tensor | None:
+    """The host tensors of an offloaded trace have no values to read."""
+    if exact:
+        return None
+    raise TraceError(f"{what} reads the values of an offloaded host tensor, which the trace does not have",
+                     hint="use `method=analytic`, or drop `offload_params`")
 
 
 def _flat(obj: Any) -> Iterator[torch.Tensor]:

@@ -21,7 +21,11 @@ distributed code (no simulation of it):
 - CPU offload (``offload_params``, FSDP only): ``CPUOffloadPolicy(pin_memory=True)`` as
   accelerate's ``cpu_offload`` and torchtitan's ``enable_cpu_offload`` pass it — FSDP2 has one
   policy: parameters, gradients and optimizer states all on the host (:mod:`.host`).
-  ``offload_optimizer`` alone is DeepSpeed's ZeRO-Offload: refused here.
+  ``offload_optimizer`` alone is DeepSpeed's ZeRO-Offload: refused here. With ``engine=fsdp1``
+  FSDP1's ``CPUOffload(offload_params=True)`` (accelerate's ``fsdp_offload_params``, Trainer's
+  ``fsdp="… offload"``): per unit a pinned flat shard and a pinned gradient buffer, each
+  all-gather preceded by a copy of the shard to the GPU, the step on the host
+  (docs/research/fsdp1-cpu-offload.md; :meth:`.host.HostMemory.reporting`).
 
 Tensor / pipeline / context / expert parallelism are refused here with a hint
 (they are traced by the modules that own them, or estimated analytically).
@@ -62,8 +66,8 @@ class Layout:
     prefetch: str = "backward-pre"
     """FSDP1's ``backward_prefetch`` (:class:`vramplan.workload.Fsdp1Prefetch`)."""
     cpu_offload: bool = False
-    """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and the
-    optimizer step on the host (:mod:`.host`)."""
+    """FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` / FSDP1's ``CPUOffload(offload_params=True)``:
+    sharded parameters, gradients and the optimizer step on the host (:mod:`.host`)."""
 
 
 def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
@@ -78,12 +82,13 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
                          f"mesh); with {engine} it is not", hint="use `engine=fsdp` with `zero=3` or 2, or "
                                                                  "`method=analytic`")
     offload = p.offload_params or p.offload_optimizer
-    if offload and engine != "fsdp":
-        raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
+    if offload and engine not in ("fsdp", "fsdp1"):
+        raise TraceError(f"DeepSpeed's CPU offload (ZeRO-{p.zero}) is not traced (the trace runs FSDP2's "
+                         "CPUOffloadPolicy and FSDP1's CPUOffload)",
                          hint="use `method=analytic` (DeepSpeed's host RAM estimators), or `offload_params` with "
-                              "`zero=3` and `engine=fsdp`")
+                              "`zero=3` and `engine=fsdp` (or `engine=fsdp1`)")
     if offload and p.tp > 1:
-        raise TraceError("FSDP2 CPU offload is traced without tensor parallelism (TP × FSDP2 with CPUOffloadPolicy "
+        raise TraceError("FSDP CPU offload is traced without tensor parallelism (TP × FSDP with CPU offload "
                          "is not checked against the formulas yet)", hint="use `method=analytic`, or `tp=1`")
     if offload and not p.offload_params:
         raise TraceError("FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer states together; "
@@ -105,11 +110,8 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     if engine == "fsdp":
         return Layout(world, "fsdp2", reshard_after_forward=p.zero == 3, cpu_offload=offload)
     if engine == "fsdp1":
-        if offload:
-            raise TraceError("FSDP1's CPUOffload is not traced (the trace runs FSDP2's CPUOffloadPolicy)",
-                             hint="use `engine=fsdp` (FSDP2) for CPU offload, or drop `offload_params`")
         return Layout(world, "fsdp1", reshard_after_forward=p.zero == 3, strategy=p.fsdp1_strategy,
-                      prefetch=p.fsdp1_prefetch.value)
+                      prefetch=p.fsdp1_prefetch.value, cpu_offload=offload)
     if engine == "ddp":
         return Layout(world, "ddp", bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view)
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
@@ -201,6 +203,14 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
 
         policy = fsdp_auto_wrap_policy(model)
         adapters = ", each LoRA adapter its own unit (peft's fsdp_auto_wrap_policy)"
+    host = rec.host if layout.cpu_offload else None
+    offload = ""
+    if host is not None:
+        from torch.distributed.fsdp import CPUOffload
+
+        kw["cpu_offload"] = CPUOffload(offload_params=True)
+        offload = (", CPUOffload(offload_params=True): pinned flat shards and gradient buffers, the optimizer step "
+                   "on the host")
     name = Fsdp1Prefetch(layout.prefetch).config_name
     prefetch = None if name == "NO_PREFETCH" else BackwardPrefetch[name]
     # the trace's device tensors are on ``meta``, whose device module the rank session provides;
@@ -209,17 +219,18 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
     saved = handle.current_device
     handle.current_device = lambda: torch.device("meta")
     try:
-        wrapped = FullyShardedDataParallel(
-            model, process_group=group, sharding_strategy=getattr(ShardingStrategy, strategy),
-            auto_wrap_policy=policy, device_id=torch.device("meta"), param_init_fn=_on_the_device,
-            use_orig_params=True, limit_all_gathers=True, backward_prefetch=prefetch, **kw)
+        with host.construction() if host is not None else contextlib.nullcontext():
+            wrapped = FullyShardedDataParallel(
+                model, process_group=group, sharding_strategy=getattr(ShardingStrategy, strategy),
+                auto_wrap_policy=policy, device_id=torch.device("meta"), param_init_fn=_on_the_device,
+                use_orig_params=True, limit_all_gathers=True, backward_prefetch=prefetch, **kw)
     finally:
         handle.current_device = saved
     n = layout.world.dim("dp")
     over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
     return wrapped, [f"FSDP1 ({strategy}) over {over}: FullyShardedDataParallel units on {len(blocks)} blocks "
                      f"and the root{adapters}, flat parameters, use_orig_params=True, limit_all_gathers, backward prefetch "
-                     f"{layout.prefetch}{mp}; rank "
+                     f"{layout.prefetch}{mp}{offload}; rank "
                      f"{layout.world.rank} traced on the fake process group"]
 
 

@@ -726,6 +726,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                 stack.enter_context(dist.dtensor_metadata_unrecorded())
         else:
             ctx = stack.enter_context(rank_session(sess, layout.world, mesh=p.mesh))
+            if layout.kind == "fsdp1" and host_side is not None:  # FSDP1 compares devices to offload
+                stack.enter_context(host_side.reporting())
             try:
                 model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
             except VramplanError:
@@ -820,7 +822,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                      f"saved tensors per step copied to pinned CPU memory, {ledger.reserved:,} B of pinned host RAM "
                      "(CachingHostAllocator power-of-two blocks); the output head and the loss stay on the GPU")
     if host_parts:
-        notes.append("FSDP2 CPU offload: host RAM " + ", ".join(f"{name} {n:,} B" for name, n in host_parts)
+        notes.append(f"{'FSDP1' if layout is not None and layout.kind == 'fsdp1' else 'FSDP2'} CPU offload: host RAM " + ", ".join(f"{name} {n:,} B" for name, n in host_parts)
                      + " (pinned blocks in the CachingHostAllocator's power-of-two classes); the optimizer "
                      "step runs on the CPU")
     if offloaded:
