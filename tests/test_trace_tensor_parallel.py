@@ -112,7 +112,7 @@ def test_the_fake_process_group_is_gone_after_a_trace():
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "3"], "does not divide 32 attention heads"),
     (["--pp", "40"], "40 pipeline stages cannot be cut from 32 layers"),
-    (["--tp", "8", "--peft", "lora"], "--peft lora with --tp 8 is not"),
+    (["--tp", "2", "--peft", "qlora"], "--peft qlora with --tp 2 is not traced"),
 ])
 def test_bad_layouts_are_one_line_and_exit_2(argv, words, capsys):
     assert main(["estimate", "llama-3.1-8b", "--method", "trace", *argv]) == 2
@@ -223,3 +223,34 @@ def test_generation_under_tensor_parallelism_holds_half_the_weights_and_cache():
                           options=TraceOptions(extrapolate_decode=False), iterations=1)
     assert any("written from the exact progression" in n for n in fast.notes)
     assert list(fast.events.rows()) == list(full.events.rows())
+
+
+def test_lora_under_tp_runs_transformers_plan_and_refuses_what_the_real_stack_cannot_train():
+    """LoRA under TP is traced as transformers + peft run it (the gloo comparison is in
+    test_trace_gloo.py); peft's adapters on a row-sharded layer (o_proj) fail the real forward
+    with peft 0.21 / transformers 5.24, and the refusal says so instead of the old "not traced"."""
+    from vramplan.trace.run import trace_workload
+
+    spec = tiny_spec("llama-3.1-8b")
+    w = Workload(task="train", batch=1, seq=32, peft="lora", lora_targets=("q_proj", "v_proj"),
+                 parallel=Parallel(tp=2))
+    r = trace_workload(spec, w, iterations=1)
+    assert any("transformers' own tp_plan" in n and "torchtitan's plan instead" in n for n in r.notes)
+    assert any("split by device mesh" in n for n in r.notes)
+    with pytest.raises(TraceError, match=r"LoRA on `o_proj` under tensor parallelism does not train with peft") as e:
+        trace_workload(spec, w.replace(lora_targets=("q_proj", "o_proj")), iterations=1)
+    assert "torchtitan's plan has no adapters" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"peft": "qlora"}, "bitsandbytes integration has no tensor-parallel path"),
+    ({"sp": True}, "on a tensor-parallel mesh alone; with sp"),
+    ({"objective": "dpo"}, "traced for supervised training"),
+])
+def test_lora_under_tp_refuses_the_rest_with_its_cause(change, words):
+    from vramplan.trace.run import trace_workload
+
+    parallel = Parallel(tp=2, sp=bool(change.pop("sp", False)))
+    w = Workload(task="train", batch=1, seq=32, peft="lora", lora_targets=("q_proj",), parallel=parallel)
+    with pytest.raises(TraceError, match=words):
+        trace_workload(tiny_spec("llama-3.1-8b"), w.replace(**change), iterations=1)

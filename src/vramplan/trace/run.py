@@ -479,17 +479,49 @@ def _parallel_notes(w: Workload) -> list[str]:
         knob = f"`loss={w.loss}`" if w.loss is not Loss.FULL else "`optimizer_in_backward`"
         raise TraceError(f"{knob} is not traced with tensor or pipeline parallelism (the loss-parallel "
                          "cross-entropy / the pipeline schedule own the loss and the step)", hint="use `method=analytic`")
-    if p.tp > 1:
-        knob = f"`peft={w.peft}`" if w.peft is not Peft.NONE else f"`quant={w.quant}`" if w.quant is not Quant.NONE else ""
-        if knob:
-            why = ("torchtitan's plan has no adapters; PEFT's LoRA under TP (peft 0.21) shards its adapters along "
-                   "transformers' own tp_plan, a different plan" if w.peft is not Peft.NONE else
-                   "torchtitan's plan shards bf16/fp32 linears, not quantised storage")
-            raise TraceError(f"tensor parallelism is traced for full-weight models; {knob} with `tp={p.tp}` is not "
-                             f"({why})", hint="use `method=analytic`")
+    if p.tp > 1 and w.peft is not Peft.NONE:
+        _lora_tp_refusal(w)
+    elif p.tp > 1 and w.quant is not Quant.NONE:
+        raise TraceError(f"tensor parallelism is traced for full-weight models and LoRA; `quant={w.quant}` with "
+                         f"`tp={p.tp}` is not (torchtitan's plan shards bf16/fp32 linears, not quantised storage)",
+                         hint="use `method=analytic`")
     if p.dp > 1 and not w.training and p.zero != 3:
         return [f"dp={p.dp} inference: every replica runs the same model-parallel layout (one rank traced)"]
     return []
+
+
+def _lora_tp_refusal(w: Workload) -> None:
+    """LoRA under TP is traced as transformers + peft run it (:func:`_lora_tp`): training on a
+    tensor-parallel mesh alone. The rest is refused with its cause."""
+    p = w.parallel
+    if w.quant is not Quant.NONE and w.peft is not Peft.QLORA:
+        raise TraceError(f"`quant={w.quant}` with LoRA and `tp={p.tp}` is not traced: the trace's quantised linears are "
+                         "its own emulation, not the layers transformers' tp_plan shards", hint="use `method=analytic`")
+    if w.peft is Peft.QLORA:
+        knob = f"`peft={w.peft}`"
+        raise TraceError(
+            f"{knob} with `tp={p.tp}` is not traced: LoRA under TP is traced as transformers shards it "
+            "(from_pretrained(distributed_config=...) with the model's tp_plan), and transformers' bitsandbytes "
+            "integration has no tensor-parallel path (its TP styles shard dense weights; quantizer_bnb_4bit / "
+            "integrations/bitsandbytes name no DTensor or tp_plan, transformers 5.24) — not run here, with no "
+            "bitsandbytes installed", hint="use `method=analytic`, or `peft=lora` without `quant`")
+    other = [k for k, on in (("sp", p.sp), ("dp/zero/offload", p.dp > 1 or p.zero or p.offload_optimizer
+                                             or p.offload_params), ("pp", p.pp > 1), ("cp", p.cp > 1)) if on]
+    if other:
+        raise TraceError(
+            f"LoRA under tensor parallelism is traced on a tensor-parallel mesh alone; with {', '.join(other)} it is "
+            "not (transformers' Llama tp_plan has no sequence parallelism; its FSDP/pipeline loading is not traced)",
+            hint="use `method=analytic`, or drop the other parallel dimensions")
+    if w.objective is not Objective.SFT:  # (PEFT is for training: the workload refuses other tasks)
+        raise TraceError(
+            f"LoRA under tensor parallelism is traced for supervised training (checked against a real gloo run); "
+            f"`objective={w.objective}` is not (its reference model or rollout would have to be laid out too)",
+            hint="use `method=analytic`")
+
+
+def _lora_tp(w: Workload) -> bool:
+    """LoRA under tensor parallelism: transformers' own plan, then peft (:func:`_lora_tp_refusal`)."""
+    return w.parallel.tp > 1 and w.peft is not Peft.NONE
 
 
 def _model_parallel(w: Workload) -> bool:
@@ -520,6 +552,10 @@ def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
     tp, cp = w.parallel.tp, w.parallel.cp
     if tp == 1 and cp == 1:
         yield None
+        return
+    if _lora_tp(w):  # transformers' own mesh (tensor_parallel.apply_transformers_tensor_parallel)
+        with dist.fake_world(tensor_parallel.transformers_world(tp, rank)) as mesh:
+            yield mesh
         return
     layout = data_layout(w, rank=rank)
     world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
@@ -633,14 +669,19 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
         reference = preference.reference_copy(model, w)
         notes += features.freeze_vision(model, w)
+        lora_tp = mesh is not None and _lora_tp(w)
+        if lora_tp:  # from_pretrained shards the model, then get_peft_model reads its plan
+            notes += tensor_parallel.apply_transformers_tensor_parallel(model, mesh)
         model, peft_notes = features.apply_peft(model, w)
         notes += peft_notes
+        if lora_tp:
+            _check_lora_tp(model)
         features.to_trace_device(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w, device or DEFAULT_PROFILE)
         notes += features.apply_float8(model, w, device or DEFAULT_PROFILE)
         features.to_trace_device(model)
-        if mesh is not None and w.parallel.tp > 1:  # torchtitan's order: TP, then activation checkpointing
+        if mesh is not None and w.parallel.tp > 1 and not lora_tp:  # torchtitan's order: TP, then checkpointing
             notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
                 step_context = tensor_parallel.loss_parallel
@@ -662,6 +703,25 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes.append(preference.reference_note(reference, w))
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
                     compiler=compiler, step_context=step_context, mesh=mesh, reference=reference)
+
+
+def _check_lora_tp(model: nn.Module) -> None:
+    """Refuse the LoRA layers that the real stack cannot train under TP (:func:`.tensor_parallel.lora_rowwise_mismatch`)."""
+    bad = tensor_parallel.lora_rowwise_mismatch(model)
+    if bad is None:
+        return
+    import peft
+    import transformers
+
+    name, local, width = bad
+    leaf = name.rsplit(".", 1)[-1]
+    raise TraceError(
+        f"LoRA on `{leaf}` under tensor parallelism does not train with peft {peft.__version__} and transformers "
+        f"{transformers.__version__}: `{leaf}` is row-sharded in transformers' tp_plan, peft builds its lora_A "
+        f"{local} wide (the local shard) while transformers' RowwiseParallel reads the adapter's in_features as the "
+        f"whole input ({width}), so the real forward fails (\"shape ... is invalid\"); the column-sharded layers train",
+        hint="set `lora_targets` to column-sharded layers (q_proj,k_proj,v_proj or gate_proj,up_proj), "
+             "or use `method=analytic`")
 
 
 def _compiled_chunk_ce(w: Workload, loss_fn: LossFn | None) -> nn.Module | None:
@@ -770,7 +830,12 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             # FSDP2's Shard(0) parameters step on their local shards; tensor-parallel ones keep
             # DTensor's optimizer (a RowwiseParallel embedding's gradient is Replicate)
             local = layout is not None and sharded_params(trainable)
-            opt = LocalShardOptimizer(trainable, make) if local else make(trainable)
+            groups = tensor_parallel.mesh_groups(trainable) if p.mesh is not None and not local else None
+            if groups is not None:  # (LoRA under TP: plain lora_A, DTensor lora_B of a column-sharded layer)
+                notes.append(f"optimizer parameter groups split by device mesh as transformers' Trainer splits them "
+                             f"({' + '.join(str(len(g['params'])) for g in groups)} tensors): a foreach/fused kernel "
+                             "refuses a mix of DTensor and Tensor")
+            opt = LocalShardOptimizer(trainable, make) if local else make(groups or trainable)  # type: ignore[arg-type]
         plan = StepPlan(
             model=model, batch=p.batch, task=str(w.task), loss_fn=loss_fn, optimizer=opt,
             grad_accum=w.grad_accum, autocast=w.mixed, grad_scaler=w.precision.value == "fp16-mixed",

@@ -36,6 +36,14 @@ transformers derives the rotary positions and the causal mask from the length of
 embedding output; under sequence parallelism that is the local shard, so the traced batch
 carries explicit ``position_ids`` for the whole sequence (the attention sees the whole
 sequence after PrepareModuleInput's all-gather, as in torchtitan).
+
+LoRA under tensor parallelism is what a transformers user runs instead (``docs/research/
+lora-under-tp.md``): ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))``
+shards the model with transformers' own ``tp_plan`` (its styles, not PyTorch's
+``parallelize_module``), and peft's ``get_peft_model`` reads that plan to shard the adapters.
+:func:`apply_transformers_tensor_parallel` makes transformers' own call on the fake world
+(``maybe_distribute_model`` on a ``(pp, dp_replicate, fsdp, tp)`` mesh, as
+``initialize_distributed_mesh`` builds it); the full-weight path keeps torchtitan's plan.
 """
 
 from __future__ import annotations
@@ -264,3 +272,96 @@ def full_length_masks(seq: int) -> Iterator[None]:
         yield
     finally:
         mu._preprocess_mask_arguments = orig
+
+
+TRANSFORMERS_MESH = ("pp", "dp_replicate", "fsdp", "tp")
+"""transformers' dense mesh dimensions (``distributed/utils.py`` ``initialize_distributed_mesh``)."""
+
+
+def transformers_world(tp: int, rank: int = 0) -> Any:
+    """The fake world of a tensor-parallel-only transformers job: its dense mesh ``(1, 1, 1, tp)``."""
+    from .dist import World
+
+    return World(tuple(zip(TRANSFORMERS_MESH, (1, 1, 1, tp), strict=True)), rank=rank)
+
+
+def apply_transformers_tensor_parallel(model: nn.Module, mesh: Any) -> list[str]:
+    """Shard ``model`` as ``from_pretrained(distributed_config=DistributedConfig(tp_size=N))``
+    does, before its weights load: transformers' ``maybe_distribute_model`` with the model's
+    own ``tp_plan`` over ``mesh`` (:func:`transformers_world`'s), an expert mesh beside it as
+    ``initialize_distributed_mesh`` builds one. The model keeps the plan and the mesh, where
+    peft's ``get_peft_model`` reads them to shard its adapters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from transformers import PreTrainedModel
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except ImportError as e:  # (transformers before the DTensor tensor-parallel API, 5.17)
+        raise TraceError(f"LoRA under tensor parallelism is traced with transformers' DTensor tp_plan, which this "
+                         f"transformers does not have ({e})", hint="install transformers >= 5.17") from None
+    tp = mesh["tp"].size()
+    if not isinstance(model, PreTrainedModel) or not model.tp_plan:
+        raise TraceError(f"LoRA under tensor parallelism is traced with transformers' own tp_plan (what "
+                         f"from_pretrained(distributed_config=...) shards by); {type(model).__name__} has none",
+                         hint="use `method=analytic`, or `tp=1`")
+    cfg = getattr(model, "config", None)
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(cfg, what, None)
+        if isinstance(n, int) and n % tp:
+            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
+                             hint="use a `tp` that divides the attention and key/value heads")
+    experts = init_device_mesh(mesh.device_type, (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    config = DistributedConfig(tp_size=tp)
+    type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(mesh, experts))
+    from torch.distributed.tensor import DTensor
+
+    by_style: dict[str, list[str]] = {}
+    for name, style in model.tp_plan.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in by_style.setdefault(style, []):
+            by_style[style].append(leaf)
+    plan = "; ".join(f"{style} {'/'.join(names)}" for style, names in by_style.items())
+    whole = sum(1 for p in model.parameters() if not isinstance(p, DTensor))
+    return [f"tensor parallelism traced as rank {mesh.get_local_rank('tp')} of tp={tp} with transformers' own tp_plan, "
+            f"as from_pretrained(distributed_config=DistributedConfig(tp_size={tp})) shards the model ({plan}); "
+            f"{whole} parameter tensor(s) the plan leaves whole (norms) stay plain tensors on every rank. The "
+            "adapters follow peft's reading of that plan; full-weight TP is traced with torchtitan's plan instead"]
+
+
+def lora_rowwise_mismatch(model: nn.Module) -> tuple[str, int, int] | None:
+    """(module, LoRA A's ``in_features``, the base layer's) of the first LoRA layer on a
+    row-sharded linear whose A was built at a width transformers' RowwiseParallel does not
+    read as the layer's input width, or None.
+
+    peft (0.21) sizes adapters by a TP-sharded layer's local weight (``tuners_utils.py``
+    ``_get_in_out_features``) and wraps a row-sharded layer's ``lora_A`` as a ``Shard(1)``
+    DTensor with RowwiseParallel's forward (``lora/model.py`` ``add_lora_tp_hooks_dtensor``);
+    RowwiseParallel takes a plain input as the local slice of ``in_features`` wide
+    (transformers 5.24 ``distributed/tensor_parallel.py`` ``_from_local_last_dim_shard``), and
+    the A's ``in_features`` is the local width: with gradients on, the forward fails."""
+    for name, mod in model.named_modules():
+        base = getattr(mod, "base_layer", None)
+        if getattr(base, "_hf_tp_plan", None) != "rowwise":
+            continue
+        width = getattr(base, "in_features", None)
+        for a in getattr(mod, "lora_A", {}).values():
+            local = getattr(a, "in_features", None)
+            if isinstance(local, int) and isinstance(width, int) and local != width:
+                return name, local, width
+    return None
+
+
+def mesh_groups(params: list[nn.Parameter]) -> list[dict[str, Any]] | None:
+    """The optimizer's parameter groups as transformers' ``Trainer.create_optimizer`` forms them
+    when parameters sit on different device meshes (``trainer_optimizer.py`` ``has_mixed_dtensor``;
+    one group per mesh, plain tensors in their own): a foreach or fused kernel refuses a mix of
+    DTensor and Tensor. None when they share one (a single group)."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    if len(by_mesh) < 2:
+        return None
+    return [{"params": ps} for ps in by_mesh.values()]

@@ -499,6 +499,119 @@ def _tp_generate_worker(rank: int, tp: int, model_name: str, prompt: int, new_to
         dist.destroy_process_group()
 
 
+def real_lora_tp_peaks(model_name: str, *, tp: int, batch: int, seq: int, targets: tuple[str, ...],
+                       rank_r: int = 16, timeout: float = 300.0) -> list[dict[str, int]]:
+    """Each rank's figures of a real CPU run of a LoRA training step under transformers' tensor
+    parallelism on ``tp`` gloo processes, as a transformers + peft user runs it: the catalog model
+    ``model_name`` shrunk (:func:`tiny_spec`, fp32) saved and loaded back with
+    ``from_pretrained(distributed_config=DistributedConfig(tp_size=tp))``, peft's
+    ``get_peft_model`` (LoRA rank ``rank_r`` on ``targets``, as the trace's defaults), AdamW
+    (``foreach=True``, CUDA's default) over the adapters in one parameter group per device mesh
+    (what transformers' ``Trainer.create_optimizer`` does when they mix), two steps of the trace's
+    training step. Per rank: ``peak`` (storage peak, as :func:`real_peak` measures it, without
+    functional collectives' wrapper storages, see :func:`real_tp_generate_peaks`), and at the
+    first optimizer step ``weights`` (local parameter storages), ``gradients`` (local
+    gradients) and ``optimizer`` (local AdamW states; the ``step`` counters are host scalars on a
+    GPU, left out).
+
+    One thing differs from a bare CPU run, for memory a GPU run does not hold: on the CPU,
+    ``from_pretrained`` leaves a column-sharded weight's local shard as a view of the whole
+    checkpoint tensor (a slice along dim 0 needs no copy), whose storage is the whole weight; a
+    GPU run copies each rank's shard to the device. The shards are copied here as that transfer
+    would."""
+    import tempfile
+
+    import torch
+
+    from ..models.build import build_model, quiet
+
+    spec = tiny_spec(model_name)
+    with tempfile.TemporaryDirectory() as saved:
+        with quiet():
+            built: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+            built.save_pretrained(saved)
+        args = (tp, saved, spec.vocab, batch, seq, targets, rank_r)
+        return _spawn_gloo(_lora_tp_worker, args, tp, timeout, "LoRA tensor-parallel run")
+
+
+def _lora_tp_worker(rank: int, tp: int, saved: str, vocab: int, batch: int, seq: int, targets: tuple[str, ...],
+                    rank_r: int, tmp: str, env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        from peft import LoraConfig, get_peft_model
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        from ..models.build import quiet
+        from .dist import dtensor_metadata_unrecorded
+        from .steps import loss_of
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t._local_tensor if isinstance(t, DTensor) else t
+
+        def nbytes(ts: Any) -> int:
+            seen = {local(t).untyped_storage()._cdata: local(t).untyped_storage().nbytes() for t in ts}
+            return sum(seen.values())
+
+        torch.manual_seed(0)
+        with quiet():
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                saved, distributed_config=DistributedConfig(tp_size=tp), dtype=torch.float32)
+            model = get_peft_model(model, LoraConfig(r=rank_r, lora_alpha=2 * rank_r, lora_dropout=0.0,
+                                                     target_modules=list(targets), bias="none"))
+        with torch.no_grad():  # (see the docstring: the device copy of each shard)
+            for mod in model.modules():
+                for p in mod.parameters(recurse=False):
+                    t = local(p)
+                    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                        if isinstance(p, DTensor):
+                            p._local_tensor = t.clone()
+                        else:
+                            p.data = t.clone()
+        model.train()
+        ids = torch.randint(0, vocab, (batch, seq))
+        batch_kw: Any = ((), {"input_ids": ids, "labels": ids.clone()})
+        tracker = _StoragePeak()
+        tracker.redispatch_dtensors = True
+        tracker.skip_wrappers = True
+        for t in [*model.parameters(), *model.buffers(), ids, batch_kw[1]["labels"]]:
+            tracker.add(local(t))
+        parts: dict[str, int] = {}
+        with tracker, dtensor_metadata_unrecorded():
+            params = [p for p in model.parameters() if p.requires_grad]
+            groups: dict[Any, list[Any]] = {}
+            for p in params:  # transformers' Trainer.create_optimizer: one group per device mesh
+                groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+            opt = torch.optim.AdamW([{"params": g} for g in groups.values()], lr=1e-4, foreach=True)
+            for it in range(2):
+                out = model(*batch_kw[0], **batch_kw[1])
+                loss = loss_of(out, batch_kw, None)
+                del out
+                loss.backward()
+                del loss
+                if it == 0:
+                    parts["weights"] = nbytes(list(model.parameters()))
+                    parts["gradients"] = nbytes([p.grad for p in params if p.grad is not None])
+                opt.step()
+                if it == 0:
+                    parts["optimizer"] = nbytes([v for st in opt.state.values() for k, v in st.items()
+                                                 if k != "step" and isinstance(v, torch.Tensor)])
+                opt.zero_grad(set_to_none=True)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps({"peak": tracker.peak, **parts}))
+    finally:
+        dist.destroy_process_group()
+
+
 def forward_peaks(events: Any) -> list[int]:
     """Peak live bytes of each phase a trace marks (a generation: the prefill, then each decode
     step), the bytes live when it starts included: what :func:`real_tp_generate_peaks`
