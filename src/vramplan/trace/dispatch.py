@@ -20,7 +20,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from ..emulate.tensors import RAW, on_meta, raw_device
 from ..errors import TraceError
@@ -135,13 +135,16 @@ _REDISPATCHING: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: Fal
 
 
 def _redispatching(t: type) -> bool:
-    """Whether ``t`` is a wrapper subclass that unwraps to local tensors and runs the op on
-    them (DTensor: ``torch.distributed.tensor``); other subclasses (FakeTensor, used by
+    """Whether ``t`` is a wrapper subclass that unwraps to its inner tensors and runs the op on
+    them (DTensor, torchao's float8 training tensors, functional collectives'
+    ``AsyncCollectiveTensor``: every traceable wrapper subclass, ``__tensor_flatten__``): handed
+    the op, its ops on the inner tensors come back to the mode and are recorded (the memory the
+    GPU allocates: a cast, a ``.contiguous()`` copy inside torchao's fp8 matmul); the wrapper's own
+    storage holds none (:func:`.recorder.inner_tensors`). Other subclasses (FakeTensor, used by
     DTensor's sharding propagation) are handled as before."""
     hit = _REDISPATCHING.get(t)
     if hit is None:
-        hit = _REDISPATCHING[t] = any(c.__module__.startswith("torch.distributed.tensor") and c.__name__ == "DTensor"
-                                      for c in t.__mro__)
+        hit = _REDISPATCHING[t] = is_traceable_wrapper_subclass_type(t)
     return hit
 
 

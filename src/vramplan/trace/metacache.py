@@ -7,7 +7,13 @@ argument) runs the meta kernel; later calls rebuild the outputs with ``empty_str
 (functional ops) or return ``self`` (in-place ops), skipping the kernel.
 
 Only ops whose tensor arguments are all ``meta`` are cached (host tensors carry real values,
-e.g. optimizer step counters), and only results that this rebuild reproduces exactly: outputs that are fresh,
+e.g. optimizer step counters), and none with a wrapper subclass among its arguments or
+results: the subclass decides in its own ``__torch_dispatch__`` what an op returns (torchao's
+``WeightWithDynamicFloat8CastTensor`` keeps its type through ``new_zeros``/``view``/``slice``,
+which FSDP2's sharding relies on to find its ``fsdp_pre_all_gather``), the key does not see the
+type, and the rebuild makes plain tensors. (The trace hands such ops to the subclass before the
+cache, :func:`.dispatch._redispatching`; this keeps the cache right on its own.) Only
+results that this rebuild reproduces exactly are kept: outputs that are fresh,
 distinct, contiguous-from-offset-0 storages of the minimal size; in-place ops that return
 their first argument (or nothing) and do not change metadata. Anything else (views, ops
 that alias despite their schema, data-dependent or random-shaped ops) always runs.
@@ -18,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..emulate.tensors import on_meta
 
@@ -41,10 +48,14 @@ def _kind(func: Any) -> int:
     return _FUNCTIONAL
 
 
+def _wrapper(x: torch.Tensor) -> bool:
+    return type(x) is not torch.Tensor and is_traceable_wrapper_subclass(x)
+
+
 def _sig(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        if not on_meta(x):
-            raise TypeError  # host tensors hold real values: their ops must run
+        if not on_meta(x) or _wrapper(x):
+            raise TypeError  # host tensors hold real values, subclasses dispatch themselves: their ops must run
         return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
     if isinstance(x, (list, tuple)):
         return tuple(_sig(v) for v in x)
@@ -121,7 +132,7 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 def _spec(out: Any, in_keys: set[int], seen: set[int]) -> Any:
     """How to rebuild ``out``; None when it cannot be rebuilt exactly."""
     if isinstance(out, torch.Tensor):
-        if not on_meta(out) or out.storage_offset() != 0:
+        if not on_meta(out) or out.storage_offset() != 0 or _wrapper(out):
             return None
         st = out.untyped_storage()
         k = st._cdata

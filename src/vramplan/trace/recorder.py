@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..emulate.tensors import on_meta
 from ..events import PHASES, Action, Category, EventLog
@@ -48,6 +49,23 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (any other tensor is its own)."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s memory: ``t`` itself, or for a wrapper subclass (DTensor:
+    its local shard; torchao's ``Float8TrainingTensor``: its fp8 data and scale;
+    ``WeightWithDynamicFloat8CastTensor``: the weight it wraps) the tensors it flattens to
+    (``__tensor_flatten__``), recursively. A wrapper's own storage reports its shape × dtype in
+    bytes and holds no memory (``_make_wrapper_subclass`` allocates nothing, on CUDA as on the CPU)."""
+    if type(t) is torch.Tensor or not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    out: list[torch.Tensor] = []
+    for n in names:
+        x = getattr(t, n, None)
+        if isinstance(x, torch.Tensor):
+            out += inner_tensors(x)
+    return out
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -139,11 +157,14 @@ class Recorder:
     # --- storages --------------------------------------------------------------------
     def track(self, t: torch.Tensor, cat: int = UNDECIDED) -> int | None:
         """Record ``t``'s storage if new; returns its storage key (None if not a device tensor).
-        A DTensor stands for this rank's shard: its local tensor is recorded."""
+        A wrapper subclass stands for its inner tensors (:func:`inner_tensors`; a DTensor: this
+        rank's shard): they are recorded, and the first one's key returned."""
         if type(t) is not torch.Tensor:
             if _is_fake(t):  # DTensor's sharding propagation runs ops on FakeTensors: no memory
                 return None
-            t = local_tensor(t)
+            if is_traceable_wrapper_subclass(t):
+                keys = [self.track(x, cat) for x in inner_tensors(t)]
+                return next((k for k in keys if k is not None), None)
         if not on_meta(t):
             return None
         st = t.untyped_storage()
@@ -170,12 +191,13 @@ class Recorder:
     def ignore(self, t: torch.Tensor) -> None:
         """Never record ``t``'s storage (nor views of it): memory that is not on the device in
         the real run (the unsharded meta model FSDP shards from)."""
-        if not on_meta(t):
-            return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in self.live:
-            self.live[key] = [0, -1, 0, weakref.ref(st, partial(self._freed, key))]
+        for x in inner_tensors(t):
+            if not on_meta(x):
+                continue
+            st = x.untyped_storage()
+            key = st._cdata
+            if key not in self.live:
+                self.live[key] = [0, -1, 0, weakref.ref(st, partial(self._freed, key))]
 
     def resized(self, st: Any, nbytes: int) -> None:
         """A tracked storage was resized in place (``UntypedStorage.resize_``, as FSDP frees
@@ -213,10 +235,12 @@ class Recorder:
             cb(key)
 
     def relabel(self, t: torch.Tensor, cat: Category) -> None:
-        """Give ``t``'s storage a category (tracks it first if unseen)."""
-        key = self.track(t, int(cat))
-        if key is not None and self.live[key][1] >= 0:
-            self._cat[self.live[key][1]] = int(cat)
+        """Give ``t``'s storage a category (tracks it first if unseen; a wrapper subclass: each
+        of its inner tensors')."""
+        for x in inner_tensors(t):
+            key = self.track(x, int(cat))
+            if key is not None and self.live[key][1] >= 0:
+                self._cat[self.live[key][1]] = int(cat)
 
     def close(self) -> None:
         """Stop recording (finalizers of storages still alive become no-ops)."""

@@ -182,10 +182,20 @@ def _storage_peak_mode() -> Any:
     from functools import partial
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import (
+        TorchDispatchMode,
+        is_traceable_wrapper_subclass,
+        is_traceable_wrapper_subclass_type,
+    )
+
+    from .recorder import inner_tensors
 
     class StoragePeak(TorchDispatchMode):
-        """Live bytes of CPU storages made by ops (or registered with :meth:`add`)."""
+        """Live bytes of CPU storages made by ops (or registered with :meth:`add`). A wrapper
+        subclass (DTensor, torchao's float8 tensors, functional collectives'
+        ``AsyncCollectiveTensor``) is handed each op (its ops on its inner tensors come back here)
+        and counts by its inner tensors: its own storage, sized like its shape × dtype, holds no
+        memory (:func:`.recorder.inner_tensors`)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -194,17 +204,20 @@ def _storage_peak_mode() -> Any:
             self.current = 0
             self.peak = 0
             self.redispatch_dtensors = False
-            """Hand DTensor ops to DTensor, which runs them on its local tensors (seen here)."""
+            """(Kept for callers: every wrapper subclass is handed its ops.)"""
             self.skip_wrappers = False
-            """Leave out the storages of wrapper subclasses (functional collectives'
-            ``AsyncCollectiveTensor``): sized like the tensor they wrap, they hold no memory (no
-            data pointer); the wrapped tensor is counted."""
+            """Leave out the storages of wrappers without ``__tensor_flatten__`` (no data
+            pointer: no memory)."""
 
         def add(self, t: torch.Tensor) -> None:
+            if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+                for x in inner_tensors(t):
+                    self.add(x)
+                return
             if t.device.type != "cpu" or t.is_sparse:
                 return
             st = t.untyped_storage()
-            if st.device.type != "cpu":  # a FakeTensor (DTensor's shape propagation): no memory
+            if st.device.type != "cpu":  # a FakeTensor (DTensor's sharding propagation): no memory
                 return
             if self.skip_wrappers and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
                 try:
@@ -252,7 +265,7 @@ def _storage_peak_mode() -> Any:
                 cls.resize_ = orig  # type: ignore[method-assign]
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if self.redispatch_dtensors and any(t.__name__ == "DTensor" for t in types):
+            if any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types):
                 return NotImplemented
             out = func(*args, **(kwargs or {}))
             stack = [out]
