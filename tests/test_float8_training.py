@@ -70,6 +70,13 @@ def test_float8_is_refused_where_it_is_not_modelled() -> None:
                  gpu="a100-sxm4-80gb", seq=64)
 
 
+def test_mxfp8_is_refused_with_its_cause() -> None:
+    # torchao 0.18's MXFP8Linear: the default kernels assert triton (and torchao's CUDA mxfp8 cast);
+    # torchtitan 0.3.0's converter itself refuses below sm100
+    with pytest.raises(TraceError, match="sm100.*block-scaled"):
+        estimate("llama-3.2-1b", task="train", precision="bf16", float8="mxfp8", method="trace", gpu="b200", seq=64)
+
+
 def test_float8_needs_torchao_and_says_so() -> None:
     import importlib.util
 

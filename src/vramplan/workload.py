@@ -169,6 +169,7 @@ class Float8(_StrEnum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     ROWWISE_GW_HP = "rowwise-gw-hp"  # torchao's "rowwise_with_gw_hp"
+    MXFP8 = "mxfp8"  # torchao's MXFP8Linear (torchtitan's quantize.linear.mx): refused by the trace
 
 
 class Attention(_StrEnum):

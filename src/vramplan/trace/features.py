@@ -214,6 +214,11 @@ def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_
     dimension that is not a multiple of 16."""
     if w.float8 is Float8.NONE:
         return []
+    if w.float8 is Float8.MXFP8:
+        raise TraceError("MXFP8 training (torchao 0.18's MXFP8Linear, torchtitan's `quantize.linear.mx`) is not traced: "
+                         "its casts are Triton and CUDA kernels (torchao's _C_mxfp8) and its matmul needs sm100's "
+                         "block-scaled fp8, none of which runs without a Blackwell GPU; its emulated mode allocates "
+                         "other buffers (it dequantises)", hint="use `float8=rowwise` (torchtitan's float8 default)")
     if device.usable is not None and device.sm < FLOAT8_SM:
         raise TraceError(f"float8 training needs an sm89+ GPU (fp8 tensor cores for torch._scaled_mm); "
                          f"{device.name} is sm{device.sm[0]}{device.sm[1]}", hint="pick an H100/H200/L40S/B200, or drop `float8`")
