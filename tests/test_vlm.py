@@ -17,7 +17,7 @@ import vramplan
 from vramplan.cli.main import main
 from vramplan.models.build import build_model
 from vramplan.models.catalog import resolve
-from vramplan.models.vlm import PROCESSORS, image_tokens, inputs
+from vramplan.models.vlm import PROCESSORS, image_tokens, inputs, video_tokens
 from vramplan.trace.run import TraceOptions, trace_model
 from vramplan.trace.testing import real_peak
 from vramplan.workload import Workload
@@ -259,3 +259,66 @@ def test_preference_and_rl_objectives_with_images() -> None:
     for objective in ("grpo", "kto"):
         with pytest.raises(vramplan.VramplanError, match="with images is not modelled"):
             Workload(task="train", objective=objective, images=1, prompt=64, seq=128)
+
+
+# --- videos (Qwen-VL) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task", ["train", "infer"])
+def test_a_traced_video_step_matches_a_real_cpu_run(tmp_path: Path, task: str) -> None:
+    """An image and two videos of 5 frames per sequence: the model itself checks that its vision
+    tower gives one feature per ``<|video_pad|>`` token (it raises otherwise), and the trace's peak
+    is the real run's."""
+    spec = resolve(str(_write(tmp_path, TINY)))
+
+    def make() -> Any:
+        return build_model(spec, task=task, attention="eager", device="cpu", dtype=torch.float32)
+
+    def batch() -> dict[str, Any]:
+        return inputs(spec, batch=2, seq=12, images=1, width=140, height=112, device="cpu", labels=task == "train",
+                      videos=2, frames=5)[0]
+
+    ref = real_peak(make, batch, task=task)
+    w = Workload(task=task, precision="fp32", optimizer="adamw", attention="eager")
+    r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
+    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_a_video_is_its_frames_in_pairs(tiny: Path) -> None:
+    """Frames padded to pairs (``temporal_patch_size`` 2), each resized as an image; one
+    ``<|video_pad|>`` per 2 × 2 patches of a pair; the batch's grid, pixels and token ids."""
+    spec = resolve(str(tiny))
+    one = image_tokens(spec, 140, 112)
+    for frames, pairs in ((1, 1), (4, 2), (5, 3)):
+        clip = video_tokens(spec, 140, 112, frames)
+        assert (clip.frames, clip.grid) == (2 * pairs, (pairs, one.height // 14, one.width // 14))
+        assert clip.patches == pairs * one.patches and clip.tokens == clip.patches // 4 and clip.markers == 2
+    clip = video_tokens(spec, 140, 112, 5)
+    kw, shadows = inputs(spec, batch=2, seq=7, images=0, width=140, height=112, videos=3, frames=5)
+    values = {id(m): v for m, v in shadows}
+    ids = values[id(kw["input_ids"])]
+    assert ids.shape == (2, 7 + 3 * (clip.tokens + 2)) and "pixel_values" not in kw
+    assert int((ids == TINY["video_token_id"]).sum()) == 2 * 3 * clip.tokens
+    assert int((ids == TINY["vision_start_token_id"]).sum()) == 6
+    assert kw["pixel_values_videos"].shape == (6 * clip.patches, 3 * 2 * 14 * 14)
+    assert values[id(kw["video_grid_thw"])].tolist() == [list(clip.grid)] * 6
+    assert values[id(kw["second_per_grid_ts"])].tolist() == [1.0] * 6
+
+
+def test_estimate_of_videos_counts_their_tokens_and_refuses_other_models(
+        tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = dict(task="train", precision="bf16-mixed", seq=32, method="trace", gpu="h100-sxm", image_size=112)
+    four = vramplan.estimate(str(tiny), videos=1, video_frames=4, **base)
+    eight = vramplan.estimate(str(tiny), videos=1, video_frames=8, **base)
+    clip = video_tokens(resolve(str(tiny)), 112, 112, 8)
+    note = next(n for n in eight.notes if "video tokens" in n)
+    assert f"{clip.tokens:,} video tokens" in note and f"sequence {32 + clip.tokens + 2:,} tokens" in note
+    assert four.peak.allocated < eight.peak.allocated
+    gemma = _write(tmp_path, GEMMA3)
+    for args, words in (([str(gemma), "--videos", "1"], "takes images only"),
+                        (["llama-3.2-1b", "--videos", "1"], "--videos applies to vision-language models"),
+                        ([str(tiny), "--videos", "1", "--method", "analytic"], "traced"),
+                        ([str(tiny), "--videos", "1", "--video-frames", "0"], "video-frames must be a positive integer")):
+        code = main(["estimate", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err

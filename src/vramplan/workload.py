@@ -618,6 +618,12 @@ class Workload:
     images: int = 0
     """Images per sequence for a vision-language model (Qwen2-VL, Qwen2.5-VL): each becomes the
     image tokens its processor makes, in front of ``seq`` text tokens."""
+    videos: int = 0
+    """Videos per sequence for Qwen2-VL / Qwen2.5-VL: each of ``video_frames`` frames of
+    ``image_size`` × ``image_height`` pixels becomes the video tokens its video processor makes
+    (after the images, in front of the ``seq`` text tokens)."""
+    video_frames: int = 16
+    """Frames of each video as given to the processor (already sampled; padded to an even count)."""
     freeze_vision: bool = False
     """Training a vision-language model: its vision tower (with the merger that projects image
     tokens into the language model) frozen, only the language model trained."""
@@ -660,10 +666,16 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
-        for name in ("images", "image_height"):
+        for name in ("images", "image_height", "videos"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise WorkloadError(f"`{name}` must be an integer >= 0, got {v!r}", field=name)
+        if not isinstance(self.video_frames, int) or isinstance(self.video_frames, bool) or self.video_frames < 1:
+            raise WorkloadError(f"`video_frames` must be a positive integer, got {self.video_frames!r}",
+                                field="video_frames")
+        if self.videos and self.objective in (Objective.GRPO, Objective.KTO, Objective.DPO):
+            raise WorkloadError(f"`objective={self.objective}` with videos is not modelled: supervised training, "
+                                "inference and generation take videos", hint="drop `videos`", field="videos")
         if self.images and self.objective in (Objective.GRPO, Objective.KTO):
             raise WorkloadError(f"`objective={self.objective}` with images is not modelled (GRPO's rollout makes its own "
                                 "prompts; KTO's KL batch of mismatched pairs): DPO and supervised training take images",

@@ -239,10 +239,11 @@ def _divisors(n: int, limit: int = 8) -> str:
 def check_against_model(spec: ModelSpec, w: Workload) -> None:
     """Raise WorkloadError when the workload's parallel sizes or shapes do not fit the model."""
     name, p = spec.name, w.parallel
-    if w.images:
-        raise WorkloadError(f"`images` applies to vision-language models, which are traced; {name} has no analytic "
-                            "vision tower", hint="use `method=trace` (with a vision-language model), or drop `images`",
-                            field="images")
+    for what in ("images", "videos"):
+        if getattr(w, what):
+            raise WorkloadError(f"`{what}` applies to vision-language models, which are traced; {name} has no "
+                                "analytic vision tower",
+                                hint=f"use `method=trace` (with a vision-language model), or drop `{what}`", field=what)
     layout = arch_of(spec.config)
     if layout is not None and layout.kind == "vlm":
         raise WorkloadError(f"{name} ({spec.model_type}) is a vision-language model: it is traced, with no "

@@ -20,10 +20,42 @@ Three processor families (:data:`PROCESSORS`, keyed by the config's ``model_type
   ``<image>`` token per patch (576; the ``default`` feature strategy drops the CLS position)
   (``LlavaProcessor._get_number_of_features``).
 
-The batch (:func:`inputs`): each sequence holds ``images`` images and then ``seq`` text tokens,
-so a sequence is ``seq + images × (tokens per image + markers)`` long; token ids, the image grid
-and the token types carry their values into the trace (the model reads them: where the image
-tokens sit, the multimodal RoPE positions, the image blocks of the mask), the pixels do not.
+Videos (Qwen2-VL / Qwen2.5-VL only: :func:`video_tokens`), as transformers 5.24's
+``Qwen2VLVideoProcessor`` and ``Qwen2_5_VLProcessor`` make them:
+
+* the frames given are all kept (``do_sample_frames`` is off by default,
+  ``video_processing_qwen2_vl.py:130``; a caller samples them, e.g. qwen-vl-utils at 2 fps) and
+  padded to a multiple of ``temporal_patch_size`` (2) by repeating the last frame (``patchify``,
+  ``:286-289``): ``grid_t = ceil(frames / 2)``;
+* every frame is resized by the same ``smart_resize`` as an image (``:262-268``, ``:44-70``) within
+  the processor's ``size`` bounds; the Qwen2.5-VL checkpoints ship no
+  ``video_preprocessor_config.json``, so ``AutoVideoProcessor`` reads ``preprocessor_config.json``
+  (``video_processing_utils.py:349-368`` tries both names), whose ``min_pixels`` / ``max_pixels``
+  become ``size`` (``:140-145``): frames take the images' bounds, 3136 … 12845056; the per-frame cap
+  of qwen-vl-utils (``cap_pixels_per_frame``) is off unless asked (``:333-342``);
+* ``pixel_values_videos`` is ``[grid_t · grid_h · grid_w, 3 · 2 · 14 · 14]`` per video (``:291-311``),
+  ``video_grid_thw`` ``[grid_t, grid_h, grid_w]`` (``:376-382``; the patch count is
+  ``get_num_of_video_patches``, ``:389-415``);
+* the text holds ``<|vision_start|>`` + ``grid_t · grid_h · grid_w / merge²`` ``<|video_pad|>`` +
+  ``<|vision_end|>`` (``Qwen2_5_VLProcessor.replace_video_token``, ``processing_qwen2_5_vl.py:56-59``);
+* ``second_per_grid_ts`` is ``temporal_patch_size / fps`` per video (``:129-145``); it only spaces the
+  temporal RoPE positions (``modeling_qwen2_5_vl.py:1031-1036``), taken here at qwen-vl-utils' 2 fps
+  (1.0 s per temporal patch);
+* the processor also returns ``mm_token_type_ids`` (0 text, 1 image, 2 video;
+  ``processing_qwen2_5_vl.py:33``), from which the model computes the multimodal RoPE positions
+  (``compute_3d_position_ids``, ``modeling_qwen2_5_vl.py:1136-1150``). The batch here leaves it
+  out, for images as for videos: ``get_rope_index`` builds its position offsets with
+  ``torch.tensor`` of 0-d results (``:1047-1048``) whose values the trace does not follow, so the
+  model takes its fallback positions (an ``arange`` expanded to ``[3, batch, sequence]``,
+  ``:801-804``, where the processor's batch makes a full int64 table of that shape: 24 bytes a
+  token, against the activations' kilobytes a token). The real runs the tests compare against are
+  made without it too.
+
+The batch (:func:`inputs`): each sequence holds ``images`` images, ``videos`` videos and then
+``seq`` text tokens, so a sequence is ``seq + images × (tokens per image + markers) + videos ×
+(tokens per video + markers)`` long; token ids, the image and video grids and the token types
+carry their values into the trace (the model reads them: where the image tokens sit, the
+multimodal RoPE positions, the image blocks of the mask), the pixels do not.
 """
 
 from __future__ import annotations
@@ -219,6 +251,47 @@ def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | 
     return ImageTokens(width=side, height=side, patches=patches, tokens=tokens, markers=proc.markers)
 
 
+@dataclass(frozen=True)
+class VideoTokens:
+    frames: int
+    """Frames the vision tower sees (the given ones, padded to a multiple of ``temporal_patch_size``)."""
+    width: int
+    height: int
+    """The size the processor resizes every frame to."""
+    grid: tuple[int, int, int]
+    """``video_grid_thw``: (temporal patches, patch rows, patch columns)."""
+    patches: int
+    """Rows of ``pixel_values_videos``."""
+    tokens: int
+    """``<|video_pad|>`` tokens in the text (patches / merge²)."""
+    markers: int
+    """``<|vision_start|>`` and ``<|vision_end|>``."""
+
+
+def no_videos(spec: ModelSpec) -> WorkloadError:
+    """The refusal of ``videos`` for a model whose processor takes none (modelled: Qwen-VL)."""
+    what = "takes images only" if is_vlm(spec) else "takes no images or videos"
+    return WorkloadError(f"`videos` applies to Qwen2-VL / Qwen2.5-VL (their video processor); {spec.name} {what}",
+                         hint="drop `videos`", field="videos")
+
+
+def video_tokens(spec: ModelSpec, width: int, height: int, frames: int) -> VideoTokens:
+    """What one video of ``frames`` frames of ``width × height`` becomes for a Qwen-VL processor."""
+    if not is_vlm(spec) or PROCESSORS[spec.model_type].family != "qwen":
+        raise no_videos(spec)
+    if frames < 1:
+        raise WorkloadError(f"`video_frames` must be >= 1, got {frames}", field="video_frames")
+    one = image_tokens(spec, width, height)  # (the same smart_resize and bounds)
+    vision = _vision(spec)
+    temporal = int(vision.get("temporal_patch_size", 2))
+    merge = int(vision.get("spatial_merge_size", 2))
+    patch = _patch(vision)
+    grid = (-(-frames // temporal), one.height // patch, one.width // patch)
+    patches = grid[0] * grid[1] * grid[2]
+    return VideoTokens(frames=grid[0] * temporal, width=one.width, height=one.height, grid=grid, patches=patches,
+                       tokens=patches // (merge * merge), markers=one.markers)
+
+
 def _max_tiles(spec: ModelSpec) -> int:
     v = _vision(spec).get("max_num_tiles")
     return int(v) if isinstance(v, int) and v > 0 else int(_hf_config(spec).vision_config.max_num_tiles)
@@ -295,18 +368,21 @@ def text_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, height: int,
-           device: str | torch.device = "meta", labels: bool = True,
-           dtype: torch.dtype | None = None) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+           device: str | torch.device = "meta", labels: bool = True, dtype: torch.dtype | None = None,
+           videos: int = 0, frames: int = 0) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """(keyword arguments of the model's forward, (meta tensor, its values) pairs) for a batch
-    of ``batch`` sequences of ``images`` images and ``seq`` text tokens each (floats in ``dtype``,
+    of ``batch`` sequences of ``images`` images, ``videos`` videos of ``frames`` frames (Qwen-VL;
+    frames of the images' ``width × height``) and ``seq`` text tokens each (floats in ``dtype``,
     default float32)."""
     import torch
 
     dtype = dtype or torch.float32
     if images < 0:
         raise WorkloadError(f"`images` must be >= 0, got {images}", field="images")
+    if videos < 0:
+        raise WorkloadError(f"`videos` must be >= 0, got {videos}", field="videos")
     if not is_vlm(spec):
-        raise no_images(spec)
+        raise no_images(spec) if images or not videos else no_videos(spec)
     proc = PROCESSORS[spec.model_type]
     dev = torch.device(device)
     image_id = _token_id(spec, "image_token_id")
@@ -319,15 +395,18 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
         return torch.tensor([t if t >= 0 else int(torch.randint(0, text_top, (), generator=g)) for t in ids],
                             dtype=torch.long)
 
-    rows, types = [], []
     one = image_tokens(spec, width, height) if images else None
+    clip = video_tokens(spec, width, height, frames) if videos else None
+    video_id = _token_id(spec, "video_token_id") if videos else -1
+    items = [(image_id, 1, one.tokens) for _ in range(images)] if one else []
+    items += [(video_id, 2, clip.tokens) for _ in range(videos)] if clip else []
+    rows, types = [], []
     for _ in range(batch):
         row: list[torch.Tensor] = []
         kind: list[torch.Tensor] = []
-        for _ in range(images):
-            assert one is not None
-            row += [marks(before), torch.full((one.tokens,), image_id), marks(after)]
-            kind += [torch.zeros(len(before)), torch.ones(one.tokens), torch.zeros(len(after))]
+        for token, modality, count in items:  # (each item: its markers around its tokens)
+            row += [marks(before), torch.full((count,), token), marks(after)]
+            kind += [torch.zeros(len(before)), torch.full((count,), float(modality)), torch.zeros(len(after))]
         row.append(torch.randint(0, text_top, (seq,), generator=g))
         kind.append(torch.zeros(seq))
         rows.append(torch.cat(row))
@@ -342,12 +421,13 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
         shadows.append((meta, values))
         return meta
 
+    def floats(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, dtype=dtype, device=dev) if real else torch.empty(shape, dtype=dtype, device=dev)
+
     shadows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # the processor's attention mask (all ones: no padding) comes with every batch; Qwen-VL computes
-    # its positions from it
+    # the processor's attention mask (all ones: no padding) comes with every batch
     out: dict[str, Any] = {"input_ids": carry(ids), "attention_mask": carry(torch.ones_like(ids))}
-    if images:
-        assert one is not None
+    if one is not None:
         patch = patch_size(spec)
         n = batch * images
         if proc.family == "mllama":
@@ -355,13 +435,19 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
             shape: tuple[int, ...] = (batch, images, _max_tiles(spec), _channels(spec), side, side)
         else:
             shape = pixel_shape(spec, images=n, patches=n * one.patches, height=one.height, width=one.width)
-        out["pixel_values"] = torch.randn(shape, dtype=dtype, device=dev) if real else \
-            torch.empty(shape, dtype=dtype, device=dev)
+        out["pixel_values"] = floats(shape)
         if proc.family == "qwen":
             out["image_grid_thw"] = carry(torch.tensor([[1, one.height // patch, one.width // patch]] * n))
         if proc.family == "mllama":
             for k, v in _mllama_extras(spec, ids, images, width, height, image_id).items():
                 out[k] = carry(v)
+    if clip is not None:
+        n = batch * videos
+        out["pixel_values_videos"] = floats(pixel_shape(spec, images=n, patches=n * clip.patches, height=clip.height,
+                                                        width=clip.width))
+        out["video_grid_thw"] = carry(torch.tensor([list(clip.grid)] * n))
+        if spec.model_type == "qwen2_5_vl":  # (Qwen2-VL's positions take no time scale)
+            out["second_per_grid_ts"] = carry(torch.full((n,), SECONDS_PER_GRID))
     if proc.family == "gemma3":  # the processor returns them with every batch
         out["token_type_ids"] = carry(torch.stack(types).to(torch.long))
     if labels:
@@ -369,15 +455,34 @@ def inputs(spec: ModelSpec, *, batch: int, seq: int, images: int, width: int, he
     return out, shadows
 
 
-def describe(spec: ModelSpec, images: int, width: int, height: int, seq: int) -> str:
-    """One line for the report: what the images became."""
-    one = image_tokens(spec, width, height)
-    total = seq + images * (one.tokens + one.markers)
-    return (f"{images} image(s) of {width}x{height} per sequence, each resized to {one.width}x{one.height} by the "
-            f"processor ({PROCESSORS[spec.model_type].source}): {one.patches:,} patches, {one.tokens:,} image tokens "
-            f"+ {one.markers} markers; sequence {total:,} tokens = {seq:,} text + {images} × "
-            f"{one.tokens + one.markers:,}")
+SECONDS_PER_GRID = 1.0
+"""``second_per_grid_ts`` of a video: ``temporal_patch_size / fps`` (``Qwen2_5_VLProcessor.
+_process_videos``) at qwen-vl-utils' default sampling of 2 frames per second. It spaces the
+temporal RoPE positions only (no memory)."""
 
 
-__all__ = ["PROCESSORS", "ImageTokens", "describe", "image_tokens", "inputs", "is_vlm", "patch_size",
-           "pixel_shape", "text_spec"]
+def describe(spec: ModelSpec, images: int, width: int, height: int, seq: int, videos: int = 0,
+             frames: int = 0) -> str:
+    """One line for the report: what the images (and videos) became."""
+    parts, total = [], seq
+    if images:
+        one = image_tokens(spec, width, height)
+        total += images * (one.tokens + one.markers)
+        parts.append(f"{images} image(s) of {width}x{height} per sequence, each resized to {one.width}x{one.height} "
+                     f"by the processor ({PROCESSORS[spec.model_type].source}): {one.patches:,} patches, "
+                     f"{one.tokens:,} image tokens + {one.markers} markers")
+    if videos:
+        clip = video_tokens(spec, width, height, frames)
+        total += videos * (clip.tokens + clip.markers)
+        t, h, w = clip.grid
+        parts.append(f"{videos} video(s) of {frames} frames of {width}x{height} per sequence, each resized to "
+                     f"{clip.width}x{clip.height} by the video processor (the images' pixel bounds), "
+                     f"{clip.frames} frames in {t} temporal patches: video_grid_thw [{t}, {h}, {w}], "
+                     f"{clip.patches:,} patches, {clip.tokens:,} video tokens + {clip.markers} markers")
+    items = [f"{images} × {one.tokens + one.markers:,}"] if images else []
+    items += [f"{videos} × {clip.tokens + clip.markers:,}"] if videos else []
+    return "; ".join(parts) + f"; sequence {total:,} tokens = {seq:,} text + " + " + ".join(items)
+
+
+__all__ = ["PROCESSORS", "ImageTokens", "VideoTokens", "describe", "image_tokens", "inputs", "is_vlm", "patch_size",
+           "pixel_shape", "text_spec", "video_tokens"]

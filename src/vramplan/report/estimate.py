@@ -56,6 +56,10 @@ def workload_line(r: MemoryReport) -> str:
             if w.images:
                 width, height = w.image_hw
                 parts.append(f"{w.images} image{'s' if w.images > 1 else ''} {width}x{height} per sequence")
+            if w.videos:
+                width, height = w.image_hw
+                parts.append(f"{w.videos} video{'s' if w.videos > 1 else ''} of {w.video_frames} frames {width}x{height}"
+                             " per sequence")
         else:
             parts.append(f"image {w.image_size}")
     if w.task.value == "generate":

@@ -301,7 +301,9 @@ def _catalog_inputs(spec: ModelSpec, w: Workload) -> tuple[dict[str, Any], list[
     if vlm.is_vlm(spec):
         width, height = w.image_hw
         return vlm.inputs(spec, batch=w.sequences, seq=w.seq, images=w.images, width=width, height=height,
-                          device="meta", labels=labels, dtype=dtype)
+                          device="meta", labels=labels, dtype=dtype, videos=w.videos, frames=w.video_frames)
+    if w.videos:
+        raise vlm.no_videos(spec)
     return example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                           labels=labels, dtype=dtype, images=w.images, image_height=w.image_height), []
 
@@ -317,8 +319,8 @@ def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str)
     from ..models.build import attention_used
 
     notes = []
-    if w.images and vlm.is_vlm(spec):
-        notes.append(vlm.describe(spec, w.images, *w.image_hw, w.seq))
+    if (w.images or w.videos) and vlm.is_vlm(spec):
+        notes.append(vlm.describe(spec, w.images, *w.image_hw, w.seq, w.videos, w.video_frames))
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     used = attention_used(model)

@@ -295,9 +295,11 @@ def _label_model_cache(sess: TraceSession, out: Any) -> None:
 
 
 PREFILL_ONLY = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                          "token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask"})
-"""Inputs of a vision-language model's prompt: the images the prefill encodes (and Gemma 3's
-token types, which mark the prompt's image tokens; ``Gemma3ForConditionalGeneration.
+                          "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "aspect_ratio_ids",
+                          "aspect_ratio_mask"})
+"""Inputs of a vision-language model's prompt: the images and videos the prefill encodes (Qwen-VL's
+token types and video time scale give the prompt's multimodal RoPE positions; decode steps add
+the positions' stored offset, ``compute_3d_position_ids``), Gemma 3's token types, which mark the prompt's image tokens; ``Gemma3ForConditionalGeneration.
 prepare_inputs_for_generation`` passes them to the first step only; Llama 3.2 Vision's aspect
 ratios likewise)."""
 DECODE_LAST_ROW = frozenset({"cross_attention_mask"})

@@ -15,7 +15,7 @@ const JOBS = {
   rl: { label: "RL: GRPO (rollout, then the policy step)",
     keys: ["objective", "prompt", "generations", "rollout", "vllm-memory", "vllm-max-len", "vllm-sleep", "reference"],
     set: { objective: "grpo", task: "train" }, prompt: true }, // + a prompt: half the sequence, the rest completion
-  vlm: { label: "vision-language (images in the sequence)", keys: ["images", "image-size", "image-height", "freeze-vision"],
+  vlm: { label: "vision-language (images in the sequence)", keys: ["images", "image-size", "image-height", "videos", "video-frames", "freeze-vision"],
     set: { images: "1" }, model: "qwen2.5-vl-7b" },
   diffusion: { label: "diffusion denoiser (one step at an image size)", keys: ["image-size", "image-height"],
     set: {}, model: "flux1-dev-transformer" },
