@@ -76,7 +76,8 @@ def build_step(spec: ModelSpec, w: Workload, *, device: str = "cuda") -> Workloa
     features.apply_checkpointing(model, w)
     model.train(w.training)
     inputs = example_inputs(spec, batch=w.batch, seq=w.seq, image_size=w.image_size, device=device,
-                            labels=w.training, dtype=dtype)
+                            labels=w.training, dtype=dtype, images=w.images, image_height=w.image_height,
+                            videos=w.videos, video_frames=w.video_frames)
     amp = _Amp(torch, torch.device(device).type, features.autocast_dtype(w))
     if w.task is Task.GENERATE:
         return _generate_step(torch, model, inputs, w, amp)

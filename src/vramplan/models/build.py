@@ -221,11 +221,14 @@ def example_inputs(
     dtype: torch.dtype | str | None = None,
     images: int = 0,
     image_height: int = 0,
+    videos: int = 0,
+    video_frames: int = 0,
 ) -> dict[str, Any]:
     """Keyword arguments for the model's forward: token ids (+ labels) for language models,
     ``pixel_values`` (+ labels) for vision models, noisy latents, timestep and text states for a
     UNet (``image_size`` is the pixel size; latents are 8x smaller), token ids with ``images``
-    images of ``image_size`` × ``image_height`` (+ labels) for a vision-language model
+    images of ``image_size`` × ``image_height`` (and ``videos`` of ``video_frames`` such frames, Qwen-VL)
+    (+ labels) for a vision-language model
     (:mod:`.vlm`; on ``meta`` without the values the model reads: :func:`.vlm.inputs` gives them).
     Floats use ``dtype`` (default float32)."""
     if batch < 1 or seq < 1:
@@ -238,11 +241,11 @@ def example_inputs(
 
         size = image_size or 224
         return inputs(spec, batch=batch, seq=seq, images=images, width=size, height=image_height or size,
-                      device=dev, labels=labels, dtype=float_dtype)[0]
-    if images:
-        from .vlm import no_images
+                      device=dev, labels=labels, dtype=float_dtype, videos=videos, frames=video_frames)[0]
+    if images or videos:
+        from .vlm import no_images, no_videos
 
-        raise no_images(spec)
+        raise no_images(spec) if images else no_videos(spec)
     if chosen == DENOISE and spec.config.get("_class_name") == "FluxTransformer2DModel":
         return _flux_inputs(spec, batch, image_size, image_height, dev, float_dtype)
     if chosen == DENOISE:
