@@ -25,11 +25,17 @@ ALL = [r.value for r in Recipe]
 PEFTS = ["none", "lora", "qlora"]
 
 
+RL = ("verl-grpo", "verl-ppo", "openrlhf-ppo", "openrlhf-grpo")
+"""The recipes with a colocated vLLM rollout (sized by the GPU) and no QLoRA."""
+
+
 def _valid(recipe: str, peft: str) -> bool:
-    return not (recipe == "torchtitan" and peft != "none")
+    return not ((recipe == "torchtitan" and peft != "none") or (recipe in RL and peft == "qlora"))
 
 
-NEEDS: dict[str, dict[str, int]] = {"trl-grpo": {"batch": 8, "seq": 1024, "prompt": 512}}
+NEEDS: dict[str, dict[str, int]] = {"trl-grpo": {"batch": 8, "seq": 1024, "prompt": 512},
+                                    "verl-grpo": {"batch": 5}, "verl-ppo": {"seq": 1024, "prompt": 512},
+                                    "openrlhf-ppo": {"prompt": 1024}, "openrlhf-grpo": {"batch": 8, "prompt": 1024}}
 """What a recipe cannot run without (GRPO: a prompt length, and a batch of whole groups of
 `generations`), given as a user would."""
 
@@ -39,7 +45,8 @@ def _needs(recipe: str) -> dict[str, int]:
 
 
 def _flags(recipe: str) -> list[str]:
-    return [a for k, v in _needs(recipe).items() for a in (f"--{k}", str(v))]
+    gpu = ["--gpu", "h100"] if recipe in RL else []  # (the colocated vLLM engine is sized by the GPU)
+    return [a for k, v in _needs(recipe).items() for a in (f"--{k}", str(v))] + gpu
 
 
 def test_grpo_without_a_prompt_is_one_line_naming_the_fix() -> None:
@@ -53,7 +60,7 @@ def test_grpo_without_a_prompt_is_one_line_naming_the_fix() -> None:
 def test_bundle_applies_every_default_with_its_source(name: str, peft: str) -> None:
     if not _valid(name, peft):
         with pytest.raises(WorkloadError, match="peft"):
-            recipes.apply(name, peft=peft)
+            recipes.apply(name, peft=peft, **_needs(name))
         return
     w = recipes.apply(name, peft=peft, **_needs(name))
     assert w.recipe is Recipe(name)
@@ -140,6 +147,40 @@ def test_caveats_say_what_is_not_modelled() -> None:
     assert recipes.apply("trl-sft").loss is Loss.TRL  # TRL's own fused head, no longer estimated as another
     assert any("precision" in n for n in recipes.notes(recipes.apply("hf-trainer")))
     assert recipes.notes(recipes.apply("plain")) == ()
+    verl = recipes.notes(recipes.apply("verl-grpo", batch=5))
+    assert any("param_offload" in n and "upper bound" in n for n in verl)  # the reference offloaded by verl
+    assert any("full-vocabulary logits" in n for n in verl)
+    assert any("colocate_all" in n for n in recipes.notes(recipes.apply("openrlhf-ppo", prompt=512)))
+
+
+def test_rl_framework_defaults_read_from_their_sources() -> None:
+    from vramplan.workload import Objective, Reference, Rollout
+
+    ppo = recipes.apply("verl-ppo")
+    assert (ppo.objective, ppo.generations, ppo.reference, ppo.rollout, ppo.vllm_memory, ppo.vllm_sleep) == (
+        Objective.PPO, 1, Reference.NONE, Rollout.VLLM, 0.5, True)
+    assert (ppo.checkpointing, ppo.precision, ppo.seq, ppo.prompt) == (Checkpointing.FULL, Precision.BF16_MIXED,
+                                                                        1024, 512)
+    grpo = recipes.apply("verl-grpo", batch=5)
+    assert (grpo.objective, grpo.generations, grpo.reference) == (Objective.GRPO, 5, Reference.MODEL)
+    orl = recipes.apply("openrlhf-ppo", prompt=512)
+    assert (orl.objective, orl.reference, orl.reward_model, orl.checkpointing, orl.optimizer_impl, orl.vllm_max_len) \
+        == (Objective.PPO, Reference.MODEL, True, Checkpointing.NONE, OptimizerImpl.FUSED, 2048)
+    assert recipes.apply("openrlhf-grpo", batch=8, prompt=512).objective is Objective.GRPO
+    # each framework's vLLM release: verl 0.7.0 allows up to 0.12.0, OpenRLHF 0.11.0 pins 0.27.1
+    assert recipes.get("verl-ppo").rollout.engine_version == "0.12.0"
+    assert recipes.get("openrlhf-ppo").rollout.engine_version == "0.27.1"
+    assert recipes.get("trl-grpo").rollout.engine_version == "0.10.1.1"
+
+
+def test_verl_ppo_on_llama_8b_answers_with_each_part_of_the_step(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "estimate", "llama-3.1-8b", "--recipe", "verl-ppo", "--gpu", "h100", "--method",
+                        "analytic", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    notes = " ".join(d["notes"])
+    assert "PPO peaks: generation" in notes and "critic training" in notes and "actor training" in notes
+    assert "vLLM 0.12.0 colocated (verl 0.7.0 hybrid engine)" in notes
 
 
 # --- CLI ----------------------------------------------------------------------------------
@@ -254,7 +295,8 @@ def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
     import vramplan
 
     r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, method="trace", search_max_batch=False,
-                          **{**_needs(name), "seq": 128, **({"prompt": 64} if _needs(name) else {})})
+                          **{**_needs(name), "seq": 128, **({"prompt": 64} if _needs(name) else {}),
+                             **({"gpu": "h100"} if name in RL else {})})
     assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
     assert r.peak.allocated > r.breakdown.weights > 0
     assert tuple(recipes.notes(r.workload)) == tuple(n for n in r.notes if n in recipes.notes(r.workload))

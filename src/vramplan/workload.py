@@ -77,12 +77,13 @@ class Objective(_StrEnum):
     DPO = "dpo"  # direct preference optimisation: chosen and rejected sequences, a frozen reference
     KTO = "kto"  # Kahneman-Tversky optimisation: unpaired labelled sequences, a KL batch, a reference
     GRPO = "grpo"  # group relative policy optimisation: a rollout (generate), then the policy-gradient step
+    PPO = "ppo"  # PPO with a value model (critic): a rollout, the critic's values, its update, then the policy's
 
 
 class Reference(_StrEnum):
     """Where the reference log-probabilities of a preference or RL objective come from."""
 
-    AUTO = "auto"  # TRL's choice: DPO/KTO: the adapters disabled under PEFT, else a frozen copy; GRPO: none
+    AUTO = "auto"  # TRL's choice: DPO/KTO: the adapters disabled under PEFT, else a frozen copy; GRPO, PPO: none
     MODEL = "model"  # a frozen copy of the model in the policy's dtype (TRL `ref_model`)
     ADAPTERS = "adapters"  # the policy itself with its LoRA adapters disabled (no second model)
     PRECOMPUTED = "precomputed"  # read from the dataset (TRL `precompute_ref_log_probs=True`)
@@ -118,6 +119,10 @@ class Recipe(_StrEnum):
     TRL_DPO = "trl-dpo"
     TRL_KTO = "trl-kto"
     TRL_GRPO = "trl-grpo"
+    VERL_GRPO = "verl-grpo"
+    VERL_PPO = "verl-ppo"
+    OPENRLHF_PPO = "openrlhf-ppo"
+    OPENRLHF_GRPO = "openrlhf-grpo"
     ACCELERATE = "accelerate"
     LIGHTNING = "lightning"
     TORCHTUNE = "torchtune"
@@ -534,8 +539,11 @@ class Workload:
     2 x `batch`, and a reference forward without gradients) or kto (`batch` labelled sequences,
     a KL batch of as many mismatched ones and the reference's forwards, without gradients) or
     grpo (a rollout: `batch` x `grad_accum` completions of `seq - prompt` tokens generated after
-    `prompt` tokens, then `grad_accum` policy-gradient micro-steps of `batch` completions each);
-    causal language models, as TRL's trainers run them."""
+    `prompt` tokens, then `grad_accum` policy-gradient micro-steps of `batch` completions each)
+    or ppo (the same rollout scored by a value model, a copy of the policy's backbone with a scalar
+    head, trained in its own `grad_accum` micro-steps with its own gradients and optimizer states
+    before the policy's); causal language models, as TRL's trainers (PPO: verl's and OpenRLHF's)
+    run them."""
     prompt: int = 0
     """Tokens at the start of each sequence that are prompt, not scored by the preference
     objective's head (TRL scores the completion tokens only); 0: every position but the first,
@@ -557,9 +565,13 @@ class Workload:
     vllm_sleep: bool = False
     """`rollout=vllm`: sleep mode (TRL `vllm_enable_sleep_mode`): vLLM's weights and KV cache are
     released after each generation (`sleep(level=2)`) and mapped again before the next."""
+    reward_model: bool = False
+    """`objective=grpo` or ppo: a frozen reward model (the policy's backbone with a scalar head, in
+    the policy's dtype) scores each completion under no_grad after the rollout (verl
+    `reward_model.enable`, OpenRLHF `--reward.model_name_or_path`); False: rule-based rewards."""
     reference: Reference = Reference.AUTO
     """The objective's reference: auto (as TRL: DPO/KTO: the policy with adapters disabled under
-    PEFT, else a frozen copy; GRPO: none, its `beta=0.0`), model, adapters, precomputed
+    PEFT, else a frozen copy; GRPO, PPO: none, TRL's `beta=0.0`), model, adapters, precomputed
     (log-probabilities read from the dataset; DPO/KTO) or none (GRPO without a KL term)."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter from its gradient hook during backward, and the
@@ -633,8 +645,8 @@ class Workload:
     receives 1.25x that, as at a capacity factor of 1.25 with every expert full)."""
     recipe: Recipe = Recipe.PLAIN
     """Training framework whose loop defaults fill the knobs not given (hf-trainer, trl-sft, trl-dpo,
-    trl-kto, trl-grpo, accelerate, lightning, torchtune, torchtitan, deepspeed, unsloth; plain: vramplan's own
-    loop); explicit values win. `vramplan.recipes` cites each default's source."""
+    trl-kto, trl-grpo, verl-grpo, verl-ppo, openrlhf-ppo, openrlhf-grpo, accelerate, lightning, torchtune,
+    torchtitan, deepspeed, unsloth; plain: vramplan's own loop); explicit values win. `vramplan.recipes` cites each default's source."""
 
     @property
     def image_hw(self) -> tuple[int, int]:
@@ -673,10 +685,10 @@ class Workload:
         if not isinstance(self.video_frames, int) or isinstance(self.video_frames, bool) or self.video_frames < 1:
             raise WorkloadError(f"`video_frames` must be a positive integer, got {self.video_frames!r}",
                                 field="video_frames")
-        if self.videos and self.objective in (Objective.GRPO, Objective.KTO, Objective.DPO):
+        if self.videos and self.objective in (Objective.GRPO, Objective.PPO, Objective.KTO, Objective.DPO):
             raise WorkloadError(f"`objective={self.objective}` with videos is not modelled: supervised training, "
                                 "inference and generation take videos", hint="drop `videos`", field="videos")
-        if self.images and self.objective in (Objective.GRPO, Objective.KTO):
+        if self.images and self.objective in (Objective.GRPO, Objective.PPO, Objective.KTO):
             raise WorkloadError(f"`objective={self.objective}` with images is not modelled (GRPO's rollout makes its own "
                                 "prompts; KTO's KL batch of mismatched pairs): DPO and supervised training take images",
                                 hint="drop `images`, or use `objective=dpo`", field="images")
@@ -724,7 +736,7 @@ class Workload:
         if self.objective is not Objective.SFT and self.task is not Task.TRAIN:
             raise WorkloadError(f"`objective={self.objective}` is a training objective",
                                 hint="use `task=train`, or drop `objective`", field="objective")
-        if self.objective is Objective.GRPO:
+        if self.rl:
             self._check_grpo()
         elif self.reference is Reference.NONE and self.objective is not Objective.SFT:
             raise WorkloadError(f"`objective={self.objective}` needs a reference (its loss compares with it)",
@@ -845,10 +857,12 @@ class Workload:
             notes.append(f"`loss` applies to training; ignored for `task={task}`")
         if self.objective is Objective.SFT and (self.reference is not Reference.AUTO or self.prompt):
             notes.append("`reference` and `prompt` apply with `objective=dpo`, kto or grpo; ignored otherwise")
-        if self.objective is not Objective.GRPO and self.generations != 8:
-            notes.append("`generations` applies with `objective=grpo`; ignored otherwise")
-        if self.objective is not Objective.GRPO and self.rollout is not Rollout.HF:
-            notes.append("`rollout` applies with `objective=grpo`; ignored otherwise")
+        if not self.rl and self.generations != 8:
+            notes.append("`generations` applies with `objective=grpo` or ppo; ignored otherwise")
+        if not self.rl and self.rollout is not Rollout.HF:
+            notes.append("`rollout` applies with `objective=grpo` or ppo; ignored otherwise")
+        if not self.rl and self.reward_model:
+            notes.append("`reward_model` applies with `objective=grpo` or ppo; ignored otherwise")
         if self.rollout is not Rollout.VLLM and (self.vllm_memory != 0.3 or self.vllm_sleep or self.vllm_max_len):
             notes.append("`vllm_memory`, `vllm_max_len` and `vllm_sleep` apply with `rollout=vllm`; ignored otherwise")
         if self.objective is not Objective.SFT and self.loss not in (Loss.FULL, Loss.TRL):
@@ -907,7 +921,7 @@ class Workload:
 
     def _check_grpo(self) -> None:
         if self.prompt < 1:
-            raise WorkloadError("`objective=grpo` generates each completion after a prompt: `prompt` must be set",
+            raise WorkloadError(f"`objective={self.objective}` generates each completion after a prompt: `prompt` must be set",
                                 hint=f"give `prompt=N` with N below `seq={self.seq}` (the completion is `seq - prompt`)",
                                 field="prompt")
         if self.reference is Reference.PRECOMPUTED:
@@ -925,6 +939,9 @@ class Workload:
                 raise WorkloadError("`rollout=vllm` is modelled with data parallelism only (each rank its own "
                                     "colocated vLLM engine)", hint="use `rollout=hf`, or drop tp/pp/cp/ep",
                                     field="rollout")
+        if self.objective is Objective.PPO:
+            self._check_ppo()
+            return
         gen = self.batch * self.parallel.dp * self.grad_accum
         if self.generations < 2 or gen % self.generations:
             raise WorkloadError(f"the generation batch ({self.batch} x {self.parallel.dp} ranks x {self.grad_accum} "
@@ -932,11 +949,28 @@ class Workload:
                                 "completions, and GRPO needs at least 2 (TRL GRPOConfig.__post_init__)",
                                 hint="make `batch` x `grad_accum` a multiple of `generations`", field="generations")
 
+    def _check_ppo(self) -> None:
+        p = self.parallel
+        if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero:
+            raise WorkloadError("`objective=ppo` is modelled on one GPU: the value model sharded beside the policy "
+                                "(FSDP, ZeRO) is not", hint="drop dp/tp/pp/cp/ep/zero, or use `objective=grpo` "
+                                "(no value model)", field="objective")
+        if self.generations < 1 or (self.batch * self.grad_accum) % self.generations:
+            raise WorkloadError(f"the generation batch ({self.batch} x {self.grad_accum} accumulation steps) must "
+                                f"hold whole groups of `generations={self.generations}` completions",
+                                hint="make `batch` x `grad_accum` a multiple of `generations` (PPO's default is 1)",
+                                field="generations")
+
+    @property
+    def rl(self) -> bool:
+        """Whether the objective generates its own completions (grpo, ppo)."""
+        return self.objective in (Objective.GRPO, Objective.PPO)
+
     @property
     def batch_step(self) -> int:
         """The smallest valid change of ``batch`` (GRPO: the generation batch holds whole groups
         of ``generations``; 1 otherwise)."""
-        if self.objective is not Objective.GRPO:
+        if not self.rl:
             return 1
         import math
 
@@ -959,7 +993,7 @@ class Workload:
         under PEFT)."""
         if self.reference is not Reference.AUTO:
             return self.reference
-        if self.objective is Objective.GRPO:
+        if self.rl:
             return Reference.NONE  # (GRPOConfig `beta=0.0`: "the reference model is not needed")
         return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL
 

@@ -80,7 +80,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             "padding, all-gather and reduce-scatter buffers, its rate limiter) are traced",
             hint="use `method=trace` (auto traces catalog models), which runs FullyShardedDataParallel itself",
             field="engine")
-    if w.objective is Objective.GRPO:
+    if w.rl:
         from .grpo import estimate_grpo
 
         return estimate_grpo(spec, w, workspace_bytes, estimate, rollout)

@@ -44,10 +44,80 @@ _COMPUTE = {Precision.BF16_MIXED: Precision.BF16, Precision.FP16_MIXED: Precisio
 def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
                   estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None = None) -> AnalyticEstimate:
     if not spec.is_decoder:
-        raise WorkloadError(f"`objective=grpo` trains a causal language model; {spec.name} is not one",
+        raise WorkloadError(f"`objective={w.objective}` trains a causal language model; {spec.name} is not one",
                             hint="drop `objective`", field="objective")
+    if w.objective is Objective.PPO or w.reward_model:
+        return _with_value_models(spec, w, workspace_bytes, estimate, engine)
+    return _grpo(spec, w, workspace_bytes, estimate, engine)
+
+
+def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
+                       estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None) -> AnalyticEstimate:
+    """GRPO's phases with the value models of :mod:`vramplan.trace.ppo` beside them: the reward model's
+    weights (frozen, the backbone and a scalar head) resident; PPO's critic (the same shape, trained in
+    full) resident with its weights and optimizer states, its gradients during its own update, which
+    runs before the policy's with the policy's gradients freed: the full model's training step less
+    its head's states, beside the policy's weights and optimizer states."""
+    base = _grpo(spec, w.replace(reward_model=False), workspace_bytes, estimate, engine)
+    full_w = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8, peft=Peft.NONE,
+                       reward_model=False)
+    full = estimate(spec, full_w, workspace_bytes=workspace_bytes)
+    head = spec.vocab * spec.hidden if not spec.tie_embeddings else 0
+    body = 1 - head / spec.params if spec.params else 1.0
+    fs = full.states
+    rm = int(fs.weights * body) if w.reward_model else 0
+    critic = Breakdown(weights=int(fs.weights * body), optimizer=int(fs.optimizer * body)) \
+        if w.objective is Objective.PPO else Breakdown()
+    held = Breakdown(weights=rm) + critic
+
+    def more(ph: PhasePeak) -> PhasePeak:
+        return PhasePeak(ph.phase, ph.allocated + held.total, ph.breakdown + held)
+
+    phases = [more(ph) for ph in base.phases]
+    parts = {"generation": max((p.allocated for p in phases if p.phase in (Phase.PREFILL, Phase.DECODE)), default=0),
+             "actor": max((p.allocated for p in phases if p.phase not in (Phase.PREFILL, Phase.DECODE)), default=0)}
+    if w.objective is Objective.PPO:
+        s = base.states
+        engine_keep = engine.resident if engine is not None else 0
+        # the critic's update: its own full step (less the head's states) beside the policy's weights and
+        # optimizer states (gradients freed by the last step's zero_grad), the reference's and reward model's
+        # weights, the engine's blocks, and the window's per-token tensors (values, returns, advantages, fp32)
+        beside = Breakdown(weights=s.weights + rm, optimizer=s.optimizer,
+                           temporaries=engine_keep + w.batch * w.grad_accum * w.completion * 4 * 3)
+        crit = []
+        for ph in full.phases:
+            b = ph.breakdown
+            own = dataclasses.replace(b, weights=int(b.weights * body), gradients=int(b.gradients * body),
+                                      optimizer=int(b.optimizer * body))
+            out = own + beside
+            crit.append(PhasePeak(ph.phase, out.total, out))
+        parts = {"generation": parts["generation"], "critic": max(p.allocated for p in crit), "actor": parts["actor"]}
+        merged: dict[Phase, PhasePeak] = {p.phase: p for p in phases}
+        for p in crit:
+            if p.phase not in merged or p.allocated > merged[p.phase].allocated:
+                merged[p.phase] = p
+        phases = list(merged.values())
+    names = {"generation": "generation (and scoring)", "critic": "critic training", "actor": "actor training"}
+    top = max(parts, key=lambda k: parts[k])
+    limit = (f"{str(w.objective).upper()} peaks: " + "; ".join(f"{names[k]} {v / 2**30:,.2f} GiB" for k, v in parts.items())
+             + f" allocated: the step's peak is {names[top]}'s")
+    what = []
+    if w.objective is Objective.PPO:
+        what.append(f"a critic (the backbone and a scalar head, {critic.weights / 2**30:,.2f} GiB of weights, "
+                    f"{critic.optimizer / 2**30:,.2f} GiB of optimizer states, trained in full before the policy)")
+    if w.reward_model:
+        what.append(f"a frozen reward model ({rm / 2**30:,.2f} GiB)")
+    note = f"{str(w.objective).upper()}: the GRPO window and policy step above, with " + " and ".join(what)
+    states = dataclasses.replace(base.states, weights=base.states.weights + held.weights)
+    tup = tuple(phases)
+    return dataclasses.replace(base, phases=tup, peak=max(tup, key=lambda ph: ph.allocated),
+                               notes=(*base.notes, note, limit), states=states)
+
+
+def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
+          estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None = None) -> AnalyticEstimate:
     w.check_reference_model()
-    sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8)
+    sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8, reward_model=False)
     train = estimate(spec, sft, workspace_bytes=workspace_bytes)
     ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
         if w.reference_source is Reference.MODEL else 0

@@ -17,7 +17,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.units import fmt_bytes
-from vramplan.workload import Attention, Method, Objective, Rollout, Task, Workload, as_enum
+from vramplan.workload import Attention, Method, Rollout, Task, Workload, as_enum
 
 from ..engine.boundary import MAX_BATCH, BoundarySearch
 from ..engine.margin import Margin, describe, margin_limit, margin_of
@@ -129,7 +129,7 @@ class _Fit:
         if w.task is Task.GENERATE:
             cap -= w.new_tokens
         bound = "max_positions"
-        if w.objective is Objective.GRPO and w.rollout is Rollout.VLLM and w.vllm_max_len and w.vllm_max_len < cap:
+        if w.rl and w.rollout is Rollout.VLLM and w.vllm_max_len and w.vllm_max_len < cap:
             cap, bound = w.vllm_max_len, "vllm_max_len"  # (vLLM's context holds the prompt and the completion)
         quadratic = w.attention is Attention.EAGER
 
@@ -153,7 +153,7 @@ class _Fit:
                                 hint=f"use `seq_step={cap}` or less", field="seq_step")
             raise PlanError(f"{self.spec.name} allows only {cap} positions", hint="lower `new_tokens`")
         hi = cap // step * step
-        lo = (w.prompt // step + 1) * step if w.objective is Objective.GRPO else step  # (GRPO: past the prompt)
+        lo = (w.prompt // step + 1) * step if w.rl else step  # (GRPO, PPO: past the prompt)
         if lo > hi:
             raise PlanError(f"{self.spec.name} allows {cap} positions: no room after the {w.prompt}-token prompt",
                             hint="lower `prompt`", field="prompt")

@@ -35,7 +35,6 @@ from vramplan.workload import (
     Checkpointing,
     Loss,
     Method,
-    Objective,
     Optimizer,
     Peft,
     Rollout,
@@ -84,7 +83,7 @@ CONFIRMATIONS = 3
 def _ladder(w: Workload, spec: ModelSpec) -> Iterator[tuple[str, str, dict[str, object]]]:
     ckpt = {"checkpointing": Checkpointing.FULL, "checkpoint_fraction": 1.0}
     has_ckpt = w.checkpointing is Checkpointing.FULL and w.checkpoint_fraction >= 1.0
-    if w.objective is Objective.GRPO and w.rollout is Rollout.VLLM:
+    if w.rl and w.rollout is Rollout.VLLM:
         if not w.vllm_max_len or w.vllm_max_len > w.seq:
             yield (f"--vllm-max-len {w.seq}", "vLLM's context no longer than a prompt and its completion (TRL "
                    "`vllm_max_model_length`): it starts with a smaller KV cache pool", {"vllm_max_len": w.seq})

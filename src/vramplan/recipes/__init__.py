@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import WorkloadError
 from ..workload import Parallel, Peft, Recipe, Task, Workload, as_enum
-from ._model import Default, LoopSummary, RecipeSpec, Restriction
+from ._model import TRL_ROLLOUT, Default, LoopSummary, RecipeSpec, Restriction, RolloutRules
 from .catalog import CATALOG
 
 LOOP_KNOBS: tuple[str, ...] = (
@@ -139,5 +139,6 @@ def _text(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["CATALOG", "LOOP_KNOBS", "Default", "LoopSummary", "RecipeSpec", "Restriction", "allows", "apply",
+__all__ = ["CATALOG", "LOOP_KNOBS", "TRL_ROLLOUT", "Default", "LoopSummary", "RecipeSpec", "Restriction",
+           "RolloutRules", "allows", "apply",
            "check", "defaults", "get", "is_default", "notes", "summary"]

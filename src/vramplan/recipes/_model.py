@@ -34,6 +34,30 @@ class Restriction:
 
 
 @dataclass(frozen=True)
+class RolloutRules:
+    """How a framework starts its colocated vLLM engine (``rollout=vllm``): the vLLM release whose
+    start-up sizing applies and the engine arguments it passes (None: vLLM's own default)."""
+
+    framework: str
+    """The framework and version, for the report ("TRL 1.16 vllm_mode=colocate")."""
+    engine_version: str
+    """The vLLM release (:mod:`vramplan.pools.vllm_release`) the framework pins or was checked against."""
+    max_num_batched_tokens: int | None
+    max_num_seqs: int | None
+    """None: the window (``batch`` x ``grad_accum``; TRL) when ``window_seqs``, else vLLM's default."""
+    window_seqs: bool
+    source: str
+    """Where each value is set."""
+
+
+TRL_ROLLOUT = RolloutRules(
+    "TRL 1.16 vllm_mode=colocate", "0.10.1.1", 4096, None, True,
+    "trl/generation/vllm_generation.py (TRL 1.16): max_num_batched_tokens=4096, max_num_seqs = per-device batch x "
+    "vllm_tensor_parallel_size x steps_per_generation; the release is the one TRL 1.16's colocate mode was checked "
+    "against here")
+
+
+@dataclass(frozen=True)
 class RecipeSpec:
     """One training recipe: its framework, defaults and the knobs it allows."""
 
@@ -48,6 +72,8 @@ class RecipeSpec:
     caveats: Callable[[Workload], tuple[str, ...]] = field(default=lambda w: ())
     """What the framework does that the estimate does not model, for this workload: notes
     in the report (never silently ignored)."""
+    rollout: RolloutRules = TRL_ROLLOUT
+    """The colocated rollout engine's settings (``rollout=vllm``)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ..workload import (
     Workload,
 )
 from ..workload import Optimizer as Opt
-from ._model import Default, RecipeSpec, Restriction
+from ._model import Default, RecipeSpec, Restriction, RolloutRules
 
 _HF = "https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers"
 _TRL = "https://github.com/huggingface/trl/blob/v1.16.0/trl"
@@ -137,6 +137,153 @@ def _trl_grpo(peft: Peft, dp: int) -> tuple[Default, ...]:
                 "vLLM takes the model's)"),
         Default("vllm_sleep", False, f"{_TRL}/trainer/grpo_config.py#L612-L613 (`vllm_enable_sleep_mode` False)"),
     )
+
+
+# --- verl 0.7.0 (FSDP workers, hybrid engine: actor, rollout, reference, critic in one process per GPU) ----
+_VERL = "https://github.com/volcengine/verl/blob/v0.7.0"
+_VERL_CFG = f"{_VERL}/verl/trainer/config/_generated_ppo_trainer.yaml"
+_VERL_ROLLOUT = f"{_VERL}/verl/trainer/config/rollout/rollout.yaml"
+_VERL_GRPO = f"{_VERL}/examples/grpo_trainer/run_qwen3-8b.sh"
+_VERL_RULES = RolloutRules(
+    "verl 0.7.0 hybrid engine", "0.12.0", 8192, 1024, False,
+    f"{_VERL}/setup.py#L52 (`vllm>=0.8.5,<=0.12.0`: the newest release it allows), {_VERL_ROLLOUT}#L62 "
+    f"(`max_num_batched_tokens: 8192`), #L68 (`max_num_seqs: 1024`)")
+
+
+def _verl_ppo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("precision", Precision.BF16_MIXED, f"{_VERL_CFG}#L36 (actor `model_dtype: fp32`) and "
+                f"{_VERL}/verl/workers/fsdp_workers.py#L487 (FSDP `param_dtype` bf16)"),
+        Default("optimizer", Opt.ADAMW, f"{_VERL_CFG}#L10-L11 (`optimizer: AdamW`, `optimizer_impl: torch.optim`)"),
+        Default("optimizer_impl", OptimizerImpl.FOREACH, f"{_VERL_CFG}#L11 (torch.optim.AdamW without `fused`: "
+                "foreach on CUDA)"),
+        Default("checkpointing", Checkpointing.FULL, f"{_VERL_CFG}#L294 (actor `enable_gradient_checkpointing: "
+                "true`), #L407 (critic's)"),
+        Default("keep_grads", False, f"{_VERL}/verl/workers/actor/dp_actor.py (`self.actor_optimizer.zero_grad()` "
+                f"before each mini-batch; {_SET_TO_NONE_TORCH})"),
+        Default("objective", Objective.PPO, f"{_VERL_CFG} `algorithm.adv_estimator: gae` (L553): a critic "
+                "(`critic.enable` null: on with gae)"),
+        Default("generations", 1, f"{_VERL_ROLLOUT}#L142 (`n: 1`)"),
+        Default("reference", Reference.NONE, f"{_VERL_CFG}#L74 (`use_kl_loss: false`) and `algorithm."
+                "use_kl_in_reward: false` (L555): no reference worker"),
+        Default("reward_model", False, f"{_VERL_CFG}#L469 (`reward_model.enable: false`: rule-based reward)"),
+        Default("rollout", Rollout.VLLM, f"{_VERL_CFG}#L190 (`rollout.name` required; vllm in every example) and "
+                "L309 `hybrid_engine: true` (colocated)"),
+        Default("vllm_memory", 0.5, f"{_VERL_ROLLOUT}#L32 (`gpu_memory_utilization: 0.5`)"),
+        Default("vllm_max_len", 0, f"{_VERL}/verl/workers/rollout/vllm_rollout/vllm_async_server.py#L198 "
+                "(`max_model_len` None: the model's `max_position_embeddings`)"),
+        Default("vllm_sleep", True, f"{_VERL_ROLLOUT}#L47 (`free_cache_engine: True`) and "
+                f"{_VERL}/verl/workers/config/rollout.py#L220 (`enable_sleep_mode: True`; level 2 from vLLM 0.8.5, "
+                f"{_VERL}/verl/third_party/vllm/__init__.py#L48-L49)"),
+        Default("seq", 1024, f"{_VERL_CFG}#L320-L321 (`max_prompt_length` 512 + `max_response_length` 512)"),
+        Default("prompt", 512, f"{_VERL_CFG}#L320 (`max_prompt_length: 512`)"),
+    )
+
+
+def _verl_grpo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    keep = {"objective", "generations", "reference"}
+    return (
+        *(d for d in _verl_ppo(peft, dp) if d.field not in keep),
+        Default("objective", Objective.GRPO, f"{_VERL_GRPO}#L7 (`algorithm.adv_estimator=grpo`: no critic)"),
+        Default("generations", 5, f"{_VERL_GRPO}#L31 (`rollout.n=5`; the config's default 1 is no group)"),
+        Default("reference", Reference.MODEL, f"{_VERL_GRPO}#L20 (`use_kl_loss=True`: a reference worker, "
+                f"{_VERL}/verl/trainer/ppo/ray_trainer.py `need_reference_policy`)"),
+    )
+
+
+def _verl_caveats(w: Workload) -> tuple[str, ...]:
+    out = ["verl computes the policy's log-probabilities from the full-vocabulary logits of the micro-batch's "
+           "tokens (verl/workers/actor/dp_actor.py `_forward_micro_batch`, padding removed); the estimate scores "
+           "them through TRL's fused head in tiles: it leaves out up to tokens x vocabulary x 6 B (bf16 logits, fp32 "
+           "log-softmax) per micro-batch",
+           "verl's rollout runs vLLM with `tensor_model_parallel_size: 2` (rollout.yaml L50); the estimate sizes one "
+           "engine per GPU (tensor parallel 1): the same budget (`vllm_memory` of the GPU), split with more weights "
+           "and less KV cache",
+           "verl's colocated vLLM allocates through its own CuMemAllocator pool, not the trainer's caching "
+           "allocator; the estimate places its blocks in the trainer's (same bytes, no shared cached blocks)",
+           _NOT_PRECISION.format(fw="verl", p=w.precision).replace("is not set by", "follows").split(":")[0]
+           + ": FSDP keeps fp32 parameters and computes in bf16 (bf16-mixed)"]
+    if w.reference_source is Reference.MODEL:
+        out.append("verl's GRPO example offloads the reference's parameters to the CPU between its forwards "
+                   f"(`ref.fsdp_config.param_offload=True`, {_VERL_GRPO}#L33) and loads it in bf16 "
+                   "(fsdp_workers.py L326); the estimate keeps a frozen copy in the policy's dtype resident: an "
+                   "upper bound")
+    if w.objective is Objective.PPO:
+        out.append("verl updates the critic before the actor (ray_trainer.py `fit`: `update_critic`, then "
+                   "`update_actor`); its critic is AutoModelForTokenClassification with one label "
+                   "(fsdp_workers.py L1310): the backbone and a scalar head, no LM head")
+    return tuple(out)
+
+
+# --- OpenRLHF 0.11.0 (Ray, DeepSpeed; the hybrid-engine layout: every model on the same GPUs) ---------
+_ORL = "https://github.com/OpenRLHF/OpenRLHF/blob/v0.11.0"
+_ORL_CLI = f"{_ORL}/openrlhf/cli/train_ppo_ray.py"
+_ORL_HYBRID = f"{_ORL}/examples/scripts/train_ppo_ray_hybrid_engine.sh"
+_ORL_RULES = RolloutRules(
+    "OpenRLHF 0.11.0 --train.colocate_all", "0.27.1", None, None, False,
+    f"{_ORL}/setup.py#L77 (`vllm==0.27.1`); {_ORL}/openrlhf/trainer/ray/vllm_engine.py#L266-L282 (no "
+    "max_num_seqs or max_num_batched_tokens: vLLM's defaults)")
+
+
+def _openrlhf_ppo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    return (
+        Default("precision", Precision.BF16_MIXED, f"{_ORL_CLI}#L311-L317 (`--ds.param_dtype bf16`: DeepSpeed's "
+                "bf16 optimizer, fp32 master weights)"),
+        Default("optimizer", Opt.ADAMW, f"{_ORL_CLI}#L448 (`--actor.optim adam`/`--critic.optim adam`: DeepSpeed "
+                "FusedAdam with weight decay)"),
+        Default("optimizer_impl", OptimizerImpl.FUSED, f"{_ORL_CLI}#L448 (DeepSpeed FusedAdam: multi-tensor, no "
+                "whole-list temporaries)"),
+        Default("checkpointing", Checkpointing.NONE, f"{_ORL_CLI}#L309 (`--actor.gradient_checkpointing_enable` "
+                "off)"),
+        Default("keep_grads", False, f"{_DS}/runtime/engine.py#L3495-L3500 (`zero_grad`: `param.grad = None`)"),
+        Default("objective", Objective.PPO, f"{_ORL_CLI}#L477-L482 (`--algo.advantage.estimator gae`) and "
+                f"#L601-L606 (the critic initialised from the reward model)"),
+        Default("generations", 1, f"{_ORL_CLI}#L413-L415 (`--rollout.n_samples_per_prompt 1`)"),
+        Default("reference", Reference.MODEL, f"{_ORL_CLI}#L419 (`--algo.kl.init_coef 0.01`) and #L93-L103 "
+                "(a reference model when it is above 0)"),
+        Default("reward_model", True, f"{_ORL_CLI}#L518 (`--reward.model_name_or_path`: PPO scores with a reward "
+                "model unless `--reward.remote_url` is given)"),
+        Default("rollout", Rollout.VLLM, f"{_ORL_HYBRID}#L14 (`--train.colocate_all`: the vLLM engines on the "
+                "trainer's GPUs)"),
+        Default("vllm_memory", 0.5, f"{_ORL_HYBRID}#L15 (`--vllm.gpu_memory_utilization 0.5`; the CLI's default "
+                f"0.95, {_ORL_CLI}#L250-L255, leaves the colocated trainer nothing)"),
+        Default("vllm_max_len", 2048, f"{_ORL_CLI}#L53, #L74 (`max_model_len` = `--data.max_len`, 2048) and "
+                f"{_ORL}/openrlhf/trainer/ray/vllm_engine.py#L273"),
+        Default("vllm_sleep", True, f"{_ORL_HYBRID}#L40 (`--vllm.enable_sleep`; off by default, {_ORL_CLI}#L244-L249)"),
+        Default("seq", 2048, f"{_ORL_CLI}#L379 (`--data.max_len 2048`: prompt and response)"),
+        *([Default("zero", 2, f"{_ORL_CLI}#L308 (`--ds.zero_stage 2`)")] if dp > 1 else []),
+    )
+
+
+def _openrlhf_grpo(peft: Peft, dp: int) -> tuple[Default, ...]:
+    keep = {"objective", "generations", "reward_model"}
+    return (
+        *(d for d in _openrlhf_ppo(peft, dp) if d.field not in keep),
+        Default("objective", Objective.GRPO, f"{_ORL_CLI}#L477-L482 (`--algo.advantage.estimator group_norm`: "
+                "GRPO's group-normalised advantage) and #L601-L602 (no critic for it)"),
+        Default("reward_model", True, f"{_ORL_CLI}#L518 (`--reward.model_name_or_path`)"),
+    )
+
+
+def _openrlhf_caveats(w: Workload) -> tuple[str, ...]:
+    out = ["OpenRLHF puts actor, critic, reference, reward model and vLLM engines on separate GPUs unless "
+           f"`--train.colocate_all` ({_ORL_CLI}#L223-L228); this is the colocated layout of "
+           "train_ppo_ray_hybrid_engine.sh: every model on each GPU. Each is its own Ray process there (its own "
+           "CUDA context and caching allocator); the estimate places them in one",
+           "DeepSpeed's bf16 optimizer keeps bf16 weights and an fp32 master copy (plus bf16 gradients); the "
+           "estimate counts bf16-mixed (fp32 weights and gradients, bf16 compute): within 2 B per parameter",
+           "OpenRLHF's actor computes log-probabilities from the full-vocabulary logits (openrlhf/models/actor.py); "
+           "the estimate scores through TRL's fused head in tiles",
+           "`--ds.enable_sleep` (DeepSpeed models offloaded to the CPU while vLLM generates) is not modelled: the "
+           "trainer's states stay on the GPU through the generation (an upper bound for it)"]
+    if w.objective is Objective.GRPO and w.generations == 8:
+        out.append(f"OpenRLHF's `--rollout.n_samples_per_prompt` defaults to 1, which group_norm refuses "
+                   f"({_ORL_CLI}#L612-L615); `generations=8` is vramplan's default: give yours")
+    return tuple(out)
+
+
+_RL_LOSS = Restriction("loss", (Loss.TRL, Loss.FULL), "the policy's log-probabilities of the completion tokens "
+                       "(scored here through TRL's fused head)")
 
 
 # --- accelerate and Lightning: the user's own loop ---------------------------------------
@@ -319,6 +466,36 @@ CATALOG: dict[Recipe, RecipeSpec] = {
                           "GRPO: a rollout with `generate` on the training model, then micro-steps through TRL's "
                           "fused LM head with the dapo loss; no reference (beta 0), gradient checkpointing on, fused "
                           "AdamW", _trl_grpo),
+    Recipe.VERL_PPO: RecipeSpec(
+        Recipe.VERL_PPO, "verl 0.7.0 ppo_trainer.yaml (FSDP, hybrid engine)",
+        "PPO with a critic (gae), colocated vLLM 0.12 in sleep mode at 0.5 of the GPU, no reference, gradient "
+        "checkpointing, bf16-mixed FSDP, AdamW", _verl_ppo,
+        (Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
+         Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
+                     "modelled with a rollout"), _RL_LOSS),
+        _verl_caveats, _VERL_RULES),
+    Recipe.VERL_GRPO: RecipeSpec(
+        Recipe.VERL_GRPO, "verl 0.7.0 ppo_trainer.yaml with examples/grpo_trainer/run_qwen3-8b.sh",
+        "GRPO (5 generations), a reference for the KL loss, colocated vLLM 0.12 in sleep mode at 0.5 of the GPU, "
+        "gradient checkpointing, bf16-mixed FSDP, AdamW", _verl_grpo,
+        (Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
+         Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
+                     "modelled with a rollout"), _RL_LOSS),
+        _verl_caveats, _VERL_RULES),
+    Recipe.OPENRLHF_PPO: RecipeSpec(
+        Recipe.OPENRLHF_PPO, "OpenRLHF 0.11.0 train_ppo_ray (DeepSpeed; colocated as its hybrid-engine example)",
+        "PPO with a critic and a reward model, a reference (KL 0.01), colocated vLLM 0.27.1 in sleep mode at 0.5, "
+        "no gradient checkpointing, DeepSpeed bf16, fused Adam", _openrlhf_ppo,
+        (Restriction("peft", (Peft.NONE, Peft.LORA), "OpenRLHF trains LoRA adapters or all weights (`--ds.lora.rank`)"),
+         Restriction("offload_optimizer", (False,), "`--ds.adam_offload` is not modelled with a rollout"), _RL_LOSS),
+        _openrlhf_caveats, _ORL_RULES),
+    Recipe.OPENRLHF_GRPO: RecipeSpec(
+        Recipe.OPENRLHF_GRPO, "OpenRLHF 0.11.0 train_ppo_ray --algo.advantage.estimator group_norm",
+        "GRPO (group_norm, no critic) with a reward model and a reference, colocated vLLM 0.27.1 in sleep mode at "
+        "0.5, DeepSpeed bf16, fused Adam", _openrlhf_grpo,
+        (Restriction("peft", (Peft.NONE, Peft.LORA), "OpenRLHF trains LoRA adapters or all weights (`--ds.lora.rank`)"),
+         Restriction("offload_optimizer", (False,), "`--ds.adam_offload` is not modelled with a rollout"), _RL_LOSS),
+        _openrlhf_caveats, _ORL_RULES),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
         _accelerate, (), lambda w: (_NOT_PRECISION.format(fw="accelerate", p=w.precision)

@@ -30,8 +30,9 @@ start-up rules) sit in the trainer's allocator, released between generations in 
 policy then scores the completions under ``no_grad`` (``old_per_token_logps``) for TRL's
 importance-sampling correction, and the loss multiplies by its ratio.
 
-Not modelled: reward models (TRL's reward functions are the user's; a reward *model* is another
-forward), ``num_iterations > 1`` / misaligned windows without vLLM (the ``old_per_token_logps``
+A reward model (``reward_model``) and PPO's critic score the window too (:mod:`.ppo`).
+
+Not modelled: ``num_iterations > 1`` / misaligned windows without vLLM (the ``old_per_token_logps``
 forward), the weight push into vLLM (a LoRA merge's per-layer delta: one weight-sized
 temporary), tool calls, the entropy bonus and top-entropy mask (off by default). Completions that stop early at EOS make every tensor of the window narrower: the
 figure is for completions of the full length.
@@ -137,7 +138,8 @@ def generate(sess: Any, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     pos = pos.masked_fill(mask == 0, 0)
     unfinished = torch.ones(batch, dtype=torch.long, device=ids.device)
     scores = probs = None
-    fast = DecodeExtrapolator(sess.rec, sess.dispatch) if eligible(cache, config, prompt + new_tokens) else None
+    fast = DecodeExtrapolator(sess.rec, sess.dispatch) \
+        if getattr(sess, "extrapolate", True) and eligible(cache, config, prompt + new_tokens) else None
     for step in range(new_tokens):
         if fast is not None and step:
             fast.begin_step()
@@ -220,7 +222,8 @@ def _reference(model: nn.Module, reference: nn.Module | None,
 
 def rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Reference, *, micro_batch: int,
             steps: int, prompt: int, completion: int, autocast: torch.dtype | None, region: Region,
-            cache_kind: str, kv_dtype: Any, compute: torch.dtype, notes: list[str]) -> list[dict[str, torch.Tensor]]:
+            cache_kind: str, kv_dtype: Any, compute: torch.dtype, notes: list[str],
+            critic: nn.Module | None = None, reward: nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
     """The generation window: ``generate``, the reference's log-probabilities, rewards and
     advantages; returns the ``steps`` micro-batches (views of the shuffled window)."""
     dev = _device(model)
@@ -237,12 +240,14 @@ def rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Re
             # the completion ids go to the host (lists) and come back padded, with their masks
             del full
             return _score(model, reference, source, micro_batch=micro_batch, steps=steps, prompt=prompt,
-                          completion=completion, autocast=autocast, region=region, engine=False)
+                          completion=completion, autocast=autocast, region=region, engine=False, critic=critic,
+                          reward=reward)
 
 
 def engine_rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Reference, e: Any,
                    blocks: dict[str, int], *, micro_batch: int, steps: int, prompt: int, completion: int,
-                   autocast: torch.dtype | None, region: Region) -> list[dict[str, torch.Tensor]]:
+                   autocast: torch.dtype | None, region: Region, critic: nn.Module | None = None,
+                   reward: nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
     """The generation window with a colocated vLLM engine (``use_vllm=True``, ``vllm_mode=
     "colocate"``): the engine generates (:func:`_engine_generate`), then the policy scores the
     completions under ``no_grad`` (``old_per_token_logps``: TRL always computes them with vLLM for
@@ -251,7 +256,8 @@ def engine_rollout(sess: Any, model: nn.Module, reference: nn.Module | None, sou
     _engine_generate(sess, e, blocks)
     with torch.no_grad(), sess.phase(Phase.FORWARD):
         return _score(model, reference, source, micro_batch=micro_batch, steps=steps, prompt=prompt,
-                      completion=completion, autocast=autocast, region=region, engine=True)
+                      completion=completion, autocast=autocast, region=region, engine=True, critic=critic,
+                      reward=reward)
 
 
 def _engine_generate(sess: Any, e: Any, blocks: dict[str, int]) -> None:
@@ -299,7 +305,8 @@ def _engine_generate(sess: Any, e: Any, blocks: dict[str, int]) -> None:
 
 def _score(model: nn.Module, reference: nn.Module | None, source: Reference, *, micro_batch: int, steps: int,
            prompt: int, completion: int, autocast: torch.dtype | None, region: Region,
-           engine: bool) -> list[dict[str, torch.Tensor]]:
+           engine: bool, critic: nn.Module | None = None,
+           reward: nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
     """``_generate_and_score_completions`` after the generation: the ids and masks on the device
     (with vLLM its sampling log-probabilities too), the policy's old log-probabilities and the
     importance-sampling ratio (vLLM), the reference's, rewards and advantages, shuffled (an index
@@ -332,11 +339,21 @@ def _score(model: nn.Module, reference: nn.Module | None, source: Reference, *, 
         with ctx:
             ref_logps, _ = _logps(ref_model, ids, mask, completion, micro_batch, autocast, region, outputs,
                                   entropy=False)
+    from . import ppo
+
+    vals = ppo.values(critic, ids, mask, completion, micro_batch, region) if critic is not None else None
+    scored = ppo.scores(reward, ids, mask, micro_batch, region) if reward is not None else None
     del ids, mask
     rewards = torch.zeros((window, 1), dtype=torch.float32, device=dev)  # (one reward function)
-    advantages = rewards.sum(dim=1) - rewards.sum(dim=1).mean()
+    if scored is not None:
+        rewards = rewards + scored[:, None]
+    returns = None
+    if vals is not None:  # PPO: GAE per completion token
+        advantages, returns = ppo.gae(rewards[:, 0], vals, completion_mask)
+    else:
+        advantages = rewards.sum(dim=1) - rewards.sum(dim=1).mean()
     num_items = completion_mask.sum()
-    del rewards
+    del rewards, scored
     if old is not None and sampling is not None:  # the logged |old - sampling| (its masked selection: at most all)
         delta = torch.abs(old - sampling)
         torch.mean(delta), torch.max(delta)
@@ -348,6 +365,9 @@ def _score(model: nn.Module, reference: nn.Module | None, source: Reference, *, 
                              sampling_per_token_logps=sampling)
     if ref_logps is not None:
         window_inputs["ref_per_token_logps"] = ref_logps
+    if vals is not None and returns is not None:
+        window_inputs.update(values=vals, returns=returns)
+    del vals, returns
     del prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logps, old, ratio, sampling
     perm = order.to(dev)  # shuffle_sequence_dict: an index copy of each
     shuffled = {k: (v if v.ndim == 0 else v[perm]) for k, v in window_inputs.items()}
@@ -369,7 +389,8 @@ def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, steps: int
     del ids, mask
     assert entropies is not None
     tmask = completion_mask
-    advantages = batch["advantages"].unsqueeze(1)
+    advantages = batch["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (PPO: per token)
     old = batch.get("old_per_token_logps")
     old = logps.detach() if old is None else old
     log_ratio = logps - old

@@ -37,6 +37,7 @@ from . import (
     grpo,
     offload,
     pipeline_parallel,
+    ppo,
     preference,
     replicate,
     reuse,
@@ -84,6 +85,10 @@ class Prepared:
     whole ``(dp, tp)`` mesh, whose data-parallel dimensions the trace shards over), or None."""
     reference: nn.Module | None = None
     """DPO's frozen reference model (``reference=model``): a copy of the model before PEFT."""
+    critic: nn.Module | None = None
+    """PPO's value model (:mod:`.ppo`): a copy of the backbone before PEFT with a scalar head."""
+    reward_model: nn.Module | None = None
+    """GRPO/PPO ``reward_model``: a frozen copy of the backbone with a scalar head."""
 
 
 # --------------------------------------------------------------------------- public
@@ -310,7 +315,7 @@ def _catalog_inputs(spec: ModelSpec, w: Workload) -> tuple[dict[str, Any], list[
 
 def _objective_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
     """The batch the objective's trainer feeds its step (GRPO: none; its rollout makes them)."""
-    return grpo.inputs(kwargs, w) if w.objective is Objective.GRPO else preference.preference_inputs(kwargs, w)
+    return grpo.inputs(kwargs, w) if w.rl else preference.preference_inputs(kwargs, w)
 
 
 def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str) -> list[str]:
@@ -670,6 +675,8 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         notes += features.apply_precision(model, w)
         params = sum(p.numel() for p in model.parameters())  # the model's own (adapters not counted)
         reference = preference.reference_copy(model, w)
+        critic = ppo.value_copy(model, w, trained=True) if ppo.is_ppo(w) else None
+        reward = ppo.value_copy(model, w, trained=False) if w.rl and w.reward_model and w.training else None
         notes += features.freeze_vision(model, w)
         lora_tp = mesh is not None and _lora_tp(w)
         if lora_tp:  # from_pretrained shards the model, then get_peft_model reads its plan
@@ -703,8 +710,15 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
     if reference is not None:
         features.to_trace_device(reference)
         notes.append(preference.reference_note(reference, w))
+    for extra in (critic, reward):
+        if extra is not None:
+            features.to_trace_device(extra)
+    if critic is not None:
+        notes += [n.replace("the model", "the critic") for n in features.apply_checkpointing(critic.backbone, w, policy)]
+        critic.train(True)
     return Prepared(model=model, batch=batch, params=params, trainable=trainable, notes=notes, root=root,
-                    compiler=compiler, step_context=step_context, mesh=mesh, reference=reference)
+                    compiler=compiler, step_context=step_context, mesh=mesh, reference=reference, critic=critic,
+                    reward_model=reward)
 
 
 def _check_lora_tp(model: nn.Module) -> None:
@@ -805,6 +819,10 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         sess.add_model(p.model, p.root)  # (DDP wraps it; FSDP2 shards it in place)
         if p.reference is not None:
             sess.add_model(p.reference, "reference")
+        if p.critic is not None:
+            sess.add_model(p.critic, "critic")
+        if p.reward_model is not None:
+            sess.add_model(p.reward_model, "reward_model")
         if experts is not None:
             experts.attach(p.model, sess.modules.name_of)
             stack.callback(experts.detach)
@@ -849,14 +867,18 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
             micro_batch=w.batch, completion=w.completion,
-            engine=profile.rollout if w.objective is Objective.GRPO else None,
+            engine=profile.rollout if w.rl else None, critic=p.critic, reward_model=p.reward_model,
         )
+        if p.critic is not None:
+            made, _opt_notes = make_optimizer(w, [q for q in p.critic.parameters() if q.requires_grad])
+            plan.critic_optimizer = made
         if w.training and w.objective is not Objective.SFT:
-            step_note = grpo.step_note if w.objective is Objective.GRPO else preference.step_note
+            step_note = {Objective.GRPO: grpo.step_note, Objective.PPO: ppo.step_note}.get(
+                w.objective, preference.step_note)
             notes.append(step_note(w) if loss_fn is None else f"objective={w.objective} ignored: the given loss_fn runs")
         elif w.training and w.loss is not Loss.FULL:
             notes.append(loss_note(w) if loss_fn is None else f"loss={w.loss} ignored: the given loss_fn runs")
-        if runner is None and w.training and w.objective is Objective.GRPO and loss_fn is None:
+        if runner is None and w.training and w.rl and loss_fn is None:
             runner = grpo_step
             plan.runner_name = "grpo"
         runner = runner or RUNNERS[str(w.task)]
@@ -899,7 +921,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
     if plan.runner_name == "grpo":
-        result = dataclasses.replace(result, notes=(*result.notes, grpo.limit_note(result.phases)))
+        last = grpo.limit_note(result.phases) if p.critic is None and p.reward_model is None else \
+            ppo.limit_note(w, ppo.parts_of(sess.rec.log, plan.spans))
+        result = dataclasses.replace(result, notes=(*result.notes, last))
     if not host_parts:
         return result
     return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)

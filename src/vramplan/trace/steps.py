@@ -98,6 +98,13 @@ class StepPlan:
     """GRPO ``rollout=vllm``: the colocated engine (:class:`vramplan.target.RolloutEngine`)."""
     engine_blocks: dict[str, int] = field(default_factory=dict)
     """Its blocks alive in the trainer's allocator (event ids by part)."""
+    critic: nn.Module | None = None
+    """PPO's value model (:mod:`.ppo`), trained with ``critic_optimizer``."""
+    critic_optimizer: Any = None
+    reward_model: nn.Module | None = None
+    """A frozen reward model scoring the window (``reward_model``), or None."""
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """GRPO/PPO: the event spans of the step's parts (generation, critic, actor), the last iteration's."""
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -146,7 +153,7 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 def forward_loss(plan: StepPlan, sess: TraceSession | None = None,
                  batch: Batch | None = None) -> tuple[Any, torch.Tensor]:
     """(the model's outputs, the loss) as the workload's loss implementation computes them."""
-    if per_call_autocast(plan) and plan.objective is Objective.GRPO:
+    if per_call_autocast(plan) and plan.objective in (Objective.GRPO, Objective.PPO):
         from . import grpo
 
         assert sess is not None and batch is not None
@@ -262,18 +269,31 @@ def grpo_step(sess: TraceSession, plan: StepPlan) -> None:
     # there is padding, the 4-D mask is built
     sess.dispatch.bool_reads = False
     dtype, region = _per_call(sess, plan)
+    log = sess.rec.log
+    start = len(log)
     if plan.engine is not None:
         window = grpo.engine_rollout(sess, plan.model, plan.reference, plan.reference_source, plan.engine,
                                      plan.engine_blocks, micro_batch=plan.micro_batch, steps=plan.grad_accum,
-                                     prompt=plan.prompt, completion=plan.completion, autocast=dtype, region=region)
+                                     prompt=plan.prompt, completion=plan.completion, autocast=dtype, region=region,
+                                     critic=plan.critic, reward=plan.reward_model)
     else:
         window = grpo.rollout(sess, plan.model, plan.reference, plan.reference_source, micro_batch=plan.micro_batch,
                               steps=plan.grad_accum, prompt=plan.prompt, completion=plan.completion, autocast=dtype,
                               region=region, cache_kind=plan.cache, kv_dtype=plan.kv_dtype,
-                              compute=plan.compute_dtype, notes=plan.notes)
+                              compute=plan.compute_dtype, notes=plan.notes, critic=plan.critic,
+                              reward=plan.reward_model)
     plan.held[:] = window  # (the previous window's buffer dies here)
     del window
+    plan.spans = {"generation": [(start, len(log))]}
+    if plan.critic is not None:  # verl's order: update_critic, then update_actor
+        from .ppo import critic_update
+
+        start = len(log)
+        critic_update(sess, plan.critic, plan.critic_optimizer, plan.held, region)
+        plan.spans["critic"] = [(start, len(log))]
+    start = len(log)
     train_step(sess, plan, [((), b) for b in plan.held])
+    plan.spans["actor"] = [(start, len(log))]
 
 
 def infer_step(sess: TraceSession, plan: StepPlan) -> None:
