@@ -66,7 +66,18 @@ def test_tensor_parallel_generation_gloo_run_agrees_with_trace() -> None:
     ``down_proj``'s). The trace used to over-count the same wrapper the other way, by running
     its meta kernel (``empty_like``) as a second buffer (7.5 KiB above at the prefill); it is an
     alias now (``trace.dispatch.WRAP_OP``). See :func:`~vramplan.trace.testing.
-    real_tp_generate_peaks` for the sharding propagator's reference cycle, broken in both."""
+    real_tp_generate_peaks` for the sharding propagator's reference cycle, broken in both.
+
+    The real run waits, at each collective's ``wait_tensor``, for gloo's worker thread to drop
+    the work as well (``StoragePeak.await_collectives``). Without it the test failed now and
+    then on a loaded machine (``pytest -n 2``: rank 0, decode step 3, 119,128 B real for
+    118,968 traced; reproduced with both processes on one core, ``taskset -c 0``: 1 run in 8
+    had 8 KiB more at the prefill, a second ``[1, 64, 64]`` all-reduce output alive at the
+    peak): ``ProcessGroupGloo::runLoop`` completes the work's future, which ends the wait, and
+    releases its own references to the work (which holds the all-reduced tensor) only once it
+    is scheduled again, so a residual the model had already dropped stayed allocated into the
+    next layer's allocations: one token's hidden state (128 B) in a decode step, 64 tokens'
+    (8 KiB) at the prefill. A CUDA collective frees it when the caller does; the trace too."""
     from vramplan.trace.run import TraceOptions, trace_workload
     from vramplan.trace.testing import forward_peaks, real_tp_generate_peaks, tiny_spec
     from vramplan.workload import Parallel, Workload

@@ -208,6 +208,9 @@ def _storage_peak_mode() -> Any:
             self.skip_wrappers = False
             """Leave out the storages of wrappers without ``__tensor_flatten__`` (no data
             pointer: no memory)."""
+            self.await_collectives = False
+            """At a functional collective's ``wait_tensor``, wait until the process group's
+            worker thread has dropped the work too (:meth:`_await_release`)."""
 
         def add(self, t: torch.Tensor) -> None:
             if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
@@ -264,10 +267,32 @@ def _storage_peak_mode() -> Any:
             finally:
                 cls.resize_ = orig  # type: ignore[method-assign]
 
+        def _await_release(self, t: torch.Tensor) -> None:
+            """Return once the gloo work behind the waited collective output ``t`` is gone. A
+            ``ProcessGroupGloo`` worker thread runs the work, completes its future (which ends
+            ``wait_tensor``) and only then drops its own references to the work, which holds
+            the output tensor (``ProcessGroupGloo::runLoop``: the ``work`` local and
+            ``workInProgress_``, reset after re-taking ``workMutex_``). Until it does, a tensor
+            the caller has freed stays allocated, for as long as the thread is not scheduled:
+            the free lands later in the forward (a CPU's load decides where) where CUDA's
+            collective frees it at once. Here the ``TensorImpl`` is held once by its Python
+            object and once by the dispatcher's argument stack (this runs inside the
+            ``wait_tensor`` call); more means the work still holds it."""
+            import time
+
+            deadline = time.monotonic() + 60.0
+            while t._use_count() > 2:  # type: ignore[attr-defined]
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a collective's output {tuple(t.shape)} still held by {t._use_count() - 2} "  # type: ignore[attr-defined]
+                                       "references 60 s after its wait: not the gloo worker's")
+                time.sleep(1e-4)
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types):
                 return NotImplemented
             out = func(*args, **(kwargs or {}))
+            if self.await_collectives and func is torch.ops._c10d_functional.wait_tensor.default:
+                self._await_release(args[0])
             stack = [out]
             while stack:
                 o = stack.pop()
@@ -451,12 +476,15 @@ def real_tp_generate_peaks(model_name: str, *, tp: int, prompt: int, new_tokens:
     ``tp`` gloo processes: the catalog model ``model_name`` shrunk (:func:`tiny_spec`), bf16,
     sharded by :func:`.tensor_parallel.apply_tensor_parallel` without sequence parallelism.
 
-    Two things differ from a bare measurement, both for memory that a CUDA run does not hold:
+    Three things differ from a bare measurement, all for memory that a CUDA run does not hold:
     functional collectives' ``AsyncCollectiveTensor`` wrappers are not counted (their storage
-    has the wrapped tensor's size and no memory), and DTensor's sharding propagation runs inside
+    has the wrapped tensor's size and no memory); DTensor's sharding propagation runs inside
     :func:`.dist.dtensor_metadata_unrecorded`, which breaks the frame ↔ traceback cycle torch
     2.13 leaves per linear (otherwise the forward's activations stay alive until the next
-    garbage collection, and the figures depend on when it runs)."""
+    garbage collection, and the figures depend on when it runs); and each collective's wait
+    returns only once gloo's worker thread has dropped the work, which holds the output
+    (otherwise a freed all-reduce output stays allocated until that thread is scheduled again:
+    on a loaded machine, into the next allocations)."""
     return _spawn_gloo(_tp_generate_worker, (tp, model_name, prompt, new_tokens), tp, timeout,
                        "tensor-parallel generation")
 
@@ -490,6 +518,7 @@ def _tp_generate_worker(rank: int, tp: int, model_name: str, prompt: int, new_to
         tracker = _StoragePeak()
         tracker.redispatch_dtensors = True
         tracker.skip_wrappers = True
+        tracker.await_collectives = True
         for t in [*model.parameters(), *model.buffers(), ids]:
             tracker.add(getattr(t, "_local_tensor", t))
         peaks = []
