@@ -137,7 +137,7 @@ def test_cuda_calls_in_user_code_become_allocator_events() -> None:
 
 
 def test_sharded_layouts_are_refused_not_misreported() -> None:
-    with pytest.raises(TraceError, match="PyTorch has no expert-parallel API"):
+    with pytest.raises(TraceError, match="not traced for catalog models: PyTorch has no expert-parallel API"):
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(ep=2, dp=2))
     with pytest.raises(TraceError, match="traced for catalog models"):
         trace_model(nn.Linear(4, 4), torch.randn(2, 4), workload=Workload(task="train").replace(cp=2))

@@ -63,6 +63,7 @@ def _tracker() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.desc: dict[int, str] = {}
+            self.skip_wrappers = True  # (functional collectives' AsyncCollectiveTensor holds no memory)
             self.stepping = False
             """Set at the first top-level forward: the peak is the step's (a host-side checkpoint
             being loaded, which a GPU run keeps on the host, is not the step's memory)."""

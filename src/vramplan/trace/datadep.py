@@ -27,6 +27,13 @@ bincount                  ``max(minlength, index bound or numel)`` bins; the cou
                           ``skew·numel/n`` and the rest share what is left), so ``.tolist()``
                           and ``torch.split`` by counts work; ``torch.histc`` of such indices
                           gets the same counts
+routing map               ``zeros(…, n).scatter_(dim, topk_ids, True)`` (torchtitan's MoE): each
+                          row holds ``k`` ones; its sums over every dimension but the classes'
+                          are the bincount counts above (``rows·k`` over ``n``)
+all_to_all_single         of known values (torchtitan's per-expert token counts), on the fake
+                          process group: every rank taken to send what this rank sends (ranks
+                          symmetric: the routing rule gives every rank the same counts), so
+                          rank ``r`` of ``W`` receives its own ``r``-th chunk ``W`` times
 .item(), bool(t), .cpu()  no answer: raises :class:`~vramplan.errors.TraceError` naming the op
                           and the user's ``file:line`` (control flow on model data cannot be
                           traced without values)
@@ -56,6 +63,11 @@ RULE_TEXT: dict[str, str] = {
     "repeat_interleave": "assumed every repeat count is 1",
     "bincount": "assumed max(minlength, index bound) bins; counts of routed indices uniform over the bins "
                 "(times the routing skew for the first)",
+    "routing_map": "routing maps (zeros with True scattered at top-k ids) hold k ones a row; their per-expert "
+                   "sums are the bincount counts",
+    "symmetric_exchange": "all-to-all of known values (per-expert token counts) on the fake process group: every "
+                          "rank taken to send what this rank sends (the same routing on every rank), so this rank "
+                          "receives, from each rank, the tokens its own experts get from itself",
     "eq_mask": "equality masks of indices below n select 1/n of the elements (uniform routing, times the routing skew)",
     "mask_count": "counts of routed masks taken as numel x share (uniform routing, times the routing skew)",
     "optimizer_value": "values the optimizer reads (norms, step counts on the device) taken as 1",
@@ -290,3 +302,24 @@ SKIP_OPS = frozenset({
     aten._assert_tensor_metadata.default,
 })
 """Runtime checks on values: skipped in a trace (they allocate nothing)."""
+
+
+def symmetric_all_to_all(x: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+                         group_name: str) -> torch.Tensor | None:
+    """Rank ``r``'s output of ``all_to_all_single(x, output_split_sizes, input_split_sizes)``
+    when every rank of the group holds ``x``: each sends ``r`` its ``r``-th chunk, so ``r``
+    receives its own ``r``-th chunk once per rank. None when the stated output splits say
+    otherwise (the script's ranks are not symmetric)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    name: Any = getattr(c10d, "GroupName", str)(group_name)  # (a NewType of str where torch has it)
+    pg = c10d._resolve_process_group(name)
+    rank, size = pg.rank(), pg.size()
+    rows = x.shape[0]
+    splits = list(input_split_sizes) if input_split_sizes else [rows // size] * size
+    if len(splits) != size or sum(splits) != rows:
+        return None
+    mine = x.split(splits)[rank]
+    if output_split_sizes and list(output_split_sizes) != [mine.shape[0]] * size:
+        return None
+    return torch.cat([mine] * size)

@@ -36,6 +36,7 @@ from .datadep import (
     known_masks,
     needs_rule,
     rule_values,
+    symmetric_all_to_all,
     uniform_counts,
 )
 from .flex import register_rules as register_flex_rules
@@ -108,6 +109,14 @@ EQ_OPS = frozenset({aten.eq.Scalar, aten.eq.Tensor})
 ROUTING_OPS = EQ_OPS | frozenset({aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default,
                                   aten.count_nonzero.dim_IntList, aten.any.default, aten.histc.default})
 """Ops that the routing rule gives densities or counts (:meth:`TraceMode._routing`)."""
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default if hasattr(torch.ops, "_c10d_functional") \
+    and hasattr(torch.ops._c10d_functional, "all_to_all_single") else None
+"""The functional all-to-all (torchtitan's token-count and token exchange): values of known
+inputs by :func:`~vramplan.trace.datadep.symmetric_all_to_all`."""
+ZEROS_LIKE = frozenset({aten.zeros_like.default, aten.new_zeros.default})
+"""Zeros shaped like a tensor without values: boolean ones (masks to fill) get their values."""
+SCATTER_OPS = frozenset({aten.scatter_.value, aten.scatter.value})
+"""``zeros(…, E).scatter_(-1, topk_ids, True)``: a routing map (:meth:`TraceMode._routing_map`)."""
 HOST_ARGS: dict[Any, tuple[int, ...]] = {
     getattr(aten, n).default: pos for n, pos in (
         ("_pack_padded_sequence", (1,)), ("_pad_packed_sequence", (1,)), ("_pack_padded_sequence_backward", (2,)),
@@ -361,7 +370,12 @@ class TraceMode(TorchDispatchMode):
                 if key is not None:
                     self.cache.put(key, args, out)
             if cpu_args is not None and _meta_and_small(out):
-                cpu_out = func(*cpu_args[0], **cpu_args[1])
+                if func is ALL_TO_ALL:  # (a fake process group's output holds no values)
+                    cpu_out = symmetric_all_to_all(*cpu_args[0], **cpu_args[1])
+                    if cpu_out is not None:
+                        self.rules_used["symmetric_exchange"] += 1
+                else:
+                    cpu_out = func(*cpu_args[0], **cpu_args[1])
 
         if on_host:
             host_mem.adopt(out, part=HOST_STEP, pinned=False)
@@ -374,10 +388,18 @@ class TraceMode(TorchDispatchMode):
             # uninitialised index memory: a correct program reads only what it then writes
             # (invert_permutation's empty_like + scatter_), so zeros are as good as any value
             cpu_out = torch.zeros(out.shape, dtype=out.dtype)
+        if cpu_out is None and func in ZEROS_LIKE and isinstance(out, torch.Tensor) and out.dtype == torch.bool \
+                and on_meta(out) and out.numel() <= SHADOW_LIMIT:
+            cpu_out = torch.zeros(tuple(out.shape), dtype=torch.bool)  # (a mask to fill: its values are known)
+        hot = self._routing_map(func, args) if cpu_out is None and func in SCATTER_OPS else None
         if cpu_out is not None:
             _attach(values, out, cpu_out)
         elif values.shadow:
             self._drop_mutated(func, args)
+        if hot is not None and isinstance(out, torch.Tensor):
+            self.rules_used["routing_map"] += 1
+            values.set_hot(out, *hot)
+            values.set_density(out, min(1.0, hot[1] * values.class_share(out.shape[hot[0]])))
         if cpu_out is None and isinstance(out, torch.Tensor) and func in ROUTING_OPS:
             self._routing(func, args, out)
         if cpu_out is None and func in ISIN_OPS and self.bool_reads is False and isinstance(out, torch.Tensor) \
@@ -672,6 +694,19 @@ class TraceMode(TorchDispatchMode):
                 self.rules_used["eq_mask"] += 1
                 values.set_density(out, values.class_share(bound))
             return
+        hot = values.get_hot(x)
+        if hot is not None and func in (aten.sum.dim_IntList, aten.sum.default) and out.numel() <= SHADOW_LIMIT:
+            # a routing map's per-class sums (torchtitan: ``routing_map_BLE.sum(dim=(0, 1))``): the
+            # routing rule's counts of its ``rows·k`` ones over its ``n`` classes
+            dim, k = hot
+            n = x.shape[dim]
+            ones = x.numel() // n * k
+            if out.numel() == 1:  # (every row's k ones: exact)
+                values.set_shadow(out, torch.full(tuple(out.shape), ones, dtype=out.dtype))
+            elif out.numel() == n and _reduces_all_but(args, x.dim(), dim):
+                self.rules_used["bincount"] += 1
+                values.set_shadow(out, uniform_counts(ones, n, values.routing_skew).to(out.dtype).reshape(out.shape))
+            return
         if func is aten.histc.default:  # per-expert counts as torch.histc(idx.float(), bins=n, ...)
             if self.experts is not None and self.experts.in_loop:
                 self.experts.rule("histc", exact=False)
@@ -687,6 +722,25 @@ class TraceMode(TorchDispatchMode):
             per = x.numel() // max(out.numel(), 1)
             self.rules_used["mask_count"] += 1
             values.set_shadow(out, torch.full(tuple(out.shape), max(1, math.ceil(per * d)), dtype=out.dtype))
+
+    def _routing_map(self, func: Any, args: tuple[Any, ...]) -> tuple[int, int] | None:
+        """(class dimension, ones per row) when ``func`` scatters a non-zero value into known zeros
+        at indices below the class dimension's size, one row of ``k`` indices per row of the map
+        (``top-k`` ids: distinct per row, so each row holds exactly ``k`` ones); else None."""
+        if len(args) < 4 or not all(isinstance(a, torch.Tensor) for a in args[:3:2]):
+            return None
+        x, dim, index, value = args[0], args[1], args[2], args[3]
+        if not on_meta(x) or not isinstance(dim, int) or not value or x.dim() != index.dim() or not x.dim():
+            return None
+        dim %= x.dim()
+        n, k = x.shape[dim], index.shape[dim]
+        if self.values.get_bound(index) != n or k > n \
+                or any(a != b for i, (a, b) in enumerate(zip(x.shape, index.shape, strict=True)) if i != dim):
+            return None
+        known = self.values.cpu_view(x)
+        if known is None or bool(known.any()):
+            return None
+        return dim, k
 
     def _drop_mutated(self, func: Any, args: tuple[Any, ...]) -> None:
         idx = self._mutated.get(func)
@@ -815,6 +869,15 @@ def _device_mismatch(func: Any, args: tuple[Any, ...]) -> str:
 
 def _index_like(t: torch.Tensor) -> bool:
     return on_meta(t) and not t.is_floating_point() and not t.is_complex() and t.numel() <= SHADOW_LIMIT
+
+
+def _reduces_all_but(args: tuple[Any, ...], ndim: int, keep: int) -> bool:
+    """``sum(x, dims)`` reduces every dimension of ``x`` but ``keep``."""
+    dims = args[1] if len(args) > 1 else None
+    if dims is None:
+        return False
+    reduced = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
+    return reduced == set(range(ndim)) - {keep}
 
 
 def _meta_and_small(out: Any) -> bool:

@@ -460,9 +460,13 @@ def _parallel_notes(w: Workload) -> list[str]:
             return [f"dp={p.dp} inference: every rank runs the same unsharded model (one traced)"]
         return []
     if p.ep > 1:
-        raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced: PyTorch has no expert-parallel API to run "
-                         "(torchtitan's ExpertParallel and DeepSpeed-MoE are their own all-to-all code); the analytic "
-                         "method divides the experts by `ep`", hint="use `method=analytic`")
+        raise TraceError(f"expert parallelism (`ep={p.ep}`) is not traced for catalog models: PyTorch has no "
+                         "expert-parallel API, and the catalog's MoE models are transformers' modules, which "
+                         "torchtitan's expert sharding (its own MoE module and all-to-all dispatcher) does not "
+                         "apply to; torchtitan's EP is traced as torchtitan runs it, under `vramplan run -- torchrun "
+                         "--nproc-per-node N -m torchtitan.train --module qwen3 --config qwen3_moe_debug "
+                         "--parallelism.expert_parallel_degree N …` (README, torchtitan); the analytic method "
+                         "divides the experts by `ep`", hint="use `method=analytic`")
     sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
     if sharded and p.pp > 1:
         raise TraceError("pipeline parallelism is traced without data parallelism (one rank of the pipeline); "
@@ -984,7 +988,7 @@ def _emulation_notes(sess: TraceSession, device: str, cublas: int) -> list[str]:
                    "shapes (the FLOP total is low; memory is unaffected)")
     for rule, n in sorted(sess.dispatch.rules_used.items()):
         out.append(f"data-dependent {rule} ×{n}: {RULE_TEXT[rule]}")
-    routed = {"eq_mask", "mask_count", "bincount", "nonzero"} & set(sess.dispatch.rules_used)
+    routed = {"eq_mask", "mask_count", "bincount", "nonzero", "routing_map"} & set(sess.dispatch.rules_used)
     if routed and sess.values.routing_skew != 1.0:
         out.append(f"routing skew {sess.values.routing_skew:g}: each expert's share is {sess.values.routing_skew:g}x "
                    "the uniform k/n (capped at every token)")

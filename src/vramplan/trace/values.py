@@ -12,7 +12,10 @@
    known; they get a deterministic answer (see :mod:`.datadep`). Two hints help:
    *density* (expected fraction of non-zeros: ``one_hot`` over ``n`` classes is ``1/n``, so
    uniform MoE routing gives each expert ``tokens·top_k/n`` tokens) and *bound* (indices
-   from ``topk``/``argmax``/``sort`` lie below the reduced dimension's size).
+   from ``topk``/``argmax``/``sort`` lie below the reduced dimension's size). A *routing map*
+   (zeros with ``True`` scattered at the top-k indices along the class dimension, as
+   torchtitan's MoE builds it) also records that dimension and ``k``: each row holds exactly
+   ``k`` ones, so its per-class sums are the routing rule's counts.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class Values:
         self.shadow: dict[int, torch.Tensor] = {}
         self.density: dict[int, float] = {}
         self.bound: dict[int, int] = {}
+        self.hot: dict[int, tuple[int, int]] = {}
+        """Routing maps: (class dimension, ones per row)."""
         self.routing_skew = 1.0
         """Each class's share relative to uniform (``Workload.routing_skew``)."""
 
@@ -45,6 +50,7 @@ class Values:
         self.shadow.pop(key, None)
         self.density.pop(key, None)
         self.bound.pop(key, None)
+        self.hot.pop(key, None)
 
     # --- shadows ---------------------------------------------------------------------
     def cpu_view(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -93,6 +99,14 @@ class Values:
     def set_density(self, t: torch.Tensor, d: float) -> None:
         if on_meta(t) and 0.0 < d < 1.0:
             self.density[_key(t)] = d
+
+    def get_hot(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(class dimension, ones per row) of a routing map, else None."""
+        return self.hot.get(_key(t)) if on_meta(t) else None
+
+    def set_hot(self, t: torch.Tensor, dim: int, k: int) -> None:
+        if on_meta(t):
+            self.hot[_key(t)] = (dim, k)
 
     def get_bound(self, t: torch.Tensor) -> int | None:
         if not on_meta(t):
