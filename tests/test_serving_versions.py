@@ -40,7 +40,7 @@ def test_versions_parse_as_users_write_them(text: str, v: tuple[int, int, int]) 
 def test_releases_outside_the_modelled_range_are_refused_in_one_line(text: str, says: str) -> None:
     with pytest.raises(WorkloadError, match=says):
         plan(text)
-    with pytest.raises(WorkloadError, match="modelled for vLLM"):
+    with pytest.raises(WorkloadError, match="SGLang 0.34.0 is not modelled"):
         serve_plan("llama-3.1-8b", "h100-sxm", engine="sglang", engine_version="0.34.0")
 
 

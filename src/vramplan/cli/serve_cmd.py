@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=(*ENGINES, "all"), default="vllm",
                    help="serving engine (default vllm); all: the four side by side")
     g = p.add_argument_group("engine settings (engine defaults when omitted)")
-    g.add_argument("--engine-version", help="vLLM: the release to follow, 0.9.2 … 0.34.0 (default the newest, 0.34.0)")
+    g.add_argument("--engine-version", help="the release to follow (default the newest): vLLM 0.9.2 … 0.34.0, "
+                   "SGLang 0.4.6 … 0.5.23, TGI 3.0.0 … 3.3.7")
     g.add_argument("--kv-offloading-size", type=float,
                    help="vLLM ≥ 0.11.1: GiB of host KV tier over all ranks (host RAM, tokens, /dev/shm)")
     g.add_argument("--kv-offloading-backend", default="native", choices=["native", "lmcache"],

@@ -16,7 +16,9 @@ from vramplan.pools import spec as spec_rules
 from vramplan.pools.base import check_quant, serving_dtype
 from vramplan.pools.mm import LIMIT_DEFAULT, MmSettings
 from vramplan.pools.result import ServePlan
+from vramplan.pools.sglang_release import SglangRelease
 from vramplan.pools.spec import MTP_TYPES, SpecSettings
+from vramplan.pools.tgi_release import TgiRelease
 from vramplan.pools.vllm_release import Release
 
 from . import sglang, tgi, trtllm, vllm
@@ -113,8 +115,9 @@ def serve_plan(
     default 999 each), ``mm_processor_kwargs`` (``max_pixels``, ``min_pixels``),
     ``skip_mm_profiling`` (:mod:`vramplan.pools.mm`). Speculative decoding (vLLM only):
     ``speculative_config`` as vLLM takes it (``method``, ``num_speculative_tokens``, ``model``: the
-    head's config.json or catalog name; :mod:`vramplan.pools.spec`). ``engine_version`` (vLLM only):
-    the release whose sizing is followed, 0.9.2 … 0.34.0 (default the newest); ``extensible_kv_cache``
+    head's config.json or catalog name; :mod:`vramplan.pools.spec`). ``engine_version``: the
+    release whose sizing is followed (default the newest): vLLM 0.9.2 … 0.34.0, SGLang 0.4.6 … 0.5.23,
+    TGI 3.0.0 … 3.3.7; ``extensible_kv_cache``
     (vLLM 0.34 only): False for ``--no-enable-extensible-kv-cache``; ``kv_offloading_size`` (GiB over
     all ranks) and ``kv_offloading_backend`` (``native`` | ``lmcache``): vLLM's host KV tier
     (:mod:`vramplan.pools.offload`).
@@ -149,9 +152,12 @@ def serve_plan(
     if engine != "vllm" and (is_vlm(spec) or mm != MmSettings()):
         raise WorkloadError(f"serving a vision-language model is modelled for vLLM only ({spec.name} with "
                             f"{engine})", hint="use engine vllm")
-    if engine != "vllm" and (engine_version or extensible_kv_cache is not None or kv_offloading_size is not None):
-        raise WorkloadError(f"--engine-version and the extensible KV cache are modelled for vLLM; {engine} follows "
-                            f"one release", hint="drop --engine-version, or use --engine vllm", field="engine_version")
+    if engine == "trtllm" and engine_version:
+        raise WorkloadError("TensorRT-LLM follows one release (1.0) in serve-plan", hint="drop `engine_version`",
+                            field="engine_version")
+    if engine != "vllm" and (extensible_kv_cache is not None or kv_offloading_size is not None):
+        raise WorkloadError(f"the extensible KV cache and KV offloading are modelled for vLLM, not {engine}",
+                            hint="drop them, or use engine vllm", field="engine_version")
     if engine == "vllm":
         rel = Release.of(engine_version)
         vs = vllm.VllmSettings(
@@ -169,7 +175,7 @@ def serve_plan(
         ss = sglang.SglangSettings(
             mem_fraction_static=memory_fraction, context_length=max_model_len, max_running_requests=max_num_seqs,
             chunked_prefill_size=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype, page_size=block_size or 1,
-            disable_cuda_graph=enforce_eager)
+            disable_cuda_graph=enforce_eager, engine_version=SglangRelease.of(engine_version).text)
         return sglang.plan(spec, g, settings=ss, **common)
     if engine == "tgi":
         if pp > 1:
@@ -178,7 +184,8 @@ def serve_plan(
             cuda_memory_fraction=memory_fraction if memory_fraction is not None else 1.0,
             max_total_tokens=max_model_len, max_batch_prefill_tokens=max_num_batched_tokens,
             max_concurrent_requests=max_num_seqs or 128, kv_cache_dtype=kv_cache_dtype,
-            attention={None: "flashinfer", 1: "flashinfer", 16: "paged", 256: "flashdecoding"}.get(block_size, "paged"))
+            attention={None: "flashinfer", 1: "flashinfer", 16: "paged", 256: "flashdecoding"}.get(block_size, "paged"),
+            engine_version=TgiRelease.of(engine_version).text)
         return tgi.plan(spec, g, settings=ts, **common)
     es = trtllm.TrtllmSettings(
         free_gpu_memory_fraction=memory_fraction if memory_fraction is not None else 0.9,

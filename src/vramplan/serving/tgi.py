@@ -1,14 +1,16 @@
-"""Text Generation Inference start-up sizing, following TGI **3.x**
-(``server/text_generation_server/models/flash_causal_lm.py`` ``FlashCausalLM.warmup``).
+"""Text Generation Inference start-up sizing, per 3.x release from 3.0.0 to 3.3.7
+(``server/text_generation_server/models/flash_causal_lm.py`` ``FlashCausalLM.warmup``;
+:class:`vramplan.pools.tgi_release.TgiRelease`).
 
 - The warm-up runs one prefill batch of ``max_batch_prefill_tokens`` tokens (its KV blocks
   are allocated first); the caching allocator keeps that peak reserved, so the free memory
   measured afterwards already excludes it. An OOM there is TGI's "Not enough memory to
   handle N prefill tokens. You need to decrease `--max-batch-prefill-tokens`".
 - ``free_memory = get_free_memory(device, MEMORY_FRACTION)`` = CUDA free − (1 −
-  ``--cuda-memory-fraction``) × total (``server/text_generation_server/utils/import_utils.py``);
-  ``num_blocks = int(free_memory × TGI_WIGGLE_ROOM // total_cache_size) + batch_num_blocks``
-  with ``TGI_WIGGLE_ROOM`` 0.95 and ``total_cache_size = layers × BLOCK_SIZE × kv_heads ×
+  ``--cuda-memory-fraction`` × ``TGI_WIGGLE_ROOM``) × total
+  (``server/text_generation_server/utils/import_utils.py``);
+  ``num_blocks = int(free_memory // total_cache_size) + batch_num_blocks`` with
+  ``TGI_WIGGLE_ROOM`` 0.95 (3.0), 0.93 (3.1, 3.2), 0.90 (from 3.3.0) and ``total_cache_size = layers × BLOCK_SIZE × kv_heads ×
   head_size × 2 × dtype_size``; logged as "KV-cache blocks: N, size: BLOCK_SIZE", and the
   router's "Setting max batch total tokens to N".
 - ``BLOCK_SIZE`` is 1 with the flashinfer attention TGI 3 uses by default (prefix caching),
@@ -30,10 +32,10 @@ from vramplan.models.spec import Family, ModelSpec
 from vramplan.pools.base import cdiv, outside
 from vramplan.pools.kvspec import bytes_per_token, layer_specs
 from vramplan.pools.result import ServePlan
+from vramplan.pools.tgi_release import NEWEST, TgiRelease
 from vramplan.units import GiB
 
-VERSION = "3.x"
-WIGGLE_ROOM = 0.95
+VERSION = NEWEST
 BLOCK_SIZES = {"flashinfer": 1, "paged": 16, "flashdecoding": 256}
 
 
@@ -45,12 +47,15 @@ class TgiSettings:
     max_concurrent_requests: int = 128
     kv_cache_dtype: str = "auto"
     attention: str = "flashinfer"
+    engine_version: str = NEWEST
 
 
 def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "none", dtype: str = "bf16",
          settings: TgiSettings = TgiSettings(), avg_request_len: int | None = None,
          method: str = "analytic") -> ServePlan:
     s = settings
+    rel = TgiRelease.of(s.engine_version)
+    wiggle = rel.wiggle_room
     total, _ = usable_capacity(gpu)
     block = BLOCK_SIZES.get(s.attention, 1)
     max_total = s.max_total_tokens or spec.max_positions
@@ -65,12 +70,12 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     batch_blocks = cdiv(prefill, block)
     cuda_free = total - out.context - out.later - fwd.weights - fwd.activation_peak - batch_blocks * block_bytes
-    free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction) * total))
+    free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction * wiggle) * total))
     error = None
     if cuda_free - (1 - s.cuda_memory_fraction) * total < 0:
         error = (f"Not enough memory to handle {prefill} prefill tokens. You need to decrease "
                  "`--max-batch-prefill-tokens`")
-    blocks = int(free * WIGGLE_ROOM // block_bytes) + batch_blocks if error is None else 0
+    blocks = int(free // block_bytes) + batch_blocks if error is None else 0
     tokens = blocks * block
     if error is None and tokens < max_total:
         error = (f"max batch total tokens ({tokens}) is smaller than `--max-total-tokens` ({max_total}) "
@@ -79,18 +84,19 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     conc_avg = min(float(s.max_concurrent_requests), tokens / avg_request_len) if avg_request_len else None
     log = [f"KV-cache blocks: {blocks}, size: {block}", f"Setting max batch total tokens to {tokens}"] \
         if error is None else [f"Error: {error}"]
-    st = {"cuda_memory_fraction": s.cuda_memory_fraction, "max_total_tokens": max_total,
+    st = {"cuda_memory_fraction": s.cuda_memory_fraction, "tgi_wiggle_room": wiggle, "max_total_tokens": max_total,
           "max_batch_prefill_tokens": prefill, "max_concurrent_requests": s.max_concurrent_requests,
           "kv_cache_dtype": s.kv_cache_dtype, "attention": s.attention, "quantization": quant, "dtype": dtype}
-    notes = [f"Follows TGI {VERSION} FlashCausalLM.warmup: 95 % of the free memory after a warm-up prefill of "
-             f"{prefill:,} tokens (peak {fwd.activation_peak / GiB:.2f} GiB, {fwd.method}) becomes KV blocks.",
+    notes = [f"Follows TGI {rel.text} FlashCausalLM.warmup: the free memory after a warm-up prefill of "
+             f"{prefill:,} tokens less (1 − cuda_memory_fraction × TGI_WIGGLE_ROOM {wiggle}) of the total becomes "
+             f"KV blocks (warm-up peak {fwd.activation_peak / GiB:.2f} GiB, {fwd.method}).",
              "max_batch_prefill_tokens defaults to max_input_tokens + 50 with max_input_tokens = "
              "max_total_tokens − 1 (TGI launcher, when unset)."]
     return ServePlan(
-        engine="tgi", engine_version=VERSION, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
+        engine="tgi", engine_version=rel.text, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=int(total * s.cuda_memory_fraction), weights=fwd.weights,
         profile_peak=fwd.activation_peak, non_torch=out.later, context=out.context, cuda_graph=0,
-        cuda_graph_in_budget=True, kv_available=int(free * WIGGLE_ROOM) + batch_blocks * block_bytes,
+        cuda_graph_in_budget=True, kv_available=free + batch_blocks * block_bytes,
         kv_pool=blocks * block_bytes, block_size=block, blocks=blocks, tokens=tokens,
         bytes_per_token=per_token, max_model_len=max_total, max_concurrency=conc, avg_request_len=avg_request_len,
         concurrency_at_avg=conc_avg, max_running=s.max_concurrent_requests, starts=error is None, error=error,
