@@ -622,22 +622,52 @@ def test_serving_view_takes_speculative_decoding_and_multimodal_limits(client, c
 
 
 def test_serving_view_follows_the_vllm_release_picked(client, capsys):
-    """The page's vLLM version picker is serve-plan's --engine-version (the other engines ignore it)."""
+    """The page's version picker, with vLLM, is serve-plan's --engine-version."""
     r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&engine-version=0.10.1.1")
     assert r.status_code == 200, r.text
     assert r.json() == cli_json(capsys, *SERVE_CLI, "--engine-version", "0.10.1.1", "--json")
     assert r.json()["engine_version"] == "0.10.1.1" and r.json()["block_size"] == 16
     assert client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm").json()["engine_version"] == "0.34.0"
     r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&serve-engine=sglang&engine-version=0.10.1.1")
-    assert r.status_code == 200 and r.json()["engine"] == "sglang"
+    assert r.status_code == 400 and r.json()["field"] == "engine-version", r.text  # (a vLLM release is no SGLang one)
     r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&kv-offloading-size=8")
     assert r.status_code == 200 and r.json() == cli_json(capsys, *SERVE_CLI, "--kv-offloading-size", "8", "--json")
     assert r.json()["host_kv_tokens"] > 0
     r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&kv-offloading-size=8&engine-version=0.12.0")
     assert r.status_code == 400 and r.json()["field"] == "kv-offloading-size", r.text
-    versions = client.get("/api/catalog").json()["serve"]["vllm_versions"]
+    versions = client.get("/api/catalog").json()["serve"]["engine_versions"]["vllm"]
     assert versions[0] == "0.34.0" and "0.10.1.1" in versions and versions == sorted(versions, key=lambda v: tuple(
         int(x) for x in v.split(".")), reverse=True)
+
+
+@pytest.mark.parametrize(("engine", "version"), [("sglang", "0.4.6"), ("tgi", "3.0.0")])
+def test_serving_view_follows_the_sglang_and_tgi_release_picked(client, capsys, engine, version):
+    """The picker offers each engine's own releases, newest first (what the page starts on, and
+    comes back to when the engine changes); the version picked is serve-plan's --engine-version."""
+    from vramplan.pools import sglang_release, tgi_release
+
+    offered = client.get("/api/catalog").json()["serve"]["engine_versions"]
+    read = {"sglang": sglang_release, "tgi": tgi_release}[engine]
+    assert offered[engine] == list(read.RELEASES) and offered[engine][0] == read.NEWEST and version in offered[engine]
+    assert offered["trtllm"] == []  # (one release: the picker is off)
+    q = f"/api/serve?model=llama-3.1-8b&gpu=h100-sxm&serve-engine={engine}"
+    newest = client.get(q).json()
+    assert newest == cli_json(capsys, *SERVE_CLI, "--engine", engine, "--format", "json")
+    assert newest["engine_version"] == offered[engine][0]
+    r = client.get(f"{q}&engine-version={version}")
+    assert r.status_code == 200, r.text
+    assert r.json() == cli_json(capsys, *SERVE_CLI, "--engine", engine, "--engine-version", version, "--format", "json")
+    assert r.json()["engine_version"] == version and r.json()["tokens"] != newest["tokens"]  # (the release changes it)
+    for bad in ("0.34.0", "9.9.9", "latest"):  # another engine's release, one past the newest, not a version
+        r = client.get(f"{q}&engine-version={bad}")
+        assert r.status_code == 400 and r.json()["field"] == "engine-version", r.text
+        assert "\n" not in r.json()["error"]
+
+
+def test_tensorrt_llm_refuses_a_version_as_the_cli_does(client, capsys):
+    r = client.get("/api/serve?model=llama-3.1-8b&gpu=h100-sxm&serve-engine=trtllm&engine-version=1.0")
+    assert r.status_code == 400 and r.json()["field"] == "engine-version", r.text
+    assert "TensorRT-LLM follows one release" in cli_error(capsys, *SERVE_CLI, "--engine", "trtllm", "--engine-version", "1.0")
 
 
 def test_serving_view_carries_the_terminals_document(client):

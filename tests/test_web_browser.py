@@ -751,3 +751,38 @@ def test_plan_chart_has_its_time_axis_and_every_config_downloads(server, sized, 
         r = pg.request.get(href)
         assert r.status == 200, (fmt, r.text())
     shot(pg, "downloads", tmp_path, at="#dl-emit")
+
+
+def test_the_version_picker_offers_the_chosen_engines_releases(server, page, capsys):
+    """Each engine's releases in the picker; another engine starts on its newest; the release
+    picked is serve-plan's --engine-version (SGLang and TGI as vLLM)."""
+    pg = page
+    pg.goto(f"{server}/?model=llama-3.1-8b&gpu=h100-sxm&method=analytic&tab=serve&engine-version=0.10.1.1")
+    pg.wait_for_selector("#serve-verdict", timeout=60_000)
+    offered = pg.evaluate("page.catalog.serve.engine_versions")
+    options = "Array.from(document.querySelectorAll('#engine-version option'), o => o.value)"
+    assert pg.eval_on_selector("#engine-version", "s => s.value") == "0.10.1.1"
+    assert pg.evaluate(options) == offered["vllm"]
+
+    def shows(engine: str, version: str | None) -> None:
+        line = f"--engine {engine}" + (f" --engine-version {version}" if version else "")
+        pg.wait_for_function(f"(document.getElementById('serve-cli') || {{}}).textContent?.includes({json.dumps(line)})"
+                             f" && !document.querySelector('#serve .busy')", timeout=60_000)
+        want = cli_json(capsys, "serve-plan", "llama-3.1-8b", "--gpu", "h100-sxm", "--engine", engine,
+                        *(["--engine-version", version] if version else []), "--format", "json")
+        assert want["engine_version"] == (version or offered[engine][0])
+        assert f"{want['tokens']:,} tokens" in pg.text_content("#serve"), (engine, version)
+        assert f"{want['device_used'] / GiB:,.2f}" in pg.text_content("#serve tr.foot")
+
+    for engine, older in (("sglang", "0.4.6"), ("tgi", "3.0.0")):
+        pg.select_option("#serve-engine", engine)  # back to the newest: the old engine's release is dropped
+        shows(engine, None)
+        assert pg.evaluate(options) == offered[engine]
+        assert pg.eval_on_selector("#engine-version", "s => s.value") == offered[engine][0]
+        assert "engine-version" not in pg.url and "--engine-version" not in pg.text_content("#serve-cli")
+        pg.select_option("#engine-version", older)
+        shows(engine, older)
+        assert f"engine-version={older}" in pg.url
+    pg.select_option("#serve-engine", "trtllm")
+    pg.wait_for_function("document.getElementById('engine-version').disabled")
+    assert pg.evaluate(options) == [] and "engine-version" not in pg.url

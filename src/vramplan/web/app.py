@@ -302,15 +302,18 @@ def emit_formats() -> tuple[str, ...]:
 
 
 def serve_choices() -> dict[str, Any]:
-    """The serving view's pickers: ``vramplan serve-plan``'s choices."""
-    from vramplan.pools.vllm_release import RELEASES
+    """The serving view's pickers: ``vramplan serve-plan``'s choices. ``engine_versions``: per engine,
+    the releases whose sizing was read (newest first, the default; TensorRT-LLM follows one, none)."""
+    from vramplan.pools import sglang_release, tgi_release, vllm_release
     from vramplan.serving.api import ENGINES, FRACTION_NAME
+
+    read = {"vllm": vllm_release.RELEASES, "sglang": sglang_release.RELEASES, "tgi": tgi_release.RELEASES}
 
     return {"engines": list(ENGINES), "fraction_names": dict(FRACTION_NAME),
             "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes"],
             "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
             "spec_methods": ["none", "eagle", "eagle3", "deepseek_mtp", "ngram"],
-            "vllm_versions": list(RELEASES)}
+            "engine_versions": {e: list(read.get(e, ())) for e in ENGINES}}
 
 
 @functools.cache
@@ -378,7 +381,7 @@ def serve_options(p: Mapping[str, str]) -> dict[str, Any]:
     method = (p.get("spec-method") or "").strip().lower()
     if method and method != "none":  # (the page's speculative decoding: no head config, the target's layer shape)
         opts["speculative_config"] = {"method": method, "num_speculative_tokens": _int(p, "spec-tokens", 3, minimum=1)}
-    if p.get("engine-version") and opts["engine"] == "vllm":  # (the other engines follow one release each)
+    if p.get("engine-version"):  # (the chosen engine's release; TensorRT-LLM refuses one, as the CLI does)
         opts["engine_version"] = p["engine-version"].strip()
     limits = {m: _int(p, f"limit-{m}s", 0, minimum=0) for m in ("image", "video") if p.get(f"limit-{m}s")}
     if limits:

@@ -404,7 +404,6 @@ function serveLine() {
   for (const k of ["tp", "pp"]) if (s[k] && String(s[k]) !== "1") parts.push(`--${k} ${s[k]}`);
   for (const k of SERVE_KEYS) {
     if (!s[k] || (k === "serve-engine" && s[k] === "vllm")) continue;
-    if (k === "engine-version" && (s["serve-engine"] || "vllm") !== "vllm") continue; // (vLLM's releases only)
     parts.push(`--${k === "serve-engine" ? "engine" : k} ${s[k]}`);
   }
   parts.push("--json");
@@ -913,10 +912,24 @@ function buildForm() {
   const fill = (id, values) => { const s = document.getElementById(id); for (const v of values) { const o = document.createElement("option"); o.value = v; o.textContent = v; s.appendChild(o); } };
   fill("serve-engine", sv.engines); fill("kv-cache-dtype", sv.kv_cache_dtype); fill("quantization", sv.quantization);
   fill("spec-method", sv.spec_methods || ["none"]);
-  fill("engine-version", sv.vllm_versions || []);
+}
+
+// the version picker offers the chosen engine's releases (catalog.serve.engine_versions, newest first:
+// the default); a link's version that is not among them is shown as it is sent (the server judges it)
+function fillVersions() {
+  const sel = document.getElementById("engine-version");
+  if (!sel || !page.catalog) return;
+  const engine = page.state["serve-engine"] || "vllm";
+  const list = [...(((page.catalog.serve || {}).engine_versions || {})[engine] || [])];
+  const cur = page.state["engine-version"];
+  if (cur && !list.includes(cur)) list.unshift(cur);
+  sel.replaceChildren(...list.map((v) => new Option(v, v)));
+  sel.disabled = !list.length; // (TensorRT-LLM follows one release)
+  sel.title = list.length ? `${engine} --engine-version: the release whose start-up sizing is followed` : `${engine} follows one release`;
 }
 
 function fillForm() {
+  fillVersions();
   for (const input of document.querySelectorAll("#form input, #form select, #serve-options input, #serve-options select")) {
     const k = input.name;
     if (!k) continue;
@@ -1019,6 +1032,12 @@ function onSlider(e) {
 function onServeInput(e) {
   const input = e.target;
   if (!input.name) return;
+  if (input.name === "serve-engine" && (page.state["serve-engine"] || "vllm") !== input.value) {
+    delete page.state["engine-version"]; // another engine's releases: its newest, the default
+    page.state["serve-engine"] = input.value;
+    fillVersions();
+    document.getElementById("engine-version").selectedIndex = 0;
+  }
   page.state[input.name] = input.value;
   writeUrl();
   clearTimeout(debounce);
