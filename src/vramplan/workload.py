@@ -183,6 +183,14 @@ class Attention(_StrEnum):
     FLASH = "flash"
 
 
+class CpuOffload(_StrEnum):
+    """diffusers' offload of a whole pipeline's models to host RAM."""
+
+    NONE = "none"  # pipe.to("cuda"): every model resident
+    MODEL = "model"  # enable_model_cpu_offload: each model brought in for its call, the previous put back
+    SEQUENTIAL = "sequential"  # enable_sequential_cpu_offload: each layer's weights brought in for its call
+
+
 class KVDtype(_StrEnum):
     AUTO = "auto"  # the compute dtype
     FP32 = "fp32"
@@ -639,6 +647,15 @@ class Workload:
     freeze_vision: bool = False
     """Training a vision-language model: its vision tower (with the merger that projects image
     tokens into the language model) frozen, only the language model trained."""
+    denoising_steps: int = 0
+    """A diffusers pipeline's ``num_inference_steps`` (0: the pipeline's default, FLUX.1's 28,
+    SDXL's 50); two are traced, the rest repeat them (the peak does not grow with steps)."""
+    cpu_offload: CpuOffload = CpuOffload.NONE
+    """A diffusers pipeline's offload: none (``pipe.to("cuda")``), model
+    (``enable_model_cpu_offload``) or sequential (``enable_sequential_cpu_offload``); the weights
+    wait in host RAM."""
+    vae_tiling: bool = False
+    """A diffusers pipeline's VAE decodes tile by tile (``pipe.vae.enable_tiling()``)."""
     routing_skew: float = 1.0
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
@@ -664,7 +681,7 @@ class Workload:
             ("quant", Quant), ("kv_dtype", KVDtype), ("attention", Attention), ("loss", Loss),
             ("peft_base_dtype", DtypeChoice), ("bnb_compute_dtype", DtypeChoice), ("recipe", Recipe),
             ("float8", Float8), ("objective", Objective), ("reference", Reference),
-            ("rollout", Rollout),
+            ("rollout", Rollout), ("cpu_offload", CpuOffload),
         ):
             object.__setattr__(self, name, as_enum(cls, getattr(self, name), name))
         for name in ("lora_targets", "lora_modules_to_save"):
@@ -678,7 +695,7 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
-        for name in ("images", "image_height", "videos"):
+        for name in ("images", "image_height", "videos", "denoising_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise WorkloadError(f"`{name}` must be an integer >= 0, got {v!r}", field=name)

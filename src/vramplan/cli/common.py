@@ -18,6 +18,7 @@ from ..workload import (
     Method,
     Parallel,
     Precision,
+    Task,
     Workload,
     auto_checkpointing,
     field_docs,
@@ -208,7 +209,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         fields = {n: getattr(args, n) for n in names if n in given or n not in by_recipe}
         if fields.get("checkpointing") == "auto":  # not given: the recipe's, else none
             del fields["checkpointing"]
-        return _seq_for_model(args, apply(args.recipe, **fields))
+        return _for_pipeline(args, _seq_for_model(args, apply(args.recipe, **fields)))
     parallel = Parallel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Parallel)})
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.name != "parallel"}
     fields["checkpointing"] = checkpointing_arg(args)
@@ -221,7 +222,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         for n in layout.notes:
             hint(f"note: {n}")
         w = layout.workload
-    return _seq_for_model(args, w)
+    return _for_pipeline(args, _seq_for_model(args, w))
 
 
 def _seq_for_model(args: argparse.Namespace, w: Workload) -> Workload:
@@ -247,6 +248,21 @@ def _seq_for_model(args: argparse.Namespace, w: Workload) -> Workload:
          + (f" less `new_tokens={w.new_tokens}`" if room != spec.max_positions else "")
          + f" (the default {w.seq:,} exceeds them)")
     return w.replace(seq=room)
+
+
+def _for_pipeline(args: argparse.Namespace, w: Workload) -> Workload:
+    """A whole diffusers pipeline (``flux.1-dev-pipeline``) runs inference: ``--task`` not given is
+    infer, and ``--precision`` not given its default for inference (bf16)."""
+    model = getattr(args, "model", None)
+    given = explicit_fields(args)
+    if not isinstance(model, str) or "task" in given or w.task is Task.INFER:
+        return w
+    from ..models.pipelines import pipeline_folder
+
+    if pipeline_folder(model) is None:
+        return w
+    infer = {} if "precision" in given else {"precision": Workload(task=Task.INFER).precision}
+    return w.replace(task=Task.INFER, **infer)
 
 
 def check_layout_flags(given: Workload, read: Workload, fmt: str) -> None:

@@ -71,6 +71,10 @@ def find_fix(model: str, w: Workload, report: MemoryReport, method: str) -> Sugg
     v = report.verdict
     if v is None or v.fits:
         return None
+    from ..models.pipelines import pipeline_folder
+
+    if pipeline_folder(model) is not None:  # (a pipeline's levers are its offload and tiling: the notes say)
+        return None
     from ..engine.resolve import resolve_gpu, resolve_model
     from ..planner.nextstep import cheapest_fix
     from ..workload import Method

@@ -15,6 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TraceError, WorkloadError
+from ..models.pipelines import pipeline_folder
 from ..models.spec import Family, ModelSpec
 from ..recipes import notes as recipe_notes
 from ..results import Fallback, MemoryReport, Peak, Verdict
@@ -54,9 +55,17 @@ def estimate(
     checkpointed layers by the trace (the analytic method cannot evaluate one).
     """
     w = _workload(workload, workload_fields)
+    m = as_enum(Method, method, "method")
+    folder = pipeline_folder(model) if isinstance(model, str) else None
+    if folder is not None and isinstance(model, str):  # a whole diffusers pipeline: its call traced as `vramplan run` runs a script
+        from .diffusion import estimate_pipeline
+
+        if checkpoint_policy is not None or num_gpus != 1:
+            raise WorkloadError(f"{model} is a whole pipeline: one call on one GPU, no checkpoint policy",
+                                hint="leave the checkpoint policy and the GPU count out")
+        return estimate_pipeline(model.strip(), folder, w, resolve_gpu(gpu), method=m, alloc_conf=alloc_conf)
     spec = resolve_model(model)
     g = resolve_gpu(gpu)
-    m = as_enum(Method, method, "method")
     if alloc_conf:
         from ..allocator import parse_conf
 
@@ -192,8 +201,10 @@ def has_analytic(spec: ModelSpec) -> bool:
 
 def _check(spec: ModelSpec, w: Workload) -> None:
     from ..recipes import check
+    from .diffusion import check_pipeline_fields
 
     check(w)  # a knob the recipe's framework cannot run
+    check_pipeline_fields(w, spec.name)
     if spec.family is Family.OTHER:
         if w.task is Task.GENERATE and not spec.vocab:
             raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",

@@ -61,7 +61,13 @@ def workload_line(r: MemoryReport) -> str:
                 parts.append(f"{w.videos} video{'s' if w.videos > 1 else ''} of {w.video_frames} frames {width}x{height}"
                              " per sequence")
         else:
-            parts.append(f"image {w.image_size}")
+            parts.append(f"image {w.image_size}" + (f"x{w.image_height}" if w.image_height else ""))
+    if w.denoising_steps:
+        parts.append(f"{w.denoising_steps} denoising steps")
+    if w.cpu_offload.value != "none":
+        parts.append(f"{w.cpu_offload} CPU offload")
+    if w.vae_tiling:
+        parts.append("VAE tiling")
     if w.task.value == "generate":
         parts.append(f"+{w.new_tokens} new tokens")
     parts.append(str(w.precision))

@@ -122,6 +122,9 @@ class ScriptRun:
     """DataLoader workers the script asked for (run in this process instead)."""
     backwards: int = 0
     """Backward passes (``loss.backward()``, ``torch.autograd.backward``)."""
+    calls: list[tuple[str, int, int]] = field(default_factory=list)
+    """(class, first event, end event) of each top-level module call, in order: which model ran
+    when (a pipeline's text encoders, denoiser steps and VAE decode)."""
     fsdp_compute: str = ""
     """The 16-bit dtype FSDP's mixed precision computes in (FSDP1 ``MixedPrecision.param_dtype``,
     FSDP2 ``MixedPrecisionPolicy.param_dtype``: gathered parameters cast from fp32 shards), if any."""
@@ -176,6 +179,7 @@ class _Hooks:
             self._where_it_runs(mod, args)
             if not self.sess.dispatch.in_backward:
                 self._set_phase(Phase.FORWARD)
+            self.run.calls.append((type(mod).__name__, len(self.sess.rec.log), -1))
         self._depth += 1
 
     def _where_it_runs(self, mod: nn.Module, args: Any) -> None:
@@ -228,6 +232,9 @@ class _Hooks:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
             self.run.forwards += 1
+            if self.run.calls:
+                name, first, _ = self.run.calls[-1]
+                self.run.calls[-1] = (name, first, len(self.sess.rec.log))
             self.report("forward")
             if self.run.optimizers == 0 and not torch.is_grad_enabled() and self._peak_settled():
                 self.run.stopped_by = "forwards"

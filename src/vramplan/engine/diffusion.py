@@ -1,0 +1,178 @@
+"""A whole diffusers pipeline (text encoders, denoising steps, VAE decode) → MemoryReport.
+
+The pipeline is built from its configs (:mod:`vramplan.models.pipelines`: the catalog's or a local
+folder) and called once by :mod:`vramplan.models.pipeline_run`, a script run as ``vramplan run``
+runs one (:func:`vramplan.script.runner.trace_script`): the same emulated GPU, the same hooks for
+diffusers' offload, the same report. Two denoising steps are traced: every step runs the
+denoiser on the same shapes and frees what it made, so the peak does not grow with steps. The
+report names the part of the call the peak falls in (text encoding, a denoising step, the VAE
+decode) from the top-level model calls the run recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import WorkloadError
+from ..results import MemoryReport
+from ..workload import Attention, CpuOffload, Method, Parallel, Precision, Task, Workload
+from .device import profile
+from .methods import trace_core
+from .pipeline import finish
+
+if TYPE_CHECKING:
+    from ..hardware.gpu import GPU
+    from ..models.pipelines import PipelineConfigs
+
+TRACED_STEPS = 2
+"""Denoising steps the trace runs (the first and a repeat of it)."""
+_DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32"}
+_APPLIES = frozenset({"task", "batch", "precision", "image_size", "image_height", "attention", "parallel",
+                      "denoising_steps", "cpu_offload", "vae_tiling"})
+"""Workload fields a pipeline's inference reads; any other must keep its default."""
+_PIPELINE_ONLY = ("denoising_steps", "cpu_offload", "vae_tiling")
+
+
+def check_pipeline_fields(w: Workload, model: str) -> None:
+    """A model that is not a whole pipeline refuses the pipeline's own fields."""
+    from ..models.pipelines import pipeline_entries
+
+    base = Workload()
+    for name in _PIPELINE_ONLY:
+        if getattr(w, name) != getattr(base, name):
+            raise WorkloadError(f"`{name}={getattr(w, name)}` applies to a whole diffusers pipeline, not {model}",
+                                hint=f"estimate a pipeline: {', '.join(pipeline_entries())}, or a local folder "
+                                     "with its model_index.json", field=name)
+
+
+def estimate_pipeline(name: str, folder: Path, w: Workload, g: GPU | None, *, method: Method = Method.AUTO,
+                      alloc_conf: str | None = None, timeout: float | None = 600.0,
+                      workspaces: bool = True) -> MemoryReport:
+    """Trace one call of the pipeline in ``folder`` (``name``: how the user named it) as ``w``
+    describes it: ``batch`` images of ``image_size`` × ``image_height`` pixels in ``precision``,
+    ``cpu_offload``, ``vae_tiling``, ``denoising_steps``. ``workspaces=False`` leaves out the
+    CUDA-only library workspaces (to compare with a CPU run), as ``run_script``'s does."""
+    from ..emulate.facts import facts_of
+    from ..models.pipelines import pipeline_alias, pipeline_entries, read_pipeline
+    from ..script.runner import trace_script
+
+    if method is Method.ANALYTIC:
+        raise WorkloadError(f"{name} is a whole pipeline: it is traced, it has no closed-form estimate",
+                            hint="use `method=trace` (or auto)", field="method")
+    _check(w, name)
+    cfg = read_pipeline(folder, name)
+    steps = w.denoising_steps or _default_steps(cfg)
+    traced = min(steps, TRACED_STEPS)
+    argv = [str(folder), "--size", str(w.image_size), "--steps", str(traced), "--batch", str(w.batch),
+            "--dtype", _DTYPE[w.precision]]
+    argv += ["--height", str(w.image_height)] if w.image_height else []
+    argv += ["--offload", str(w.cpu_offload)] if w.cpu_offload is not CpuOffload.NONE else []
+    argv += ["--vae-tiling"] if w.vae_tiling else []
+    dev = profile(g, w)
+    if not workspaces:
+        dev = dev.without_workspaces()
+    facts = facts_of(g.name if g is not None else dev.name, dev.sm, dev.usable, dev.overhead_bytes,
+                     sm_count=(g.sm_count or 0) if g is not None else 0)
+    from ..models import pipeline_run
+
+    # (steps: the run's own stopping rule never cuts the call short; the pipeline ends it)
+    tr, run = trace_script(Path(pipeline_run.__file__), argv, profile=dev, facts=facts, steps=1 << 30,
+                           timeout=timeout, alloc_conf=alloc_conf)
+    core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
+    alias = pipeline_alias(name)
+    params = pipeline_entries()[alias].params if alias is not None else sum(_count(cfg).values())
+    where = peak_part(run.calls, tr.peak_index, cfg)
+    how = {CpuOffload.NONE: 'pipe.to("cuda")', CpuOffload.MODEL: "enable_model_cpu_offload()",
+           CpuOffload.SEQUENTIAL: "enable_sequential_cpu_offload()"}[w.cpu_offload]
+    size = f"{w.image_size} × {w.image_height or w.image_size}"
+    notes = [f"the peak is in {where}: {cfg.pipeline_class} called once ({w.batch} image(s) of {size} pixels, "
+             f"{w.precision}, {how}{', vae.enable_tiling()' if w.vae_tiling else ''})",
+             _steps_note(steps, traced, w.denoising_steps == 0)]
+    host = 0
+    parts: tuple[tuple[str, int], ...] = ()
+    if w.cpu_offload is not CpuOffload.NONE:
+        host = params * (4 if w.precision is Precision.FP32 else 2)
+        parts = ((f"the pipeline's weights, where {_OFFLOAD[w.cpu_offload]} keeps them between calls", host),)
+    core = dataclasses.replace(core, host_memory=host, host_parts=parts)
+    report = finish(core, name, w, g, dev, notes=notes)
+    return report.replace(params=params, trainable_params=0, has_sequence=False)
+
+
+_OFFLOAD = {CpuOffload.MODEL: "enable_model_cpu_offload", CpuOffload.SEQUENTIAL: "enable_sequential_cpu_offload"}
+
+
+def _check(w: Workload, name: str) -> None:
+    if w.task is not Task.INFER:
+        raise WorkloadError(f"{name} is a whole pipeline: its call is inference (`task=infer`), not {w.task}",
+                            hint="use `task=infer`; a training step of the denoiser is its own entry's "
+                                 "(e.g. flux.1-dev with `task=train`)", field="task")
+    if w.precision not in _DTYPE:
+        raise WorkloadError(f"`precision={w.precision}`: a pipeline runs in one dtype (bf16, fp16 or fp32)",
+                            hint="use `precision=bf16`", field="precision")
+    if w.attention is not Attention.SDPA:
+        raise WorkloadError(f"`attention={w.attention}`: diffusers' pipelines run their default attention "
+                            "processors (PyTorch's SDPA)", hint="use `attention=sdpa`", field="attention")
+    if w.parallel != Parallel():
+        raise WorkloadError("a pipeline runs on one GPU: no parallel layout", hint="drop the layout", field="dp")
+    base = Workload(task=Task.INFER)
+    for f in dataclasses.fields(Workload):
+        if f.name not in _APPLIES and getattr(w, f.name) != getattr(base, f.name):
+            raise WorkloadError(f"`{f.name}={getattr(w, f.name)}` does not apply to a pipeline's call",
+                                hint=f"drop `{f.name}`", field=f.name)
+    if w.image_size % 16 or (w.image_height and w.image_height % 16):
+        raise WorkloadError(f"image {w.image_size}x{w.image_height or w.image_size}: a pipeline's sides are "
+                            "multiples of 16 pixels (8x the VAE's latents, 2x2 patches)",
+                            hint="e.g. `image_size=1024`", field="image_size")
+
+
+def _default_steps(cfg: PipelineConfigs) -> int:
+    """The pipeline's own ``num_inference_steps`` default (FluxPipeline 28, SDXL 50)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, cfg.pipeline_class, None)
+    default = inspect.signature(cls.__call__).parameters.get("num_inference_steps") if cls is not None else None
+    return int(default.default) if default is not None and isinstance(default.default, int) else 50
+
+
+def _count(cfg: PipelineConfigs) -> dict[str, int]:
+    from ..models.pipelines import count_component_params
+
+    return count_component_params(cfg)
+
+
+def _steps_note(steps: int, traced: int, default: bool) -> str:
+    given = "the pipeline's default" if default else "given"
+    if steps <= traced:
+        return f"{steps} denoising step(s) ({given}), all traced"
+    return (f"{steps} denoising steps ({given}): {traced} traced; each further step runs the denoiser on the "
+            f"same shapes and frees what it made, so the peak does not grow with steps (only the scheduler's "
+            f"timestep and sigma tables do, 4 B a step each)")
+
+
+def peak_part(calls: list[tuple[str, int, int]], k: int, cfg: PipelineConfigs) -> str:
+    """The part of the pipeline's call that event ``k`` (the peak) falls in, from the run's
+    top-level model calls: a text encoder, a denoising step, the VAE decode (the calls after the
+    denoising loop), or the pipeline's own code between two calls."""
+    den_cls = cfg.components[cfg.denoiser][1]
+    encoders = {cls: key for key, (_, cls, _) in cfg.components.items() if cfg.role(key) == "text encoding"}
+    step = 0
+    before = ""
+    for cls, first, end in calls:
+        if cls == den_cls:
+            step += 1
+        label = (f"denoising step {step} ({cls})" if cls == den_cls else
+                 f"text encoding ({cls}, {encoders[cls]})" if cls in encoders else
+                 f"the VAE decode ({cls})" if step else cls)
+        if first <= k and (end < 0 or k < end):
+            return label
+        if first > k:
+            return f"the pipeline's own code between {before or 'its start'} and {label}"
+        before = label
+    return f"the pipeline's own code after {before}" if before else "the pipeline's own code"
+
+
+__all__ = ["TRACED_STEPS", "check_pipeline_fields", "estimate_pipeline", "peak_part"]
