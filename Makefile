@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/replay_speed.py
 	$(BIN)/python bench/trace_speed.py
 	$(BIN)/python bench/plan_speed.py
+	$(BIN)/python bench/accum_speed.py
 
 clean:
 	rm -rf $(VENV) $(VENV214) .venv-latest $(ZOODEPS) $(QUANTDEPS) build dist src/*.egg-info src/*.so src/vramplan/allocator/*.so $(CORE)
