@@ -14,7 +14,11 @@ One :class:`LayerKV` per attention layer of the first pipeline stage, with the K
   them per request (``SlidingWindowSpec.max_memory_usage_bytes``, + 1 block).
 - **MLA** (DeepSeek-V2/V3) — one "head" of ``kv_lora_rank + qk_rope_head_dim`` values,
   ``coef = 1``, not split by TP (vLLM ``ModelConfig.get_head_size`` / ``get_num_kv_heads``
-  returns 1 for MLA; SGLang's MLA ``cell_size``).
+  returns 1 for MLA; SGLang's MLA ``cell_size``). The same 576 × dtype bytes in every vLLM
+  release 0.9.2 … 0.34.0 (``AttentionSpec`` with ``use_mla`` to 0.10.2, ``MLAAttentionSpec`` from
+  0.11.0; no page padding for DeepSeek-V2/V3); the block size comes from the MLA attention
+  backend (:meth:`.vllm_release.Release.mla_block`; docs/research/vllm-mla-kv.md). DeepSeek-V3.2's
+  ``fp8_ds_mla`` (656 B) and indexer cache (132 B) are not modelled (no catalog model uses them).
 - **TP** — KV heads are split across ranks; when ``tp > kv_heads`` vLLM and SGLang replicate
   them so that every rank keeps ``max(1, kv_heads // tp)`` (vLLM
   ``ModelConfig.get_num_kv_heads``; SGLang copies it), TensorRT-LLM ``ceil(kv_heads / tp)``

@@ -28,7 +28,8 @@ later release changes is :class:`.vllm_release.Release` (files and lines per ver
    max_model_len⌋); ``get_max_concurrency_for_kv_cache_config`` gives "Maximum concurrency".
 4. Defaults (``vllm/engine/arg_utils.py`` ``_set_default_args_v1``, ``vllm serve``):
    ``max_num_batched_tokens`` 8192 and ``max_num_seqs`` 1024 on GPUs with ≥ 70 GiB that are
-   not A100s, else 2048 and 256; ``block_size`` 16 (``vllm/platforms/cuda.py``);
+   not A100s, else 2048 and 256; ``block_size`` 16 (``vllm/platforms/cuda.py``; MLA models: the
+   MLA backend's, :meth:`.vllm_release.Release.mla_block`);
    ``gpu_memory_utilization`` 0.9 (``vllm/config/cache.py``); CUDA-graph capture sizes
    ``[1, 2, 4] + range(8, min(2 × max_num_seqs, 512) + 1, 8)`` capped at
    ``max_num_batched_tokens`` (``vllm/config/scheduler.py``, ``VllmConfig._set_cudagraph_sizes``);
@@ -348,6 +349,10 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                                                                            s.kv_offloading_backend)
     layers = layer_specs(spec, tp=tp, pp=pp, kv_cache_dtype=s.kv_cache_dtype, engine="vllm",
                          sliding=not s.disable_hybrid_kv_cache_manager)
+    mla_backend = None
+    if any(x.kind == "mla" for x in layers):  # the MLA backend's block size (Release.mla_block)
+        block_size, mla_backend = rel.mla_block(gpu.compute_capability, kv_fp8=s.kv_cache_dtype.lower().startswith("fp8"),
+                                                given=s.block_size, qk_nope_head_dim=spec.qk_nope_head_dim or 128)
     sliding = any(x.kind == "sliding" for x in layers)
     if no_hybrid:
         layers = tuple(LayerKV("full", x.kv_heads, x.head_size, x.dtype_bytes) if x.kind == "sliding" else x
@@ -427,6 +432,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         notes.append("The multimodal profile's rules per release (the dummy item at max_model_len from 0.11.0, "
                      "0.11.0's padded outputs, the pixels freed by model runner V2) were read in 0.10.1.1, 0.10.2, "
                      "0.11.0, 0.12.0, 0.19.1 and 0.34.0; vLLM's own vision tower is transformers' here.")
+    if mla_backend is not None:
+        notes.append(mla_note(rel, mla_backend, block_size, s.block_size, gpu.compute_capability))
     if s.enable_prefix_caching:
         notes.append("Prefix caching shares blocks between requests with a common prefix; it does not change the pool size.")
     hint = _hint(ext, utilization, after=False)
@@ -539,7 +546,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         bytes_per_token=bytes_per_token(layers), max_model_len=max_model_len, max_concurrency=conc,
         avg_request_len=avg_request_len, concurrency_at_avg=conc_avg, max_running=max_num_seqs,
         starts=error is None, error=error, device_used=used, log=tuple(log),
-        command=command(spec, tp, pp, quant, settings_out), profile_method=fwd.method, notes=tuple(notes),
+        command=command(spec, tp, pp, quant, settings_out, default_block=block_size if s.block_size is None else None), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds=kinds, vision_weights=vision, encoder_peak=encoder.peak if encoder is not None else 0,
         encoder_held=held, draft_weights=draft.weights if draft is not None else 0,
         draft_layers=draft.layers if draft is not None else 0, draft_buffers=proposer,
@@ -644,7 +651,20 @@ def _encoder_notes(enc: Encoder, held: int, lm_phase: int, mm: MmSettings, rel: 
     return out
 
 
-def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]) -> str:
+def mla_note(rel: Release, backend: str, block_size: int, given: int | None, cc: str | None) -> str:
+    """Where an MLA model's block size comes from in this release (:meth:`.Release.mla_block`)."""
+    per_token = "kv_lora_rank + qk_rope_head_dim values per token and layer, one latent vector, not split by TP"
+    if given and given != block_size:
+        why = f"vLLM {rel.text} overrides --block-size {given} for MLA ({backend} needs {block_size})"
+    elif given:
+        why = f"--block-size {given} is kept"
+    else:
+        why = f"vLLM {rel.text} picks {backend} on compute capability {cc or 'unknown'}: blocks of {block_size} tokens"
+    return f"MLA KV cache: {per_token}; {why} (docs/research/vllm-mla-kv.md)."
+
+
+def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object],
+            default_block: int | None = None) -> str:
     parts = ["vllm serve", spec.hub_id or spec.name]
     if tp > 1:
         parts.append(f"--tensor-parallel-size {tp}")
@@ -654,7 +674,7 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append(f"--gpu-memory-utilization {st['gpu_memory_utilization']}")
     parts += [f"--max-model-len {st['max_model_len']}",
               f"--max-num-seqs {st['max_num_seqs']}", f"--max-num-batched-tokens {st['max_num_batched_tokens']}"]
-    if st["block_size"] != Release.of(str(st.get("engine_version") or NEWEST)).block_size:
+    if st["block_size"] != (default_block or Release.of(str(st.get("engine_version") or NEWEST)).block_size):
         parts.append(f"--block-size {st['block_size']}")
     if st.get("enable_extensible_kv_cache") is False:
         parts.append("--no-enable-extensible-kv-cache")

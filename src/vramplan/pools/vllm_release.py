@@ -90,6 +90,55 @@ class Release:
         FlashInfer and FlashMLA all keep 64)."""
         return 64 if self.since("0.34.0") else 16
 
+    def mla_block(self, cc: str | None, *, kv_fp8: bool, given: int | None = None,
+                  qk_nope_head_dim: int = 128) -> tuple[int, str]:
+        """(block size, the rule's attention backend) of an MLA model (DeepSeek-V2/V3) on a GPU of
+        compute capability ``cc``, with no attention backend forced (docs/research/vllm-mla-kv.md):
+
+        * to 0.17.x ``CudaPlatform.check_and_update_config`` (platforms/cuda.py) overrides the
+          block size, the user's too: 0.9.2/0.10.0 FlashMLA's 64 on Hopper (0.10.0 cuda.py:152-163),
+          else 16; from 0.10.1 CUTLASS MLA's 128 on Blackwell (cc 10.0, the 10.x family from 0.13.0;
+          0.10.1.1 cuda.py:142-178, 0.13.0 cuda.py:185-216); from 0.16.0 FlashInfer MLA's 64 there
+          when ``qk_nope_head_dim`` is 128 (0.16.0 cuda.py:188-242; 32 kept). From 0.11.1 a multiple
+          of the size is kept (``% 64``, ``% 128``; 0.11.1 cuda.py:205-225), before only the size.
+        * from 0.18.0 a given ``--block-size`` is kept, else ``update_block_size_for_backend``
+          (0.18.0 platforms/interface.py:427-472) takes the first valid backend of the priority list
+          (0.18.0 platforms/cuda.py:48-81) and its ``get_preferred_block_size`` (the default if the
+          kernel takes it, else its smallest size; 0.18.0 v1/attention/backend.py:189-197): Hopper
+          FlashAttention MLA (multiples of 16; ``auto``/16-bit KV only) else FlashMLA (64); Blackwell
+          FlashInfer MLA (32 or 64: 32 from the default 16, 64 from 0.34's default 64) when
+          ``qk_nope_head_dim`` is 64 or 128, else CUTLASS MLA (128); other GPUs Triton MLA (16s).
+        """
+        major = int(cc.split(".")[0]) if cc else 0
+        hopper, blackwell = major == 9, major == 10
+        if self.since("0.18.0"):
+            if given:
+                return given, "the given block size"
+            default = self.block_size
+            if hopper:
+                return (64, "FLASHMLA") if kv_fp8 else (_preferred(default, (), 16), "FLASH_ATTN_MLA")
+            if blackwell:
+                if qk_nope_head_dim in (64, 128):
+                    return _preferred(default, (32, 64)), "FLASHINFER_MLA"
+                return 128, "CUTLASS_MLA"
+            return _preferred(default, (), 16), "TRITON_MLA"
+        block = given or self.block_size
+        multiple = self.since("0.11.1")
+
+        def force(size: int, also: tuple[int, ...] = ()) -> int:
+            ok = block in also or (block % size == 0 if multiple else block == size)
+            return block if ok else size
+
+        if self.since("0.10.1"):
+            sm100 = blackwell if self.since("0.13.0") else cc == "10.0"
+            if sm100 and self.since("0.16.0") and qk_nope_head_dim == 128:
+                return force(64, (32,)), "FLASHINFER_MLA"
+            if sm100:
+                return force(128), "CUTLASS_MLA"
+        if hopper:
+            return force(64), "FLASHMLA"
+        return block, "TRITON_MLA"
+
     def batch_defaults(self, total: int, big: bool, cc: str | None) -> tuple[int, int]:
         """``vllm serve``'s (max_num_batched_tokens, max_num_seqs): 8192/1024 on ≥ 70 GiB GPUs that
         are not A100s, else 2048/256 (engine/arg_utils.py); from 0.28.0 ≥ 160 GiB → 16384/1024
@@ -309,3 +358,11 @@ class Release:
                 f"memory ({available / GiB:.2f} GiB). {est.rstrip()} Try increasing `gpu_memory_utilization` or "
                 "decreasing `max_model_len` when initializing the engine."
                 + (docs if self.since("0.13.0") else ""))
+
+
+def _preferred(default: int, sizes: tuple[int, ...], multiple_of: int = 0) -> int:
+    """``AttentionBackend.get_preferred_block_size``: ``default`` when the kernel takes it (one of
+    ``sizes``, or a multiple of ``multiple_of``), else the smallest size it takes."""
+    if (multiple_of and default % multiple_of == 0) or default in sizes:
+        return default
+    return min(sizes) if sizes else multiple_of
