@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    print(f"{'case':<36} {'every micro-step':>17} {'written':>9} {'speed-up':>9}  same events/peak/FLOPs")
+    print(f"{'case':<40} {'every micro-step':>17} {'written':>9} {'speed-up':>9}  same events/peak/FLOPs")
     for name, accum, seq in CASES:
         w = Workload(task="train", batch=1, seq=seq, grad_accum=accum, precision="bf16-mixed", optimizer="adamw")
         best: dict[bool, float] = {True: float("inf"), False: float("inf")}
@@ -43,7 +43,7 @@ def main() -> None:
                 results[fast] = trace_workload(resolve(name), w, options=TraceOptions(extrapolate_accum=fast))
                 best[fast] = min(best[fast], time.perf_counter() - t)
         label = f"{name}, 1 x {accum} micro-steps of {seq}"
-        print(f"{label:<36} {best[False]:>15.1f} s {best[True]:>7.1f} s {best[False] / best[True]:>8.1f}x  "
+        print(f"{label:<40} {best[False]:>15.1f} s {best[True]:>7.1f} s {best[False] / best[True]:>8.1f}x  "
               f"{_same(results[True], results[False])}")
 
 
