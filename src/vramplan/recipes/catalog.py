@@ -443,6 +443,11 @@ def _trl(recipe: Recipe, trainer: str, summary: str, defaults: Callable[[Peft, i
                    + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",))
 
 
+_VERL_RESTRICTIONS = (
+    Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
+    Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
+                "modelled with a rollout"), _RL_LOSS)
+
 CATALOG: dict[Recipe, RecipeSpec] = {
     Recipe.PLAIN: RecipeSpec(Recipe.PLAIN, "vramplan's own loop",
                              "zero_grad(set_to_none=True), logits freed before backward, full-vocabulary fp32 loss",
@@ -470,17 +475,13 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         Recipe.VERL_PPO, "verl 0.7.0 ppo_trainer.yaml (FSDP, hybrid engine)",
         "PPO with a critic (gae), colocated vLLM 0.12 in sleep mode at 0.5 of the GPU, no reference, gradient "
         "checkpointing, bf16-mixed FSDP, AdamW", _verl_ppo,
-        (Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
-         Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
-                     "modelled with a rollout"), _RL_LOSS),
+        _VERL_RESTRICTIONS,
         _verl_caveats, _VERL_RULES),
     Recipe.VERL_GRPO: RecipeSpec(
         Recipe.VERL_GRPO, "verl 0.7.0 ppo_trainer.yaml with examples/grpo_trainer/run_qwen3-8b.sh",
         "GRPO (5 generations), a reference for the KL loss, colocated vLLM 0.12 in sleep mode at 0.5 of the GPU, "
         "gradient checkpointing, bf16-mixed FSDP, AdamW", _verl_grpo,
-        (Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
-         Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
-                     "modelled with a rollout"), _RL_LOSS),
+        _VERL_RESTRICTIONS,
         _verl_caveats, _VERL_RULES),
     Recipe.OPENRLHF_PPO: RecipeSpec(
         Recipe.OPENRLHF_PPO, "OpenRLHF 0.11.0 train_ppo_ray (DeepSpeed; colocated as its hybrid-engine example)",

@@ -121,12 +121,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
 
     lay = find_layout(model)
     tp = mesh.size()
-    cfg = getattr(model, "config", None)
-    for what in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(cfg, what, None)
-        if isinstance(n, int) and n % tp:
-            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
-                             hint="use a `tp` that divides the attention and key/value heads")
+    _check_heads(model, tp)
     mods = dict(model.named_modules())
     tied = lay.head is not None and mods[lay.head].weight is mods[lay.embed].weight
     between = Shard(1) if sp else Replicate()
@@ -176,6 +171,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
     if replicated:
         notes.append(f"{replicated} parameter tensor(s) the plan leaves whole (norms) are replicated on every rank")
     return notes
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """``tp`` must divide the attention and key/value heads (each rank takes whole heads)."""
+    cfg = getattr(model, "config", None)
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(cfg, what, None)
+        if isinstance(n, int) and n % tp:
+            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
+                             hint="use a `tp` that divides the attention and key/value heads")
 
 
 def _replicate_rest(model: nn.Module, mesh: Any) -> int:
@@ -305,12 +310,7 @@ def apply_transformers_tensor_parallel(model: nn.Module, mesh: Any) -> list[str]
         raise TraceError(f"LoRA under tensor parallelism is traced with transformers' own tp_plan (what "
                          f"from_pretrained(distributed_config=...) shards by); {type(model).__name__} has none",
                          hint="use `method=analytic`, or `tp=1`")
-    cfg = getattr(model, "config", None)
-    for what in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(cfg, what, None)
-        if isinstance(n, int) and n % tp:
-            raise TraceError(f"`tp={tp}` does not divide the model's {n} {what.replace('num_', '').replace('_', ' ')}",
-                             hint="use a `tp` that divides the attention and key/value heads")
+    _check_heads(model, tp)
     experts = init_device_mesh(mesh.device_type, (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     config = DistributedConfig(tp_size=tp)
     type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(mesh, experts))
