@@ -77,3 +77,21 @@ def test_malformed_config_is_one_line_exit_2(capsys: pytest.CaptureFixture[str],
     assert main(["models", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "malformed JSON" in err and str(path) in err and "\n" not in err
+
+
+def test_the_catalog_lists_the_diffusion_pipelines(capsys: pytest.CaptureFixture[str]) -> None:
+    """Whole pipelines (`vramplan estimate PIPELINE`) are listed with each component's exact count;
+    a family filter other than `other` leaves them out."""
+    from vramplan.models.pipelines import pipeline_entries
+
+    entries = pipeline_entries()
+    doc = _json(capsys)
+    assert [p["alias"] for p in doc["pipelines"]] == list(entries)
+    for p in doc["pipelines"]:
+        comps = entries[p["alias"]].components
+        assert {k: c["params"] for k, c in p["components"].items()} == {k: c.params for k, c in comps.items()}
+        assert p["params"] == sum(c.params for c in comps.values())
+    assert doc["pipelines"][0]["params"] == 16_870_599_139  # FLUX.1-dev: CLIP-L + T5-XXL + transformer + VAE
+    assert "pipelines" not in _json(capsys, "--family", "dense")
+    assert main(["models"]) == 0
+    assert "flux.1-dev-pipeline" in capsys.readouterr().out

@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vramplan.models.catalog import catalog_alias, catalog_entries, list_models, resolve
+    from vramplan.models.pipelines import pipeline_entries
     from vramplan.report.models import catalog_doc, catalog_json, spec_doc, spec_json
     from vramplan.report.render import emit
 
@@ -38,5 +39,7 @@ def run(args: argparse.Namespace) -> int:
         emit(spec_doc(spec, entry), args.format, sys.stdout, {"model": spec_json(spec, entry)})
         return 0
     specs = list_models(args.family)
-    emit(catalog_doc(specs, entries, args.family), args.format, sys.stdout, catalog_json(specs, entries))
+    pipelines = list(pipeline_entries().values()) if args.family in (None, "other") else []
+    emit(catalog_doc(specs, entries, args.family, pipelines), args.format, sys.stdout,
+         catalog_json(specs, entries, pipelines))
     return 0

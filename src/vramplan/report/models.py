@@ -10,6 +10,7 @@ from .doc import Doc, KeyValues, Notes, Table
 
 if TYPE_CHECKING:
     from vramplan.models.catalog import CatalogEntry
+    from vramplan.models.pipelines import PipelineEntry
     from vramplan.models.spec import ModelSpec
 
 
@@ -28,7 +29,8 @@ def _heads(s: ModelSpec) -> str:
     return f"{s.heads}/{s.kv_heads}" if s.heads else "–"
 
 
-def catalog_doc(specs: Sequence[ModelSpec], entries: Mapping[str, CatalogEntry], family: str | None) -> Doc:
+def catalog_doc(specs: Sequence[ModelSpec], entries: Mapping[str, CatalogEntry], family: str | None,
+                pipelines: Sequence[PipelineEntry] = ()) -> Doc:
     """The catalog list: exact and published parameter counts and the main shapes."""
     rows = []
     for s in specs:
@@ -46,6 +48,11 @@ def catalog_doc(specs: Sequence[ModelSpec], entries: Mapping[str, CatalogEntry],
     doc.add(Table(["alias", "Hub id", "family", "params (exact)", "active", "published", "layers",
                    "hidden", "heads/kv", "context"], rows,
                   align=["l", "l", "l", "r", "r", "r", "r", "r", "r", "r"]))
+    if pipelines:
+        doc.add(Table(["pipeline", "Hub id", "components (exact params)", "params (exact)"],
+                      [[e.alias, e.hub_id, ", ".join(f"{name} {_count(c.params)}" for name, c in e.components.items()),
+                        _count(e.params)] for e in pipelines],
+                      align=["l", "l", "l", "r"], title="Diffusion pipelines (vramplan estimate PIPELINE)"))
     doc.add(Notes([
         "params: exact count of the model transformers builds from the embedded config.json "
         "(tied weights once); active: MoE parameters used per token (routed top-k experts).",
@@ -110,6 +117,13 @@ def spec_json(s: ModelSpec, e: CatalogEntry | None) -> dict[str, Any]:
     return out
 
 
-def catalog_json(specs: Sequence[ModelSpec], entries: Mapping[str, CatalogEntry]) -> dict[str, Any]:
+def catalog_json(specs: Sequence[ModelSpec], entries: Mapping[str, CatalogEntry],
+                 pipelines: Sequence[PipelineEntry] = ()) -> dict[str, Any]:
     """``vramplan models --json``."""
-    return {"models": [_row_json(s, entries[s.name]) for s in specs]}
+    doc: dict[str, Any] = {"models": [_row_json(s, entries[s.name]) for s in specs]}
+    if pipelines:
+        doc["pipelines"] = [{"alias": e.alias, "hub_id": e.hub_id, "params": e.params, "vendored": e.vendored,
+                             "components": {name: {"params": c.params, "published": c.published_text,
+                                                   "published_kind": c.published_kind, "source": c.published_source}
+                                            for name, c in e.components.items()}} for e in pipelines]
+    return doc
