@@ -12,7 +12,6 @@ decode) from the top-level model calls the run recorded.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import WorkloadError
@@ -23,6 +22,8 @@ from .methods import trace_core
 from .pipeline import finish
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..hardware.gpu import GPU
     from ..models.pipelines import PipelineConfigs
 
@@ -54,6 +55,8 @@ def estimate_pipeline(name: str, folder: Path, w: Workload, g: GPU | None, *, me
     describes it: ``batch`` images of ``image_size`` × ``image_height`` pixels in ``precision``,
     ``cpu_offload``, ``vae_tiling``, ``denoising_steps``. ``workspaces=False`` leaves out the
     CUDA-only library workspaces (to compare with a CPU run), as ``run_script``'s does."""
+    from pathlib import Path  # (here: the analytic command's start-up imports no pathlib)
+
     from ..emulate.facts import facts_of
     from ..models.pipelines import pipeline_alias, pipeline_entries, read_pipeline
     from ..script.runner import trace_script

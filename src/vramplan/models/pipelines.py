@@ -19,13 +19,14 @@ import json
 import os
 from collections.abc import Mapping
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramplan._dataclass import dataclass
 from vramplan.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 _INDEX = "model_index.json"
@@ -68,6 +69,9 @@ class PipelineEntry:
 
     @property
     def path(self) -> Path:
+        # (pathlib imported here, not at import: the analytic command's start-up imports no pathlib)
+        from pathlib import Path
+
         return Path(_configs_dir()) / "pipelines" / self.folder
 
 
@@ -106,12 +110,16 @@ def pipeline_folder(name: str) -> Path | None:
     alias = pipeline_alias(name)
     if alias is not None:
         return pipeline_entries()[alias].path
-    path = Path(os.path.expanduser(name.strip()))
-    if path.name == _INDEX and path.is_file():
-        return path.parent
-    if path.is_dir() and (path / _INDEX).is_file():
-        return path
-    return None
+    path = os.path.expanduser(name.strip())
+    if os.path.basename(path) == _INDEX and os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, _INDEX)):
+        folder = path
+    else:
+        return None
+    from pathlib import Path
+
+    return Path(folder)
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,8 @@ class PipelineConfigs:
 
 def read_pipeline(folder: str | Path, name: str | None = None) -> PipelineConfigs:
     """model_index.json and every component's config under ``folder`` (data only, never code)."""
+    from pathlib import Path
+
     root = Path(folder)
     index = _read_json(root / _INDEX)
     cls = index.get("_class_name")
