@@ -443,6 +443,9 @@ def _trl(recipe: Recipe, trainer: str, summary: str, defaults: Callable[[Peft, i
                    + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",))
 
 
+_ORL_RESTRICTIONS = (
+    Restriction("peft", (Peft.NONE, Peft.LORA), "OpenRLHF trains LoRA adapters or all weights (`--ds.lora.rank`)"),
+    Restriction("offload_optimizer", (False,), "`--ds.adam_offload` is not modelled with a rollout"), _RL_LOSS)
 _VERL_RESTRICTIONS = (
     Restriction("peft", (Peft.NONE, Peft.LORA), "verl trains LoRA adapters or all weights (`lora_rank`)"),
     Restriction("offload_optimizer", (False,), "`optimizer_offload` (FSDP CPU offload of the optimizer) is not "
@@ -487,15 +490,13 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         Recipe.OPENRLHF_PPO, "OpenRLHF 0.11.0 train_ppo_ray (DeepSpeed; colocated as its hybrid-engine example)",
         "PPO with a critic and a reward model, a reference (KL 0.01), colocated vLLM 0.27.1 in sleep mode at 0.5, "
         "no gradient checkpointing, DeepSpeed bf16, fused Adam", _openrlhf_ppo,
-        (Restriction("peft", (Peft.NONE, Peft.LORA), "OpenRLHF trains LoRA adapters or all weights (`--ds.lora.rank`)"),
-         Restriction("offload_optimizer", (False,), "`--ds.adam_offload` is not modelled with a rollout"), _RL_LOSS),
+        _ORL_RESTRICTIONS,
         _openrlhf_caveats, _ORL_RULES),
     Recipe.OPENRLHF_GRPO: RecipeSpec(
         Recipe.OPENRLHF_GRPO, "OpenRLHF 0.11.0 train_ppo_ray --algo.advantage.estimator group_norm",
         "GRPO (group_norm, no critic) with a reward model and a reference, colocated vLLM 0.27.1 in sleep mode at "
         "0.5, DeepSpeed bf16, fused Adam", _openrlhf_grpo,
-        (Restriction("peft", (Peft.NONE, Peft.LORA), "OpenRLHF trains LoRA adapters or all weights (`--ds.lora.rank`)"),
-         Restriction("offload_optimizer", (False,), "`--ds.adam_offload` is not modelled with a rollout"), _RL_LOSS),
+        _ORL_RESTRICTIONS,
         _openrlhf_caveats, _ORL_RULES),
     Recipe.ACCELERATE: RecipeSpec(
         Recipe.ACCELERATE, "accelerate 1.15.0, your own loop", "gradients freed by zero_grad; the rest is your loop",
