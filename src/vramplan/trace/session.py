@@ -15,6 +15,7 @@ from ..emulate.tensors import on_meta
 from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase
+from .asynctp import check_compile
 from .autocast import Autocast
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
@@ -335,7 +336,8 @@ def _is_flex_attention(fn: Any) -> bool:
 
 @contextlib.contextmanager
 def _patched_compile(notes: list[str]) -> Iterator[None]:
-    """``torch.compile`` is ignored (eager memory is traced) — with a note."""
+    """``torch.compile`` is ignored (eager memory is traced) — with a note; with Inductor's
+    micro-pipeline TP on, refused (:mod:`.asynctp`)."""
     orig = torch.compile
 
     def no_compile(model: Any = None, **kwargs: Any) -> Any:
@@ -347,6 +349,8 @@ def _patched_compile(notes: list[str]) -> Iterator[None]:
             if note not in notes:
                 notes.append(note)
             return compiled_call(model)
+        if not kwargs.get("disable", False):  # (FlexAttention's graph holds no TP collective to fuse)
+            check_compile(kwargs.get("backend", "inductor"), kwargs.get("options"))
         if not any("torch.compile ignored" in n for n in notes):
             notes.append("torch.compile ignored: the eager step is traced (compiled graphs may fuse away temporaries)")
         return model
