@@ -46,7 +46,9 @@ class ComponentFigure:
     published_params: int | None
     published_text: str
     published_kind: str
-    """exact | rounded | none (no published figure found: ``params`` is the meta-built count)."""
+    """exact | rounded | none (no published figure found: ``params`` is the meta-built count). An
+    exact figure from a checkpoint's safetensors total counts what it stores: the parameters and
+    any persistent buffer (SD3's positional embedding), as the tests check."""
     published_source: str
 
 
