@@ -656,6 +656,10 @@ class Workload:
     wait in host RAM."""
     vae_tiling: bool = False
     """A diffusers pipeline's VAE decodes tile by tile (``pipe.vae.enable_tiling()``)."""
+    frames: int = 0
+    """Frames of the video a text-to-video pipeline makes (its ``num_frames``; 0: the pipeline's
+    default, WanPipeline's 81). Wan rounds it as diffusers does: ``num_frames - 1`` a multiple of
+    the VAE's temporal compression (4)."""
     routing_skew: float = 1.0
     """Traced data-dependent routing (MoE): the load of each expert relative to uniform
     routing (1.0: top-k of n experts sends k/n of the tokens to each; 1.25: every expert
@@ -695,7 +699,7 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkloadError(f"`{name}` must be a positive integer, got {v!r}", field=name)
-        for name in ("images", "image_height", "videos", "denoising_steps"):
+        for name in ("images", "image_height", "videos", "denoising_steps", "frames"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise WorkloadError(f"`{name}` must be an integer >= 0, got {v!r}", field=name)

@@ -31,9 +31,9 @@ TRACED_STEPS = 2
 """Denoising steps the trace runs (the first and a repeat of it)."""
 _DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32"}
 _APPLIES = frozenset({"task", "batch", "precision", "image_size", "image_height", "attention", "parallel",
-                      "denoising_steps", "cpu_offload", "vae_tiling"})
+                      "denoising_steps", "cpu_offload", "vae_tiling", "frames"})
 """Workload fields a pipeline's inference reads; any other must keep its default."""
-_PIPELINE_ONLY = ("denoising_steps", "cpu_offload", "vae_tiling")
+_PIPELINE_ONLY = ("denoising_steps", "cpu_offload", "vae_tiling", "frames")
 
 
 def check_pipeline_fields(w: Workload, model: str) -> None:
@@ -66,11 +66,17 @@ def estimate_pipeline(name: str, folder: Path, w: Workload, g: GPU | None, *, me
                             hint="use `method=trace` (or auto)", field="method")
     _check(w, name)
     cfg = read_pipeline(folder, name)
+    call = call_defaults(cfg)
+    if w.frames and "num_frames" not in call:
+        raise WorkloadError(f"`frames={w.frames}`: {cfg.pipeline_class} makes images, its call takes no num_frames",
+                            hint="drop `frames` (it applies to a text-to-video pipeline such as WanPipeline)",
+                            field="frames")
     steps = w.denoising_steps or _default_steps(cfg)
     traced = min(steps, TRACED_STEPS)
-    argv = [str(folder), "--size", str(w.image_size), "--steps", str(traced), "--batch", str(w.batch),
-            "--dtype", _DTYPE[w.precision]]
-    argv += ["--height", str(w.image_height)] if w.image_height else []
+    width, height, own_size = _size(w, call)
+    argv = [str(folder), "--size", str(width), "--height", str(height), "--steps", str(traced),
+            "--batch", str(w.batch), "--dtype", _DTYPE[w.precision]]
+    argv += ["--frames", str(w.frames)] if w.frames else []
     argv += ["--offload", str(w.cpu_offload)] if w.cpu_offload is not CpuOffload.NONE else []
     argv += ["--vae-tiling"] if w.vae_tiling else []
     dev = profile(g, w)
@@ -86,11 +92,14 @@ def estimate_pipeline(name: str, folder: Path, w: Workload, g: GPU | None, *, me
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
     alias = pipeline_alias(name)
     params = pipeline_entries()[alias].params if alias is not None else sum(_count(cfg).values())
-    where = peak_part(run.calls, tr.peak_index, cfg)
+    where = peak_part(run.calls, tr.peak_index, cfg, traced)
     how = {CpuOffload.NONE: 'pipe.to("cuda")', CpuOffload.MODEL: "enable_model_cpu_offload()",
            CpuOffload.SEQUENTIAL: "enable_sequential_cpu_offload()"}[w.cpu_offload]
-    size = f"{w.image_size} × {w.image_height or w.image_size}"
-    notes = [f"the peak is in {where}: {cfg.pipeline_class} called once ({w.batch} image(s) of {size} pixels, "
+    size = f"{width} × {height} pixels" + (" (the pipeline's default size)" if own_size else "")
+    made = f"{w.batch} image(s) of {size}"
+    if "num_frames" in call:
+        made = f"{w.batch} video(s) of {_frames_text(cfg, w.frames, call['num_frames'])}, {size}"
+    notes = [f"the peak is in {where}: {cfg.pipeline_class} called once ({made}, "
              f"{w.precision}, {how}{', vae.enable_tiling()' if w.vae_tiling else ''})",
              _steps_note(steps, traced, w.denoising_steps == 0)]
     host = 0
@@ -130,15 +139,57 @@ def _check(w: Workload, name: str) -> None:
                             hint="e.g. `image_size=1024`", field="image_size")
 
 
-def _default_steps(cfg: PipelineConfigs) -> int:
-    """The pipeline's own ``num_inference_steps`` default (FluxPipeline 28, SDXL 50)."""
+def call_defaults(cfg: PipelineConfigs) -> dict[str, int | None]:
+    """The pipeline's own call's defaults vramplan reads: ``height``, ``width``, ``num_frames``,
+    ``num_inference_steps`` (each present if the call takes it; None where the pipeline computes
+    it from its models, as FluxPipeline's size). WanPipeline: 480, 832, 81, 50."""
     import inspect
 
     import diffusers
 
     cls = getattr(diffusers, cfg.pipeline_class, None)
-    default = inspect.signature(cls.__call__).parameters.get("num_inference_steps") if cls is not None else None
-    return int(default.default) if default is not None and isinstance(default.default, int) else 50
+    if cls is None:
+        return {}
+    params = inspect.signature(cls.__call__).parameters
+    return {k: (p.default if isinstance(p.default, int) and not isinstance(p.default, bool) else None)
+            for k, p in params.items() if k in ("height", "width", "num_frames", "num_inference_steps")}
+
+
+def _default_steps(cfg: PipelineConfigs) -> int:
+    """The pipeline's own ``num_inference_steps`` default (FluxPipeline 28, SDXL 50, Wan 50)."""
+    return call_defaults(cfg).get("num_inference_steps") or 50
+
+
+def _size(w: Workload, call: dict[str, int | None]) -> tuple[int, int, bool]:
+    """(width, height, whether they are the pipeline's own default): ``image_size`` and
+    ``image_height`` as given, but at their defaults (224, square) a pipeline whose call names a
+    size of its own (WanPipeline's 832 × 480) makes that size; give ``image_size=224,
+    image_height=224`` for a 224-pixel square there."""
+    base = Workload()
+    own_w, own_h = call.get("width"), call.get("height")
+    if (w.image_size, w.image_height) == (base.image_size, base.image_height) and own_w and own_h:
+        return own_w, own_h, True
+    return w.image_size, w.image_height or w.image_size, False
+
+
+def _frames_text(cfg: PipelineConfigs, given: int, default: int | None) -> str:
+    """The frames the call makes: ``given`` (0: the pipeline's default), rounded as WanPipeline
+    rounds them (diffusers 0.42 pipeline_wan.py ``__call__``: ``num_frames - 1`` not a multiple of
+    the VAE's ``scale_factor_temporal`` becomes ``num_frames // t * t + 1``, with a warning)."""
+    frames = given or default or 0
+    text = f"{frames} frames" + ("" if given else " (the pipeline's default)")
+    if cfg.pipeline_class.startswith("Wan"):
+        t = int(cfg.components.get("vae", ("", "", {}))[2].get("scale_factor_temporal", _WAN_TEMPORAL))
+        if frames % t != 1:
+            made = max(frames // t * t + 1, 1)
+            text = (f"{made} frames (`frames={frames}` rounded as {cfg.pipeline_class} rounds it: "
+                    f"num_frames - 1 a multiple of {t})")
+    return text
+
+
+_WAN_TEMPORAL = 4
+"""AutoencoderKLWan's ``scale_factor_temporal`` default (diffusers 0.42 autoencoder_kl_wan.py),
+for a VAE config that does not name it (the Wan 2.1 repositories' do not)."""
 
 
 def _count(cfg: PipelineConfigs) -> dict[str, int]:
@@ -156,18 +207,25 @@ def _steps_note(steps: int, traced: int, default: bool) -> str:
             f"timestep and sigma tables do, 4 B a step each)")
 
 
-def peak_part(calls: list[tuple[str, int, int]], k: int, cfg: PipelineConfigs) -> str:
+def peak_part(calls: list[tuple[str, int, int]], k: int, cfg: PipelineConfigs, steps: int = 0) -> str:
     """The part of the pipeline's call that event ``k`` (the peak) falls in, from the run's
     top-level model calls: a text encoder, a denoising step, the VAE decode (the calls after the
-    denoising loop), or the pipeline's own code between two calls."""
+    denoising loop), or the pipeline's own code between two calls. ``steps``: the denoising steps
+    run; where the denoiser ran more often (WanPipeline calls it for the prompt, then for the
+    negative prompt), the label names the call within its step."""
     den_cls = cfg.components[cfg.denoiser][1]
     encoders = {cls: key for key, (_, cls, _) in cfg.components.items() if cfg.role(key) == "text encoding"}
+    den_calls = sum(1 for c in calls if c[0] == den_cls)
+    per = den_calls // steps if steps and den_calls % steps == 0 and den_calls > steps else 1
+    n = 0
     step = 0
     before = ""
     for cls, first, end in calls:
         if cls == den_cls:
-            step += 1
-        label = (f"denoising step {step} ({cls})" if cls == den_cls else
+            n += 1
+            step = (n - 1) // per + 1
+        within = f", call {(n - 1) % per + 1} of {per}" if per > 1 else ""
+        label = (f"denoising step {step} ({cls}{within})" if cls == den_cls else
                  f"text encoding ({cls}, {encoders[cls]})" if cls in encoders else
                  f"the VAE decode ({cls})" if step else cls)
         if first <= k and (end < 0 or k < end):
@@ -178,4 +236,4 @@ def peak_part(calls: list[tuple[str, int, int]], k: int, cfg: PipelineConfigs) -
     return f"the pipeline's own code after {before}" if before else "the pipeline's own code"
 
 
-__all__ = ["TRACED_STEPS", "check_pipeline_fields", "estimate_pipeline", "peak_part"]
+__all__ = ["TRACED_STEPS", "call_defaults", "check_pipeline_fields", "estimate_pipeline", "peak_part"]

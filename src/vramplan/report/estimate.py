@@ -62,6 +62,8 @@ def workload_line(r: MemoryReport) -> str:
                              " per sequence")
         else:
             parts.append(f"image {w.image_size}" + (f"x{w.image_height}" if w.image_height else ""))
+    if w.frames:
+        parts.append(f"{w.frames} frames")
     if w.denoising_steps:
         parts.append(f"{w.denoising_steps} denoising steps")
     if w.cpu_offload.value != "none":
