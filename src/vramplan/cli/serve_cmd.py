@@ -72,6 +72,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tensor-parallel GPUs (default 1)")
     g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
                    help="pipeline-parallel stages (default 1)")
+    g.add_argument("--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1,
+                   help="vLLM: engine replicas of --tp GPUs each (default 1); MoE experts span tp × dp")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM, MoE: whole experts split over tp × dp GPUs instead of every expert TP-sharded")
+    g.add_argument("--all2all-backend", choices=["naive", "allgather_reducescatter", "deepep_high_throughput",
+                                                 "deepep_low_latency", "pplx"],
+                   help="vLLM EP with --dp > 1: the token exchange (default the release's)")
+    g.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="vLLM EPLB: extra physical experts (implies --enable-eplb)")
+    g.add_argument("--routing", choices=["even", "worst"], default="even",
+                   help="vLLM EP: token routing for the buffers that depend on it (worst: the whole batch to one "
+                        "rank's experts)")
     g.add_argument("--quantization", "--quantize", dest="quantization", default="none",
                    choices=["none", "fp8", "awq", "gptq", "bitsandbytes"], help="weight quantisation (default none)")
     g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 (default auto)")
@@ -141,7 +153,12 @@ def _kwargs(args: argparse.Namespace) -> dict[str, object]:
                 **({"engine_version": args.engine_version} if args.engine_version else {}),
                 **({"extensible_kv_cache": False} if args.extensible_kv_cache is False else {}),
                 **({"kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend}
-                   if args.kv_offloading_size is not None else {}))
+                   if args.kv_offloading_size is not None else {}),
+                **({"data_parallel_size": args.data_parallel_size} if args.data_parallel_size != 1 else {}),
+                **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
+                **({"all2all_backend": args.all2all_backend} if args.all2all_backend else {}),
+                **({"num_redundant_experts": args.num_redundant_experts} if args.num_redundant_experts else {}),
+                **({"routing": args.routing} if args.routing != "even" else {}))
 
 
 def run(args: argparse.Namespace) -> int:

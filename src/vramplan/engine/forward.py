@@ -53,7 +53,18 @@ def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype
         else:
             linear = max(0, w16 - w8)
             weights = int(w16 - 2 * linear + AWQ_BYTES_PER_WEIGHT * linear)
-    return Forward(weights=weights, activation_peak=act, tokens=tokens, method=used)
+    return Forward(weights=weights, activation_peak=act, tokens=tokens, method=used, expert_elems=expert_elems(spec))
+
+
+def expert_elems(spec: ModelSpec) -> int:
+    """The routed experts' elements in the whole model (0 for a dense one): the analytic
+    architecture's expert stacks, what vLLM's ``FusedMoE`` holds as ``w13``/``w2``."""
+    if not spec.is_moe:
+        return 0
+    from vramplan.analytic.estimate import build_arch
+
+    arch = build_arch(spec)
+    return sum(lin.params * g.count for g in arch.groups for lin in g.linears if lin.expert)
 
 
 _CACHE: dict[tuple[object, ...], tuple[int, int, str]] = {}

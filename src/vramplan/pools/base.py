@@ -30,6 +30,8 @@ class Forward:
     """Allocated above the weights at the forward's peak (no KV pool)."""
     tokens: int
     method: str
+    expert_elems: int = 0
+    """Elements of the routed experts in the whole model (MoE; what expert parallelism splits)."""
 
 
 def serving_dtype(spec: ModelSpec, dtype: str) -> str:

@@ -98,10 +98,20 @@ class ServePlan:
     """Tokens the host tier holds (0: none, or outside vLLM's process)."""
     connector_gpu: int = 0
     """A KV connector's own device buffer, outside the budget (in ``device_used``; LMCache in-process)."""
+    dp: int = 1
+    """vLLM ``--data-parallel-size``: engine replicas (the figures are one GPU's)."""
+    ep: int = 1
+    """vLLM's expert-parallel size (tp × dp with ``--enable-expert-parallel``, else 1)."""
+    expert_weights: int = 0
+    """Rank 0's routed-expert weights (inside ``weights``) under DP/EP (:mod:`.ep`); 0 when not planned."""
+    local_experts: int = 0
+    """Routed experts (whole) on rank 0 under EP."""
+    ep_buffers: int = 0
+    """All2all buffers allocated outside PyTorch (DeepEP), inside the budget (in ``non_torch``)."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -59,6 +59,7 @@ from vramplan.hardware.gpu import GPU
 from vramplan.models.spec import ModelSpec
 from vramplan.units import GiB
 
+from . import ep as eprules
 from . import offload as kvoff
 from .base import Forward, cdiv, outside
 from .kvspec import LayerKV, bytes_per_token, layer_specs
@@ -105,6 +106,8 @@ class VllmSettings:
     ``mm_processor_kwargs``, ``skip_mm_profiling``: :mod:`.mm`)."""
     spec: SpecSettings = SpecSettings()
     """Speculative decoding (``speculative_config``: :mod:`.spec`)."""
+    ep: eprules.EpSettings = eprules.EpSettings()
+    """Data and expert parallelism (``--data-parallel-size``, ``--enable-expert-parallel``: :mod:`.ep`)."""
 
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -357,7 +360,13 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     if no_hybrid:
         layers = tuple(LayerKV("full", x.kv_heads, x.head_size, x.dtype_bytes) if x.kind == "sliding" else x
                        for x in layers)
-    world = tp * pp
+    dp = s.ep.data_parallel_size
+    if s.ep.on and quant not in ("none", "fp8"):
+        raise WorkloadError(f"data/expert parallelism with {quant} weights is not modelled", hint="use quantization "
+                            "none or fp8", field="enable_expert_parallel")
+    lay = eprules.layout(spec, rel, s.ep, tp=tp, pp=pp, tokens=mnbt, expert_elems=fwd.expert_elems,
+                         weight_bytes=1.0 if quant == "fp8" else 2.0)
+    world = tp * pp * dp
     out = outside(gpu, world)
     requested = math.ceil(total * utilization) if rel.ceil_request else int(total * utilization)
     num_reqs = min(max_num_seqs, mnbt)
@@ -369,10 +378,14 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                     max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs)
     layers = draft_layers(layers, draft)
     weights = fwd.weights + lora + vision + (draft.weights if draft is not None else 0)
+    ep_peak = ep_buffers = 0
+    if lay is not None:
+        weights += lay.weights_delta
+        ep_peak, ep_buffers = lay.peak_delta, lay.non_torch
     per_logit = rel.sampler_bytes(moe)
     sampler = num_reqs * spec.vocab * (compute + per_logit) if spec.vocab else 0
     buffers = rel.runner_buffers(moe, max_num_seqs, spec.vocab)
-    peak = lm_phase = max(fwd.activation_peak + lora_peak, sampler)
+    peak = lm_phase = max(fwd.activation_peak + lora_peak + ep_peak, sampler)
     prof = encoder.profile if encoder is not None else None
     held = 0
     if encoder is not None and prof is not None:  # profile_run: the encode, then the LM with the outputs held
@@ -381,6 +394,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         peak = max(encoder.peak, held + lm_phase)
     # memory outside PyTorch that the first snapshot does not see yet, so the budget pays for it
     non_torch = (out.cublas if rel.cublas_in_budget else 0) + ((out.later - out.cublas) if rel.nccl_in_budget else 0)
+    non_torch += ep_buffers  # (DeepEP's buffer: made while the model loads, after the first snapshot)
     sizes = [] if s.enforce_eager else rel.capture_sizes(max_num_seqs, mnbt, s.cuda_graph_sizes,
                                                          spec_tokens=draft.k if draft is not None else 0)
     full = len({min(x, max_num_seqs) for x in sizes}) if rel.full_graphs else 0
@@ -421,6 +435,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
                          f"positions: {draft.k} draft tokens + 1 per request) take {later / GiB:.2f} GiB with their "
                          f"fp32 copy, above the profiled peak ({peak / GiB:.2f} GiB): only the memory outside "
                          "gpu_memory_utilization holds the difference.")
+    if lay is not None:
+        notes += list(lay.notes)
     if pp > 1:
         notes.append(f"Pipeline parallel {pp}: the stage with the most layers ({len(layers)}) and the first "
                      "stage's weights size the pool (unify_kv_cache_configs keeps the smallest block count).")
@@ -476,7 +492,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         notes += list(tier.notes)
         proposer += tier.gpu
     resident_peak = 0 if ext else peak  # the extensible cache sizes after empty_cache()
-    used = out.context + out.later + weights + buffers + resident_peak + pool + graphs + proposer
+    used = out.context + out.later + ep_buffers + weights + buffers + resident_peak + pool + graphs + proposer
     if used > total and error is None:
         notes.append(f"Predicted device use {used / GiB:.2f} GiB exceeds the GPU's {total / GiB:.2f} GiB: CUDA-graph "
                      "capture may run out of memory; lower gpu_memory_utilization or add --enforce-eager.")
@@ -523,6 +539,11 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     }
     if rel.since("0.34.0"):
         settings_out["enable_extensible_kv_cache"] = ext
+    if lay is not None:
+        settings_out["data_parallel_size"] = dp
+    if s.ep.enable_expert_parallel and lay is not None:
+        settings_out.update({"enable_expert_parallel": True, "all2all_backend": lay.backend,
+                             "num_redundant_experts": s.ep.num_redundant_experts, "routing": s.ep.routing})
     if s.kv_offloading_size is not None:
         settings_out.update({"kv_offloading_size": s.kv_offloading_size, "kv_offloading_backend": s.kv_offloading_backend})
     if draft is not None:
@@ -553,6 +574,8 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
         runner_buffers=buffers, kv_reserve=reserve, cuda_graph_estimate=graph_estimate,
         host_kv=tier.host_per_rank if tier is not None else 0, host_kv_shared=tier.host_shared if tier is not None else 0,
         host_kv_tokens=tier.cpu_tokens if tier is not None else 0, connector_gpu=tier.gpu if tier is not None else 0,
+        dp=dp, ep=lay.ep_size if lay is not None else 1, expert_weights=lay.expert_weights if lay is not None else 0,
+        local_experts=lay.local_experts if lay is not None and lay.ep_size > 1 else 0, ep_buffers=ep_buffers,
     )
 
 
@@ -670,6 +693,22 @@ def command(spec: ModelSpec, tp: int, pp: int, quant: str, st: dict[str, object]
         parts.append(f"--tensor-parallel-size {tp}")
     if pp > 1:
         parts.append(f"--pipeline-parallel-size {pp}")
+    if int(str(st.get("data_parallel_size", 1))) > 1:
+        parts.append(f"--data-parallel-size {st['data_parallel_size']}")
+    if st.get("enable_expert_parallel"):
+        parts.append("--enable-expert-parallel")
+        rel = Release.of(str(st.get("engine_version") or NEWEST))
+        if st.get("all2all_backend") != eprules.default_backend(rel):
+            if rel.since("0.12.0"):
+                parts.append(f"--all2all-backend {st['all2all_backend']}")
+            else:  # (an environment variable before 0.12.0)
+                parts.insert(0, f"VLLM_ALL2ALL_BACKEND={st['all2all_backend']}")
+        if st.get("num_redundant_experts"):
+            parts.append("--enable-eplb")
+            if rel.since("0.12.0"):
+                parts.append(f"--eplb-config '{{\"num_redundant_experts\": {st['num_redundant_experts']}}}'")
+            else:
+                parts.append(f"--num-redundant-experts {st['num_redundant_experts']}")
     if not (st.get("enable_extensible_kv_cache") and st["gpu_memory_utilization"] == 1.0):  # 1.0: its default
         parts.append(f"--gpu-memory-utilization {st['gpu_memory_utilization']}")
     parts += [f"--max-model-len {st['max_model_len']}",

@@ -31,7 +31,7 @@ def to_doc(p: ServePlan) -> Doc:
     gpus = f"{p.tp}× " if p.gpus == 1 else f"{p.gpus}× "
     doc = Doc(title=f"Serving plan: {p.model} on {gpus}{p.gpu} with {name} {p.engine_version}"
               + ("" if p.starts else " — DOES NOT START"),
-              subtitle=f"per GPU (TP {p.tp}, PP {p.pp}); GiB = 2^30 bytes; profile forward: {p.profile_method}")
+              subtitle=f"per GPU ({_layout(p)}); GiB = 2^30 bytes; profile forward: {p.profile_method}")
     graphs = "inside" if p.cuda_graph_in_budget else "outside the budget"
     if p.cuda_graph_estimate:
         graphs = f"inside: {_gib(p.cuda_graph_estimate)} GiB estimated and taken from the budget"
@@ -49,8 +49,8 @@ def to_doc(p: ServePlan) -> Doc:
         ["profile-run peak (activations)", _gib(p.profile_peak),
          f"vision encode {_gib(p.encoder_peak)} GiB" if p.encoder_peak else
          "transient: within what is kept free" if p.kv_reserve else ""],
-        ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), "" if p.non_torch or not p.context else
-         "before the first snapshot: outside"],
+        ["non-torch (cuBLAS, NCCL)", _gib(p.non_torch), f"DeepEP buffer {_gib(p.ep_buffers)}" if p.ep_buffers else
+         "" if p.non_torch or not p.context else "before the first snapshot: outside"],
     ]
     if p.runner_buffers:
         mem.append(["model runner's sampler state", _gib(p.runner_buffers), "allocated after the weights: inside"])
@@ -167,8 +167,19 @@ def plot_serving(points: Sequence[tuple[float, ServePlan]], path: str | Path, *,
     return data
 
 
+def _layout(p: ServePlan) -> str:
+    """The layout line: TP and PP, and vLLM's DP and EP when used."""
+    out = f"TP {p.tp}, PP {p.pp}"
+    if p.dp > 1:
+        out += f", DP {p.dp}"
+    if p.ep > 1:
+        out += f", EP {p.ep}: {p.local_experts} experts per GPU"
+    return out
+
+
 def _weights_note(p: ServePlan) -> str:
-    parts = [f"vision tower {_gib(p.vision_weights)}" if p.vision_weights else "",
+    parts = [f"routed experts {_gib(p.expert_weights)}" if p.expert_weights else "",
+             f"vision tower {_gib(p.vision_weights)}" if p.vision_weights else "",
              f"drafter {_gib(p.draft_weights)} (+{p.draft_layers} KV layer{'s' if p.draft_layers != 1 else ''})"
              if p.draft_weights else ""]
     return "; ".join(x for x in parts if x)

@@ -14,6 +14,7 @@ from vramplan.models.spec import ModelSpec
 from vramplan.models.vlm import is_vlm
 from vramplan.pools import spec as spec_rules
 from vramplan.pools.base import check_quant, serving_dtype
+from vramplan.pools.ep import EpSettings
 from vramplan.pools.mm import LIMIT_DEFAULT, MmSettings
 from vramplan.pools.result import ServePlan
 from vramplan.pools.sglang_release import SglangRelease
@@ -97,6 +98,11 @@ def serve_plan(
     extensible_kv_cache: bool | None = None,
     kv_offloading_size: float | None = None,
     kv_offloading_backend: str = "native",
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+    all2all_backend: str | None = None,
+    num_redundant_experts: int = 0,
+    routing: str = "even",
 ) -> ServePlan:
     """The figures ``engine`` would log at start-up for ``model`` on ``gpu`` (per rank).
 
@@ -120,7 +126,9 @@ def serve_plan(
     TGI 3.0.0 … 3.3.7; ``extensible_kv_cache``
     (vLLM 0.34 only): False for ``--no-enable-extensible-kv-cache``; ``kv_offloading_size`` (GiB over
     all ranks) and ``kv_offloading_backend`` (``native`` | ``lmcache``): vLLM's host KV tier
-    (:mod:`vramplan.pools.offload`).
+    (:mod:`vramplan.pools.offload`). ``data_parallel_size``, ``enable_expert_parallel``,
+    ``all2all_backend``, ``num_redundant_experts`` (EPLB) and ``routing`` (``even`` | ``worst``):
+    vLLM's MoE layout over ``tp × data_parallel_size`` GPUs (:mod:`vramplan.pools.ep`).
     """
     engine = (engine or "").strip().lower()
     spec = _resolve(model)
@@ -158,6 +166,12 @@ def serve_plan(
     if engine != "vllm" and (extensible_kv_cache is not None or kv_offloading_size is not None):
         raise WorkloadError(f"the extensible KV cache and KV offloading are modelled for vLLM, not {engine}",
                             hint="drop them, or use engine vllm", field="engine_version")
+    ep = EpSettings(data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                    all2all_backend=all2all_backend, num_redundant_experts=num_redundant_experts,
+                    routing=(routing or "even").strip().lower())
+    if engine != "vllm" and (ep != EpSettings()):
+        raise WorkloadError(f"data and expert parallelism are modelled for vLLM, not {engine}",
+                            hint="drop them, or use engine vllm", field="enable_expert_parallel")
     if engine == "vllm":
         rel = Release.of(engine_version)
         vs = vllm.VllmSettings(
@@ -169,7 +183,7 @@ def serve_plan(
             cuda_graph_sizes=tuple(cuda_graph_sizes), enable_prefix_caching=enable_prefix_caching,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            fully_sharded_loras=fully_sharded_loras)
+            fully_sharded_loras=fully_sharded_loras, ep=ep)
         return vllm.plan(spec, g, settings=vs, **common)
     if engine == "sglang":
         ss = sglang.SglangSettings(
