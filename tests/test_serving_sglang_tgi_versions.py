@@ -86,7 +86,7 @@ def test_chunk_and_graph_defaults_per_release() -> None:
 def test_pool_follows_profile_max_num_token() -> None:
     """Every release: rest = free_after_weights − free_after_init × (1 − f) in GB; tokens =
     int(rest × 2^30) // cell; K and V buffers of tokens + page_size rows; the request pool
-    (clamp(tokens / context × 512, 2048, 4096) + 1) × (context + 4) int32."""
+    min(clamp(tokens / context × 512, 2048, 4096), tokens // 2) rows (from 0.4.7; + 1 before) × (context + 4) int32."""
     p = sg("0.5.23", max_model_len=32768)
     total, _ = usable_capacity(H100)
     out = outside(H100, 1)
@@ -97,7 +97,7 @@ def test_pool_follows_profile_max_num_token() -> None:
     assert p.tokens == rest // cell and p.kv_pool == (p.tokens + 1) * cell
     reqs = min(max(int(p.tokens / 32768 * 512), 2048), 4096)
     assert p.settings["max_num_reqs"] == min(reqs, p.tokens // 2)
-    pool_end = (t0 - p.weights - p.kv_pool - (reqs + 1) * (32768 + 4) * 4) / GiB
+    pool_end = (t0 - p.weights - p.kv_pool - reqs * (32768 + 4) * 4) / GiB
     assert p.log[2] == f"Memory pool end. avail mem={pool_end:.2f} GB"
     assert p.log[1].startswith(f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {p.tokens}, K size: ")
     assert "dtype" not in sg("0.5.12").log[1]

@@ -12,7 +12,7 @@ same in every release read: ``rest = free_after_weights − free_after_dist_init
 mem_fraction_static)`` (GB floats, ``get_available_gpu_memory``), ``tokens = ⌊rest × 2^30 /
 cell_size⌋`` rounded down to ``page_size``; each layer's K and V buffers hold ``tokens +
 page_size`` rows (slot 0 is the padding slot); the request pool is ``max_num_reqs + 1`` rows of
-``context_len + 4`` int32.
+``context_len + 4`` int32 to 0.4.6.post5, ``max_num_reqs`` rows from 0.4.7.
 """
 
 from __future__ import annotations
@@ -178,8 +178,11 @@ class SglangRelease:
         return min(est, tokens // 2) if self.since("0.5.10rc0") else est
 
     def req_pool_rows(self, max_num_reqs: int) -> int:
-        """``ReqToTokenPool(size=max_num_reqs + 1)`` (model_runner.py, every release read)."""
-        return max_num_reqs + 1
+        """``ReqToTokenPool(size=max_num_reqs + 1)`` to 0.4.6.post5 (0.4.6 model_runner.py:794-796,
+        0.4.6.post5 :904), ``size=max_num_reqs`` from 0.4.7 (model_runner.py:926,934; 0.5.19
+        mem_cache/kv_cache_configurator.py:819). Public logs agree: "max_running_requests=2049" at 0.4.2-0.4.3,
+        2048 at 0.4.9-0.4.10 (docs/research/sglang-tgi-public-logs.md)."""
+        return max_num_reqs if self.since("0.4.7") else max_num_reqs + 1
 
     def max_running(self, tokens: int, max_num_reqs: int, given: int | None) -> int:
         """``max_running_requests``: ``min(tokens // 2 or the given value, req pool size)``

@@ -12,7 +12,7 @@
   element_size``); rounded down to ``page_size``. SGLang does not profile a forward: the
   ``1 − mem_fraction_static`` share is what activations, the request pool and CUDA graphs get.
 - The pool: each layer's K and V buffers hold ``tokens + page_size`` rows; the request pool
-  ``max_num_reqs + 1`` rows of ``context_len + 4`` int32, ``max_num_reqs = clamp(tokens /
+  ``max_num_reqs`` rows (``+ 1`` before 0.4.7) of ``context_len + 4`` int32, ``max_num_reqs = clamp(tokens /
   context_len × 512, 2048, 4096)``. "Not enough memory. Please try to increase
   --mem-fraction-static." when the pool is empty. A pool smaller than ``context_len`` still
   starts; the scheduler caps one request's input at ``min(context_len, tokens) − 1``.
