@@ -400,6 +400,10 @@ def fsdp_on_meta(rec: Recorder) -> Iterator[None]:
       (``FSDPParam.init_all_gather_outputs``, then ``alloc_storage`` / ``free_storage`` by
       resizing): they are recorded as parameters (the report's weights), each re-allocation
       too (a resize keeps the category).
+    - The unsharded gradients FSDP2 accumulates while gradient sync is off (a pipeline stage's
+      micro-batches before the last, torch/distributed/pipelining/stage.py
+      ``backward_maybe_with_nosync``: the unsharded parameter's ``grad``, or under mixed precision
+      ``FSDPParam.unsharded_accumulated_grad`` in the reduce dtype) are recorded as gradients.
     """
     with _fsdp1_on_meta(rec):
         yield from _fsdp2_on_meta(rec)
@@ -477,6 +481,9 @@ def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:
     validate = getattr(group_cls, "_validate_no_meta_params", None)
     validate_cpu = getattr(group_cls, "_validate_cpu_offload_params", None)
     init_outputs = getattr(param_cls, "init_all_gather_outputs", None)
+    post_backward = getattr(group_cls, "post_backward", None)
+    if post_backward is not None:
+        group_cls.post_backward = _labelling_unsharded_grads(post_backward, rec)
     reset = getattr(param_cls, "reset_sharded_param", None)
     if reset is not None:
         param_cls.reset_sharded_param = _rebinding_reset(reset)
@@ -510,6 +517,28 @@ def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:
             param_cls.init_all_gather_outputs = init_outputs
         if chunker is not None:
             fp._chunk_with_empty = chunker
+        if post_backward is not None:
+            group_cls.post_backward = post_backward
+
+
+def _labelling_unsharded_grads(post_backward: Any, rec: Recorder) -> Any:
+    """``FSDPParamGroup.post_backward`` that records the unsharded gradients it leaves behind
+    (no gradient sync: kept for the next micro-batch) as gradients."""
+    from ..events import Category
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = post_backward(self, *args, **kwargs)
+        if getattr(self, "reduce_grads", True):
+            return out
+        for fp in getattr(self, "fsdp_params", ()):
+            acc = getattr(fp, "unsharded_accumulated_grad", None)
+            grad = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+            for t in (acc, grad):
+                if isinstance(t, torch.Tensor) and on_meta(t):
+                    rec.relabel(t, Category.GRADIENT)
+        return out
+
+    return run
 
 
 def _rebinding_reset(reset: Any) -> Any:

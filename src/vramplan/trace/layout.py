@@ -68,6 +68,9 @@ class Layout:
     cpu_offload: bool = False
     """FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` / FSDP1's ``CPUOffload(offload_params=True)``:
     sharded parameters, gradients and the optimizer step on the host (:mod:`.host`)."""
+    pipeline: bool = False
+    """FSDP2 on a pipeline rank's model parts (:func:`pipeline_layout`): each part sharded as
+    torchtitan shards it, the world's ``pp`` dimension outermost."""
 
 
 def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
@@ -117,6 +120,44 @@ def layout_of(w: Workload, *, rank: int = 0) -> Layout | None:
     raise TraceError(f"DeepSpeed ZeRO-{p.zero} is not traced (the trace runs PyTorch's FSDP2 and DDP)",
                      hint="use `method=analytic`, " + ("`engine=fsdp` (FSDP2 SHARD_GRAD_OP) " if p.zero == 2 else "")
                      + "or `zero=3` (FSDP2)")
+
+
+def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
+    """The data-parallel layout of pipeline rank ``pp_rank`` (None: the pipeline alone, one
+    replica of it traced): FSDP2 over ``dp`` as torchtitan runs pipeline parallelism with data
+    parallelism (``pipeline_llm``: the model split into stages, then ``parallelize_fn`` on each
+    model part, which ends in ``apply_fsdp_to_decoder``; torchtitan 0.3.0
+    ``distributed/pipeline_parallel.py``, ``models/llama3/parallelize.py``) on torchtitan's mesh,
+    ``(pp, dp_replicate, dp_shard, …)``. The traced rank is data-parallel rank 0 of its pipeline
+    rank (FSDP2 pads every shard to the same size: the data-parallel ranks hold the same bytes).
+
+    ``reshard_after_forward`` is False on every unit: torchtitan's ``fsdp_reshard_after_forward``
+    policy ``"default"`` resolves to ``not pp_enabled`` (``distributed/fsdp.py``
+    ``get_fsdp_reshard_after_forward_policy``), for ZeRO-3 and ZeRO-2 alike."""
+    p = w.parallel
+    if p.dp == 1 or not w.training:
+        if p.offload_params or p.offload_optimizer:
+            raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
+                             "under `pp` is not checked against a real run)", hint="use `method=analytic`")
+        return None  # nothing sharded (`zero` over one rank), or inference replicas of the pipeline
+    engine = dp_engine(w)
+    if engine != "fsdp" or p.zero not in (2, 3):
+        raise TraceError(f"pipeline parallelism with data parallelism is traced as torchtitan runs it, FSDP2 on each "
+                         f"stage (`zero=3`, or `zero=2` with `engine=fsdp`); `dp={p.dp}` with "
+                         f"{'DDP' if engine == 'ddp' else engine} (`zero={p.zero}`) is not",
+                         hint="use `zero=3`, or `method=analytic`")
+    if p.offload_params or p.offload_optimizer:
+        raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
+                         "under `pp` is not checked against a real run)", hint="use `method=analytic`, or drop "
+                                                                                "`offload_params`")
+    if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        raise TraceError("pipeline parallelism with FSDP2 is traced without tensor, context or expert parallelism",
+                         hint="use `method=analytic` for this layout")
+    shard = p.dp_shard if 0 < p.dp_shard < p.dp else p.dp
+    world = world_of(pp=p.pp, dp_replicate=p.dp // shard, dp=shard)
+    per_stage = world.size // p.pp
+    return Layout(dataclasses.replace(world, rank=pp_rank * per_stage), "fsdp2", reshard_after_forward=False,
+                  pipeline=True)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -251,11 +292,27 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": layout.reshard_after_forward}
     mp = ""
     if w.mixed:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # (torchtitan's policy casts no forward inputs: a pipeline stage's are its own dtype already)
+        cast = {"cast_forward_inputs": False} if layout.pipeline else {}
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, **cast)
         mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)}, reduce_dtype=float32)"
     rec = ctx.streams.rec
     for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are
         rec.ignore(_local(p))  # (a tensor-parallel parameter: its TP-local shard, which FSDP shards)
+    if layout.pipeline:
+        from .pipeline_parallel import fsdp_units
+
+        units = fsdp_units(model)
+        for modules, reshard in units:
+            fully_shard(modules, **{**kw, "reshard_after_forward": reshard})
+        n = layout.world.dim("dp")
+        over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+        return [f"FSDP2 over {over} on each model part of the pipeline rank, as torchtitan's apply_fsdp_to_decoder "
+                f"shards it ({len(units)} units: the embeddings, the final norm with the head, each block, the part), "
+                f"reshard_after_forward=False (torchtitan's default under pp){mp}; torch's pipeline stage holds "
+                "gradient sync and resharding until the last micro-batch's backward; rank "
+                f"{layout.world.rank} of {layout.world.size} (mesh {dict(layout.world.dims)}) traced on the fake "
+                "process group"]
     blocks = transformer_blocks(model)
     host = rec.host if layout.cpu_offload else None
     offload = ""

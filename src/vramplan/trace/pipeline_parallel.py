@@ -127,6 +127,27 @@ class Chunks(nn.Module):
         self.parts = nn.ModuleList(parts)
 
 
+def fsdp_units(model: Chunks) -> list[tuple[Any, bool | None]]:
+    """The FSDP2 units of a pipeline rank's model parts, in the order torchtitan's
+    ``apply_fsdp_to_decoder`` shards each part (torchtitan 0.3.0 ``distributed/fsdp.py``): the
+    token embeddings (first stage), the final norm with the head as one unit (last stage,
+    ``reshard_after_forward`` False unless the policy is "always"), each decoder block, then the
+    part itself (``fully_shard``'s default: its root keeps its parameters after forward). Each
+    with its ``reshard_after_forward`` (None: ``fully_shard``'s default); the pipeline's
+    policy is torchtitan's under pp, False (:func:`~.layout.pipeline_layout`)."""
+    units: list[tuple[Any, bool | None]] = []
+    for part in model.parts:
+        lm: Any = part.lm
+        inner = lm.model
+        if inner.embed_tokens is not None:
+            units.append((inner.embed_tokens, False))
+        if getattr(part, "last", False):
+            units.append(([inner.norm, lm.lm_head], False))
+        units += [(blk, False) for blk in inner.layers]
+        units.append((part, None))
+    return units
+
+
 @contextlib.contextmanager
 def static_warmup() -> Iterator[None]:
     """Replace the schedule's P2P warm-up vote by its outcome for static shapes (see above)."""
@@ -188,13 +209,13 @@ def held_p2p() -> Iterator[None]:
         sch._batch_p2p = orig
 
 
-def p2p_on_meta() -> None:
-    """Let the fake process group serve sends and receives of ``meta`` tensors: batched P2P
-    (``dist.batch_isend_irecv``, the schedules' transport) asks the group for the backend of
-    the tensors' device, and the trace's device tensors are ``meta``."""
+def p2p_on_meta(group: Any = None) -> None:
+    """Let the fake process group (``group``, default the world's) serve sends and receives of
+    ``meta`` tensors: batched P2P (``dist.batch_isend_irecv``, the schedules' transport) asks the
+    group for the backend of the tensors' device, and the trace's device tensors are ``meta``."""
     import torch.distributed as dist
 
-    pg: Any = dist.distributed_c10d._get_default_group()
+    pg: Any = group if group is not None else dist.distributed_c10d._get_default_group()
     meta = torch.device("meta")
     with contextlib.suppress(RuntimeError):
         pg._get_backend(meta)
@@ -215,9 +236,10 @@ def returns_outputs(schedule: Any) -> bool:
 
 def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: int,
                 microbatches: int, seq: int, hidden: int, vocab: int, act_dtype: torch.dtype,
-                out_dtype: torch.dtype, training: bool = True) -> Callable[[Any, Any], None]:
+                out_dtype: torch.dtype, training: bool = True, group: Any = None) -> Callable[[Any, Any], None]:
     """A step runner (``runner(sess, plan)``) that runs this rank's part of one step of ``schedule``.
 
+    ``group``: the pipeline's process group (the mesh's ``pp`` dimension; default the world).
     ``training=False``: a forward-only step of one micro-batch (``ScheduleGPipe`` without a loss
     under ``torch.no_grad()``: torch runs no backward when grad mode is off)."""
     from torch.distributed.pipelining import PipelineStage
@@ -241,7 +263,7 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
             x.requires_grad_(True)
         if not spec.last and training:
             y.requires_grad_(True)
-        stage = PipelineStage(mod, spec.index, spec.stages, meta, input_args=(x,), output_args=(y,))
+        stage = PipelineStage(mod, spec.index, spec.stages, meta, input_args=(x,), output_args=(y,), group=group)
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
         def forward_one_chunk(*a: Any, **k: Any) -> Any:
@@ -262,6 +284,14 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
                     return wgt(*a, **k)
 
             stage.backward_weight_one_chunk = backward_weight_one_chunk  # type: ignore[method-assign]
+        reduce = getattr(stage, "perform_reduce_grad", None)
+        if reduce is not None:  # FSDP's post-backward (reduce-scatter, reshard) after the last micro-batch
+
+            def perform_reduce_grad(*a: Any, **k: Any) -> Any:
+                with sess.phase(Phase.BACKWARD):  # (on the main thread, outside autograd)
+                    return reduce(*a, **k)
+
+            stage.perform_reduce_grad = perform_reduce_grad  # type: ignore[method-assign]
         return stage
 
     def build(sess: Any, plan: Any) -> Any:

@@ -47,7 +47,7 @@ from . import (
 from .dist import rank_session
 from .experts import ExpertLoops
 from .host import HostMemory
-from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, sharded_params
+from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, pipeline_layout, sharded_params
 from .loss import loss_note
 from .metacache import MetaCache
 from .optim import make_optimizer
@@ -89,6 +89,9 @@ class Prepared:
     """PPO's value model (:mod:`.ppo`): a copy of the backbone before PEFT with a scalar head."""
     reward_model: nn.Module | None = None
     """GRPO/PPO ``reward_model``: a frozen copy of the backbone with a scalar head."""
+    layout: Layout | None = None
+    """A pipeline rank's data-parallel layout (:func:`.layout.pipeline_layout`; other layouts
+    come from the workload, :func:`data_layout`)."""
 
 
 # --------------------------------------------------------------------------- public
@@ -398,18 +401,24 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
             parts.append(part)
             specs.append(st)
         model = pipeline_parallel.Chunks(parts)
-        act = features.param_dtype(w)
+        layout = pipeline_layout(w, pp_rank=rank)
+        # the hidden states a stage hands on: FSDP2's mixed precision computes in 16-bit, no autocast
+        act = features.compute_dtype(w) if layout is not None else features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
-        runner = pipeline_parallel.make_runner(
-            model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
-            hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training)
-        with dist.fake_world(dist.World((("pp", pp),), rank=rank)):
-            pipeline_parallel.p2p_on_meta()
+        world = layout.world if layout is not None else dist.World((("pp", pp),), rank=rank)
+        with dist.fake_world(world) as mesh:
+            group = submesh(mesh, "pp").get_group() if layout is not None else None
+            runner = pipeline_parallel.make_runner(
+                model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
+                hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training, group=group)
+            pipeline_parallel.p2p_on_meta(group)
             prepared = _prepare(model, ((), {}), w.replace(checkpointing="none"), [*(notes or ()), *part_notes],
                                 f"{spec.name} rank {rank}", device)
             prepared.params = prepared.trainable = params  # the whole model's, as a one-GPU trace reports
             if w.peft is not Peft.NONE:
                 prepared.trainable = whole_trainable()
+            if layout is not None:
+                prepared.mesh, prepared.layout = mesh, layout
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
     return results
 
@@ -468,11 +477,9 @@ def _parallel_notes(w: Workload) -> list[str]:
                          "--parallelism.expert_parallel_degree N …` (README, torchtitan); the analytic method "
                          "divides the experts by `ep`", hint="use `method=analytic`")
     sharded = p.zero or p.offload_optimizer or p.offload_params or (p.dp > 1 and w.training)
-    if sharded and p.pp > 1:
-        raise TraceError("pipeline parallelism is traced without data parallelism (one rank of the pipeline); "
-                         "combined with FSDP/ZeRO/DDP or offload it is not traced yet (torchtitan splits stages "
-                         "before sharding)", hint="use `method=analytic` for this layout, or trace `dp=1`")
-    if sharded:
+    if p.pp > 1:
+        pipeline_layout(w, pp_rank=0)  # FSDP2 on each stage, as torchtitan runs it: trace.layout decides
+    elif sharded:
         data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
     if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
         raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
@@ -794,7 +801,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     notes = list(p.notes)
     ledger = offload.HostLedger()
     offloaded = w.activation_offload and w.training
-    layout = data_layout(w, rank=opts.rank)
+    layout = p.layout if p.layout is not None else data_layout(w, rank=opts.rank)
     host_side = HostMemory(sess.rec) if layout is not None and layout.cpu_offload else None
     sess.rec.host = host_side
     host_parts: tuple[tuple[str, int], ...] = ()

@@ -345,9 +345,15 @@ def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     os._exit(0)
 
 
-def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[Any]:
+def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str,
+                preload: tuple[str, ...] = ()) -> list[Any]:
     """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` spawned processes on a free local
-    port; each writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order."""
+    port; each writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order.
+
+    ``preload``: modules imported once by a fork server the processes are forked from
+    (multiprocessing's ``forkserver`` start method), instead of by each spawned process: torch and
+    transformers take seconds to import, which four processes on two cores pay four times. The
+    server is a fresh process (no threads, no CUDA, nothing of the caller's state but its modules)."""
     import json
     import os
     import socket
@@ -361,8 +367,14 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        method = "spawn"
+        if preload:
+            import multiprocessing
+
+            method = "forkserver"
+            multiprocessing.get_context(method).set_forkserver_preload(list(preload))
         ctx = mp.start_processes(_exit_after, args=(worker, *args, tmp, env), nprocs=nprocs, join=False,
-                                 start_method="spawn")
+                                 start_method=method)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
@@ -730,17 +742,26 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
 
 
 def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
-                        seq: int, iterations: int = 2, timeout: float = 300.0) -> list[int]:
-    """Each pipeline rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
-    ``torch.distributed.pipelining``'s ``schedule`` over ``pp`` gloo processes: the catalog model
+                        seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False,
+                        timeout: float = 300.0) -> list[int]:
+    """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
+    ``torch.distributed.pipelining``'s ``schedule`` over ``pp × dp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
-    and stepped as :mod:`.pipeline_parallel` does (AdamW, foreach), real weights and values."""
-    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations)
-    return _spawn_gloo(_pp_worker, args, pp, timeout, "pipeline run")
+    and stepped as :mod:`.pipeline_parallel` does (AdamW, foreach), real weights and values.
+
+    ``dp > 1``: torchtitan's layout (a ``(pp, dp)`` device mesh; each stage's part sharded with
+    FSDP2 over ``dp`` as ``apply_fsdp_to_decoder`` shards it: the embeddings, the final norm with the
+    head, each block, the part; ``reshard_after_forward=False``, torchtitan's default under pp;
+    ``mixed``: ``MixedPrecisionPolicy(bfloat16, reduce float32, cast_forward_inputs=False)``), the
+    stage on the mesh's ``pp`` group. Peaks in global rank order (rank = pp rank × dp + dp rank)."""
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed)
+    preload = ("torch.distributed.pipelining", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama",
+               "vramplan.trace.pipeline_parallel", "vramplan.models.build") if dp > 1 else ()
+    return _spawn_gloo(_pp_worker, args, pp * dp, timeout, "pipeline run", preload)
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
-               seq: int, iterations: int, tmp: str, env: dict[str, str]) -> None:
+               seq: int, iterations: int, dp: int, mixed: bool, tmp: str, env: dict[str, str]) -> None:
     import os
 
     import torch
@@ -749,7 +770,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp)
+    dist.init_process_group("gloo", rank=rank, world_size=pp * dp)
     try:
         from torch.distributed.pipelining import PipelineStage
 
@@ -762,15 +783,40 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         bounds = par.stage_bounds(layers)
         torch.manual_seed(0)
         tracker = _StoragePeak()
+        group: Any = None
+        mesh: Any = None
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            group = mesh["pp"].get_group()
+        pp_rank = rank // dp
         parts, specs = [], []
         with quiet():
-            for index in par.stage_ids(rank):
+            for index in par.stage_ids(pp_rank):
                 full = build_model(spec, task="train", attention="eager", device="cpu", dtype=torch.float32)
                 part, st = ppl.split(full, index, bounds)
                 part.train()
                 parts.append(part)
                 specs.append(st)
+        if mesh is not None:  # torchtitan's apply_fsdp_to_decoder on each model part
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kw: dict[str, Any] = {"mesh": mesh["dp"]}
+            if mixed:
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False)
+            for part in parts:
+                lm: Any = part.lm
+                if lm.model.embed_tokens is not None:
+                    fully_shard(lm.model.embed_tokens, reshard_after_forward=False, **kw)
+                if part.last:
+                    fully_shard([lm.model.norm, lm.lm_head], reshard_after_forward=False, **kw)
+                for blk in lm.model.layers:
+                    fully_shard(blk, reshard_after_forward=False, **kw)
+                fully_shard(part, **kw)
         cpu = torch.device("cpu")
+        act = torch.bfloat16 if mixed else torch.float32
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -778,17 +824,17 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         stages = []
         for part, st in zip(parts, specs, strict=True):
             x = (torch.zeros(batch, seq, dtype=torch.long) if st.first
-                 else torch.zeros(batch, seq, spec.hidden, requires_grad=True))
-            y = torch.zeros(batch, seq, spec.vocab if st.last else spec.hidden, requires_grad=not st.last)
-            stages.append(PipelineStage(part, st.index, st.stages, cpu, input_args=(x,), output_args=(y,)))
+                 else torch.zeros(batch, seq, spec.hidden, dtype=act, requires_grad=True))
+            y = torch.zeros(batch, seq, spec.vocab if st.last else spec.hidden, dtype=act, requires_grad=not st.last)
+            stages.append(PipelineStage(part, st.index, st.stages, cpu, input_args=(x,), output_args=(y,), group=group))
         cls = ppl.schedule_class(schedule)
         sched = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn) if schedule in ("GPipe", "1F1B")
                  else cls(stages, n_microbatches=microbatches, loss_fn=loss_fn))
         model = nn.ModuleList(parts)
         for t in [*model.parameters(), *model.buffers()]:
-            tracker.add(t)
+            tracker.add(getattr(t, "_local_tensor", t))
         first, last = any(s.first for s in specs), any(s.last for s in specs)
-        with tracker:
+        with tracker, tracker.resizes():
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
             for _ in range(iterations):
                 ids = torch.randint(0, spec.vocab, (batch * microbatches, seq))
@@ -806,11 +852,12 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
 
 def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
-                       layers: int = 4, microbatches: int = 4, batch: int = 2,
-                       seq: int = 64) -> list[tuple[str, int, int, int]]:
-    """(schedule, rank, real storage peak, traced peak) of a tiny Llama over ``pp`` gloo processes
-    (:func:`real_pipeline_peaks`) and of the trace of the same layout (fp32, eager attention, no
-    CUDA workspaces: a CPU run has none)."""
+                       layers: int = 4, microbatches: int = 4, batch: int = 2, seq: int = 64, dp: int = 1,
+                       mixed: bool = False) -> list[tuple[str, int, int, int]]:
+    """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp``
+    gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage, the real peak of
+    data-parallel rank 0, whose peers' peaks must equal it) and of the trace of the same layout
+    (fp32 or FSDP2's bf16 mixed precision, eager attention, no CUDA workspaces: a CPU run has none)."""
     from ..workload import Attention, Parallel, Precision, Task, Workload
     from .run import TraceOptions, trace_pipeline_stages
 
@@ -818,11 +865,17 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     out = []
     for schedule in schedules:
         real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
-                                   microbatches=microbatches, batch=batch, seq=seq)
-        w = Workload(task=Task.TRAIN, precision=Precision.FP32, attention=Attention.EAGER, batch=batch, seq=seq,
-                     grad_accum=microbatches, parallel=Parallel(pp=pp, pp_schedule=schedule))
+                                   microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed)
+        for r in range(pp):
+            peers = set(real[r * dp:(r + 1) * dp])
+            if len(peers) != 1:
+                raise AssertionError(f"{schedule}: the data-parallel ranks of pipeline rank {r} peak apart: {peers}")
+        sharded = {"dp": dp, "zero": 3} if dp > 1 else {}
+        w = Workload(task=Task.TRAIN, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
+                     attention=Attention.EAGER, batch=batch, seq=seq, grad_accum=microbatches,
+                     parallel=Parallel(pp=pp, pp_schedule=schedule, **sharded))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
-            out.append((schedule, rank, real[rank], traced[rank].peak_allocated))
+            out.append((schedule, rank, real[rank * dp], traced[rank].peak_allocated))
     return out
