@@ -79,3 +79,48 @@ def test_pipeline_with_tensor_parallelism_falls_back_with_a_reason():
     with pytest.raises(TraceError, match="pipeline parallelism is traced"):
         estimate(spec, w, method="trace", search_max_batch=False)
     assert estimate(spec, w, search_max_batch=False).method is Method.ANALYTIC
+
+
+@pytest.mark.parametrize("parallel, precision", [
+    (Parallel(pp=2, dp=2, zero=3), "fp32"),
+    (Parallel(pp=2, dp=4, zero=3, dp_shard=2, pp_schedule="ZBVZeroBubble"), "bf16-mixed"),  # HSDP, a V per rank
+])
+def test_pipeline_with_fsdp2_shards_each_stage(parallel, precision):
+    """PP × FSDP2 as torchtitan runs it (issue 34): each stage's part sharded over dp (the shard
+    group under HSDP) on a (pp[, dp_replicate], dp) mesh. At the step each rank holds its stages'
+    parameters, gradients and optimizer states divided by the shard group, as the analytic
+    method counts them; before it, the unsharded gradients torch's pipeline stage accumulates
+    across micro-batches (no gradient sync until the last backward) are gradients, as large as
+    the unsharded stage's parameters in the reduce dtype (fp32)."""
+    spec = tiny_spec("llama-3.1-8b", layers=4)
+    w = Workload(task="train", batch=1, seq=64, grad_accum=4, precision=precision, parallel=parallel)
+    traced = dict(trace_pipeline_stages(spec, w, iterations=2))
+    arch = build_arch(spec)
+    rg, tr = regime(w), trainable(arch, w)
+    shard = parallel.dp_shard or parallel.dp
+    assert sorted(traced) == [0, 1]
+    for rank, t in traced.items():
+        states = [stage_states(arch, st, w, rg, tr) for st in stages(arch, w) if st.index == rank]
+        weights, grads, opt = _states(t)
+        assert (grads, opt) == (states[0].gradients, states[0].optimizer)
+        assert 0 <= weights - states[0].weights <= 1024  # + the rotary buffers
+        backward = [p for p in t.phases if p.phase is Phase.BACKWARD][0].breakdown
+        # unsharded, fp32 (at the V's backward peak a stage's last norm gradients are not made yet)
+        assert shard * grads - 1024 <= backward.gradients <= shard * grads
+        note = next(n for n in t.notes if n.startswith("FSDP2 over"))
+        assert "reshard_after_forward=False" in note and f"rank {rank * parallel.dp} of {2 * parallel.dp}" in note
+
+
+@pytest.mark.parametrize("parallel, extra, match", [
+    (Parallel(pp=2, dp=2), {}, r"FSDP2 on each stage .* `dp=2` with DDP \(`zero=0`\) is not"),
+    (Parallel(pp=2, dp=2, zero=2), {}, r"with DeepSpeed \(`zero=2`\) is not"),
+    (Parallel(pp=2, dp=2, zero=3, tp=2), {}, r"on a \(pp, dp\) mesh; with `tp=2` it is not yet"),
+    (Parallel(pp=2, dp=2, zero=3, offload_params=True), {}, "CPU offload with pipeline parallelism"),
+    (Parallel(pp=2, dp=2, zero=3), {"peft": "lora"}, "full-weight training; `peft=lora` is not"),
+])
+def test_pipeline_with_data_parallelism_refusals_name_the_cause(parallel, extra, match):
+    spec = tiny_spec("llama-3.1-8b", layers=4)
+    w = Workload(task="train", batch=1, seq=32, grad_accum=2, parallel=parallel, **extra)
+    with pytest.raises(TraceError, match=match):
+        estimate(spec, w, method="trace", search_max_batch=False)
+    assert estimate(spec, w, search_max_batch=False).method is Method.ANALYTIC

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..precision import dp_engine
-from ..workload import Fsdp1Prefetch, Workload
+from ..workload import Fsdp1Prefetch, Peft, Quant, Workload
 from .dist import RankContext, World, world_of
 from .host import PARAMETERS
 
@@ -135,26 +135,38 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
     policy ``"default"`` resolves to ``not pp_enabled`` (``distributed/fsdp.py``
     ``get_fsdp_reshard_after_forward_policy``), for ZeRO-3 and ZeRO-2 alike."""
     p = w.parallel
-    if p.dp == 1 or not w.training:
-        if p.offload_params or p.offload_optimizer:
-            raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
-                             "under `pp` is not checked against a real run)", hint="use `method=analytic`")
-        return None  # nothing sharded (`zero` over one rank), or inference replicas of the pipeline
+    offload = p.offload_params or p.offload_optimizer
+    if not w.training:
+        if p.zero or offload:
+            raise TraceError(f"pipeline inference is traced on unsharded stages; `zero={p.zero}`"
+                             f"{' with offload' if offload else ''} is not (torch's pipelining runs FSDP for "
+                             "training: torchtitan's pipeline_llm)", hint="drop `zero`, or use `method=analytic`")
+        return None  # inference replicas of the pipeline
+    if not (p.zero or offload or p.dp > 1):
+        return None  # the pipeline alone
     engine = dp_engine(w)
     if engine != "fsdp" or p.zero not in (2, 3):
+        what = "DDP" if engine == "ddp" else "DeepSpeed" if engine == "deepspeed" else engine.upper()
         raise TraceError(f"pipeline parallelism with data parallelism is traced as torchtitan runs it, FSDP2 on each "
-                         f"stage (`zero=3`, or `zero=2` with `engine=fsdp`); `dp={p.dp}` with "
-                         f"{'DDP' if engine == 'ddp' else engine} (`zero={p.zero}`) is not",
-                         hint="use `zero=3`, or `method=analytic`")
-    if p.offload_params or p.offload_optimizer:
+                         f"stage (`zero=3`, or `zero=2` with `engine=fsdp`); `dp={p.dp}` with {what} (`zero={p.zero}`) "
+                         "is not", hint="use `zero=3`, or `method=analytic`")
+    if offload:
         raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
-                         "under `pp` is not checked against a real run)", hint="use `method=analytic`, or drop "
-                                                                                "`offload_params`")
+                         "under `pp` is not checked against a real run)",
+                         hint="use `method=analytic`, or drop `offload_params`/`offload_optimizer`")
     if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        raise TraceError("pipeline parallelism with FSDP2 is traced without tensor, context or expert parallelism",
-                         hint="use `method=analytic` for this layout")
+        dims = ", ".join(f"`{k}={v}`" for k, v in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)) if v > 1)
+        raise TraceError(f"pipeline parallelism with FSDP2 is traced on a (pp, dp) mesh; with {dims} it is not yet "
+                         "(torchtitan's tensor/context-parallel plans on each stage are not laid out here)",
+                         hint="use `method=analytic` for this layout, or drop those dimensions")
+    if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
+        raise TraceError("pipeline parallelism with FSDP2 is traced for full-weight training; "
+                         f"{'`peft=' + str(w.peft) + '`' if w.peft is not Peft.NONE else '`quant=' + str(w.quant) + '`'} "
+                         "is not (not checked against a real run)", hint="use `method=analytic`, or `zero=0`")
     shard = p.dp_shard if 0 < p.dp_shard < p.dp else p.dp
-    world = world_of(pp=p.pp, dp_replicate=p.dp // shard, dp=shard)
+    # (`dp=1`: torchtitan still applies fully_shard, over one rank: its mixed-precision policy)
+    mesh: list[tuple[str, int]] = [("pp", p.pp), ("dp_replicate", p.dp // shard), ("dp", shard)]
+    world = World(tuple(d for d in mesh if d[0] != "dp_replicate" or d[1] > 1))
     per_stage = world.size // p.pp
     return Layout(dataclasses.replace(world, rank=pp_rank * per_stage), "fsdp2", reshard_after_forward=False,
                   pipeline=True)
@@ -293,8 +305,8 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
     mp = ""
     if w.mixed:
         # (torchtitan's policy casts no forward inputs: a pipeline stage's are its own dtype already)
-        cast = {"cast_forward_inputs": False} if layout.pipeline else {}
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, **cast)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                               cast_forward_inputs=not layout.pipeline)
         mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)}, reduce_dtype=float32)"
     rec = ctx.streams.rec
     for p in model.parameters():  # the unsharded meta model is not on the GPU: only the shards are

@@ -127,7 +127,7 @@ class Chunks(nn.Module):
         self.parts = nn.ModuleList(parts)
 
 
-def fsdp_units(model: Chunks) -> list[tuple[Any, bool | None]]:
+def fsdp_units(model: nn.Module) -> list[tuple[Any, bool | None]]:
     """The FSDP2 units of a pipeline rank's model parts, in the order torchtitan's
     ``apply_fsdp_to_decoder`` shards each part (torchtitan 0.3.0 ``distributed/fsdp.py``): the
     token embeddings (first stage), the final norm with the head as one unit (last stage,
@@ -136,7 +136,8 @@ def fsdp_units(model: Chunks) -> list[tuple[Any, bool | None]]:
     with its ``reshard_after_forward`` (None: ``fully_shard``'s default); the pipeline's
     policy is torchtitan's under pp, False (:func:`~.layout.pipeline_layout`)."""
     units: list[tuple[Any, bool | None]] = []
-    for part in model.parts:
+    parts: Any = model.parts
+    for part in parts:
         lm: Any = part.lm
         inner = lm.model
         if inner.embed_tokens is not None:

@@ -47,7 +47,14 @@ from . import (
 from .dist import rank_session
 from .experts import ExpertLoops
 from .host import HostMemory
-from .layout import Layout, LocalShardOptimizer, apply_layout, layout_of, pipeline_layout, sharded_params
+from .layout import (
+    Layout,
+    LocalShardOptimizer,
+    apply_layout,
+    layout_of,
+    pipeline_layout,
+    sharded_params,
+)
 from .loss import loss_note
 from .metacache import MetaCache
 from .optim import make_optimizer

@@ -870,10 +870,9 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
             peers = set(real[r * dp:(r + 1) * dp])
             if len(peers) != 1:
                 raise AssertionError(f"{schedule}: the data-parallel ranks of pipeline rank {r} peak apart: {peers}")
-        sharded = {"dp": dp, "zero": 3} if dp > 1 else {}
         w = Workload(task=Task.TRAIN, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
                      attention=Attention.EAGER, batch=batch, seq=seq, grad_accum=microbatches,
-                     parallel=Parallel(pp=pp, pp_schedule=schedule, **sharded))
+                     parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp, zero=3 if dp > 1 else 0))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
