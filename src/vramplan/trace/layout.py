@@ -320,7 +320,8 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
         n = layout.world.dim("dp")
         over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
         return [f"FSDP2 over {over} on each model part of the pipeline rank, as torchtitan's apply_fsdp_to_decoder "
-                f"shards it ({len(units)} units: the embeddings, the final norm with the head, each block, the part), "
+                f"shards it ({len(units)} units: the embeddings and the final norm with the head where the stage holds "
+                f"them, each block, the part), "
                 f"reshard_after_forward=False (torchtitan's default under pp){mp}; torch's pipeline stage holds "
                 "gradient sync and resharding until the last micro-batch's backward; rank "
                 f"{layout.world.rank} of {layout.world.size} (mesh {dict(layout.world.dims)}) traced on the fake "
