@@ -190,6 +190,28 @@ def _storage_peak_mode() -> Any:
 
     from .recorder import inner_tensors
 
+    aten = torch.ops.aten
+    # bf16/fp16 matrix products on a CPU without bf16 instructions (AVX2) take PyTorch's scalar
+    # fallback, 5-8x slower than fp32 (a tiny Llama's 128k-vocabulary head: 2 s against 0.25 s
+    # per call). They are computed in fp32 and rounded to the inputs' dtype: the same output
+    # tensor (shape, dtype, a new contiguous storage) as the op makes, so what is tracked is
+    # unchanged; the fallback accumulates in fp32 too. The fp32 copies are made inside this
+    # handler, where no mode sees them, as a GPU kernel's own scratch is not seen.
+    _HALF_MATMULS: dict[Any, Any] = {
+        aten.mm.default: lambda a, b: torch.mm(a.float(), b.float()).to(a.dtype),
+        aten.bmm.default: lambda a, b: torch.bmm(a.float(), b.float()).to(a.dtype),
+        aten.addmm.default: lambda c, a, b, *, beta=1, alpha=1: torch.addmm(
+            c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(a.dtype),
+        aten.baddbmm.default: lambda c, a, b, *, beta=1, alpha=1: torch.baddbmm(
+            c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(a.dtype),
+    }
+
+    def _half_cpu(args: Any) -> bool:
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.bfloat16, torch.float16)
+                and all(not is_traceable_wrapper_subclass(t) and t.device.type == "cpu" and t.layout == torch.strided
+                        for t in tensors))
+
     class StoragePeak(TorchDispatchMode):
         """Live bytes of CPU storages made by ops (or registered with :meth:`add`). A wrapper
         subclass (DTensor, torchao's float8 tensors, functional collectives'
@@ -208,6 +230,8 @@ def _storage_peak_mode() -> Any:
             self.skip_wrappers = False
             """Leave out the storages of wrappers without ``__tensor_flatten__`` (no data
             pointer: no memory)."""
+            self.native_half_matmuls = False
+            """Run bf16/fp16 matrix products as the CPU does (slow) instead of in fp32."""
             self.await_collectives = False
             """At a functional collective's ``wait_tensor``, wait until the process group's
             worker thread has dropped the work too (:meth:`_await_release`)."""
@@ -290,7 +314,9 @@ def _storage_peak_mode() -> Any:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types):
                 return NotImplemented
-            out = func(*args, **(kwargs or {}))
+            fast = None if self.native_half_matmuls else _HALF_MATMULS.get(func)
+            out = (fast(*args, **(kwargs or {})) if fast is not None and _half_cpu(args)
+                   else func(*args, **(kwargs or {})))
             if self.await_collectives and func is torch.ops._c10d_functional.wait_tensor.default:
                 self._await_release(args[0])
             stack = [out]
@@ -331,6 +357,13 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.pipelining",
+                       "transformers", "transformers.models.llama.modeling_llama", "vramplan.models.build",
+                       "vramplan.trace.pipeline_parallel", "vramplan.trace.testing")
+"""What the fork server of :func:`_spawn_gloo` imports before it forks the ranks: the modules
+the real runs load."""
+
+
 def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     """``worker(rank, *args)``, then the process ends without the interpreter's teardown: once
     the result is written, a gloo thread still joinable when C++ statics are destroyed aborted the
@@ -345,16 +378,19 @@ def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     os._exit(0)
 
 
-def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str,
-                preload: tuple[str, ...] = ()) -> list[Any]:
-    """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` spawned processes on a free local
-    port; each writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order.
+def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[Any]:
+    """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` processes on a free local port; each
+    writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order.
 
-    ``preload``: modules imported once by a fork server the processes are forked from
-    (multiprocessing's ``forkserver`` start method), instead of by each spawned process: torch and
-    transformers take seconds to import, which four processes on two cores pay four times. The
-    server is a fresh process (no threads, no CUDA, nothing of the caller's state but its modules)."""
+    The processes are forked from a fork server (multiprocessing's ``forkserver`` start method)
+    that imported :data:`_FORKSERVER_PRELOAD` once, instead of each importing torch and
+    transformers again as spawned processes do (seconds of CPU each, which four processes on two
+    cores pay four times). The server is a fresh process: no threads, no OpenMP pool, no CUDA,
+    no process group, nothing of the caller's state but its modules; each rank gets the caller's
+    environment as it is at the call (``env``, set by the worker). ``spawn`` where there is no
+    fork server (Windows)."""
     import json
+    import multiprocessing
     import os
     import socket
     import tempfile
@@ -362,17 +398,14 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
 
     import torch.multiprocessing as mp
 
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":  # (read when the server starts: the first call)
+        multiprocessing.get_context(method).set_forkserver_preload(list(_FORKSERVER_PRELOAD))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        method = "spawn"
-        if preload:
-            import multiprocessing
-
-            method = "forkserver"
-            multiprocessing.get_context(method).set_forkserver_preload(list(preload))
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         ctx = mp.start_processes(_exit_after, args=(worker, *args, tmp, env), nprocs=nprocs, join=False,
                                  start_method=method)
         deadline = time.monotonic() + timeout
@@ -755,9 +788,7 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     ``mixed``: ``MixedPrecisionPolicy(bfloat16, reduce float32, cast_forward_inputs=False)``), the
     stage on the mesh's ``pp`` group. Peaks in global rank order (rank = pp rank × dp + dp rank)."""
     args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed)
-    preload = ("torch.distributed.pipelining", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama",
-               "vramplan.trace.pipeline_parallel", "vramplan.models.build") if dp > 1 else ()
-    return _spawn_gloo(_pp_worker, args, pp * dp, timeout, "pipeline run", preload)
+    return _spawn_gloo(_pp_worker, args, pp * dp, timeout, "pipeline run")
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
