@@ -35,7 +35,7 @@ def _refused(p: subprocess.CompletedProcess[str]) -> str:
     line = p.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "Traceback" not in p.stderr
     assert "async tensor parallelism is not traced" in line
-    assert "--compile.no-enable-async-tensor-parallel" in line and "outside the caching allocator" in line
+    assert "compile.enable_async_tensor_parallel=false" in line and "outside the caching allocator" in line
     return line
 
 

@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM EPLB: extra physical experts (implies --enable-eplb)")
     g.add_argument("--routing", choices=["even", "worst"], default="even",
                    help="vLLM EP: token routing for the buffers that depend on it (worst: the whole batch to one "
-                        "rank's experts)")
+                        "rank's experts; default even)")
     g.add_argument("--quantization", "--quantize", dest="quantization", default="none",
                    choices=["none", "fp8", "awq", "gptq", "bitsandbytes"], help="weight quantisation (default none)")
     g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 (default auto)")

@@ -41,7 +41,7 @@ def check_compile(backend: Any, options: Any) -> None:
         "memory on a process group (torchtitan's compile.enable_async_tensor_parallel), Inductor rewrites the compiled "
         "graph's all-gather→matmul and matmul→reduce-scatter into symmetric-memory fused ops, and a trace runs the "
         "eager step",
-        hint="turn it off to trace plain TP (torchtitan: --compile.no-enable-async-tensor-parallel; its llama3_405b "
+        hint="turn it off to trace plain TP (torchtitan: `compile.enable_async_tensor_parallel=false`; its llama3_405b "
              "config turns it on): the fused ops allocate the same gathered inputs and matmul outputs, but plain TP "
              f"leaves out their workspace, device memory outside the caching allocator ({WORKSPACE_RULE}), and the "
              "side stream's cuBLAS workspace")
