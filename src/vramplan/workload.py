@@ -972,10 +972,22 @@ class Workload:
 
     def _check_ppo(self) -> None:
         p = self.parallel
-        if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.zero:
-            raise WorkloadError("`objective=ppo` is modelled on one GPU: the value model sharded beside the policy "
-                                "(FSDP, ZeRO) is not", hint="drop dp/tp/pp/cp/ep/zero, or use `objective=grpo` "
-                                "(no value model)", field="objective")
+        if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1:
+            raise WorkloadError("`objective=ppo` is modelled with data parallelism only (verl 0.7.0's FSDP workers: "
+                                "the policy and the critic each sharded over the same ranks); the value model "
+                                "split by tensor, pipeline, context or expert parallelism is not",
+                                hint="drop tp/pp/cp/ep: `dp=N` with `zero=3` (FSDP)", field="objective")
+        if p.dp > 1 and p.framework is not Engine.FSDP:
+            how = {Engine.DDP: "DDP", Engine.FSDP1: "FSDP1 (`engine=fsdp1`: the policy's fused head through its "
+                   "flat parameters is not checked)"}.get(p.framework, f"DeepSpeed ZeRO-{p.zero}")
+            raise WorkloadError(f"`objective=ppo` over data-parallel ranks is modelled with FSDP2 (verl 0.7.0's "
+                                f"workers shard the critic beside the policy); under {how} it is not",
+                                hint="use `zero=3` (FSDP2, verl's `strategy=fsdp2`)", field="zero")
+        if p.offload_params or p.offload_optimizer:
+            raise WorkloadError("`objective=ppo` with CPU offload is not modelled: the policy's and the critic's "
+                                "shards on the host are not checked (verl moves each model's FSDP shards to the host "
+                                "between its phases instead, `param_offload` / `optimizer_offload`, off by default)",
+                                hint="drop `offload_params` / `offload_optimizer`", field="offload_params")
         if self.generations < 1 or (self.batch * self.grad_accum) % self.generations:
             raise WorkloadError(f"the generation batch ({self.batch} x {self.grad_accum} accumulation steps) must "
                                 f"hold whole groups of `generations={self.generations}` completions",

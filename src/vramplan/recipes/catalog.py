@@ -177,6 +177,9 @@ def _verl_ppo(peft: Peft, dp: int) -> tuple[Default, ...]:
                 f"{_VERL}/verl/third_party/vllm/__init__.py#L48-L49)"),
         Default("seq", 1024, f"{_VERL_CFG}#L320-L321 (`max_prompt_length` 512 + `max_response_length` 512)"),
         Default("prompt", 512, f"{_VERL_CFG}#L320 (`max_prompt_length: 512`)"),
+        *([Default("zero", 3, f"{_VERL_CFG}#L33-L34, #L386-L387 (`reshard_after_forward: true`, `fsdp_size: -1`: "
+                   f"every model FULL_SHARD over all ranks, {_VERL}/verl/workers/fsdp_workers.py#L109-L121)")]
+          if dp > 1 else []),
     )
 
 
@@ -208,6 +211,10 @@ def _verl_caveats(w: Workload) -> tuple[str, ...]:
                    f"(`ref.fsdp_config.param_offload=True`, {_VERL_GRPO}#L33) and loads it in bf16 "
                    "(fsdp_workers.py L326); the estimate keeps a frozen copy in the policy's dtype resident: an "
                    "upper bound")
+    if w.parallel.dp > 1:
+        out.append("verl's default `strategy: fsdp` is FSDP1 (flat parameters, gen.yaml L45, L398); the estimate "
+                   "shards the actor and the critic with FSDP2 (verl's `strategy=fsdp2`, fsdp_utils.py `apply_fsdp2`): "
+                   "the same shards; verl's FSDP2 also wraps an untied embedding on its own (L523-L524)")
     if w.objective is Objective.PPO:
         out.append("verl updates the critic before the actor (ray_trainer.py `fit`: `update_critic`, then "
                    "`update_actor`); its critic is AutoModelForTokenClassification with one label "

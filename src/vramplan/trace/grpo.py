@@ -52,7 +52,7 @@ from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase, Reference, Rollout, Workload
 from .kvcache import make_cache
-from .loss import causal_lm_parts, trl_log_probs
+from .loss import causal_lm_parts, through_root, trl_log_probs
 
 POLICY_OUTPUTS: tuple[str, ...] = ("log_probs", "entropy")
 """``add_fused_lm_head(model, outputs=("log_probs", "entropy"))`` (grpo_trainer.py L1068-L1073)."""
@@ -186,22 +186,28 @@ def _logps(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: 
            entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_get_per_token_logps_and_entropies``: the completion tokens' log-probabilities (and
     entropies) in chunks of ``chunk`` sequences, concatenated."""
-    _hf_model, backbone, head = causal_lm_parts(model)
+    hf, backbone, head = causal_lm_parts(model)
     all_logps, all_entropies = [], []
-    out = fields = None
+    fields: Any = None
     for start in range(0, ids.shape[0], chunk):
         ids_b, mask_b = ids[start:start + chunk], mask[start:start + chunk]
         labels = ids_b.masked_fill(mask_b == 0, -100)
         labels[:, :-completion] = -100
-        with region():
+
+        def fused(ids_b: torch.Tensor = ids_b, mask_b: torch.Tensor = mask_b,
+                  labels: torch.Tensor = labels) -> dict[str, torch.Tensor]:
             out = backbone(input_ids=ids_b, attention_mask=mask_b, use_cache=False)
             hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-            fields, _m = trl_log_probs(hidden, head, labels, autocast, outputs)  # (labels with values: TRL's mask)
-            del hidden, _m, out
+            del out
+            got, _m = trl_log_probs(hidden, head, labels, autocast, outputs)  # (labels with values: TRL's mask)
+            return got
+
+        with region():
+            fields = through_root(hf, fused)
         all_logps.append(fields["log_probs"][:, -completion:])
         if entropy:
             all_entropies.append(fields["entropy"][:, -completion:])
-        del labels
+        del labels, fused  # (its defaults hold the labels)
     logps = torch.cat(all_logps, dim=0)
     entropies = torch.cat(all_entropies, dim=0) if entropy else None
     del all_logps, all_entropies, fields

@@ -42,6 +42,7 @@ state and the output head's weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,11 +78,32 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
         hf = getter()
     head = hf.get_output_embeddings() if callable(getattr(hf, "get_output_embeddings", None)) else None
     backbone = getattr(hf, "base_model", None)
+    classes = _causal_lm_classes()  # (FSDP2's fully_shard subclasses the model: FSDPLlamaForCausalLM)
     if (not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module) or backbone is hf
-            or type(hf).__name__ not in _causal_lm_classes()):
+            or not any(c.__name__ in classes for c in type(hf).__mro__[:-1])):
         raise TraceError(f"the loss implementation needs a transformers causal LM (a backbone and an output "
                          f"head); {type(hf).__name__} is not one", hint="use `loss=full`")
     return hf, backbone, head
+
+
+def through_root(hf: nn.Module, fn: Callable[[], Any]) -> Any:
+    """``fn()``, a forward through the model's parts (its backbone, then a fused head), run as
+    ``hf``'s forward when FSDP2 shards ``hf``: TRL's ``add_fused_lm_head`` patches ``model.forward``
+    and calls the model (trl/trainer/utils.py ``_fused_forward``), so FSDP2's hooks on the root run:
+    they gather the root's own parameters (the embeddings, the final norm, the head) before the
+    forward and reduce-scatter their gradients after the backward; called part by part, they would
+    not. Elsewhere ``fn()`` as it is."""
+    if not any(c.__name__ == "FSDPModule" for c in type(hf).__mro__):
+        return fn()
+    saved = hf.__dict__.get("forward")
+    hf.forward = lambda *_a, **_k: fn()  # (an instance attribute: the class's forward stays)
+    try:
+        return hf()
+    finally:
+        if saved is None:
+            del hf.forward
+        else:
+            hf.forward = saved
 
 
 def _causal_lm_classes() -> frozenset[str]:
@@ -418,5 +440,5 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
 
 
 __all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "TrlChunkedLogProb", "causal_lm_parts",
-           "chunked_ce", "forward_and_loss", "liger_chunk", "loss_note", "shifted_labels", "trl_log_probs",
+           "chunked_ce", "forward_and_loss", "liger_chunk", "loss_note", "shifted_labels", "through_root", "trl_log_probs",
            "TRL_SFT_OUTPUTS"]

@@ -16,6 +16,9 @@ policy's micro-steps of :func:`.grpo.forward_loss` with per-token advantages.
 
 The value models are made from the model as loaded, before PEFT: in the policy's dtype, the
 critic under the workload's checkpointing (verl's critic ``enable_gradient_checkpointing: true``).
+Under FSDP (``dp=N, zero=3``) each is sharded with FSDP2 beside the policy on the same ranks, as
+verl's workers shard them in one process per GPU (``run._lay_out_value_model``;
+docs/research/rl-frameworks.md).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ VALUE_CLIP = 0.5
 
 
 class ValueModel(nn.Module):
-    """A causal LM's backbone with a scalar head: a value per token."""
+    """A causal LM's backbone with a scalar head: a value per token, ``[batch, seq, 1]`` (the logits of
+    verl's ``AutoModelForTokenClassification`` with one label; callers index the label out: a module's
+    output that is a view would lose FSDP2's pre-backward hook to an in-place op)."""
 
     def __init__(self, backbone: nn.Module, hidden: int, like: torch.Tensor) -> None:
         super().__init__()
@@ -44,7 +49,7 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        return self.score(hidden).squeeze(-1)
+        return self.score(hidden)
 
 
 def value_copy(model: nn.Module, w: Workload, *, trained: bool) -> ValueModel:
@@ -65,7 +70,7 @@ def values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: 
     for start in range(0, ids.shape[0], chunk):
         with region():
             v = model(ids[start:start + chunk], mask[start:start + chunk])
-        parts.append(v[:, -completion - 1:-1].float())
+        parts.append(v[:, -completion - 1:-1, 0].float())
         del v
     out = torch.cat(parts, dim=0)
     del parts
@@ -78,7 +83,7 @@ def scores(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunk: int, 
     for start in range(0, ids.shape[0], chunk):
         with region():
             v = model(ids[start:start + chunk], mask[start:start + chunk])
-        parts.append(v[:, -1].float())
+        parts.append(v[:, -1, 0].float())
         del v
     out = torch.cat(parts, dim=0)
     del parts
@@ -119,7 +124,7 @@ def critic_loss(critic: nn.Module, batch: dict[str, torch.Tensor], *, region: An
     completion = batch["completion_ids"].shape[1]
     with region():
         v = critic(ids, mask)
-    vpreds = v[:, -completion - 1:-1].float()
+    vpreds = v[:, -completion - 1:-1, 0].float()
     del v, ids, mask
     old, ret = batch["values"], batch["returns"]
     clipped = old + torch.clamp(vpreds - old, -VALUE_CLIP, VALUE_CLIP)

@@ -41,6 +41,10 @@ class TraceResult:
     FSDP2 CPU offload's parameters, gradients and optimizer (``offload_params``)."""
     host_parts: tuple[tuple[str, int], ...] = ()
     """(part, bytes) of ``host_memory``."""
+    step_parts: tuple[tuple[str, int], ...] = ()
+    """PPO (a critic or a reward model beside the policy): (part, peak allocated bytes) of the
+    last traced step's parts, ``generation`` (and scoring), ``critic`` (its update) and ``actor``
+    (:func:`.ppo.parts_of`); empty otherwise."""
     paths: frozenset[str] = frozenset()
     """Module paths of the model traced (per-module attribution looks ancestors up in them): kept
     so that a log written from this one (:mod:`.nearby`) is summarised like a trace."""

@@ -739,6 +739,24 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
                     reward_model=reward)
 
 
+def _lay_out_value_model(m: nn.Module | None, name: str, layout: Layout, ctx: Any,
+                         w: Workload) -> tuple[nn.Module | None, str]:
+    """PPO's critic (or a reward model) laid out as the policy is, on the same ranks: verl 0.7.0's
+    ``CriticWorker`` and ``RewardModelWorker`` wrap their own FSDP modules over the same device mesh
+    in the same process (fsdp_workers.py L1431-L1466, L1744-L1773; docs/research/rl-frameworks.md).
+    Returns (the module to call, its layout note)."""
+    if m is None:
+        return None, ""
+    try:
+        out, notes = apply_layout(m, layout, ctx, w, features.compute_dtype(w))
+    except VramplanError:
+        raise
+    except Exception as e:
+        raise TraceError(f"laying the {name} out as {layout.kind} failed on torch {torch.__version__}: "
+                         f"{type(e).__name__}: {_line(e)}") from e
+    return out, f"{name}: " + "; ".join(notes)
+
+
 def _check_lora_tp(model: nn.Module) -> None:
     """Refuse the LoRA layers that the real stack cannot train under TP (:func:`.tensor_parallel.lora_rowwise_mismatch`)."""
     bad = tensor_parallel.lora_rowwise_mismatch(model)
@@ -814,6 +832,8 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
     host_parts: tuple[tuple[str, int], ...] = ()
     with quiet(), _collect_deterministically(), contextlib.ExitStack() as stack:
         model = p.model
+        critic: tuple[nn.Module | None, str] = (p.critic, "")
+        reward_model: tuple[nn.Module | None, str] = (p.reward_model, "")
         if layout is None:
             stack.enter_context(sess)
             if p.mesh is not None:  # TP / CP alone: DTensor's sharding propagation is not the GPU's
@@ -830,6 +850,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                 raise TraceError(f"laying the model out as {layout.kind} failed on torch {torch.__version__}: "
                                  f"{type(e).__name__}: {_line(e)}") from e
             notes += layout_notes
+            critic, reward_model = (_lay_out_value_model(m, name, layout, ctx, w) for m, name in (
+                (p.critic, "critic"), (p.reward_model, "reward model")))
+            notes += [n for n in (critic[1], reward_model[1]) if n]
         trainable = [q for q in model.parameters() if q.requires_grad]
         if offloaded:
             stack.enter_context(offload.offloading(
@@ -885,11 +908,17 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
             objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
             micro_batch=w.batch, completion=w.completion,
-            engine=profile.rollout if w.rl else None, critic=p.critic, reward_model=p.reward_model,
+            engine=profile.rollout if w.rl else None, critic=critic[0], reward_model=reward_model[0],
         )
-        if p.critic is not None:
-            made, _opt_notes = make_optimizer(w, [q for q in p.critic.parameters() if q.requires_grad])
-            plan.critic_optimizer = made
+        if critic[0] is not None:
+            own = [q for q in critic[0].parameters() if q.requires_grad]
+
+            def make_critic(params: list[nn.Parameter]) -> Any:
+                return make_optimizer(w, params)[0]
+
+            # (FSDP: the critic's optimizer steps on its local shards, as the policy's)
+            plan.critic_optimizer = LocalShardOptimizer(own, make_critic) if sharded_params(own) else \
+                make_critic(own)
         if w.training and w.objective is not Objective.SFT:
             step_note = {Objective.GRPO: grpo.step_note, Objective.PPO: ppo.step_note}.get(
                 w.objective, preference.step_note)
@@ -938,10 +967,12 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
-    if plan.runner_name == "grpo":
-        last = grpo.limit_note(result.phases) if p.critic is None and p.reward_model is None else \
-            ppo.limit_note(w, ppo.parts_of(sess.rec.log, plan.spans))
-        result = dataclasses.replace(result, notes=(*result.notes, last))
+    if plan.runner_name == "grpo" and p.critic is None and p.reward_model is None:
+        result = dataclasses.replace(result, notes=(*result.notes, grpo.limit_note(result.phases)))
+    elif plan.runner_name == "grpo":
+        parts = ppo.parts_of(sess.rec.log, plan.spans)
+        result = dataclasses.replace(result, notes=(*result.notes, ppo.limit_note(w, parts)),
+                                     step_parts=tuple(parts.items()))
     if not host_parts:
         return result
     return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)

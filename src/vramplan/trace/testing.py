@@ -512,6 +512,128 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
         dist.destroy_process_group()
 
 
+def real_ppo_dist_peaks(config: dict[str, Any], workload: Any, *, world: int, iterations: int = 2,
+                        timeout: float = 300.0) -> list[dict[str, int]]:
+    """Each rank's storage peaks of a real PPO step (:func:`.steps.grpo_step` with a critic, on a
+    transformers Llama built from ``config``, fp32, AdamW foreach) over ``world`` gloo processes,
+    the policy and the critic each sharded with FSDP2 over the same mesh as verl 0.7.0's
+    ``apply_fsdp2`` shards them (``fully_shard`` on each ``_no_split_modules`` layer, then the root;
+    verl/utils/fsdp_utils.py L507-L537): ``{"generation", "critic", "actor"}`` (the peak within
+    each part of the last step, as :func:`.ppo.parts_of` reads the trace's) and ``"peak"``."""
+    args = (world, config, workload, iterations)
+    return _spawn_gloo(_ppo_dist_worker, args, world, timeout, "PPO gloo run")
+
+
+class _PartMarks:
+    """What :func:`.steps.grpo_step` reads as its event log's length, for a real run: each read
+    closes a segment and keeps the storage peak within it, so the spans the step records index
+    these segments as they index the trace's events."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+        self.peaks: list[int] = []
+
+    def __len__(self) -> int:
+        self.peaks.append(self.tracker.peak)
+        self.tracker.peak = self.tracker.current
+        return len(self.peaks)
+
+
+class _RealStepSession:
+    """What the RL step asks of a trace session, for a real run: nothing recorded, no decode
+    extrapolation; its log's length marks the step's parts (:class:`_PartMarks`)."""
+
+    extrapolate = False
+    autocast = None
+
+    def __init__(self, tracker: Any) -> None:
+        import contextlib
+
+        self.rec = type("Rec", (), {"log": _PartMarks(tracker)})()
+        self.dispatch = type("Dispatch", (), {"bool_reads": False})()
+        self._null = contextlib.nullcontext
+
+    def phase(self, _p: Any) -> Any:
+        return self._null()
+
+    def backward(self) -> Any:
+        return self._null()
+
+    def autocast_region(self, _on: bool) -> Any:
+        return self._null()
+
+    def label_cache(self, *_a: Any) -> None: ...
+
+    def label_grads(self, *_a: Any) -> None: ...
+
+    def label_optimizer(self, *_a: Any) -> None: ...
+
+
+def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iterations: int, tmp: str,
+                     env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import transformers
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from ..workload import Reference
+        from . import ppo
+        from .steps import StepPlan, grpo_step
+
+        gloo_reduce_scatter = dist.reduce_scatter_single
+
+        def reduce_scatter_single(*a: Any, **k: Any) -> Any:
+            # gloo reduce-scatters as an all-reduce of an input-sized copy of the input, then a
+            # split (ProcessGroupGloo ``_reduce_scatter_base``: a [numel] buffer seen as the split's
+            # storage); NCCL's reduce-scatter allocates nothing: left out of the count
+            with _disable_current_modes():
+                return gloo_reduce_scatter(*a, **k)
+
+        dist.reduce_scatter_single = reduce_scatter_single  # (FSDP2's DefaultReduceScatter calls it)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+        critic = ppo.value_copy(model, w, trained=True)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        layers = set(model._no_split_modules)
+        for m in (model, critic):  # (verl passes `reshard_after_forward` to every call: the root's too)
+            for sub in [s for s in m.modules() if type(s).__name__ in layers]:
+                fully_shard(sub, mesh=mesh, reshard_after_forward=True)
+            fully_shard(m, mesh=mesh, reshard_after_forward=True)
+        model.train()
+        tracker = _StoragePeak()
+        tracker.redispatch_dtensors = True
+        for t in [*model.parameters(), *model.buffers(), *critic.parameters(), *critic.buffers()]:
+            tracker.add(getattr(t, "_local_tensor", t))
+        with tracker, tracker.resizes():
+            params = [p for p in model.parameters() if p.requires_grad]
+            plan = StepPlan(model=model, batch=((), {}), optimizer=torch.optim.AdamW(params, foreach=True),
+                            grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
+                            objective=w.objective, reference=None, reference_source=Reference.NONE,
+                            prompt=w.prompt, micro_batch=w.batch, completion=w.completion, critic=critic,
+                            critic_optimizer=torch.optim.AdamW(list(critic.parameters()), foreach=True))
+            sess = _RealStepSession(tracker)
+            for _ in range(iterations):
+                grpo_step(sess, plan)  # type: ignore[arg-type]
+        marks = sess.rec.log
+        len(marks)  # (the segment after the last part)
+        out = {name: max(marks.peaks[lo:hi]) for name, ((lo, hi),) in plan.spans.items()}
+        out["peak"] = max(marks.peaks)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def real_tp_generate_peaks(model_name: str, *, tp: int, prompt: int, new_tokens: int,
                            timeout: float = 300.0) -> list[list[int]]:
     """Each rank's storage peak per forward (the prefill, then each decode step; as
