@@ -982,7 +982,7 @@ class Workload:
                    "flat parameters is not checked)"}.get(p.framework, f"DeepSpeed ZeRO-{p.zero}")
             raise WorkloadError(f"`objective=ppo` over data-parallel ranks is modelled with FSDP2 (verl 0.7.0's "
                                 f"workers shard the critic beside the policy); under {how} it is not",
-                                hint="use `zero=3` (FSDP2, verl's `strategy=fsdp2`)", field="zero")
+                                hint="use `zero=3` (FSDP2, as verl's fsdp2 strategy shards)", field="zero")
         if p.offload_params or p.offload_optimizer:
             raise WorkloadError("`objective=ppo` with CPU offload is not modelled: the policy's and the critic's "
                                 "shards on the host are not checked (verl moves each model's FSDP shards to the host "
