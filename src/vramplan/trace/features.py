@@ -69,11 +69,15 @@ def _dtype(name: str) -> torch.dtype:
 
 def apply_precision(model: nn.Module, w: Workload) -> list[str]:
     model.to(param_dtype(w))
-    if w.mixed and w.peft is not Peft.NONE:
+    pm = precision_model(w)
+    if not w.mixed:
+        return []
+    if not pm.autocast:  # FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 engine: no autocast runs
+        return [f"{w.precision}: {_name(param_dtype(w))} weights, cast to {_name(compute_dtype(w))} for compute "
+                "by the sharding engine's mixed precision (no autocast)"]
+    if w.peft is not Peft.NONE:
         return [f"{w.precision} with PEFT: frozen base stored in {_name(param_dtype(w))}, CUDA autocast emulated"]
-    if w.mixed:
-        return [f"{w.precision}: fp32 weights, CUDA autocast to {_name(compute_dtype(w))} emulated"]
-    return []
+    return [f"{w.precision}: fp32 weights, CUDA autocast to {_name(compute_dtype(w))} emulated"]
 
 
 def _name(dtype: torch.dtype) -> str:
