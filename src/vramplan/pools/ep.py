@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from vramplan.errors import WorkloadError
+from vramplan.models.shape import model_shape
 from vramplan.models.spec import ModelSpec
 from vramplan.units import GiB, MiB
 
@@ -173,7 +174,7 @@ def layout(spec: ModelSpec, rel: Release, s: EpSettings, *, tp: int, pp: int, to
             f"Data parallel {dp}: {dp} engine replicas of TP {tp}; each GPU holds the same weights and its own "
             "KV cache (the figures are per GPU).",))
     E, k, h = spec.n_experts, spec.experts_per_token, spec.hidden
-    inter = spec.moe_intermediate or spec.intermediate
+    inter = model_shape(spec).moe_intermediate
     per_expert = expert_elems // E
     chunk = chunk_size(rel)
     if rel.since("0.19.1") and backend in ("naive", "pplx"):
