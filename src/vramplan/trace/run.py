@@ -747,14 +747,19 @@ def _lay_out_value_model(m: nn.Module | None, name: str, layout: Layout, ctx: An
     Returns (the module to call, its layout note)."""
     if m is None:
         return None, ""
+    out, notes = _laid_out(m, name, layout, ctx, w)
+    return out, f"{name}: " + "; ".join(notes)
+
+
+def _laid_out(m: nn.Module, name: str, layout: Layout, ctx: Any, w: Workload) -> tuple[nn.Module, list[str]]:
+    """:func:`apply_layout` in the compute dtype; a failure that is not ours named as the layout's."""
     try:
-        out, notes = apply_layout(m, layout, ctx, w, features.compute_dtype(w))
+        return apply_layout(m, layout, ctx, w, features.compute_dtype(w))
     except VramplanError:
         raise
     except Exception as e:
         raise TraceError(f"laying the {name} out as {layout.kind} failed on torch {torch.__version__}: "
                          f"{type(e).__name__}: {_line(e)}") from e
-    return out, f"{name}: " + "; ".join(notes)
 
 
 def _check_lora_tp(model: nn.Module) -> None:
@@ -842,13 +847,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             ctx = stack.enter_context(rank_session(sess, layout.world, mesh=p.mesh))
             if layout.kind == "fsdp1" and host_side is not None:  # FSDP1 compares devices to offload
                 stack.enter_context(host_side.reporting())
-            try:
-                model, layout_notes = apply_layout(model, layout, ctx, w, features.compute_dtype(w))
-            except VramplanError:
-                raise
-            except Exception as e:
-                raise TraceError(f"laying the model out as {layout.kind} failed on torch {torch.__version__}: "
-                                 f"{type(e).__name__}: {_line(e)}") from e
+            model, layout_notes = _laid_out(model, "model", layout, ctx, w)
             notes += layout_notes
             critic, reward_model = (_lay_out_value_model(m, name, layout, ctx, w) for m, name in (
                 (p.critic, "critic"), (p.reward_model, "reward model")))
