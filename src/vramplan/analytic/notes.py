@@ -19,6 +19,7 @@ from vramplan.workload import (
 
 from .arch import Arch
 from .regime import Regime, Trainable
+from .states import pipeline_fsdp
 
 
 def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, workspace: int) -> tuple[str, ...]:
@@ -98,7 +99,12 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
         out.append(f"ZeRO-{p.zero} over dp={p.dp}: DeepSpeed accounting — 16-bit weights and gradients, "
                    "fp32 master weights + states in the optimizer category (16Ψ in all, "
                    "ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N).")
-        if p.zero == 3:
+        if pipeline_fsdp(w):
+            out.append("Pipeline × FSDP2 as torchtitan runs it (reshard_after_forward=False under pp; torch's "
+                       "PipelineStage turns gradient sync and resharding off until the last micro-batch): each "
+                       "stage's parameters stay gathered (in param_dtype) from its first forward to the end of the step, "
+                       "and its gradients accumulate unsharded in the reduce dtype, reduce-scattered at the end.")
+        elif p.zero == 3:
             out.append("ZeRO-3 / FSDP: the largest unit (layer or embeddings) is gathered in 16-bit, "
                        "plus the prefetched next one.")
         elif p.framework is Engine.FSDP:
@@ -119,7 +125,7 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
                    "without checkpointing the linears keep them saved until their backward.")
     out.append("Loss: 16-bit logits, their fp32 upcast and the fp32 log-softmax for every position "
                "(HF ForCausalLMLoss); its backward holds two more fp32 logit-sized gradients.")
-    if w.grad_accum > 1:
+    if w.grad_accum > 1 and not pipeline_fsdp(w):
         out.append(f"Gradient accumulation ({w.grad_accum}): gradients stay allocated through the forward and backward.")
     out.append(_optimizer(w, rg))
     every = f" (every {w.checkpoint_every}-th layer of them)" if w.checkpoint_every > 1 else ""

@@ -152,6 +152,11 @@ def _zbv_in_flight(pp: int, m: int, rank: int) -> int:
     return best
 
 
+def stage_groups(arch: Arch, w: Workload, stage_id: int) -> tuple[tuple[LayerGroup, int], ...]:
+    """The layer groups of pipeline stage ``stage_id`` (of ``pp × stages_per_rank``), in order."""
+    return _slice(arch, *w.parallel.stage_bounds(arch.layers)[stage_id])
+
+
 def _merge(groups: list[tuple[LayerGroup, int]]) -> tuple[tuple[LayerGroup, int], ...]:
     out: dict[int, tuple[LayerGroup, int]] = {}
     for g, n in groups:

@@ -20,6 +20,8 @@ passes ``logits_to_keep=1``), decode (the full KV cache, ``torch.cat`` growth of
 
 from __future__ import annotations
 
+import dataclasses
+
 from vramplan.results import Breakdown, PhasePeak
 from vramplan.workload import Checkpointing, Phase, Task, Workload
 
@@ -29,7 +31,7 @@ from .arch import Arch
 from .blocks import Ctx
 from .loss import LossMemory, loss_memory
 from .parallel import Stage
-from .states import States
+from .states import States, pipeline_fsdp
 
 
 def _peak(phase: Phase, *instants: Breakdown) -> PhasePeak:
@@ -55,6 +57,14 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                      softcap=a.softcap) if a.logits else LossMemory(0, 0, 0, 0)
     # keep_grads (set_to_none=False) and gradient accumulation keep every gradient through the forward
     held = st.gradients if (w.grad_accum > 1 or w.keep_grads) and not w.optimizer_in_backward else 0
+    pipelined = pipeline_fsdp(w)
+    # Pipeline × FSDP2 (states.pipeline_fsdp): the gradient shards exist from the step's final
+    # reduce-scatter to zero_grad; before, the stage accumulates unsharded gradients from its first
+    # backward on — all of them at a forward that follows a backward with as many in flight
+    early = 0
+    if pipelined:
+        held = st.gradients if w.keep_grads else 0
+        early = st.accumulated if stage.in_flight < w.grad_accum * stage.virtual else 0
     kept = (lm.logits_held + stage.held(cache)) if w.keep_outputs else 0
     w_live = st.weights + st.gathered
     # schedules that run several forwards of the last stage before its backward (GPipe,
@@ -81,9 +91,13 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     step_temp = st.step_temp if w.optimizer_in_backward else 0
     all_grads = st.largest_grad if w.optimizer_in_backward else st.gradients
     last_grads = st.largest_grad if w.optimizer_in_backward else max(held, st.head_grads + st.layer_grads)
+    fresh = 0
+    if pipelined:  # (the layer's fresh gradients are temporaries until FSDP2's post-backward keeps them)
+        all_grads, last_grads = held + st.accumulated, held + (early or st.accumulated_head)
+        fresh = st.fresh_later if early else st.fresh_first
 
     forward = Breakdown(
-        weights=w_live, gradients=_with_buckets(st, held), optimizer=st.optimizer,
+        weights=w_live, gradients=_with_buckets(st, held + early), optimizer=st.optimizer,
         activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
         temporaries=casts_fwd + lm.forward_transient + 2 * workspace, kv_cache=stage.held(cache),
@@ -93,21 +107,50 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             weights=w_live, optimizer=st.optimizer,
             gradients=_with_buckets(st, last_grads + st.unsharded_grads),
             activations=acts + a.recompute + kept,
-            temporaries=casts_bwd + a.transient + temps + workspace + step_temp,
+            temporaries=casts_bwd + a.transient + temps + workspace + step_temp + fresh,
         ),
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
-            gradients=_with_buckets(st, all_grads + st.unsharded_grads),
+            gradients=_with_buckets(st, all_grads + st.unsharded_grads - (0 if early else st.accumulated_layer)),
             activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept,
-            temporaries=st.casts_layer + a.transient + temps + workspace + step_temp,
+            temporaries=st.casts_layer + a.transient + temps + workspace + step_temp + fresh,
         ),
     ]
+    if pipelined:
+        recv = receive * stage.receives * w.grad_accum
+        if not early:  # the next micro-batch's backward: one chunk fewer, every layer's gradients accumulated
+            instants.append(Breakdown(
+                weights=st.weights + st.gathered_end, optimizer=st.optimizer, gradients=held + st.accumulated,
+                activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept,
+                temporaries=st.casts_layer + a.transient + temps + workspace + st.fresh_later,
+            ))
+        instants.append(Breakdown(  # the end of the step: perform_reduce_grad reduce-scatters unit by unit
+            weights=st.weights + st.reduce[0], optimizer=st.optimizer, gradients=held + st.reduce[1],
+            activations=recv, temporaries=st.reduce[2] + workspace,
+        ))
+        if stage.embed and st.fresh_embed:  # the embeddings' backward: their new gradient beside the kept ones
+            for less, acc in ((1, st.accumulated - (0 if early else st.accumulated_embed)),
+                              *(((2, st.accumulated),) if not early else ())):
+                instants.append(Breakdown(
+                    weights=w_live, optimizer=st.optimizer, gradients=held + acc,
+                    activations=stage.held(a.layers, less) + kept, temporaries=st.fresh_embed + workspace,
+                ))
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
-            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held),
+            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held + early),
             activations=acts + a.head + lm.backward_saved + kept,
             temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
         ))
+        if pipelined and st.fresh_head_first:  # the head's weight gradients, beside the kept ones
+            loss_bwd = instants[-1]
+            instants.append(dataclasses.replace(
+                loss_bwd, gradients=held + (early or st.head_cast),
+                temporaries=loss_bwd.temporaries + (st.fresh_head if early else st.fresh_head_first)))
+            if not early:  # the next micro-batch's: one fewer in flight, every gradient accumulated
+                fewer = stage.held(a.layers) - stage.held(a.layers, 1) + (head_saved if earlier else 0)
+                instants.append(dataclasses.replace(
+                    loss_bwd, gradients=held + st.accumulated, activations=loss_bwd.activations - fewer,
+                    temporaries=loss_bwd.temporaries + st.fresh_head))
     if st.embed_grad_full:
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,

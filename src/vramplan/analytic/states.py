@@ -28,7 +28,7 @@ from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Wor
 from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
-from .parallel import Stage, fsdp_padding, local
+from .parallel import Stage, fsdp_padding, local, stage_groups
 from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
@@ -91,6 +91,36 @@ class States:
     """TP × FSDP2: the embedding's whole Replicate gradient (:func:`replicated_embedding_grad`),
     its TP-local copy and the head's unsharded gradient, alive at the embedding's backward
     until FSDP2 reduce-scatters the root unit."""
+    accumulated: int = 0
+    """Pipeline × FSDP2 (:func:`pipeline_fsdp`): the stage's unsharded gradients in the reduce
+    dtype, accumulated over the micro-batches until the end of the step."""
+    accumulated_head: int = 0
+    """Of those, the final norm's and the head's (made before the stage's last layer's backward)."""
+    accumulated_layer: int = 0
+    """Of those, the largest layer's, where they are autograd's own gradients (the reduce dtype
+    is the parameters'): in the first micro-batch they are the fresh ones until the layer's
+    post-backward keeps them; 0 where that post-backward casts a copy beside them."""
+    fresh_first: int = 0
+    """Pipeline × FSDP2: the gradients autograd makes for the layer whose backward runs, in the
+    parameters' dtype, before FSDP2's post-backward keeps them (the first micro-batch)."""
+    fresh_later: int = 0
+    """The same in later micro-batches: the 16-bit gradients under mixed precision, added into
+    the accumulated ones by the post-backward; in fp32 autograd adds each new gradient into the
+    kept ``grad`` in place, one tensor at a time (the largest)."""
+    fresh_head: int = 0
+    """The same for the final norm and the head (their unit's backward, later micro-batches)."""
+    fresh_head_first: int = 0
+    """The final norm's and the head's gradients in the first micro-batch's backward."""
+    head_cast: int = 0
+    """Their accumulated copy, which the first micro-batch's post-backward casts beside them
+    (0 where the reduce dtype is the parameters')."""
+    fresh_embed: int = 0
+    """The token embeddings' new gradient in the parameters' dtype (one tensor), every micro-batch."""
+    accumulated_embed: int = 0
+    """The token embeddings' accumulated gradient, where it is autograd's own (as ``accumulated_layer``)."""
+    reduce: tuple[int, int, int] = (0, 0, 0)
+    """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
+    held, the gradients and the reduce-scatter input at its highest instant."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -133,6 +163,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
     # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
     fsdp2 = p.framework is Engine.FSDP and p.zero >= 2 and w.training
+    pipelined = pipeline_fsdp(w)
     unit_pad = (0, 0, 0)  # (largest layer, embedding, head): FSDP2 all-gathers padded shards
     if fsdp2 and w.quant is Quant.NONE:
         embed_rows = (arch.vocab // p.tp if p.tp > 1 else arch.vocab) if stage.embed else 0
@@ -140,8 +171,11 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         unit_pad = (max((fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w) for g, _ in stage.groups),
                         default=0), fsdp_padding([], embed_rows, [], h, w), fsdp_padding([], 0, head_mats, h, w))
     if (p.zero == 3 or fsdp2) and w.training:
-        unit = max(layer + unit_pad[0], embed + unit_pad[1], head + unit_pad[2]) if p.zero == 3 else params + pad
-        gathered = (2 if p.zero == 3 else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
+        per_unit = p.zero == 3 and not pipelined  # a pipeline stage keeps every unit gathered (pipeline_fsdp)
+        unit = max(layer + unit_pad[0], embed + unit_pad[1], head + unit_pad[2]) if per_unit else params + pad
+        if pipelined:
+            unit += adapters  # (the adapters are FSDP2 parameters too, gathered with their unit)
+        gathered = (2 if per_unit else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
     if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
         # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
@@ -160,6 +194,10 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
                         + g.small_params * rg.compute for g, _ in stage.groups), default=0)
             gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
+            if pipelined:  # every unit of the stage stays gathered (pipeline_fsdp)
+                gathered = sum(n * sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
+                               + n * g.small_params * rg.compute for g, n in stage.groups) \
+                    + (embed + head + head_small) * min(rg.weight, rg.compute)
 
     # --- gradients and optimizer states -----------------------------------------------
     trainable = params if tr.full else adapters
@@ -223,22 +261,127 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             if rg.master and not p.offload_optimizer:
                 opt_temp = ds.step_fp32_grads(3, trainable // o_shard)
     gathered_end = gathered
-    if fsdp2 and p.zero == 2:
+    if fsdp2 and p.zero == 2 and not pipelined:
         gathered_end = (layer + embed + head + head_small) * min(rg.weight, rg.compute)
+    accumulated = accumulated_head = accumulated_embed = accumulated_layer = head_cast = 0
+    fresh_first = fresh_later = fresh_head = fresh_head_first = fresh_embed = 0
+    reduce = (0, 0, 0)
+    if pipelined:
+        units = _reduce_units(arch, stage, w, rg, tr, head_mats, extra)
+        accumulated = sum(a for _, a, _, _ in units)
+        accumulated_head = (sum(local(lin, w) for lin in head_mats) + head_small) * rg.grad if tr.full else 0
+        g16 = min(rg.weight, rg.compute)
+        # the reduce dtype is the parameters' (fp32): autograd's gradient is kept as it is, and
+        # later ones are added into it in place; else the post-backward casts a copy beside it
+        in_place = g16 == rg.grad
+        if in_place:
+            accumulated_layer = (layer if tr.full else layer_adapters) * rg.grad
+            accumulated_embed = embed * rg.grad if tr.full else 0
+        fresh_first = (layer if tr.full else layer_adapters) * g16
+        if tr.full:
+            largest_layer = max((local(lin, w) // max(1, lin.count) for g, _ in stage.groups for lin in g.linears),
+                                default=0)
+            fresh_later = (largest_layer if in_place else layer) * g16
+            heads = [local(lin, w) for lin in head_mats]
+            fresh_head = (max(heads, default=0) if in_place else sum(heads) + head_small) * g16
+            fresh_embed = embed * g16
+            fresh_head_first = (sum(heads) + head_small) * g16
+            head_cast = 0 if in_place else accumulated_head
+        else:
+            fresh_later = fresh_first
+        reduce = _reduce_peak(units, gathered)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
         # (FSDP2 CPU offload: each reduce-scattered shard is copied to the host and freed)
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full and not cpu else 0,
         layer_grads=0 if cpu else per_layer * rg.grad // g_shard,
-        unsharded_grads=(per_layer + (unit_pad[0] if tr.full else 0)) * rg.grad if p.zero >= 2 else 0,
+        unsharded_grads=0 if p.zero < 2 or pipelined else (per_layer + (unit_pad[0] if tr.full else 0)) * rg.grad,
         ddp_buckets=buckets,
         ddp_view=p.gradient_as_bucket_view and not (p.engine is Engine.DEEPSPEED and p.zero),
         opt_temp=opt_temp, casts_all=casts_all, casts_layer=casts_layer, dequant=dequant,
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if off_opt else _optimizer_temp(w, rg, largest, largest),
         host_optimizer=host_optimizer, host_step=host_step, embed_grad_full=embed_grad_full,
+        accumulated=accumulated, accumulated_head=accumulated_head,
+        accumulated_layer=accumulated_layer,
+        fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
+        fresh_head_first=fresh_head_first, head_cast=head_cast,
+        accumulated_embed=accumulated_embed, reduce=reduce,
     )
+
+
+def pipeline_fsdp(w: Workload) -> bool:
+    """Whether a pipeline stage is trained under FSDP2 as torchtitan runs it: ``pipeline_llm``
+    splits the model, then shards each part (torchtitan 0.3.0
+    ``distributed/pipeline_parallel.py:108-121``) with ``reshard_after_forward=False`` — the
+    ``"default"`` policy is ``not pp_enabled`` (``distributed/fsdp.py:54``), for ``zero=3`` and
+    ``zero=2`` alike — and torch's ``PipelineStage`` runs every micro-batch's backward with
+    resharding after backward and gradient sync off (torch 2.13
+    ``torch/distributed/pipelining/stage.py:843-847``) until ``perform_reduce_grad`` after the
+    last one (``stage.py:1164-1191``). So from the first forward to the end of the step the
+    stage's parameters stay gathered in ``param_dtype``, and its gradients accumulate unsharded
+    in the reduce dtype (``FSDPParam.unsharded_accumulated_grad``, ``_fsdp_param.py:802-820``;
+    under fp32 the unsharded parameter's ``grad``), reduce-scattered only at the end
+    (docs/research/pipeline-fsdp.md). Over one rank (``dp=1``) the pipeline is counted as without
+    data parallelism."""
+    p = w.parallel
+    return p.pp > 1 and w.training and p.framework is Engine.FSDP and p.zero >= 2 and p.shard_group > 1
+
+
+def _reduce_units(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable, head_mats: list[Linear],
+                  extra: int) -> list[tuple[int, int, int, int]]:
+    """The rank's FSDP2 units in the order ``perform_reduce_grad`` reduces them, each as
+    (gathered bytes, accumulated gradient bytes, reduce-scatter input bytes, the gradient
+    shard's bytes). Each stage (model part) reduces after its own last backward — on a rank
+    that holds several, the later stage first (its last micro-batch's backward runs before the
+    earlier stage's) — its units in the order of the modules: embeddings, layers, the final norm
+    with the head, the root's own parameters. The reduce-scatter input is padded as the shards
+    are (``foreach_reduce``, torch 2.13 ``_fsdp_collectives.py``); the accumulated gradients are not."""
+    p, h = w.parallel, arch.hidden
+    gather, quantised = min(rg.weight, rg.compute), w.quant is not Quant.NONE
+    out: list[tuple[int, int, int, int]] = []
+
+    def add(elems: int, adapters: int, pad: int, count: int = 1) -> None:
+        pad = 0 if quantised else pad
+        trains = elems if tr.full else adapters
+        rs = (trains + (pad if tr.full else 0)) * rg.grad
+        out.extend([((elems + pad + adapters) * gather, trains * rg.grad, rs, rs // p.shard_group)] * count)
+
+    ids = p.stage_ids(stage.index) if p.pp > 1 else (0,)
+    last = p.pp * p.stages_per_rank - 1
+    for i in sorted(ids, reverse=True):
+        if i == 0:
+            rows = arch.vocab // p.tp if p.tp > 1 else arch.vocab
+            add(arch.embed_params // p.tp, 0, fsdp_padding([], rows, [], h, w))
+        for g, n in stage_groups(arch, w, i) if p.pp > 1 else stage.groups:
+            add(sum(local(lin, w) for lin in g.linears) + g.small_params,
+                sum(tr.adapter_params(lin) for lin in g.linears), fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w), n)
+        if i == last and stage.head:
+            add(sum(local(lin, w) for lin in head_mats) + arch.head.small_params + arch.final_norm_params, 0,
+                fsdp_padding([], 0, head_mats, h, w))
+        if i == 0 and extra:
+            add(extra, 0, 0)
+    return out
+
+
+def _reduce_peak(units: list[tuple[int, int, int, int]], gathered: int) -> tuple[int, int, int]:
+    """(gathered bytes still held, gradients, reduce-scatter input) at the highest instant of
+    ``perform_reduce_grad``: each unit's ``post_backward`` reshards it, copies its accumulated
+    gradients into the reduce-scatter input (then freed) and makes its gradient shard; the
+    previous unit's input is released first (``reduce_scatter_max_input_buffers`` 1,
+    ``_fsdp_param_group.py``)."""
+    best = (0, 0, 0)
+    left = sum(a for _, a, _, _ in units)
+    freed = shards = 0
+    for g, a, rs, s in units:
+        freed += g
+        shards += s
+        now = (max(0, gathered - freed), left + shards, rs)
+        left -= a
+        if sum(now) > sum(best):
+            best = now
+    return best
 
 
 def quant_state_bytes(arch: Arch, stage: Stage, w: Workload) -> int:
