@@ -290,11 +290,14 @@ def test_peft_none_recipes_keep_plain_peft_defaults() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "peft"), [*((r, "none") for r in ALL), ("trl-sft", "lora"), ("unsloth", "qlora")])
-def test_every_recipe_traces_llama_8b(name: str, peft: str) -> None:
-    """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences)."""
+def test_every_recipe_traces_llama(name: str, peft: str) -> None:
+    """The default method (a trace) runs every recipe's loop on Llama-3.1-8B (short sequences); the
+    RL recipes, whose step generates, scores and trains (20-25 s each at 8B), on Llama-3.2-1B — the
+    same architecture, the same loop."""
     import vramplan
 
-    r = vramplan.estimate("llama-3.1-8b", recipe=name, peft=peft, method="trace", search_max_batch=False,
+    model = "llama-3.2-1b" if name in RL or name == "trl-grpo" else "llama-3.1-8b"
+    r = vramplan.estimate(model, recipe=name, peft=peft, method="trace", search_max_batch=False,
                           **{**_needs(name), "seq": 128, **({"prompt": 64} if _needs(name) else {}),
                              **({"gpu": "h100"} if name in RL else {})})
     assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
