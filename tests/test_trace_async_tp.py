@@ -49,11 +49,15 @@ def test_without_a_symmetric_memory_group_the_pass_fuses_nothing_and_plain_tp_is
     import torch.distributed._symmetric_memory as symm
 
     monkeypatch.setattr(symm, "_group_name_to_store", {})  # no group has symmetric memory
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # (restored after: the script sets it)
-    off = vramplan.run_script(SCRIPT, ["--no-symm-mem", "--no-async-tp"], gpu="h100-sxm", world=2, gpus=2, steps=2)
+    # (the script sets the switch: Inductor's own `patch` restores it; pytest's monkeypatch deletes a
+    # config attribute on undo, which torch 2.14's config module takes as "hide it")
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        off = vramplan.run_script(SCRIPT, ["--no-symm-mem", "--no-async-tp"], gpu="h100-sxm", world=2, gpus=2,
+                                  steps=2)
+        assert not inductor_config._micro_pipeline_tp
+        on = vramplan.run_script(SCRIPT, ["--no-symm-mem"], gpu="h100-sxm", world=2, gpus=2, steps=2)
+        assert inductor_config._micro_pipeline_tp  # the script did switch the pass on
     assert not inductor_config._micro_pipeline_tp
-    on = vramplan.run_script(SCRIPT, ["--no-symm-mem"], gpu="h100-sxm", world=2, gpus=2, steps=2)
-    assert inductor_config._micro_pipeline_tp  # the script did switch the pass on
     assert on.peak == off.peak and on.peak_phase == off.peak_phase
     assert any("torch.compile ignored" in n for n in on.notes)
 
