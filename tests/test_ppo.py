@@ -8,9 +8,6 @@ its live storage bytes tracked op by op (``trace.testing``'s tracker, as the mod
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import pytest
 import torch
 
@@ -18,7 +15,7 @@ from vramplan.models.normalize import spec_from_config
 from vramplan.trace import ppo
 from vramplan.trace.run import TraceOptions, trace_workload
 from vramplan.trace.steps import StepPlan, grpo_step
-from vramplan.trace.testing import _StoragePeak
+from vramplan.trace.testing import _RealStepSession, _StoragePeak
 from vramplan.workload import Objective, Phase, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
@@ -30,30 +27,7 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 B, ACCUM, SEQ, PROMPT = 2, 2, 40, 16
 
 
-class _RealSession:
-    """What the step asks of a trace session, for a real run: no recording, no decode extrapolation."""
-
-    extrapolate = False
-
-    def __init__(self) -> None:
-        self.rec = type("Rec", (), {"log": []})()
-        self.dispatch = type("Dispatch", (), {"bool_reads": False})()
-        self.autocast = None
-
-    def phase(self, _p: Any) -> Any:
-        return contextlib.nullcontext()
-
-    def backward(self) -> Any:
-        return contextlib.nullcontext()
-
-    def autocast_region(self, _on: bool) -> Any:
-        return contextlib.nullcontext()
-
-    def label_cache(self, *_a: Any) -> None: ...
-
-    def label_grads(self, *_a: Any) -> None: ...
-
-    def label_optimizer(self, *_a: Any) -> None: ...
+_RealSession = _RealStepSession  # (what the step asks of a trace session, for a real run)
 
 
 def _real_peak(w: Workload) -> int:

@@ -541,15 +541,15 @@ class _PartMarks:
 
 class _RealStepSession:
     """What the RL step asks of a trace session, for a real run: nothing recorded, no decode
-    extrapolation; its log's length marks the step's parts (:class:`_PartMarks`)."""
+    extrapolation; with a tracker, its log's length marks the step's parts (:class:`_PartMarks`)."""
 
     extrapolate = False
     autocast = None
 
-    def __init__(self, tracker: Any) -> None:
+    def __init__(self, tracker: Any = None) -> None:
         import contextlib
 
-        self.rec = type("Rec", (), {"log": _PartMarks(tracker)})()
+        self.rec = type("Rec", (), {"log": _PartMarks(tracker) if tracker is not None else []})()
         self.dispatch = type("Dispatch", (), {"bool_reads": False})()
         self._null = contextlib.nullcontext
 
