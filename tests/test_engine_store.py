@@ -129,19 +129,33 @@ def _estimate(tmp_path: Path, batch: int, *extra: str) -> tuple[dict, dict]:
     return json.loads(p.stdout), json.loads(p.stderr.strip().splitlines()[-1])
 
 
+def _cli_here(monkeypatch, capsys, tmp_path: Path, batch: int, *extra: str) -> dict:
+    """The same command as :func:`_estimate` in this process (torch already imported: no start-up
+    per call), on the store of ``_env``, the process's own caches emptied first."""
+    from vramplan.cli.main import main
+    from vramplan.engine import cache
+
+    cache.clear()
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(store.OFF_ENV, "0")  # on; and put back after the test (`--no-cache` sets it to 1 here)
+    capsys.readouterr()
+    assert main([*ARGS, "--batch", str(batch), *extra]) in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
 def _figures(d: dict) -> dict:
     return {k: v for k, v in d.items() if k != "notes"}
 
 
-def test_a_repeated_estimate_is_answered_from_the_store_without_torch(tmp_path: Path) -> None:
-    first, mods = _estimate(tmp_path, 4)
-    assert mods["torch"]
-    again, mods = _estimate(tmp_path, 4)
+def test_a_repeated_estimate_is_answered_from_the_store_without_torch(tmp_path: Path, monkeypatch, capsys) -> None:
+    first = _cli_here(monkeypatch, capsys, tmp_path, 4)  # traced here, stored
+    again, mods = _estimate(tmp_path, 4)  # a new process: answered from the store
     assert not mods["torch"] and not mods["transformers"]
     assert _figures(again) == _figures(first)
     assert any("stored by an earlier run" in n for n in again["notes"])
-    fresh, _ = _estimate(tmp_path, 4, "--no-cache")
+    fresh = _cli_here(monkeypatch, capsys, tmp_path, 4, "--no-cache")
     assert _figures(fresh) == _figures(first)
+    assert not any("stored by an earlier run" in n for n in fresh["notes"])
 
 
 def _in_process(monkeypatch, tmp_path: Path, seq: int, batch: int, *, store_on: bool = True) -> dict:
@@ -160,14 +174,16 @@ def _in_process(monkeypatch, tmp_path: Path, seq: int, batch: int, *, store_on: 
     return r.to_dict()
 
 
-def test_a_nearby_batch_is_written_from_stored_traces_and_equals_a_fresh_one(tmp_path: Path, monkeypatch) -> None:
+def test_a_nearby_batch_is_written_from_stored_traces_and_equals_a_fresh_one(tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
     for b in (2, 4, 6):
         _in_process(monkeypatch, tmp_path, 64, b)
     monkeypatch.delenv(store.DIR_ENV)
     written, mods = _estimate(tmp_path, 5)  # (a fresh process: no torch imported for it)
     assert not mods["torch"]
     assert any("written from the traces at batches" in n for n in written["notes"])
-    fresh, _ = _estimate(tmp_path, 5, "--no-cache")
+    fresh = _cli_here(monkeypatch, capsys, tmp_path, 5, "--no-cache")
+    assert not any("written from the traces" in n for n in fresh["notes"])
     assert _figures(written) == _figures(fresh)
 
 
@@ -180,14 +196,14 @@ def test_a_nearby_sequence_length_is_written_from_four_stored_traces(tmp_path: P
     assert _figures(written) == _figures(fresh)
 
 
-def test_no_cache_writes_nothing_and_cache_command_reports_and_clears(tmp_path: Path) -> None:
+def test_no_cache_writes_nothing_and_cache_command_reports_and_clears(tmp_path: Path, monkeypatch, capsys) -> None:
     env = _env(tmp_path)
     run = [sys.executable, "-m", "vramplan.cli.main"]
-    subprocess.run([*run, *ARGS, "--batch", "2", "--no-cache"], env=env, check=True, capture_output=True, timeout=600)
+    _cli_here(monkeypatch, capsys, tmp_path, 2, "--no-cache")
     info = json.loads(subprocess.run([*run, "cache", "--format", "json"], env=env, check=True, capture_output=True,
                                      text=True).stdout)
     assert info["entries"] == 0 and info["directory"] == str(tmp_path / "cache")
-    subprocess.run([*run, *ARGS, "--batch", "2"], env=env, check=True, capture_output=True, timeout=600)
+    _cli_here(monkeypatch, capsys, tmp_path, 2)
     info = json.loads(subprocess.run([*run, "cache", "--format", "json"], env=env, check=True, capture_output=True,
                                      text=True).stdout)
     assert info["kinds"]["trace"]["entries"] >= 1 and info["bytes"] > 0

@@ -22,9 +22,20 @@ def _args(e: Entry, root: Path) -> list[str]:
     return [a.replace("ROOT", str(root)) for a in e.args]
 
 
+def _library(e: Entry) -> str:
+    return e.needs or e.package
+
+
+FRESH = {next(e.name for e in ZOO if _library(e) == lib) for lib in {_library(e) for e in ZOO}}
+"""The first entry of each library runs in a new process, its libraries imported under the
+emulated GPU as ``vramplan run`` imports them (what a library detects when it is imported is
+checked there); the others in processes forked from a server that imported them already."""
+
+
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
 def test_a_real_script_matches_its_cpu_run(entry: Entry, root: Path) -> None:
-    c = run(entry, root)  # in its own process: vramplan run, then the script for real on the CPU
+    # in its own process: vramplan run, then the script for real on the CPU
+    c = run(entry, root, fresh=entry.name in FRESH)
     if "skip" in c:
         pytest.skip(c["skip"])
     assert c["ran"] and c["params"] > 0

@@ -17,6 +17,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -350,16 +351,119 @@ ZOO: tuple[Entry, ...] = (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(entry: Entry, root: Path, *, timeout: float = 600) -> dict:
-    """Run ``entry`` in a fresh Python process (``tests/zoo/run_entry.py``: ``vramplan run`` and the
-    real CPU run, compared) and return what it printed: the comparison, or ``{"skip": why}``."""
+FORK_PRELOAD = ("transformers", "trl", "peft", "datasets", "accelerate", "diffusers", "lightning",
+                "vramplan.engine.script", "vramplan.script.truth", "zoo")
+"""What the fork server imports for the entries :func:`run` forks (``fresh=False``): their
+libraries, imported once per test process instead of once per entry (seconds each)."""
+
+
+def _truth(entry: Entry, root: Path, *, forked: bool) -> Any:
+    """The real CPU run of ``entry`` (rank 0 of a real gloo run when it runs on several processes,
+    launched as torchrun would; ``forked``: the ranks forked from the fork server)."""
+    from vramplan.script.truth import cpu_truth, cpu_truth_world
+
+    path = entry.path()
+    assert path is not None
+    argv = [a.replace("ROOT", str(root)) for a in [*entry.args, *entry.cpu]]
+    if entry.world > 1:
+        return cpu_truth_world(path, argv, world=entry.world, steps=entry.steps, forked=forked)
+    return cpu_truth(path, argv, steps=entry.steps)
+
+
+def compare_entry(name: str, root: Path, truth: Any = None) -> dict:
+    """``vramplan run`` of the entry and the real CPU run of the same script (``truth``: already
+    run), compared (or ``{"skip": why}``), as one JSON-able dictionary."""
+    import dataclasses
+    import time
+
+    entry = next(e for e in ZOO if e.name == name)
+    why = entry.available()
+    if why:
+        return {"skip": why}
+    import vramplan
+    from vramplan.script.truth import compare
+
+    fixtures(root, torchtune=(entry.needs == "torchtune"))
+    path = entry.path()
+    assert path is not None
+    argv = [a.replace("ROOT", str(root)) for a in entry.args]
+    t0 = time.perf_counter()
+    r = vramplan.run_script(path, argv, gpu="h100-sxm", workspaces=False, steps=entry.steps, world=entry.world,
+                            gpus=entry.world)
+    t1 = time.perf_counter()
+    if truth is None:
+        truth = _truth(entry, root, forked=False)
+    c = compare(r, truth, entry.known)
+    out = dataclasses.asdict(c)
+    out.update(residual=c.residual, unexplained=c.unexplained, error=c.error, live=len(truth.at_peak),
+               ran=r.ran.line() if r.ran else "", params=r.params, run_s=t1 - t0, torch=torch.__version__)
+    return out
+
+
+def _forked_entry(name: str, root: str, extra: list[str], env: dict[str, str], out: str, truth: Any) -> None:
+    """:func:`compare_entry` in a process forked from the fork server: the caller's environment,
+    ``extra`` first on the path, output to ``out + '.log'``, the result to ``out``; the process
+    ends without the interpreter's teardown (as the gloo ranks do)."""
+    import os
+    import sys
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = extra
+    log = os.open(out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        result = json.dumps(compare_entry(name, Path(root), truth))
+    except BaseException:  # noqa: BLE001 (reported to the caller with its traceback)
+        traceback.print_exc()
+        result = ""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(out, "w") as f:
+        f.write(result)
+    os._exit(0)
+
+
+def run(entry: Entry, root: Path, *, fresh: bool = True, timeout: float = 600) -> dict:
+    """Run ``entry`` in a process of its own and return its :func:`compare_entry`.
+
+    ``fresh``: a new Python process (``tests/zoo/run_entry.py``) in which the script imports its
+    libraries under the emulated GPU, as ``vramplan run`` does. Otherwise a process forked from
+    the fork server (:func:`vramplan.trace.testing.fork_context`, preloading :data:`FORK_PRELOAD`):
+    the libraries are imported before the emulation starts, as in a notebook calling
+    ``vramplan.run_script`` — the same script run, seconds faster."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     env = dict(os.environ)
     extra = [str(REPO / p) for p in entry.path_extra]
     env["PYTHONPATH"] = os.pathsep.join([*extra, env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    if not fresh:
+        from vramplan.trace.testing import fork_context, preload_in_fork_server
+
+        preload_in_fork_server(*FORK_PRELOAD)
+        truth = None
+        script = entry.path()
+        if entry.world > 1 and script is not None and script.is_file():  # (the ranks are forked from here: the
+            truth = _truth(entry, root, forked=True)                     # fork server is this process's)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result")
+            p = fork_context().Process(target=_forked_entry, args=(entry.name, str(root), extra, env, out, truth))
+            p.start()
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+                raise AssertionError(f"{entry.name}: did not finish in {timeout:g} s")
+            result = Path(out).read_text() if os.path.exists(out) else ""
+            if p.exitcode != 0 or not result:
+                log = Path(out + ".log").read_text(errors="replace") if os.path.exists(out + ".log") else ""
+                raise AssertionError(f"{entry.name}: exit {p.exitcode}\n{log[-3000:]}")
+            return json.loads(result)
     p = subprocess.run([sys.executable, str(Path(__file__).with_name("run_entry.py")), entry.name, str(root)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]

@@ -325,11 +325,16 @@ def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]]
 
 
 def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, steps: int = 2,
-                    timeout: float = 600.0) -> Truth:
+                    timeout: float = 600.0, forked: bool = False) -> Truth:
     """The script launched as ``world`` processes on the CPU (as ``torchrun --nproc-per-node
     WORLD`` would: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a local rendezvous; the script's own
     ``init_process_group`` picks gloo on the CPU), each tracked as :func:`cpu_truth` does; the
-    truth of rank 0 (what ``vramplan run -- torchrun …`` emulates)."""
+    truth of rank 0 (what ``vramplan run -- torchrun …`` emulates).
+
+    ``forked``: the ranks are forked from the fork server of
+    :func:`vramplan.trace.testing.fork_context` (its preloaded libraries, one thread each) instead
+    of started as new interpreters — the same run, without importing torch and the script's
+    libraries once per rank."""
     import json
     import os
     import socket
@@ -340,17 +345,34 @@ def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
+        procs: list[Any] = []
         for rank in range(world):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
             out = Path(tmp) / f"rank{rank}.json"
+            if forked:
+                from ..trace.testing import fork_context
+
+                proc = fork_context().Process(target=_forked_rank, args=(str(out), steps, str(path), list(argv), env))
+                proc.start()
+                procs.append(proc)
+                continue
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "vramplan.script.truth", str(out), str(steps), str(path), *argv], env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         errors = []
         for p in procs:
+            if forked:
+                p.join(timeout)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+                err_file = Path(tmp) / f"rank{procs.index(p)}.json.err"
+                if p.exitcode:
+                    errors.append(err_file.read_text(errors="replace")[-2000:] if err_file.exists() else
+                                  f"exit {p.exitcode}")
+                continue
             try:
                 _, err = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -363,6 +385,27 @@ def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, s
         d = json.loads((Path(tmp) / "rank0.json").read_text())
     return Truth(peak=d["peak"], at_peak=[tuple(x) for x in d["at_peak"]], steps=d["steps"],  # type: ignore[misc]
                  forwards=d["forwards"])
+
+
+def _forked_rank(out: str, steps: int, script: str, argv: list[str], env: dict[str, str]) -> None:
+    """One rank of :func:`cpu_truth_world` in a forked process (``forked=True``)."""
+    import json
+    import os
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d and d not in sys.path]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # (as the new interpreters' output: discarded; errors kept beside the result)
+    os.dup2(os.open(out + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    torch.set_num_threads(1)  # (OMP_NUM_THREADS=1 is read when torch loads: the server loaded it)
+    t = cpu_truth(script, argv, steps=steps)
+    Path(out).write_text(json.dumps({"peak": t.peak, "at_peak": t.at_peak, "steps": t.steps, "forwards": t.forwards}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no interpreter teardown: a gloo thread still joinable then can abort it)
 
 
 def _rank_main() -> int:

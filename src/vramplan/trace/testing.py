@@ -363,6 +363,29 @@ _FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "
 """What the fork server of :func:`_spawn_gloo` imports before it forks the ranks: the modules
 the real runs load."""
 
+_PRELOAD_MORE: list[str] = []
+
+
+def preload_in_fork_server(*modules: str) -> None:
+    """Have the fork server of :func:`fork_context` import ``modules`` too (besides
+    :data:`_FORKSERVER_PRELOAD`). Read when the server starts, on its first use in this process
+    (one server per process, as multiprocessing keeps it): call this before, e.g. when a test
+    module is imported. A module that does not import is skipped by the server."""
+    _PRELOAD_MORE.extend(m for m in modules if m not in _PRELOAD_MORE)
+
+
+def fork_context() -> Any:
+    """multiprocessing's ``forkserver`` context, its server preloading :data:`_FORKSERVER_PRELOAD`
+    and what :func:`preload_in_fork_server` added; ``spawn`` where there is no fork server
+    (Windows)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*_FORKSERVER_PRELOAD, *_PRELOAD_MORE])  # (read when the server starts)
+    return ctx
+
 
 def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     """``worker(rank, *args)``, then the process ends without the interpreter's teardown: once
@@ -390,7 +413,6 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
     environment as it is at the call (``env``, set by the worker). ``spawn`` where there is no
     fork server (Windows)."""
     import json
-    import multiprocessing
     import os
     import socket
     import tempfile
@@ -398,9 +420,7 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
 
     import torch.multiprocessing as mp
 
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method == "forkserver":  # (read when the server starts: the first call)
-        multiprocessing.get_context(method).set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    method = fork_context().get_start_method()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
