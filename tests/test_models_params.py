@@ -223,6 +223,11 @@ HUB_EXACT = {
     # model.safetensors.index.json total_size / 2 (bf16), the 7B's ModelScope model_size
     "qwen2.5-vl-3b": 3_754_622_976,
     "qwen2.5-vl-7b": 8_292_166_656,
+    # Gemma3ForConditionalGeneration (vision tower, projector, language model; the head tied):
+    # the totals public from_pretrained load checks of google/gemma-3-4b-it assert, and the
+    # 27B's (the model pages' "4.3B" / "27.4B" safetensors figures)
+    "gemma-3-4b": 4_300_079_472,
+    "gemma-3-27b": 27_432_406_640,
 }
 
 

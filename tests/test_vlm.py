@@ -121,7 +121,7 @@ def test_square_processors_are_transformers_own(tmp_path: Path) -> None:
     """Gemma 3 and LLaVA resize every image to the tower's square: the image processors' output
     and LLaVA's own token rule (``LlavaProcessor.replace_image_token``)."""
     big = np.zeros((768, 1024, 3), dtype=np.uint8)
-    gemma = resolve(str(_write(tmp_path, GEMMA3_SPARSE)))
+    gemma = resolve("gemma-3-4b")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pv = transformers.Gemma3ImageProcessor(size={"height": 896, "width": 896})(images=[big], return_tensors="pt")
@@ -130,6 +130,7 @@ def test_square_processors_are_transformers_own(tmp_path: Path) -> None:
     g = image_tokens(gemma, 1024, 768)
     assert tuple(pv["pixel_values"].shape[-2:]) == (g.height, g.width) == (896, 896)
     assert (g.patches, g.tokens, g.markers) == (4096, 256, 4)
+    assert image_tokens(resolve("gemma-3-27b"), 300, 2000) == g  # one SigLIP tower for every size
     (tmp_path / "l").mkdir()
     for strategy in ("default", "full"):
         config = {**LLAVA, "vision_feature_select_strategy": strategy,
@@ -172,6 +173,16 @@ def test_a_sparse_hub_config_takes_the_class_defaults(tmp_path: Path) -> None:
     assert (spec.hidden, spec.layers) == (2560, 34)
 
 
+def test_the_gemma3_text_defaults_table_is_the_config_class() -> None:
+    """The sizes a sparse Gemma 3 config leaves out are read from a table (resolving a catalog
+    model imports no transformers): the table is ``Gemma3TextConfig``'s own defaults."""
+    from vramplan.models.normalize import TEXT_CLASS_DEFAULTS
+
+    for model_type, table in TEXT_CLASS_DEFAULTS.items():
+        own = transformers.AutoConfig.for_model(model_type)
+        assert table == {k: getattr(own, k) for k in table}, model_type
+
+
 def test_gemma3_batches_carry_the_token_types(tmp_path: Path) -> None:
     spec = resolve(str(_write(tmp_path, GEMMA3)))
     kw, shadows = inputs(spec, batch=2, seq=5, images=2, width=300, height=200)
@@ -212,6 +223,20 @@ def test_estimate_of_a_vlm_counts_its_image_tokens(tiny: Path) -> None:
                             method="trace", gpu="h100-sxm")
     cache = {p.phase.value if hasattr(p.phase, "value") else p.phase: p.breakdown.kv_cache for p in gen.phases}
     assert set(cache) >= {"prefill", "decode"} and cache["decode"] > 0
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mllama"])
+def test_generate_of_gemma3_and_llama_vision_encodes_the_images_in_the_prefill(tmp_path: Path, kind: str) -> None:
+    """``generate`` of the two image-token families: the prefill takes the image (its tokens, or
+    Llama 3.2 Vision's tiles for the cross-attention layers), the decode steps grow the cache."""
+    config = _write(tmp_path, TINIES[kind])
+    base = dict(task="generate", seq=16, new_tokens=8, method="trace", gpu="h100-sxm")
+    text = vramplan.estimate(str(config), **base)
+    one = vramplan.estimate(str(config), images=1, image_size=140, image_height=112, **base)
+    cache = {p.phase.value if hasattr(p.phase, "value") else p.phase: p.breakdown.kv_cache for p in one.phases}
+    assert set(cache) >= {"prefill", "decode"} and cache["decode"] > 0
+    assert one.peak.allocated > text.peak.allocated
+    assert any("image" in n and "per sequence" in n for n in one.notes)
 
 
 def test_images_on_a_text_model_and_bad_sizes_are_one_line(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:

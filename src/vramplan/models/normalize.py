@@ -239,12 +239,26 @@ _TEXT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_
               "intermediate_size", "vocab_size", "max_position_embeddings")
 
 
+TEXT_CLASS_DEFAULTS: dict[str, dict[str, int]] = {
+    # Gemma3TextConfig's sizes (transformers 5.24 models/gemma3/configuration_gemma3.py:73-81):
+    # the catalog's Gemma 3 configs name few of them, and resolving a catalog model imports no
+    # transformers (tests/test_vlm.py checks this table against the class)
+    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131_072},
+}
+
+
 def text_defaults(text: Mapping[str, Any]) -> Mapping[str, Any]:
     """``text_config`` with the sizes a Hub config leaves to the class defaults (Gemma 3's lists
     five keys; heads, head size and vocabulary are ``Gemma3TextConfig``'s) filled in from
-    transformers' config class, when it is installed; as written otherwise."""
+    :data:`TEXT_CLASS_DEFAULTS`, else from transformers' config class when it is installed; as
+    written otherwise."""
     if all(k in text for k in _TEXT_KEYS):
         return text
+    known = TEXT_CLASS_DEFAULTS.get(str(text.get("model_type")))
+    if known is not None:
+        return {**known, **text}
     try:
         from .hf_import import import_transformers
 

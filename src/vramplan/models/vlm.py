@@ -1,6 +1,6 @@
 """Vision-language models: how many tokens an image becomes, and the batch a step takes.
 
-Three processor families (:data:`PROCESSORS`, keyed by the config's ``model_type``):
+Four processor families (:data:`PROCESSORS`, keyed by the config's ``model_type``):
 
 * **Qwen2-VL / Qwen2.5-VL** resize each image so both sides are multiples of
   ``patch_size × merge_size`` (28 pixels) with the area inside ``[min_pixels, max_pixels]``
@@ -15,10 +15,22 @@ Three processor families (:data:`PROCESSORS`, keyed by the config's ``model_type
   ``mm_tokens_per_image`` (256) soft tokens; the processor writes
   ``"\\n\\n<start_of_image>" + 256 × <image_soft_token> + "<end_of_image>\\n\\n"`` and returns
   ``token_type_ids`` (1 on the image tokens: their attention is bidirectional within an image)
-  (``Gemma3Processor``; pan-and-scan crops, off by default, are not modelled).
+  (``Gemma3Processor``; pan-and-scan crops, off by default, are not modelled). In transformers
+  5.24: ``processing_gemma3.py:41-49`` (``image_seq_length`` 256, the expanded sequence),
+  ``:29`` (``do_pan_and_scan`` False), ``modeling_gemma3.py:647-650`` (the tower's 64 × 64
+  patches average-pooled to √256 = 16 per side). Catalog: ``gemma-3-4b``, ``gemma-3-27b``.
 * **LLaVA** (1.5) resizes and centre-crops to the CLIP tower's square (336) and puts one
   ``<image>`` token per patch (576; the ``default`` feature strategy drops the CLS position)
   (``LlavaProcessor._get_number_of_features``).
+* **Llama 3.2 Vision** (``mllama``) fits each image to the canvas of up to ``max_num_tiles`` (4)
+  tiles of the tower's side (560) that keeps the most resolution (``get_optimal_tiled_canvas``,
+  ``image_processing_pil_mllama.py:279``), pads the tiles to ``max_num_tiles``
+  (``pixel_values`` ``[batch, images, 4, 3, 560, 560]``, ``:85-118``), names the canvas by its
+  aspect-ratio id and mask (``:51-78``), and puts one ``<|image|>`` token in the text; the tower
+  encodes every tile slot, ``(560 / 14)² + 1`` = 1,601 positions a tile with the class token
+  (``modeling_mllama.py:148``), for the cross-attention layers, which the processor's
+  cross-attention mask gates (``processing_mllama.py:27``, ``:75``). No catalog entry: no verbatim
+  public copy of the Llama 3.2 Vision config.json was found (docs/research/vlm-configs.md).
 
 Videos (Qwen2-VL / Qwen2.5-VL only: :func:`video_tokens`), as transformers 5.24's
 ``Qwen2VLVideoProcessor`` and ``Qwen2_5_VLProcessor`` make them:
