@@ -26,7 +26,8 @@ def probe() -> dict:
         pytest.skip(".quant-deps is not installed (make test installs it from requirements/quant.txt)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DEPS), *sys.path]))
     out = subprocess.run([sys.executable, str(Path(__file__).parent / "float8_probe.py"),
-                          "tensorwise", "rowwise", "rowwise-gw-hp", "fsdp", "fsdp-fp8-gather"],
+                          "tensorwise", "rowwise", "rowwise-gw-hp", "fsdp", "fsdp-fp8-gather",
+                          "mxfp8-emulated", "mxfp8-bytes"],
                          env=env, capture_output=True, text=True, timeout=900)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("FLOAT8-PROBE ")]
     assert line, out.stderr[-3000:]
@@ -70,11 +71,40 @@ def test_float8_is_refused_where_it_is_not_modelled() -> None:
                  gpu="a100-sxm4-80gb", seq=64)
 
 
-def test_mxfp8_is_refused_with_its_cause() -> None:
-    # torchao 0.18's MXFP8Linear: the default kernels assert triton (and torchao's CUDA mxfp8 cast);
-    # torchtitan 0.3.0's converter itself refuses below sm100
-    with pytest.raises(TraceError, match="sm100.*block-scaled"):
-        estimate("llama-3.2-1b", task="train", precision="bf16", float8="mxfp8", method="trace", gpu="b200", seq=64)
+def test_mxfp8_emulated_traces_as_torchao_runs_on_the_cpu(probe) -> None:
+    # torchao's MXFP8Linear on every linear (the head too), KernelPreference.EMULATED: its to_mx
+    # casts and dequantise-then-mm are pure torch, so the same converted model runs on the CPU
+    r = probe["mxfp8-emulated"]
+    assert abs(r["traced"] - r["real"]) <= 0.001 * r["real"], r
+
+
+def test_mxfp8_casts_allocate_the_hand_computed_bytes(probe) -> None:
+    # torchtitan's recipe (AUTO: Triton dim-0 and CUDA dim-1 casts, cuBLAS block-scaled mm) on one
+    # linear [M, K] -> [M, N] (mxfp8_linear.py:84-269): each cast allocates 1 byte per value plus one
+    # e8m0 scale per 32 values; to_blocked copies each mm operand's scales twice (two reshapes of a
+    # permuted view, utils.py:67-70); nothing more is saved for backward than bf16 saves
+    r = probe["mxfp8-bytes"]
+    m, k, n = r["shape"]
+    forward = m * k + n * k  # input and weight, dim 0 (mxfp8_linear.py:123-138)
+    backward = m * n + n * k + m * n + m * k  # grad_out dim 0, weight dim 1, grad_out dim 1, input dim 1
+    got = r["mxfp8"]["bytes"]
+    assert got["forward:fp8"] == forward and got["backward:fp8"] == backward, got
+    assert got["forward:scale"] == forward // 32 and got["backward:scale"] == backward // 32, got
+    assert got["forward:blocked"] == 2 * forward // 32 and got["backward:blocked"] == 2 * backward // 32, got
+    assert r["none"]["bytes"] == {}, r
+    assert r["mxfp8"]["live_at_backward"] == r["none"]["live_at_backward"], r  # saved: the bf16 input and weight
+    assert r["restored"], r  # the kernel stand-ins are gone after the step
+
+
+def test_mxfp8_is_refused_where_it_does_not_run() -> None:
+    # torchtitan 0.3.0's converter refuses below sm100 (mx.py:70); torchao's Triton dim-0 cast takes bf16 only
+    with pytest.raises(TraceError, match="sm100"):
+        estimate("llama-3.2-1b", task="train", precision="bf16", float8="mxfp8", method="trace", gpu="h100-sxm", seq=64)
+    with pytest.raises(TraceError, match="bf16 only"):
+        estimate("llama-3.2-1b", task="train", precision="fp32", float8="mxfp8", method="trace", gpu="b200", seq=64)
+    with pytest.raises(TraceError, match="with `compile` is not traced"):
+        estimate("llama-3.2-1b", task="train", precision="bf16", float8="mxfp8", method="trace", gpu="b200", seq=64,
+                 compile=True)
 
 
 def test_float8_needs_torchao_and_says_so() -> None:

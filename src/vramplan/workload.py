@@ -174,7 +174,7 @@ class Float8(_StrEnum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     ROWWISE_GW_HP = "rowwise-gw-hp"  # torchao's "rowwise_with_gw_hp"
-    MXFP8 = "mxfp8"  # torchao's MXFP8Linear (torchtitan's quantize.linear.mx): refused by the trace
+    MXFP8 = "mxfp8"  # torchao's MXFP8Linear on every linear (torchtitan's quantize.linear.mx), sm100+
 
 
 class Attention(_StrEnum):
@@ -620,8 +620,10 @@ class Workload:
     float8: Float8 = Float8.NONE
     """FP8 training: torchao's ``convert_to_float8_training`` with this recipe (its
     ``Float8Linear`` for each linear but the output head and those with a dimension not a
-    multiple of 16, as torchtitan filters them). Traced by running torchao itself (installed
-    beside vramplan), on sm89+ GPUs; the analytic method refuses it."""
+    multiple of 16, as torchtitan filters them); ``mxfp8``: torchao's ``MXFP8Linear`` on every
+    linear, the head included (torchtitan's ``quantize.linear.mx``), sm100+ and bf16 only. Traced
+    by running torchao itself (installed beside vramplan), on sm89+ GPUs; the analytic method
+    refuses it."""
     float8_fsdp_all_gather: bool = False
     """torchao's ``enable_fsdp_float8_all_gather`` (tensorwise only): FSDP2 all-gathers the
     weights cast to fp8."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._triton import has_triton
 
 from ..errors import TraceError
 from .facts import DeviceFacts
@@ -117,6 +118,7 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
                        multi_processor_count=facts.sm_count, L2_cache_size=facts.l2_cache)
     cuda = torch.cuda
     stack = contextlib.ExitStack()
+    stack.callback(_forget_triton_answer, has_triton.cache_info().currsize == 0)
 
     def put(owner: Any, name: str, impl: Callable[..., Any] | Any, *, exact: bool = True) -> None:
         """Replace ``owner.name`` by ``impl`` behind the real one's signature (only where this torch has it)."""
@@ -268,6 +270,16 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
             yield st
     finally:
         pass
+
+
+def _forget_triton_answer(fresh: bool) -> None:
+    """torch's ``has_triton()`` is cached per process (torch/utils/_triton.py, ``functools.cache``)
+    and, asked inside the emulated GPU, says yes: a library imported there (torchao's kernels
+    modules test it at import) would leave that answer to every later import in the process
+    (torchao 0.18's MoE Triton kernels then fail to define on a host whose Triton they do not
+    match). An answer first given inside is forgotten on the way out, as in a new process."""
+    if fresh:
+        has_triton.cache_clear()
 
 
 def _legacy_type(name: str, dtype: torch.dtype) -> type:

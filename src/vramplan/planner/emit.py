@@ -61,10 +61,12 @@ def emit(plan: Plan, fmt: str) -> Emitted:
     w = plan.workload
     if fmt != "alloc-conf" and w.float8.value != "none":
         gather = " with the FSDP float8 all-gather" if w.float8_fsdp_all_gather else ""
+        how = ("torchao's MXFP8Linear on every linear (torchtitan's quantize.linear.mx converter)"
+               if w.float8.value == "mxfp8" else
+               "torchao's convert_to_float8_training (Float8LinearConfig.from_recipe_name) or torchtitan's float8 "
+               "model converter")
         out = dataclasses.replace(out, notes=(*out.notes, (
-            f"float8 training ({w.float8}{gather}) is not written: convert the model with torchao's "
-            f"convert_to_float8_training (Float8LinearConfig.from_recipe_name) or torchtitan's float8 model "
-            "converter, as the estimate did")))
+            f"float8 training ({w.float8}{gather}) is not written: convert the model with {how}, as the estimate did")))
     return out
 
 

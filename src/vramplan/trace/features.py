@@ -209,20 +209,22 @@ def apply_quant(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_P
 
 
 FLOAT8_SM = (8, 9)
+MXFP8_SM = (10, 0)
 
 
 def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_PROFILE) -> list[str]:
     """torchao's ``convert_to_float8_training`` with the workload's recipe, run for real on the
     meta model: its ``Float8Linear`` casts and ``_scaled_mm`` calls are what the trace records.
     Filtered as torchtitan filters (``float8.py``): not the output head, and no linear with a
-    dimension that is not a multiple of 16."""
+    dimension that is not a multiple of 16. ``mxfp8``: torchao's ``MXFP8Linear`` on every linear
+    (:func:`_apply_mxfp8`, :mod:`.mxfp8`)."""
     if w.float8 is Float8.NONE:
         return []
-    if w.float8 is Float8.MXFP8:
-        raise TraceError("MXFP8 training (torchao 0.18's MXFP8Linear, torchtitan's `quantize.linear.mx`) is not traced: "
-                         "its casts are Triton and CUDA kernels (torchao's _C_mxfp8) and its matmul needs sm100's "
-                         "block-scaled fp8, none of which runs without a Blackwell GPU; its emulated mode allocates "
-                         "other buffers (it dequantises)", hint="use `float8=rowwise` (torchtitan's float8 default)")
+    if w.float8 is Float8.MXFP8 and device.usable is not None and device.sm < MXFP8_SM:
+        raise TraceError(f"MXFP8 training needs an sm100+ GPU (torchtitan's converter checks "
+                         f"has_cuda_capability(10, 0); torchao's MXFP8 casts and torch._scaled_mm's e8m0 block scales "
+                         f"are Blackwell kernels); {device.name} is sm{device.sm[0]}{device.sm[1]}",
+                         hint="pick a B200/GB200, or use `float8=rowwise`")
     if device.usable is not None and device.sm < FLOAT8_SM:
         raise TraceError(f"float8 training needs an sm89+ GPU (fp8 tensor cores for torch._scaled_mm); "
                          f"{device.name} is sm{device.sm[0]}{device.sm[1]}", hint="pick an H100/H200/L40S/B200, or drop `float8`")
@@ -231,6 +233,8 @@ def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_
                          "autocast casts torchao's fp8 tensors where CUDA's leaves them to torchao",
                          hint="use `precision=bf16`, or FSDP (`zero=3`: its mixed precision has no autocast), as "
                               "torchtitan trains float8")
+    if w.float8 is Float8.MXFP8:
+        return _apply_mxfp8(model, w)
     try:
         import torchao
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -258,6 +262,39 @@ def apply_float8(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_
     return [f"float8 training ({recipe}): {before - after} linear layers converted to torchao {torchao.__version__}'s "
             f"Float8Linear (its own code traced), the output head and layers with a dimension not a multiple of 16 "
             f"kept{gather}"]
+
+
+def _apply_mxfp8(model: nn.Module, w: Workload) -> list[str]:
+    """torchtitan 0.3.0's ``quantize.linear.mx``: every linear becomes torchao's ``MXFP8Linear``
+    with its defaults (:mod:`.mxfp8`); the trace runs it under :func:`.mxfp8.kernel_stand_ins`."""
+    if w.compile:
+        raise TraceError("MXFP8 training with `compile` is not traced: torchtitan's mxfp8 recipe compiles the model, "
+                         "and the trace's per-block AOTAutograd emulation of torchao's mx_mm (an allow_in_graph "
+                         "autograd function around Triton/CUDA casts) is unchecked: it keeps a different saved set "
+                         "from the eager trace, with nothing to compare it with",
+                         hint="drop `compile` (the eager MXFP8 step, torchao's code as it runs uncompiled)")
+    if compute_dtype(w) != torch.bfloat16:
+        raise TraceError(f"MXFP8 training casts bf16 only (torchao's Triton dim-0 cast asserts bfloat16 input); "
+                         f"`precision={w.precision}` computes in {_name(compute_dtype(w))}",
+                         hint="use `precision=bf16`, or `bf16-mixed` with FSDP (`zero=3`), as torchtitan trains")
+    try:
+        import torchao
+
+        from . import mxfp8
+    except ImportError as e:
+        raise TraceError(f"MXFP8 training is traced by running torchao's own MXFP8Linear, and torchao does not import "
+                         f"here ({type(e).__name__}: {e})", hint="pip install torchao (0.18 tested)") from e
+    bad = mxfp8.bad_dims(model)
+    if bad:
+        name, d_in, d_out = bad[0]
+        raise TraceError(f"MXFP8 training: `{name}` is {d_in} -> {d_out}, and torchao's MXFP8 casts need every "
+                         f"dimension a multiple of 32 ({len(bad)} such linear layer(s); torchtitan's converter "
+                         "filters none, and the cast asserts)", hint="use `float8=rowwise`")
+    n = mxfp8.convert(model)
+    return [f"MXFP8 training (torchtitan's quantize.linear.mx): {n} linear layers, the output head included, "
+            f"converted to torchao {torchao.__version__}'s MXFP8Linear (kernel_preference=AUTO, RCEIL scales; its own "
+            "code traced, its Triton dim-0 and CUDA dim-1 casts stood in for by their output allocations: fp8 data + "
+            "e8m0 scale per 32 values); backward keeps the bf16 input and weight, as bf16 does"]
 
 
 def apply_experts_impl(model: nn.Module, sm: tuple[int, int]) -> list[str]:

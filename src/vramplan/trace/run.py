@@ -28,7 +28,7 @@ from ..models.build import quiet
 from ..models.spec import ModelSpec
 from ..results import HOST_ACTIVATIONS
 from ..target import DEFAULT_PROFILE, DeviceProfile
-from ..workload import Attention, Loss, Objective, Peft, Quant, Task, Workload
+from ..workload import Attention, Float8, Loss, Objective, Peft, Quant, Task, Workload
 from . import (
     context_parallel,
     dist,
@@ -707,11 +707,16 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if w.training else 0
         notes += features.apply_quant(model, w, device or DEFAULT_PROFILE)
         notes += features.apply_float8(model, w, device or DEFAULT_PROFILE)
+        if w.float8 is Float8.MXFP8:  # torchao's sm100 casts, stood in for during the step only
+            from .mxfp8 import kernel_stand_ins
+
+            step_context = kernel_stand_ins
         features.to_trace_device(model)
         if mesh is not None and w.parallel.tp > 1 and not lora_tp:  # torchtitan's order: TP, then checkpointing
             notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
-                step_context = tensor_parallel.loss_parallel
+                step_context = tensor_parallel.loss_parallel if step_context is None else functools.partial(
+                    _both, tensor_parallel.loss_parallel, step_context)
             seq = _sequence_length(batch) // w.parallel.cp
             if w.parallel.sp and seq:
                 masks = functools.partial(tensor_parallel.full_length_masks, seq)
