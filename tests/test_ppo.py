@@ -16,7 +16,7 @@ from vramplan.trace import ppo
 from vramplan.trace.run import TraceOptions, trace_workload
 from vramplan.trace.steps import StepPlan, grpo_step
 from vramplan.trace.testing import _RealStepSession, _StoragePeak
-from vramplan.workload import Objective, Phase, Reference, Workload
+from vramplan.workload import Objective, Phase, Precision, Reference, Workload
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,3 +160,29 @@ def test_ppo_workloads_are_checked() -> None:
     w = Workload(task="train", objective="ppo", batch=3, seq=64, prompt=8, generations=1)
     assert (w.rl, w.reference_source, w.batch_step) == (True, Reference.NONE, 1)
     assert any("`reward_model` applies" in n for n in Workload(task="train", reward_model=True).setting_notes())
+
+
+def test_the_reward_model_is_bf16_and_sharded_under_verl_ppo() -> None:
+    """verl 0.7.0 loads the reward model in bf16 whatever the actor's dtype (fsdp_workers.py L1729-L1741) and
+    FULL_SHARDs it over every rank: under `recipe=verl-ppo` (bf16-mixed: an fp32 policy and critic) over 2
+    ranks, the reward model adds its parameters × 2 B / 2 to each rank's weights, in the trace and the analytic."""
+    from vramplan import recipes
+    from vramplan.analytic.estimate import estimate
+
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    opts = TraceOptions(workspaces=False, count_flops=False)
+    h = CONFIG["hidden_size"]
+    policy = sum(p.numel() for p in transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).parameters())
+    rm = policy - CONFIG["vocab_size"] * h + h  # (the LM head dropped, a scalar head added)
+    # (FSDP2 pads dim 0 to the world size: the scalar head's one row is a whole row on each rank)
+    want = (rm - h) * 2 // 2 + h * 2
+    traced, analytic = [], []
+    for reward_model in (False, True):
+        w = recipes.apply("verl-ppo", batch=1, grad_accum=1, seq=24, prompt=8, rollout="hf", dp=2,
+                          reward_model=reward_model)
+        assert w.precision is Precision.BF16_MIXED and w.parallel.zero == 3
+        r = trace_workload(spec, w, options=opts)
+        traced.append({p.phase: p.breakdown for p in r.phases}[Phase.OPTIMIZER].weights)
+        analytic.append(estimate(spec, w).states.weights)
+    assert 0 <= traced[1] - traced[0] - want <= 512, (traced, want)  # (+ the rotary buffers' bf16 copies)
+    assert abs(analytic[1] - analytic[0] - want) / want < 0.01, (analytic, want)

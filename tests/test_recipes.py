@@ -150,6 +150,9 @@ def test_caveats_say_what_is_not_modelled() -> None:
     verl = recipes.notes(recipes.apply("verl-grpo", batch=5))
     assert any("param_offload" in n and "upper bound" in n for n in verl)  # the reference offloaded by verl
     assert any("full-vocabulary logits" in n for n in verl)
+    rm = recipes.notes(recipes.apply("verl-ppo", reward_model=True))  # the reward model offloaded by verl
+    assert any("CPUOffload" in n and "use_reward_loop" in n and "upper bound" in n for n in rm)
+    assert not any("use_reward_loop" in n for n in recipes.notes(recipes.apply("verl-ppo")))
     assert any("colocate_all" in n for n in recipes.notes(recipes.apply("openrlhf-ppo", prompt=512)))
 
 

@@ -575,7 +575,7 @@ class Workload:
     released after each generation (`sleep(level=2)`) and mapped again before the next."""
     reward_model: bool = False
     """`objective=grpo` or ppo: a frozen reward model (the policy's backbone with a scalar head, in
-    the policy's dtype) scores each completion under no_grad after the rollout (verl
+    16 bits: the compute dtype, bf16 under fp32, as verl and OpenRLHF load it) scores each completion under no_grad after the rollout (verl
     `reward_model.enable`, OpenRLHF `--reward.model_name_or_path`); False: rule-based rewards."""
     reference: Reference = Reference.AUTO
     """The objective's reference: auto (as TRL: DPO/KTO: the policy with adapters disabled under

@@ -20,6 +20,7 @@ from typing import Any
 
 from vramplan.errors import WorkloadError
 from vramplan.models.spec import ModelSpec
+from vramplan.precision import precision_model
 from vramplan.results import Breakdown, PhasePeak
 from vramplan.workload import (
     Checkpointing,
@@ -54,7 +55,7 @@ def estimate_grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
 def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
                        estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None) -> AnalyticEstimate:
     """GRPO's phases with the value models of :mod:`vramplan.trace.ppo` beside them: the reward model's
-    weights (frozen, the backbone and a scalar head) resident; PPO's critic (the same shape, trained in
+    weights (frozen, the backbone and a scalar head, 16-bit) resident; PPO's critic (the same shape, trained in
     full) resident with its weights and optimizer states, its gradients during its own update, which
     runs before the policy's with the policy's gradients freed: the full model's training step less
     its head's states, beside the policy's weights and optimizer states."""
@@ -65,7 +66,9 @@ def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None
     head = spec.vocab * spec.hidden if not spec.tie_embeddings else 0
     body = 1 - head / spec.params if spec.params else 1.0
     fs = full.states
-    rm = int(fs.weights * body) if w.reward_model else 0
+    # the reward model in 16 bits (trace.ppo.reward_dtype: verl and OpenRLHF load it in bf16), sharded as
+    # the policy's weights are
+    rm = int(fs.weights * body * 2 / precision_model(full_w).weight) if w.reward_model else 0
     critic = Breakdown(weights=int(fs.weights * body), optimizer=int(fs.optimizer * body)) \
         if w.objective is Objective.PPO else Breakdown()
     held = Breakdown(weights=rm) + critic

@@ -211,6 +211,14 @@ def _verl_caveats(w: Workload) -> tuple[str, ...]:
                    f"(`ref.fsdp_config.param_offload=True`, {_VERL_GRPO}#L33) and loads it in bf16 "
                    "(fsdp_workers.py L326); the estimate keeps a frozen copy in the policy's dtype resident: an "
                    "upper bound")
+    if w.reward_model:
+        out.append("verl loads the reward model in bf16 (fsdp_workers.py L1729-L1741), as the estimate does, and "
+                   "FULL_SHARD-wraps it over every rank with its parameters offloaded to the CPU (`CPUOffload("
+                   "offload_params=True)`, L1758; FSDP2 `CPUOffloadPolicy`, L1764), gathered only for its forward; "
+                   "with the config's `reward_model.use_reward_loop: true` (gen.yaml L514) it is served instead by a "
+                   "colocated vLLM engine asleep outside its scoring (ray_trainer.py L819-L845, "
+                   "verl/experimental/reward_loop/reward_model.py). The estimate keeps its bf16 shards resident on the "
+                   "GPU: an upper bound")
     if w.parallel.dp > 1:
         out.append("verl's default `strategy: fsdp` is FSDP1 (flat parameters, gen.yaml L45, L398); the estimate "
                    "shards the actor and the critic with FSDP2 (verl's `strategy=fsdp2`, fsdp_utils.py `apply_fsdp2`): "

@@ -7,15 +7,14 @@ the reference's log-probabilities), scored besides by
   trained in full with its own gradients and optimizer states; its values of the completion tokens
   under ``no_grad`` after the rollout;
 - the **reward model** (``reward_model``): the same shape, frozen, one score per sequence (its last
-  token) under ``no_grad``;
+  token) under ``no_grad``, its weights in 16 bits (:func:`reward_dtype`);
 
 then the advantages and returns of GAE per completion token (fp32), and the updates in verl's order
 (``ray_trainer.fit``: ``update_critic``, then ``update_actor``): ``grad_accum`` critic micro-steps
 (forward, the clipped value loss, backward; then its optimizer step and ``zero_grad``), then the
 policy's micro-steps of :func:`.grpo.forward_loss` with per-token advantages.
 
-The value models are made from the model as loaded, before PEFT: in the policy's dtype, the
-critic under the workload's checkpointing (verl's critic ``enable_gradient_checkpointing: true``).
+The value models are made from the model as loaded, before PEFT: the critic in the policy's dtype, under the workload's checkpointing (verl's critic ``enable_gradient_checkpointing: true``).
 Under FSDP (``dp=N, zero=3``) each is sharded with FSDP2 beside the policy on the same ranks, as
 verl's workers shard them in one process per GPU (``run._lay_out_value_model``;
 docs/research/rl-frameworks.md).
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from ..workload import Objective, Phase, Workload
+from .features import compute_dtype
 from .loss import causal_lm_parts
 
 VALUE_CLIP = 0.5
@@ -52,12 +52,25 @@ class ValueModel(nn.Module):
         return self.score(hidden)
 
 
+def reward_dtype(w: Workload) -> torch.dtype:
+    """The frozen reward model's weight dtype: the compute dtype when it is 16-bit, else bf16. verl 0.7.0's
+    ``RewardModelWorker`` loads it with ``torch_dtype=torch.bfloat16`` and casts it there whatever the actor's
+    dtype (verl/workers/fsdp_workers.py L1729-L1741); OpenRLHF 0.11.0's ``RewardModelActor`` loads it in
+    ``--ds.param_dtype`` (bf16 by default, or fp16; openrlhf/trainer/ray/launcher.py L161-L168,
+    openrlhf/models/model.py L94, L114). docs/research/rl-frameworks.md."""
+    dtype = compute_dtype(w)
+    return dtype if dtype.itemsize == 2 else torch.bfloat16
+
+
 def value_copy(model: nn.Module, w: Workload, *, trained: bool) -> ValueModel:
-    """A value model of ``model``'s architecture (its weights copied as loaded; the LM head dropped)."""
+    """A value model of ``model``'s architecture (its weights copied as loaded; the LM head dropped):
+    the critic (``trained``) in the model's dtype, the frozen reward model in :func:`reward_dtype`."""
     hf, backbone, _head = causal_lm_parts(model)
     like = next(iter(backbone.parameters()))
     hidden = int(getattr(hf.config, "hidden_size", like.shape[-1]))
     m = ValueModel(copy.deepcopy(backbone), hidden, like)
+    if not trained:
+        m.to(reward_dtype(w))
     m.requires_grad_(trained)
     m.train(trained)
     return m
