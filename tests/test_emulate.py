@@ -374,6 +374,21 @@ def test_the_users_line_is_never_vramplans_own_frame_beside_the_script() -> None
     assert runner._user_frame(frames, script).endswith("train.py:7")
 
 
+def test_the_users_line_is_found_through_a_symlinked_folder(tmp_path: Path) -> None:
+    # a library folder reached through a symlink (a dependency folder linked into a checkout):
+    # its frames are resolved as the script's folder is, and the line keeps the path as run
+    import traceback
+
+    from vramplan.script import runner
+
+    (tmp_path / "real" / "pkg").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    script = tmp_path / "link" / "train.py"
+    frames = [traceback.FrameSummary(str(script), 3, "<module>"),
+              traceback.FrameSummary(str(tmp_path / "link" / "pkg" / "fsdp.py"), 51, "enable")]
+    assert runner._user_frame(frames, script).endswith(str(Path("link", "pkg", "fsdp.py")) + ":51")
+
+
 def test_data_assignment_across_host_and_device_keeps_the_object(tmp_path: Path) -> None:
     """``param.data = param.to("cuda")`` (FSDP1's own move, ``_move_states_to_device``) on a small
     host model: on a GPU the Parameter object stays (CPU and CUDA tensors are shallow-copy

@@ -959,10 +959,10 @@ def _user_frame(tb: Any, path: Path) -> str:
     best = ""
     frames = tb if isinstance(tb, list) else traceback.extract_tb(tb)
     for fs in frames:
-        f = os.path.abspath(fs.filename)
+        f = os.path.realpath(fs.filename)  # (resolved as the folder is: a symlinked folder is the same one)
         if f == str(path.resolve()) or (f.startswith(folder + os.sep) and "site-packages" not in f
                                         and not f.startswith(_PACKAGE)):
-            best = f"{os.path.relpath(f)}:{fs.lineno}"
+            best = f"{os.path.relpath(os.path.abspath(fs.filename))}:{fs.lineno}"
     return best or str(path)
 
 
