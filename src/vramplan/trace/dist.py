@@ -487,6 +487,11 @@ def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:
     reset = getattr(param_cls, "reset_sharded_param", None)
     if reset is not None:
         param_cls.reset_sharded_param = _rebinding_reset(reset)
+    symm = getattr(group_cls, "set_symm_mem", None)  # torch ≥ 2.10: FSDP2's buffers on symmetric memory
+    if symm is not None:
+        from .fsdpsymm import refuse_symm_mem
+
+        group_cls.set_symm_mem = refuse_symm_mem
     if validate is not None:
         group_cls._validate_no_meta_params = lambda self: None
     if validate_cpu is not None:  # CPU offload wants the shards on "cpu": ours are meta, booked as host memory
@@ -513,6 +518,8 @@ def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:
             group_cls._validate_cpu_offload_params = validate_cpu
         if reset is not None:
             param_cls.reset_sharded_param = reset
+        if symm is not None:
+            group_cls.set_symm_mem = symm
         if init_outputs is not None:
             param_cls.init_all_gather_outputs = init_outputs
         if chunker is not None:
