@@ -75,12 +75,34 @@ def test_a_tied_head_is_a_copy_on_the_last_stage():
         assert _states(traced[st.index])[1:] == (a.gradients, a.optimizer)
 
 
-def test_pipeline_with_tensor_parallelism_falls_back_with_a_reason():
+@pytest.mark.parametrize("parallel, extra, match", [
+    (Parallel(pp=2, tp=2), {"task": "infer"}, r"pipeline × tensor parallelism is traced for full-weight training, "
+                                              r"as torchtitan runs it .*; `pp=2` with `tp=2` and inference is not"),
+    (Parallel(pp=2, tp=2), {"peft": "lora"}, r"and `peft=lora` is not \(LoRA under TP is traced with transformers'"),
+    (Parallel(pp=2, tp=2, cp=2), {}, r"`cp=2` with pipeline parallelism or generation is not"),
+])
+def test_pipeline_with_tensor_parallelism_refuses_the_rest_with_its_cause(parallel, extra, match):
     spec = tiny_spec("llama-3.1-8b", layers=4)
-    w = Workload(task="train", batch=1, seq=32, grad_accum=2, parallel=Parallel(pp=2, tp=2))
-    with pytest.raises(TraceError, match="pipeline parallelism is traced"):
+    w = Workload(batch=1, seq=32, grad_accum=2, parallel=parallel, **{"task": "train", **extra})
+    with pytest.raises(TraceError, match=match):
         estimate(spec, w, method="trace", search_max_batch=False)
     assert estimate(spec, w, search_max_batch=False).method is Method.ANALYTIC
+
+
+def test_pipeline_with_tensor_parallelism_hands_on_the_tp_local_hidden_states():
+    """PP × TP (issue 34), torchtitan's order: each stage's part tensor-parallelised on the mesh's
+    tp dimension (sequence parallel: the blocks' outputs are the rank's sequence shard); the
+    stage's receive buffers are those local hidden states, so the last pipeline rank's
+    activations shrink with sequence parallelism."""
+    spec = tiny_spec("llama-3.1-8b", layers=2)
+    w = Workload(task="train", batch=1, seq=64, grad_accum=2, parallel=Parallel(pp=2, tp=2))
+    plain = dict(trace_pipeline_stages(spec, w, iterations=1))
+    sp = dict(trace_pipeline_stages(spec, w.replace(parallel=Parallel(pp=2, tp=2, sp=True)), iterations=1))
+    fwd = [{r: [p for p in t.phases if p.phase is Phase.FORWARD][0].breakdown.activations for r, t in x.items()}
+           for x in (plain, sp)]
+    assert fwd[1][1] < fwd[0][1]
+    note = " ".join(sp[1].notes)
+    assert "tensor + sequence parallelism on each pipeline stage's part over the mesh's tp=2" in note
 
 
 @pytest.mark.parametrize("parallel, precision", [
@@ -116,7 +138,7 @@ def test_pipeline_with_fsdp2_shards_each_stage(parallel, precision):
 @pytest.mark.parametrize("parallel, extra, match", [
     (Parallel(pp=2, dp=2), {}, r"FSDP2 on each stage .* `dp=2` with DDP \(`zero=0`\) is not"),
     (Parallel(pp=2, dp=2, zero=2), {}, r"with DeepSpeed \(`zero=2`\) is not"),
-    (Parallel(pp=2, dp=2, zero=3, tp=2), {}, r"on a \(pp, dp\) mesh; with `tp=2` it is not yet"),
+    (Parallel(pp=2, dp=2, zero=3, cp=2), {}, r"on a \(pp, dp\[, tp\]\) mesh; with `cp=2` it is not yet"),
     (Parallel(pp=2, dp=2, zero=3, offload_params=True), {}, "CPU offload with pipeline parallelism"),
     (Parallel(pp=2, dp=2, zero=3), {"peft": "lora"}, "full-weight training; `peft=lora` is not"),
 ])

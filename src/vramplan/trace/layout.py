@@ -128,8 +128,10 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
     parallelism (``pipeline_llm``: the model split into stages, then ``parallelize_fn`` on each
     model part, which ends in ``apply_fsdp_to_decoder``; torchtitan 0.3.0
     ``distributed/pipeline_parallel.py``, ``models/llama3/parallelize.py``) on torchtitan's mesh,
-    ``(pp, dp_replicate, dp_shard, …)``. The traced rank is data-parallel rank 0 of its pipeline
-    rank (FSDP2 pads every shard to the same size: the data-parallel ranks hold the same bytes).
+    ``(pp, dp_replicate, dp_shard, cp, tp)``, each part tensor-parallelised first on ``tp``
+    (:func:`.pipeline_parallel.tensor_parallelise`). The traced rank is data- (and tensor-)
+    parallel rank 0 of its pipeline rank (FSDP2 pads every shard to the same size: the
+    data-parallel ranks hold the same bytes).
 
     ``reshard_after_forward`` is False on every unit: torchtitan's ``fsdp_reshard_after_forward``
     policy ``"default"`` resolves to ``not pp_enabled`` (``distributed/fsdp.py``
@@ -154,10 +156,10 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
         raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
                          "under `pp` is not checked against a real run)",
                          hint="use `method=analytic`, or drop `offload_params`/`offload_optimizer`")
-    if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        dims = ", ".join(f"`{k}={v}`" for k, v in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)) if v > 1)
-        raise TraceError(f"pipeline parallelism with FSDP2 is traced on a (pp, dp) mesh; with {dims} it is not yet "
-                         "(torchtitan's tensor/context-parallel plans on each stage are not laid out here)",
+    if p.cp > 1 or p.ep > 1:
+        dims = ", ".join(f"`{k}={v}`" for k, v in (("cp", p.cp), ("ep", p.ep)) if v > 1)
+        raise TraceError(f"pipeline parallelism with FSDP2 is traced on a (pp, dp[, tp]) mesh; with {dims} it is not "
+                         "yet (torchtitan's context-parallel / expert plans on each stage are not laid out here)",
                          hint="use `method=analytic` for this layout, or drop those dimensions")
     if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
         raise TraceError("pipeline parallelism with FSDP2 is traced for full-weight training; "
@@ -165,8 +167,8 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
                          "is not (not checked against a real run)", hint="use `method=analytic`, or `zero=0`")
     shard = p.dp_shard if 0 < p.dp_shard < p.dp else p.dp
     # (`dp=1`: torchtitan still applies fully_shard, over one rank: its mixed-precision policy)
-    mesh: list[tuple[str, int]] = [("pp", p.pp), ("dp_replicate", p.dp // shard), ("dp", shard)]
-    world = World(tuple(d for d in mesh if d[0] != "dp_replicate" or d[1] > 1))
+    mesh: list[tuple[str, int]] = [("pp", p.pp), ("dp_replicate", p.dp // shard), ("dp", shard), ("tp", p.tp)]
+    world = World(tuple(d for d in mesh if d[0] not in ("dp_replicate", "tp") or d[1] > 1))
     per_stage = world.size // p.pp
     return Layout(dataclasses.replace(world, rank=pp_rank * per_stage), "fsdp2", reshard_after_forward=False,
                   pipeline=True)

@@ -23,6 +23,10 @@ is the schedule's. The ranks that bound the others are traced
 micro-batches in flight), rank 1 (the most layers of the middle ranks, no fewer micro-batches in
 flight than the ranks after it) and the last (head, logits, loss).
 
+With tensor parallelism each rank's parts are tensor-parallelised on the world's ``tp``
+dimension before the rest (:func:`tensor_parallelise`; torchtitan's ``(pp, dp_replicate,
+dp_shard, cp, tp)`` mesh), and the stages hand on the TP-local hidden states.
+
 The schedule's P2P warm-up vote (torch >= 2.13, ``_PipelineSchedule._warmup_p2p``) reads a
 tensor's value, which a fake process group never fills: it is replaced by its outcome for
 stages built with static shapes (``InferenceMode.STATIC``).
@@ -75,13 +79,21 @@ class _Stage(nn.Module):
         self.lm = lm
         self.first = first
         self.last = last
+        self.positions = 0
+        """Under sequence parallelism the whole sequence's length (:func:`tensor_parallelise`):
+        the stage's hidden states are its tensor-parallel rank's sequence shard, from which
+        transformers would derive shard-long rotary positions; explicit ``position_ids`` for the
+        whole sequence are passed instead, as the tensor-parallel trace's batch carries them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a stage before the last returns the decoder's hidden states (the causal LM's
         # `lm_head(hidden[:, slice])` would hand on a view, which the zero-bubble schedules'
         # input-gradient step cannot `detach_()`)
         run: Any = self.lm if self.last else self.lm.model
-        out = run(input_ids=x, use_cache=False) if self.first else run(inputs_embeds=x, use_cache=False)
+        kw: dict[str, Any] = {"use_cache": False}
+        if self.positions:
+            kw["position_ids"] = torch.arange(self.positions, device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+        out = run(input_ids=x, **kw) if self.first else run(inputs_embeds=x, **kw)
         return out.logits if self.last else out.last_hidden_state
 
 
@@ -117,6 +129,26 @@ def split(model: nn.Module, index: int, bounds: tuple[tuple[int, int], ...]) -> 
         inner.norm = nn.Identity()
         model.lm_head = nn.Identity()
     return _Stage(model, first, last), StageSpec(index, stages, first, last, (lo, hi))
+
+
+def tensor_parallelise(model: nn.Module, mesh: Any, *, sp: bool, seq: int) -> list[str]:
+    """Tensor-parallelise each model part of a pipeline rank (:class:`Chunks`) over the 1-D
+    ``mesh`` (the world's ``tp`` dimension), as torchtitan's ``pipeline_llm`` runs
+    ``parallelize_fn`` on each part after the split (torchtitan 0.3.0
+    ``distributed/pipeline_parallel.py:108–121``; its ``parallelize_llama`` applies TP first): the
+    plan of :func:`.tensor_parallel.apply_tensor_parallel` with the embeddings' style on the first
+    stage only and the norm's and head's on the last only. The stages then hand on the blocks'
+    local outputs: each tensor-parallel rank's sequence shard under ``sp``, the whole (replicated)
+    hidden states without."""
+    from .tensor_parallel import apply_tensor_parallel
+
+    notes: list[str] = []
+    parts: Any = model.parts
+    for part in parts:
+        notes = apply_tensor_parallel(part.lm, mesh, sp=sp, stage=True)
+        if sp:
+            part.positions = seq
+    return notes
 
 
 class Chunks(nn.Module):
@@ -237,10 +269,14 @@ def returns_outputs(schedule: Any) -> bool:
 
 def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: int,
                 microbatches: int, seq: int, hidden: int, vocab: int, act_dtype: torch.dtype,
-                out_dtype: torch.dtype, training: bool = True, group: Any = None) -> Callable[[Any, Any], None]:
+                out_dtype: torch.dtype, training: bool = True, group: Any = None, tp: int = 1,
+                sp: bool = False) -> Callable[[Any, Any], None]:
     """A step runner (``runner(sess, plan)``) that runs this rank's part of one step of ``schedule``.
 
     ``group``: the pipeline's process group (the mesh's ``pp`` dimension; default the world).
+    ``tp``/``sp``: the parts are tensor-parallel (:func:`tensor_parallelise`): the hidden states a
+    stage receives and sends are the local ones (``seq / tp`` tokens under ``sp``), the last
+    stage's logits its vocabulary shard (the loss-parallel cross-entropy reads them).
     ``training=False``: a forward-only step of one micro-batch (``ScheduleGPipe`` without a loss
     under ``torch.no_grad()``: torch runs no backward when grad mode is off)."""
     from torch.distributed.pipelining import PipelineStage
@@ -249,6 +285,7 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
     if not training:
         microbatches = 1
     state: dict[str, Any] = {}
+    local = seq // tp if sp else seq
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -256,9 +293,9 @@ def make_runner(model: Chunks, specs: list[StageSpec], *, schedule: str, micro: 
     def stage_of(mod: nn.Module, spec: StageSpec, sess: Any, plan: Any) -> Any:
         meta = torch.device("meta")
         x = (torch.zeros(micro, seq, dtype=torch.long, device=meta) if spec.first
-             else torch.zeros(micro, seq, hidden, dtype=act_dtype, device=meta))
-        y = torch.zeros(micro, seq, vocab if spec.last else hidden, dtype=out_dtype if spec.last else act_dtype,
-                        device=meta)
+             else torch.zeros(micro, local, hidden, dtype=act_dtype, device=meta))
+        y = (torch.zeros(micro, seq, -(-vocab // tp), dtype=out_dtype, device=meta) if spec.last
+             else torch.zeros(micro, local, hidden, dtype=act_dtype, device=meta))
         # static shapes; hidden states carry gradients between stages, token ids and logits-to-loss do not
         if not spec.first and training:
             x.requires_grad_(True)

@@ -412,20 +412,33 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
         # the hidden states a stage hands on: FSDP2's mixed precision computes in 16-bit, no autocast
         act = features.compute_dtype(w) if layout is not None else features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
-        world = layout.world if layout is not None else dist.World((("pp", pp),), rank=rank)
+        # torchtitan's mesh, (pp, [dp_replicate,] dp, tp); the traced rank is tp (and dp) rank 0
+        world = layout.world if layout is not None else dist.World(
+            (("pp", pp),) + ((("tp", p.tp),) if p.tp > 1 else ()), rank=rank * p.tp)
         with dist.fake_world(world) as mesh:
-            group = submesh(mesh, "pp").get_group() if layout is not None else None
+            group = submesh(mesh, "pp").get_group() if len(world.dims) > 1 else None
+            tp_notes: list[str] = []
+            if p.tp > 1:  # torchtitan's parallelize_fn on each part: TP first (then AC, FSDP)
+                tp_notes = pipeline_parallel.tensor_parallelise(model, submesh(mesh, "tp"), sp=p.sp, seq=w.seq)
             runner = pipeline_parallel.make_runner(
                 model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
-                hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training, group=group)
+                hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training, group=group,
+                tp=p.tp, sp=p.sp)
             pipeline_parallel.p2p_on_meta(group)
-            prepared = _prepare(model, ((), {}), w.replace(checkpointing="none"), [*(notes or ()), *part_notes],
-                                f"{spec.name} rank {rank}", device)
+            prepared = _prepare(model, ((), {}), w.replace(checkpointing="none"),
+                                [*(notes or ()), *tp_notes, *part_notes], f"{spec.name} rank {rank}", device)
             prepared.params = prepared.trainable = params  # the whole model's, as a one-GPU trace reports
             if w.peft is not Peft.NONE:
                 prepared.trainable = whole_trainable()
-            if layout is not None:
+            if layout is not None or p.tp > 1:
                 prepared.mesh, prepared.layout = mesh, layout
+            if p.tp > 1:  # the last stage's loss-parallel cross-entropy; whole-length masks under SP
+                contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = [tensor_parallel.loss_parallel]
+                if prepared.step_context is not None:  # (the model's own, e.g. float8 kernel stand-ins)
+                    contexts.append(prepared.step_context)
+                if p.sp:
+                    contexts.append(functools.partial(tensor_parallel.full_length_masks, w.seq))
+                prepared.step_context = functools.partial(_both, *contexts)
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
     return results
 
@@ -492,10 +505,17 @@ def _parallel_notes(w: Workload) -> list[str]:
         raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
                          f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
                          hint="use `method=analytic`")
-    if p.pp > 1 and (p.tp > 1 or w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
+    if p.pp > 1 and (w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
-                         f"inference without tensor parallelism; `pp={p.pp}` with this workload is not (torch's "
-                         "pipelining has no generation loop)", hint="use `method=analytic`")
+                         f"inference; `pp={p.pp}` with this workload is not (torch's pipelining has no generation "
+                         "loop; quantised or QLoRA stages are not traced)", hint="use `method=analytic`")
+    if p.pp > 1 and p.tp > 1 and (not w.training or w.peft is not Peft.NONE):
+        what = "inference" if not w.training else f"`peft={w.peft}`"
+        raise TraceError(f"pipeline × tensor parallelism is traced for full-weight training, as torchtitan runs it "
+                         f"(checked against a real gloo run); `pp={p.pp}` with `tp={p.tp}` and {what} is not ("
+                         + ("torch's pipelining forward-only step with vocabulary-sharded logits is not checked"
+                            if not w.training else "LoRA under TP is traced with transformers' own tp_plan, whose "
+                            "pipeline loading is not traced") + ")", hint="use `method=analytic`, or drop `tp`")
     if p.pp > 1 and not w.training and p.stages_per_rank > 1:
         raise TraceError(f"pipeline inference is traced with one stage per rank; {p.pp_schedule} holds "
                          f"{p.stages_per_rank}", hint="use `pp_schedule=1F1B` (or GPipe) for inference, or "

@@ -69,14 +69,18 @@ class TensorParallelLayout:
     layers: nn.ModuleList
     layer_path: str
     """Dotted path of the decoder layers (``model.layers``)."""
-    embed: str
+    embed: str | None
+    """None: a pipeline stage after the first (its stage holds no embeddings)."""
     norm: str | None
     head: str | None
 
 
-def find_layout(model: nn.Module) -> TensorParallelLayout:
+def find_layout(model: nn.Module, *, stage: bool = False) -> TensorParallelLayout:
     """The decoder layers, embeddings, final norm and head of a Llama-style transformers model.
 
+    ``stage``: the model is a pipeline stage's part (:func:`.pipeline_parallel.split`): the
+    embeddings only on the first stage, the final norm and the head only on the last (elsewhere
+    ``nn.Identity``, left out of the plan), as torchtitan's plan applies to each model part.
     Raises :class:`TraceError` for any other model (the plan names its modules)."""
     layers_path, layers = "", None
     for name, mod in model.named_modules():
@@ -91,11 +95,16 @@ def find_layout(model: nn.Module) -> TensorParallelLayout:
     base = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
     prefix = f"{base}." if base else ""
     mods = dict(model.named_modules())
-    embed = f"{prefix}embed_tokens"
+    embed: str | None = f"{prefix}embed_tokens"
     if not isinstance(mods.get(embed), nn.Embedding):
-        raise TraceError(f"{type(model).__name__} has no `{embed}` embedding where torchtitan's Llama plan "
-                         "shards the vocabulary", hint="use `method=analytic`")
+        if stage and getattr(mods.get(base), "embed_tokens", 0) is None:
+            embed = None  # a later pipeline stage: no embeddings
+        else:
+            raise TraceError(f"{type(model).__name__} has no `{embed}` embedding where torchtitan's Llama plan "
+                             "shards the vocabulary", hint="use `method=analytic`")
     norm = f"{prefix}norm" if f"{prefix}norm" in mods else None
+    if stage and norm is not None and isinstance(mods[norm], nn.Identity):
+        norm = None  # a pipeline stage before the last
     head = "lm_head" if isinstance(mods.get("lm_head"), nn.Linear) else None
     return TensorParallelLayout(layers=layers, layer_path=layers_path, embed=embed, norm=norm, head=head)
 
@@ -108,8 +117,9 @@ def _is_llama_block(block: nn.Module) -> bool:
         isinstance(getattr(mlp, n, None), nn.Linear) for n in MLP)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]:
-    """Shard ``model`` in place over the 1-D tensor-parallel ``mesh`` (rank 0's view)."""
+def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool, stage: bool = False) -> list[str]:
+    """Shard ``model`` in place over the 1-D tensor-parallel ``mesh`` (rank 0's view);
+    ``stage``: a pipeline stage's part (:func:`find_layout`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -119,21 +129,23 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
         parallelize_module,
     )
 
-    lay = find_layout(model)
+    lay = find_layout(model, stage=stage)
     tp = mesh.size()
     _check_heads(model, tp)
     mods = dict(model.named_modules())
-    tied = lay.head is not None and mods[lay.head].weight is mods[lay.embed].weight
+    tied = lay.head is not None and lay.embed is not None and mods[lay.head].weight is mods[lay.embed].weight
     between = Shard(1) if sp else Replicate()
-    root: dict[str, Any] = {
-        lay.embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-    }
+    root: dict[str, Any] = {}
+    if lay.embed is not None:
+        root[lay.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if sp and lay.norm is not None:
         root[lay.norm] = SequenceParallel()
     if lay.head is not None:
         root[lay.head] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, mesh, root)
+    if root:
+        parallelize_module(model, mesh, root)
     if tied:
+        assert lay.head is not None and lay.embed is not None
         # each style swaps in its own sharded Parameter, which unties a tied head; both shard the
         # vocabulary (Shard(0) of [vocab, hidden]), so the head takes the embedding's shard again
         mods[lay.head].weight = mods[lay.embed].weight
@@ -165,6 +177,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool) -> list[str]
         parallelize_module(block, mesh, plan)
     replicated = _replicate_rest(model, mesh)
     what = "tensor + sequence parallelism" if sp else "tensor parallelism"
+    if stage:
+        return [f"{what} on each pipeline stage's part over the mesh's tp={tp} (torchtitan's Llama plan, "
+                "the embeddings' and the head's styles where the stage holds them)"]
     notes = [f"{what} traced as rank 0 of tp={tp}: PyTorch's parallelize_module with torchtitan's Llama plan "
              f"on {len(lay.layers)} decoder layers (q/k/v/gate/up column-, o/down row-sharded, embeddings "
              f"vocabulary-sharded{', lm_head column-sharded with a loss-parallel cross-entropy' if lay.head else ''})"]

@@ -301,13 +301,26 @@ def _storage_peak_mode() -> Any:
             the free lands later in the forward (a CPU's load decides where) where CUDA's
             collective frees it at once. Here the ``TensorImpl`` is held once by its Python
             object and once by the dispatcher's argument stack (this runs inside the
-            ``wait_tensor`` call); more means the work still holds it."""
+            ``wait_tensor`` call); more means the work still holds it. Where the call came
+            through the op's Python autograd kernel (``torch/_library/autograd.py``
+            ``forward_no_grad``: a wait issued by Python code outside a dispatch, as
+            ``all_gather_single``'s ``res.wait()`` of a sequence-parallel all-gather, or a
+            tensor-parallel backward's), its redispatch holds the argument on a second stack."""
+            import sys
             import time
 
+            stacks = 1
+            f: Any = sys._getframe(1)
+            while f is not None:
+                if f.f_code.co_name == "forward_no_grad" and f.f_code.co_filename.endswith(
+                        ("_library/autograd.py", "_library\\autograd.py")):
+                    stacks += 1
+                f = f.f_back
             deadline = time.monotonic() + 60.0
-            while t._use_count() > 2:  # type: ignore[attr-defined]
+            while t._use_count() > 1 + stacks:  # type: ignore[attr-defined]
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"a collective's output {tuple(t.shape)} still held by {t._use_count() - 2} "  # type: ignore[attr-defined]
+                    held = t._use_count() - 1 - stacks  # type: ignore[attr-defined]
+                    raise RuntimeError(f"a collective's output {tuple(t.shape)} still held by {held} "
                                        "references 60 s after its wait: not the gloo worker's")
                 time.sleep(1e-4)
 
@@ -917,8 +930,8 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
 
 
 def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
-                        seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False,
-                        timeout: float = 300.0) -> list[int]:
+                        seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False, tp: int = 1,
+                        sp: bool = False, timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
     ``torch.distributed.pipelining``'s ``schedule`` over ``pp × dp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
@@ -928,13 +941,25 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     FSDP2 over ``dp`` as ``apply_fsdp_to_decoder`` shards it: the embeddings, the final norm with the
     head, each block, the part; ``reshard_after_forward=False``, torchtitan's default under pp;
     ``mixed``: ``MixedPrecisionPolicy(bfloat16, reduce float32, cast_forward_inputs=False)``), the
-    stage on the mesh's ``pp`` group. Peaks in global rank order (rank = pp rank × dp + dp rank)."""
-    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed)
-    return _spawn_gloo(_pp_worker, args, pp * dp, timeout, "pipeline run")
+    stage on the mesh's ``pp`` group.
+
+    ``tp > 1``: torchtitan's ``(pp[, dp], tp)`` mesh, each stage's part tensor-parallelised on
+    ``tp`` first (:func:`.pipeline_parallel.tensor_parallelise`: torch's ``parallelize_module``
+    with the trace's plan; ``sp``: sequence parallelism), the stages handing on the TP-local
+    hidden states, the schedule stepped under ``loss_parallel`` (the last stage's cross-entropy
+    of vocabulary-sharded logits; under ``sp`` with the whole-sequence masks the trace uses).
+    Measured as the tensor-parallel gloo runs are (:func:`real_tp_generate_peaks`: functional
+    collectives' wrapper storages left out, each wait until gloo's worker dropped the work,
+    DTensor's sharding propagation outside the measurement's reference cycle).
+    Peaks in global rank order (rank = (pp rank × dp + dp rank) × tp + tp rank)."""
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp)
+    return _spawn_gloo(_pp_worker, args, pp * dp * tp, timeout, "pipeline run")
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
-               seq: int, iterations: int, dp: int, mixed: bool, tmp: str, env: dict[str, str]) -> None:
+               seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, tmp: str,
+               env: dict[str, str]) -> None:
+    import contextlib
     import os
 
     import torch
@@ -943,7 +968,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp * dp)
+    dist.init_process_group("gloo", rank=rank, world_size=pp * dp * tp)
     try:
         from torch.distributed.pipelining import PipelineStage
 
@@ -958,12 +983,13 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         tracker = _StoragePeak()
         group: Any = None
         mesh: Any = None
-        if dp > 1:
+        if dp > 1 or tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            dims = [(n, k) for n, k in (("pp", pp), ("dp", dp), ("tp", tp)) if k > 1 or n == "pp"]
+            mesh = init_device_mesh("cpu", tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
             group = mesh["pp"].get_group()
-        pp_rank = rank // dp
+        pp_rank = rank // (dp * tp)
         parts, specs = [], []
         with quiet():
             for index in par.stage_ids(pp_rank):
@@ -972,7 +998,9 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
                 part.train()
                 parts.append(part)
                 specs.append(st)
-        if mesh is not None:  # torchtitan's apply_fsdp_to_decoder on each model part
+        if tp > 1:  # torchtitan's parallelize_fn on each model part: TP first
+            ppl.tensor_parallelise(ppl.Chunks(parts), mesh["tp"], sp=sp, seq=seq)
+        if dp > 1:  # torchtitan's apply_fsdp_to_decoder on each model part
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             kw: dict[str, Any] = {"mesh": mesh["dp"]}
@@ -995,10 +1023,12 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
             return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
         stages = []
+        local = seq // tp if sp else seq  # the hidden states a stage hands on: TP-local
         for part, st in zip(parts, specs, strict=True):
             x = (torch.zeros(batch, seq, dtype=torch.long) if st.first
-                 else torch.zeros(batch, seq, spec.hidden, dtype=act, requires_grad=True))
-            y = torch.zeros(batch, seq, spec.vocab if st.last else spec.hidden, dtype=act, requires_grad=not st.last)
+                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=True))
+            y = (torch.zeros(batch, seq, -(-spec.vocab // tp), dtype=act) if st.last
+                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=True))
             stages.append(PipelineStage(part, st.index, st.stages, cpu, input_args=(x,), output_args=(y,), group=group))
         cls = ppl.schedule_class(schedule)
         sched = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn) if schedule in ("GPipe", "1F1B")
@@ -1007,7 +1037,18 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         for t in [*model.parameters(), *model.buffers()]:
             tracker.add(getattr(t, "_local_tensor", t))
         first, last = any(s.first for s in specs), any(s.last for s in specs)
-        with tracker, tracker.resizes():
+        step_context: Any = contextlib.ExitStack()
+        if tp > 1:
+            from .dist import dtensor_metadata_unrecorded
+            from .tensor_parallel import full_length_masks, loss_parallel
+
+            tracker.skip_wrappers = True
+            tracker.await_collectives = True
+            step_context.enter_context(dtensor_metadata_unrecorded())
+            step_context.enter_context(loss_parallel())
+            if sp:
+                step_context.enter_context(full_length_masks(seq))
+        with tracker, tracker.resizes(), step_context:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
             for _ in range(iterations):
                 ids = torch.randint(0, spec.vocab, (batch * microbatches, seq))
@@ -1026,11 +1067,12 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
 def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
                        layers: int = 4, microbatches: int = 4, batch: int = 2, seq: int = 64, dp: int = 1,
-                       mixed: bool = False) -> list[tuple[str, int, int, int]]:
-    """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp``
-    gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage, the real peak of
-    data-parallel rank 0, whose peers' peaks must equal it) and of the trace of the same layout
-    (fp32 or FSDP2's bf16 mixed precision, eager attention, no CUDA workspaces: a CPU run has none)."""
+                       mixed: bool = False, tp: int = 1, sp: bool = False) -> list[tuple[str, int, int, int]]:
+    """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp × tp``
+    gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage; ``tp > 1``: each
+    stage tensor-parallel; the real peak of data- and tensor-parallel rank 0, whose peers' peaks
+    must equal it) and of the trace of the same layout (fp32 or FSDP2's bf16 mixed precision,
+    eager attention, no CUDA workspaces: a CPU run has none)."""
     from ..workload import Attention, Parallel, Precision, Task, Workload
     from .run import TraceOptions, trace_pipeline_stages
 
@@ -1038,16 +1080,18 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     out = []
     for schedule in schedules:
         real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
-                                   microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed)
+                                   microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed, tp=tp, sp=sp)
+        per = dp * tp
         for r in range(pp):
-            peers = set(real[r * dp:(r + 1) * dp])
+            peers = set(real[r * per:(r + 1) * per])
             if len(peers) != 1:
-                raise AssertionError(f"{schedule}: the data-parallel ranks of pipeline rank {r} peak apart: {peers}")
+                raise AssertionError(f"{schedule}: the data/tensor-parallel ranks of pipeline rank {r} peak apart: "
+                                     f"{real[r * per:(r + 1) * per]}")
         w = Workload(task=Task.TRAIN, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
                      attention=Attention.EAGER, batch=batch, seq=seq, grad_accum=microbatches,
-                     parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp, zero=3 if dp > 1 else 0))
+                     parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp, zero=3 if dp > 1 else 0, tp=tp, sp=sp))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
-            out.append((schedule, rank, real[rank * dp], traced[rank].peak_allocated))
+            out.append((schedule, rank, real[rank * per], traced[rank].peak_allocated))
     return out
