@@ -158,6 +158,14 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             activations=stage.held(a.layers, 1) + kept,
             temporaries=st.embed_grad_full + temps + workspace,
         ))
+    if st.embed_grad_new and w.grad_accum > 1 and not w.optimizer_in_backward:
+        instants.append(Breakdown(  # a later micro-batch's embedding backward under TP: its new whole table
+            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, all_grads),
+            activations=stage.held(a.layers, 1) + kept,
+            # (a pipeline's other micro-batches in flight keep their saved 16-bit weight copies)
+            temporaries=(stage.held(st.casts_all, 1) if w.parallel.pp > 1 else 0) + st.embed_grad_new + temps
+            + workspace,
+        ))
     if w.optimizer_in_backward:
         return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)
     optimizer = Breakdown(

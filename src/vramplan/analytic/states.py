@@ -91,6 +91,10 @@ class States:
     """TP × FSDP2: the embedding's whole Replicate gradient (:func:`replicated_embedding_grad`),
     its TP-local copy and the head's unsharded gradient, alive at the embedding's backward
     until FSDP2 reduce-scatters the root unit."""
+    embed_grad_new: int = 0
+    """TP without data parallelism, gradients accumulated over micro-batches: the embeddings' new
+    whole-table gradient (Replicate, :func:`replicated_embedding_grad`) of a later micro-batch,
+    beside the kept one while AccumulateGrad adds it in place."""
     accumulated: int = 0
     """Pipeline × FSDP2 (:func:`pipeline_fsdp`): the stage's unsharded gradients in the reduce
     dtype, accumulated over the micro-batches until the end of the step."""
@@ -243,13 +247,16 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     per_layer = layer if tr.full else layer_adapters
     embed_grad_full = 0
     ddp_tp = p.dp > 1 and p.zero == 0 and p.framework is Engine.DDP
-    if (fsdp2 or ddp_tp) and p.tp > 1 and tr.full and stage.embed and not arch.head.tied and w.training:
+    # TP: the RowwiseParallel embedding's gradient is the whole table, Replicate (replicated_embedding_grad)
+    whole_embed_grad = p.tp > 1 and tr.full and stage.embed and not (arch.head.tied and stage.head) and w.training
+    if (fsdp2 or ddp_tp) and whole_embed_grad and not pipelined:
         # FSDPParam redistributes the Replicate gradient to the parameter's Shard(0) before the
         # reduce-scatter (_fsdp_param.py _get_grad_inner_tensor, torch 2.13), DDP × TP's
         # DTensor.from_local backward does the same: both live a moment (with FSDP2 the head's
         # unsharded 16-bit gradient too, reduce-scattered with the root unit after it)
         g = min(rg.weight, rg.compute) if fsdp2 else rg.grad
         embed_grad_full = (arch.vocab * h + arch.vocab * h // p.tp + (head if fsdp2 else 0)) * g
+    embed_grad_new = arch.vocab * h * rg.grad if replicated_embedding_grad(arch, stage, w, rg, tr) else 0
     buckets = trainable * rg.grad if (p.dp > 1 and p.zero == 0 and w.training) else 0
     if p.engine is Engine.DEEPSPEED and w.training and p.zero:
         # DeepSpeed's own buffers and gathering granularity (analytic/deepspeed.py)
@@ -267,7 +274,11 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     fresh_first = fresh_later = fresh_head = fresh_head_first = fresh_embed = 0
     reduce = (0, 0, 0)
     if pipelined:
-        units = _reduce_units(arch, stage, w, rg, tr, head_mats, extra)
+        # under TP the embeddings' accumulated gradient is the whole table (Replicate), which
+        # FSDPParam redistributes to the parameter's Shard(0) only at the reduce
+        # (_fsdp_param.py:924-958 ``_get_grad_inner_tensor``, torch 2.13)
+        embed_more = arch.vocab * h - arch.vocab * h // p.tp if whole_embed_grad else 0
+        units = _reduce_units(arch, stage, w, rg, tr, head_mats, extra, embed_more)
         accumulated = sum(a for _, a, _, _ in units)
         accumulated_head = (sum(local(lin, w) for lin in head_mats) + head_small) * rg.grad if tr.full else 0
         g16 = min(rg.weight, rg.compute)
@@ -276,7 +287,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         in_place = g16 == rg.grad
         if in_place:
             accumulated_layer = (layer if tr.full else layer_adapters) * rg.grad
-            accumulated_embed = embed * rg.grad if tr.full else 0
+            accumulated_embed = (embed + embed_more) * rg.grad if tr.full else 0
         fresh_first = (layer if tr.full else layer_adapters) * g16
         if tr.full:
             largest_layer = max((local(lin, w) // max(1, lin.count) for g, _ in stage.groups for lin in g.linears),
@@ -284,7 +295,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             fresh_later = (largest_layer if in_place else layer) * g16
             heads = [local(lin, w) for lin in head_mats]
             fresh_head = (max(heads, default=0) if in_place else sum(heads) + head_small) * g16
-            fresh_embed = embed * g16
+            fresh_embed = (embed + embed_more) * g16
             fresh_head_first = (sum(heads) + head_small) * g16
             head_cast = 0 if in_place else accumulated_head
         else:
@@ -303,6 +314,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         largest_grad=largest * rg.trainable_bytes // g_shard,
         step_temp=0 if off_opt else _optimizer_temp(w, rg, largest, largest),
         host_optimizer=host_optimizer, host_step=host_step, embed_grad_full=embed_grad_full,
+        embed_grad_new=embed_grad_new,
         accumulated=accumulated, accumulated_head=accumulated_head,
         accumulated_layer=accumulated_layer,
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
@@ -330,30 +342,32 @@ def pipeline_fsdp(w: Workload) -> bool:
 
 
 def _reduce_units(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable, head_mats: list[Linear],
-                  extra: int) -> list[tuple[int, int, int, int]]:
+                  extra: int, embed_more: int = 0) -> list[tuple[int, int, int, int]]:
     """The rank's FSDP2 units in the order ``perform_reduce_grad`` reduces them, each as
     (gathered bytes, accumulated gradient bytes, reduce-scatter input bytes, the gradient
     shard's bytes). Each stage (model part) reduces after its own last backward — on a rank
     that holds several, the later stage first (its last micro-batch's backward runs before the
     earlier stage's) — its units in the order of the modules: embeddings, layers, the final norm
     with the head, the root's own parameters. The reduce-scatter input is padded as the shards
-    are (``foreach_reduce``, torch 2.13 ``_fsdp_collectives.py``); the accumulated gradients are not."""
+    are (``foreach_reduce``, torch 2.13 ``_fsdp_collectives.py``); the accumulated gradients are not.
+    ``embed_more``: elements the embeddings' accumulated gradient holds beyond the parameter's
+    (under TP the whole table, Replicate)."""
     p, h = w.parallel, arch.hidden
     gather, quantised = min(rg.weight, rg.compute), w.quant is not Quant.NONE
     out: list[tuple[int, int, int, int]] = []
 
-    def add(elems: int, adapters: int, pad: int, count: int = 1) -> None:
+    def add(elems: int, adapters: int, pad: int, count: int = 1, more: int = 0) -> None:
         pad = 0 if quantised else pad
         trains = elems if tr.full else adapters
         rs = (trains + (pad if tr.full else 0)) * rg.grad
-        out.extend([((elems + pad + adapters) * gather, trains * rg.grad, rs, rs // p.shard_group)] * count)
+        out.extend([((elems + pad + adapters) * gather, (trains + more) * rg.grad, rs, rs // p.shard_group)] * count)
 
     ids = p.stage_ids(stage.index) if p.pp > 1 else (0,)
     last = p.pp * p.stages_per_rank - 1
     for i in sorted(ids, reverse=True):
         if i == 0:
             rows = arch.vocab // p.tp if p.tp > 1 else arch.vocab
-            add(arch.embed_params // p.tp, 0, fsdp_padding([], rows, [], h, w))
+            add(arch.embed_params // p.tp, 0, fsdp_padding([], rows, [], h, w), more=embed_more)
         for g, n in stage_groups(arch, w, i) if p.pp > 1 else stage.groups:
             add(sum(local(lin, w) for lin in g.linears) + g.small_params,
                 sum(tr.adapter_params(lin) for lin in g.linears), fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w), n)
@@ -402,12 +416,15 @@ def replicated_embedding_grad(arch: Arch, stage: Stage, w: Workload, rg: Regime,
     torch 2.13): the gradient of torchtitan's RowwiseParallel embedding is the whole table,
     Replicate, on every rank (the trace of ``parallelize_module`` shows it). Counted without
     ZeRO/FSDP sharding only, the layout the trace checks it on. A head tied to the embedding
-    adds its vocabulary-sharded gradient first, and the sum keeps that sharding. Under DDP
+    adds its vocabulary-sharded gradient first, and the sum keeps that sharding — on the stage
+    that holds both: under pipeline parallelism the first stage's embeddings are untied (the
+    last stage keeps its own copy of the table, :mod:`vramplan.analytic.parallel`). Under DDP
     (``dp > 1``) the parameters DDP holds are the TP-local tensors (``_pre_dp_module_transform``):
     ``DTensor.from_local``'s backward hands the local shard of that gradient to them, so only
     the moment of the embedding's backward holds the whole table (``States.embed_grad_full``)."""
     p = w.parallel
-    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and p.dp == 1 and w.training) or arch.head.tied:
+    if not (tr.full and stage.embed and p.tp > 1 and p.zero == 0 and p.dp == 1 and w.training) or (
+            arch.head.tied and stage.head):
         return 0
     return (arch.vocab * arch.hidden - arch.vocab * arch.hidden // p.tp) * rg.grad
 
