@@ -1,8 +1,9 @@
 """``torch.compile``: the activations AOTAutograd's partitioner saves, from the real partitioner.
 
 Each transformer block is compiled on its own, as torchtitan's ``apply_compile`` does
-(``torch.compile(transformer_block, fullgraph=True)``, torchtitan v0.2.2
-``torchtitan/models/llama3/infra/parallelize.py``). For a block's first call with given
+(``transformer_block.compile(fullgraph=True)``, torchtitan 0.3.0
+``torchtitan/distributed/compile.py`` L69-L70; earlier ``torch.compile(transformer_block,
+fullgraph=True)``). For a block's first call with given
 input shapes, AOTAutograd (``torch._functorch.aot_autograd.aot_function``) traces the joint
 forward+backward graph on fake tensors with Inductor's decomposition table and splits it with
 ``torch._functorch.partitioners.min_cut_rematerialization_partition`` — the partitioner
@@ -18,11 +19,24 @@ fuses elementwise chains into kernels that never materialise their intermediates
 transient memory *inside* a block's forward/backward is an upper bound; what is saved between
 forward and backward — the figure the partitioner decides — is exact for the graph.
 
-Blocks under activation checkpointing are compiled inside the checkpoint (the checkpoint
-encloses the compiled forward): the forward keeps the checkpoint's inputs, as a real compiled
-block whose graph holds the checkpoint keeps them (checked against torch.compile on CPU for
-full checkpointing); the backward recomputes the compiled forward before the compiled
-backward. Not compiled (traced eagerly, with a note): the embedding, final norm,
+Blocks under activation checkpointing hold the checkpoint inside their compiled graph, as
+Dynamo puts it there (torch 2.13 ``torch/_higher_order_ops/wrap.py``,
+``tag_activation_checkpoint_impl``): the checkpoint is traced with a selective-checkpoint context
+that tags each op ``PREFER_RECOMPUTE`` (or as the workload's SAC policy says) under one
+``ac_graph_id``, and the partitioner recomputes the tagged ops in the compiled backward. The
+forward then keeps the region's inputs only (full checkpointing) or the policy's saved ops that
+backward reads (selective), and computes no more than the block's output; the compiled backward
+recomputes and differentiates in one graph. Checked against torch.compile on CPU for the saved
+tensors (tests/test_trace_compile.py) and, under FSDP2, for each rank's storage peak
+(tests/test_trace_fsdp_compile.py).
+
+Under FSDP2 the block's ``fully_shard`` hooks run outside the compiled graph (torch 2.13 wraps
+them in ``torch._dynamo.disable``, ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``
+L289, L323, L380), so the compiled function takes the unsharded parameters as inputs, and
+whatever of them it saves is freed by FSDP's reshard and gathered again before backward, as
+in eager (docs/research/fsdp-compile.md).
+
+Not compiled (traced eagerly, with a note): the embedding, final norm,
 head and loss outside the blocks, inference (no partitioning happens without autograd), and
 a block whose graph cannot be traced (data-dependent control flow; the note says why).
 """
@@ -30,6 +44,7 @@ a block whose graph cannot be traced (data-dependent control flow; the note says
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 from collections.abc import Callable, Iterator
@@ -38,6 +53,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+_TRACING = contextvars.ContextVar("vramplan_compile_tracing", default=False)
+
+
+def tracing() -> bool:
+    """Whether AOTAutograd is tracing a block now (a checkpoint's contexts are then its own:
+    the compiled backward recomputes, not the checkpoint)."""
+    return _TRACING.get()
 
 
 class BlockCompiler:
@@ -57,11 +81,12 @@ class BlockCompiler:
         """Of the blocks compiled, those inside an activation checkpoint."""
 
     def wrap(self, block: nn.Module) -> None:
-        """Compile what the block runs, inside its activation checkpoint when it has one, as the
-        checkpoint is inside the compiled region's graph in a real run: transformers'
-        ``GradientCheckpointingLayer`` checkpoints ``partial(forward, self, **kwargs)`` through
-        ``_gradient_checkpointing_func`` (that function gets the compiled call), vramplan's own
-        wrapper the block's ``_vramplan_forward``; other blocks their ``forward``."""
+        """Compile what the block runs, its activation checkpoint included when it has one, as
+        the checkpoint is inside the compiled region's graph in a real run
+        (:func:`_tagged_checkpoint`): transformers' ``GradientCheckpointingLayer`` checkpoints
+        ``partial(forward, self, **kwargs)`` through ``_gradient_checkpointing_func`` (that
+        function gets the compiled region), vramplan's own wrapper the block's
+        ``_vramplan_forward`` with its ``_vramplan_checkpoint``; other blocks their ``forward``."""
         names = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
         gc = block.__dict__.get("_gradient_checkpointing_func")
         if getattr(block, "gradient_checkpointing", False) and callable(gc):
@@ -72,14 +97,26 @@ class BlockCompiler:
                     inner, kw = functools.partial(fn.func, *fn.args), dict(fn.keywords)
                 else:
                     inner, kw = fn, {}
-                return gc(lambda *a: self._call(block, names, inner, a, kw), *args)
+
+                def region(*a: Any, **k: Any) -> Any:
+                    return _tagged_checkpoint(gc, functools.partial(inner, **k), *a)
+
+                return self._call(block, names, region, args, kw)
 
             block.__dict__["_gradient_checkpointing_func"] = checkpointed
             return
-        attr = "_vramplan_forward" if "_vramplan_forward" in block.__dict__ else "forward"
-        self.checkpointed += int(attr != "forward")
-        inner = getattr(block, attr)
-        block.__dict__[attr] = lambda *args, **kwargs: self._call(block, names, inner, args, kwargs)
+        own = block.__dict__.get("_vramplan_checkpoint")
+        if "_vramplan_forward" in block.__dict__ and callable(own):  # vramplan's own checkpoint wrapper
+            self.checkpointed += 1
+            body = block.__dict__["_vramplan_forward"]
+
+            def own_region(*a: Any, **k: Any) -> Any:
+                return _tagged_checkpoint(own, functools.partial(body, **k), *a)
+
+            block.__dict__["forward"] = lambda *args, **kwargs: self._call(block, names, own_region, args, kwargs)
+            return
+        inner = block.forward
+        block.__dict__["forward"] = lambda *args, **kwargs: self._call(block, names, inner, args, kwargs)
 
     def _call(self, block: nn.Module, names: list[str], inner: Callable[..., Any], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Any:
@@ -113,7 +150,10 @@ class BlockCompiler:
         from torch.nn.utils.stateless import _reparametrize_module
 
         n_state = len(names)
-        fixed = list(leaves)
+        # the non-tensor leaves only: the compiled function is cached for every later call, and
+        # the first call's tensors (the block's input, the rotary embeddings) must not live on in it
+        tensor_at = set(idx)
+        fixed = [None if i in tensor_at else x for i, x in enumerate(leaves)]
         counts: dict[str, int] = {}
 
         def f(*flat: Any) -> Any:
@@ -137,7 +177,7 @@ class BlockCompiler:
                                     "under SDPA, 38 % larger under eager attention)")
             out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
             params = {n for n in fw.graph.nodes if n.op == "placeholder"}
-            kept = [v for v in out[kw.get("num_fwd_outputs", 0):] if isinstance(v, torch.fx.Node)]
+            kept = [v for v in out[kw.get("num_fwd_outputs", 0):] if isinstance(v, torch.fx.Node) and not _host(v)]
             counts["saved"] = len(kept)
             counts["inputs"] = sum(1 for v in kept if _root(v) in params)
             counts["bytes"] = sum(_nbytes(v) for v in kept if _root(v) not in params)
@@ -148,11 +188,43 @@ class BlockCompiler:
         tensors = [p for _, p in block.named_parameters()] + [b for _, b in block.named_buffers()]
         # (a checkpointed block compiles on its first call, inside the checkpoint: its saved-tensor
         # hooks must not see the tracing, so plain hooks sit on top of them meanwhile)
-        with self.pause(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            fn(*tensors, *(leaves[i] for i in idx))  # traces and partitions; the result is dropped
+        token = _TRACING.set(True)
+        try:
+            with self.pause(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                fn(*tensors, *(leaves[i] for i in idx))  # traces and partitions; the result is dropped
+        finally:
+            _TRACING.reset(token)
         self.saved[key] = (counts.get("saved", 0), counts.get("inputs", 0))
         self.saved_bytes[key] = counts.get("bytes", 0)
         return fn
+
+
+_AC_GRAPH_IDS = iter(range(1, 1 << 62))
+
+
+def _tagged_checkpoint(gc: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` checkpointed as Dynamo's ``tag_activation_checkpoint`` runs a checkpoint it
+    finds in a compiled region (torch 2.13 ``torch/_higher_order_ops/wrap.py``,
+    ``tag_activation_checkpoint_impl``): non-reentrant, no RNG-state preservation (Inductor
+    functionalises RNG instead), no early stop, and a selective-checkpoint context that tags every
+    op it traces ``PREFER_RECOMPUTE`` with one ``ac_graph_id`` (the user's ``context_fn`` when
+    ``gc`` carries one), so that AOTAutograd's partitioner recomputes the region in the compiled
+    backward instead of saving it."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    user = gc.keywords.get("context_fn") if isinstance(gc, functools.partial) else None
+    graph_id = next(_AC_GRAPH_IDS)
+
+    def context_fn() -> Any:
+        if user is not None:
+            fwd, rec = user()
+        else:
+            fwd, rec = create_selective_checkpoint_contexts(lambda *_a, **_k: CheckpointPolicy.PREFER_RECOMPUTE)
+        fwd.ac_graph_id = graph_id
+        return fwd, rec
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn,
+                      early_stop=False)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -201,6 +273,13 @@ def _root(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _host(node: torch.fx.Node) -> bool:
+    """A value on the CPU in a graph traced on fake device tensors: the generator state a
+    functionalised random op saves (a host tensor under CUDA too)."""
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.device.type == "cpu"
+
+
 def _nbytes(node: torch.fx.Node) -> int:
     v = node.meta.get("val")
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
@@ -213,10 +292,30 @@ def _layer_kind(block: nn.Module) -> Any:
             getattr(attn, "is_sliding", None))
 
 
+class _RngInterpreter(torch.fx.Interpreter):
+    """Runs Inductor's functionalised RNG ops (a recomputed random op, such as the efficient SDPA
+    kernel in a compiled checkpoint) as CUDA runs them: ``run_and_save_rng_state(op, *args)`` is
+    the op plus the generator's state, ``torch.cuda.get_rng_state()``, a host tensor (no device
+    memory); ``run_with_rng_state(state, op, *args)`` the op (torch 2.13
+    ``torch/_prims/rng_prims.py``: their CUDA and CPU implementations)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        name = getattr(target, "__name__", "")
+        if isinstance(target, torch._ops.HigherOrderOperator) and name == "run_and_save_rng_state":
+            op, *rest = args
+            with paused_dispatch():
+                state = torch.empty(16, dtype=torch.uint8)  # the host-side state (not recorded)
+            return state, op(*rest, **kwargs)
+        if isinstance(target, torch._ops.HigherOrderOperator) and name == "run_with_rng_state":
+            _state, op, *rest = args
+            return op(*rest, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
 def _interpreted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     """Run the partitioned graph op by op (each value freed after its last use)."""
     def run(args: list[Any]) -> Any:
-        return torch.fx.Interpreter(gm).boxed_run(args)
+        return _RngInterpreter(gm).boxed_run(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -250,8 +349,8 @@ def notes(compiler: BlockCompiler) -> list[str]:
            f"{compiler.partitioner} keeps {saved or 'nothing'} per block for backward; "
            "intermediates inside a block are run op by op (Inductor would fuse some away)"]
     if checkpointed:
-        out.append(f"torch.compile: {checkpointed} blocks compiled inside their activation checkpoint: the "
-                   "backward recomputes the compiled forward (the tensors it saves, as above) before the compiled "
-                   "backward; under full checkpointing the forward keeps the checkpoint's inputs only, as a real "
-                   "compiled checkpointed block does (tests/test_trace_compile.py)")
+        out.append(f"torch.compile: {checkpointed} blocks compiled with their activation checkpoint inside the "
+                   "graph (Dynamo's tag_activation_checkpoint): the partitioner recomputes the checkpointed ops in "
+                   "the compiled backward; the forward keeps what is listed above, as real torch.compile does "
+                   "(tests/test_trace_compile.py)")
     return out

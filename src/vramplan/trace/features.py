@@ -20,6 +20,7 @@ weights → adapters onto the trace device → gradient checkpointing.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -396,9 +397,9 @@ def apply_compile(model: nn.Module, w: Workload, policy: sac.Policy | None = Non
         config.use_cache = False
         notes.append("torch.compile: the model's KV cache is off in training (use_cache=False)")
     if w.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.OP) or policy is not None:
-        notes.append("torch.compile with selective checkpointing: the policy's saved ops are kept as eager SAC "
-                     "keeps them (every must-save output); Inductor's partitioner drops those backward does not "
-                     "read (a Llama block's down_proj output): an upper bound by up to one [tokens, hidden] per block")
+        notes.append("torch.compile with selective checkpointing: the policy tags the ops of the compiled block's "
+                     "graph as Dynamo's tag_activation_checkpoint does, and the partitioner saves from the tags "
+                     "(what it keeps is real torch.compile's on CPU: tests/test_trace_compile.py)")
     return tc.apply_compile(list(blocks)), notes
 
 
@@ -431,6 +432,7 @@ def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
 
 def _wrap_checkpoint(block: nn.Module, kwargs: dict[str, Any]) -> None:
     block.__dict__["_vramplan_forward"] = block.forward  # (what runs inside the checkpoint: compile replaces it)
+    block.__dict__["_vramplan_checkpoint"] = functools.partial(checkpoint, **kwargs)  # (compile's region takes it)
     block._vramplan_checkpointed = True  # type: ignore[assignment]
 
     def forward(*args: Any, **kw: Any) -> Any:

@@ -17,6 +17,7 @@ from ..events import Action, Category
 from ..workload import Phase
 from .asynctp import check_compile
 from .autocast import Autocast
+from .compile import tracing as compile_tracing
 from .cuda import DeviceProfile
 from .dispatch import TraceMode
 from .flex import compiled_call, raw_devices_in_autograd
@@ -226,6 +227,9 @@ def _patched_checkpoint(sess: TraceSession) -> Iterator[None]:
     reentrant_bwd = ckpt.CheckpointFunction.backward
 
     def composed(context_fn: Any) -> Any:
+        if compile_tracing():  # a checkpoint inside a compiled block: its compiled backward recomputes
+            return context_fn
+
         def fn() -> tuple[Any, Any]:
             fwd_ctx, rec_ctx = context_fn()
             ac = sess.autocast

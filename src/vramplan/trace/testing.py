@@ -1095,3 +1095,162 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
         for rank in sorted(traced):
             out.append((schedule, rank, real[rank * per], traced[rank].peak_allocated))
     return out
+
+
+
+def _compiled_storage_peak() -> Any:
+    """A :func:`_StoragePeak` that ``torch.compile`` compiles under and that sees what compiled
+    code allocates (with :func:`_count_inductor_buffers`).
+
+    ``ignore_compile_internals``: Dynamo skips every frame while a dispatch mode without it is
+    active (torch 2.13 ``torch/_dynamo/convert_frame.py`` L2538-L2570: "non-infra torch dispatch
+    mode present"); with it the mode is off while compiling and on while compiled code runs
+    (``torch/utils/_python_dispatch.py`` L238-L262), where it sees the ops the generated code
+    calls through the dispatcher (extern matmuls, fallback kernels) and higher-order operators
+    (``supports_higher_order_operators``): a compiled checkpoint's ``run_and_save_rng_state``
+    returns the generator's state, a host tensor under CUDA too, left out."""
+    import torch
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    base = _storage_peak_mode()
+
+    class CompiledStoragePeak(base):  # type: ignore[misc,valid-type]
+        supports_higher_order_operators = True
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not isinstance(func, torch._ops.HigherOrderOperator):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            out = func(*args, **(kwargs or {}))
+            stack = list(out[1:] if func is run_and_save_rng_state else [out])
+            while stack:
+                o = stack.pop()
+                if isinstance(o, torch.Tensor):
+                    self.add(o)
+                elif isinstance(o, (list, tuple)):
+                    stack.extend(o)
+            return out
+
+    return CompiledStoragePeak()
+
+
+def _count_inductor_buffers(tracker: Any) -> Any:
+    """Route Inductor's CPU buffer allocator through ``tracker``: its generated Python wrapper
+    binds ``empty_strided_cpu = torch._C._dynamo.guards._empty_strided_cpu`` when the module is
+    loaded (torch 2.13 ``torch/_inductor/codegen/wrapper.py`` L1430), and that C++ function
+    allocates past the dispatcher, so no dispatch mode sees the buffers (the activations a
+    compiled forward saves among them). Returns the undo."""
+    import torch
+
+    guards = torch._C._dynamo.guards
+    orig = guards._empty_strided_cpu
+
+    def empty_strided_cpu(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        tracker.add(out)
+        return out
+
+    guards._empty_strided_cpu = empty_strided_cpu
+
+    def undo() -> None:
+        guards._empty_strided_cpu = orig
+
+    return undo
+
+
+def real_fsdp_compile_peaks(spec: Any, *, world: int, batch: int, seq: int, compile: bool = True,
+                            checkpointing: bool = False, iterations: int = 2,
+                            timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Each rank's storage peaks of a real CPU run of the trace's training step (AdamW
+    ``foreach``) on ``world`` gloo processes, laid out as torchtitan 0.3.0 lays a model out: the
+    transformers model of ``spec`` (fp32, no KV cache), ``checkpointing``: transformers' full
+    activation checkpointing (``use_reentrant=False``), then each decoder layer compiled with
+    ``layer.compile(backend="inductor", fullgraph=True)`` (``torchtitan/distributed/compile.py``
+    L69-L70), then FSDP2's ``fully_shard`` on each layer and the root (``apply_compile`` runs
+    before ``apply_fsdp_to_decoder``, ``torchtitan/models/llama3/parallelize.py`` L61-L80).
+
+    Per rank: ``peak`` (the highest of the iterations' phase peaks), ``peaks`` (per iteration:
+    the ``forward`` (with the loss), ``backward`` and ``optimizer`` storage peaks), and Dynamo's
+    counters (``graph_breaks``, ``unique_graphs``). What is counted is what :func:`real_peak`
+    counts plus what compiled code allocates (:func:`_compiled_storage_peak`); FSDP2's storage
+    resizes are counted. ``gc.collect()`` after each iteration: Dynamo's tracing state of a first
+    compiled call (its ``LazyCache`` of the inputs the graph does not read, here the layer's
+    ``position_ids``, ``[1, seq]`` int64) sits in a reference cycle until Python's cyclic
+    collector runs, which no memory model times; without it iteration 2 holds 8·seq bytes more,
+    while it lasts."""
+    args = (world, spec, batch, seq, compile, checkpointing, iterations)
+    return _spawn_gloo(_fsdp_compile_worker, args, world, timeout, "FSDP2 + compile run")
+
+
+def _fsdp_compile_worker(rank: int, world: int, spec: Any, batch: int, seq: int, compile: bool,
+                         checkpointing: bool, iterations: int, tmp: str, env: dict[str, str]) -> None:
+    import gc
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch._dynamo.utils import counters
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ..models.build import build_model, quiet
+        from .steps import loss_of
+
+        torch.manual_seed(0)
+        with quiet():
+            model: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+        model.config.use_cache = False
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        layers = model.model.layers
+        if compile:
+            for layer in layers:
+                layer.compile(backend="inductor", fullgraph=True)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ids = torch.randint(0, spec.vocab, (batch, seq))
+        batch_kw: Any = ((), {"input_ids": ids, "labels": ids.clone()})
+        tracker = _compiled_storage_peak()
+        for t in [*model.parameters(), *model.buffers(), ids, batch_kw[1]["labels"]]:
+            tracker.add(getattr(t, "_local_tensor", t))
+        undo = _count_inductor_buffers(tracker)
+        peaks = []
+        try:
+            with tracker, tracker.resizes():
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+                for _ in range(iterations):
+                    tracker.peak = tracker.current
+                    out = model(*batch_kw[0], **batch_kw[1])
+                    loss = loss_of(out, batch_kw, None)
+                    del out
+                    row = {"forward": tracker.peak}
+                    tracker.peak = tracker.current
+                    loss.backward()
+                    del loss
+                    row["backward"] = tracker.peak
+                    tracker.peak = tracker.current
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    row["optimizer"] = tracker.peak
+                    peaks.append(row)
+                    gc.collect()  # (see real_fsdp_compile_peaks)
+        finally:
+            undo()
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps({"peak": max(max(r.values()) for r in peaks), "peaks": peaks,
+                                "graph_breaks": sum(counters["graph_break"].values()),
+                                "unique_graphs": counters["stats"]["unique_graphs"]}))
+    finally:
+        dist.destroy_process_group()
