@@ -54,7 +54,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-
 _TRACING = contextvars.ContextVar("vramplan_compile_tracing", default=False)
 
 
@@ -210,7 +209,11 @@ def _tagged_checkpoint(gc: Any, fn: Callable[..., Any], *args: Any) -> Any:
     op it traces ``PREFER_RECOMPUTE`` with one ``ac_graph_id`` (the user's ``context_fn`` when
     ``gc`` carries one), so that AOTAutograd's partitioner recomputes the region in the compiled
     backward instead of saving it."""
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
 
     user = gc.keywords.get("context_fn") if isinstance(gc, functools.partial) else None
     graph_id = next(_AC_GRAPH_IDS)

@@ -1145,7 +1145,7 @@ def _count_inductor_buffers(tracker: Any) -> Any:
     compiled forward saves among them). Returns the undo."""
     import torch
 
-    guards = torch._C._dynamo.guards
+    guards: Any = torch._C._dynamo.guards
     orig = guards._empty_strided_cpu
 
     def empty_strided_cpu(*args: Any, **kwargs: Any) -> Any:
