@@ -7,6 +7,7 @@ import dataclasses
 from vramplan.errors import WorkloadError
 from vramplan.models.shape import tokens as token_counts
 from vramplan.models.spec import Family, ModelSpec
+from vramplan.models.vlm import is_vlm
 from vramplan.precision import fsdp_cpu_offload
 from vramplan.quantformats import format_of
 from vramplan.results import HOST_ACTIVATIONS, PhasePeak
@@ -63,6 +64,10 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
     ``rollout``: GRPO's colocated rollout engine (``DeviceProfile.rollout``), for ``rollout=vllm``.
     """
+    if is_vlm(spec):
+        from .vlm import estimate_vlm
+
+        return estimate_vlm(spec, w, workspace_bytes, estimate)
     check_against_model(spec, w)
     if format_of(w.quant) is not None:
         raise WorkloadError(

@@ -246,13 +246,12 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
     name, p = spec.name, w.parallel
     for what in ("images", "videos"):
         if getattr(w, what):
-            raise WorkloadError(f"`{what}` applies to vision-language models, which are traced; {name} has no "
-                                "analytic vision tower",
-                                hint=f"use `method=trace` (with a vision-language model), or drop `{what}`", field=what)
+            raise WorkloadError(f"`{what}` applies to vision-language models; {name} takes no {what}",
+                                hint=f"drop `{what}`", field=what)
     layout = arch_of(spec.config)
-    if layout is not None and layout.kind == "vlm":
-        raise WorkloadError(f"{name} ({spec.model_type}) is a vision-language model: it is traced, with no "
-                            "closed-form count", hint="use `method=trace`")
+    if layout is not None and layout.kind == "vlm":  # (Qwen2.5-VL has a closed form: analytic/vlm.py)
+        raise WorkloadError(f"{name} ({spec.model_type}) is a vision-language model whose vision tower has no "
+                            "closed form here", hint="use `method=trace`")
     if spec.family is Family.OTHER or spec.hidden <= 0 or spec.layers <= 0 or spec.heads <= 0:
         raise WorkloadError(
             f"{name} is not a transformer the analytic method knows",

@@ -196,7 +196,9 @@ def _with_largest_batch(report: MemoryReport, spec: ModelSpec, g: GPU, dev: Devi
 
 
 def has_analytic(spec: ModelSpec) -> bool:
-    return spec.family is not Family.OTHER
+    from ..models.params import VLM_COUNTED  # (Qwen2.5-VL: vramplan.analytic.vlm)
+
+    return spec.family is not Family.OTHER or spec.model_type in VLM_COUNTED
 
 
 def _check(spec: ModelSpec, w: Workload) -> None:

@@ -21,7 +21,7 @@ from ._params_decoder import (
 )
 from .arch import ParamLayout, arch_key, arch_of
 from .config_view import ConfigView
-from .params import count_params
+from .params import VLM_COUNTED, count_params
 from .spec import Family, ModelSpec
 
 _VAE_SCALE = 8
@@ -48,7 +48,7 @@ def spec_from_config(
     else:
         family = arch.family
         fields.update(_READERS[arch.kind](view, arch))
-    if arch is not None and arch.kind in _COUNTED:
+    if arch is not None and (arch.kind in _COUNTED or (arch.kind == "vlm" and fields["model_type"] in VLM_COUNTED)):
         total, active = count_params(config, origin=view.origin)
     else:
         total = active = params or 0

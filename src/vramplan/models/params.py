@@ -17,8 +17,12 @@ from vramplan.errors import ConfigError
 
 from ._params_classic import count_bert, count_gpt2, count_vit
 from ._params_decoder import count_decoder
+from ._params_vlm import count_qwen2_5_vl
 from .arch import check_head, default_head, require_arch
 from .config_view import ConfigView
+
+VLM_COUNTED = ("qwen2_5_vl",)
+"""Vision-language models with a closed-form count (:mod:`._params_vlm`); the others are traced."""
 
 _COUNTERS = {
     "decoder": count_decoder,
@@ -40,6 +44,11 @@ def count_params(
     """
     view = ConfigView(config, origin)
     arch = require_arch(config, origin)
+    if arch.kind == "vlm" and config.get("model_type") in VLM_COUNTED:
+        if head is not None:
+            check_head(head, arch, origin)
+        total = count_qwen2_5_vl(config, origin)
+        return total, total
     counter = _COUNTERS.get(arch.kind)
     if counter is None:
         raise ConfigError(

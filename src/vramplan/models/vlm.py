@@ -74,12 +74,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vramplan.errors import WorkloadError
 
+from ._params_vlm import QWEN_VL_TEXT, qwen_text_config
 from .spec import ModelSpec
 
 if TYPE_CHECKING:  # (torch is imported where a batch is made: the sizing rules need none)
@@ -224,6 +226,31 @@ def _image_processing(spec: ModelSpec) -> Iterator[None]:
                             hint="pip install pillow (the models extra, 'vramplan[models]', brings it)") from None
 
 
+def qwen_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) Qwen-VL's image processor resizes an image to: each side rounded to the
+    nearest multiple of ``factor`` (Python's ``round``: halves to even); where that area exceeds
+    ``max_pixels`` both sides are scaled by ``sqrt(area / max_pixels)`` and floored to a multiple
+    (at least one ``factor``), where it is under ``min_pixels`` scaled up by ``sqrt(min_pixels /
+    area)`` and ceiled; aspect ratios over 200 are refused. The rule of transformers 5.24.0's
+    ``smart_resize`` (``models/qwen2_vl/image_processing_pil_qwen2_vl.py:58-84``), in pure Python so
+    that the analytic method needs no image processing (tests/test_vlm.py checks it against the
+    processor and against ``smart_resize`` itself)."""
+    if min(height, width) < 1:
+        raise WorkloadError(f"an image must be at least 1 pixel a side, got {width}x{height}", field="image_size")
+    if max(height, width) / min(height, width) > 200:
+        raise WorkloadError(f"Qwen-VL's processor refuses an aspect ratio over 200 ({width}x{height})",
+                            field="image_size")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> ImageTokens:
     """What one ``width × height`` image becomes for ``spec``'s processor (Qwen-VL: within
@@ -234,18 +261,10 @@ def image_tokens(spec: ModelSpec, width: int, height: int, *, min_pixels: int | 
     vision = _vision(spec)
     patch = _patch(vision)
     if proc.family == "qwen":
-        from .build import quiet
-        from .hf_import import import_transformers
-
         merge = int(vision.get("spatial_merge_size", 2))
-        with quiet(), _image_processing(spec):
-            hf = import_transformers()
-            # the PIL variant (transformers 5; without torchvision the plain name falls back to it, with a warning)
-            cls = getattr(hf, "Qwen2VLImageProcessorPil", None) or hf.Qwen2VLImageProcessor
-            smart_resize = importlib.import_module(cls.__module__).smart_resize
-            h, w = smart_resize(height, width, factor=patch * merge,
-                                min_pixels=proc.min_pixels if min_pixels is None else min_pixels,
-                                max_pixels=proc.max_pixels if max_pixels is None else max_pixels)
+        h, w = qwen_resize(height, width, factor=patch * merge,
+                           min_pixels=proc.min_pixels if min_pixels is None else min_pixels,
+                           max_pixels=proc.max_pixels if max_pixels is None else max_pixels)
         patches = (h // patch) * (w // patch)
         return ImageTokens(width=w, height=h, patches=patches, tokens=patches // (merge * merge),
                            markers=proc.markers)
@@ -346,11 +365,6 @@ def _mllama_extras(spec: ModelSpec, ids: torch.Tensor, images: int, width: int, 
                 "cross_attention_mask": torch.from_numpy(cross).long()}
 
 
-TEXT_TYPES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
-"""The language model of a Qwen-VL config (its text keys sit at the top level in the Hub
-configs): a Qwen2 decoder. Gemma 3 and LLaVA name theirs in ``text_config.model_type``."""
-
-
 def text_spec(spec: ModelSpec) -> ModelSpec:
     """The language model alone (its KV cache and forward, as an engine sizes them), named as
     ``spec``; its parameter count is the language model's."""
@@ -359,15 +373,9 @@ def text_spec(spec: ModelSpec) -> ModelSpec:
     if not is_vlm(spec):
         return spec
     text = spec.config.get("text_config")
-    if spec.model_type in TEXT_TYPES:
-        config: dict[str, Any] = {k: v for k, v in spec.config.items() if k not in ("vision_config", "text_config")}
-        if isinstance(text, Mapping):  # (newer configs repeat the language model's keys there)
-            config.update(text)
-        config["model_type"] = TEXT_TYPES[spec.model_type]
-        for key in ("rope_scaling", "rope_parameters"):  # multimodal RoPE: the same tables' sizes as plain RoPE
-            rope = config.get(key)
-            if isinstance(rope, Mapping) and "mrope" in (rope.get("type"), rope.get("rope_type")):
-                config.pop(key)
+    config: dict[str, Any]
+    if spec.model_type in QWEN_VL_TEXT:
+        config = qwen_text_config(spec.config)
     elif isinstance(text, Mapping):
         config = dict(text_defaults(text))
         if "tie_word_embeddings" in spec.config:  # (else the language model class's default)

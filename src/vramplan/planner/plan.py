@@ -19,7 +19,7 @@ from typing import Any
 
 from vramplan.errors import PlanError, VramplanError
 from vramplan.hardware.gpu import GPU
-from vramplan.models.shape import samples_per_rank
+from vramplan.models.shape import SEQUENCE_FAMILIES, samples_per_rank
 from vramplan.models.spec import ModelSpec
 from vramplan.results import MemoryReport
 from vramplan.runtime import StepTime, step_time
@@ -258,8 +258,12 @@ class PlanBuilder:
 
 def _runtime(spec: ModelSpec, w: Workload, gpu: GPU, r: MemoryReport, *, traced_flops: bool) -> StepTime:
     """Step time; traced FLOPs only when every plan has them (no analytic model), so that
-    plans are compared under one FLOP model."""
+    plans are compared under one FLOP model. A model the runtime formulas do not know but the
+    analytic method does (Qwen2.5-VL: its language model's and vision tower's FLOPs,
+    :mod:`vramplan.analytic.vlm`) takes the analytic report's count."""
     flops = r.flops_per_step if traced_flops and r.method is Method.TRACE else None
+    if flops is None and r.method is Method.ANALYTIC and spec.family not in SEQUENCE_FAMILIES:
+        flops = r.flops_per_step or None
     return step_time(spec, w, gpu, flops=float(flops) if flops else None,
                      trainable_params=r.trainable_params or None)
 
