@@ -219,7 +219,7 @@ HUB_EXACT = {
     # the language models (Llama4ForCausalLM) of the Hub's Llama4ForConditionalGeneration checkpoints
     "llama-4-scout": 107_769_861_120,
     "llama-4-maverick": 400_711_848_960,
-    # vision-language (trace-only; the whole Qwen2_5_VLForConditionalGeneration): the 3B's
+    # vision-language (closed form, models/_params_vlm.py; the whole Qwen2_5_VLForConditionalGeneration): the 3B's
     # model.safetensors.index.json total_size / 2 (bf16), the 7B's ModelScope model_size
     "qwen2.5-vl-3b": 3_754_622_976,
     "qwen2.5-vl-7b": 8_292_166_656,

@@ -28,8 +28,9 @@ as transformers 5.24.0 ``models/qwen2_5_vl/modeling_qwen2_5_vl.py`` runs it:
 - the ``pixel_values`` input (fp32 under mixed precision, else the compute dtype, ``P × 3·2·14²``) is
   alive for the whole step, as ``generate``'s model kwargs keep it through decoding.
 
-The scope: one GPU or plain data parallelism, no quantisation, SDPA attention, no checkpointing or
-full checkpointing of every layer, images and videos; the rest is traced (``method=trace``).
+The scope: one GPU (or plain data parallelism with the tower frozen), no quantisation, SDPA attention,
+no checkpointing or full checkpointing of every layer, images and videos; the rest is traced
+(``method=trace``).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def tower(spec: ModelSpec) -> Tower:
 
 
 def _trace_instead(what: str, field: str) -> WorkloadError:
-    return WorkloadError(f"{what}: the analytic method has Qwen2.5-VL on one GPU (or plain data parallelism), "
+    return WorkloadError(f"{what}: the analytic method has Qwen2.5-VL on one GPU (or plain data parallelism "
+                         "with the tower frozen), "
                          "unquantised, with SDPA attention and no or full checkpointing",
                          hint="use `method=trace` (auto traces catalog models)", field=field)
 
@@ -141,6 +143,8 @@ def _check(spec: ModelSpec, w: Workload) -> None:
         raise _trace_instead("`activation_offload`", "activation_offload")
     if w.optimizer_in_backward:
         raise _trace_instead("`optimizer_in_backward`", "optimizer_in_backward")
+    if p.dp > 1 and w.training and w.peft is Peft.NONE and not w.freeze_vision:
+        raise _trace_instead(f"`dp={p.dp}` with the vision tower trained (DDP's buckets of its gradients)", "dp")
     if w.objective is not Objective.SFT or w.rl:
         raise _trace_instead(f"`objective={w.objective}`", "objective")
     if w.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL) or (
@@ -309,11 +313,11 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
             if v.trains:
                 # the tower's backward: at its last block (its saved set, the language model's gradients
                 # but the token embedding's, which autograd makes after it) and at its first block
-                embed = 0 if lm_spec.tie_embeddings else lm_spec.vocab * lm_spec.hidden * rg.grad
+                embed = 0 if lm_spec.tie_embeddings or held else lm_spec.vocab * lm_spec.hidden * rg.grad
                 recompute = v.block if w.checkpointing is Checkpointing.FULL else 0
                 opt = lm.states.optimizer + v.optimizer
                 weights = lm.states.weights + v.weights + buffers
-                instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed,
+                instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + held,
                                           activations=v.pixels + v.saved + recompute,
                                           temporaries=v.casts + v.transient + 2 * ws))
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + v.gradients,
