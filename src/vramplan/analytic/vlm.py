@@ -151,6 +151,10 @@ def _check(spec: ModelSpec, w: Workload) -> None:
             w.checkpointing is Checkpointing.FULL and (w.checkpoint_fraction != 1.0 or w.checkpoint_every != 1)):
         raise _trace_instead(f"`checkpointing={w.checkpointing}` (fraction {w.checkpoint_fraction}, every "
                              f"{w.checkpoint_every})", "checkpointing")
+    if w.training and w.checkpointing is Checkpointing.FULL and (w.freeze_vision or w.peft is not Peft.NONE):
+        # (the trace shows the checkpointed frozen blocks recomputed with a gradient flowing through them
+        # to the patch embedding's output: not modelled here)
+        raise _trace_instead("`checkpointing=full` with the vision tower frozen", "checkpointing")
     if w.training and w.peft is not Peft.NONE:
         vision = {lin.name for lin in tower(spec).linears()} | {"0", "2", "mlp.0", "mlp.2"}
         wanted = set(w.lora_targets)
@@ -177,6 +181,8 @@ class Vision:
     """``pixel_values`` (and ``pixel_values_videos``)."""
     saved: int
     """Saved for backward by the whole tower (0 when it does not train)."""
+    merger: int
+    """Of those, the merger's."""
     block: int
     """One block's saved set without checkpointing (the recomputed block)."""
     transient: int
@@ -214,6 +220,13 @@ def _once_terms(t: Tower, ctx: Ctx) -> Terms:
         terms.add("patch embedding input (autocast cast)", c * t.pixels)
     terms.add("rotary cos and sin (fp32, shared by the blocks)", 2 * 4 * (d // t.heads))
     terms.add("window index and its argsort (int64, per merged token)", 2 * 8 / (t.merge * t.merge))
+    return terms
+
+
+def _merger_terms(t: Tower, ctx: Ctx) -> Terms:
+    """Per patch, what the merger saves (freed by its backward, before the blocks')."""
+    c, d = ctx.rg.compute, t.hidden
+    terms = Terms()
     out = norm(terms, "rmsnorm", c, d, ctx, "merger ln_q")
     linear_inputs(terms, t.merger_linears[:1], out, d, ctx, "merger mlp.0", shard="seq")
     terms.add("merger: GELU input and output", 2 * c * d)
@@ -230,7 +243,8 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
     trains = w.training and w.peft is Peft.NONE and not w.freeze_vision
     ctx = Ctx(rg, Trainable(full=True), Attention.SDPA, training=True)
     block = _per_patch(_block_terms(t, ctx))
-    once = _per_patch(_once_terms(t, ctx))
+    merger = _per_patch(_merger_terms(t, ctx))
+    once = _per_patch(_once_terms(t, ctx)) + merger
     if w.checkpointing is Checkpointing.FULL:
         kept = t.depth * c * d + once  # each block's input
     else:
@@ -246,15 +260,26 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
         temp = _optimizer_temp(w, rg, t.params, 0)
     casts = c * t.matrix_params if (trains and rg.autocast and rg.weight == 4) else 0
     out_b = max(c, rg.weight)  # a norm's output: the promotion of its weight and the 16-bit input
-    working = max(c * d + out_b * d + 3 * c * i,  # the MLP: input, norm output, activation, up, product
-                  c * d + out_b * d + 3 * c * d + 4 * 4 * d)  # attention: qkv output, fp32 RoPE of q and k
+    # a block's input and its norm's output (the attention's or the MLP's argument) are alive through it;
+    # the MLP holds the activation, the up output and their product; the attention the qkv output, the
+    # fp32 copies of q and k and four fp32 RoPE temporaries (q·cos, rotate_half, its ·sin, the sum); beside
+    # them the tower's rotary cos/sin (fp32) and its int64 position ids and window index
+    working = max(c * d + out_b * d + 3 * c * i, c * d + out_b * d + 3 * c * d + 6 * 4 * d) \
+        + 2 * 4 * (d // t.heads) + 16 + 2 * 8 // (t.merge * t.merge)
+    if trains:  # (the rest is saved: only the fp32 RoPE copies and temporaries are extra)
+        working = 6 * 4 * d
+    pixels_in = 4 if w.mixed else c
+    # get_image_features casts pixel_values to the tower's dtype (modeling_qwen2_5_vl.py:1093): a copy
+    # alive through the tower's forward where they differ (fp32 inputs, 16-bit weights: LoRA's base)
+    working += t.pixels * rg.weight if rg.weight != pixels_in else 0
     linear_flops = 2 * patches * (t.depth * sum(lin.params for lin in t.linears())
                                   + sum(lin.params for lin in t.merger_linears) // (t.merge * t.merge))
     return Vision(
         patches=patches, weights=t.params * rg.weight, gradients=grads, optimizer=opt, opt_temp=temp, casts=casts,
-        pixels=patches * t.pixels * (4 if w.mixed else c),
-        saved=round(patches * kept) if trains else 0, block=round(patches * block),
-        transient=patches * max(3 * c * i, 3 * c * d + 4 * d), working=patches * working + 2 * 4 * (d // t.heads),
+        pixels=patches * t.pixels * pixels_in,
+        saved=round(patches * kept) if trains else 0, merger=round(patches * merger) if trains else 0,
+        block=round(patches * block),
+        transient=patches * max(3 * c * i, 3 * c * d + 4 * d), working=patches * working,
         trains=trains, flops=linear_flops * (3 if trains else 1),
     )
 
@@ -318,7 +343,7 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
                 opt = lm.states.optimizer + v.optimizer
                 weights = lm.states.weights + v.weights + buffers
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + held,
-                                          activations=v.pixels + v.saved + recompute,
+                                          activations=v.pixels + v.saved - v.merger + recompute,
                                           temporaries=v.casts + v.transient + 2 * ws))
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + v.gradients,
                                           activations=v.pixels + v.block,
