@@ -11,26 +11,19 @@ line that asked for it, and that the same script without the call is traced."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 import vramplan
+from test_trace_async_tp import _cli  # (vramplan run of a script in a new process)
 from vramplan.errors import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "examples" / "fsdp2_symm_mem.py"
 DEPS = ROOT / ".titan-deps"
-
-
-def _cli(*argv: str, cwd: Path, extra_path: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [extra_path, os.environ.get("PYTHONPATH", "")] if p)}
-    return subprocess.run([sys.executable, "-m", "vramplan.cli.main", "run", "--gpu", "h100-sxm", "--", *argv],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
 def _refused(p: subprocess.CompletedProcess[str]) -> str:

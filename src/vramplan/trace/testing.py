@@ -332,6 +332,11 @@ def _storage_peak_mode() -> Any:
                    else func(*args, **(kwargs or {})))
             if self.await_collectives and func is torch.ops._c10d_functional.wait_tensor.default:
                 self._await_release(args[0])
+            self.add_all(out)
+            return out
+
+        def add_all(self, out: Any) -> None:
+            """:meth:`add` each tensor of an op's output (nested lists and tuples too)."""
             stack = [out]
             while stack:
                 o = stack.pop()
@@ -339,7 +344,6 @@ def _storage_peak_mode() -> Any:
                     self.add(o)
                 elif isinstance(o, (list, tuple)):
                     stack.extend(o)
-            return out
 
     from .flex import register_dense_rules
 
@@ -1125,13 +1129,7 @@ def _compiled_storage_peak() -> Any:
             if not isinstance(func, torch._ops.HigherOrderOperator):
                 return super().__torch_dispatch__(func, types, args, kwargs)
             out = func(*args, **(kwargs or {}))
-            stack = list(out[1:] if func is run_and_save_rng_state else [out])
-            while stack:
-                o = stack.pop()
-                if isinstance(o, torch.Tensor):
-                    self.add(o)
-                elif isinstance(o, (list, tuple)):
-                    stack.extend(o)
+            self.add_all(list(out[1:]) if func is run_and_save_rng_state else out)
             return out
 
     return CompiledStoragePeak()
