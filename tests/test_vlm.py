@@ -339,10 +339,12 @@ def test_estimate_of_videos_counts_their_tokens_and_refuses_other_models(
     note = next(n for n in eight.notes if "video tokens" in n)
     assert f"{clip.tokens:,} video tokens" in note and f"sequence {32 + clip.tokens + 2:,} tokens" in note
     assert four.peak.allocated < eight.peak.allocated
+    assert not any("largest batch" in n for n in eight.notes)  # (traced: no search at other batches)
+    analytic = vramplan.estimate(str(tiny), videos=1, video_frames=8, **{**base, "method": "analytic"})
+    assert any("largest batch" in n and "analytic curve" in n for n in analytic.notes), analytic.notes
     gemma = _write(tmp_path, GEMMA3)
     for args, words in (([str(gemma), "--videos", "1"], "takes images only"),
                         (["llama-3.2-1b", "--videos", "1"], "--videos applies to vision-language models"),
-                        ([str(tiny), "--videos", "1", "--method", "analytic"], "traced"),
                         ([str(tiny), "--videos", "1", "--video-frames", "0"], "video-frames must be a positive integer")):
         code = main(["estimate", *args])
         err = capsys.readouterr().err

@@ -86,6 +86,8 @@ CASES = {
     "train, checkpointing": dict(task="train", images=1, image_size=1024, checkpointing="full"),
     "infer, 4 images 1024x1024": dict(task="infer", images=4, image_size=1024),
     "generate": dict(task="generate", images=1, image_size=1024, new_tokens=16),
+    "train, 1 video of 8 frames 448x448": dict(task="train", videos=1, video_frames=8, image_size=448),
+    "infer, 2 videos of 5 frames": dict(task="infer", videos=2, video_frames=5, image_size=448),
 }
 
 

@@ -78,7 +78,10 @@ def estimate(
         m = Method.TRACE
     dev = profile(g, w)  # built once: the trace, the formulas and the verdict read it
     report = _report(spec, w, g, dev, m, alloc_conf, num_gpus, checkpoint_policy)
-    if g is not None and search_max_batch and has_analytic(spec):
+    # (a traced vision-language model is not confirmed at other batches: its traces loop over the
+    # images, and its masks read values at batches its own trace did not run)
+    if g is not None and search_max_batch and has_analytic(spec) and (
+            spec.family is not Family.OTHER or report.method is Method.ANALYTIC):
         report = _with_largest_batch(report, spec, g, dev, alloc_conf, checkpoint_policy)
     return report
 
