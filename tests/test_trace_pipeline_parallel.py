@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -188,13 +189,8 @@ def test_analytic_holds_what_the_trace_holds_under_pipeline_fsdp2(layers, seq, m
     the forward's gradients too; the peak within 3 %, activations within 5 % where they are a large
     part. (The forward's weights are not compared: the trace's forward peak can be the first
     all-gather of the embeddings, a transient the analytic forward instant does not hold.)"""
-    spec = _llama(layers)
-    w = Workload(task="train", batch=1, seq=seq, grad_accum=m, precision=precision, parallel=parallel)
-    t = estimate(spec, w, method="trace", search_max_batch=False)
-    a = estimate(spec, w, method="analytic", search_max_batch=False)
-    assert t.method is Method.TRACE and a.method is Method.ANALYTIC
+    t, a = _both_methods(layers, seq, m, precision, parallel)
     tb, ab = t.breakdown, a.breakdown
-    assert 0 <= tb.weights - ab.weights <= 1024
     assert (tb.gradients, tb.optimizer) == (ab.gradients, ab.optimizer) and ab.gradients > a.model_states.gradients
     assert a.peak.allocated == pytest.approx(t.peak.allocated, rel=0.06 if parallel.pp_schedule == "ZBVZeroBubble"
                                              else 0.03)
@@ -206,6 +202,18 @@ def test_analytic_holds_what_the_trace_holds_under_pipeline_fsdp2(layers, seq, m
     # gradient yet; else a later forward holds them all
     rank = int(re.search(r"reporting rank (\d+)", " ".join(a.notes)).group(1))
     assert (tf.gradients == 0) == (parallel.pp_schedule == "GPipe" or m <= parallel.pp - rank)
+
+
+def _both_methods(layers: int, seq: int, m: int, precision: str, parallel: Parallel) -> tuple[Any, Any]:
+    """The trace and the analytic method of the same pipeline step; the analytic weights are the
+    trace's less the rotary buffers (at most 1 KiB)."""
+    spec = _llama(layers)
+    w = Workload(task="train", batch=1, seq=seq, grad_accum=m, precision=precision, parallel=parallel)
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE and a.method is Method.ANALYTIC
+    assert 0 <= t.breakdown.weights - a.breakdown.weights <= 1024
+    return t, a
 
 
 PP_TP = [  # layers, seq, micro-batches, precision, parallel
@@ -226,13 +234,8 @@ def test_analytic_holds_what_the_trace_holds_under_pipeline_tensor_parallelism(l
     RowwiseParallel embeddings' gradient is the whole table, Replicate, on the first stage: the
     last stage's tied copy does not tie it there; under FSDP2 it is accumulated whole until the
     reduce), the peak within 1 %."""
-    spec = _llama(layers)
-    w = Workload(task="train", batch=1, seq=seq, grad_accum=m, precision=precision, parallel=parallel)
-    t = estimate(spec, w, method="trace", search_max_batch=False)
-    a = estimate(spec, w, method="analytic", search_max_batch=False)
-    assert t.method is Method.TRACE and a.method is Method.ANALYTIC
+    t, a = _both_methods(layers, seq, m, precision, parallel)
     tb, ab = t.breakdown, a.breakdown
-    assert 0 <= tb.weights - ab.weights <= 1024
     assert (tb.gradients, tb.optimizer) == (ab.gradients, ab.optimizer)
     assert a.peak.allocated == pytest.approx(t.peak.allocated, rel=0.01)
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import vramplan
+from test_vlm import TINY
 from vramplan.cli.main import main
 from vramplan.models.build import build_model
 from vramplan.models.catalog import resolve
@@ -22,17 +23,10 @@ from vramplan.workload import Parallel
 
 transformers = pytest.importorskip("transformers")
 
-SMALL: dict[str, Any] = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 400, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": True, "torch_dtype": "float32",
-    "bos_token_id": 390, "eos_token_id": 391, "vision_start_token_id": 392, "vision_end_token_id": 393,
-    "vision_token_id": 394, "image_token_id": 395, "video_token_id": 396,
-    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-    "vision_config": {"depth": 4, "hidden_size": 128, "intermediate_size": 342, "num_heads": 2, "out_hidden_size": 64,
-                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-                      "fullatt_block_indexes": [3], "in_chans": 3},
+SMALL: dict[str, Any] = {  # test_vlm's tiny model, its vision tower wider and deeper, its head tied
+    **TINY, "tie_word_embeddings": True,
+    "vision_config": {**TINY["vision_config"], "depth": 4, "hidden_size": 128, "intermediate_size": 342,
+                      "window_size": 112, "fullatt_block_indexes": [3]},
 }
 """Qwen2.5-VL's layout at reduced width and depth (window blocks and one full-attention block)."""
 
