@@ -303,7 +303,8 @@ def _storage_peak_mode() -> Any:
             object and once by the dispatcher's argument stack (this runs inside the
             ``wait_tensor`` call); more means the work still holds it. Where the call came
             through the op's Python autograd kernel (``torch/_library/autograd.py``
-            ``forward_no_grad``: a wait issued by Python code outside a dispatch, as
+            ``forward_no_grad``; ``redispatch_no_grad`` from torch 2.14: a wait issued by Python
+            code outside a dispatch, as
             ``all_gather_single``'s ``res.wait()`` of a sequence-parallel all-gather, or a
             tensor-parallel backward's), its redispatch holds the argument on a second stack."""
             import sys
@@ -312,7 +313,7 @@ def _storage_peak_mode() -> Any:
             stacks = 1
             f: Any = sys._getframe(1)
             while f is not None:
-                if f.f_code.co_name == "forward_no_grad" and f.f_code.co_filename.endswith(
+                if f.f_code.co_name in _NO_GRAD_REDISPATCH and f.f_code.co_filename.endswith(
                         ("_library/autograd.py", "_library\\autograd.py")):
                     stacks += 1
                 f = f.f_back
@@ -373,6 +374,10 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, mixed, lora)
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
+
+_NO_GRAD_REDISPATCH = ("forward_no_grad", "redispatch_no_grad")
+"""The function of ``torch/_library/autograd.py`` through which a custom op called without grad
+redispatches below autograd (torch 2.13's name, 2.14's)."""
 
 _FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.pipelining",
                        "transformers", "transformers.models.llama.modeling_llama", "vramplan.models.build",
