@@ -30,6 +30,16 @@ def _cli(*argv: str, cwd: Path, extra_path: str = "") -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
+def _titan(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """torchtitan 0.3.0's llama3 debug model on 2 ranks under ``vramplan run`` (empty assets and
+    data folders: the refusals come before any data is read), with ``flags``."""
+    return _cli(
+        "torchrun", "--nproc-per-node", "2", "-m", "torchtitan.train", "--module", "llama3", "--config",
+        "llama3_debugmodel", "--hf_assets_path", str(tmp_path), "--dataloader.dataset", "c4_test",
+        "--dataloader.dataset_path", str(tmp_path), "--dump_folder", str(tmp_path / "out"), *flags,
+        cwd=tmp_path, extra_path=str(DEPS))
+
+
 def _refused(p: subprocess.CompletedProcess[str]) -> str:
     assert p.returncode == 2, p.stderr[-3000:]
     line = p.stderr.strip().splitlines()[-1]
@@ -68,11 +78,7 @@ def test_torchtitan_async_tp_is_refused_in_one_line(tmp_path: Path) -> None:
     folders stay empty). Before, it exited 0 with plain TP's figure."""
     if not (DEPS / "torchtitan").is_dir():
         pytest.skip(".titan-deps is not installed (make test installs it from requirements/titan.txt)")
-    line = _refused(_cli(
-        "torchrun", "--nproc-per-node", "2", "-m", "torchtitan.train", "--module", "llama3", "--config",
-        "llama3_debugmodel", "--hf_assets_path", str(tmp_path), "--dataloader.dataset", "c4_test",
-        "--dataloader.dataset_path", str(tmp_path), "--dump_folder", str(tmp_path / "out"),
-        "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-        "--parallelism.spmd_backend", "partial_dtensor", "--compile.enable", "--compile.enable_async_tensor_parallel",
-        cwd=tmp_path, extra_path=str(DEPS)))
+    line = _refused(_titan(
+        tmp_path, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+        "--parallelism.spmd_backend", "partial_dtensor", "--compile.enable", "--compile.enable_async_tensor_parallel"))
     assert "torchtitan/distributed/compile.py:" in line

@@ -18,7 +18,9 @@ import pytest
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 import vramplan
-from test_trace_async_tp import _cli  # (vramplan run of a script in a new process)
+from test_trace_async_tp import (  # (vramplan run of a script / torchtitan in a new process)
+    _titan,
+)
 from vramplan.errors import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +55,6 @@ def test_torchtitan_fsdp_symm_mem_is_refused_in_one_line(tmp_path: Path) -> None
     build's "SymmetricMemory does not find allocation backend NCCL", reported as the script's own error."""
     if not (DEPS / "torchtitan").is_dir():
         pytest.skip(".titan-deps is not installed (make test installs it from requirements/titan.txt)")
-    line = _refused(_cli(
-        "torchrun", "--nproc-per-node", "2", "-m", "torchtitan.train", "--module", "llama3", "--config",
-        "llama3_debugmodel", "--hf_assets_path", str(tmp_path), "--dataloader.dataset", "c4_test",
-        "--dataloader.dataset_path", str(tmp_path), "--dump_folder", str(tmp_path / "out"),
-        "--parallelism.spmd_backend", "partial_dtensor", "--parallelism.enable_fsdp_symm_mem",
-        cwd=tmp_path, extra_path=str(DEPS)))
+    line = _refused(_titan(tmp_path, "--parallelism.spmd_backend", "partial_dtensor",
+                           "--parallelism.enable_fsdp_symm_mem"))
     assert "torchtitan/distributed/fsdp.py:" in line

@@ -64,9 +64,9 @@ def test_estimate_reports_the_worst_stage_and_every_stage_peak(two_stages):
     assert r.peak.allocated >= worst
 
 
-def test_a_tied_head_is_a_copy_on_the_last_stage():
-    spec = tiny_spec("qwen2.5-0.5b", layers=2)
-    w = Workload(task="train", batch=1, seq=32, grad_accum=2, parallel=Parallel(pp=2))
+def _stage_states_agree(spec, w: Workload) -> tuple[Any, Any, Any]:
+    """Each stage's traced gradients and optimizer states equal the analytic ``stage_states`` of
+    a tied-head model; returns (arch, regime, trainable) for further checks."""
     traced = dict(trace_pipeline_stages(spec, w, iterations=1))
     arch = build_arch(spec)
     assert arch.head.tied
@@ -74,6 +74,13 @@ def test_a_tied_head_is_a_copy_on_the_last_stage():
     for st in stages(arch, w):
         a = stage_states(arch, st, w, rg, tr)
         assert _states(traced[st.index])[1:] == (a.gradients, a.optimizer)
+    return arch, rg, tr
+
+
+def test_a_tied_head_is_a_copy_on_the_last_stage():
+    spec = tiny_spec("qwen2.5-0.5b", layers=2)
+    w = Workload(task="train", batch=1, seq=32, grad_accum=2, parallel=Parallel(pp=2))
+    arch, rg, tr = _stage_states_agree(spec, w)
 
 
 @pytest.mark.parametrize("parallel, extra, match", [
@@ -246,12 +253,6 @@ def test_a_tied_head_leaves_the_first_stages_embedding_gradient_whole_under_tp()
     gradient to accumulate into): analytic and trace agree on it."""
     spec = tiny_spec("llama-3.2-1b", layers=2)
     w = Workload(task="train", batch=1, seq=32, grad_accum=2, parallel=Parallel(pp=2, tp=2))
-    traced = dict(trace_pipeline_stages(spec, w, iterations=1))
-    arch = build_arch(spec)
-    assert arch.head.tied
-    rg, tr = regime(w), trainable(arch, w)
-    for st in stages(arch, w):
-        a = stage_states(arch, st, w, rg, tr)
-        assert _states(traced[st.index])[1:] == (a.gradients, a.optimizer)
+    arch, rg, tr = _stage_states_agree(spec, w)
     first = stage_states(arch, stages(arch, w)[0], w, rg, tr)
     assert first.gradients - first.weights == (arch.vocab * arch.hidden // 2) * 4  # the other half of the table
