@@ -6,6 +6,8 @@ windows, the head) and shrinks every size, so a trace takes a fraction of a seco
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ..models.spec import ModelSpec
@@ -178,7 +180,6 @@ def _real_peak(make_model: Any, make_inputs: Any, task: str, iterations: int, lo
 def _storage_peak_mode() -> Any:
     import contextlib
     import weakref
-    from collections.abc import Iterator
     from functools import partial
 
     import torch
@@ -375,6 +376,61 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
+_C10D_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                     "all_reduce", "broadcast")
+"""The ``torch.distributed`` collectives FSDP1/FSDP2 call through the module (so a patch of the
+module's name is what they call); ``*_single`` from torch 2.13."""
+
+
+@contextlib.contextmanager
+def _c10d_waits_release() -> Iterator[None]:
+    """Each of :data:`_C10D_COLLECTIVES` returns only once gloo's worker thread has dropped the
+    work, which holds the tensors it was handed (``ProcessGroupGloo::runLoop``, as
+    :meth:`StoragePeak._await_release` describes for functional collectives). Without it a
+    buffer the caller frees after the collective (FSDP2's reduce-scatter input) stays allocated
+    until that thread is scheduled again: on a loaded machine, into the next part of the step,
+    where a CUDA collective's buffer is free at once. A call with ``async_op`` runs synchronously
+    and hands back a completed work: only when a collective waits changes, not what it
+    allocates. The tensors' ``_use_count`` before the call is what the caller holds; the call
+    returns when it is back to that (a minute at most)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    class _Done(dist.Work):
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    def released(fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            asynchronous = bool(k.pop("async_op", False))
+            tensors = [x for x in (*a, *k.values()) if isinstance(x, torch.Tensor)]
+            before = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
+            fn(*a, **k)
+            deadline = time.monotonic() + 60.0
+            while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):  # type: ignore[attr-defined]
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the tensors of a {fn.__name__} still held 60 s after it returned")
+                time.sleep(1e-4)
+            return _Done() if asynchronous else None
+
+        call.__name__ = getattr(fn, "__name__", "collective")
+        return call
+
+    saved = {name: getattr(dist, name) for name in _C10D_COLLECTIVES if hasattr(dist, name)}
+    for name, fn in saved.items():
+        setattr(dist, name, released(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 _NO_GRAD_REDISPATCH = ("forward_no_grad", "redispatch_no_grad")
 """The function of ``torch/_library/autograd.py`` through which a custom op called without grad
 redispatches below autograd (torch 2.13's name, 2.14's)."""
@@ -536,7 +592,7 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             step_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         for t in [*model.parameters(), *model.buffers(), *_flat_tensors(batch)]:
             tracker.add(getattr(t, "_local_tensor", t))
-        with tracker, tracker.resizes():
+        with tracker, tracker.resizes(), _c10d_waits_release():
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=lr, foreach=True)
             for _ in range(iterations):
@@ -656,7 +712,7 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
         tracker.redispatch_dtensors = True
         for t in [*model.parameters(), *model.buffers(), *critic.parameters(), *critic.buffers()]:
             tracker.add(getattr(t, "_local_tensor", t))
-        with tracker, tracker.resizes():
+        with tracker, tracker.resizes(), _c10d_waits_release():
             params = [p for p in model.parameters() if p.requires_grad]
             plan = StepPlan(model=model, batch=((), {}), optimizer=torch.optim.AdamW(params, foreach=True),
                             grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
@@ -1057,7 +1113,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
             step_context.enter_context(loss_parallel())
             if sp:
                 step_context.enter_context(full_length_masks(seq))
-        with tracker, tracker.resizes(), step_context:
+        with tracker, tracker.resizes(), _c10d_waits_release(), step_context:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
             for _ in range(iterations):
                 ids = torch.randint(0, spec.vocab, (batch * microbatches, seq))
@@ -1231,7 +1287,7 @@ def _fsdp_compile_worker(rank: int, world: int, spec: Any, batch: int, seq: int,
         undo = _count_inductor_buffers(tracker)
         peaks = []
         try:
-            with tracker, tracker.resizes():
+            with tracker, tracker.resizes(), _c10d_waits_release():
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
                 for _ in range(iterations):
                     tracker.peak = tracker.current
