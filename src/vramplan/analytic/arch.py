@@ -116,7 +116,12 @@ class LayerGroup:
     post_norms: bool = False
     """Gemma 2/3 sandwich norms: the attention and MLP outputs are normalised too."""
     small_params: int = 0
-    """Norm weights, biases: replicated across TP, never quantised."""
+    """Norm weights, biases: never quantised; replicated across TP but for ``tp_small``."""
+    tp_small: int = 0
+    """Of ``small_params``, the biases of column-parallel linears (Qwen2's q/k/v): tensor
+    parallelism shards them with their rows (torch 2.13 ``distributed/tensor/parallel/style.py``
+    ``ColwiseParallel._partition_linear_fn``: weight and bias ``Shard(0)``; transformers 5.24
+    ``distributed/tensor_parallel.py:143-171``, the same); a row-parallel linear's bias stays whole."""
 
     @property
     def params(self) -> int:

@@ -16,6 +16,7 @@ from vramplan.models.spec import Family, ModelSpec
 
 from ._config import act_saves, get_bool, get_float, get_int
 from .arch import Arch, Attn, Ffn, Head, LayerGroup, Linear
+from .parallel import ROW_PARALLEL
 
 _ALWAYS_QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl"})
 GPT2_LIKE = frozenset({"gpt2", "gpt_bigcode"})
@@ -49,17 +50,19 @@ def build(spec: ModelSpec) -> Arch:
         )
         attn_lins = _mla_linears(spec, attn)
         attn_small = spec.kv_lora_rank + spec.q_lora_rank  # q_a / kv_a RMSNorm weights
+        attn_col = 0
     else:
         attn = Attn(
             heads=heads, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
             rope=not gpt2, softmax_fp32=not gpt2, dropout=attn_drop, qk_norm=mt in _QK_NORM,
         )
         attn_lins = _mha_linears(mt, h, attn)
-        attn_small = 0
+        attn_small = attn_col = 0  # (attn_col: the column-parallel linears' biases, which TP shards)
         if gpt2 or get_bool(cfg, "attention_bias"):
             attn_small = sum(lin.d_out for lin in attn_lins)
+            attn_col = sum(lin.d_out for lin in attn_lins if lin.role not in ROW_PARALLEL)
         elif mt in _ALWAYS_QKV_BIAS:
-            attn_small = attn.q_dim + 2 * attn.kv_dim  # Qwen2: q, k, v biases, none on o
+            attn_small = attn_col = attn.q_dim + 2 * attn.kv_dim  # Qwen2: q, k, v biases, none on o
         if attn.qk_norm:
             attn_small += 2 * head_dim  # q_norm, k_norm weights shared across heads
 
@@ -69,6 +72,7 @@ def build(spec: ModelSpec) -> Arch:
                     intermediate=shape.intermediate or 4 * h, act_saves=act, dropout=resid_drop)
     dense_lins = _mlp_linears(mt, h, dense_ffn)
     dense_small = layer_norms + attn_small + (sum(lin.d_out for lin in dense_lins) if mlp_bias else 0)
+    dense_col = attn_col + (sum(lin.d_out for lin in dense_lins if lin.role not in ROW_PARALLEL) if mlp_bias else 0)
     groups: list[LayerGroup] = []
     n_dense = shape.layers
     if spec.is_moe:
@@ -87,12 +91,12 @@ def build(spec: ModelSpec) -> Arch:
             moe_small += e * (2 * moe_i + h) + e + heads
         groups.append(LayerGroup(  # DeepSeek's e_score_correction_bias is a buffer, not counted
             name="moe", count=shape.layers - n_dense, linears=attn_lins + moe_lins, attn=attn,
-            ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small,
+            ffn=moe_ffn, norm=norm, post_norms=sandwich, small_params=moe_small, tp_small=attn_col,
         ))
     if n_dense:
         groups.insert(0, LayerGroup(
             name="dense", count=n_dense, linears=attn_lins + dense_lins, attn=attn,
-            ffn=dense_ffn, norm=norm, post_norms=sandwich, small_params=dense_small,
+            ffn=dense_ffn, norm=norm, post_norms=sandwich, small_params=dense_small, tp_small=dense_col,
         ))
     groups = _split_sliding(shape, groups)
     tied = shape.tie_embeddings

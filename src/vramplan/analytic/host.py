@@ -25,7 +25,7 @@ from vramplan.workload import Workload
 
 from .arch import Arch
 from .blocks import head_linear
-from .parallel import Stage, local
+from .parallel import Stage, local, local_small
 from .regime import Regime, Trainable
 from .states import States
 
@@ -58,7 +58,7 @@ def _tensors(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -
                 out.extend([(tr.rank, lin.d_in, rg.adapter, True), (lin.d_out, tr.rank, rg.adapter, True)]
                            * (lin.count * n))
         for _ in range(n):
-            vectors(g.small_params, h, tr.full)
+            vectors(local_small(g, w), h, tr.full)
     if stage.embed:
         vocab_rows = arch.vocab // w.parallel.tp
         out.append((vocab_rows, h, rg.weight, tr.full))

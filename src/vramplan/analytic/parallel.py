@@ -185,6 +185,12 @@ def local(lin: Linear, w: Workload) -> int:
     return n
 
 
+def local_small(g: LayerGroup, w: Workload) -> int:
+    """Vector elements (norms, biases) of one layer of ``g`` held by one rank: all of them but the
+    column-parallel linears' biases, which tensor parallelism splits (``LayerGroup.tp_small``)."""
+    return g.small_params - g.tp_small + g.tp_small // w.parallel.tp
+
+
 ROW_PARALLEL = frozenset({"o", "down", "fc2", "shared_down"})
 """Roles whose weight ``[d_out, d_in]`` tensor parallelism splits along ``d_in`` (Megatron's
 row-parallel linears; torchtitan's ``RowwiseParallel`` ``wo``/``w2``): dim 0 stays whole."""

@@ -28,7 +28,7 @@ from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Wor
 from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
-from .parallel import Stage, fsdp_padding, local, stage_groups
+from .parallel import Stage, fsdp_padding, local, local_small, stage_groups
 from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
@@ -137,8 +137,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     off_opt = p.offload_optimizer or cpu
     lins = [(lin, n) for g, n in stage.groups for lin in g.linears]
     linear = sum(n * local(lin, w) for lin, n in lins)
-    small = sum(n * g.small_params for g, n in stage.groups)
-    layer = max((sum(local(lin, w) for lin in g.linears) + g.small_params for g, _ in stage.groups), default=0)
+    small = sum(n * local_small(g, w) for g, n in stage.groups)
+    layer = max((sum(local(lin, w) for lin in g.linears) + local_small(g, w) for g, _ in stage.groups), default=0)
     embed = arch.embed_params // p.tp if stage.embed else 0
     head_lin = head_linear(arch.head, h)
     head_mats = list(arch.head.linears) if stage.head else []
@@ -196,11 +196,11 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         weights = sum(n * packed(lin, True) for lin, n in lins) + state + rest // shards
         if w.training:
             unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
-                        + g.small_params * rg.compute for g, _ in stage.groups), default=0)
+                        + local_small(g, w) * rg.compute for g, _ in stage.groups), default=0)
             gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
             if pipelined:  # every unit of the stage stays gathered (pipeline_fsdp)
                 gathered = sum(n * sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
-                               + n * g.small_params * rg.compute for g, n in stage.groups) \
+                               + n * local_small(g, w) * rg.compute for g, n in stage.groups) \
                     + (embed + head + head_small) * min(rg.weight, rg.compute)
 
     # --- gradients and optimizer states -----------------------------------------------
@@ -369,7 +369,7 @@ def _reduce_units(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainab
             rows = arch.vocab // p.tp if p.tp > 1 else arch.vocab
             add(arch.embed_params // p.tp, 0, fsdp_padding([], rows, [], h, w), more=embed_more)
         for g, n in stage_groups(arch, w, i) if p.pp > 1 else stage.groups:
-            add(sum(local(lin, w) for lin in g.linears) + g.small_params,
+            add(sum(local(lin, w) for lin in g.linears) + local_small(g, w),
                 sum(tr.adapter_params(lin) for lin in g.linears), fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w), n)
         if i == last and stage.head:
             add(sum(local(lin, w) for lin in head_mats) + arch.head.small_params + arch.final_norm_params, 0,
