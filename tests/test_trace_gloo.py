@@ -135,3 +135,26 @@ def test_lora_under_tensor_parallelism_gloo_run_agrees_with_trace() -> None:
         assert abs(r.peak_allocated - got["peak"]) / got["peak"] < 1e-4, (rank, r.peak_allocated, got)
         assert _parts_after_first_step(r) == (got["weights"], got["gradients"], got["optimizer"]), rank
         assert any(f"rank {rank} of tp=2 with transformers' own tp_plan" in n for n in r.notes)
+
+
+def test_lora_under_tp_with_fsdp_fails_in_the_real_stacks_as_the_refusal_says() -> None:
+    """LoRA × TP × FSDP2 (dp 2 × tp 2), run for real on 4 gloo processes with the installed
+    transformers / peft / accelerate: accelerate's ND-parallel load cannot build its mesh, and
+    transformers' own TP × FSDP2 load with peft's adapters fails in the LoRA forward — the causes
+    the trace's refusal names (docs/research/lora-under-tp.md). When a new version trains it,
+    this fails: trace it then."""
+    from vramplan.errors import TraceError
+    from vramplan.trace.run import trace_workload
+    from vramplan.trace.testing import real_lora_tp_fsdp_failures, tiny_spec
+    from vramplan.workload import Parallel, Workload
+
+    real = real_lora_tp_fsdp_failures("llama-2-7b", dp=2, tp=2, batch=2, seq=32, targets=("q_proj", "v_proj"))
+    for got in real:
+        assert "The parallel mesh requires 2 processes, but world_size is 4" in got["accelerate"], got
+        assert "RuntimeError: shape '[2, 32, 32]' is invalid for input of size 1024" == got["transformers"], got
+    with pytest.raises(ImportError):  # what accelerate 1.16's prepare() imports under TP × FSDP2
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    w = Workload(task="train", precision="fp32", batch=2, seq=32, peft="lora", lora_targets=("q_proj", "v_proj"),
+                 parallel=Parallel(dp=2, tp=2, zero=3))
+    with pytest.raises(TraceError, match=r"world_size is 4.*ReplicateParallel.*shape \.\.\. is invalid"):
+        trace_workload(tiny_spec("llama-2-7b"), w, iterations=1)

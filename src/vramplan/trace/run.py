@@ -550,8 +550,9 @@ def _lora_tp_refusal(w: Workload) -> None:
             "integration has no tensor-parallel path (its TP styles shard dense weights; quantizer_bnb_4bit / "
             "integrations/bitsandbytes name no DTensor or tp_plan, transformers 5.24) — not run here, with no "
             "bitsandbytes installed", hint="use `method=analytic`, or `peft=lora` without `quant`")
-    other = [k for k, on in (("sp", p.sp), ("dp/zero/offload", p.dp > 1 or p.zero or p.offload_optimizer
-                                             or p.offload_params), ("pp", p.pp > 1), ("cp", p.cp > 1)) if on]
+    if p.dp > 1 or p.zero or p.offload_optimizer or p.offload_params:
+        _lora_tp_fsdp_refusal(w)
+    other = [k for k, on in (("sp", p.sp), ("pp", p.pp > 1), ("cp", p.cp > 1)) if on]
     if other:
         raise TraceError(
             f"LoRA under tensor parallelism is traced on a tensor-parallel mesh alone; with {', '.join(other)} it is "
@@ -562,6 +563,26 @@ def _lora_tp_refusal(w: Workload) -> None:
             f"LoRA under tensor parallelism is traced for supervised training (checked against a real gloo run); "
             f"`objective={w.objective}` is not (its reference model or rollout would have to be laid out too)",
             hint="use `method=analytic`")
+
+
+def _lora_tp_fsdp_refusal(w: Workload) -> None:
+    """LoRA × TP × FSDP2 / DDP: refused, because no Hugging Face stack trains it with the installed
+    versions (run on 4 gloo processes, dp 2 × tp 2; ``docs/research/lora-under-tp.md``)."""
+    p = w.parallel
+    knobs = ", ".join(f"`{k}={v}`" for k, v, on in (
+        ("dp", p.dp, p.dp > 1), ("zero", p.zero, bool(p.zero)), ("offload_optimizer", True, p.offload_optimizer),
+        ("offload_params", True, p.offload_params)) if on)
+    raise TraceError(
+        f"LoRA under tensor parallelism (`tp={p.tp}`) with {knobs} is not traced: no Hugging Face stack trains it "
+        "with transformers 5.24, peft 0.21 and accelerate 1.16 (run on 4 gloo processes): accelerate's ND "
+        "parallelism (ParallelismConfig(dp_shard_size, tp_size) with FSDP2) loads the model with "
+        "from_pretrained(tp_size=..., tp_plan=\"auto\"), which builds transformers' own tensor-parallel mesh and "
+        "wants `tp` processes in all (\"The parallel mesh requires 2 processes, but world_size is 4\"), and its "
+        "prepare() imports transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5.24 "
+        "no longer has; transformers' own from_pretrained(distributed_config=DistributedConfig(tp_size, "
+        "fsdp_size)) shards the weights over (fsdp, tp), peft sizes the adapters by that doubly sharded local "
+        "shard (tuners_utils.py _get_in_out_features) and the LoRA forward fails (\"shape ... is invalid\")",
+        hint="use `method=analytic`, or LoRA with `tp` alone, or LoRA with `dp`/`zero` without `tp`")
 
 
 def _lora_tp(w: Workload) -> bool:

@@ -841,6 +841,85 @@ def real_lora_tp_peaks(model_name: str, *, tp: int, batch: int, seq: int, target
         return _spawn_gloo(_lora_tp_worker, args, tp, timeout, "LoRA tensor-parallel run")
 
 
+def real_lora_tp_fsdp_failures(model_name: str, *, dp: int, tp: int, batch: int, seq: int,
+                               targets: tuple[str, ...], rank_r: int = 16,
+                               timeout: float = 300.0) -> list[dict[str, str]]:
+    """What the Hugging Face stacks do with LoRA × TP × FSDP2 on ``dp × tp`` gloo processes (the
+    catalog model ``model_name`` shrunk, fp32, saved and loaded back), per rank, as
+    ``{"accelerate": ..., "transformers": ...}``, each the error the step raised ("" if it ran):
+
+    - ``accelerate``: the load of accelerate's ND-parallel example
+      (``examples/torch_native_parallelism/nd_parallel.py``): ``from_pretrained(tp_size=tp,
+      tp_plan="auto", device_mesh=<the (dp_shard, tp) mesh>)``. (Accelerate's FSDP2 itself needs an
+      accelerator: on the CPU its state is MULTI_CPU, which ParallelismConfig refuses.)
+    - ``transformers``: ``from_pretrained(distributed_config=DistributedConfig(tp_size=tp,
+      fsdp_size=dp))`` (TP, then FSDP2, at load), ``get_peft_model`` (LoRA rank ``rank_r`` on
+      ``targets``), one forward and backward.
+
+    Checks that the trace's refusal of LoRA under TP with ``dp`` (``trace.run``) still names
+    what the real stacks do."""
+    import tempfile
+
+    import torch
+
+    from ..models.build import build_model, quiet
+
+    spec = tiny_spec(model_name)
+    with tempfile.TemporaryDirectory() as saved:
+        with quiet():
+            built: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+            built.save_pretrained(saved)
+        args = (dp, tp, saved, spec.vocab, batch, seq, targets, rank_r)
+        return _spawn_gloo(_lora_tp_fsdp_worker, args, dp * tp, timeout, "LoRA tensor-parallel FSDP2 run")
+
+
+def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, batch: int, seq: int,
+                         targets: tuple[str, ...], rank_r: int, tmp: str, env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world = dp * tp
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from peft import LoraConfig, get_peft_model
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        from ..models.build import quiet
+
+        def line(e: BaseException) -> str:
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+        out = {"accelerate": "", "transformers": ""}
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+        with quiet():
+            try:
+                AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, tp_size=tp, tp_plan="auto",
+                                                     device_mesh=mesh)
+            except Exception as e:
+                out["accelerate"] = line(e)
+            try:
+                model: Any = AutoModelForCausalLM.from_pretrained(
+                    saved, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=tp, fsdp_size=dp))
+                model = get_peft_model(model, LoraConfig(r=rank_r, lora_alpha=2 * rank_r, lora_dropout=0.0,
+                                                         target_modules=list(targets), bias="none"))
+                model.train()
+                ids = torch.randint(0, vocab, (batch, seq))
+                model(input_ids=ids, labels=ids).loss.backward()
+            except Exception as e:
+                out["transformers"] = line(e)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def _lora_tp_worker(rank: int, tp: int, saved: str, vocab: int, batch: int, seq: int, targets: tuple[str, ...],
                     rank_r: int, tmp: str, env: dict[str, str]) -> None:
     import json
