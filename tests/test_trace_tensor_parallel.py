@@ -266,11 +266,13 @@ def test_lora_under_tp_runs_transformers_plan_and_refuses_what_the_real_stack_ca
     ({"peft": "qlora"}, "bitsandbytes integration has no tensor-parallel path"),
     ({"sp": True}, "on a tensor-parallel mesh alone; with sp"),
     ({"objective": "dpo"}, "traced for supervised training"),
+    ({"dp": 2}, r"with `dp=2`, `zero=3` is not traced: no Hugging Face stack trains it"),
 ])
 def test_lora_under_tp_refuses_the_rest_with_its_cause(change, words):
     from vramplan.trace.run import trace_workload
 
-    parallel = Parallel(tp=2, sp=bool(change.pop("sp", False)))
+    dp = change.pop("dp", 1)
+    parallel = Parallel(tp=2, sp=bool(change.pop("sp", False)), dp=dp, zero=3 if dp > 1 else 0)
     w = Workload(task="train", batch=1, seq=32, peft="lora", lora_targets=("q_proj",), parallel=parallel)
     with pytest.raises(TraceError, match=words):
         trace_workload(tiny_spec("llama-3.1-8b"), w.replace(**change), iterations=1)

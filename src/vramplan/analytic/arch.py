@@ -120,7 +120,7 @@ class LayerGroup:
     tp_small: int = 0
     """Of ``small_params``, the biases of column-parallel linears (Qwen2's q/k/v): tensor
     parallelism shards them with their rows (torch 2.13 ``distributed/tensor/parallel/style.py``
-    ``ColwiseParallel._partition_linear_fn``: weight and bias ``Shard(0)``; transformers 5.24
+    ``ColwiseParallel._partition_linear_fn``, :121-132: weight and bias ``Shard(0)``; transformers 5.24
     ``distributed/tensor_parallel.py:143-171``, the same); a row-parallel linear's bias stays whole."""
 
     @property
