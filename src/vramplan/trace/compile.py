@@ -11,7 +11,9 @@ forward+backward graph on fake tensors with Inductor's decomposition table and s
 exactly what a compiled block keeps. Tracing happens with the trace's recording paused (the
 CUDA emulation stays on: SDPA becomes the flash/efficient kernel, autocast casts are in the
 graph); the compiled function is cached per block class and input signature and reused by
-every layer, as compiled code is.
+every layer, as compiled code is. Inductor's joint-graph passes run first, as in
+``torch.compile``; one of them would take the meta tensors the trace computes on for values
+without data and drop the block's outputs (:func:`_outputs_not_dataless`).
 
 The forward and backward graphs then run op by op under the trace (``torch.fx.Interpreter``
 frees each value after its last use). Approximation, stated in the trace's notes: Inductor
@@ -166,13 +168,13 @@ class BlockCompiler:
 
         def partition(joint: Any, joint_inputs: Any, **kw: Any) -> Any:
             try:  # Inductor's joint-graph passes first, as torch.compile runs them
-                with _no_failure_dump():
+                with _no_failure_dump(), _outputs_not_dataless():
                     fw, bw = inductor_partition(copy.deepcopy(joint), joint_inputs, **kw)
                 self.partitioner = "Inductor's partition_fn (joint-graph passes + min-cut)"
-            except Exception:  # noqa: BLE001 — their passes refuse some meta graphs (the flash op)
+            except Exception:  # noqa: BLE001 — a graph their passes or the min-cut cannot handle
                 fw, bw = min_cut(joint, joint_inputs, **kw)
                 self.partitioner = ("min_cut_rematerialization_partition (Inductor's joint-graph passes "
-                                    "refuse the meta graph and are skipped: on CPU the saved set is the same "
+                                    "failed on this graph and are skipped: on CPU the saved set is the same "
                                     "under SDPA, 38 % larger under eager attention)")
             out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
             params = {n for n in fw.graph.nodes if n.op == "placeholder"}
@@ -252,6 +254,53 @@ def _no_failure_dump() -> Iterator[None]:
         yield
     finally:
         parts._get_unique_path = orig
+
+
+@contextlib.contextmanager
+def _outputs_not_dataless() -> Iterator[None]:
+    """Inductor's ``remove_no_ops`` (a joint-graph pass, run at the end of
+    ``constant_fold_uniform_value``) replaces every graph output whose value is on the ``meta``
+    device by an ``empty_strided`` and drops the code that computed it, as "meta tensors
+    returned from the graph have no data" (torch 2.14.1 ``torch/_inductor/fx_passes/joint_graph.py``
+    L221-L248, called at L612; 2.13.0 L185-L212, called at L568). The trace's meta tensors stand
+    for device memory, and a real run's outputs are CUDA tensors, which the pass keeps. Without
+    this the joint graph lost the block's output and every gradient: on torch 2.14.1 the
+    partitioner then saved only what the attention kernel's backward reads (a Llama layer under
+    eager attention: nothing), on 2.13.0 the min-cut failed on the damaged graph and the
+    emulation fell back to the partitioner without the passes (under eager attention 16 saved
+    tensors where the real compiled layer keeps 13). While the pass runs, the graph's values
+    report the CPU instead of ``meta`` (shapes, strides and dtypes unchanged; the pass compares
+    devices only between the graph's own values); afterwards they are ``meta`` again."""
+    try:
+        from torch._inductor.fx_passes import joint_graph
+    except ImportError:
+        yield
+        return
+    orig = getattr(joint_graph, "remove_no_ops", None)
+    if orig is None:
+        yield
+        return
+
+    @functools.wraps(orig)
+    def remove_no_ops(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        moved = []
+        for node in gm.graph.nodes:
+            v = node.meta.get("val")
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if getattr(t, "fake_device", None) == torch.device("meta"):
+                    t.fake_device = torch.device("cpu")
+                    moved.append(t)
+        try:
+            return orig(gm, *args, **kwargs)
+        finally:
+            for t in moved:
+                t.fake_device = torch.device("meta")
+
+    joint_graph.remove_no_ops = remove_no_ops
+    try:
+        yield
+    finally:
+        joint_graph.remove_no_ops = orig
 
 
 def _inductor_partition() -> Callable[..., Any]:
@@ -351,11 +400,6 @@ def notes(compiler: BlockCompiler) -> list[str]:
     out = [f"torch.compile emulated per block ({n_blocks} blocks, torchtitan-style): AOTAutograd with "
            f"{compiler.partitioner} keeps {saved or 'nothing'} per block for backward; "
            "intermediates inside a block are run op by op (Inductor would fuse some away)"]
-    if compiler.partitioner.startswith("Inductor's partition_fn"):
-        out.append("torch.compile: where Inductor's joint-graph passes run on the meta graph (torch 2.14; 2.13 "
-                   "skips them), a tiny Llama-2's compiled blocks under FSDP2 were traced 21 % below a real "
-                   "compiled gloo run (the saved set too small; cause not found; torch 2.13's path agrees within "
-                   "0.003 %, tests/test_trace_fsdp_compile.py): this figure may be low")
     if checkpointed:
         out.append(f"torch.compile: {checkpointed} blocks compiled with their activation checkpoint inside the "
                    "graph (Dynamo's tag_activation_checkpoint): the partitioner recomputes the checkpointed ops in "
