@@ -102,6 +102,34 @@ def test_the_analytic_step_agrees_with_the_trace(small: str, case: str) -> None:
             assert mine[p.phase] == pytest.approx(p.allocated, rel=0.05), p.phase
 
 
+CLOSE = {  # fp32, accumulation, and checkpointing with the tower frozen (a gradient through it)
+    "train fp32": dict(images=1, image_size=1024, precision="fp32"),
+    "train, 2 accumulation steps": dict(images=1, image_size=1024, grad_accum=2),
+    "frozen tower, checkpointing, 2 accumulation steps": dict(images=2, image_size=448, freeze_vision=True,
+                                                               checkpointing="full", grad_accum=2),
+    "frozen tower, checkpointing, fp32": dict(images=2, image_size=448, freeze_vision=True, checkpointing="full",
+                                              precision="fp32"),
+    "LoRA, checkpointing": dict(images=2, image_size=448, peft="lora", checkpointing="full"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLOSE))
+def test_the_analytic_step_agrees_with_the_trace_within_one_percent(small: str, case: str) -> None:
+    kw: dict[str, Any] = dict({"precision": "bf16-mixed"}, **CLOSE[case], task="train", seq=64)
+    traced = vramplan.estimate(small, method="trace", **kw)
+    got = vramplan.estimate(small, method="analytic", **kw)
+    assert got.model_states == traced.model_states  # weights, gradients, optimizer states: to the byte
+    assert got.trainable_params == traced.trainable_params
+    # the trace's peak before the allocator's rounding (512-byte multiples: up to 1.6 % of this tiny
+    # model's peak, its note says how much; the analytic method counts tensor bytes)
+    tensors = max(p.allocated for p in traced.phases)
+    assert got.peak.allocated == pytest.approx(tensors, rel=0.01)
+    mine = {p.phase: p.allocated for p in got.phases}
+    for p in traced.phases:
+        if p.phase in mine:
+            assert mine[p.phase] == pytest.approx(p.allocated, rel=0.01), p.phase
+
+
 def test_the_tower_adds_what_its_images_cost() -> None:
     base = dict(task="train", seq=256, method="analytic")
     text = vramplan.estimate("qwen2.5-vl-7b", **base)
@@ -125,7 +153,6 @@ def test_the_command_answers_fast_and_names_its_method(capsys: pytest.CaptureFix
 @pytest.mark.parametrize(("change", "field"), [
     (dict(peft="lora", lora_targets="all-linear"), "lora_targets"), (dict(parallel=Parallel(tp=2)), "tp"),
     (dict(attention="eager"), "attention"), (dict(checkpointing="selective"), "checkpointing"),
-    (dict(freeze_vision=True, checkpointing="full"), "checkpointing"),
 ])
 def test_what_the_formulas_do_not_model_is_refused_with_the_trace_named(change: dict[str, Any], field: str) -> None:
     with pytest.raises(vramplan.VramplanError, match="method=trace") as e:

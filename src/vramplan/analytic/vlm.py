@@ -22,6 +22,16 @@ as transformers 5.24.0 ``models/qwen2_5_vl/modeling_qwen2_5_vl.py`` runs it:
   ``q_proj k_proj v_proj o_proj`` are the language model's) saves nothing: nothing in it needs a
   gradient. Its forward holds one block's working set; autocast caches no cast of a weight that does
   not require a gradient;
+- a frozen tower under full checkpointing carries a gradient to its input: transformers'
+  checkpointing switch calls ``enable_input_require_grads`` (``modeling_utils.py:3190-3197``), which
+  hooks every input embedding of the model, the tower's too (``_input_embed_layer = "patch_embed"``,
+  ``:389``; ``modeling_utils.py:2147-2177``): the patch embedding's output becomes a leaf that requires
+  a gradient. The tower then keeps each block's input and that leaf, its merger saves what its
+  input's gradient needs (its norm's fp32 input and rstd, the GELU's input, and the 16-bit casts of
+  its frozen fp32 linears' weights), and each block's backward recomputes it saving only what the
+  input's gradient needs (the norms' fp32 inputs and rstd, ``qkv``'s output, ``q``/``k`` after RoPE,
+  the attention's output and logsumexp, the MLP's gate, activation and up outputs, and its linears'
+  weight casts), the gradient of its output arriving beside them;
 - autograd runs the tower's backward after the language model's layers (its nodes are later than the
   token embedding's) and before the token embedding's: the tower's saved tensors are alive through the
   language model's backward, and the tower's gradients appear while they are freed;
@@ -29,8 +39,8 @@ as transformers 5.24.0 ``models/qwen2_5_vl/modeling_qwen2_5_vl.py`` runs it:
   alive for the whole step, as ``generate``'s model kwargs keep it through decoding.
 
 The scope: one GPU (or plain data parallelism with the tower frozen), no quantisation, SDPA attention,
-no checkpointing or full checkpointing of every layer, images and videos; the rest is traced
-(``method=trace``).
+no checkpointing or full checkpointing of every layer (the tower trained or frozen), any precision,
+gradient accumulation, images and videos; the rest is traced (``method=trace``).
 """
 
 from __future__ import annotations
@@ -151,10 +161,6 @@ def _check(spec: ModelSpec, w: Workload) -> None:
             w.checkpointing is Checkpointing.FULL and (w.checkpoint_fraction != 1.0 or w.checkpoint_every != 1)):
         raise _trace_instead(f"`checkpointing={w.checkpointing}` (fraction {w.checkpoint_fraction}, every "
                              f"{w.checkpoint_every})", "checkpointing")
-    if w.training and w.checkpointing is Checkpointing.FULL and (w.freeze_vision or w.peft is not Peft.NONE):
-        # (the trace shows the checkpointed frozen blocks recomputed with a gradient flowing through them
-        # to the patch embedding's output: not modelled here)
-        raise _trace_instead("`checkpointing=full` with the vision tower frozen", "checkpointing")
     if w.training and w.peft is not Peft.NONE:
         vision = {lin.name for lin in tower(spec).linears()} | {"0", "2", "mlp.0", "mlp.2"}
         wanted = set(w.lora_targets)
@@ -191,6 +197,12 @@ class Vision:
     """The largest set alive at once in one block's forward when nothing is saved."""
     trains: bool
     flops: float
+    through: bool = False
+    """Frozen, a gradient flowing through it to the patch embedding's output (checkpointing)."""
+    recast: int = 0
+    """Autocast's 16-bit casts of one block's frozen fp32 weights, saved by its recomputed linears."""
+    leaf: int = 0
+    """The patch embedding's output made to require a gradient (a leaf), then its gradient."""
 
 
 def _block_terms(t: Tower, ctx: Ctx) -> Terms:
@@ -212,14 +224,42 @@ def _block_terms(t: Tower, ctx: Ctx) -> Terms:
     return terms
 
 
-def _once_terms(t: Tower, ctx: Ctx) -> Terms:
-    """Per patch, what the tower saves outside its blocks."""
+def _once_terms(t: Tower, ctx: Ctx, *, embed_saves: bool = True) -> Terms:
+    """Per patch, what the tower saves outside its blocks (``embed_saves``: the patch embedding
+    trains)."""
     c, d = ctx.rg.compute, t.hidden
     terms = Terms()
-    if ctx.rg.autocast:  # the Conv3d's input: autocast's 16-bit cast of pixel_values (fp32 it is the input)
+    if ctx.rg.autocast and embed_saves:  # the Conv3d's input: autocast's 16-bit cast of pixel_values (fp32 it is the input)
         terms.add("patch embedding input (autocast cast)", c * t.pixels)
     terms.add("rotary cos and sin (fp32, shared by the blocks)", 2 * 4 * (d // t.heads))
     terms.add("window index and its argsort (int64, per merged token)", 2 * 8 / (t.merge * t.merge))
+    return terms
+
+
+def _through_block_terms(t: Tower, ctx: Ctx) -> Terms:
+    """Per patch, what one frozen block saves when a gradient flows through it to its input
+    (module docstring: checkpointing with the tower frozen): its ops' inputs that the input's
+    gradient needs, none that only a weight's gradient would."""
+    c, d, i = ctx.rg.compute, t.hidden, t.intermediate
+    terms = Terms()
+    if c == 4:  # (fp32: norm1's ``to(float32)`` is the block's input itself, kept already)
+        terms.add("norm1: rstd", 4)
+    else:
+        norm(terms, "rmsnorm", c, d, ctx, "norm1", trains=False)
+    terms.add("qkv output (v is a view of it)", 3 * c * d)
+    terms.add("q, k after RoPE", 2 * c * d)
+    terms.add("attention output + fp32 logsumexp", c * d + 4 * t.heads)
+    norm(terms, "rmsnorm", c, d, ctx, "norm2", trains=False)
+    terms.add("mlp: gate output (activation input)", c * i)
+    terms.add("mlp: activation output and up output (mul inputs)", 2 * c * i)
+    return terms
+
+
+def _through_merger_terms(t: Tower, ctx: Ctx) -> Terms:
+    """Per patch, what the frozen merger saves for its input's gradient."""
+    terms = Terms()
+    norm(terms, "rmsnorm", ctx.rg.compute, t.hidden, ctx, "merger ln_q", trains=False)
+    terms.add("merger: GELU input", ctx.rg.compute * t.hidden)
     return terms
 
 
@@ -241,14 +281,27 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
     t = tower(spec)
     c, d, i = rg.compute, t.hidden, t.intermediate
     trains = w.training and w.peft is Peft.NONE and not w.freeze_vision
+    # transformers' checkpointing hooks every input embedding, the tower's patch embedding too
+    # (modeling_utils.py:3190-3197, :2147-2177; the tower's ``_input_embed_layer = "patch_embed"``,
+    # modeling_qwen2_5_vl.py:389): a frozen tower then carries a gradient to its input
+    through = w.training and not trains and w.checkpointing is Checkpointing.FULL
     ctx = Ctx(rg, Trainable(full=True), Attention.SDPA, training=True)
-    block = _per_patch(_block_terms(t, ctx))
-    merger = _per_patch(_merger_terms(t, ctx))
-    once = _per_patch(_once_terms(t, ctx)) + merger
-    if w.checkpointing is Checkpointing.FULL:
-        kept = t.depth * c * d + once  # each block's input
+    cast_weights = rg.autocast and rg.weight == 4
+    recast = 0
+    if through:
+        block = _per_patch(_through_block_terms(t, ctx))
+        merger = _per_patch(_through_merger_terms(t, ctx))
+        once = _per_patch(_once_terms(t, ctx, embed_saves=False)) + merger
+        kept = (t.depth + 1) * c * d + once  # each block's input and the patch embedding's output
+        recast = c * sum(lin.params for lin in t.linears()) if cast_weights else 0
     else:
-        kept = t.depth * block + once
+        block = _per_patch(_block_terms(t, ctx))
+        merger = _per_patch(_merger_terms(t, ctx))
+        once = _per_patch(_once_terms(t, ctx)) + merger
+        if w.checkpointing is Checkpointing.FULL:
+            kept = t.depth * c * d + once  # each block's input
+        else:
+            kept = t.depth * block + once
     grads = opt = temp = 0
     if trains:
         grads = t.params * rg.grad
@@ -258,7 +311,9 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
         vectors = t.params - sum(a * b * n for a, b, n, _, _ in mats)
         opt = _optimizer_bytes(w, rg, t.params, mats, vectors)
         temp = _optimizer_temp(w, rg, t.params, 0)
-    casts = c * t.matrix_params if (trains and rg.autocast and rg.weight == 4) else 0
+    casts = c * t.matrix_params if (trains and cast_weights) else 0
+    if through and cast_weights:  # the merger's linears save their frozen weights' casts for the backward
+        casts = c * sum(lin.params for lin in t.merger_linears)
     out_b = max(c, rg.weight)  # a norm's output: the promotion of its weight and the 16-bit input
     # a block's input and its norm's output (the attention's or the MLP's argument) are alive through it;
     # the MLP holds the activation, the up output and their product; the attention the qkv output, the
@@ -268,6 +323,8 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
         + 2 * 4 * (d // t.heads) + 16 + 2 * 8 // (t.merge * t.merge)
     if trains:  # (the rest is saved: only the fp32 RoPE copies and temporaries are extra)
         working = 6 * 4 * d
+    elif through:  # (the block's input and the rotary tables are among the kept tensors)
+        working -= c * d + 2 * 4 * (d // t.heads) + 16 + 2 * 8 // (t.merge * t.merge)
     pixels_in = 4 if w.mixed else c
     # get_image_features casts pixel_values to the tower's dtype (modeling_qwen2_5_vl.py:1093): a copy
     # alive through the tower's forward where they differ (fp32 inputs, 16-bit weights: LoRA's base)
@@ -277,10 +334,14 @@ def vision(spec: ModelSpec, w: Workload, rg: Regime, patches: int) -> Vision:
     return Vision(
         patches=patches, weights=t.params * rg.weight, gradients=grads, optimizer=opt, opt_temp=temp, casts=casts,
         pixels=patches * t.pixels * pixels_in,
-        saved=round(patches * kept) if trains else 0, merger=round(patches * merger) if trains else 0,
+        saved=round(patches * kept) if trains or through else 0,
+        merger=round(patches * merger) if trains or through else 0,
         block=round(patches * block),
-        transient=patches * max(3 * c * i, 3 * c * d + 4 * d), working=patches * working,
-        trains=trains, flops=linear_flops * (3 if trains else 1),
+        # (through a frozen block, the gradient of its output arriving beside its own working set)
+        transient=patches * (max(3 * c * i, 3 * c * d + 4 * d) + (c * d if through else 0)),
+        working=patches * working,
+        trains=trains, flops=linear_flops * (3 if trains else 2 if through else 1),
+        through=through, recast=recast, leaf=patches * c * d if through else 0,
     )
 
 
@@ -309,7 +370,10 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
     v = vision(spec, w, rg, w.batch * per_seq)
     ws = 0 if workspace_bytes is None else workspace_bytes
     lm_grads = lm.states.gradients
-    held = v.gradients if (w.grad_accum > 1 or w.keep_grads) and w.training else 0
+    # gradients kept across micro-steps (accumulation): the tower's, and the language model's where
+    # the tower's forward runs (before the language model's, which ``estimate`` counts)
+    keep = (w.grad_accum > 1 or w.keep_grads) and w.training
+    held = v.gradients if keep else 0
 
     def plus(bd: Breakdown, **more: int) -> Breakdown:
         return dataclasses.replace(bd, **{k: getattr(bd, k) + n for k, n in more.items()})
@@ -329,25 +393,28 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
             end = plus(bd, **base, gradients=held, activations=v.pixels + v.saved, temporaries=v.casts)
             tower_fwd = Breakdown(  # the tower's forward, before the language model's
                 weights=lm.states.weights + v.weights + buffers, optimizer=lm.states.optimizer + v.optimizer,
-                gradients=held + (lm_grads if held else 0), activations=v.pixels + v.saved,
-                temporaries=v.casts + v.working + 2 * ws)
+                gradients=held + (lm_grads if keep else 0),
+                # (a frozen tower's merger saves, and casts, after its blocks)
+                activations=v.pixels + v.saved - (v.merger if v.through else 0),
+                temporaries=(0 if v.through else v.casts) + v.working + 2 * ws)
             phases.append(peak(ph.phase, end, tower_fwd))
         elif ph.phase is Phase.BACKWARD:
             lm_bwd = plus(bd, **base, gradients=held, activations=v.pixels + v.saved, temporaries=v.casts)
             instants = [lm_bwd]
-            if v.trains:
+            if v.trains or v.through:
                 # the tower's backward: at its last block (its saved set, the language model's gradients
                 # but the token embedding's, which autograd makes after it) and at its first block
-                embed = 0 if lm_spec.tie_embeddings or held else lm_spec.vocab * lm_spec.hidden * rg.grad
+                embed = 0 if lm_spec.tie_embeddings or keep else lm_spec.vocab * lm_spec.hidden * rg.grad
                 recompute = v.block if w.checkpointing is Checkpointing.FULL else 0
                 opt = lm.states.optimizer + v.optimizer
                 weights = lm.states.weights + v.weights + buffers
+                casts = v.recast if v.through else v.casts
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + held,
                                           activations=v.pixels + v.saved - v.merger + recompute,
-                                          temporaries=v.casts + v.transient + 2 * ws))
+                                          temporaries=casts + v.transient + 2 * ws))
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + v.gradients,
-                                          activations=v.pixels + v.block,
-                                          temporaries=v.transient + 2 * ws))
+                                          activations=v.pixels + v.block + 2 * v.leaf,  # (+ its input)
+                                          temporaries=v.recast + v.transient + 2 * ws))
             if w.peft is Peft.NONE and lm_spec.tie_embeddings:
                 # the token embedding's backward, the step's last: a tied weight already holds the output
                 # head's gradient, and the embedding's new one is added to it out of place (as traced:
