@@ -1039,8 +1039,13 @@ class Workload:
         if self.objective is Objective.SFT or self.reference_source is not Reference.MODEL:
             return
         if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
+            # (TRL 1.16.0 wraps it as it wraps the policy: under FSDP1 `prepare_fsdp` gives it its own
+            # FullyShardedDataParallel units with the plugin's strategy, trl/models/utils.py:292-312, called
+            # from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188; a second sharded model the
+            # trace does not build)
             raise WorkloadError("a preference reference model under data or model parallelism or quantisation is not "
-                                "modelled (frameworks prepare and shard it with the policy)",
+                                "modelled (frameworks prepare and shard it with the policy: TRL wraps it with its "
+                                "own FSDP units under FSDP1 and FSDP2)",
                                 hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
                                 field="reference")
 

@@ -52,7 +52,7 @@ from ..errors import TraceError
 from ..events import Action, Category
 from ..workload import Phase, Reference, Rollout, Workload
 from .kvcache import make_cache
-from .loss import causal_lm_parts, through_root, trl_log_probs
+from .loss import causal_lm_parts, fsdp1_root, through_root, trl_log_probs
 
 POLICY_OUTPUTS: tuple[str, ...] = ("log_probs", "entropy")
 """``add_fused_lm_head(model, outputs=("log_probs", "entropy"))`` (grpo_trainer.py L1068-L1073)."""
@@ -203,7 +203,7 @@ def _logps(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: 
             return got
 
         with region():
-            fields = through_root(hf, fused)
+            fields = through_root(hf, fused, model)
         all_logps.append(fields["log_probs"][:, -completion:])
         if entropy:
             all_entropies.append(fields["entropy"][:, -completion:])
@@ -226,6 +226,17 @@ def _reference(model: nn.Module, reference: nn.Module | None,
     return contextlib.nullcontext(), reference, REF_OUTPUTS
 
 
+def _root_gathered(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Under FSDP1, TRL generates with the root unit's flat parameter gathered
+    (``summon_full_params(model_wrapped, recurse=False)``, grpo_trainer.py:1861-1875, trl 1.16.0;
+    trl/distributed.py:74-91): the embeddings, final norm and head whole for the rollout, each
+    block's unit gathering itself in its forward."""
+    root = fsdp1_root(model)
+    if root is None:
+        return contextlib.nullcontext()
+    return type(root).summon_full_params(root, recurse=False)
+
+
 def rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Reference, *, micro_batch: int,
             steps: int, prompt: int, completion: int, autocast: torch.dtype | None, region: Region,
             cache_kind: str, kv_dtype: Any, compute: torch.dtype, notes: list[str],
@@ -239,7 +250,7 @@ def rollout(sess: Any, model: nn.Module, reference: nn.Module | None, source: Re
         ids = torch.zeros((window, prompt), dtype=torch.long, device=dev)
         mask = torch.ones((window, prompt), dtype=torch.long, device=dev)
         mask[0, 0] = 0
-        with _no_checkpointing(_hf(model)):  # (unwrap_model_for_generation turns it off)
+        with _no_checkpointing(_hf(model)), _root_gathered(model):  # (unwrap_model_for_generation turns it off)
             full = generate(sess, model, ids, mask, completion, region, cache_kind, kv_dtype, compute, notes)
         del ids, mask
         with sess.phase(Phase.FORWARD):

@@ -73,6 +73,9 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     """(the transformers causal LM, its backbone, its output head); a TraceError when the model
     is not one (the loss knob needs the hidden states and the head's weight)."""
     hf: Any = model
+    root = fsdp1_root(model)
+    if root is not None:  # (FSDP1 wraps the model: the module inside its root unit)
+        hf = root.module
     getter = getattr(hf, "get_base_model", None)
     if callable(getter):  # a PeftModel
         hf = getter()
@@ -86,19 +89,32 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     return hf, backbone, head
 
 
-def through_root(hf: nn.Module, fn: Callable[[], Any]) -> Any:
+def fsdp1_root(model: nn.Module) -> Any:
+    """``model`` when it is FSDP1's root unit (``FullyShardedDataParallel``), else None."""
+    return model if any(c.__name__ == "FullyShardedDataParallel" for c in type(model).__mro__) else None
+
+
+def through_root(hf: nn.Module, fn: Callable[[], Any], model: nn.Module | None = None) -> Any:
     """``fn()``, a forward through the model's parts (its backbone, then a fused head), run as
     ``hf``'s forward when FSDP2 shards ``hf``: TRL's ``add_fused_lm_head`` patches ``model.forward``
     and calls the model (trl/trainer/utils.py ``_fused_forward``), so FSDP2's hooks on the root run:
     they gather the root's own parameters (the embeddings, the final norm, the head) before the
     forward and reduce-scatter their gradients after the backward; called part by part, they would
-    not. Elsewhere ``fn()`` as it is."""
-    if not any(c.__name__ == "FSDPModule" for c in type(hf).__mro__):
+    not. Under FSDP1 (``model`` its root unit) the same, through the root unit's forward, which
+    gathers its flat parameter and calls the module it wraps (the PEFT model or ``hf``) —
+    accelerate's prepared model, which TRL calls (grpo_trainer.py:1498, ``_get_per_token_logps_and_entropies``:
+    ``model(**model_inputs, labels=labels, fused_lm_head=True)``, trl 1.16.0). Elsewhere ``fn()`` as it is."""
+    root = fsdp1_root(model) if model is not None else None
+    if root is not None:
+        hf, call = root.module, root
+    elif any(c.__name__ == "FSDPModule" for c in type(hf).__mro__):
+        call = hf
+    else:
         return fn()
     saved = hf.__dict__.get("forward")
     hf.forward = lambda *_a, **_k: fn()  # (an instance attribute: the class's forward stays)
     try:
-        return hf()
+        return call()
     finally:
         if saved is None:
             del hf.forward
@@ -419,6 +435,15 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
     hf, backbone, head = causal_lm_parts(model)
     if loss is Loss.TRL:
         kwargs["use_cache"] = False  # (TRL's fused forward sets it)
+    # (through a sharded root's forward: the trainer calls the prepared model)
+    return through_root(hf, lambda: _forward_and_loss(hf, backbone, head, args, kwargs, labels, loss, chunks,
+                                                      autocast_dtype=autocast_dtype, sm=sm, chunk_ce=chunk_ce), model)
+
+
+def _forward_and_loss(hf: nn.Module, backbone: nn.Module, head: nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any], labels: torch.Tensor, loss: Loss, chunks: int, *,
+                      autocast_dtype: torch.dtype | None, sm: tuple[int, int],
+                      chunk_ce: nn.Module | None) -> tuple[Any, torch.Tensor]:
     out = backbone(*args, **kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     if loss is Loss.TRL:  # (its loss: -log_probs.sum() / mask.sum().clamp(min=1))
@@ -440,5 +465,6 @@ def forward_and_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, A
 
 
 __all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "TrlChunkedLogProb", "causal_lm_parts",
+           "fsdp1_root",
            "chunked_ce", "forward_and_loss", "liger_chunk", "loss_note", "shifted_labels", "through_root", "trl_log_probs",
            "TRL_SFT_OUTPUTS"]

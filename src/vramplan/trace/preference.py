@@ -45,7 +45,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ..workload import Objective, Reference, Workload
-from .loss import causal_lm_parts, trl_log_probs
+from .loss import causal_lm_parts, through_root, trl_log_probs
 
 DPO_POLICY_OUTPUTS: tuple[str, ...] = ("log_probs", "entropy", "mean_logits", "is_top1")
 """What DPOTrainer asks of the policy's head (trl 1.16 dpo_trainer.py: ``outputs = ("log_probs",
@@ -134,14 +134,20 @@ def _sequence_logps(model: nn.Module, kwargs: dict[str, Any], labels: torch.Tens
                     outputs: tuple[str, ...], region: Region, prompt: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(the head's per-position fields, the per-sequence log-probabilities): one model call in its
     own autocast region (``region``), its per-sequence sum outside it, as the trainers do."""
-    _hf, backbone, head = causal_lm_parts(model)
-    with region():
+    hf, backbone, head = causal_lm_parts(model)
+
+    def fused() -> dict[str, torch.Tensor]:
         # (TRL's fused forward holds the backbone's whole output through the head: a vision-language
         # model's carries its vision tower's outputs too)
         out = backbone(**{**kwargs, "use_cache": False})
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        fields, _mask = trl_log_probs(hidden, head, labels, autocast, outputs, prompt)
+        got, _mask = trl_log_probs(hidden, head, labels, autocast, outputs, prompt)
         del hidden, _mask, out
+        return got
+
+    with region():  # (through a sharded root's forward, as TRL calls the prepared model)
+        fields = through_root(hf, fused, model)
+    del fused
     seq_len = labels.shape[1] - 1
     return fields, fields["log_probs"][:, -seq_len:].sum(dim=1)
 

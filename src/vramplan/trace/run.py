@@ -1012,12 +1012,11 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         paths.update(sess.modules.paths)
     result = summarize(sess, params=p.params, trainable=p.trainable,
                        flops=sess.dispatch.flops if opts.count_flops else None, notes=notes)
-    if plan.runner_name == "grpo" and p.critic is None and p.reward_model is None:
-        result = dataclasses.replace(result, notes=(*result.notes, grpo.limit_note(result.phases)))
-    elif plan.runner_name == "grpo":
+    if plan.runner_name == "grpo":
         parts = ppo.parts_of(sess.rec.log, plan.spans)
-        result = dataclasses.replace(result, notes=(*result.notes, ppo.limit_note(w, parts)),
-                                     step_parts=tuple(parts.items()))
+        limit = grpo.limit_note(result.phases) if p.critic is None and p.reward_model is None \
+            else ppo.limit_note(w, parts)
+        result = dataclasses.replace(result, notes=(*result.notes, limit), step_parts=tuple(parts.items()))
     if not host_parts:
         return result
     return dataclasses.replace(result, host_memory=sum(n for _, n in host_parts), host_parts=host_parts)

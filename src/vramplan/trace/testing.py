@@ -732,6 +732,75 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
         dist.destroy_process_group()
 
 
+def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, iterations: int = 2,
+                          timeout: float = 300.0) -> list[dict[str, int]]:
+    """Each rank's storage peaks of a real GRPO step (:func:`.steps.grpo_step`, no reference, on a
+    transformers Llama built from ``config``, fp32, AdamW foreach) over ``world`` gloo processes,
+    the policy wrapped with FSDP1 as accelerate's plugin wraps it (``FullyShardedDataParallel``
+    units on the ``_no_split_modules`` layers and the root, FULL_SHARD, ``use_orig_params=True``,
+    ``limit_all_gathers``, BACKWARD_PRE; trl 1.16.0 ``models/utils.py:292-312`` wraps a
+    reference alike): ``{"generation", "actor"}`` (the peak within each part of the last step)
+    and ``"peak"``. The sibling of :func:`real_ppo_dist_peaks` (FSDP2)."""
+    args = (world, config, workload, iterations)
+    return _spawn_gloo(_grpo_fsdp1_worker, args, world, timeout, "GRPO FSDP1 gloo run")
+
+
+def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, iterations: int, tmp: str,
+                       env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import transformers
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            FullyShardedDataParallel,
+            ShardingStrategy,
+        )
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from ..workload import Reference
+        from .steps import StepPlan, grpo_step
+
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+        classes = {type(m) for m in model.modules() if type(m).__name__ in set(model._no_split_modules)}
+        wrapped = FullyShardedDataParallel(
+            model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy(classes),
+            device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        wrapped.train()
+        tracker = _StoragePeak()
+        tracker.redispatch_dtensors = True
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.add(t)
+        with tracker, tracker.resizes(), _c10d_waits_release():
+            params = [p for p in wrapped.parameters() if p.requires_grad]
+            plan = StepPlan(model=wrapped, batch=((), {}), optimizer=torch.optim.AdamW(params, foreach=True),
+                            grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
+                            objective=w.objective, reference=None, reference_source=Reference.NONE,
+                            prompt=w.prompt, micro_batch=w.batch, completion=w.completion)
+            sess = _RealStepSession(tracker)
+            for _ in range(iterations):
+                grpo_step(sess, plan)  # type: ignore[arg-type]
+        marks = sess.rec.log
+        len(marks)  # (the segment after the last part)
+        out = {name: max(marks.peaks[lo:hi]) for name, ((lo, hi),) in plan.spans.items()}
+        out["peak"] = max(marks.peaks)
+        # (AdamW's ``step`` counters: one 4-byte scalar per parameter with elements on this rank)
+        out["adam_steps"] = sum(1 for st in plan.optimizer.state.values() if "step" in st)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def real_tp_generate_peaks(model_name: str, *, tp: int, prompt: int, new_tokens: int,
                            timeout: float = 300.0) -> list[list[int]]:
     """Each rank's storage peak per forward (the prefill, then each decode step; as
