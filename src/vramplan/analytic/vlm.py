@@ -413,7 +413,7 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
                                           activations=v.pixels + v.saved - v.merger + recompute,
                                           temporaries=casts + v.transient + 2 * ws))
                 instants.append(Breakdown(weights=weights, optimizer=opt, gradients=lm_grads - embed + v.gradients,
-                                          activations=v.pixels + v.block + 2 * v.leaf,  # (+ its input)
+                                          activations=v.pixels + v.block + 2 * v.leaf,  # (the leaf, then its gradient)
                                           temporaries=v.recast + v.transient + 2 * ws))
             if w.peft is Peft.NONE and lm_spec.tie_embeddings:
                 # the token embedding's backward, the step's last: a tied weight already holds the output
