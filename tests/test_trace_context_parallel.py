@@ -57,11 +57,16 @@ def test_context_with_tensor_parallelism_states_exact_peak_close(sp):
     assert _forward_activations(t) < 0.6 * _forward_activations(tp)
 
 
-def test_context_with_pipeline_parallelism_is_not_traced():
+@pytest.mark.parametrize("extra, match", [({"task": "infer"}, "`cp=2` and inference is not"),
+                                          ({"peft": "lora"}, "`cp=2` and `peft=lora` is not")])
+def test_context_with_pipeline_parallelism_refuses_the_rest_with_its_cause(extra, match):
+    """PP × CP is traced for full-weight training (tests/test_trace_pipeline_parallel.py); the rest
+    is refused with its cause, and the analytic method answers."""
     spec = tiny_spec("llama-3.1-8b")
-    with pytest.raises(TraceError, match="context parallelism is traced alone or with tensor parallelism"):
-        estimate(spec, Workload(task="train", seq=256, grad_accum=2, parallel=Parallel(cp=2, pp=2)), method="trace",
-                 search_max_batch=False)
+    w = Workload(**{"task": "train", "seq": 256, "grad_accum": 2, "parallel": Parallel(cp=2, pp=2), **extra})
+    with pytest.raises(TraceError, match=match):
+        estimate(spec, w, method="trace", search_max_batch=False)
+    assert estimate(spec, w, search_max_batch=False).method is Method.ANALYTIC
 
 
 @pytest.mark.parametrize("dp, cp, tp, shard", [(1, 4, 1, 0), (2, 2, 1, 0), (4, 2, 1, 2), (2, 2, 2, 0)])

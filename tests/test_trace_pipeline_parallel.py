@@ -256,3 +256,63 @@ def test_a_tied_head_leaves_the_first_stages_embedding_gradient_whole_under_tp()
     arch, rg, tr = _stage_states_agree(spec, w)
     first = stage_states(arch, stages(arch, w)[0], w, rg, tr)
     assert first.gradients - first.weights == (arch.vocab * arch.hidden // 2) * 4  # the other half of the table
+
+
+def test_pipeline_with_context_parallelism_runs_ring_attention_in_every_stage():
+    """PP × CP as torchtitan 0.3.0 runs it (issue 34): each micro-batch sharded along the sequence
+    before the schedule's step, every stage on its cp rank's ``seq / cp`` tokens, every attention
+    torch's ring over mesh["cp"]. Against the same pipeline on ``seq / cp`` tokens without CP, the
+    last rank's peak (its loss backward, one micro-batch in flight) is higher by exactly what the
+    ring changes, item by item: each layer's o_proj input is a copy of the ring's merged output
+    (fp32 merge, cast back: ``[B, H, T, D]``-contiguous, where the fused kernel's output is laid out
+    ``[B, T, H, D]`` and the copy a view), and the rotary tables are per sequence (the shard's
+    explicit positions, ``[B, T]``, as torchtitan passes them). Real CPU gloo runs cannot run the
+    ring (its handlers are the CUDA kernels' ops, which have no CPU kernel)."""
+    import collections
+
+    spec = tiny_spec("llama-3.1-8b", layers=4)
+    b, seq, cp, m = 2, 256, 2, 4
+    par = Parallel(pp=2, cp=cp)
+    w = Workload(task="train", batch=b, seq=seq, grad_accum=m, precision="fp32", parallel=par)
+    ring = dict(trace_pipeline_stages(spec, w, iterations=1))
+    plain = dict(trace_pipeline_stages(spec, w.replace(seq=seq // cp, parallel=Parallel(pp=2)), iterations=1))
+    for t in ring.values():
+        log = t.events
+        ops = collections.Counter(log.strings[log.op[k]] for k in range(len(log)) if log.action[k] == 0)
+        assert ops["_c10d_functional.all_to_all_single.default"] > 0  # the key/value shards around the ring
+        assert ops["aten._scaled_dot_product_efficient_attention_backward.default"] > 0
+    head_dim = spec.hidden // spec.heads
+    lo, hi = par.stage_bounds(spec.layers)[1]
+    copies = (hi - lo) * b * (seq // cp) * spec.hidden * 4  # fp32 o_proj inputs, one micro-batch in flight
+    rotary = 2 * (b - 1) * (seq // cp) * head_dim * 4  # cos and sin per sequence, not one for the batch
+    assert ring[1].peak_allocated - plain[1].peak_allocated == copies + rotary
+    # the first rank peaks in a ring backward (fp32 gradient accumulators, rotated key/value buffers)
+    assert ring[0].peak_allocated > plain[0].peak_allocated
+
+
+PP_CP = [  # seq, precision, parallel with cp, the same without cp (dp × cp data-parallel ranks, seq / cp)
+    (512, "bf16-mixed", Parallel(pp=2, cp=2, dp=2, zero=3), Parallel(pp=2, dp=4, zero=3)),
+    pytest.param(1024, "bf16-mixed", Parallel(pp=2, cp=2, tp=2, sp=True, dp=2, zero=3),
+                 Parallel(pp=2, tp=2, sp=True, dp=4, zero=3), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("seq, precision, parallel, flat", PP_CP)
+def test_analytic_holds_what_the_trace_holds_under_pipeline_context_parallelism(seq, precision, parallel, flat):
+    """PP × CP (× FSDP2 over dp × cp, × TP), Llama-3.1-8B's width with 4 layers: the optimizer
+    states sharded over pp × dp × cp (torchtitan's ``fsdp`` mesh is dp × cp) in both methods, and the analytic method's distance to the trace is what it is for the same pipeline on
+    ``dp × cp`` data-parallel ranks at ``seq / cp`` (within 0.2 %): CP adds no gap of its own (its
+    one extra tensor per layer, the ring's o_proj input copy, is counted: analytic ``Ctx.ring``)."""
+    spec = _llama(4)
+
+    def both(s: int, par: Parallel) -> tuple[Any, Any]:
+        w = Workload(task="train", batch=1, seq=s, grad_accum=4, precision=precision, parallel=par)
+        return tuple(estimate(spec, w, method=m, search_max_batch=False) for m in ("trace", "analytic"))
+
+    t, a = both(seq, parallel)
+    assert t.method is Method.TRACE and a.method is Method.ANALYTIC
+    ts, as_ = t.model_states, a.model_states  # (the ranks reported may differ: their shards by 4 KiB)
+    assert ts.optimizer == pytest.approx(as_.optimizer, rel=1e-5) and ts.optimizer < 2 * 4 * spec.params // 7
+    assert any("ring attention over cp=2" in n for n in t.notes)
+    tf, af = both(seq // parallel.cp, flat)
+    assert a.peak.allocated / t.peak.allocated == pytest.approx(af.peak.allocated / tf.peak.allocated, abs=0.002)

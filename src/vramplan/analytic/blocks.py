@@ -63,6 +63,12 @@ class Ctx:
     tr: Trainable
     attention: Attention
     training: bool = True
+    ring: bool = False
+    """Context parallelism's ring attention (``cp > 1``): the rounds' outputs are merged in fp32
+    and cast back (torch ``_context_parallel/_attention.py`` ``_SDPAMerger``), a fresh
+    ``[B, H, T, D]``-contiguous tensor, so the o_proj input (``transpose(1, 2).contiguous()``)
+    is a copy of it, where a fused kernel's own output is laid out ``[B, T, H, D]`` and the
+    copy is a view (docs/research/pipeline-fsdp.md, pipeline × context parallelism)."""
 
 
 class Terms(list[Saved]):
@@ -169,7 +175,7 @@ def mha(t: Terms, g: LayerGroup, ctx: Ctx, in_b: int, h: int) -> None:
     else:
         t.add("attn: q, k, v (kernel inputs)", c * (a.q_dim + 2 * a.kv_dim))
         t.add("attn: output + fp32 logsumexp", c * a.q_dim + 4 * a.heads)
-        out_counted = True
+        out_counted = not ctx.ring  # the ring's merged output is copied for o_proj
     linear_inputs(t, g.role("o"), c, a.q_dim, ctx, "attn o", shard="tp", counted=out_counted)
 
 
@@ -197,7 +203,7 @@ def mla(t: Terms, g: LayerGroup, ctx: Ctx, in_b: int, h: int) -> None:
     else:
         width = qk if ctx.attention is Attention.FLASH else n * a.v_head_dim
         t.add("attn: output + fp32 logsumexp", c * width + 4 * n)
-        out_counted = ctx.attention is Attention.SDPA
+        out_counted = ctx.attention is Attention.SDPA and not ctx.ring
     linear_inputs(t, g.role("o"), c, n * a.v_head_dim, ctx, "attn o", shard="tp", counted=out_counted)
 
 

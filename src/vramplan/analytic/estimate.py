@@ -96,7 +96,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
                             hint="use `loss=full`", field="loss")
     arch = build_arch(spec)
     rg, tr = regime(w), trainable(arch, w)
-    ctx = Ctx(rg, tr, w.attention, training=w.training)
+    ctx = Ctx(rg, tr, w.attention, training=w.training, ring=w.parallel.cp > 1)
     workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     if workspace < 0:
         raise WorkloadError(f"workspace bytes must be >= 0, got {workspace}")

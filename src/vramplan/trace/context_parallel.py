@@ -14,8 +14,12 @@ buffers, inputs and labels not restored), the batch's ``input_ids``, ``labels`` 
 ``position_ids`` are the buffers. transformers reads positions from ``position_ids``; the
 load-balanced ("zig-zag") sharding would hand rank 0 two non-adjacent chunks, which
 transformers takes for packed sequences and answers with a mask that ring attention does not
-support, so the trace shards contiguously (``_cp_options.enable_load_balance = False``): the
-buffers of each round are the same size either way.
+support, so the trace shards contiguously (``_cp_options.enable_load_balance = False`` while
+``context_parallel`` shards them): the buffers of each round are the same size either way. The
+ring then runs with ``enable_load_balance`` on, torch's default, which torchtitan 0.3.0 leaves as
+it is (its head-tail sharding, ``distributed/context_parallel/api.py`` L114–L165): every rank
+attends in every round (contiguous shards without it would skip rank 0's later rounds: the
+lightest rank, which is the one traced).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def ring_attention(mesh: Any, batch_kwargs: dict[str, Any]) -> Iterator[None]:
     try:
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                               no_restore_buffers=set(buffers)):
+            # the rounds torchtitan's ring runs (load-balanced: every rank attends in every round)
+            options.enable_load_balance = True
             yield
     finally:
         options.enable_load_balance = balance
@@ -72,3 +78,36 @@ def check_model(attention: str, window: int | None, seq: int) -> None:
                          f"{window:,} tokens over {seq:,} needs one (its memory-efficient path raises "
                          "'attn_bias is not supported yet')",
                          hint=f"use `method=analytic`, or `seq` of {window:,} or less")
+
+
+@contextlib.contextmanager
+def ring_dispatcher(mesh: Any) -> Iterator[None]:
+    """Ring attention over ``mesh`` with no buffers to shard: the inputs are cp-local already.
+
+    How torchtitan 0.3.0 runs context parallelism under pipeline parallelism: each micro-batch's
+    inputs, labels and positions are sharded along the sequence before the schedule's step
+    (``trainer.py`` ``post_dataloading_process`` L750–L759, called per micro-batch L838–L846;
+    ``distributed/context_parallel/api.py`` ``prepare_context_parallel_input`` L114–L165), and
+    each block's attention turns query/key/value into sequence-sharded DTensors on the ``cp``
+    mesh under torch's context-parallel dispatcher (``apply_cp_to_forward`` L36–L111, applied
+    to each model part by ``parallelize_llama`` before TP, ``models/llama3/parallelize.py``
+    L46–L51). The stages then hand on cp-local hidden states. Here torch's own dispatcher
+    (``_enable_context_parallel_dispatcher_impl``, the one ``context_parallel`` enters, SDPA
+    replaced by its DTensor wrapper) is entered around the step with torch's ring options as
+    torchtitan leaves them: ``enable_load_balance`` True (its head-tail sharding), every
+    context-parallel rank running the same rounds on chunks of the same size."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as impl
+    except ImportError as e:  # pragma: no cover - torch without the experimental API
+        raise TraceError(f"torch {torch.__version__} has no context-parallel dispatcher",
+                         hint="use `method=analytic`") from e
+    options = impl._cp_options
+    balance = options.enable_load_balance
+    options.enable_load_balance = True
+    impl._dispatch_mode = impl._DispatchMode.MONKEY_PATCH
+    impl._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+    try:
+        yield
+    finally:
+        impl._disable_context_parallel_dispatcher_impl()
+        options.enable_load_balance = balance

@@ -129,7 +129,9 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
     model part, which ends in ``apply_fsdp_to_decoder``; torchtitan 0.3.0
     ``distributed/pipeline_parallel.py``, ``models/llama3/parallelize.py``) on torchtitan's mesh,
     ``(pp, dp_replicate, dp_shard, cp, tp)``, each part tensor-parallelised first on ``tp``
-    (:func:`.pipeline_parallel.tensor_parallelise`). The traced rank is data- (and tensor-)
+    (:func:`.pipeline_parallel.tensor_parallelise`); with context parallelism sharded over
+    ``dp × cp`` flattened, as torchtitan's ``fsdp`` mesh is (``distributed/parallel_dims.py``
+    L278, L328–L333). The traced rank is data- (and tensor-)
     parallel rank 0 of its pipeline rank (FSDP2 pads every shard to the same size: the
     data-parallel ranks hold the same bytes).
 
@@ -156,19 +158,21 @@ def pipeline_layout(w: Workload, *, pp_rank: int) -> Layout | None:
         raise TraceError("CPU offload with pipeline parallelism is not traced (torchtitan's FSDP2 CPU offload "
                          "under `pp` is not checked against a real run)",
                          hint="use `method=analytic`, or drop `offload_params`/`offload_optimizer`")
-    if p.cp > 1 or p.ep > 1:
-        dims = ", ".join(f"`{k}={v}`" for k, v in (("cp", p.cp), ("ep", p.ep)) if v > 1)
-        raise TraceError(f"pipeline parallelism with FSDP2 is traced on a (pp, dp[, tp]) mesh; with {dims} it is not "
-                         "yet (torchtitan's context-parallel / expert plans on each stage are not laid out here)",
-                         hint="use `method=analytic` for this layout, or drop those dimensions")
+    if p.ep > 1:
+        raise TraceError(f"pipeline parallelism with FSDP2 is traced on a (pp, dp[, cp][, tp]) mesh; with `ep={p.ep}` "
+                         "it is not yet (torchtitan's expert plan on each stage is not laid out here)",
+                         hint="use `method=analytic` for this layout, or drop `ep`")
     if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
         raise TraceError("pipeline parallelism with FSDP2 is traced for full-weight training; "
                          f"{'`peft=' + str(w.peft) + '`' if w.peft is not Peft.NONE else '`quant=' + str(w.quant) + '`'} "
                          "is not (not checked against a real run)", hint="use `method=analytic`, or `zero=0`")
     shard = p.dp_shard if 0 < p.dp_shard < p.dp else p.dp
     # (`dp=1`: torchtitan still applies fully_shard, over one rank: its mixed-precision policy)
-    mesh: list[tuple[str, int]] = [("pp", p.pp), ("dp_replicate", p.dp // shard), ("dp", shard), ("tp", p.tp)]
-    world = World(tuple(d for d in mesh if d[0] not in ("dp_replicate", "tp") or d[1] > 1))
+    # `cp`: torchtitan's "fsdp" mesh is dp_shard × cp flattened (parallel_dims.py L278, L328–L333),
+    # as RankContext.shard_mesh flattens it
+    mesh: list[tuple[str, int]] = [("pp", p.pp), ("dp_replicate", p.dp // shard), ("dp", shard), ("cp", p.cp),
+                                   ("tp", p.tp)]
+    world = World(tuple(d for d in mesh if d[0] not in ("dp_replicate", "cp", "tp") or d[1] > 1))
     per_stage = world.size // p.pp
     return Layout(dataclasses.replace(world, rank=pp_rank * per_stage), "fsdp2", reshard_after_forward=False,
                   pipeline=True)
@@ -319,8 +323,10 @@ def _fsdp2(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload, comp
         units = fsdp_units(model)
         for modules, reshard in units:
             fully_shard(modules, **{**kw, "reshard_after_forward": reshard})
-        n = layout.world.dim("dp")
-        over = f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {n}" if hsdp else f"dp={n}"
+        n, cp = layout.world.dim("dp"), layout.world.dim("cp")
+        group = f"{n} × cp {cp} (the flattened dp × cp mesh)" if cp > 1 else f"{n}"
+        over = (f"HSDP: {layout.world.dim('dp_replicate')} replicas × shards over {group}" if hsdp else
+                f"dp {group}" if cp > 1 else f"dp={n}")
         return [f"FSDP2 over {over} on each model part of the pipeline rank, as torchtitan's apply_fsdp_to_decoder "
                 f"shards it ({len(units)} units: the embeddings and the final norm with the head where the stage holds "
                 f"them, each block, the part), "

@@ -23,6 +23,11 @@ is the schedule's. The ranks that bound the others are traced
 micro-batches in flight), rank 1 (the most layers of the middle ranks, no fewer micro-batches in
 flight than the ranks after it) and the last (head, logits, loss).
 
+With context parallelism (torchtitan's ``cp`` between ``dp_shard`` and ``tp``) each stage runs on
+its context-parallel rank's ``seq / cp`` tokens: the first stage takes the shard's token ids, the
+stages hand on cp-local hidden states, the last computes its shard's logits and loss, and every
+attention is torch's ring attention over the ``cp`` mesh (:func:`.context_parallel.ring_dispatcher`).
+
 With tensor parallelism each rank's parts are tensor-parallelised on the world's ``tp``
 dimension before the rest (:func:`tensor_parallelise`; torchtitan's ``(pp, dp_replicate,
 dp_shard, cp, tp)`` mesh), and the stages hand on the TP-local hidden states.
@@ -149,6 +154,17 @@ def tensor_parallelise(model: nn.Module, mesh: Any, *, sp: bool, seq: int) -> li
         if sp:
             part.positions = seq
     return notes
+
+
+def shard_positions(model: nn.Module, seq: int) -> None:
+    """Under context parallelism each stage runs on its context-parallel rank's ``seq`` tokens
+    (torchtitan 0.3.0 shards each micro-batch's inputs, labels and positions before the
+    schedule's step: :func:`.context_parallel.ring_dispatcher`); the stages take explicit
+    ``position_ids`` of the shard's length, as torchtitan passes the sharded ``positions`` to
+    every stage (``kwarg_mbs``, ``trainer.py`` L838–L864)."""
+    parts: Any = model.parts
+    for part in parts:
+        part.positions = seq
 
 
 class Chunks(nn.Module):

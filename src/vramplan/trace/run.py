@@ -378,7 +378,7 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
                           notes: list[str] | None = None,
                           checkpoint_policy: Policy | None = None) -> list[tuple[int, TraceResult]]:
     """(pipeline rank, its trace) for each stage that differs (:mod:`.pipeline_parallel`)."""
-    from ..models.build import build_model
+    from ..models.build import attention_used, build_model
 
     _check_iterations(iterations)
     opts = options or TraceOptions()
@@ -402,6 +402,9 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
         for index in p.stage_ids(rank):
             full = build_model(spec, task=w.task, attention=attention, device="meta", dtype=features.param_dtype(w))
             params = sum(q.numel() for q in full.parameters())
+            if p.cp > 1:  # ring attention replaces SDPA only: refuse what it cannot run (as without pp)
+                context_parallel.check_model(attention_used(full), spec.sliding_window if spec.sliding_layers else None,
+                                             w.seq)
             part, st = pipeline_parallel.split(full, index, bounds)
             # torchtitan applies activation checkpointing per model part (each part's own block list)
             part_notes = features.apply_checkpointing(part, w, checkpoint_policy)
@@ -412,16 +415,20 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
         # the hidden states a stage hands on: FSDP2's mixed precision computes in 16-bit, no autocast
         act = features.compute_dtype(w) if layout is not None else features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
-        # torchtitan's mesh, (pp, [dp_replicate,] dp, tp); the traced rank is tp (and dp) rank 0
+        # torchtitan's mesh, (pp, [dp_replicate,] dp, [cp,] tp); the traced rank is dp, cp and tp rank 0
         world = layout.world if layout is not None else dist.World(
-            (("pp", pp),) + ((("tp", p.tp),) if p.tp > 1 else ()), rank=rank * p.tp)
+            (("pp", pp),) + tuple((k, n) for k, n in (("cp", p.cp), ("tp", p.tp)) if n > 1),
+            rank=rank * p.cp * p.tp)
+        seq = w.seq // p.cp  # context parallelism: each rank's sequence shard (context_parallel.ring_dispatcher)
         with dist.fake_world(world) as mesh:
             group = submesh(mesh, "pp").get_group() if len(world.dims) > 1 else None
             tp_notes: list[str] = []
             if p.tp > 1:  # torchtitan's parallelize_fn on each part: TP first (then AC, FSDP)
-                tp_notes = pipeline_parallel.tensor_parallelise(model, submesh(mesh, "tp"), sp=p.sp, seq=w.seq)
+                tp_notes = pipeline_parallel.tensor_parallelise(model, submesh(mesh, "tp"), sp=p.sp, seq=seq)
+            if p.cp > 1:  # the shard's own positions (transformers would take the hidden states' length)
+                pipeline_parallel.shard_positions(model, seq)
             runner = pipeline_parallel.make_runner(
-                model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=w.seq,
+                model, specs, schedule=p.pp_schedule, micro=w.batch, microbatches=w.grad_accum, seq=seq,
                 hidden=spec.hidden, vocab=spec.vocab, act_dtype=act, out_dtype=out, training=w.training, group=group,
                 tp=p.tp, sp=p.sp)
             pipeline_parallel.p2p_on_meta(group)
@@ -432,12 +439,16 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
                 prepared.trainable = whole_trainable()
             if layout is not None or p.tp > 1:
                 prepared.mesh, prepared.layout = mesh, layout
+            contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+            if p.cp > 1:  # ring attention over mesh["cp"] on the cp-local inputs, as torchtitan's step runs it
+                contexts.append(functools.partial(context_parallel.ring_dispatcher, submesh(mesh, "cp")))
             if p.tp > 1:  # the last stage's loss-parallel cross-entropy; whole-length masks under SP
-                contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = [tensor_parallel.loss_parallel]
+                contexts.append(tensor_parallel.loss_parallel)
+                if p.sp:
+                    contexts.append(functools.partial(tensor_parallel.full_length_masks, seq))
+            if contexts:
                 if prepared.step_context is not None:  # (the model's own, e.g. float8 kernel stand-ins)
                     contexts.append(prepared.step_context)
-                if p.sp:
-                    contexts.append(functools.partial(tensor_parallel.full_length_masks, w.seq))
                 prepared.step_context = functools.partial(_both, *contexts)
             results.append((rank, _trace(prepared, w.replace(grad_accum=1), device, iterations, opts, runner=runner)))
     return results
@@ -470,7 +481,10 @@ def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, 
              f"{run} on a fake process group; "
              f"peak allocated {peaks}; the report shows rank {rank}, the worst; stages split as torchtitan "
              f"splits them (embeddings counted as {p.pp_first_less} layer(s), the head as {p.pp_last_less})"
-             + ("; ranks after rank 1 hold no more layers and no more micro-batches in flight" if p.pp > 3 else ""))
+             + ("; ranks after rank 1 hold no more layers and no more micro-batches in flight" if p.pp > 3 else "")
+             + (f"; context parallelism as torchtitan runs it under pp: each rank's {w.seq // p.cp:,}-token shard of "
+                f"{w.seq:,} through its stages (cp-local hidden states handed on), PyTorch's ring attention over "
+                f"cp={p.cp} in every block (load-balanced rounds), cp rank 0 traced" if p.cp > 1 else ""))
     return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 
@@ -501,10 +515,14 @@ def _parallel_notes(w: Workload) -> list[str]:
         pipeline_layout(w, pp_rank=0)  # FSDP2 on each stage, as torchtitan runs it: trace.layout decides
     elif sharded:
         data_layout(w)  # TP × FSDP2 / DDP on a (dp, tp) mesh: trace.layout decides what it runs
-    if p.cp > 1 and (p.pp > 1 or w.task is Task.GENERATE):
-        raise TraceError(f"context parallelism is traced alone or with tensor parallelism, for training and "
-                         f"inference; `cp={p.cp}` with pipeline parallelism or generation is not",
-                         hint="use `method=analytic`")
+    if p.cp > 1 and w.task is Task.GENERATE:
+        raise TraceError(f"context parallelism is traced for training and one-pass inference; `cp={p.cp}` with "
+                         "generation is not", hint="use `method=analytic`")
+    if p.cp > 1 and p.pp > 1 and (not w.training or w.peft is not Peft.NONE):
+        what = "inference" if not w.training else f"`peft={w.peft}`"
+        raise TraceError(f"pipeline × context parallelism is traced for full-weight training, as torchtitan runs it; "
+                         f"`pp={p.pp}` with `cp={p.cp}` and {what} is not (torch's pipelining forward-only step under "
+                         "ring attention, and LoRA stages under it, are not checked)", hint="use `method=analytic`")
     if p.pp > 1 and (w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
                          f"inference; `pp={p.pp}` with this workload is not (torch's pipelining has no generation "
