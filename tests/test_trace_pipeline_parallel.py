@@ -266,8 +266,8 @@ def test_pipeline_with_context_parallelism_runs_ring_attention_in_every_stage():
     ring changes, item by item: each layer's o_proj input is a copy of the ring's merged output
     (fp32 merge, cast back: ``[B, H, T, D]``-contiguous, where the fused kernel's output is laid out
     ``[B, T, H, D]`` and the copy a view), and the rotary tables are per sequence (the shard's
-    explicit positions, ``[B, T]``, as torchtitan passes them). Real CPU gloo runs cannot run the
-    ring (its handlers are the CUDA kernels' ops, which have no CPU kernel)."""
+    explicit positions, ``[B, T]``, as torchtitan passes them). (The real gloo run of the layout:
+    tests/test_pipeline_gloo.py.)"""
     import collections
 
     spec = tiny_spec("llama-3.1-8b", layers=4)

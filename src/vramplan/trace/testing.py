@@ -1144,7 +1144,7 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
 
 def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
                         seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False, tp: int = 1,
-                        sp: bool = False, timeout: float = 300.0) -> list[int]:
+                        sp: bool = False, cp: int = 1, timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
     ``torch.distributed.pipelining``'s ``schedule`` over ``pp × dp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
@@ -1164,13 +1164,77 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     Measured as the tensor-parallel gloo runs are (:func:`real_tp_generate_peaks`: functional
     collectives' wrapper storages left out, each wait until gloo's worker dropped the work,
     DTensor's sharding propagation outside the measurement's reference cycle).
-    Peaks in global rank order (rank = (pp rank × dp + dp rank) × tp + tp rank)."""
-    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp)
-    return _spawn_gloo(_pp_worker, args, pp * dp * tp, timeout, "pipeline run")
+    ``cp > 1``: torchtitan's ``(pp, cp)`` mesh, SDPA attention, each stage on its rank's ``seq / cp``
+    tokens, the schedule stepped under torch's ring attention on ``cp``
+    (:func:`.context_parallel.ring_dispatcher`; fp32, ``dp = tp = 1``). The ring's handlers are the
+    CUDA kernels' ops, which have no CPU kernel: SDPA goes through the trace's own choice
+    (:func:`.sdpa.run_sdpa`, the memory-efficient kernel for fp32), whose forward and backward get
+    CPU stand-ins (:func:`_efficient_attention_on_cpu`): outputs with the meta kernels' shapes and
+    strides, values from the math; what a stand-in computes inside is not counted (a dispatch mode
+    does not see it), as the trace sees only the kernel's outputs.
+    Peaks in global rank order (rank = ((pp rank × dp + dp rank) × cp + cp rank) × tp + tp rank)."""
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp, cp)
+    return _spawn_gloo(_pp_worker, args, pp * dp * tp * cp, timeout, "pipeline run")
+
+
+def _efficient_attention_on_cpu() -> Any:
+    """CPU kernels standing in for ``aten::_scaled_dot_product_efficient_attention`` and its
+    backward (CUDA-only ops): each output allocated with the shape and strides of torch's meta
+    kernel (``torch/_meta_registrations.py``), filled from the math. Returns the library (keep it)."""
+    import math
+
+    import torch
+
+    aten = torch.ops.aten
+    lib = torch.library.Library("aten", "IMPL")
+
+    def meta(t: Any) -> Any:
+        return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+    def like(m: Any) -> Any:
+        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="cpu")
+
+    def scores(q: Any, k: Any, is_causal: bool, scale: Any) -> tuple[Any, float]:
+        c = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+        s = (q @ k.transpose(-2, -1)) * c
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return s, c
+
+    def attend(q: Any, k: Any, v: Any, is_causal: bool, scale: Any) -> tuple[Any, Any]:
+        s, _ = scores(q, k, is_causal, scale)
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    def forward(q: Any, k: Any, v: Any, bias: Any, lse: bool, dropout_p: float = 0.0, is_causal: bool = False,
+                *, scale: Any = None) -> Any:
+        outs = [like(m) for m in aten._scaled_dot_product_efficient_attention.default(
+            meta(q), meta(k), meta(v), meta(bias), lse, dropout_p, is_causal, scale=scale)]
+        out, logsumexp = attend(q, k, v, is_causal, scale)
+        outs[0].copy_(out)
+        if lse:
+            outs[1][..., :logsumexp.shape[-1]].copy_(logsumexp)
+        return tuple(outs)
+
+    def backward(grad: Any, q: Any, k: Any, v: Any, bias: Any, out: Any, lse: Any, seed: Any, offset: Any,
+                 dropout_p: float, mask: Any, is_causal: bool = False, *, scale: Any = None) -> Any:
+        shapes = aten._scaled_dot_product_efficient_attention_backward.default(
+            meta(grad), meta(q), meta(k), meta(v), meta(bias), meta(out), meta(lse), meta(seed), meta(offset),
+            dropout_p, mask, is_causal, scale=scale)
+        s, c = scores(q, k, is_causal, scale)  # (below autograd here: the softmax backward by hand)
+        p = torch.softmax(s, -1)
+        dp = grad @ v.transpose(-2, -1)
+        ds = p * (dp - (grad * (p @ v)).sum(-1, keepdim=True))
+        grads = ((ds @ k) * c, (ds.transpose(-2, -1) @ q) * c, p.transpose(-2, -1) @ grad)
+        outs = [like(m).copy_(g) for m, g in zip(shapes[:3], grads, strict=True)]
+        return (*outs, None)
+
+    lib.impl("_scaled_dot_product_efficient_attention", forward, "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention_backward", backward, "CPU")
+    return lib
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
-               seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, tmp: str,
+               seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, cp: int, tmp: str,
                env: dict[str, str]) -> None:
     import contextlib
     import os
@@ -1181,7 +1245,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp * dp * tp)
+    dist.init_process_group("gloo", rank=rank, world_size=pp * dp * tp * cp)
     try:
         from torch.distributed.pipelining import PipelineStage
 
@@ -1196,21 +1260,25 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         tracker = _StoragePeak()
         group: Any = None
         mesh: Any = None
-        if dp > 1 or tp > 1:
+        if dp > 1 or tp > 1 or cp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            dims = [(n, k) for n, k in (("pp", pp), ("dp", dp), ("tp", tp)) if k > 1 or n == "pp"]
+            dims = [(n, k) for n, k in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)) if k > 1 or n == "pp"]
             mesh = init_device_mesh("cpu", tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
             group = mesh["pp"].get_group()
-        pp_rank = rank // (dp * tp)
+        pp_rank = rank // (dp * tp * cp)
         parts, specs = [], []
+        attention = "sdpa" if cp > 1 else "eager"
         with quiet():
             for index in par.stage_ids(pp_rank):
-                full = build_model(spec, task="train", attention="eager", device="cpu", dtype=torch.float32)
+                full = build_model(spec, task="train", attention=attention, device="cpu", dtype=torch.float32)
                 part, st = ppl.split(full, index, bounds)
                 part.train()
                 parts.append(part)
                 specs.append(st)
+        seq //= cp  # each context-parallel rank's shard
+        if cp > 1:
+            ppl.shard_positions(ppl.Chunks(parts), seq)
         if tp > 1:  # torchtitan's parallelize_fn on each model part: TP first
             ppl.tensor_parallelise(ppl.Chunks(parts), mesh["tp"], sp=sp, seq=seq)
         if dp > 1:  # torchtitan's apply_fsdp_to_decoder on each model part
@@ -1261,6 +1329,28 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
             step_context.enter_context(loss_parallel())
             if sp:
                 step_context.enter_context(full_length_masks(seq))
+        if cp > 1:
+            import functools
+
+            from ..target import DEFAULT_PROFILE
+            from .context_parallel import ring_dispatcher
+            from .dist import dtensor_metadata_unrecorded
+            from .sdpa import run_sdpa
+
+            tracker.skip_wrappers = True
+            tracker.await_collectives = True
+            kernels = _efficient_attention_on_cpu()  # (registered while the library lives)
+            step_context.callback(kernels._destroy)
+            original = nn.functional.scaled_dot_product_attention
+
+            @functools.wraps(original)  # (the ring replaces F's function by this name)
+            def sdpa(*a: Any, **k: Any) -> Any:  # the kernel the trace picks (memory-efficient for fp32)
+                return run_sdpa(DEFAULT_PROFILE, original, *a, **k)[0]
+
+            nn.functional.scaled_dot_product_attention = sdpa  # (before the ring wraps it)
+            step_context.callback(setattr, nn.functional, "scaled_dot_product_attention", original)
+            step_context.enter_context(dtensor_metadata_unrecorded())
+            step_context.enter_context(ring_dispatcher(mesh["cp"]))
         with tracker, tracker.resizes(), _c10d_waits_release(), step_context:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
             for _ in range(iterations):
@@ -1280,12 +1370,14 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
 def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
                        layers: int = 4, microbatches: int = 4, batch: int = 2, seq: int = 64, dp: int = 1,
-                       mixed: bool = False, tp: int = 1, sp: bool = False) -> list[tuple[str, int, int, int]]:
+                       mixed: bool = False, tp: int = 1, sp: bool = False,
+                       cp: int = 1) -> list[tuple[str, int, int, int]]:
     """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp × tp``
     gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage; ``tp > 1``: each
     stage tensor-parallel; the real peak of data- and tensor-parallel rank 0, whose peers' peaks
-    must equal it) and of the trace of the same layout (fp32 or FSDP2's bf16 mixed precision,
-    eager attention, no CUDA workspaces: a CPU run has none)."""
+    must equal it; ``cp > 1``: ring attention on each stage, the real peak of cp rank 0, which
+    its peers' must not exceed) and of the trace of the same layout (fp32 or FSDP2's bf16 mixed
+    precision, eager attention — SDPA under ``cp`` —, no CUDA workspaces: a CPU run has none)."""
     from ..workload import Attention, Parallel, Precision, Task, Workload
     from .run import TraceOptions, trace_pipeline_stages
 
@@ -1293,16 +1385,21 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     out = []
     for schedule in schedules:
         real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
-                                   microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed, tp=tp, sp=sp)
-        per = dp * tp
+                                   microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed, tp=tp, sp=sp,
+                                   cp=cp)
+        per = dp * tp * cp
         for r in range(pp):
             peers = set(real[r * per:(r + 1) * per])
+            # (context-parallel ranks run different rounds, load-balanced: the traced cp rank 0 the highest)
+            if cp > 1 and dp == tp == 1 and max(peers) == real[r * per]:
+                continue
             if len(peers) != 1:
                 raise AssertionError(f"{schedule}: the data/tensor-parallel ranks of pipeline rank {r} peak apart: "
                                      f"{real[r * per:(r + 1) * per]}")
         w = Workload(task=Task.TRAIN, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
-                     attention=Attention.EAGER, batch=batch, seq=seq, grad_accum=microbatches,
-                     parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp, zero=3 if dp > 1 else 0, tp=tp, sp=sp))
+                     attention=Attention.SDPA if cp > 1 else Attention.EAGER, batch=batch, seq=seq,
+                     grad_accum=microbatches, parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp,
+                                                                zero=3 if dp > 1 else 0, tp=tp, sp=sp, cp=cp))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
