@@ -87,7 +87,7 @@ def test_a_tied_head_is_a_copy_on_the_last_stage():
     (Parallel(pp=2, tp=2), {"task": "infer"}, r"pipeline × tensor parallelism is traced for full-weight training, "
                                               r"as torchtitan runs it .*; `pp=2` with `tp=2` and inference is not"),
     (Parallel(pp=2, tp=2), {"peft": "lora"}, r"and `peft=lora` is not \(LoRA under TP is traced with transformers'"),
-    (Parallel(pp=2, tp=2, cp=2), {}, r"`cp=2` with pipeline parallelism or generation is not"),
+    (Parallel(pp=2, tp=2, cp=2), {"task": "infer"}, r"`pp=2` with `cp=2` and inference is not"),
 ])
 def test_pipeline_with_tensor_parallelism_refuses_the_rest_with_its_cause(parallel, extra, match):
     spec = tiny_spec("llama-3.1-8b", layers=4)
@@ -146,7 +146,6 @@ def test_pipeline_with_fsdp2_shards_each_stage(parallel, precision):
 @pytest.mark.parametrize("parallel, extra, match", [
     (Parallel(pp=2, dp=2), {}, r"FSDP2 on each stage .* `dp=2` with DDP \(`zero=0`\) is not"),
     (Parallel(pp=2, dp=2, zero=2), {}, r"with DeepSpeed \(`zero=2`\) is not"),
-    (Parallel(pp=2, dp=2, zero=3, cp=2), {}, r"on a \(pp, dp\[, tp\]\) mesh; with `cp=2` it is not yet"),
     (Parallel(pp=2, dp=2, zero=3, offload_params=True), {}, "CPU offload with pipeline parallelism"),
     (Parallel(pp=2, dp=2, zero=3), {"peft": "lora"}, "full-weight training; `peft=lora` is not"),
 ])
