@@ -46,6 +46,26 @@ def test_grpo_under_fsdp1_agrees_with_a_real_gloo_run() -> None:
         assert any(n.startswith("FSDP1 (FULL_SHARD) over dp=2") for n in r.notes)
 
 
+def test_grpo_under_ddp_agrees_with_a_real_gloo_run() -> None:
+    """GRPO under DDP (`dp=2` without `zero`) used to fail: "DistributedDataParallel is not one
+    (use --loss full)", the fused-head forward looked for the causal LM at the wrapper. TRL calls
+    the prepared (DDP) model, so the forward runs through DDP's, which readies its reducer. The
+    same step for real on 2 gloo processes and traced, per rank and part: what is left is AdamW's
+    ``step`` counters, as under FSDP1."""
+    from vramplan.trace.testing import real_grpo_fsdp1_peaks
+
+    w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
+                 generations=2, attention="eager").replace(dp=2)
+    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout="ddp")
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    for rank, got in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        parts = dict(r.step_parts)
+        assert set(parts) == {"generation", "actor"}, parts
+        for part, traced in parts.items():
+            assert traced == got[part] - 4 * got["adam_steps"], (rank, part, traced, got)
+
+
 @pytest.mark.parametrize(("objective", "more"), [
     ("dpo", dict(reference="precomputed")), ("kto", dict(reference="precomputed")),
     ("dpo", dict(peft="lora", reference="adapters")),

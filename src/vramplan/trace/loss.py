@@ -73,8 +73,8 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     """(the transformers causal LM, its backbone, its output head); a TraceError when the model
     is not one (the loss knob needs the hidden states and the head's weight)."""
     hf: Any = model
-    root = fsdp1_root(model)
-    if root is not None:  # (FSDP1 wraps the model: the module inside its root unit)
+    root = wrapper_root(model)
+    if root is not None:  # (FSDP1 and DDP wrap the model: the module inside the wrapper)
         hf = root.module
     getter = getattr(hf, "get_base_model", None)
     if callable(getter):  # a PeftModel
@@ -94,6 +94,13 @@ def fsdp1_root(model: nn.Module) -> Any:
     return model if any(c.__name__ == "FullyShardedDataParallel" for c in type(model).__mro__) else None
 
 
+def wrapper_root(model: nn.Module) -> Any:
+    """``model`` when it wraps the model it trains, as FSDP1's root unit and
+    ``DistributedDataParallel`` do (the wrapped model is its ``module``), else None."""
+    wrappers = ("FullyShardedDataParallel", "DistributedDataParallel")
+    return model if any(c.__name__ in wrappers for c in type(model).__mro__) else None
+
+
 def through_root(hf: nn.Module, fn: Callable[[], Any], model: nn.Module | None = None) -> Any:
     """``fn()``, a forward through the model's parts (its backbone, then a fused head), run as
     ``hf``'s forward when FSDP2 shards ``hf``: TRL's ``add_fused_lm_head`` patches ``model.forward``
@@ -101,10 +108,11 @@ def through_root(hf: nn.Module, fn: Callable[[], Any], model: nn.Module | None =
     they gather the root's own parameters (the embeddings, the final norm, the head) before the
     forward and reduce-scatter their gradients after the backward; called part by part, they would
     not. Under FSDP1 (``model`` its root unit) the same, through the root unit's forward, which
-    gathers its flat parameter and calls the module it wraps (the PEFT model or ``hf``) —
+    gathers its flat parameter and calls the module it wraps (the PEFT model or ``hf``); under DDP
+    through its forward, which readies the reducer for the backward (``prepare_for_backward``) —
     accelerate's prepared model, which TRL calls (grpo_trainer.py:1498, ``_get_per_token_logps_and_entropies``:
     ``model(**model_inputs, labels=labels, fused_lm_head=True)``, trl 1.16.0). Elsewhere ``fn()`` as it is."""
-    root = fsdp1_root(model) if model is not None else None
+    root = wrapper_root(model) if model is not None else None
     if root is not None:
         hf, call = root.module, root
     elif any(c.__name__ == "FSDPModule" for c in type(hf).__mro__):
@@ -466,5 +474,6 @@ def _forward_and_loss(hf: nn.Module, backbone: nn.Module, head: nn.Module, args:
 
 __all__ = ["CompiledChunkCrossEntropy", "CutCrossEntropy", "LigerFusedLinearCE", "TrlChunkedLogProb", "causal_lm_parts",
            "fsdp1_root",
+           "wrapper_root",
            "chunked_ce", "forward_and_loss", "liger_chunk", "loss_note", "shifted_labels", "through_root", "trl_log_probs",
            "TRL_SFT_OUTPUTS"]

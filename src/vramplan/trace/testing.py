@@ -733,20 +733,25 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
 
 
 def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, iterations: int = 2,
-                          timeout: float = 300.0) -> list[dict[str, int]]:
+                          layout: str = "fsdp1", timeout: float = 300.0) -> list[dict[str, int]]:
     """Each rank's storage peaks of a real GRPO step (:func:`.steps.grpo_step`, no reference, on a
     transformers Llama built from ``config``, fp32, AdamW foreach) over ``world`` gloo processes,
     the policy wrapped with FSDP1 as accelerate's plugin wraps it (``FullyShardedDataParallel``
     units on the ``_no_split_modules`` layers and the root, FULL_SHARD, ``use_orig_params=True``,
     ``limit_all_gathers``, BACKWARD_PRE; trl 1.16.0 ``models/utils.py:292-312`` wraps a
     reference alike): ``{"generation", "actor"}`` (the peak within each part of the last step)
-    and ``"peak"``. The sibling of :func:`real_ppo_dist_peaks` (FSDP2)."""
-    args = (world, config, workload, iterations)
+    and ``"peak"``. The sibling of :func:`real_ppo_dist_peaks` (FSDP2). ``layout="ddp"``: the
+    policy wrapped with ``DistributedDataParallel`` instead (accelerate's default DDP arguments:
+    25 MiB buckets), its gradients all-reduced at each micro-batch's backward as the trace's step
+    runs them."""
+    if layout not in ("fsdp1", "ddp"):
+        raise ValueError(f"layout {layout!r}: fsdp1 or ddp")
+    args = (world, config, workload, iterations, layout)
     return _spawn_gloo(_grpo_fsdp1_worker, args, world, timeout, "GRPO FSDP1 gloo run")
 
 
-def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, iterations: int, tmp: str,
-                       env: dict[str, str]) -> None:
+def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, iterations: int, layout: str,
+                       tmp: str, env: dict[str, str]) -> None:
     import json
     import os
 
@@ -771,10 +776,16 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
         classes = {type(m) for m in model.modules() if type(m).__name__ in set(model._no_split_modules)}
-        wrapped = FullyShardedDataParallel(
-            model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy(classes),
-            device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        wrapped: Any
+        if layout == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(model)
+        else:
+            wrapped = FullyShardedDataParallel(
+                model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy(classes),
+                device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True,
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
         wrapped.train()
         tracker = _StoragePeak()
         tracker.redispatch_dtensors = True
