@@ -39,6 +39,22 @@ def test_uneven_stages_agree_with_a_real_run() -> None:
         assert abs(traced - real) / real < 0.001, (schedule, rank, traced, real)
 
 
+def _agree_to_the_step_counters(rows: list[tuple[str, int, int, int]], schedules: tuple[str, ...]) -> None:
+    """Each pipeline rank of each schedule, real against traced: within 0.01 %, and what is left
+    is the real run's AdamW ``step`` counters, 4 B per parameter tensor of the rank's stages (9
+    per Llama layer, the embeddings on the first stage, the norm and head on the last)."""
+    from vramplan.workload import Parallel
+
+    assert {(s, r) for s, r, _, _ in rows} == {(s, r) for s in schedules for r in (0, 1)}
+    for schedule, rank, real, traced in rows:
+        par = Parallel(pp=2, pp_schedule=schedule)
+        bounds = par.stage_bounds(4)
+        params = sum(9 * (bounds[i][1] - bounds[i][0]) + (i == 0) + 2 * (i == len(bounds) - 1)
+                     for i in par.stage_ids(rank))
+        assert real - traced == 4 * params, (schedule, rank, traced, real)
+        assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
+
+
 @pytest.mark.parametrize("schedules, mixed", [(("1F1B", "ZBVZeroBubble"), False), (("1F1B",), True)])
 def test_pipeline_with_fsdp2_agrees_with_a_real_run(schedules, mixed) -> None:
     """PP × FSDP2 (issue 34): 4 gloo processes on a (pp 2, dp 2) mesh, each stage's part sharded
@@ -49,18 +65,9 @@ def test_pipeline_with_fsdp2_agrees_with_a_real_run(schedules, mixed) -> None:
     scalar per parameter (19 parameters on rank 0 of 1F1B: the embeddings and 2 layers of 9; 20 on
     rank 1: 2 layers, the norm and the head), which a GPU keeps on the host and the trace does not
     count on the device."""
-    from vramplan.workload import Parallel
 
     rows = pipeline_agreement(schedules, dp=2, mixed=mixed)
-    assert {(s, r) for s, r, _, _ in rows} == {(s, r) for s in schedules for r in (0, 1)}
-    for schedule, rank, real, traced in rows:
-        par = Parallel(pp=2, pp_schedule=schedule)
-        bounds = par.stage_bounds(4)
-        # 9 tensors per Llama layer, the embeddings on the first stage, the norm and head on the last
-        params = sum(9 * (bounds[i][1] - bounds[i][0]) + (i == 0) + 2 * (i == len(bounds) - 1)
-                     for i in par.stage_ids(rank))
-        assert real - traced == 4 * params, (schedule, rank, traced, real)
-        assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
+    _agree_to_the_step_counters(rows, schedules)
 
 
 @pytest.mark.parametrize("sp", [True, pytest.param(False, marks=pytest.mark.slow)])
@@ -73,15 +80,9 @@ def test_pipeline_with_tensor_parallelism_agrees_with_a_real_run(sp) -> None:
     ranks of a pipeline rank peaking alike. What is left is itemised as for PP × FSDP2: the real
     run's AdamW ``step`` counters, 4 B per parameter tensor (19 on rank 0: the embeddings and 2
     layers of 9; 20 on rank 1: 2 layers, the norm and the head), host tensors on a GPU."""
-    from vramplan.workload import Parallel
 
     rows = pipeline_agreement(("1F1B",), tp=2, sp=sp)
-    assert {r for _, r, _, _ in rows} == {0, 1}
-    for schedule, rank, real, traced in rows:
-        bounds = Parallel(pp=2).stage_bounds(4)
-        params = 9 * (bounds[rank][1] - bounds[rank][0]) + (rank == 0) + 2 * (rank == 1)
-        assert real - traced == 4 * params, (schedule, rank, traced, real)
-        assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
+    _agree_to_the_step_counters(rows, ("1F1B",))
 
 
 def test_pipeline_with_context_parallelism_agrees_with_a_real_run() -> None:
@@ -94,12 +95,6 @@ def test_pipeline_with_context_parallelism_agrees_with_a_real_run() -> None:
     kernels' outputs (``testing._efficient_attention_on_cpu``), everything around them real. What
     is left is itemised as for PP × FSDP2: the AdamW ``step`` counters, 4 B per parameter tensor
     (19 on rank 0: the embeddings and 2 layers of 9; 20 on rank 1: 2 layers, the norm and the head)."""
-    from vramplan.workload import Parallel
 
     rows = pipeline_agreement(("1F1B",), cp=2, seq=128)
-    assert {r for _, r, _, _ in rows} == {0, 1}
-    for schedule, rank, real, traced in rows:
-        bounds = Parallel(pp=2).stage_bounds(4)
-        params = 9 * (bounds[rank][1] - bounds[rank][0]) + (rank == 0) + 2 * (rank == 1)
-        assert real - traced == 4 * params, (schedule, rank, traced, real)
-        assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
+    _agree_to_the_step_counters(rows, ("1F1B",))

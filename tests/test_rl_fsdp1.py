@@ -24,17 +24,22 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 OPTS = TraceOptions(workspaces=False, count_flops=False)
 
 
-def test_grpo_under_fsdp1_agrees_with_a_real_gloo_run() -> None:
+@pytest.mark.parametrize("layout", ["fsdp1", "ddp"])
+def test_grpo_under_fsdp1_and_ddp_agrees_with_a_real_gloo_run(layout: str) -> None:
     """The same GRPO step run for real on 2 gloo processes (the policy wrapped with FSDP1 as
-    accelerate wraps it) and traced on the fake process group, per rank, the peak of each part
-    (generation and scoring, the policy's update) of the second step. What is left is itemised:
-    AdamW's ``step`` counters, 4-byte host tensors the trace keeps off the device, one for each
-    parameter with elements in the rank's shard (12 of the 21 here)."""
+    accelerate wraps it, or with DDP) and traced on the fake process group, per rank, the peak of
+    each part (generation and scoring, the policy's update) of the second step. What is left is
+    itemised: AdamW's ``step`` counters, 4-byte host tensors the trace keeps off the device, one
+    for each parameter with elements in the rank's shard (12 of the 21 here under FSDP1, all 21
+    under DDP). DDP used to fail ("DistributedDataParallel is not one (use --loss full)": the
+    fused-head forward looked for the causal LM at the wrapper); TRL calls the prepared model, so
+    the forward runs through DDP's, which readies its reducer."""
     from vramplan.trace.testing import real_grpo_fsdp1_peaks
 
     w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
-                 generations=2, attention="eager").replace(dp=2, zero=3, engine="fsdp1")
-    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2)
+                 generations=2, attention="eager").replace(dp=2, **(dict(zero=3, engine="fsdp1")
+                                                                   if layout == "fsdp1" else {}))
+    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
     spec = spec_from_config(CONFIG, name="llama-2l", source="test")
     for rank, got in enumerate(real):
         r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
@@ -43,27 +48,9 @@ def test_grpo_under_fsdp1_agrees_with_a_real_gloo_run() -> None:
         for part, traced in parts.items():
             assert traced == got[part] - 4 * got["adam_steps"], (rank, part, traced, got)
             assert abs(traced - got[part]) / got[part] < 1e-4
-        assert any(n.startswith("FSDP1 (FULL_SHARD) over dp=2") for n in r.notes)
-
-
-def test_grpo_under_ddp_agrees_with_a_real_gloo_run() -> None:
-    """GRPO under DDP (`dp=2` without `zero`) used to fail: "DistributedDataParallel is not one
-    (use --loss full)", the fused-head forward looked for the causal LM at the wrapper. TRL calls
-    the prepared (DDP) model, so the forward runs through DDP's, which readies its reducer. The
-    same step for real on 2 gloo processes and traced, per rank and part: what is left is AdamW's
-    ``step`` counters, as under FSDP1."""
-    from vramplan.trace.testing import real_grpo_fsdp1_peaks
-
-    w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
-                 generations=2, attention="eager").replace(dp=2)
-    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout="ddp")
-    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
-    for rank, got in enumerate(real):
-        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
-        parts = dict(r.step_parts)
-        assert set(parts) == {"generation", "actor"}, parts
-        for part, traced in parts.items():
-            assert traced == got[part] - 4 * got["adam_steps"], (rank, part, traced, got)
+        assert got["adam_steps"] == (12 if layout == "fsdp1" else 21), got
+        assert any(n.startswith("FSDP1 (FULL_SHARD) over dp=2" if layout == "fsdp1" else "DDP over dp=2")
+                   for n in r.notes), r.notes
 
 
 @pytest.mark.parametrize(("objective", "more"), [

@@ -667,6 +667,22 @@ class _RealStepSession:
     def label_optimizer(self, *_a: Any) -> None: ...
 
 
+def _rl_step_parts(tracker: Any, plan: Any, iterations: int) -> dict[str, int]:
+    """Run :func:`.steps.grpo_step` ``iterations`` times for real, ``tracker`` counting: the
+    storage peak within each part of the last step (``plan.spans``, as :func:`.ppo.parts_of`
+    reads the trace's) and ``"peak"``."""
+    from .steps import grpo_step
+
+    sess = _RealStepSession(tracker)
+    for _ in range(iterations):
+        grpo_step(sess, plan)  # type: ignore[arg-type]
+    marks = sess.rec.log
+    len(marks)  # (the segment after the last part)
+    out = {name: max(marks.peaks[lo:hi]) for name, ((lo, hi),) in plan.spans.items()}
+    out["peak"] = max(marks.peaks)
+    return out
+
+
 def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iterations: int, tmp: str,
                      env: dict[str, str]) -> None:
     import json
@@ -686,7 +702,7 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
 
         from ..workload import Reference
         from . import ppo
-        from .steps import StepPlan, grpo_step
+        from .steps import StepPlan
 
         gloo_reduce_scatter = dist.reduce_scatter_single
 
@@ -719,13 +735,7 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
                             objective=w.objective, reference=None, reference_source=Reference.NONE,
                             prompt=w.prompt, micro_batch=w.batch, completion=w.completion, critic=critic,
                             critic_optimizer=torch.optim.AdamW(list(critic.parameters()), foreach=True))
-            sess = _RealStepSession(tracker)
-            for _ in range(iterations):
-                grpo_step(sess, plan)  # type: ignore[arg-type]
-        marks = sess.rec.log
-        len(marks)  # (the segment after the last part)
-        out = {name: max(marks.peaks[lo:hi]) for name, ((lo, hi),) in plan.spans.items()}
-        out["peak"] = max(marks.peaks)
+            out = _rl_step_parts(tracker, plan, iterations)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
             f.write(json.dumps(out))
     finally:
@@ -771,7 +781,7 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         from ..workload import Reference
-        from .steps import StepPlan, grpo_step
+        from .steps import StepPlan
 
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
@@ -797,13 +807,7 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
                             grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
                             objective=w.objective, reference=None, reference_source=Reference.NONE,
                             prompt=w.prompt, micro_batch=w.batch, completion=w.completion)
-            sess = _RealStepSession(tracker)
-            for _ in range(iterations):
-                grpo_step(sess, plan)  # type: ignore[arg-type]
-        marks = sess.rec.log
-        len(marks)  # (the segment after the last part)
-        out = {name: max(marks.peaks[lo:hi]) for name, ((lo, hi),) in plan.spans.items()}
-        out["peak"] = max(marks.peaks)
+            out = _rl_step_parts(tracker, plan, iterations)
         # (AdamW's ``step`` counters: one 4-byte scalar per parameter with elements on this rank)
         out["adam_steps"] = sum(1 for st in plan.optimizer.state.values() if "step" in st)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
