@@ -504,7 +504,12 @@ def test_the_largest_batch_note_says_none_as_the_table_does(capsys):
     assert "largest batch 0" not in table
 
 
-def test_a_traced_estimate_confirms_its_fix_with_a_trace(capsys):
+def test_a_traced_estimate_confirms_its_fix_with_a_trace(capsys, monkeypatch):
+    """The screen's first pick is confirmed by the trace; when the trace finds it does not fit,
+    the next change down the list is tried (and named with the trace's figure). One test: the
+    second half traces the same workload and candidates (gpt2 batch 24 on a T4), which the
+    process's trace cache (``vramplan.engine.cache``, emptied before each test) then answers
+    instead of tracing them again; the refuting estimator still wraps each of those estimates."""
     argv = ["estimate", "gpt2", "--task", "train", "--batch", "24", "--gpu", "t4", "--method", "trace"]
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -516,10 +521,7 @@ def test_a_traced_estimate_confirms_its_fix_with_a_trace(capsys):
     end = " ".join(" ".join(ln.split()) for ln in _answer(capsys.readouterr().out))
     assert f"to fit {fix['flags']} makes it fit:" in end and "(trace;" in end
 
-
-def test_a_fix_the_trace_refutes_gives_way_to_the_next(capsys, monkeypatch):
-    """The screen's first pick is confirmed by the trace; when the trace finds it does not fit,
-    the next change down the list is tried (and named with the trace's figure)."""
+    # a fix the trace refutes gives way to the next
     from vramplan.engine import estimate as real
     from vramplan.planner import evaluator
 
@@ -530,10 +532,9 @@ def test_a_fix_the_trace_refutes_gives_way_to_the_next(capsys, monkeypatch):
         return r
 
     monkeypatch.setattr(evaluator, "default_estimator", lambda: estimator)
-    argv = ["estimate", "gpt2", "--task", "train", "--batch", "24", "--gpu", "t4", "--method", "trace", "--json"]
-    assert main(argv) == 0
-    fix = json.loads(capsys.readouterr().out)["to_fit"]
-    assert fix["method"] == "trace" and "--batch" not in fix["flags"], fix
+    assert main([*argv, "--json"]) == 0
+    refuted = json.loads(capsys.readouterr().out)["to_fit"]
+    assert refuted["method"] == "trace" and "--batch" not in refuted["flags"], refuted
 
 
 # --------------------------------------------------------------------------- item 2: fit without [models]
