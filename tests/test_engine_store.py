@@ -230,20 +230,32 @@ def _strip(d: object) -> object:
 
 
 @pytest.mark.parametrize("cmd", ["fit", "plan"])
-def test_fit_and_plan_run_ahead_in_forked_processes_with_the_serial_answer(tmp_path: Path, cmd: str) -> None:
+def test_fit_and_plan_run_ahead_in_forked_processes_with_the_serial_answer(tmp_path: Path, monkeypatch, capsys,
+                                                                            cmd: str) -> None:
     """``fit`` confirms the step above each point in a forked child while it confirms the point,
     ``plan`` confirms its last finalists in one; the traces come back through the store, so the
-    answer is the serial one (``--no-cache`` runs one after another)."""
+    answer is the serial one (``--no-cache`` runs one after another). The run ahead is the CLI in
+    a process of its own (its children fork from it); the serial answer is the same command in
+    this process (torch already imported: no second start-up), its caches emptied first."""
+    from vramplan.cli.main import main
+    from vramplan.engine import cache
+
     env = _env(tmp_path)
     env["VRAMPLAN_TRACE_WORKERS"] = "2"
-    args = [sys.executable, "-m", "vramplan.cli.main", cmd, "gpt2", "--task", "train", "--seq", "256",
-            "--gpu", "rtx-3060", "--method", "trace", "--format", "json"]
+    argv = [cmd, "gpt2", "--task", "train", "--seq", "256", "--gpu", "rtx-3060", "--method", "trace",
+            "--format", "json"]
     if cmd == "plan":
-        args += ["--confirm", "2"]
-    ahead = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
-    serial = subprocess.run([*args, "--no-cache"], env=env, capture_output=True, text=True, timeout=900)
-    assert ahead.returncode == serial.returncode == 0, ahead.stderr + serial.stderr
-    a, s = json.loads(ahead.stdout), json.loads(serial.stdout)
+        argv += ["--confirm", "2"]
+    ahead = subprocess.run([sys.executable, "-m", "vramplan.cli.main", *argv], env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert ahead.returncode == 0, ahead.stderr
+    cache.clear()
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(store.OFF_ENV, "0")  # put back after the test (`--no-cache` sets it to 1 here)
+    monkeypatch.setenv("VRAMPLAN_TRACE_WORKERS", "2")
+    capsys.readouterr()
+    assert main([*argv, "--no-cache"]) in (0, None)
+    a, s = json.loads(ahead.stdout), json.loads(capsys.readouterr().out)
     assert _strip(a) == _strip(s)
     assert any("forked process" in n for n in a["notes"]), a["notes"]
     assert not any("forked process" in n for n in s["notes"])
