@@ -96,3 +96,13 @@ def small_llama() -> typing.Any:
     c = tiny_config(dict(resolve("llama-3.1-8b").config), 2)
     c.update(hidden_size=256, intermediate_size=768, vocab_size=40000)
     return spec_from_config(c, name="small-llama", source="test")
+
+
+_LONG_FILES_FIRST = ("test_web_browser.py",)
+"""Files whose tests take the longest (the browser's burst test: a minute and more on 2 cores),
+sent to the xdist workers first: collected in name order they came last and one worker ran them
+alone at the end of the suite."""
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: item.path.name not in _LONG_FILES_FIRST)  # (stable: the rest keep their order)
