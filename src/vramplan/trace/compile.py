@@ -49,6 +49,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -136,7 +137,9 @@ class BlockCompiler:
             try:
                 fn = self._compile(block, inner, names, leaves, spec, idx, key)
             except Exception as e:  # noqa: BLE001 — a block that cannot be traced runs eagerly
-                self.failures.append(f"{type(block).__name__}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                at = traceback.extract_tb(e.__traceback__)[-1:]  # (where it failed: torch's file and line)
+                where = f" (at {at[0].filename.rsplit('site-packages/', 1)[-1]}:{at[0].lineno})" if at else ""
+                self.failures.append(f"{type(block).__name__}: {type(e).__name__}: {str(e).splitlines()[0][:160]}{where}")
                 return inner(*args, **kwargs)
             self.cache[key] = fn
         return fn(*tensors, *(leaves[i] for i in idx))
@@ -168,7 +171,7 @@ class BlockCompiler:
 
         def partition(joint: Any, joint_inputs: Any, **kw: Any) -> Any:
             try:  # Inductor's joint-graph passes first, as torch.compile runs them
-                with _no_failure_dump(), _outputs_not_dataless():
+                with _no_failure_dump(), _outputs_not_dataless(), _no_pad_benchmark():
                     fw, bw = inductor_partition(copy.deepcopy(joint), joint_inputs, **kw)
                 self.partitioner = "Inductor's partition_fn (joint-graph passes + min-cut)"
             except Exception:  # noqa: BLE001 — a graph their passes or the min-cut cannot handle
@@ -191,7 +194,8 @@ class BlockCompiler:
         # hooks must not see the tracing, so plain hooks sit on top of them meanwhile)
         token = _TRACING.set(True)
         try:
-            with self.pause(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            with self.pause(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                    _no_device_rng():
                 fn(*tensors, *(leaves[i] for i in idx))  # traces and partitions; the result is dropped
         finally:
             _TRACING.reset(token)
@@ -303,6 +307,53 @@ def _outputs_not_dataless() -> Iterator[None]:
         joint_graph.remove_no_ops = orig
 
 
+@contextlib.contextmanager
+def _no_device_rng() -> Iterator[None]:
+    """AOTAutograd saves and restores the RNG states around its tracing (``create_aot_state``
+    enters torch/_dynamo/utils.py ``preserve_rng_state``), the CUDA generator's too whenever
+    ``torch.cuda.is_available()`` says yes. The trace's tensors are meta: no device generator is
+    drawn from, so there is nothing to save. Whenever something has made ``is_available`` say
+    yes on a host without a GPU (a patch of it left behind in the process: the torch 2.14.1 suite
+    met one, source not found), that save reached for the CUDA runtime ("CUDA driver version is
+    insufficient") and every compiled block of the trace ran eagerly. While it traces, the CUDA
+    generator's state is a placeholder that is never used."""
+    cuda = torch.cuda
+    saved = {k: getattr(cuda, k) for k in ("get_rng_state", "set_rng_state")}
+    cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)  # type: ignore[assignment]
+    cuda.set_rng_state = lambda new_state, device="cuda": None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cuda, k, v)
+
+
+@contextlib.contextmanager
+def _no_pad_benchmark() -> Iterator[None]:
+    """Inductor's ``pad_mm`` joint-graph patterns pad a matrix product whose dimensions are not
+    aligned when a timing on the GPU says the padded one is faster (``should_pad``; torch 2.14.1
+    ``torch/_inductor/fx_passes/pad_mm.py`` L474-L484, ``_should_pad`` times both with real
+    tensors on the graph's device). The emulated GPU cannot time anything, and a timing would reach
+    for the real CUDA runtime (on a machine without a GPU: "CUDA driver version is insufficient",
+    which then failed every later compiled block of the process). While the passes run, no product
+    is padded: aligned dimensions (a catalog model's) are never padded anyway; for others the
+    trace leaves out the padded copies, and its notes say so."""
+    try:
+        from torch._inductor.fx_passes import pad_mm
+    except ImportError:
+        yield
+        return
+    orig = getattr(pad_mm, "should_pad", None)
+    if orig is None:
+        yield
+        return
+    pad_mm.should_pad = lambda *_a, **_k: False
+    try:
+        yield
+    finally:
+        pad_mm.should_pad = orig
+
+
 def _inductor_partition() -> Callable[..., Any]:
     """Inductor's ``partition_fn`` (``torch/_inductor/compile_fx.py``: its joint-graph passes, then
     ``min_cut_rematerialization_partition``); on a torch without the module-level function,
@@ -399,7 +450,8 @@ def notes(compiler: BlockCompiler) -> list[str]:
                       for k, (s, i) in compiler.saved.items())
     out = [f"torch.compile emulated per block ({n_blocks} blocks, torchtitan-style): AOTAutograd with "
            f"{compiler.partitioner} keeps {saved or 'nothing'} per block for backward; "
-           "intermediates inside a block are run op by op (Inductor would fuse some away)"]
+           "intermediates inside a block are run op by op (Inductor would fuse some away); matrix products "
+           "are not padded (Inductor's pad_mm decides by timing them on the GPU)"]
     if checkpointed:
         out.append(f"torch.compile: {checkpointed} blocks compiled with their activation checkpoint inside the "
                    "graph (Dynamo's tag_activation_checkpoint): the partitioner recomputes the checkpointed ops in "
