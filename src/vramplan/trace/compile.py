@@ -318,7 +318,10 @@ def _no_device_rng() -> Iterator[None]:
     insufficient") and every compiled block of the trace ran eagerly. While it traces, the CUDA
     generator's state is a placeholder that is never used."""
     cuda = torch.cuda
-    saved = {k: getattr(cuda, k) for k in ("get_rng_state", "set_rng_state")}
+    saved = {k: getattr(cuda, k) for k in ("get_rng_state", "set_rng_state", "is_available")}
+    count = getattr(torch._C, "_cuda_getDeviceCount", None)
+    real = bool(cuda._is_compiled() and count is not None and count() > 0)  # (the runtime's own answer)
+    cuda.is_available = lambda: real  # type: ignore[assignment]
     cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)  # type: ignore[assignment]
     cuda.set_rng_state = lambda new_state, device="cuda": None  # type: ignore[assignment]
     try:
