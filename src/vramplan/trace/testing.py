@@ -385,18 +385,26 @@ module's name is what they call); ``*_single`` from torch 2.13."""
 @contextlib.contextmanager
 def _c10d_waits_release() -> Iterator[None]:
     """Each of :data:`_C10D_COLLECTIVES` returns only once gloo's worker thread has dropped the
-    work, which holds the tensors it was handed (``ProcessGroupGloo::runLoop``, as
-    :meth:`StoragePeak._await_release` describes for functional collectives). Without it a
-    buffer the caller frees after the collective (FSDP2's reduce-scatter input) stays allocated
-    until that thread is scheduled again: on a loaded machine, into the next part of the step,
-    where a CUDA collective's buffer is free at once. A call with ``async_op`` runs synchronously
-    and hands back a completed work: only when a collective waits changes, not what it
-    allocates. The tensors' ``_use_count`` before the call is what the caller holds; the call
-    returns when it is back to that (a minute at most)."""
+    work (``ProcessGroupGloo::runLoop``, as :meth:`StoragePeak._await_release` describes for
+    functional collectives). The work holds the tensors it was handed and buffers of its own
+    (gloo's reduce-scatter stages its input in a copy, allocated by the calling thread), all
+    freed when the thread lets the work go. Without this, what the caller frees after the
+    collective stays allocated until that thread is scheduled again: on a loaded machine, into
+    the next part of the step, where a CUDA collective's buffers are free at once. In the CI run
+    of stop 47, FSDP2's reduce-scatter copy of one layer's gradients (164,352 B) outlived the
+    layer's backward on one rank.
+
+    The call returns once the storages of its tensor arguments are held as often as before it
+    (views the work made of them count) and every storage the call allocated otherwise is freed
+    (a minute at most). A call with ``async_op`` runs synchronously and hands back a completed
+    work: only when a collective waits changes, not what it allocates."""
     import time
+    import weakref
 
     import torch
     import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class _Done(dist.Work):
         def wait(self, timeout: Any = None) -> bool:
@@ -405,16 +413,41 @@ def _c10d_waits_release() -> Iterator[None]:
         def is_completed(self) -> bool:
             return True
 
+    class _Made(TorchDispatchMode):
+        """Weak references to the CPU storages the ops under it return."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[Any] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if type(t) is torch.Tensor and t.device.type == "cpu":
+                    self.made.append(weakref.ref(t.untyped_storage()))
+            return out
+
+    uses = torch._C._storage_Use_Count
+
     def released(fn: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
             asynchronous = bool(k.pop("async_op", False))
-            tensors = [x for x in (*a, *k.values()) if isinstance(x, torch.Tensor)]
-            before = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
-            fn(*a, **k)
+            storages = [x.untyped_storage() for x in (*a, *k.values()) if isinstance(x, torch.Tensor)]
+            before = [uses(s._cdata) for s in storages]
+            with _Made() as mode:
+                fn(*a, **k)
+            own = {s._cdata for s in storages}
+            made = [r for r in mode.made if (s := r()) is not None and s._cdata not in own]
+            del mode
+
+            def held() -> bool:
+                return (any(uses(s._cdata) > n for s, n in zip(storages, before, strict=True))
+                        or any(r() is not None for r in made))
+
             deadline = time.monotonic() + 60.0
-            while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):  # type: ignore[attr-defined]
+            while held():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the tensors of a {fn.__name__} still held 60 s after it returned")
+                    raise RuntimeError(f"the buffers of a {fn.__name__} still held 60 s after it returned")
                 time.sleep(1e-4)
             return _Done() if asynchronous else None
 
