@@ -32,6 +32,39 @@ def _fresh_estimate_caches():
     yield
 
 
+_GUARDED = (("cuda", "is_available"), ("cuda", "device_count"), ("cuda", "get_rng_state"), ("cuda", "set_rng_state"),
+            ("cuda", "current_device"), ("accelerator", "is_available"), ("accelerator", "current_accelerator"),
+            ("backends.cudnn", "is_available"), ("_C", "_get_accelerator"))
+"""torch functions the emulated GPU and the tracers patch while they run: a test that leaves one
+patched changes what every later test in its process sees (the torch 2.14.1 suite's FSDP2 +
+compile tests once traced eagerly because ``torch.cuda.is_available`` said yes)."""
+
+
+def _guarded_now() -> dict:
+    import importlib
+
+    out = {}
+    for mod, name in _GUARDED:
+        m = importlib.import_module(f"torch.{mod}")
+        if hasattr(m, name):
+            out[f"torch.{mod}.{name}"] = (m, name, getattr(m, name))
+    return out
+
+
+_GUARDED_AT_START = _guarded_now()
+
+
+@pytest.fixture(autouse=True)
+def _no_torch_patch_left_behind():
+    """Fails the test that leaves one of :data:`_GUARDED` patched (and puts it back)."""
+    yield
+    left = [key for key, (m, name, fn) in _GUARDED_AT_START.items() if getattr(m, name) is not fn]
+    for key in left:
+        m, name, fn = _GUARDED_AT_START[key]
+        setattr(m, name, fn)
+    assert not left, f"left patched by this test: {left}"
+
+
 # --- TRL's fused head with the decisions its code takes on CUDA (tests/test_trl_head.py, test_dpo.py)
 import typing  # noqa: E402
 

@@ -61,6 +61,9 @@ def entry_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(cli, "main", fake_main)
     monkeypatch.setattr(cli.os, "_exit", fake_os_exit)
     monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: calls.append(("atexit", None)))
+    # (the only thread: threads earlier tests of this process left running, a tqdm monitor or a
+    # compile pool's, would take entry's other way out, sys.exit: test_live_threads_get_pythons_normal_exit)
+    monkeypatch.setattr(cli.threading, "active_count", lambda: 1)
     was = gc.isenabled()
     yield calls
     if was:

@@ -64,6 +64,11 @@ def _tracker() -> Any:
             super().__init__()
             self.desc: dict[int, str] = {}
             self.skip_wrappers = True  # (functional collectives' AsyncCollectiveTensor holds no memory)
+            self.await_collectives = True
+            """A functional collective's wait returns once gloo's worker thread has let its work go
+            (``_await_release``): torchtitan's expert-parallel all-to-all output otherwise stayed
+            allocated into the next part of the step on a loaded machine (a ``[2048, 64]`` fp32
+            buffer in tests/test_torchtitan.py's EP run), where a GPU frees it at once."""
             self.stepping = False
             """Set at the first top-level forward: the peak is the step's (a host-side checkpoint
             being loaded, which a GPU run keeps on the host, is not the step's memory)."""
@@ -154,7 +159,12 @@ def _stops(truth: Truth, steps: int, tracker: Any) -> Iterator[None]:
 
 
 def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> Truth:
-    """Run the script for real on the CPU (see the module docstring)."""
+    """Run the script for real on the CPU (see the module docstring). The script's
+    ``torch.distributed`` collectives return once gloo has let go of their buffers
+    (:func:`~vramplan.trace.testing._c10d_waits_release`), as its functional collectives' waits
+    do (the tracker's ``await_collectives``)."""
+    from ..trace.testing import _c10d_waits_release
+
     p = Path(path)
     truth = Truth()
     tracker = _tracker()
@@ -164,7 +174,7 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _stops(truth, steps, tracker), eager_hop_calls(), tracker:
+        with _stops(truth, steps, tracker), eager_hop_calls(), tracker, _c10d_waits_release():
             try:
                 runpy.run_path(str(p), run_name="__main__")
             except _Enough:
