@@ -117,3 +117,29 @@ def test_a_trace_after_another_world_does_not_reuse_its_meshes():
     tr = trace_workload(spec, Workload(task="train", batch=1, seq=256,
                                        parallel=Parallel(dp=2, cp=2, tp=2, sp=True, zero=3)), iterations=1)
     assert any("rank 0 of cp=2" in n for n in tr.notes) and any("rank 0 of tp=2" in n for n in tr.notes)
+
+
+def test_efficient_kernel_chunks_not_a_multiple_of_32_are_refused_with_the_cause(monkeypatch):
+    """fp32 attention runs the memory-efficient kernel, whose logsumexp is padded to 32 queries;
+    torch's load-balanced ring fails to merge chunks of seq / (2·cp) = 16 tokens. Refused with the
+    fix; without the refusal the ring itself fails (so the refusal is torch's, not ours); 32-token
+    chunks, and half precision (flash attention), run."""
+    from vramplan.trace import context_parallel
+
+    spec = tiny_spec("llama-2-7b")
+
+    def w(seq, precision="fp32"):
+        return Workload(task="train", precision=precision, batch=1, seq=seq, parallel=Parallel(cp=2))
+
+    with pytest.raises(TraceError, match=r"`seq` / \(2 × `cp`\) = 16 tokens fail") as e:
+        trace_workload(spec, w(64), iterations=1)
+    assert "multiple of 128" in e.value.hint
+    monkeypatch.setattr(context_parallel, "check_kernel", lambda *a: None)
+    with pytest.raises(TraceError, match=r"size of tensor|broadcast"):
+        trace_workload(spec, w(64), iterations=1)
+    monkeypatch.undo()
+    ok = trace_workload(spec, w(128), iterations=1)
+    log = ok.events
+    ops = {log.strings[log.op[k]] for k in range(len(log)) if log.action[k] == 0}
+    assert "aten._scaled_dot_product_efficient_attention_backward.default" in ops
+    trace_workload(spec, w(64, "bf16"), iterations=1)

@@ -60,6 +60,35 @@ def ring_attention(mesh: Any, batch_kwargs: dict[str, Any]) -> Iterator[None]:
         options.enable_load_balance = balance
 
 
+def check_kernel(profile: Any, dtype: torch.dtype, heads: int, head_dim: int, seq: int, cp: int) -> None:
+    """Refuse a load-balanced ring whose attention kernel cannot merge its rounds.
+
+    With the load balancer on (torchtitan's default, and the trace's), each rank's shard is two
+    chunks of ``seq / (2·cp)`` tokens, and some rounds attend one chunk's queries. The
+    memory-efficient kernel (fp32, or a head size flash attention does not take) returns its
+    logsumexp padded to a multiple of 32 queries (torch 2.13 ``_meta_registrations.py``
+    ``meta__scaled_dot_product_efficient_attention``, as the CUDA kernel allocates it), and the
+    ring's merge of a round's partial result (``_context_parallel/_attention.py``
+    ``_SDPAMerger.step``) does not slice that padding off: a chunk not a multiple of 32 fails,
+    on a GPU as in the trace ("The size of tensor a (32) must match the size of tensor b (16)"
+    at seq 64 over cp 2, docs/research/pipeline-fsdp.md)."""
+    from .sdpa import choose_backend
+
+    chunk = seq // (2 * cp)
+    if chunk % 32 == 0 or chunk == 0:
+        return
+    q = torch.empty(1, heads, chunk, head_dim, dtype=dtype, device="meta")
+    if choose_backend(profile, q, q, q, None, 0.0, True, False, True) != "efficient":
+        return
+    step = 64 * cp
+    raise TraceError(f"PyTorch's load-balanced ring attention runs the memory-efficient kernel here "
+                     f"({str(dtype).removeprefix('torch.')}, head size {head_dim}), whose logsumexp is padded to a "
+                     f"multiple of 32 queries, which the ring's merge does not slice: each rank's chunks of "
+                     f"`seq` / (2 × `cp`) = {chunk:,} tokens fail, on a GPU too",
+                     hint=f"use a `seq` that is a multiple of {step:,} (e.g. {-(-seq // step) * step:,}), or half "
+                          "precision (flash attention)")
+
+
 def check_model(attention: str, window: int | None, seq: int) -> None:
     """Refuse what PyTorch's ring attention cannot run, rather than trace something else.
 

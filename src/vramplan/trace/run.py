@@ -286,6 +286,8 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     if w.parallel.cp > 1:
         used = attention_used(model)
         context_parallel.check_model(used, spec.sliding_window if spec.sliding_layers else None, w.seq)
+        context_parallel.check_kernel(device or DEFAULT_PROFILE, features.compute_dtype(w), spec.heads,
+                                      spec.shape.head_dim, w.seq, w.parallel.cp)
     batch_kwargs, shadows = _catalog_inputs(spec, w)
     if w.objective is not Objective.SFT:
         batch_kwargs = _objective_inputs(batch_kwargs, w)
@@ -405,6 +407,8 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
             if p.cp > 1:  # ring attention replaces SDPA only: refuse what it cannot run (as without pp)
                 context_parallel.check_model(attention_used(full), spec.sliding_window if spec.sliding_layers else None,
                                              w.seq)
+                context_parallel.check_kernel(device or DEFAULT_PROFILE, features.compute_dtype(w), spec.heads,
+                                              spec.shape.head_dim, w.seq, p.cp)
             part, st = pipeline_parallel.split(full, index, bounds)
             # torchtitan applies activation checkpointing per model part (each part's own block list)
             part_notes = features.apply_checkpointing(part, w, checkpoint_policy)
