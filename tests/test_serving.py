@@ -244,8 +244,9 @@ def test_tgi_warmup_blocks_and_replication() -> None:
     spec, gpu = resolve("llama-3.1-8b"), get_gpu("h100-sxm")
     s = tgi.TgiSettings(max_total_tokens=8192, attention="paged")
     p = tgi.plan(spec, gpu, settings=s)
-    prefill = 8191 + 50
-    batch_blocks = math.ceil(prefill / 16)
+    prefill = p.settings["max_batch_prefill_tokens"]  # the launcher's default (not the 2.x max_input + 50)
+    assert prefill == 59870
+    batch_blocks = math.ceil(prefill / 8191) * math.ceil(8191 / 16)  # requests of 8191 tokens' blocks
     block_bytes = 16 * 131072
     total, _ = usable_capacity(gpu)
     out = outside(gpu, 1)

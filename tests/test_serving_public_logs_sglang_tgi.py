@@ -22,7 +22,8 @@ from vramplan.models.catalog import resolve, spec_from_text
 from vramplan.pools.kvspec import bytes_per_token, layer_specs
 from vramplan.pools.result import ServePlan
 from vramplan.pools.sglang_release import SglangRelease
-from vramplan.serving import sglang
+from vramplan.pools.tgi_release import TgiRelease
+from vramplan.serving import sglang, tgi
 from vramplan.serving.api import serve_plan
 from vramplan.units import GiB
 
@@ -259,3 +260,61 @@ def test_request_pool_rows_change_at_0_4_7() -> None:
     for v, expect in (("0.4.6", 2049), ("0.4.7", 2048), ("0.5.23", 2048)):
         p = serve_plan("llama-3.1-8b", "h100-sxm", engine="sglang", engine_version=v)
         assert p.max_running == expect
+
+
+# --- TGI 3.x ---------------------------------------------------------------------------------
+def test_tgi_launcher_default_prefill_per_card_and_release() -> None:
+    """TGI 3's launcher, ``max_batch_prefill_tokens`` unset (launcher/src/main.rs v3.0.1:2030-2058):
+    the card's f16 FLOP/s × shards ÷ the model's FLOP per token (``Config::flop``: 3 × 2·heads·d·h +
+    2 × 2·kv·d·h + 2·3·h·ffn per layer), or 4096 on a card its nvidia-smi name table does not know
+    (every GeForce card; the A100 40 GB until 3.1.0), capped by max_position_embeddings and by
+    (nvidia-smi total × 0.95 − 2-byte weights) ÷ (KV + 9 × ffn B) per token. Llama-3.1-8B's sums
+    written out: 32 layers × (3 × 33,554,432 + 2 × 8,388,608 + 352,321,536) FLOP."""
+    flop = 32 * (3 * 2 * 32 * 128 * 4096 + 2 * 2 * 8 * 128 * 4096 + 2 * 3 * 4096 * 14336)
+    assert flop == 15_032_385_536
+    spec, l4 = resolve("llama-3.1-8b"), get_gpu("l4")
+    model = ((3 * 14336 * 4096 + (32 + 16) * 128 + 32 * 128 * 4096) * 32 + 2 * 4096 * 128256) * 2
+    per_token = 8 * 2 * 128 * 2 * 32 + (14336 + 7168) * 2 * 3
+    vram_cap = (int(l4.smi_total * 0.95) - model) // per_token  # type: ignore[operator]
+    assert vram_cap > 121 * 10**12 // flop == 8049  # the compute rule binds on one L4
+    assert tgi.default_prefill(spec, l4, TgiRelease.of("3.0.0"), 1, "none", 1.0) == 8049
+    assert tgi.default_prefill(spec, l4, TgiRelease.of("3.3.7"), 2, "none", 1.0) == 2 * 121 * 10**12 // flop
+    # a card the launcher does not name: 4096
+    assert tgi.default_prefill(spec, get_gpu("rtx-4090"), TgiRelease.of("3.3.7"), 1, "none", 1.0) == 4096
+    a100 = get_gpu("a100-sxm4-40gb")
+    assert tgi.default_prefill(spec, a100, TgiRelease.of("3.0.2"), 1, "none", 1.0) == 4096
+    assert tgi.default_prefill(spec, a100, TgiRelease.of("3.1.0"), 1, "none", 1.0) == 312 * 10**12 // flop
+    # on an H100 the model's 131,072 positions do not bind either; the plan takes the default
+    p = serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", max_model_len=8192)
+    assert p.settings["max_batch_prefill_tokens"] == 900 * 10**12 // flop
+
+
+def test_log_llama33_70b_awq_tp2_rtx3090_tgi_3_0_1() -> None:
+    """huggingface/text-generation-inference#2842 (2024-12-14): TGI 3.0.1 (ghcr.io image tag),
+    ``--model-id llama-3.3-70b --quantize awq --cuda-memory-fraction 1 --sharded true --num-shard 2``
+    on 2× RTX 3090 (nvidia-smi in the issue), every limit unset (zero config):
+    "KV-cache blocks: 13807, size: 1", "Setting max batch total tokens to 13793", "Maximum input
+    tokens defaulted to 13792", "Maximum total tokens defaulted to 13793", then the server starts.
+
+    What the log shows and vramplan now follows: the router takes the *minimum* over the shards
+    (backends/v3/src/client/sharded_client.rs:127-133; rank 0 logs 13807, the other 14 fewer), and
+    zero config sets max_total_tokens = min(blocks, max_position_embeddings) and max_input_tokens one
+    less (flash_causal_lm.py v3.0.1:1595-1606). The prefill budget is the launcher's: an RTX 3090 is
+    not in its card table, so 4096. Before this change vramplan defaulted TGI 3 to 2.x's
+    max_input_tokens + 50 = 131,121 prefill tokens and said this configuration fails at warm-up.
+
+    Outside the tolerance, asserted as measured: vramplan's KV pool is 2.79 GiB per rank where the log's
+    13,807 blocks × 160 KiB are 2.11 GiB (blocks +32 %). The 0.68 GiB is taken by something vramplan
+    does not count between loading and the free-memory reading (AWQ kernels' workspace, NCCL /
+    flashinfer buffers, allocator rounding — not found which); vramplan's own parts: weights 18.54 GiB,
+    warm-up peak 0.46 GiB, context + NCCL 0.73 GiB, TGI's reserve 5 % of 23.70 GiB."""
+    p = serve_plan("llama-3.3-70b", "rtx-3090", engine="tgi", engine_version="3.0.1", tp=2, quantization="awq")
+    assert p.starts and p.settings["max_batch_prefill_tokens"] == 4096
+    assert p.bytes_per_token == 80 * 4 * 128 * 2 * 2  # 8 KV heads over 2 shards
+    assert 0.30 < p.blocks / 13807 - 1 < 0.35  # the gap named above
+    assert 0.6 < (p.blocks - 13807) * p.bytes_per_token / GiB < 0.75
+    # zero config on vramplan's own pool: the router's figures follow from the blocks
+    assert p.log == (f"KV-cache blocks: {p.blocks}, size: 1", f"Setting max batch total tokens to {p.tokens}",
+                     f"Maximum input tokens defaulted to {p.tokens - 1}",
+                     f"Maximum total tokens defaulted to {p.tokens}")
+    assert p.max_model_len == p.tokens and p.max_concurrency == 1.0

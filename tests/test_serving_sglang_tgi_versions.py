@@ -123,7 +123,10 @@ def test_tgi_wiggle_room_per_release() -> None:
     for v, w in (("3.0.0", 0.95), ("3.3.7", 0.90)):
         p = serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", engine_version=v, max_model_len=8192,
                        memory_fraction=0.9)
-        batch = 8191 + 50  # (block size 1: one block a token)
+        # the warm-up batch: ⌈prefill / 8191⌉ requests of 8191 prompt tokens' blocks each (block size 1);
+        # the launcher's default prefill on an H100 (test_serving_public_logs_sglang_tgi.py)
+        assert p.settings["max_batch_prefill_tokens"] == 59870
+        batch = -(-59870 // 8191) * 8191
         free = total - out.context - out.later - p.weights - p.profile_peak - batch * 131072
         assert p.blocks == int((free - (1 - 0.9 * w) * total) // 131072) + batch
         assert p.log[0] == f"KV-cache blocks: {p.blocks}, size: 1"

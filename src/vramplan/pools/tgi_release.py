@@ -60,3 +60,18 @@ class TgiRelease:
         if self.since("3.3.0"):
             return 0.90
         return 0.93 if self.since("3.1.0") else 0.95
+
+    def card_tflops(self, gpu_key: str) -> int | None:
+        """The launcher's f16 TFLOP/s for the card nvidia-smi names (launcher/src/main.rs
+        ``impl From<&str> for Gpu`` and ``ComputeType::f16_flop``; v3.0.0:1648-1698, v3.1.0:1651-1714):
+        the name is nvidia-smi's ``gpu_name`` lower-cased with spaces as dashes, so a GeForce card
+        ("nvidia-geforce-rtx-4090"), a Tesla T4 ("tesla-t4") or an H100 PCIe is an unknown card (None)."""
+        names = _CARDS_3_1 if self.since("3.1.0") else _CARDS_3_0
+        return names.get(gpu_key)
+
+
+# vramplan GPU key → the launcher's f16 TFLOP/s, for the nvidia-smi names the launcher matches
+# ("NVIDIA H100 80GB HBM3" → "nvidia-h100-80gb-hbm3" …; hardware/catalog.py _NVML_NAMES gives each name).
+_CARDS_3_0 = {"l4": 121, "l40": 181, "l40s": 363, "a10g": 125, "h100-sxm": 900, "a100-sxm4-80gb": 312}
+_CARDS_3_1 = {**_CARDS_3_0, "h100-nvl": 900, "a100-sxm4-40gb": 312, "a100-pcie-80gb": 312,
+              "h200-sxm": 989}

@@ -16,6 +16,10 @@
 - ``BLOCK_SIZE`` is 1 with the flashinfer attention TGI 3 uses by default (prefix caching),
   16 with paged attention, 256 with flashdecoding (``models/globals.py``).
 - KV heads on a rank: ``num_kv_heads // world_size``, or *all* of them when that is 0.
+- Unset limits are TGI 3's: ``max_batch_prefill_tokens`` the launcher's compute-optimal budget
+  (:func:`default_prefill`), ``max_total_tokens`` zero config — min(KV tokens, positions) from the
+  warm-up (``flash_causal_lm.py`` v3.0.1:1595-1606), printed as "Maximum total tokens defaulted to".
+  Several shards: the router takes the smallest shard's answer; vramplan plans one rank.
 - Approximated: the warm-up peak (vramplan's forward at ``max_batch_prefill_tokens``); the
   router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
 """
@@ -58,8 +62,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     wiggle = rel.wiggle_room
     total, _ = usable_capacity(gpu)
     block = BLOCK_SIZES.get(s.attention, 1)
-    max_total = s.max_total_tokens or spec.max_positions
-    prefill = s.max_batch_prefill_tokens or (max_total - 1) + 50
+    zero_config = s.max_total_tokens is None
+    prefill = s.max_batch_prefill_tokens or default_prefill(spec, gpu, rel, tp, quant, s.cuda_memory_fraction)
     if spec.family is Family.MLA:
         raise WorkloadError(f"vramplan does not model TGI's KV layout for the MLA model {spec.name}",
                             hint="use --engine vllm, sglang or trtllm, which cache MLA's compressed latent")
@@ -68,7 +72,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     block_bytes = per_token * block
     out = outside(gpu, tp * pp)
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
-    batch_blocks = cdiv(prefill, block)
+    batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
     cuda_free = total - out.context - out.later - fwd.weights - fwd.activation_peak - batch_blocks * block_bytes
     free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction * wiggle) * total))
     error = None
@@ -77,6 +81,12 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
                  "`--max-batch-prefill-tokens`")
     blocks = int(free // block_bytes) + batch_blocks if error is None else 0
     tokens = blocks * block
+    # zero config: with prefill chunking (flashinfer / flashdecoding) the warm-up answers
+    # min(blocks × BLOCK_SIZE, model_max_length, max_position_embeddings); without it (paged) the warm-up
+    # batch's cache lengths, approximated by its prefill tokens (flash_causal_lm.py v3.0.1:1595-1606)
+    chunking = s.attention != "paged"
+    max_total = s.max_total_tokens or (min(tokens if chunking else prefill, spec.max_positions)
+                                       if error is None else spec.max_positions)
     if error is None and tokens < max_total:
         error = (f"max batch total tokens ({tokens}) is smaller than `--max-total-tokens` ({max_total}) "
                  "(TGI's router refuses this; wording paraphrased)")
@@ -84,14 +94,18 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     conc_avg = min(float(s.max_concurrent_requests), tokens / avg_request_len) if avg_request_len else None
     log = [f"KV-cache blocks: {blocks}, size: {block}", f"Setting max batch total tokens to {tokens}"] \
         if error is None else [f"Error: {error}"]
+    if error is None and zero_config:
+        log += [f"Maximum input tokens defaulted to {max_total - 1}", f"Maximum total tokens defaulted to {max_total}"]
     st = {"cuda_memory_fraction": s.cuda_memory_fraction, "tgi_wiggle_room": wiggle, "max_total_tokens": max_total,
           "max_batch_prefill_tokens": prefill, "max_concurrent_requests": s.max_concurrent_requests,
           "kv_cache_dtype": s.kv_cache_dtype, "attention": s.attention, "quantization": quant, "dtype": dtype}
     notes = [f"Follows TGI {rel.text} FlashCausalLM.warmup: the free memory after a warm-up prefill of "
              f"{prefill:,} tokens less (1 − cuda_memory_fraction × TGI_WIGGLE_ROOM {wiggle}) of the total becomes "
              f"KV blocks (warm-up peak {fwd.activation_peak / GiB:.2f} GiB, {fwd.method}).",
-             "max_batch_prefill_tokens defaults to max_input_tokens + 50 with max_input_tokens = "
-             "max_total_tokens − 1 (TGI launcher, when unset)."]
+             "max_batch_prefill_tokens defaults to the launcher's compute-optimal prefill (card f16 FLOP/s ÷ "
+             "model FLOP per token; 4096 on a card the launcher does not know) capped by max_position_embeddings "
+             "and the launcher's VRAM estimate; unset max_total_tokens is TGI 3's zero config: "
+             "min(KV tokens, max_position_embeddings)."]
     return ServePlan(
         engine="tgi", engine_version=rel.text, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=int(total * s.cuda_memory_fraction), weights=fwd.weights,
@@ -104,6 +118,48 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         log=tuple(log), command=command(spec, tp, quant, st), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds={layers[0].kind: len(layers)},
     )
+
+
+def warmup_blocks(prefill: int, max_total: int | None, block: int) -> int:
+    """KV blocks of the router's warm-up batch (backends/v3/src/client/grpc_client.rs v3.0.1:109-155;
+    flash_causal_lm.py v3.0.1:359-363): requests of ``truncate = min(max_input_tokens, what is left)``
+    prompt tokens up to ``max_batch_prefill_tokens``, each with ``max_new_tokens = max_total_tokens −
+    truncate`` (1 under zero config), each holding ⌈(prompt + max_new_tokens − 1) / BLOCK_SIZE⌉ blocks;
+    ``max_input_tokens`` is ``max_total_tokens − 1`` as :func:`command` passes it."""
+    if max_total is None:
+        return cdiv(prefill, block)
+    per_request = max(1, max_total - 1)
+    full, rest = divmod(prefill, per_request)
+    return (full + (1 if rest else 0)) * cdiv(max_total - 1, block)
+
+
+def default_prefill(spec: ModelSpec, gpu: GPU, rel: TgiRelease, shards: int, quant: str, fraction: float) -> int:
+    """The launcher's ``max_batch_prefill_tokens`` when unset (launcher/src/main.rs, v3.0.1:2030-2058,
+    v3.3.7 the same with a VLM default; ``compute_optimal`` :32-50, ``Config::flop`` :254-281,
+    ``vram_maximum`` :66-93, ``model_vram``/``token_vram`` :284-324): the card's f16 FLOP/s × shards ÷
+    the model's FLOP per token (when over 100; else 4096), capped by max_position_embeddings and by
+    (nvidia-smi total × shards × fraction × 0.95 − 2-byte weights) ÷ (KV + 3 × 1.5 × intermediate × 2 B)
+    per token — the cap only for a card the launcher knows and a checkpoint with no quantization_config.
+    TGI's own formulas, including its attention-weight term without the hidden size. An MoE model is
+    approximate: the launcher reads ``num_local_experts`` (Mixtral's key) and ``num_experts_per_tok``
+    from config.json and takes 1 expert otherwise; vramplan passes the model's own counts."""
+    tflops = rel.card_tflops(gpu.key)
+    ffn = spec.intermediate  # config.json intermediate_size, as the launcher reads it
+    ffn_flop = ffn * ((spec.experts_per_token or 1) + spec.shared_experts if spec.is_moe else 1)
+    attn = 2 * spec.heads * spec.head_dim * spec.hidden
+    flop = (3 * attn + 2 * 2 * spec.kv_heads * spec.head_dim * spec.hidden + 2 * 3 * spec.hidden * ffn_flop) * spec.layers
+    optimal = tflops * 10**12 * shards // flop if tflops and flop else 0
+    value = min(optimal if optimal > 100 else 4096, spec.max_positions or optimal)
+    if tflops and quant in ("none", "bitsandbytes", "eetq"):
+        total = int((gpu.smi_total or gpu.capacity) * shards * fraction * 0.95)
+        experts = spec.n_experts if spec.is_moe else 1
+        layer = 3 * ffn * experts * spec.hidden + (spec.heads + 2 * spec.kv_heads) * spec.head_dim \
+            + spec.heads * spec.head_dim * spec.hidden
+        model = (layer * spec.layers + 2 * spec.hidden * spec.vocab) * 2
+        per_token = spec.kv_heads * 2 * spec.head_dim * 2 * spec.layers + (ffn + ffn // 2) * experts * 2 * 3
+        if total > model:
+            value = min(value, (total - model) // per_token)
+    return value
 
 
 def command(spec: ModelSpec, tp: int, quant: str, st: dict[str, object]) -> str:
