@@ -85,7 +85,8 @@ class ServePlan:
     draft_buffers: int = 0
     """Speculative decoding: the proposer's persistent buffers, outside the budget (in ``device_used``)."""
     runner_buffers: int = 0
-    """vLLM's model runner V2: persistent sampler state allocated after the weights (inside the budget)."""
+    """vLLM's model runner V2: persistent sampler state allocated after the weights (inside the budget);
+    TGI: the shared flashinfer workspace (128 MiB) its attention states keep from start-up."""
     kv_reserve: int = 0
     """vLLM 0.34's extensible KV cache: memory kept free below the pool (the transient reserve and its margin)."""
     cuda_graph_estimate: int = 0

@@ -53,7 +53,8 @@ def to_doc(p: ServePlan) -> Doc:
          "" if p.non_torch or not p.context else "before the first snapshot: outside"],
     ]
     if p.runner_buffers:
-        mem.append(["model runner's sampler state", _gib(p.runner_buffers), "allocated after the weights: inside"])
+        mem.append(["flashinfer workspace" if p.engine == "tgi" else "model runner's sampler state",
+                    _gib(p.runner_buffers), "allocated after the weights: inside"])
     if p.kv_reserve:
         mem.append(["kept free for transients", _gib(p.kv_reserve),
                     "max(1 GiB, 0.75 P) + max(P, G)"])

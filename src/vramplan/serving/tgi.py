@@ -41,6 +41,10 @@ from vramplan.units import GiB
 
 VERSION = NEWEST
 BLOCK_SIZES = {"flashinfer": 1, "paged": 16, "flashdecoding": 256}
+# FlashCausalLM.__init__ with ATTENTION == "flashinfer" builds its prefill / decode states on one shared
+# workspace, torch.empty(128 MiB, uint8), kept for the process (layers/attention/flashinfer.py get_workspace,
+# v3.0.0:23-28, v3.3.7:38-43; models/flash_causal_lm.py v3.0.1:1337-1352): allocated before the warm-up.
+FLASHINFER_WORKSPACE = 128 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +77,9 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     out = outside(gpu, tp * pp)
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
-    cuda_free = total - out.context - out.later - fwd.weights - fwd.activation_peak - batch_blocks * block_bytes
+    workspace = FLASHINFER_WORKSPACE if s.attention == "flashinfer" else 0
+    cuda_free = total - out.context - out.later - fwd.weights - workspace - fwd.activation_peak \
+        - batch_blocks * block_bytes
     free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction * wiggle) * total))
     error = None
     if cuda_free - (1 - s.cuda_memory_fraction) * total < 0:
@@ -114,7 +120,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         kv_pool=blocks * block_bytes, block_size=block, blocks=blocks, tokens=tokens,
         bytes_per_token=per_token, max_model_len=max_total, max_concurrency=conc, avg_request_len=avg_request_len,
         concurrency_at_avg=conc_avg, max_running=s.max_concurrent_requests, starts=error is None, error=error,
-        device_used=out.context + out.later + fwd.weights + fwd.activation_peak + blocks * block_bytes,
+        device_used=out.context + out.later + fwd.weights + workspace + fwd.activation_peak + blocks * block_bytes,
+        runner_buffers=workspace,
         log=tuple(log), command=command(spec, tp, quant, st), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds={layers[0].kind: len(layers)},
     )
