@@ -284,6 +284,13 @@ def test_tgi_launcher_default_prefill_per_card_and_release() -> None:
     a100 = get_gpu("a100-sxm4-40gb")
     assert tgi.default_prefill(spec, a100, TgiRelease.of("3.0.2"), 1, "none", 1.0) == 4096
     assert tgi.default_prefill(spec, a100, TgiRelease.of("3.1.0"), 1, "none", 1.0) == 312 * 10**12 // flop
+    # the VRAM cap binds at a small cuda_memory_fraction (TGI multiplies in f32; the floor is the same here),
+    # and is skipped for an AWQ / GPTQ checkpoint (its config has a quantization_config)
+    h100 = get_gpu("h100-sxm")
+    capped = (int(h100.smi_total * 0.2 * 0.95) - model) // per_token  # type: ignore[operator]
+    assert 0 < capped < 900 * 10**12 // flop
+    assert tgi.default_prefill(spec, h100, TgiRelease.of("3.3.7"), 1, "none", 0.2) == capped
+    assert tgi.default_prefill(spec, h100, TgiRelease.of("3.3.7"), 1, "awq", 0.2) == 900 * 10**12 // flop
     # on an H100 the model's 131,072 positions do not bind either; the plan takes the default
     p = serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", max_model_len=8192)
     assert p.settings["max_batch_prefill_tokens"] == 900 * 10**12 // flop

@@ -146,7 +146,8 @@ def default_prefill(spec: ModelSpec, gpu: GPU, rel: TgiRelease, shards: int, qua
     ``vram_maximum`` :66-93, ``model_vram``/``token_vram`` :284-324): the card's f16 FLOP/s × shards ÷
     the model's FLOP per token (when over 100; else 4096), capped by max_position_embeddings and by
     (nvidia-smi total × shards × fraction × 0.95 − 2-byte weights) ÷ (KV + 3 × 1.5 × intermediate × 2 B)
-    per token — the cap only for a card the launcher knows and a checkpoint with no quantization_config.
+    per token — the cap only for a card the launcher knows and a checkpoint with no quantization_config
+    (AWQ / GPTQ here).
     TGI's own formulas, including its attention-weight term without the hidden size. An MoE model is
     approximate: the launcher reads ``num_local_experts`` (Mixtral's key) and ``num_experts_per_tok``
     from config.json and takes 1 expert otherwise; vramplan passes the model's own counts."""
@@ -157,7 +158,9 @@ def default_prefill(spec: ModelSpec, gpu: GPU, rel: TgiRelease, shards: int, qua
     flop = (3 * attn + 2 * 2 * spec.kv_heads * spec.head_dim * spec.hidden + 2 * 3 * spec.hidden * ffn_flop) * spec.layers
     optimal = tflops * 10**12 * shards // flop if tflops and flop else 0
     value = min(optimal if optimal > 100 else 4096, spec.max_positions or optimal)
-    if tflops and quant in ("none", "bitsandbytes", "eetq"):
+    # the cap is skipped for a checkpoint with a quantization_config: AWQ / GPTQ always; fp8 is taken as TGI's
+    # on-the-fly `--quantize fp8` of a 16-bit checkpoint (an FP8 checkpoint would skip it too)
+    if tflops and quant not in ("awq", "gptq"):
         total = int((gpu.smi_total or gpu.capacity) * shards * fraction * 0.95)
         experts = spec.n_experts if spec.is_moe else 1
         layer = 3 * ffn * experts * spec.hidden + (spec.heads + 2 * spec.kv_heads) * spec.head_dim \
