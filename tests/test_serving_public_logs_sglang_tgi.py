@@ -1,4 +1,4 @@
-"""Public SGLang start-up logs as tests (issue 30): each plans the log's configuration with
+"""Public SGLang (and, at the end, TGI 3.x) start-up logs as tests (issue 30): each plans the log's configuration with
 ``serve_plan`` (analytic, no trace) and compares every part the log prints — the free memory before
 the weights, the weights, the free memory after them, the KV pool (#tokens, K size), "Memory pool
 end", the CUDA-graph capture, max_total_num_tokens / max_running_requests, start or fail.
@@ -250,6 +250,29 @@ def test_log_qwen25_05b_h100_docs_ci_2026_02() -> None:
     assert p.tokens == 20480 and k_size(p) == 0.12 and close(pool_end(p), 77.12)
     assert close(gib(p.cuda_graph), 0.07)
     assert (p.max_running, p.max_model_len, p.starts) == (128, 32768, True)
+
+
+def test_log_qwen3_14b_48gb_xinference_2025_05() -> None:
+    """xorbitsai/inference#3481 (2025-05-19, SGLang through Xinference, one card; SGLang ~0.4.6 from the
+    date, planned so), Qwen3-14B: "Load weight end. type=Qwen3ForCausalLM, dtype=torch.bfloat16, avail
+    mem=19.67 GB, mem usage=27.57 GB.", "KV Cache is allocated. #tokens: 91749, K size: 7.00 GB, V size:
+    7.00 GB", "Memory pool end. avail mem=5.27 GB", "Capture cuda graph bs [1, 2, 4, 8, 16, 24, …, 152, 160]".
+    The card is not named: 47.24 GB free before the weights is a 48 GB card, planned as an RTX A6000; the
+    fraction is not printed, and 0.4.6's default for it (0.88) reproduces #tokens from the log's own figures.
+    Whether it started is not in the excerpt (the title says it could not load), so not compared.
+
+    Every part within the tolerance: free before the weights −0.8 %, weights −0.2 %, after them −1.7 %,
+    #tokens −2.1 %, K size −0.15 GiB, pool end +0.04 GiB; the decode graphs' batches up to 160 are 0.4.6's
+    default on a card of that size."""
+    spec = spec_from_text(json.dumps(QWEN3_14B), "Qwen3-14B/config.json")
+    p = serve_plan(spec, "rtx-a6000", engine="sglang", engine_version="0.4.6")
+    st = p.settings
+    assert (st["mem_fraction_static"], st["cuda_graph_max_bs"]) == (0.88, 160)
+    cell = cell_of(spec, 1)
+    assert abs(rule_tokens(19.67 + 27.57, 19.67, 0.88, cell) - 91749) <= display_slack(cell, 0.88, 2)
+    assert close(before_weights(p), 19.67 + 27.57) and close(gib(p.weights), 27.57)
+    assert close(before_weights(p) - gib(p.weights), 19.67)
+    assert p.tokens == pytest.approx(91749, rel=0.05) and close(k_size(p), 7.00) and close(pool_end(p), 5.27)
 
 
 def test_request_pool_rows_change_at_0_4_7() -> None:
