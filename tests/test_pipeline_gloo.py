@@ -98,3 +98,20 @@ def test_pipeline_with_context_parallelism_agrees_with_a_real_run() -> None:
 
     rows = pipeline_agreement(("1F1B",), cp=2, seq=128)
     _agree_to_the_step_counters(rows, ("1F1B",))
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "sp": True}, {"cp": 2, "seq": 128}], ids=["tp-sp", "cp"])
+def test_pipeline_inference_with_tp_or_cp_agrees_with_a_real_run(layout) -> None:
+    """One-pass inference under PP × TP and PP × CP (issue 34): 4 gloo processes on torchtitan's
+    (pp 2, tp 2) or (pp 2, cp 2) mesh, the tiny Llama in eval mode, fp32, one forward-only
+    micro-batch (``ScheduleGPipe`` without a loss, ``step`` under ``torch.no_grad()`` without
+    targets); under TP each stage tensor- and sequence-parallel and the last stage's logits its
+    vocabulary shard (the head's ``Shard(-1)`` output), under CP torch's ring attention in every
+    block (CPU stand-ins for its CUDA kernels, as in training). Each pipeline rank's traced peak
+    equals the real one (tensor-parallel rank 0; the heaviest context-parallel rank, the last:
+    ``context_parallel.heaviest_rank``): no optimizer, so no ``step`` counters are left over."""
+
+    rows = pipeline_agreement(("GPipe",), training=False, **layout)
+    assert {r for _, r, _, _ in rows} == {0, 1}
+    for _, rank, real, traced in rows:
+        assert traced == real, (layout, rank, traced, real)

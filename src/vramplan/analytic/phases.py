@@ -187,9 +187,19 @@ def inference(arch: Arch, st: States, stage: Stage, w: Workload, ctx: Ctx, works
     head_ws = tokens * h * r + (positions * classes * c if stage.head else 0)
     if w.task is Task.INFER:
         cache = kv.cache(stage, w, c, seq) if arch.family.value in ("dense", "moe", "mla") else 0
+        held = 0
+        if p.pp > 1:
+            # torch's pipelining runs a stage's forward with transformers' `use_cache=False` (the trace's
+            # stage module, trace/pipeline_parallel.py `_Stage`; torchtitan's models keep no cache): no
+            # KV cache; a receiving stage holds the hidden states it got (the stage's receive buffer,
+            # the TP-local sequence shard under SP) through its forward
+            cache = 0
+            held = 0 if stage.embed else tokens * h * r // (p.tp if p.sp else 1)
+            if stage.head and p.tp > 1 and p.sp:  # the final norm's local output beside the head's gathered input
+                head_ws += tokens * h * r // p.tp
         ws = infer_layer(stage, w, ctx, h, tokens, seq)
         return (_peak(Phase.FORWARD, Breakdown(
-            weights=st.weights, kv_cache=cache, activations=max(ws, head_ws) + mask, temporaries=temps)),)
+            weights=st.weights, kv_cache=cache, activations=max(ws, head_ws) + held + mask, temporaries=temps)),)
     total = seq + w.new_tokens
     last = w.batch * classes * (c + 4) if stage.head else 0  # last-position logits + fp32 copy
     prefill = Breakdown(

@@ -35,6 +35,21 @@ from ..errors import TraceError
 BUFFER_KEYS = ("input_ids", "labels", "position_ids")
 
 
+def heaviest_rank(cp: int, training: bool) -> int:
+    """The context-parallel rank whose ring peaks highest, the one a pipeline trace runs.
+
+    Under load balancing every rank holds two chunks of the sequence, and round ``i > 0`` of
+    torch's ring runs the whole local query against the first chunk of the key/value it received
+    where ``i <= rank``, and only the second half of the query against the whole key/value where
+    ``i > rank`` (torch 2.13 ``distributed/tensor/experimental/_context_parallel/_attention.py``
+    ``_templated_ring_attention`` L450–L470; the backward alike, L541–L560). A forward-only step
+    (``training`` False) peaks in a whole-query round, whose output and fp32 merge are twice a
+    half-query round's: rank 0 runs none, the last rank only those (real gloo runs, pp 2 × cp 2:
+    cp rank 1 peaks 34,816 B above cp rank 0; tests/test_pipeline_gloo.py). Training peaks in the
+    backward, where rank 0 is the highest (the same real runs)."""
+    return 0 if training else cp - 1
+
+
 @contextlib.contextmanager
 def ring_attention(mesh: Any, batch_kwargs: dict[str, Any]) -> Iterator[None]:
     """Enter ``context_parallel`` over ``mesh`` with the batch's sequence tensors as buffers."""

@@ -419,10 +419,11 @@ def trace_pipeline_stages(spec: ModelSpec, w: Workload, *, device: DeviceProfile
         # the hidden states a stage hands on: FSDP2's mixed precision computes in 16-bit, no autocast
         act = features.compute_dtype(w) if layout is not None else features.param_dtype(w)
         out = features.compute_dtype(w) if w.mixed else act
-        # torchtitan's mesh, (pp, [dp_replicate,] dp, [cp,] tp); the traced rank is dp, cp and tp rank 0
+        # torchtitan's mesh, (pp, [dp_replicate,] dp, [cp,] tp); the traced rank is dp and tp rank 0, and the
+        # heaviest cp rank (:func:`context_parallel.heaviest_rank`)
         world = layout.world if layout is not None else dist.World(
             (("pp", pp),) + tuple((k, n) for k, n in (("cp", p.cp), ("tp", p.tp)) if n > 1),
-            rank=rank * p.cp * p.tp)
+            rank=(rank * p.cp + context_parallel.heaviest_rank(p.cp, w.training)) * p.tp)
         seq = w.seq // p.cp  # context parallelism: each rank's sequence shard (context_parallel.ring_dispatcher)
         with dist.fake_world(world) as mesh:
             group = submesh(mesh, "pp").get_group() if len(world.dims) > 1 else None
@@ -488,7 +489,8 @@ def _trace_pipeline(spec: ModelSpec, w: Workload, device: DeviceProfile | None, 
              + ("; ranks after rank 1 hold no more layers and no more micro-batches in flight" if p.pp > 3 else "")
              + (f"; context parallelism as torchtitan runs it under pp: each rank's {w.seq // p.cp:,}-token shard of "
                 f"{w.seq:,} through its stages (cp-local hidden states handed on), PyTorch's ring attention over "
-                f"cp={p.cp} in every block (load-balanced rounds), cp rank 0 traced" if p.cp > 1 else ""))
+                f"cp={p.cp} in every block (load-balanced rounds), cp rank "
+                f"{context_parallel.heaviest_rank(p.cp, w.training)} traced (the heaviest)" if p.cp > 1 else ""))
     return dataclasses.replace(worst, notes=(extra, *worst.notes))
 
 
@@ -522,22 +524,21 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.cp > 1 and w.task is Task.GENERATE:
         raise TraceError(f"context parallelism is traced for training and one-pass inference; `cp={p.cp}` with "
                          "generation is not", hint="use `method=analytic`")
-    if p.cp > 1 and p.pp > 1 and (not w.training or w.peft is not Peft.NONE):
-        what = "inference" if not w.training else f"`peft={w.peft}`"
-        raise TraceError(f"pipeline × context parallelism is traced for full-weight training, as torchtitan runs it; "
-                         f"`pp={p.pp}` with `cp={p.cp}` and {what} is not (torch's pipelining forward-only step under "
-                         "ring attention, and LoRA stages under it, are not checked)", hint="use `method=analytic`")
+    if p.cp > 1 and p.pp > 1 and w.peft is not Peft.NONE:
+        raise TraceError(f"pipeline × context parallelism is traced for full-weight training and one-pass inference, "
+                         f"as torchtitan runs them; `pp={p.pp}` with `cp={p.cp}` and `peft={w.peft}` is not (LoRA "
+                         "stages under ring attention are not checked against a real run)", hint="use `method=analytic`")
     if p.pp > 1 and (w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
                          f"inference; `pp={p.pp}` with this workload is not (torch's pipelining has no generation "
                          "loop; quantised or QLoRA stages are not traced)", hint="use `method=analytic`")
-    if p.pp > 1 and p.tp > 1 and (not w.training or w.peft is not Peft.NONE):
-        what = "inference" if not w.training else f"`peft={w.peft}`"
-        raise TraceError(f"pipeline × tensor parallelism is traced for full-weight training, as torchtitan runs it "
-                         f"(checked against a real gloo run); `pp={p.pp}` with `tp={p.tp}` and {what} is not ("
-                         + ("torch's pipelining forward-only step with vocabulary-sharded logits is not checked"
-                            if not w.training else "LoRA under TP is traced with transformers' own tp_plan, whose "
-                            "pipeline loading is not traced") + ")", hint="use `method=analytic`, or drop `tp`")
+    if p.pp > 1 and p.tp > 1 and w.peft is not Peft.NONE:
+        raise TraceError(f"pipeline × tensor parallelism is traced for full-weight training and one-pass inference, "
+                         f"as torchtitan runs them (checked against a real gloo run); `pp={p.pp}` with `tp={p.tp}` and "
+                         f"`peft={w.peft}` is not (LoRA under TP is traced with transformers' own tp_plan, whose "
+                         "pipeline loading is not traced; torchtitan 0.3.0 runs LoRA as its own LoRALinear with "
+                         "adapters sharded after the base linear's TP placement, components/lora.py, which is not "
+                         "laid out on transformers' and peft's modules)", hint="use `method=analytic`, or drop `tp`")
     if p.pp > 1 and not w.training and p.stages_per_rank > 1:
         raise TraceError(f"pipeline inference is traced with one stage per rank; {p.pp_schedule} holds "
                          f"{p.stages_per_rank}", hint="use `pp_schedule=1F1B` (or GPipe) for inference, or "

@@ -1196,7 +1196,7 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
 
 def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
                         seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False, tp: int = 1,
-                        sp: bool = False, cp: int = 1, timeout: float = 300.0) -> list[int]:
+                        sp: bool = False, cp: int = 1, training: bool = True, timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
     ``torch.distributed.pipelining``'s ``schedule`` over ``pp × dp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
@@ -1224,8 +1224,15 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     CPU stand-ins (:func:`_efficient_attention_on_cpu`): outputs with the meta kernels' shapes and
     strides, values from the math; what a stand-in computes inside is not counted (a dispatch mode
     does not see it), as the trace sees only the kernel's outputs.
+    ``training=False``: one-pass inference as :func:`.pipeline_parallel.make_runner` runs it, a
+    forward-only step of one micro-batch of ``batch`` (``ScheduleGPipe`` without a loss,
+    ``step`` without targets under ``torch.no_grad()``; ``schedule`` and ``microbatches`` unused),
+    the model in eval mode without gradients, no optimizer; under ``tp`` the last stage's logits
+    stay vocabulary-sharded (the head's ``Shard(-1)`` output, torchtitan's loss-parallel layout).
     Peaks in global rank order (rank = ((pp rank × dp + dp rank) × cp + cp rank) × tp + tp rank)."""
-    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp, cp)
+    if not training:
+        schedule, microbatches = "GPipe", 1
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp, cp, training)
     return _spawn_gloo(_pp_worker, args, pp * dp * tp * cp, timeout, "pipeline run")
 
 
@@ -1286,8 +1293,8 @@ def _efficient_attention_on_cpu() -> Any:
 
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
-               seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, cp: int, tmp: str,
-               env: dict[str, str]) -> None:
+               seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, cp: int, training: bool,
+               tmp: str, env: dict[str, str]) -> None:
     import contextlib
     import os
 
@@ -1323,9 +1330,12 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         attention = "sdpa" if cp > 1 else "eager"
         with quiet():
             for index in par.stage_ids(pp_rank):
-                full = build_model(spec, task="train", attention=attention, device="cpu", dtype=torch.float32)
+                full = build_model(spec, task="train" if training else "infer", attention=attention, device="cpu",
+                                   dtype=torch.float32)
                 part, st = ppl.split(full, index, bounds)
-                part.train()
+                part.train(training)
+                if not training:
+                    part.requires_grad_(False)
                 parts.append(part)
                 specs.append(st)
         seq //= cp  # each context-parallel rank's shard
@@ -1359,13 +1369,14 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
         local = seq // tp if sp else seq  # the hidden states a stage hands on: TP-local
         for part, st in zip(parts, specs, strict=True):
             x = (torch.zeros(batch, seq, dtype=torch.long) if st.first
-                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=True))
+                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=training))
             y = (torch.zeros(batch, seq, -(-spec.vocab // tp), dtype=act) if st.last
-                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=True))
+                 else torch.zeros(batch, local, spec.hidden, dtype=act, requires_grad=training))
             stages.append(PipelineStage(part, st.index, st.stages, cpu, input_args=(x,), output_args=(y,), group=group))
         cls = ppl.schedule_class(schedule)
-        sched = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn) if schedule in ("GPipe", "1F1B")
-                 else cls(stages, n_microbatches=microbatches, loss_fn=loss_fn))
+        loss = loss_fn if training else None  # no loss: torch's schedule runs no backward
+        sched = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss) if schedule in ("GPipe", "1F1B")
+                 else cls(stages, n_microbatches=microbatches, loss_fn=loss))
         model = nn.ModuleList(parts)
         for t in [*model.parameters(), *model.buffers()]:
             tracker.add(getattr(t, "_local_tensor", t))
@@ -1403,17 +1414,21 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
             step_context.callback(setattr, nn.functional, "scaled_dot_product_attention", original)
             step_context.enter_context(dtensor_metadata_unrecorded())
             step_context.enter_context(ring_dispatcher(mesh["cp"]))
+        if not training:
+            step_context.enter_context(torch.no_grad())
         with tracker, tracker.resizes(), _c10d_waits_release(), step_context:
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+            opt = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+                   if training else None)
             for _ in range(iterations):
                 ids = torch.randint(0, spec.vocab, (batch * microbatches, seq))
-                kwargs: dict[str, Any] = {"target": ids, "losses": []} if last else {}
+                kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
                 if ppl.returns_outputs(sched):
                     kwargs["return_outputs"] = False
                 sched.step(*((ids,) if first else ()), **kwargs)
                 del ids, kwargs
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
             f.write(str(tracker.peak))
     finally:
@@ -1422,15 +1437,18 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
 def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
                        layers: int = 4, microbatches: int = 4, batch: int = 2, seq: int = 64, dp: int = 1,
-                       mixed: bool = False, tp: int = 1, sp: bool = False,
-                       cp: int = 1) -> list[tuple[str, int, int, int]]:
+                       mixed: bool = False, tp: int = 1, sp: bool = False, cp: int = 1,
+                       training: bool = True) -> list[tuple[str, int, int, int]]:
     """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp × tp``
     gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage; ``tp > 1``: each
     stage tensor-parallel; the real peak of data- and tensor-parallel rank 0, whose peers' peaks
     must equal it; ``cp > 1``: ring attention on each stage, the real peak of cp rank 0, which
     its peers' must not exceed) and of the trace of the same layout (fp32 or FSDP2's bf16 mixed
-    precision, eager attention — SDPA under ``cp`` —, no CUDA workspaces: a CPU run has none)."""
+    precision, eager attention — SDPA under ``cp`` —, no CUDA workspaces: a CPU run has none).
+    ``training=False``: one-pass inference (``task=infer``), one forward-only micro-batch of ``batch``
+    (``schedules`` and ``microbatches`` are then unused by both)."""
     from ..workload import Attention, Parallel, Precision, Task, Workload
+    from .context_parallel import heaviest_rank
     from .run import TraceOptions, trace_pipeline_stages
 
     spec = tiny_spec("llama-3.1-8b", layers=layers)
@@ -1438,24 +1456,25 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     for schedule in schedules:
         real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
                                    microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed, tp=tp, sp=sp,
-                                   cp=cp)
+                                   cp=cp, training=training)
         per = dp * tp * cp
+        at = heaviest_rank(cp, training) * tp  # the traced cp rank (dp and tp rank 0) within its pipeline rank
         for r in range(pp):
             peers = set(real[r * per:(r + 1) * per])
-            # (context-parallel ranks run different rounds, load-balanced: the traced cp rank 0 the highest)
-            if cp > 1 and dp == tp == 1 and max(peers) == real[r * per]:
+            # (context-parallel ranks run different rounds, load-balanced: the traced cp rank the highest)
+            if cp > 1 and dp == tp == 1 and max(peers) == real[r * per + at]:
                 continue
             if len(peers) != 1:
                 raise AssertionError(f"{schedule}: the data/tensor-parallel ranks of pipeline rank {r} peak apart: "
                                      f"{real[r * per:(r + 1) * per]}")
-        w = Workload(task=Task.TRAIN, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
+        w = Workload(task=Task.TRAIN if training else Task.INFER, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
                      attention=Attention.SDPA if cp > 1 else Attention.EAGER, batch=batch, seq=seq,
                      grad_accum=microbatches, parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp,
                                                                 zero=3 if dp > 1 else 0, tp=tp, sp=sp, cp=cp))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
-            out.append((schedule, rank, real[rank * per], traced[rank].peak_allocated))
+            out.append((schedule, rank, real[rank * per + at], traced[rank].peak_allocated))
     return out
 
 
