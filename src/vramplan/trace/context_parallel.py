@@ -45,8 +45,9 @@ def heaviest_rank(cp: int, training: bool) -> int:
     ``_templated_ring_attention`` L450–L470; the backward alike, L541–L560). A forward-only step
     (``training`` False) peaks in a whole-query round, whose output and fp32 merge are twice a
     half-query round's: rank 0 runs none, the last rank only those (real gloo runs, pp 2 × cp 2:
-    cp rank 1 peaks 34,816 B above cp rank 0; tests/test_pipeline_gloo.py). Training peaks in the
-    backward, where rank 0 is the highest (the same real runs)."""
+    cp rank 1 peaks 34,816 B above cp rank 0; tests/test_pipeline_gloo.py; traced for cp 4, ranks 1–3
+    peak alike, above rank 0). Training peaks in the backward, where rank 0 is the highest (the same
+    real runs; traced for cp 4, rank 0 above ranks 1–3)."""
     return 0 if training else cp - 1
 
 
