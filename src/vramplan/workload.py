@@ -1032,22 +1032,33 @@ class Workload:
             return Reference.NONE  # (GRPOConfig `beta=0.0`: "the reference model is not needed")
         return Reference.ADAPTERS if self.peft is not Peft.NONE else Reference.MODEL
 
-    def check_reference_model(self) -> None:
-        """Refuse what neither method models: a preference objective's frozen reference copy
-        under parallelism (frameworks prepare and shard it with the policy) or quantisation."""
+    def check_reference_model(self, *, traced: bool = False) -> None:
+        """Refuse what the method does not model: a preference objective's frozen reference copy
+        under parallelism (frameworks prepare and shard it with the policy) or quantisation.
+        ``traced``: the trace's question, which lays the reference out as TRL 1.16.0 does under
+        ZeRO-3 with FSDP1 or FSDP2 (:func:`vramplan.trace.layout.apply_reference_layout`,
+        docs/research/trl-reference-fsdp.md); the analytic method refuses every data-parallel case."""
         p = self.parallel
         if self.objective is Objective.SFT or self.reference_source is not Reference.MODEL:
             return
+        fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1")
+        plain = not (p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or self.quant is not Quant.NONE)
+        if traced and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer or p.dp_shard):
+            return
         if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
-            # (TRL 1.16.0 wraps it as it wraps the policy: under FSDP1 `prepare_fsdp` gives it its own
-            # FullyShardedDataParallel units with the plugin's strategy, trl/models/utils.py:292-312, called
-            # from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188; a second sharded model the
-            # trace does not build)
-            raise WorkloadError("a preference reference model under data or model parallelism or quantisation is not "
-                                "modelled (frameworks prepare and shard it with the policy: TRL wraps it with its "
-                                "own FSDP units under FSDP1 and FSDP2)",
-                                hint="use `reference=adapters` with `peft=lora`, or `reference=precomputed`",
-                                field="reference")
+            # (TRL 1.16.0 wraps it as it wraps the policy: `prepare_fsdp`, trl/models/utils.py:292-339,
+            # called from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188)
+            if traced or not plain or p.dp == 1:
+                why = ("only its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, without CPU offload, "
+                       "are traced (TRL's `prepare_fsdp`; DeepSpeed's engine and DDP are not)")
+                hint = "use `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` with `peft=lora`, " \
+                       "or `reference=precomputed`"
+            else:
+                why = ("the analytic method does not model it (TRL shards it with its own FSDP units and gathers them "
+                       "for its forward); the trace does under ZeRO-3 with FSDP1 or FSDP2")
+                hint = "use `method=trace`, `reference=adapters` with `peft=lora`, or `reference=precomputed`"
+            raise WorkloadError(f"a preference reference model under data or model parallelism or quantisation: {why}",
+                                hint=hint, field="reference")
 
     @property
     def tokens(self) -> int:

@@ -207,6 +207,44 @@ def apply_layout(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload
     return _ddp(model, layout, ctx)
 
 
+def apply_reference_layout(ref: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
+                           compute_dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+    """A preference/RL objective's frozen reference model laid out as TRL 1.16.0's
+    ``prepare_fsdp`` lays it out (trl/models/utils.py:292-339; docs/research/trl-reference-fsdp.md):
+
+    - FSDP1: ``FullyShardedDataParallel`` with the accelerate plugin's own arguments, so the
+      policy's units (``set_auto_wrap_policy``: the ``_no_split_modules`` blocks and the root), its
+      sharding strategy and mixed precision; every parameter frozen (one flat parameter per unit).
+      Under no_grad the root unit (embeddings, final norm, head) stays gathered after the forward
+      (FSDP1 does not free the root's flat parameter after forward, for the backward that never
+      comes), each block's is freed;
+    - FSDP2: ``fully_shard(ref)`` on the root alone (no per-block call), the plugin's
+      ``reshard_after_forward`` (a bool, so not the root's automatic "keep"): the whole model is one
+      unit, all-gathered for each forward and freed after it.
+
+    Returns (the module to call, notes)."""
+    if layout.kind == "fsdp1":
+        wrapped, notes = _fsdp1(ref, layout, ctx, w, compute_dtype, frozen=True)
+        return wrapped, ["reference: " + notes[0].replace("FSDP1", "FSDP1 (TRL's prepare_fsdp)", 1)]
+    if layout.kind != "fsdp2" or layout.pipeline or layout.cpu_offload or "dp_replicate" in layout.world.names:
+        raise TraceError(f"a reference model under the {layout.kind} layout is not traced",
+                         hint="use `zero=3` with `engine=fsdp` or `engine=fsdp1`, or `reference=precomputed`")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {"mesh": ctx.shard_mesh(), "reshard_after_forward": layout.reshard_after_forward}
+    mp = ""
+    if w.mixed:  # (accelerate's plugin policy, the policy's own)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        mp = f", MixedPrecisionPolicy(param_dtype={_name(compute_dtype)})"
+    rec = ctx.streams.rec
+    for p in ref.parameters():
+        rec.ignore(_local(p))
+    fully_shard(ref, **kw)
+    return ref, [f"reference: FSDP2 (TRL's prepare_fsdp) over dp={layout.world.dim('dp')}: fully_shard on the root "
+                 f"alone, reshard_after_forward={layout.reshard_after_forward}{mp}: the whole reference all-gathered "
+                 f"for each of its forwards; rank {layout.world.rank} traced on the fake process group"]
+
+
 def _on_the_device(module: nn.Module) -> None:
     """FSDP1's ``param_init_fn`` for the trace's model: its parameters are on the trace device
     already (``meta`` is the GPU here), so FSDP1 has nothing to materialise (without it, it would
@@ -214,7 +252,7 @@ def _on_the_device(module: nn.Module) -> None:
 
 
 def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
-           compute_dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+           compute_dtype: torch.dtype, frozen: bool = False) -> tuple[nn.Module, list[str]]:
     """FSDP1 as accelerate's ``FullyShardedDataParallelPlugin`` and HF Trainer wrap it: one
     ``FullyShardedDataParallel`` unit per transformer block (``transformer_auto_wrap_policy`` on
     the ``_no_split_modules`` classes) and the root, ``use_orig_params=True`` (Trainer's
@@ -250,7 +288,7 @@ def _fsdp1(model: nn.Module, layout: Layout, ctx: RankContext, w: Workload,
     classes = {type(b) for b in blocks}
     policy: Any = ModuleWrapPolicy(classes) if classes else None
     adapters = ""
-    if any(not p.requires_grad for p in model.parameters()):
+    if not frozen and any(not p.requires_grad for p in model.parameters()):
         if w.peft.value != "lora":
             raise TraceError(f"{w.peft} under FSDP1 is not traced (its 4-bit storage needs FSDP1's mixed precision "
                              "in the quant-storage dtype, which is not checked yet)",

@@ -66,7 +66,7 @@ def reference_copy(model: nn.Module, w: Workload) -> nn.Module | None:
     ``evaluation_mode=True``); None for every other workload."""
     if w.objective is Objective.SFT or w.reference_source is not Reference.MODEL:
         return None
-    w.check_reference_model()
+    w.check_reference_model(traced=True)
     import copy
 
     ref = copy.deepcopy(model)

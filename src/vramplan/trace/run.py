@@ -51,6 +51,7 @@ from .layout import (
     Layout,
     LocalShardOptimizer,
     apply_layout,
+    apply_reference_layout,
     layout_of,
     pipeline_layout,
     sharded_params,
@@ -831,6 +832,17 @@ def _laid_out(m: nn.Module, name: str, layout: Layout, ctx: Any, w: Workload) ->
                          f"{type(e).__name__}: {_line(e)}") from e
 
 
+def _laid_out_reference(m: nn.Module, layout: Layout, ctx: Any, w: Workload) -> tuple[nn.Module, list[str]]:
+    """:func:`.layout.apply_reference_layout` in the compute dtype; a failure that is not ours named."""
+    try:
+        return apply_reference_layout(m, layout, ctx, w, features.compute_dtype(w))
+    except VramplanError:
+        raise
+    except Exception as e:
+        raise TraceError(f"laying the reference model out as {layout.kind} failed on torch {torch.__version__}: "
+                         f"{type(e).__name__}: {_line(e)}") from e
+
+
 def _check_lora_tp(model: nn.Module) -> None:
     """Refuse the LoRA layers that the real stack cannot train under TP (:func:`.tensor_parallel.lora_rowwise_mismatch`)."""
     bad = tensor_parallel.lora_rowwise_mismatch(model)
@@ -908,6 +920,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
         model = p.model
         critic: tuple[nn.Module | None, str] = (p.critic, "")
         reward_model: tuple[nn.Module | None, str] = (p.reward_model, "")
+        reference = p.reference
         if layout is None:
             stack.enter_context(sess)
             if p.mesh is not None:  # TP / CP alone: DTensor's sharding propagation is not the GPU's
@@ -921,6 +934,9 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
             critic, reward_model = (_lay_out_value_model(m, name, layout, ctx, w) for m, name in (
                 (p.critic, "critic"), (p.reward_model, "reward model")))
             notes += [n for n in (critic[1], reward_model[1]) if n]
+            if reference is not None:  # (TRL's prepare_fsdp: its own FSDP units on the same ranks)
+                reference, ref_notes = _laid_out_reference(reference, layout, ctx, w)
+                notes += ref_notes
         trainable = [q for q in model.parameters() if q.requires_grad]
         if offloaded:
             stack.enter_context(offload.offloading(
@@ -974,7 +990,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                                and host_side is None),
             keep_grads=w.keep_grads, keep_outputs=w.keep_outputs, loss=w.loss, loss_chunks=w.loss_chunks,
             sm=profile.sm, in_backward=in_backward, chunk_ce=_compiled_chunk_ce(w, loss_fn),
-            objective=w.objective, reference=p.reference, reference_source=w.reference_source, prompt=w.prompt,
+            objective=w.objective, reference=reference, reference_source=w.reference_source, prompt=w.prompt,
             micro_batch=w.batch, completion=w.completion,
             engine=profile.rollout if w.rl else None, critic=critic[0], reward_model=reward_model[0],
         )

@@ -790,9 +790,19 @@ def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, 
     and ``"peak"``. The sibling of :func:`real_ppo_dist_peaks` (FSDP2). ``layout="ddp"``: the
     policy wrapped with ``DistributedDataParallel`` instead (accelerate's default DDP arguments:
     25 MiB buckets), its gradients all-reduced at each micro-batch's backward as the trace's step
-    runs them."""
-    if layout not in ("fsdp1", "ddp"):
-        raise ValueError(f"layout {layout!r}: fsdp1 or ddp")
+    runs them. ``layout="fsdp2"``: ``fully_shard`` on each ``_no_split_modules`` layer and the root
+    (accelerate's FSDP2 plugin, ``reshard_after_forward=True``; gloo's reduce-scatter input copy left
+    out, as :func:`real_ppo_dist_peaks` leaves it out).
+
+    A workload with ``reference=model`` (GRPO with ``beta > 0``): a reference copy of the model
+    (the same weights, ``requires_grad`` left on as ``from_pretrained`` leaves it) prepared by TRL's
+    own ``trl.models.prepare_fsdp`` (trl 1.16.0 models/utils.py:292-342) given accelerate's own
+    ``FullyShardedDataParallelPlugin`` (``fsdp_version`` 1 or 2, ``TRANSFORMER_BASED_WRAP``,
+    ``use_orig_params=True``) on a stand-in for the ``Accelerator`` (its ``state.fsdp_plugin``,
+    ``device`` and device mesh: the attributes prepare_fsdp reads); the policy is wrapped by this
+    helper as above."""
+    if layout not in ("fsdp1", "fsdp2", "ddp"):
+        raise ValueError(f"layout {layout!r}: fsdp1, fsdp2 or ddp")
     args = (world, config, workload, iterations, layout)
     return _spawn_gloo(_grpo_fsdp1_worker, args, world, timeout, "GRPO FSDP1 gloo run")
 
@@ -822,27 +832,48 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
 
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+        ref: Any = None
+        if w.reference_source is Reference.MODEL:
+            import copy
+
+            ref = copy.deepcopy(model)  # (TRL loads it afresh: the same weights and dtype)
         classes = {type(m) for m in model.modules() if type(m).__name__ in set(model._no_split_modules)}
+        mesh = None
         wrapped: Any
         if layout == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             wrapped = DistributedDataParallel(model)
+        elif layout == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            _gloo_reduce_scatter_uncounted()
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            for sub in [m for m in model.modules() if type(m) in classes]:
+                fully_shard(sub, mesh=mesh, reshard_after_forward=True)
+            wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=True)
         else:
             wrapped = FullyShardedDataParallel(
                 model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy(classes),
                 device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
         wrapped.train()
+        if ref is not None:
+            ref = _trl_prepared_reference(ref, layout, mesh)
         tracker = _StoragePeak()
         tracker.redispatch_dtensors = True
-        for t in [*model.parameters(), *model.buffers()]:
-            tracker.add(t)
+        held = [*model.parameters(), *model.buffers()]
+        if ref is not None:
+            held += [*ref.parameters(), *ref.buffers()]
+        for t in held:
+            tracker.add(getattr(t, "_local_tensor", t))
         with tracker, tracker.resizes(), _c10d_waits_release():
             params = [p for p in wrapped.parameters() if p.requires_grad]
             plan = StepPlan(model=wrapped, batch=((), {}), optimizer=torch.optim.AdamW(params, foreach=True),
                             grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
-                            objective=w.objective, reference=None, reference_source=Reference.NONE,
+                            objective=w.objective, reference=ref,
+                            reference_source=Reference.MODEL if ref is not None else Reference.NONE,
                             prompt=w.prompt, micro_batch=w.batch, completion=w.completion)
             out = _rl_step_parts(tracker, plan, iterations)
         # (AdamW's ``step`` counters: one 4-byte scalar per parameter with elements on this rank)
@@ -851,6 +882,45 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
             f.write(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def _gloo_reduce_scatter_uncounted() -> None:
+    """gloo reduce-scatters as an all-reduce of an input-sized copy of the input, then a split
+    (ProcessGroupGloo ``_reduce_scatter_base``); NCCL's reduce-scatter allocates nothing: the copy
+    is left out of the count (FSDP2's DefaultReduceScatter calls ``reduce_scatter_single``)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    gloo_reduce_scatter = dist.reduce_scatter_single
+
+    def reduce_scatter_single(*a: Any, **k: Any) -> Any:
+        with _disable_current_modes():
+            return gloo_reduce_scatter(*a, **k)
+
+    dist.reduce_scatter_single = reduce_scatter_single
+
+
+def _trl_prepared_reference(ref: Any, layout: str, mesh: Any) -> Any:
+    """``ref`` prepared by TRL's own ``prepare_fsdp`` (trl 1.16.0 models/utils.py:292-342) under
+    accelerate's own FSDP plugin (the version of ``layout``, transformer-based wrapping on the
+    model's ``_no_split_modules``, ``use_orig_params=True`` as HF Trainer sets it), on a stand-in
+    for the ``Accelerator`` that has what prepare_fsdp reads: ``state.fsdp_plugin``, ``device``,
+    ``torch_device_mesh`` and ``parallelism_config.fsdp_dim_names``. DDP: TRL's
+    ``prepare_model(evaluation_mode=True)`` leaves it unwrapped (returned as is, in eval mode)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    if layout == "ddp":
+        return ref.eval()
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from trl.models import prepare_fsdp
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2 if layout == "fsdp2" else 1,
+                                            auto_wrap_policy="transformer_based_wrap", use_orig_params=True)
+    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu"),
+                          torch_device_mesh=mesh, parallelism_config=SimpleNamespace(fsdp_dim_names=("dp",)))
+    return prepare_fsdp(ref, acc)
 
 
 def real_tp_generate_peaks(model_name: str, *, tp: int, prompt: int, new_tokens: int,
