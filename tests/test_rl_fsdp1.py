@@ -2,8 +2,9 @@
 them: the policy wrapped with ``FullyShardedDataParallel`` (its root unit holding the embeddings,
 the final norm and the head), TRL calling the prepared model (its fused LM head patched into the
 wrapped model's forward), generating with the root unit's parameters gathered
-(``summon_full_params(recurse=False)``). A reference model would be a second FSDP1 model (TRL's
-``prepare_fsdp``): refused, as under FSDP2.
+(``summon_full_params(recurse=False)``). A reference model (``reference=model``) is a second FSDP
+model, laid out as TRL's ``prepare_fsdp`` lays it out (FSDP1: the policy's units; FSDP2: one
+unit, the root) and checked against a real gloo run with TRL's own ``prepare_fsdp``.
 """
 
 from __future__ import annotations
@@ -87,8 +88,83 @@ def test_sft_with_a_loss_implementation_under_fsdp_runs_through_the_root(engine:
     assert max(p.allocated for p in got[0].phases) != max(p.allocated for p in got[1].phases)
 
 
-def test_a_reference_model_under_fsdp1_is_refused_with_its_cause() -> None:
-    with pytest.raises(WorkloadError, match="own FSDP units under FSDP1") as e:
-        Workload(task="train", batch=2, seq=32, objective="dpo", reference="model",
-                 parallel=Parallel(dp=2, zero=3, engine="fsdp1")).check_reference_model()
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
+def test_grpo_reference_under_fsdp_agrees_with_trl_prepare_fsdp_on_gloo(layout: str) -> None:
+    """GRPO with a reference model (``beta > 0``) under ZeRO-3: the same step run for real on 2
+    gloo processes (the policy wrapped as accelerate wraps it, the reference prepared by TRL
+    1.16.0's own ``prepare_fsdp`` under accelerate's own plugin) and traced on the fake process
+    group, per rank, the peak of each part of the second step. The update's agree to the byte but
+    for AdamW's ``step`` counters (host tensors, as above); the rollout's peak is 32 B short of the
+    real run's in both layouts (0.0002 %; not attributed yet: under FSDP2 the real run peaks in
+    the reference's fused head, where the trace peaks too)."""
+    from vramplan.trace.testing import real_grpo_fsdp1_peaks
+
+    w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
+                 generations=2, attention="eager", reference="model").replace(
+        dp=2, zero=3, engine="fsdp1" if layout == "fsdp1" else "fsdp")
+    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    for rank, got in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        parts = dict(r.step_parts)
+        assert set(parts) == {"generation", "actor"}, parts
+        steps = 4 * got["adam_steps"]
+        assert parts["actor"] == got["actor"] - steps, (rank, parts, got)
+        assert 0 <= got["generation"] - steps - parts["generation"] <= 32, (rank, parts, got)
+        for part, traced in parts.items():
+            assert abs(traced - got[part]) / got[part] < 1e-4
+        if layout == "fsdp2":  # (the whole reference gathered: the step's peak)
+            assert r.peak_module == "reference", r.peak_module
+        assert got["adam_steps"] == (12 if layout == "fsdp1" else 21), got
+        assert any(n.startswith(f"reference: {'FSDP1' if layout == 'fsdp1' else 'FSDP2'} (TRL's prepare_fsdp")
+                   for n in r.notes), r.notes
+
+
+def test_trl_gathers_the_whole_reference_under_fsdp2_one_block_under_fsdp1() -> None:
+    """TRL's FSDP2 ``prepare_fsdp`` calls ``fully_shard`` on the reference's root alone: its
+    forward gathers the whole model at once, where FSDP1's units gather one block at a time; FSDP1
+    keeps the root unit (embeddings, final norm, head) gathered after a forward (for a backward
+    that never comes under no_grad), so the reference holds it from its first forward on. DPO
+    (reference not precomputed), traced: at the optimizer step the reference holds its shard and its
+    buffers (FSDP1: and its root unit whole); its forward adds more than its whole weights to the
+    peak under FSDP2 only. (The same residency is in the real FSDP1/FSDP2 runs above: their update
+    parts agree to the byte.)"""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    full = sum(p.nbytes for p in m.parameters())
+    buffers = sum(b.nbytes for b in m.buffers())
+    root = sum(p.nbytes for p in (m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight))
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    grow = {}
+    for engine in ("fsdp1", "fsdp"):
+        got = {}
+        for ref in ("model", "precomputed"):
+            w = Workload(task="train", batch=2, seq=24, precision="fp32", objective="dpo", attention="eager",
+                         reference=ref).replace(dp=2, zero=3, engine=engine)
+            got[ref] = trace_workload(spec, w, options=OPTS)
+        held = [{p.phase: p.breakdown for p in got[k].phases}[Phase.OPTIMIZER].weights for k in got]
+        assert held[0] - held[1] == full // 2 + buffers + (root if engine == "fsdp1" else 0), (engine, held)
+        grow[engine] = got["model"].peak_allocated - got["precomputed"].peak_allocated
+    assert grow["fsdp"] > full > grow["fsdp1"], (grow, full)
+
+
+def test_a_reference_model_outside_the_traced_layouts_is_refused_with_its_cause() -> None:
+    """The trace lays the reference out under ZeRO-3 with FSDP1/FSDP2 only; the analytic method
+    refuses every data-parallel reference model (it does not model TRL's separate units)."""
+    from vramplan.analytic.estimate import estimate
+
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    w = Workload(task="train", batch=2, seq=32, objective="dpo", reference="model",
+                 parallel=Parallel(dp=2, zero=3, engine="fsdp"))
+    w.check_reference_model(traced=True)
+    with pytest.raises(WorkloadError, match="analytic method does not model it") as e:
+        estimate(spec, w)
     assert e.value.field == "reference"
+    for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=2, zero=0),
+                Parallel(dp=4, zero=3, dp_shard=2), Parallel(dp=2, zero=2, engine="deepspeed")):
+        with pytest.raises(WorkloadError, match="only its ZeRO-3 layouts with FSDP1 or FSDP2") as e:
+            w.replace(parallel=par).check_reference_model(traced=True)
+        assert e.value.field == "reference"
