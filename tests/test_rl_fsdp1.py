@@ -120,6 +120,26 @@ def test_grpo_reference_under_fsdp_agrees_with_trl_prepare_fsdp_on_gloo(layout: 
                    for n in r.notes), r.notes
 
 
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
+def test_dpo_with_a_reference_under_fsdp_agrees_with_a_real_gloo_run(layout: str) -> None:
+    """DPO (reference not precomputed) under ZeRO-3: two real DPO steps on 2 gloo processes, the
+    policy wrapped as accelerate wraps it and the reference prepared by TRL 1.16.0's own
+    ``prepare_fsdp``, against the trace per rank: the storage peak to the byte but for AdamW's
+    ``step`` counters (host tensors). Under FSDP2 the step peaks in the reference's forward (the
+    whole reference gathered beside the policy's activations)."""
+    from vramplan.trace.testing import real_grpo_fsdp1_peaks
+
+    w = Workload(task="train", batch=2, seq=24, precision="fp32", objective="dpo", attention="eager",
+                 reference="model").replace(dp=2, zero=3, engine="fsdp1" if layout == "fsdp1" else "fsdp")
+    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    for rank, got in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        assert r.peak_allocated == got["peak"] - 4 * got["adam_steps"], (rank, r.peak_allocated, got)
+        assert got["adam_steps"] == (12 if layout == "fsdp1" else 21), got
+        assert (r.peak_module == "reference") is (layout == "fsdp2"), r.peak_module
+
+
 def test_trl_gathers_the_whole_reference_under_fsdp2_one_block_under_fsdp1() -> None:
     """TRL's FSDP2 ``prepare_fsdp`` calls ``fully_shard`` on the reference's root alone: its
     forward gathers the whole model at once, where FSDP1's units gather one block at a time; FSDP1

@@ -800,7 +800,11 @@ def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, 
     ``FullyShardedDataParallelPlugin`` (``fsdp_version`` 1 or 2, ``TRANSFORMER_BASED_WRAP``,
     ``use_orig_params=True``) on a stand-in for the ``Accelerator`` (its ``state.fsdp_plugin``,
     ``device`` and device mesh: the attributes prepare_fsdp reads); the policy is wrapped by this
-    helper as above."""
+    helper as above.
+
+    ``objective=dpo``: a DPO step instead (:func:`.steps.train_step`, ``grad_accum`` micro-batches of
+    ``batch`` pairs, random token ids, every position scored); returns ``{"peak", "adam_steps"}``,
+    the storage peak over the ``iterations`` steps."""
     if layout not in ("fsdp1", "fsdp2", "ddp"):
         raise ValueError(f"layout {layout!r}: fsdp1, fsdp2 or ddp")
     args = (world, config, workload, iterations, layout)
@@ -827,7 +831,7 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
         )
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        from ..workload import Reference
+        from ..workload import Objective, Reference
         from .steps import StepPlan
 
         torch.manual_seed(0)
@@ -861,21 +865,34 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
         wrapped.train()
         if ref is not None:
             ref = _trl_prepared_reference(ref, layout, mesh)
+        batch: dict[str, Any] = {}
+        dpo = w.objective is Objective.DPO
+        if dpo:  # (the collator's batch: chosen and rejected sequences, every position a completion token)
+            from .preference import preference_inputs
+
+            ids = torch.randint(0, config["vocab_size"], (w.sequences, w.seq), generator=torch.Generator().manual_seed(1))
+            batch = preference_inputs({"input_ids": ids}, w)
         tracker = _StoragePeak()
         tracker.redispatch_dtensors = True
-        held = [*model.parameters(), *model.buffers()]
+        held = [*model.parameters(), *model.buffers(), *batch.values()]
         if ref is not None:
             held += [*ref.parameters(), *ref.buffers()]
         for t in held:
             tracker.add(getattr(t, "_local_tensor", t))
         with tracker, tracker.resizes(), _c10d_waits_release():
             params = [p for p in wrapped.parameters() if p.requires_grad]
-            plan = StepPlan(model=wrapped, batch=((), {}), optimizer=torch.optim.AdamW(params, foreach=True),
+            plan = StepPlan(model=wrapped, batch=((), batch), optimizer=torch.optim.AdamW(params, foreach=True),
                             grad_accum=w.grad_accum, trainable=params, compute_dtype=torch.float32,
-                            objective=w.objective, reference=ref,
-                            reference_source=Reference.MODEL if ref is not None else Reference.NONE,
+                            objective=w.objective, reference=ref, reference_source=w.reference_source,
                             prompt=w.prompt, micro_batch=w.batch, completion=w.completion)
-            out = _rl_step_parts(tracker, plan, iterations)
+            if dpo:
+                from .steps import train_step
+
+                for _ in range(iterations):
+                    train_step(_RealStepSession(tracker), plan)  # type: ignore[arg-type]
+                out = {"peak": tracker.peak}
+            else:
+                out = _rl_step_parts(tracker, plan, iterations)
         # (AdamW's ``step`` counters: one 4-byte scalar per parameter with elements on this rank)
         out["adam_steps"] = sum(1 for st in plan.optimizer.state.values() if "step" in st)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
