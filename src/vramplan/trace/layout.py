@@ -225,7 +225,7 @@ def apply_reference_layout(ref: nn.Module, layout: Layout, ctx: RankContext, w: 
     Returns (the module to call, notes)."""
     if layout.kind == "fsdp1":
         wrapped, notes = _fsdp1(ref, layout, ctx, w, compute_dtype, frozen=True)
-        return wrapped, ["reference: " + notes[0].replace("FSDP1", "FSDP1 (TRL's prepare_fsdp)", 1)]
+        return wrapped, ["reference: " + notes[0].replace("FSDP1 (", "FSDP1 (TRL's prepare_fsdp; ", 1)]
     if layout.kind != "fsdp2" or layout.pipeline or layout.cpu_offload or "dp_replicate" in layout.world.names:
         raise TraceError(f"a reference model under the {layout.kind} layout is not traced",
                          hint="use `zero=3` with `engine=fsdp` or `engine=fsdp1`, or `reference=precomputed`")
