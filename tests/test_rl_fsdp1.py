@@ -190,3 +190,7 @@ def test_a_reference_model_outside_the_traced_layouts_is_refused_with_its_cause(
         with pytest.raises(WorkloadError, match="only its ZeRO-3 layouts with FSDP1 or FSDP2") as e:
             w.replace(parallel=par).check_reference_model(traced=True)
         assert e.value.field == "reference"
+    ppo = Workload(task="train", batch=2, seq=32, prompt=8, objective="ppo", generations=1, reference="model",
+                   parallel=Parallel(dp=2, zero=3))
+    with pytest.raises(WorkloadError, match="PPO's reference is verl's") as e:
+        ppo.check_reference_model(traced=True)

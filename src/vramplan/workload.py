@@ -1043,12 +1043,17 @@ class Workload:
             return
         fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1")
         plain = not (p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or self.quant is not Quant.NONE)
-        if traced and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer or p.dp_shard):
+        trl = self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)  # (PPO's stack is verl's)
+        if traced and trl and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer
+                                                                    or p.dp_shard):
             return
         if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
-            # (TRL 1.16.0 wraps it as it wraps the policy: `prepare_fsdp`, trl/models/utils.py:292-339,
+            # (TRL 1.16.0 wraps it as it wraps the policy: `prepare_fsdp`, trl/models/utils.py:292-342,
             # called from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188)
-            if traced or not plain or p.dp == 1:
+            if not trl:
+                why = ("PPO's reference is verl's own FSDP worker, whose layout is not traced")
+                hint = "use `reference=none` (beta=0), or `dp=1`"
+            elif traced or not plain or p.dp == 1:
                 why = ("only its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, without CPU offload, "
                        "are traced (TRL's `prepare_fsdp`; DeepSpeed's engine and DDP are not)")
                 hint = "use `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` with `peft=lora`, " \
