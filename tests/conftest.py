@@ -54,15 +54,42 @@ def _guarded_now() -> dict:
 _GUARDED_AT_START = _guarded_now()
 
 
+def _cuda_says_yes() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+_CUDA_AT_START = _cuda_says_yes()
+
+
+def _cuda_answer_sources() -> dict:
+    """Where ``torch.cuda.is_available()``'s answer comes from (for the guard's message)."""
+    import os
+
+    import torch
+
+    count = getattr(torch._C, "_cuda_getDeviceCount", None)
+    return {"is_available": getattr(torch.cuda.is_available, "__qualname__", "?"),
+            "is_available module": getattr(torch.cuda.is_available, "__module__", "?"),
+            "_cuda_getDeviceCount": getattr(count, "__qualname__", None),
+            "runtime count": count() if count is not None else None, "compiled": torch.cuda._is_compiled(),
+            "PYTORCH_NVML_BASED_CUDA_CHECK": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+            "cached device count": getattr(torch.cuda, "_cached_device_count", None)}
+
+
 @pytest.fixture(autouse=True)
 def _no_torch_patch_left_behind():
-    """Fails the test that leaves one of :data:`_GUARDED` patched (and puts it back)."""
+    """Fails the test that leaves one of :data:`_GUARDED` patched (and puts it back), or leaves
+    ``torch.cuda.is_available()`` saying yes on a host where it said no."""
     yield
     left = [key for key, (m, name, fn) in _GUARDED_AT_START.items() if getattr(m, name) is not fn]
     for key in left:
         m, name, fn = _GUARDED_AT_START[key]
         setattr(m, name, fn)
     assert not left, f"left patched by this test: {left}"
+    assert _CUDA_AT_START or not _cuda_says_yes(), \
+        f"torch.cuda.is_available() says yes after this test on a host without a GPU: {_cuda_answer_sources()}"
 
 
 # --- TRL's fused head with the decisions its code takes on CUDA (tests/test_trl_head.py, test_dpo.py)
