@@ -62,6 +62,54 @@ def _cuda_says_yes() -> bool:
 
 _CUDA_AT_START = _cuda_says_yes()
 
+_CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+"""torch.compile's settings: a script run in-process (``vramplan run``) or a test that sets one and
+leaves it changes how every later compile of the process, the trace's among them, goes."""
+
+
+def _configs_now() -> dict:
+    import importlib
+
+    out = {}
+    for name in _CONFIGS:
+        try:
+            out[name] = importlib.import_module(name).get_config_copy()
+        except Exception:  # noqa: BLE001 (a torch without it: nothing to guard)
+            continue
+    return out
+
+
+_CONFIGS_AT_START = _configs_now()
+
+
+def _config_changes() -> list:
+    """(module, key, at start, now) of each compile setting changed since the start; put back."""
+    import importlib
+
+    import torch
+
+    changed = []
+    now = _configs_now()
+    for name, start in _CONFIGS_AT_START.items():
+        mod = importlib.import_module(name)
+        for key, value in start.items():
+            cur = now.get(name, {}).get(key, value)
+            same = cur is value or (type(cur) is type(value) and not isinstance(cur, torch.Tensor) and _equal(cur, value))
+            if not same:
+                changed.append((name, key, value, cur))
+                try:
+                    setattr(mod, key, value)
+                except Exception:  # noqa: BLE001 (read-only settings)
+                    pass
+    return changed
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (a value without a plain ==)
+        return True
+
 
 def _cuda_answer_sources() -> dict:
     """Where ``torch.cuda.is_available()``'s answer comes from (for the guard's message)."""
@@ -81,13 +129,16 @@ def _cuda_answer_sources() -> dict:
 @pytest.fixture(autouse=True)
 def _no_torch_patch_left_behind():
     """Fails the test that leaves one of :data:`_GUARDED` patched (and puts it back), or leaves
-    ``torch.cuda.is_available()`` saying yes on a host where it said no."""
+    ``torch.cuda.is_available()`` saying yes on a host where it said no, or one of torch.compile's
+    settings (:data:`_CONFIGS`) changed."""
     yield
     left = [key for key, (m, name, fn) in _GUARDED_AT_START.items() if getattr(m, name) is not fn]
     for key in left:
         m, name, fn = _GUARDED_AT_START[key]
         setattr(m, name, fn)
     assert not left, f"left patched by this test: {left}"
+    changed = _config_changes()
+    assert not changed, f"torch.compile settings left changed by this test (module, setting, was, now): {changed}"
     assert _CUDA_AT_START or not _cuda_says_yes(), \
         f"torch.cuda.is_available() says yes after this test on a host without a GPU: {_cuda_answer_sources()}"
 
