@@ -171,6 +171,10 @@ def _llama(layers: int):
 PP_FSDP2 = [  # layers, seq, micro-batches, precision, parallel, compare activations
     # the end of the step peaks: the embeddings' reduce-scatter input beside every accumulated gradient
     (4, 256, 4, "bf16-mixed", Parallel(pp=2, dp=4, zero=3), False),
+    # the last rank's head backward peaks: the head's new 16-bit weight gradient beside the logits (the stage
+    # keeps them through the backward) and their 16-bit gradient, the loss's fp32 tensors already freed
+    (4, 512, 4, "bf16-mixed", Parallel(pp=2, dp=4, zero=3), False),
+    (4, 1024, 4, "bf16-mixed", Parallel(pp=2, dp=4, zero=3), False),
     # the head's new fp32 gradient beside its kept one (fp32: autograd accumulates in place)
     (4, 256, 4, "fp32", Parallel(pp=2, dp=4, zero=3), False),
     # every forward before the first backward: the second micro-batch's head backward peaks
@@ -180,8 +184,8 @@ PP_FSDP2 = [  # layers, seq, micro-batches, precision, parallel, compare activat
     (4, 256, 4, "bf16-mixed", Parallel(pp=2, dp=4, dp_shard=2, zero=3), False),  # HSDP
     (8, 1024, 8, "bf16-mixed", Parallel(pp=4, dp=8, zero=3), True),  # a middle rank with 3 micro-batches in flight
     (6, 256, 4, "bf16-mixed", Parallel(pp=2, dp=2, zero=3, pp_schedule="Interleaved1F1B"), False),  # 2 stages a rank
-    # the V: its split backward (weights' gradients later, W) is bounded as without dp (the peak within 6 %,
-    # as tests/test_pipeline_schedules.py's ZBV bound)
+    # the V: the last stage's weight gradients of its separate W step wait as 16-bit grads through the first
+    # stage's embedding backward
     (6, 256, 4, "bf16-mixed", Parallel(pp=2, dp=2, zero=3, pp_schedule="ZBVZeroBubble"), False),
 ]
 
@@ -192,14 +196,13 @@ def test_analytic_holds_what_the_trace_holds_under_pipeline_fsdp2(layers, seq, m
     stage gathered in param_dtype and its gradients accumulated unsharded in the reduce dtype from
     the first forward to the end of the step (analytic/states.py ``pipeline_fsdp``) — so at the
     peak its weights (but the rotary buffers), gradients and optimizer states are the trace's, and
-    the forward's gradients too; the peak within 3 %, activations within 5 % where they are a large
+    the forward's gradients too; the peak within 1.5 %, activations within 5 % where they are a large
     part. (The forward's weights are not compared: the trace's forward peak can be the first
     all-gather of the embeddings, a transient the analytic forward instant does not hold.)"""
     t, a = _both_methods(layers, seq, m, precision, parallel)
     tb, ab = t.breakdown, a.breakdown
     assert (tb.gradients, tb.optimizer) == (ab.gradients, ab.optimizer) and ab.gradients > a.model_states.gradients
-    assert a.peak.allocated == pytest.approx(t.peak.allocated, rel=0.06 if parallel.pp_schedule == "ZBVZeroBubble"
-                                             else 0.03)
+    assert a.peak.allocated == pytest.approx(t.peak.allocated, rel=0.015)
     if acts:
         assert ab.activations == pytest.approx(tb.activations, rel=0.05)
     tf, af = ([p for p in r.phases if p.phase is Phase.FORWARD][0].breakdown for r in (t, a))
@@ -220,6 +223,17 @@ def _both_methods(layers: int, seq: int, m: int, precision: str, parallel: Paral
     assert t.method is Method.TRACE and a.method is Method.ANALYTIC
     assert 0 <= t.breakdown.weights - a.breakdown.weights <= 1024
     return t, a
+
+
+def test_gpipe_without_data_parallelism_holds_no_gradient_before_its_first_backward():
+    """GPipe runs every forward of the step before its first backward and ``zero_grad`` left the
+    gradients None: at the end of the forwards, and in the first micro-batch's loss backward, a
+    rank holds no gradient yet — the analytic method counted them all there under gradient
+    accumulation (+4.6 % at this size), and counts them from the next micro-batch's backward on."""
+    t, a = _both_methods(4, 512, 4, "bf16-mixed", Parallel(pp=2, pp_schedule="GPipe"))
+    tf, af = ([p for p in r.phases if p.phase is Phase.FORWARD][0].breakdown for r in (t, a))
+    assert tf.gradients == af.gradients == 0
+    assert a.peak.allocated == pytest.approx(t.peak.allocated, rel=0.03)
 
 
 PP_TP = [  # layers, seq, micro-batches, precision, parallel

@@ -52,6 +52,9 @@ class LossMemory:
     """On top of ``backward_saved`` inside the loss backward."""
     logits_held: int = 0
     """The output a loop holding ``out`` keeps through backward (``keep_outputs``)."""
+    logits_grad: int = 0
+    """The logits' gradient in the compute dtype, which the head's backward reads once the loss's
+    own backward has freed the rest (``backward_saved``, ``backward_transient``)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -73,11 +76,13 @@ def loss_memory(w: Workload, *, tokens: int, classes: int, hidden: int, compute:
     upcast = 4 if c != 4 else 0
     if w.loss is Loss.FULL:
         return LossMemory(forward_saved=c * e + capped + 4 * e, forward_transient=upcast * e,
-                          backward_saved=capped + 4 * e, backward_transient=8 * e, logits_held=c * e)
+                          backward_saved=capped + 4 * e, backward_transient=8 * e, logits_held=c * e,
+                          logits_grad=c * e)
     if w.loss is Loss.CHUNKED:
         one = math.ceil(e / w.loss_chunks)
         return LossMemory(forward_saved=c * e + capped + 4 * e, forward_transient=upcast * one,
-                          backward_saved=capped + 4 * e, backward_transient=8 * one, logits_held=c * e)
+                          backward_saved=capped + 4 * e, backward_transient=8 * one, logits_held=c * e,
+                          logits_grad=c * e)
     vh = classes * hidden
     if w.loss is Loss.LIGER:
         chunk = liger_chunk(tokens, classes, hidden)

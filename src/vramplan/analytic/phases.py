@@ -65,12 +65,27 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     if pipelined:
         held = st.gradients if w.keep_grads else 0
         early = st.accumulated if stage.in_flight < w.grad_accum * stage.virtual else 0
+    # a pipeline rank whose schedule runs every forward of the step before its first backward (GPipe; 1F1B
+    # where m <= pp - rank) has no gradient yet at the end of its forwards (zero_grad set them to None)
+    fwd_held = held
+    if w.parallel.pp > 1 and not pipelined and not w.keep_grads and stage.in_flight >= w.grad_accum * stage.virtual:
+        fwd_held = 0
     kept = (lm.logits_held + stage.held(cache)) if w.keep_outputs else 0
+    # torch's pipelining keeps the last stage's output, the logits, through that micro-batch's whole
+    # backward (torch 2.13 pipelining/stage.py:963-966: ``stage_output`` popped from ``fwd_cache``, alive
+    # until ``backward_one_chunk`` returns), and a one-stage-per-rank schedule's loop keeps the latest
+    # forward's output until the next forward's returns (schedules.py:912 GPipe, :1070/:1130 1F1B:
+    # ``output = self._stage.forward_one_chunk(...)``): after the last one, through the step's reduce
+    out = lm.logits_held if w.parallel.pp > 1 and stage.head and not w.keep_outputs else 0
+    out_single = out if stage.virtual == 1 else 0
     w_live = st.weights + st.gathered
     # schedules that run several forwards of the last stage before its backward (GPipe,
     # LoopedBFS) keep each micro-batch's logits and loss inputs until then
     head_saved = a.head + lm.forward_saved
     earlier = (stage.head_in_flight - 1) * head_saved if stage.head else 0
+    # what the next micro-batch's backward no longer holds: one chunk of the stage's activations (and, where
+    # the schedule runs several forwards of the last stage first, one micro-batch's logits and loss inputs)
+    fewer = stage.held(a.layers) - stage.held(a.layers, 1) + (head_saved if earlier else 0)
     acts = stage.held(a.layers) + a.embed + earlier + receive * stage.receives * w.grad_accum
     # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
     # copies survive into backward only where its linears saved them (layers not fully
@@ -90,67 +105,83 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     # accumulation to its parameter's step inside backward, with that step's temporaries
     step_temp = st.step_temp if w.optimizer_in_backward else 0
     all_grads = st.largest_grad if w.optimizer_in_backward else st.gradients
-    last_grads = st.largest_grad if w.optimizer_in_backward else max(held, st.head_grads + st.layer_grads)
+    last_grads = st.largest_grad if w.optimizer_in_backward else max(fwd_held, st.head_grads + st.layer_grads)
     fresh = 0
     if pipelined:  # (the layer's fresh gradients are temporaries until FSDP2's post-backward keeps them)
         all_grads, last_grads = held + st.accumulated, held + (early or st.accumulated_head)
         fresh = st.fresh_later if early else st.fresh_first
 
     forward = Breakdown(
-        weights=w_live, gradients=_with_buckets(st, held + early), optimizer=st.optimizer,
+        weights=w_live, gradients=_with_buckets(st, fwd_held + early), optimizer=st.optimizer,
         activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
-        temporaries=casts_fwd + lm.forward_transient + 2 * workspace, kv_cache=stage.held(cache),
+        # (a zero-bubble V's last-stage weight gradients wait as 16-bit ``grad``s through later forwards too)
+        temporaries=casts_fwd + lm.forward_transient + 2 * workspace + (st.deferred if early else 0),
+        kv_cache=stage.held(cache),
     )
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
             weights=w_live, optimizer=st.optimizer,
             gradients=_with_buckets(st, last_grads + st.unsharded_grads),
-            activations=acts + a.recompute + kept,
+            activations=acts + a.recompute + kept + out,
             temporaries=casts_bwd + a.transient + temps + workspace + step_temp + fresh,
         ),
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads - (0 if early else st.accumulated_layer)),
-            activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept,
+            activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept + out_single,
             temporaries=st.casts_layer + a.transient + temps + workspace + step_temp + fresh,
         ),
     ]
+    if fwd_held < held:  # the next micro-batch's last layer: one chunk fewer, every gradient accumulated
+        instants.append(dataclasses.replace(
+            instants[0], gradients=_with_buckets(st, max(held, st.head_grads + st.layer_grads) + st.unsharded_grads),
+            activations=instants[0].activations - fewer))
     if pipelined:
         recv = receive * stage.receives * w.grad_accum
         if not early:  # the next micro-batch's backward: one chunk fewer, every layer's gradients accumulated
             instants.append(Breakdown(
                 weights=st.weights + st.gathered_end, optimizer=st.optimizer, gradients=held + st.accumulated,
-                activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept,
+                activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept + out_single,
                 temporaries=st.casts_layer + a.transient + temps + workspace + st.fresh_later,
             ))
         instants.append(Breakdown(  # the end of the step: perform_reduce_grad reduce-scatters unit by unit
             weights=st.weights + st.reduce[0], optimizer=st.optimizer, gradients=held + st.reduce[1],
-            activations=recv, temporaries=st.reduce[2] + workspace,
+            activations=recv + out_single, temporaries=st.reduce[2] + workspace,
         ))
         if stage.embed and st.fresh_embed:  # the embeddings' backward: their new gradient beside the kept ones
             for less, acc in ((1, st.accumulated - (0 if early else st.accumulated_embed)),
                               *(((2, st.accumulated),) if not early else ())):
                 instants.append(Breakdown(
                     weights=w_live, optimizer=st.optimizer, gradients=held + acc,
-                    activations=stage.held(a.layers, less) + kept, temporaries=st.fresh_embed + workspace,
+                    activations=stage.held(a.layers, less) + kept,
+                    temporaries=st.fresh_embed + st.deferred + workspace,
                 ))
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
-            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, held + early),
-            activations=acts + a.head + lm.backward_saved + kept,
+            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, fwd_held + early),
+            activations=acts + a.head + lm.backward_saved + kept + out,
             temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
         ))
+        if fwd_held < held:  # the next micro-batch's, every gradient accumulated
+            instants.append(dataclasses.replace(instants[-1], gradients=_with_buckets(st, held),
+                                                activations=instants[-1].activations - fewer))
         if pipelined and st.fresh_head_first:  # the head's weight gradients, beside the kept ones
-            loss_bwd = instants[-1]
+            # The head's MmBackward runs after the loss's backward: the log-softmax output it saved and
+            # its fp32 gradients are freed; left is the logits' gradient it reads, in the compute dtype
+            # (the fp32 upcast's ToCopyBackward casts it back)
+            loss_bwd = head_bwd = instants[-1]
+            if lm.logits_grad:  # (the fused losses have no logits: their head's gradient is the loss's own)
+                head_bwd = dataclasses.replace(
+                    loss_bwd, activations=loss_bwd.activations - lm.backward_saved,
+                    temporaries=loss_bwd.temporaries - lm.backward_transient + lm.logits_grad)
             instants.append(dataclasses.replace(
-                loss_bwd, gradients=held + (early or st.head_cast),
-                temporaries=loss_bwd.temporaries + (st.fresh_head if early else st.fresh_head_first)))
+                head_bwd, gradients=held + (early or st.head_cast),
+                temporaries=head_bwd.temporaries + (st.fresh_head if early else st.fresh_head_first)))
             if not early:  # the next micro-batch's: one fewer in flight, every gradient accumulated
-                fewer = stage.held(a.layers) - stage.held(a.layers, 1) + (head_saved if earlier else 0)
                 instants.append(dataclasses.replace(
-                    loss_bwd, gradients=held + st.accumulated, activations=loss_bwd.activations - fewer,
-                    temporaries=loss_bwd.temporaries + st.fresh_head))
+                    head_bwd, gradients=held + st.accumulated, activations=head_bwd.activations - fewer,
+                    temporaries=head_bwd.temporaries + st.fresh_head))
     if st.embed_grad_full:
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,

@@ -122,6 +122,12 @@ class States:
     """The token embeddings' new gradient in the parameters' dtype (one tensor), every micro-batch."""
     accumulated_embed: int = 0
     """The token embeddings' accumulated gradient, where it is autograd's own (as ``accumulated_layer``)."""
+    deferred: int = 0
+    """Pipeline × FSDP2 under a zero-bubble schedule on a rank that holds the first and the last
+    stage (ZBVZeroBubble's V): the last stage's weight gradients of its separate weight step, in
+    the parameters' 16-bit dtype, kept as the unsharded parameters' ``grad`` until that stage's
+    next backward (its post-backward casts or adds them): alive through the first stage's
+    backward. 0 where the reduce dtype is the parameters' (autograd adds into the kept ones)."""
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
@@ -271,7 +277,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     if fsdp2 and p.zero == 2 and not pipelined:
         gathered_end = (layer + embed + head + head_small) * min(rg.weight, rg.compute)
     accumulated = accumulated_head = accumulated_embed = accumulated_layer = head_cast = 0
-    fresh_first = fresh_later = fresh_head = fresh_head_first = fresh_embed = 0
+    fresh_first = fresh_later = fresh_head = fresh_head_first = fresh_embed = deferred = 0
     reduce = (0, 0, 0)
     if pipelined:
         # under TP the embeddings' accumulated gradient is the whole table (Replicate), which
@@ -298,6 +304,16 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             fresh_embed = (embed + embed_more) * g16
             fresh_head_first = (sum(heads) + head_small) * g16
             head_cast = 0 if in_place else accumulated_head
+            # a zero-bubble schedule runs a stage's weight gradients (W) apart from its input
+            # gradients (I): torch 2.13 pipelining/stage.py:1085-1092 (every stage but the first),
+            # _backward.py:325-339 (``weight.grad = dw``), after FSDP2's post-backward of that
+            # micro-batch ran in I; the next micro-batch's post-backward (_fsdp_param.py:802-821)
+            # or the step's reduce takes them. On the V's first rank they outlive the first
+            # stage's backward (the embeddings' new gradient beside them).
+            if p.pp_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble") and stage.embed and stage.head \
+                    and not in_place:
+                lo, hi = p.stage_bounds(arch.layers)[-1]
+                deferred = fresh_head_first + (hi - lo) * layer * g16
         else:
             fresh_later = fresh_first
         reduce = _reduce_peak(units, gathered)
@@ -319,7 +335,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         accumulated_layer=accumulated_layer,
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
         fresh_head_first=fresh_head_first, head_cast=head_cast,
-        accumulated_embed=accumulated_embed, reduce=reduce,
+        accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce,
     )
 
 
