@@ -399,12 +399,16 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
                 temporaries=(0 if v.through else v.casts) + v.working + 2 * ws)
             phases.append(peak(ph.phase, end, tower_fwd))
         elif ph.phase is Phase.BACKWARD:
+            embed = 0 if lm_spec.tie_embeddings or keep else lm_spec.vocab * lm_spec.hidden * rg.grad
+            if (v.trains or v.through) and w.peft is Peft.NONE:
+                # the language model's backward instants come before the tower's backward, and so before
+                # the token embedding's, whose new gradient autograd makes last: not there yet
+                bd = dataclasses.replace(bd, gradients=min(bd.gradients, lm_grads - embed))
             lm_bwd = plus(bd, **base, gradients=held, activations=v.pixels + v.saved, temporaries=v.casts)
             instants = [lm_bwd]
             if v.trains or v.through:
                 # the tower's backward: at its last block (its saved set, the language model's gradients
                 # but the token embedding's, which autograd makes after it) and at its first block
-                embed = 0 if lm_spec.tie_embeddings or keep else lm_spec.vocab * lm_spec.hidden * rg.grad
                 recompute = v.block if w.checkpointing is Checkpointing.FULL else 0
                 opt = lm.states.optimizer + v.optimizer
                 weights = lm.states.weights + v.weights + buffers
