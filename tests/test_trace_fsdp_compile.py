@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from vramplan.trace.run import TraceOptions, trace_workload
-from vramplan.trace.testing import real_fsdp_compile_peaks, tiny_spec
+from vramplan.trace.run import TraceOptions
+from vramplan.trace.testing import real_fsdp_compile_peaks, tiny_spec, trace_in_fresh_process
 from vramplan.workload import Workload
 
 pytestmark = [
@@ -60,13 +60,16 @@ def test_fsdp2_with_compiled_blocks_agrees_with_a_real_compiled_gloo_run(checkpo
     assert all(r["graph_breaks"] == 0 and r["unique_graphs"] == 1 for r in real), real  # fullgraph, one graph
     w = Workload(task="train", precision="fp32", batch=2, seq=64, compile=True,
                  checkpointing=checkpointing).replace(dp=2, zero=3)
-    traced = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=0))
-    assert any("torch.compile emulated per block (2 blocks" in n for n in traced.notes), traced.notes
-    assert any("joint-graph passes + min-cut" in n for n in traced.notes), traced.notes
+    # (in a fresh process: in a torch 2.14.1 pytest worker that had run other tests, the trace came out
+    # 197,076 B higher — one layer's all-gathered parameters and one [2, 64, 64] fp32 buffer — while it
+    # passes alone; which state an earlier test leaves is not found: no device function left patched,
+    # torch.cuda.is_available() saying no, every torch.compile setting as it was (tests/conftest.py))
+    traced = trace_in_fresh_process(spec, w, TraceOptions(workspaces=False, count_flops=False, rank=0))
+    assert any("torch.compile emulated per block (2 blocks" in n for n in traced["notes"]), traced["notes"]
+    assert any("joint-graph passes + min-cut" in n for n in traced["notes"]), traced["notes"]
     assert real[0]["peak"] == real[1]["peak"]  # (the ranks' shards are alike: one trace is both)
     fused = 0  # the buffer 2.14's compiled backward of a checkpointed layer fuses away (see above)
     if checkpointing == "full" and TorchVersion(torch.__version__) >= "2.14":
         fused = 2 * 64 * spec.config["hidden_size"] * 4
     for rank, got in enumerate(real):
-        assert abs(traced.peak_allocated - fused - got["peak"]) / got["peak"] < 1e-4, (
-            rank, traced.peak_allocated, got, torch.cuda.is_available(), traced.notes)
+        assert abs(traced["peak_allocated"] - fused - got["peak"]) / got["peak"] < 1e-4, (rank, traced, got)
