@@ -25,6 +25,20 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 OPTS = TraceOptions(workspaces=False, count_flops=False)
 
 
+def _real_and_traced(w: Workload, layout: str):
+    """Per rank of a real 2-process gloo run of ``w``'s GRPO step (``layout``): the rank, its real
+    part peaks, the rank's trace and the trace's part peaks (generation and actor)."""
+    from vramplan.trace.testing import real_grpo_fsdp1_peaks
+
+    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
+    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
+    for rank, got in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        parts = dict(r.step_parts)
+        assert set(parts) == {"generation", "actor"}, parts
+        yield rank, got, r, parts
+
+
 @pytest.mark.parametrize("layout", ["fsdp1", "ddp"])
 def test_grpo_under_fsdp1_and_ddp_agrees_with_a_real_gloo_run(layout: str) -> None:
     """The same GRPO step run for real on 2 gloo processes (the policy wrapped with FSDP1 as
@@ -35,17 +49,10 @@ def test_grpo_under_fsdp1_and_ddp_agrees_with_a_real_gloo_run(layout: str) -> No
     under DDP). DDP used to fail ("DistributedDataParallel is not one (use --loss full)": the
     fused-head forward looked for the causal LM at the wrapper); TRL calls the prepared model, so
     the forward runs through DDP's, which readies its reducer."""
-    from vramplan.trace.testing import real_grpo_fsdp1_peaks
-
     w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
                  generations=2, attention="eager").replace(dp=2, **(dict(zero=3, engine="fsdp1")
                                                                    if layout == "fsdp1" else {}))
-    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
-    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
-    for rank, got in enumerate(real):
-        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
-        parts = dict(r.step_parts)
-        assert set(parts) == {"generation", "actor"}, parts
+    for rank, got, r, parts in _real_and_traced(w, layout):
         for part, traced in parts.items():
             assert traced == got[part] - 4 * got["adam_steps"], (rank, part, traced, got)
             assert abs(traced - got[part]) / got[part] < 1e-4
@@ -98,17 +105,10 @@ def test_grpo_reference_under_fsdp_agrees_with_trl_prepare_fsdp_on_gloo(layout: 
     shuffle's permutation, live while the reference scores the window
     (``torch.randperm`` of the window on the host: 8 B per sequence, 32 B here; with
     ``grad_accum=3`` 48 B, checked once), a host tensor too."""
-    from vramplan.trace.testing import real_grpo_fsdp1_peaks
-
     w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
                  generations=2, attention="eager", reference="model").replace(
         dp=2, zero=3, engine="fsdp1" if layout == "fsdp1" else "fsdp")
-    real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
-    spec = spec_from_config(CONFIG, name="llama-2l", source="test")
-    for rank, got in enumerate(real):
-        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
-        parts = dict(r.step_parts)
-        assert set(parts) == {"generation", "actor"}, parts
+    for rank, got, r, parts in _real_and_traced(w, layout):
         steps = 4 * got["adam_steps"]
         assert parts["actor"] == got["actor"] - steps, (rank, parts, got)
         order = 8 * w.batch * w.grad_accum  # (the window's int64 permutation)

@@ -821,25 +821,17 @@ def _lay_out_value_model(m: nn.Module | None, name: str, layout: Layout, ctx: An
     return out, f"{name}: " + "; ".join(notes)
 
 
-def _laid_out(m: nn.Module, name: str, layout: Layout, ctx: Any, w: Workload) -> tuple[nn.Module, list[str]]:
-    """:func:`apply_layout` in the compute dtype; a failure that is not ours named as the layout's."""
+def _laid_out(m: nn.Module, name: str, layout: Layout, ctx: Any, w: Workload,
+              apply: Any = apply_layout) -> tuple[nn.Module, list[str]]:
+    """``apply`` (:func:`apply_layout`, or :func:`.layout.apply_reference_layout` for a reference
+    model) in the compute dtype; a failure that is not ours named as the layout's."""
     try:
-        return apply_layout(m, layout, ctx, w, features.compute_dtype(w))
+        out: tuple[nn.Module, list[str]] = apply(m, layout, ctx, w, features.compute_dtype(w))
+        return out
     except VramplanError:
         raise
     except Exception as e:
         raise TraceError(f"laying the {name} out as {layout.kind} failed on torch {torch.__version__}: "
-                         f"{type(e).__name__}: {_line(e)}") from e
-
-
-def _laid_out_reference(m: nn.Module, layout: Layout, ctx: Any, w: Workload) -> tuple[nn.Module, list[str]]:
-    """:func:`.layout.apply_reference_layout` in the compute dtype; a failure that is not ours named."""
-    try:
-        return apply_reference_layout(m, layout, ctx, w, features.compute_dtype(w))
-    except VramplanError:
-        raise
-    except Exception as e:
-        raise TraceError(f"laying the reference model out as {layout.kind} failed on torch {torch.__version__}: "
                          f"{type(e).__name__}: {_line(e)}") from e
 
 
@@ -935,7 +927,7 @@ def _trace(p: Prepared, w: Workload, device: DeviceProfile | None, iterations: i
                 (p.critic, "critic"), (p.reward_model, "reward model")))
             notes += [n for n in (critic[1], reward_model[1]) if n]
             if reference is not None:  # (TRL's prepare_fsdp: its own FSDP units on the same ranks)
-                reference, ref_notes = _laid_out_reference(reference, layout, ctx, w)
+                reference, ref_notes = _laid_out(reference, "reference model", layout, ctx, w, apply_reference_layout)
                 notes += ref_notes
         trainable = [q for q in model.parameters() if q.requires_grad]
         if offloaded:
