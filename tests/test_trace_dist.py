@@ -129,6 +129,18 @@ def test_teardown_after_failure_and_refuses_nested_world() -> None:
     assert not dist.is_initialized()
 
 
+def test_the_fake_world_does_not_make_cuda_available_through_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``import deepspeed`` sets PYTORCH_NVML_BASED_CUDA_CHECK=1, and torch's is_available() then answers
+    # ``device_count() > 0`` (on a CUDA build; a CPU build says no regardless): the fake world answers
+    # device_count() with 1, is_available() must keep its answer
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    before = torch.cuda.is_available()
+    with D.fake_world(D.World((("dp", 2),))):
+        assert torch.cuda.device_count() == 1
+        assert torch.cuda.is_available() == before
+    assert torch.cuda.is_available() == before
+
+
 def test_functional_collective_output_is_recorded() -> None:
     import torch.distributed._functional_collectives as fc
 

@@ -313,8 +313,8 @@ def _no_device_rng() -> Iterator[None]:
     enters torch/_dynamo/utils.py ``preserve_rng_state``), the CUDA generator's too whenever
     ``torch.cuda.is_available()`` says yes. The trace's tensors are meta: no device generator is
     drawn from, so there is nothing to save. Whenever something has made ``is_available`` say
-    yes on a host without a GPU (a patch of it left behind in the process: the torch 2.14.1 suite
-    met one, source not found), that save reached for the CUDA runtime ("CUDA driver version is
+    yes on a host without a GPU (with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` it follows a patched
+    ``device_count``: see ``dist._cuda_device_queries``), that save reached for the CUDA runtime ("CUDA driver version is
     insufficient") and every compiled block of the trace ran eagerly. While it traces, the CUDA
     generator's state is a placeholder that is never used."""
     cuda = torch.cuda

@@ -193,13 +193,25 @@ def _forget_sharding_propagation() -> None:
 @contextlib.contextmanager
 def _cuda_device_queries() -> Iterator[None]:
     """``torch.cuda`` device queries answered for one visible GPU (``DeviceMesh`` / FSDP read
-    ``current_device()``; torch < 2.6 also set the device for the fake backend)."""
+    ``current_device()``; torch < 2.6 also set the device for the fake backend).
+
+    ``is_available()`` keeps the answer it gave before: with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``
+    (set for the rest of the process by ``import deepspeed``, which HF Trainer does where
+    DeepSpeed is installed; torch 2.14.1 ``torch/cuda/__init__.py`` ``is_available``:
+    ``return device_count() > 0``) it would follow the ``device_count`` answered here and say
+    yes on a host without a GPU. Dynamo's compilation metrics then asked the CUDA runtime for
+    device properties (``has_triton`` → ``is_triton_capable``), failed, and logged the error
+    with its traceback: a log handler that keeps records (pytest's) kept the first iteration's
+    frames, and the tensors they held, alive for the rest of the trace (+197,076 B in the
+    FSDP2 + compile check)."""
     cuda = torch.cuda
+    answer = bool(cuda.is_available())
     patches = {
         "current_device": lambda: 0,
         "set_device": lambda device: None,
         "is_initialized": lambda: True,
         "device_count": lambda: 1,
+        "is_available": lambda: answer,
     }
     saved = {k: getattr(cuda, k) for k in patches}
     for k, v in patches.items():

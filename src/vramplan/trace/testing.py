@@ -556,26 +556,6 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
     return out
 
 
-def trace_in_fresh_process(spec: Any, w: Any, options: Any = None, timeout: float = 600.0) -> dict[str, Any]:
-    """``trace_workload(spec, w, options=options)`` in a fresh process (forked from the fork server
-    of :func:`fork_context`, which has run nothing): its ``peak_allocated`` and ``notes``. For a
-    check that must not depend on what the calling process ran before it (see
-    tests/test_trace_fsdp_compile.py)."""
-    return _spawn_gloo(_trace_worker, (spec, w, options), 1, timeout, "trace")[0]  # type: ignore[no-any-return]
-
-
-def _trace_worker(rank: int, spec: Any, w: Any, options: Any, tmp: str, env: dict[str, str]) -> None:
-    import json
-    import os
-
-    from .run import trace_workload
-
-    os.environ.update(env)
-    r = trace_workload(spec, w, options=options)
-    with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
-        f.write(json.dumps({"peak_allocated": r.peak_allocated, "notes": list(r.notes)}))
-
-
 def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_inputs: Any, iterations: int, lr: float,
                  bucket_cap_mb: float, reshard_after_forward: bool, mixed: bool, lora: tuple[str, ...], tmp: str,
                  env: dict[str, str]) -> None:
