@@ -143,3 +143,22 @@ def test_efficient_kernel_chunks_not_a_multiple_of_32_are_refused_with_the_cause
     ops = {log.strings[log.op[k]] for k in range(len(log)) if log.action[k] == 0}
     assert "aten._scaled_dot_product_efficient_attention_backward.default" in ops
     trace_workload(spec, w(64, "bf16"), iterations=1)
+
+
+@pytest.mark.parametrize(("seq", "precision", "refused"), [(64, "fp32", True), (128, "fp32", False), (64, "bf16", False)])
+def test_the_analytic_method_refuses_the_ring_the_trace_refuses(seq, precision, refused):
+    """The analytic method gives no figure for a ring that fails on a GPU (fp32 attention runs the
+    memory-efficient kernel; 16-token chunks), and still estimates what the trace runs."""
+    from vramplan.analytic import estimate as analytic_estimate
+    from vramplan.errors import WorkloadError
+
+    spec = tiny_spec("llama-2-7b")
+    w = Workload(task="train", precision=precision, batch=1, seq=seq, parallel=Parallel(cp=2))
+    if refused:
+        with pytest.raises(WorkloadError, match=r"`seq` / \(2 × `cp`\) = 16 tokens fail") as e:
+            analytic_estimate(spec, w)
+        assert "multiple of 128" in e.value.hint
+        with pytest.raises(TraceError, match="16 tokens fail"):
+            trace_workload(spec, w, iterations=1)
+    else:
+        assert analytic_estimate(spec, w).peak.allocated > 0

@@ -30,7 +30,7 @@ from .blocks import Ctx, block_saved
 from .flops import step_flops
 from .host import fsdp_offload_parts
 from .notes import notes
-from .parallel import Stage, check_against_model, stages, tokens_per_rank
+from .parallel import Stage, check_against_model, check_ring_kernel, stages, tokens_per_rank
 from .phases import inference, training
 from .regime import regime, trainable
 from .result import AnalyticEstimate, ModelStates
@@ -96,6 +96,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
                             hint="use `loss=full`", field="loss")
     arch = build_arch(spec)
     rg, tr = regime(w), trainable(arch, w)
+    check_ring_kernel(w, rg.compute, max(g.attn.head_dim for g in arch.groups))
     ctx = Ctx(rg, tr, w.attention, training=w.training, ring=w.parallel.cp > 1)
     workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     if workspace < 0:

@@ -318,6 +318,27 @@ def check_against_model(spec: ModelSpec, w: Workload) -> None:
                                 hint=f"use e.g. {max(patch, w.image_size // patch * patch)}", field="image_size")
 
 
+def check_ring_kernel(w: Workload, compute_bytes: int, head_dim: int) -> None:
+    """Refuse a load-balanced ring whose rounds run the memory-efficient kernel on chunks that are
+    not a multiple of 32 queries, as the trace does (``trace.context_parallel.check_kernel``: the
+    kernel pads its logsumexp to 32 queries and torch's ring merge does not slice it off, so the
+    run fails on a GPU). The kernel is the memory-efficient one where flash attention cannot run:
+    fp32 attention, or a head size above 256 (torch 2.13 ``sdp_utils.cpp``
+    ``check_head_dim_size_flash``); the GPU's own limits (flash needs sm80+) are the trace's."""
+    cp = w.parallel.cp
+    chunk = w.seq // (2 * cp) if cp > 1 else 0
+    efficient = compute_bytes == 4 or head_dim > 256
+    if not chunk or chunk % 32 == 0 or not efficient:
+        return
+    step = 64 * cp
+    why = "fp32" if compute_bytes == 4 else f"head size {head_dim}"
+    raise WorkloadError(f"PyTorch's load-balanced ring attention runs the memory-efficient kernel here ({why}), whose "
+                        f"logsumexp is padded to a multiple of 32 queries, which the ring's merge does not slice: each "
+                        f"rank's chunks of `seq` / (2 × `cp`) = {chunk:,} tokens fail, on a GPU too",
+                        hint=f"use a `seq` that is a multiple of {step:,} (e.g. {-(-w.seq // step) * step:,}), or "
+                             "half precision (flash attention)", field="seq")
+
+
 def check_schedule(w: Workload) -> None:
     """The micro-batch counts torch's schedule classes accept (their constructors' checks)."""
     p, m = w.parallel, w.grad_accum
