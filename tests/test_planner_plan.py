@@ -228,3 +228,19 @@ def test_searched_layouts_divide_the_gpu_count_and_keep_tp_in_a_node():
     check()
     assert layouts(Workload(parallel=Parallel(tp=4)), 8) == [(4, 1, 1)]
     assert layouts(Workload(parallel=Parallel(tp=4)), 6) == []
+
+
+def test_candidates_the_screen_refuses_are_named_with_their_cause():
+    # DPO with a frozen reference model: the analytic screen refuses the reference under data parallelism,
+    # so no multi-GPU plan can appear; the notes say why instead of leaving the table silently single-GPU
+    w = Workload(task="train", objective="dpo", reference="model", batch=1, seq=512)
+    r = plan("llama-3.2-1b", w, gpu="h100-sxm", max_gpus=2, method="analytic", confirm=0)
+    assert all(p.num_gpus == 1 for p in r.plans)
+    note = next(n for n in r.notes if "not screened" in n)
+    assert "the analytic method refuses them" in note and "a preference reference model" in note
+    count = int(note.split(" candidate(s)")[0].replace(",", ""))
+    assert 0 < count < r.candidates
+    plain = plan("llama-3.2-1b", w.replace(objective="sft", reference="auto"), gpu="h100-sxm", max_gpus=2,
+                 method="analytic", confirm=0)
+    assert not any("preference reference" in n for n in plain.notes)
+    assert any(p.num_gpus == 2 for p in plain.plans)

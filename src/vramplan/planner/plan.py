@@ -14,7 +14,7 @@ Impossible targets raise :class:`PlanError` naming the nearest option.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vramplan.errors import PlanError, VramplanError
@@ -94,7 +94,8 @@ def plan(
         raise PlanError(f"every plan that fit by the analytic screen is too large when traced on {g.key}",
                         hint="use `method=analytic` to see the screened plans, or a larger `max_gpus`")
     finals = [explain(p, baseline) for p in sorted(finals, key=sort_key(sort))]
-    notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + caveats(w, finals) + knob_notes(w, knobs)
+    notes = _notes(w, m, sc, global_batch, len(cands), len(fitting)) + refusal_notes(search.refused, sc.method) \
+        + caveats(w, finals) + knob_notes(w, knobs)
     if search.ahead:
         notes.append(f"{search.ahead} finalist(s) confirmed in forked processes while this one confirmed the others; "
                      "their traces were read back from the on-disk store (`--no-cache`: one after another)")
@@ -160,6 +161,8 @@ class PlanBuilder:
     progress: Progress | None
     ahead: int = 0
     """Finalists confirmed ahead in forked processes (their traces read back from the store)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """The screen's refusals: each one-line error and how many candidates it refused."""
 
     def baseline(self, global_batch: int | None) -> Plan:
         """The user's workload (at the global batch, when one is given)."""
@@ -176,8 +179,9 @@ class PlanBuilder:
         for i, c in enumerate(cands):
             try:
                 r = self.screen.report(c.workload)
-            except VramplanError:
-                continue  # a combination this model does not allow (e.g. heads vs TP)
+            except VramplanError as e:  # a combination this model or the screen's method does not allow
+                self.refused[e.message] = self.refused.get(e.message, 0) + 1
+                continue
             out.append(self.make(c, r))
             if self.progress is not None and (i % 8 == 7 or i == total - 1):
                 self.progress("screen", i + 1, total)
@@ -333,6 +337,18 @@ def knob_notes(w: Workload, knobs: frozenset[str]) -> list[str]:
     if left:
         out.append("not searched (no lower predicted peak for this workload by the analytic screen): " + ", ".join(left))
     return out
+
+
+def refusal_notes(refused: dict[str, int], method: Method, shown: int = 3) -> list[str]:
+    """The candidates the screen could not estimate, by cause (the most frequent ``shown``): a plan
+    missing from the table (no multi-GPU plan at all, say) is then explained, not silent."""
+    if not refused:
+        return []
+    total = sum(refused.values())
+    top = sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))[:shown]
+    causes = "; ".join(f"{n:,}× {msg}" for msg, n in top)
+    more = f"; {len(refused) - shown} other cause(s)" if len(refused) > shown else ""
+    return [f"{total:,} candidate(s) not screened: the {method} method refuses them — {causes}{more}"]
 
 
 def caveats(w: Workload, plans: Sequence[Plan]) -> list[str]:
