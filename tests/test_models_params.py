@@ -227,6 +227,7 @@ HUB_EXACT = {
     # the totals public from_pretrained load checks of google/gemma-3-4b-it assert, and the
     # 27B's (the model pages' "4.3B" / "27.4B" safetensors figures)
     "gemma-3-4b": 4_300_079_472,
+    "gemma-3-12b": 12_187_325_040,  # the Hub API's safetensors total of google/gemma-3-12b-it ("12.2B")
     "gemma-3-27b": 27_432_406_640,
 }
 

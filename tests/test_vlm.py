@@ -131,6 +131,7 @@ def test_square_processors_are_transformers_own(tmp_path: Path) -> None:
     assert tuple(pv["pixel_values"].shape[-2:]) == (g.height, g.width) == (896, 896)
     assert (g.patches, g.tokens, g.markers) == (4096, 256, 4)
     assert image_tokens(resolve("gemma-3-27b"), 300, 2000) == g  # one SigLIP tower for every size
+    assert image_tokens(resolve("gemma-3-12b"), 300, 2000) == g
     (tmp_path / "l").mkdir()
     for strategy in ("default", "full"):
         config = {**LLAVA, "vision_feature_select_strategy": strategy,
