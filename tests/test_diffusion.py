@@ -101,3 +101,98 @@ def test_a_traced_unet_lora_step_matches_a_real_cpu_run() -> None:
     cfg.update({"block_out_channels": [32, 64, 64, 64], "layers_per_block": 1, "norm_num_groups": 8,
                 "cross_attention_dim": 16, "attention_head_dim": 4, "sample_size": 8})
     _lora_step_matches_a_real_cpu_run(spec_from_config(cfg, name="small-unet", source="test"))
+
+
+# --- Wan 2.1 T2V 1.3B's transformer: a video denoiser's step --------------------------------
+
+WAN_SMALL = {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "freq_dim": 16, "ffn_dim": 64,
+             "num_layers": 2, "rope_max_seq_len": 64}
+
+
+def small_wan() -> Any:
+    cfg = copy.deepcopy(dict(resolve("wan2.1-t2v-1.3b").config))
+    cfg.update(WAN_SMALL)
+    return spec_from_config(cfg, name="small-wan", source="test")
+
+
+def test_the_wan_step_is_wanpipelines_denoiser_call(tmp_path: Any) -> None:
+    """The inputs ``example_inputs`` makes for the catalog's Wan transformer are the ones
+    WanPipeline itself passes it (a real tiny pipeline, its transformer the catalog config at a
+    small width, run on the CPU: 10 frames rounded to 9, 3 latent frames), and the 1.3B's
+    defaults are the pipeline's 832 x 480, 81 frames, 512 UMT5 states."""
+    import json
+
+    from vramplan.models.pipelines import build_pipeline, read_pipeline
+
+    spec = resolve("wan2.1-t2v-1.3b")
+    assert (spec.params, spec.layers, spec.hidden, spec.intermediate) == (1_418_996_800, 30, 1536, 8960)
+    x = example_inputs(spec, batch=2)
+    assert x["hidden_states"].shape == (2, 16, 21, 60, 104) and x["encoder_hidden_states"].shape == (2, 512, 4096)
+    assert x["timestep"].shape == (2,)
+
+    small = small_wan()
+    files = {"model_index.json": {"_class_name": "WanPipeline",
+                                  "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+                                  "text_encoder": ["transformers", "UMT5EncoderModel"],
+                                  "tokenizer": ["transformers", "T5TokenizerFast"],
+                                  "transformer": ["diffusers", "WanTransformer3DModel"],
+                                  "vae": ["diffusers", "AutoencoderKLWan"]},
+             "scheduler/scheduler_config.json": {"_class_name": "UniPCMultistepScheduler", "flow_shift": 3.0,
+                                                 "prediction_type": "flow_prediction", "use_flow_sigmas": True},
+             "text_encoder/config.json": {"model_type": "umt5", "vocab_size": 303, "d_model": 32, "d_kv": 8,
+                                          "d_ff": 64, "num_layers": 1, "num_heads": 4, "pad_token_id": 0,
+                                          "eos_token_id": 1, "decoder_start_token_id": 0,
+                                          "feed_forward_proj": "gated-gelu"},
+             "transformer/config.json": dict(small.config),
+             "vae/config.json": {"_class_name": "AutoencoderKLWan", "base_dim": 16, "z_dim": 16,
+                                 "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                                 "temperal_downsample": [False, True, True]}}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(data))
+    pipe = build_pipeline(read_pipeline(tmp_path), torch.float32)
+    seen: dict[str, Any] = {}
+
+    def hook(_m: Any, _a: Any, kw: dict[str, Any]) -> None:
+        seen.setdefault("kw", {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)})
+
+    pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    torch.manual_seed(0)
+    pipe(prompt="a cat", height=64, width=96, num_frames=10, num_inference_steps=1, guidance_scale=1.0,
+         output_type="latent")
+    ours = example_inputs(small, batch=1, image_size=96, image_height=64, frames=10, device="cpu")
+    assert {k: (tuple(v.shape), v.dtype) for k, v in seen["kw"].items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in ours.items()}
+    assert ours["hidden_states"].shape == (1, 16, 3, 8, 12)
+    with pytest.raises(vramplan.VramplanError, match="multiples of 16"):
+        example_inputs(small, batch=1, image_size=100, frames=9)
+
+
+@pytest.mark.parametrize("task", ["train", "infer"])
+def test_a_traced_wan_step_matches_a_real_cpu_run(task: str) -> None:
+    spec = small_wan()
+
+    def make() -> Any:
+        return build_model(spec, task=task, device="cpu", dtype=torch.float32)
+
+    def batch() -> dict[str, Any]:
+        return example_inputs(spec, batch=2, image_size=64, image_height=48, frames=9, device="cpu")
+
+    ref = real_peak(make, batch, task=task)
+    w = Workload(task=task, precision="fp32", optimizer="adamw")
+    r = trace_model(make, batch(), workload=w, options=TraceOptions(workspaces=False))
+    assert abs(r.peak_allocated - ref) / ref < 0.01, (r.peak_allocated, ref)
+
+
+def test_wan_estimate_takes_frames_and_wanpipelines_own_size() -> None:
+    r = vramplan.estimate("wan2.1-t2v-1.3b", task="infer", frames=10, image_size=480, image_height=320,
+                          method="trace")
+    assert r.params == 1_418_996_800
+    note = next(n for n in r.notes if n.startswith("one WanPipeline denoiser call"))
+    assert "9 frames (`frames=10` rounded as WanPipeline rounds it" in note and "480 x 320" in note
+    assert "[16, 3, 40, 60], 1,800 tokens" in note
+    own = vramplan.estimate("wan2.1-t2v-1.3b", task="infer", method="trace")
+    assert any("81 frames (WanPipeline's default), 832 x 480 (WanPipeline's default)" in n for n in own.notes)
+    assert own.peak.allocated > r.peak.allocated
+    with pytest.raises(vramplan.VramplanError, match="applies to a whole diffusers pipeline"):
+        vramplan.estimate("flux.1-dev", task="infer", frames=9, method="trace")

@@ -229,6 +229,9 @@ HUB_EXACT = {
     "gemma-3-4b": 4_300_079_472,
     "gemma-3-12b": 12_187_325_040,  # the Hub API's safetensors total of google/gemma-3-12b-it ("12.2B")
     "gemma-3-27b": 27_432_406_640,
+    # WanTransformer3DModel: the element counts of Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer/*.safetensors
+    # headers (hdae/karume@fdd0de08 tools/export-recipes/wan/sources.py)
+    "wan2.1-t2v-1.3b-transformer": 1_418_996_800,
 }
 
 

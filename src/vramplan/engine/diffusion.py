@@ -36,12 +36,15 @@ _APPLIES = frozenset({"task", "batch", "precision", "image_size", "image_height"
 _PIPELINE_ONLY = ("denoising_steps", "cpu_offload", "vae_tiling", "frames")
 
 
-def check_pipeline_fields(w: Workload, model: str) -> None:
-    """A model that is not a whole pipeline refuses the pipeline's own fields."""
+def check_pipeline_fields(w: Workload, model: str, *, video: bool = False) -> None:
+    """A model that is not a whole pipeline refuses the pipeline's own fields (``video``: a
+    text-to-video denoiser, whose step takes ``frames``)."""
     from ..models.pipelines import pipeline_entries
 
     base = Workload()
     for name in _PIPELINE_ONLY:
+        if video and name == "frames":
+            continue
         if getattr(w, name) != getattr(base, name):
             raise WorkloadError(f"`{name}={getattr(w, name)}` applies to a whole diffusers pipeline, not {model}",
                                 hint=f"estimate a pipeline: {', '.join(pipeline_entries())}, or a local folder "

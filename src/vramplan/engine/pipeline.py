@@ -209,7 +209,7 @@ def _check(spec: ModelSpec, w: Workload) -> None:
     from .diffusion import check_pipeline_fields
 
     check(w)  # a knob the recipe's framework cannot run
-    check_pipeline_fields(w, spec.name)
+    check_pipeline_fields(w, spec.name, video=spec.config.get("_class_name") == "WanTransformer3DModel")
     if spec.family is Family.OTHER:
         if w.task is Task.GENERATE and not spec.vocab:
             raise WorkloadError(f"{spec.name} takes no token ids and does not generate text",

@@ -28,7 +28,7 @@ DENOISE = "denoise"
 IMAGE_TEXT = "image-text-to-text"
 """A vision-language model: a vision tower whose image tokens join the text of a causal LM
 (transformers ``AutoModelForImageTextToText``)."""
-DENOISERS = ("UNet2DConditionModel", "FluxTransformer2DModel")
+DENOISERS = ("UNet2DConditionModel", "FluxTransformer2DModel", "WanTransformer3DModel")
 """diffusers denoisers (their ``_class_name``) built with the ``denoise`` head."""
 HEADS: tuple[str, ...] = (CAUSAL_LM, MASKED_LM, SEQ_CLS, IMAGE_CLS, BASE, DENOISE, IMAGE_TEXT)
 
@@ -115,6 +115,10 @@ ARCHS: dict[str, ParamLayout] = {
     # double-stream blocks (image and text tokens apart) then single-stream ones; diffusers
     # models/transformers/transformer_flux.py. Traced (no formula).
     "FluxTransformer2DModel": ParamLayout(family=Family.OTHER, kind="dit", heads=(DENOISE,)),
+    # Wan 2.1: a video diffusion transformer over 1 x 2 x 2 patches of 16-channel video latents (8x
+    # smaller sides, 4x fewer frames), each block self-attention, cross-attention to the UMT5 text
+    # states and a feed-forward; diffusers models/transformers/transformer_wan.py. Traced (no formula).
+    "WanTransformer3DModel": ParamLayout(family=Family.OTHER, kind="dit", heads=(DENOISE,)),
     # Qwen2-VL / Qwen2.5-VL: a ViT over 14-pixel patches (windowed attention in 2.5), a merger of
     # 2 x 2 patches into one token of the language model's width, and a Qwen2 language model with
     # multimodal RoPE; transformers models/qwen2_5_vl/modeling_qwen2_5_vl.py. Traced (no formula).

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan._dataclass import dataclass
 from vramplan.errors import ConfigError, TraceError, WorkloadError
 from vramplan.workload import Task, as_enum
 
@@ -223,14 +224,16 @@ def example_inputs(
     image_height: int = 0,
     videos: int = 0,
     video_frames: int = 0,
+    frames: int = 0,
 ) -> dict[str, Any]:
     """Keyword arguments for the model's forward: token ids (+ labels) for language models,
     ``pixel_values`` (+ labels) for vision models, noisy latents, timestep and text states for a
     UNet (``image_size`` is the pixel size; latents are 8x smaller), token ids with ``images``
     images of ``image_size`` × ``image_height`` (and ``videos`` of ``video_frames`` such frames, Qwen-VL)
     (+ labels) for a vision-language model
-    (:mod:`.vlm`; on ``meta`` without the values the model reads: :func:`.vlm.inputs` gives them).
-    Floats use ``dtype`` (default float32)."""
+    (:mod:`.vlm`; on ``meta`` without the values the model reads: :func:`.vlm.inputs` gives them),
+    a denoising step's inputs for a diffusion transformer (FLUX.1: an image; Wan: a video of
+    ``frames`` frames, :func:`wan_video`). Floats use ``dtype`` (default float32)."""
     if batch < 1 or seq < 1:
         raise WorkloadError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
     chosen = resolve_head(spec, head)
@@ -248,6 +251,8 @@ def example_inputs(
         raise no_images(spec) if images else no_videos(spec)
     if chosen == DENOISE and spec.config.get("_class_name") == "FluxTransformer2DModel":
         return _flux_inputs(spec, batch, image_size, image_height, dev, float_dtype)
+    if chosen == DENOISE and is_video_denoiser(spec):
+        return _wan_inputs(spec, batch, wan_video(image_size, image_height, frames), dev, float_dtype)
     if chosen == DENOISE:
         return _unet_inputs(spec, batch, image_size, dev, float_dtype)
     if spec.patch_size or spec.model_type == "resnet":
@@ -319,6 +324,88 @@ def _flux_inputs(spec: ModelSpec, batch: int, image_size: int | None, image_heig
     if cfg.get("guidance_embeds"):
         out["guidance"] = torch.full((batch,), 3.5, dtype=dtype, device=dev)
     return out
+
+
+def is_video_denoiser(spec: ModelSpec) -> bool:
+    """A text-to-video diffusion transformer (Wan's ``WanTransformer3DModel``): its step takes a
+    video (``frames``)."""
+    return spec.config.get("_class_name") == "WanTransformer3DModel"
+
+
+@dataclass(frozen=True)
+class WanVideo:
+    """The video one WanPipeline denoiser call works on: its pixels and frames as the pipeline
+    makes them, and the latents (8x smaller sides, 4x fewer frames)."""
+
+    width: int
+    height: int
+    frames: int
+    latent_frames: int
+    given_frames: int
+    """``frames`` as asked (0: the pipeline's default); differs from ``frames`` where WanPipeline rounds it."""
+    own_size: bool
+    """The size is WanPipeline's own default (none was given)."""
+    text_tokens: int
+
+    def describe(self) -> str:
+        size = f"{self.width} x {self.height}" + (" (WanPipeline's default)" if self.own_size else "")
+        made = f"{self.frames} frames" + ("" if self.given_frames else " (WanPipeline's default)")
+        if self.given_frames and self.given_frames != self.frames:
+            made += (f" (`frames={self.given_frames}` rounded as WanPipeline rounds it: num_frames - 1 a "
+                     f"multiple of {_WAN_TEMPORAL})")
+        tokens = self.latent_frames * (self.height // 16) * (self.width // 16)
+        return (f"one WanPipeline denoiser call on videos of {made}, {size}: per video latents "
+                f"[16, {self.latent_frames}, {self.height // 8}, {self.width // 8}], {tokens:,} tokens of 1 x 2 x 2 "
+                f"patches, the prompt's {self.text_tokens} UMT5 states (guidance_scale > 1 calls the transformer for "
+                "the prompt, then for the negative prompt, in turn: a step's peak is one call's)")
+
+
+_WAN_TEMPORAL = 4
+"""AutoencoderKLWan's ``scale_factor_temporal`` (diffusers 0.42 autoencoder_kl_wan.py; WanPipeline's
+own default without a VAE, pipeline_wan.py line 154) — frames per latent frame after the first."""
+
+
+def wan_video(image_size: int | None, image_height: int, frames: int) -> WanVideo:
+    """The video of a WanPipeline call with ``width=image_size``, ``height=image_height`` (None /
+    0: the call's defaults, read from the installed ``WanPipeline.__call__``: 832 x 480, 81 frames,
+    512 text tokens in diffusers 0.42) and ``num_frames=frames``, rounded as the call rounds it
+    (pipeline_wan.py ``__call__``: ``num_frames - 1`` not a multiple of 4 becomes
+    ``num_frames // 4 * 4 + 1``); sides must be multiples of 16 (its ``check_inputs``)."""
+    import inspect
+
+    try:
+        import diffusers
+    except ImportError:
+        raise TraceError("a Wan video step needs diffusers, which is not installed",
+                         hint="pip install 'vramplan[models]' to trace it") from None
+    call = {k: p.default for k, p in inspect.signature(diffusers.WanPipeline.__call__).parameters.items()}
+    own = image_size is None
+    width = int(call["width"]) if image_size is None else image_size
+    height = int(call["height"]) if image_size is None else image_height or width
+    if width % 16 or height % 16:
+        raise WorkloadError(f"video {width}x{height}: WanPipeline's sides are multiples of 16 pixels "
+                            "(8x the VAE's latents, 2 x 2 patches)", hint="e.g. `image_size=832, image_height=480`",
+                            field="image_size")
+    made = frames or int(call["num_frames"])
+    if made % _WAN_TEMPORAL != 1:
+        made = max(made // _WAN_TEMPORAL * _WAN_TEMPORAL + 1, 1)
+    return WanVideo(width=width, height=height, frames=made, latent_frames=(made - 1) // _WAN_TEMPORAL + 1,
+                    given_frames=frames, own_size=own, text_tokens=int(call["max_sequence_length"]))
+
+
+def _wan_inputs(spec: ModelSpec, batch: int, video: WanVideo, dev: torch.device,
+                dtype: torch.dtype) -> dict[str, Any]:
+    """One denoiser call of WanPipeline (diffusers 0.42 pipeline_wan.py ``__call__``): the video
+    latents, the scheduler's timestep for each video, the prompt's UMT5 states padded to
+    ``max_sequence_length``."""
+    cfg = spec.config
+    shape = (batch, int(cfg.get("in_channels", 16)), video.latent_frames, video.height // 8, video.width // 8)
+    return {
+        "hidden_states": torch.randn(*shape, dtype=dtype, device=dev),
+        "timestep": torch.full((batch,), 999, dtype=torch.long, device=dev),
+        "encoder_hidden_states": torch.randn(batch, video.text_tokens, int(cfg.get("text_dim", 4096)),
+                                             dtype=dtype, device=dev),
+    }
 
 
 def _unet_inputs(spec: ModelSpec, batch: int, image_size: int | None, dev: torch.device,

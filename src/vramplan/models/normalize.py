@@ -223,16 +223,24 @@ def _generic(v: ConfigView) -> dict[str, Any]:
 
 
 def _dit(v: ConfigView, arch: ParamLayout) -> dict[str, Any]:
-    """FLUX.1's transformer: width heads x head size, its double- and single-stream blocks as
-    layers, images of 1024 pixels by default (the pipeline's ``default_sample_size`` 128 latents)."""
+    """A diffusion transformer: width heads x head size, its blocks as layers. FLUX.1's: double-
+    and single-stream blocks, images of 1024 pixels by default (the pipeline's
+    ``default_sample_size`` 128 latents). Wan's: one kind of block, its feed-forward ``ffn_dim``
+    wide; the video's size is WanPipeline's (:func:`.build.example_inputs`)."""
     heads = v.integer("num_attention_heads")
-    return {
+    wan = v.get("_class_name") == "WanTransformer3DModel"
+    out: dict[str, Any] = {
         "hidden": heads * v.integer("attention_head_dim"), "heads": heads, "kv_heads": heads,
         "head_dim": v.integer("attention_head_dim"),
         "layers": v.integer("num_layers") + v.integer("num_single_layers", 0),
-        "norm_kind": "layernorm", "mlp_kind": "plain", "image_size": 1024,
-        "num_channels": v.integer("in_channels", 64),
+        "norm_kind": "layernorm", "mlp_kind": "plain",
+        "num_channels": v.integer("in_channels", 16 if wan else 64),
     }
+    if wan:
+        out["intermediate"] = v.integer("ffn_dim")
+    else:
+        out["image_size"] = 1024
+    return out
 
 
 _TEXT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",

@@ -312,7 +312,7 @@ def _catalog_inputs(spec: ModelSpec, w: Workload) -> tuple[dict[str, Any], list[
     """The batch of a catalog model's step on ``meta``, and the values it carries (a
     vision-language model's token ids and image grid: the model reads them)."""
     from ..models import vlm
-    from ..models.build import example_inputs
+    from ..models.build import example_inputs, is_video_denoiser
 
     labels = w.task is Task.TRAIN
     dtype = features.compute_dtype(w) if not w.mixed else torch.float32
@@ -322,6 +322,12 @@ def _catalog_inputs(spec: ModelSpec, w: Workload) -> tuple[dict[str, Any], list[
                           device="meta", labels=labels, dtype=dtype, videos=w.videos, frames=w.video_frames)
     if w.videos:
         raise vlm.no_videos(spec)
+    if is_video_denoiser(spec):  # WanPipeline's own size unless one is given (as for its whole pipeline)
+        base = Workload()
+        own = (w.image_size, w.image_height) == (base.image_size, base.image_height)
+        return example_inputs(spec, batch=w.sequences, image_size=None if own else w.image_size,
+                              image_height=0 if own else w.image_height, frames=w.frames, device="meta",
+                              labels=labels, dtype=dtype), []
     return example_inputs(spec, batch=w.sequences, seq=w.seq, image_size=w.image_size, device="meta",
                           labels=labels, dtype=dtype, images=w.images, image_height=w.image_height), []
 
@@ -334,11 +340,15 @@ def _objective_inputs(kwargs: dict[str, Any], w: Workload) -> dict[str, Any]:
 def _build_notes(spec: ModelSpec, w: Workload, model: nn.Module, attention: str) -> list[str]:
     """What the built model tells about the attention it runs."""
     from ..models import vlm
-    from ..models.build import attention_used
+    from ..models.build import attention_used, is_video_denoiser, wan_video
 
     notes = []
     if (w.images or w.videos) and vlm.is_vlm(spec):
         notes.append(vlm.describe(spec, w.images, *w.image_hw, w.seq, w.videos, w.video_frames))
+    if is_video_denoiser(spec):
+        own = (w.image_size, w.image_height) == (Workload().image_size, Workload().image_height)
+        video = wan_video(None if own else w.image_size, 0 if own else w.image_height, w.frames)
+        notes.append(video.describe())
     if w.attention is Attention.FLASH:
         notes.append("attention=flash traced as SDPA (the flash kernel wherever the GPU and shapes allow it)")
     used = attention_used(model)
