@@ -81,6 +81,17 @@ def test_the_preference_objectives_reach_the_estimate(client, capsys):
         assert r.json()["workload"]["objective"] == objective
 
 
+def test_a_video_denoisers_frames_reach_the_estimate(client, capsys):
+    """The diffusion view's `frames` (issue 32: Wan 2.1's step is a video's) is the CLI's --frames."""
+    q = "model=wan2.1-t2v-1.3b&task=infer&frames=10&image-size=256&image-height=160&gpu=h100-sxm&method=trace"
+    r = client.get(f"/api/estimate?{q}")
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got == cli_json(capsys, "estimate", "wan2.1-t2v-1.3b", "--task", "infer", "--frames", "10", "--image-size",
+                           "256", "--image-height", "160", "--gpu", "h100-sxm", "--method", "trace", "--json")
+    assert any("9 frames" in n and "rounded" in n for n in got["notes"]), got["notes"]
+
+
 def test_grpo_with_a_colocated_vllm_reaches_the_estimate(client, capsys):
     """The page offers GRPO's rollout knobs (issue 32); vLLM's start-up refusal is in the answer."""
     base = ("model=llama-3.1-8b&task=train&recipe=trl-grpo&peft=lora&batch=8&seq=1536&prompt=512&rollout=vllm"

@@ -355,7 +355,7 @@ def test_the_job_views_show_their_inputs_and_set_what_makes_the_job(server, page
     pg.goto(f"{server}/?model=flux1-dev-transformer&gpu=h100-sxm&method=analytic")
     pg.wait_for_selector("#job")
     pg.wait_for_function("document.getElementById('job').value === 'diffusion'", timeout=30_000)
-    assert pg.evaluate(in_main, "image-size")
+    assert pg.evaluate(in_main, "image-size") and pg.evaluate(in_main, "frames")  # (frames: Wan's video step)
 
 
 # ====================================================================== issue 29: items 7-10

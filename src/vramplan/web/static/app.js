@@ -17,7 +17,7 @@ const JOBS = {
     set: { objective: "grpo", task: "train" }, prompt: true }, // + a prompt: half the sequence, the rest completion
   vlm: { label: "vision-language (images in the sequence)", keys: ["images", "image-size", "image-height", "videos", "video-frames", "freeze-vision"],
     set: { images: "1" }, model: "qwen2.5-vl-7b" },
-  diffusion: { label: "diffusion denoiser (one step at an image size)", keys: ["image-size", "image-height"],
+  diffusion: { label: "diffusion denoiser (one step at an image or video size)", keys: ["image-size", "image-height", "frames"],
     set: {}, model: "flux1-dev-transformer" },
 };
 const SERVE_KEYS = ["serve-engine", "memory-fraction", "max-model-len", "max-num-seqs", "avg-request-len", "kv-cache-dtype", "quantization",
