@@ -180,8 +180,9 @@ def test_dpo_workloads_are_checked() -> None:
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
-@pytest.mark.parametrize("kw", [{}, {"peft": "lora"}, {"reference": "precomputed"}, {"precision": "bf16"}],
-                         ids=["model", "adapters", "precomputed", "bf16"])
+@pytest.mark.parametrize("kw", [{}, {"peft": "lora"}, {"reference": "precomputed"}, {"precision": "bf16"},
+                                {"parallel": Parallel(dp=2, zero=3)}],
+                         ids=["model", "adapters", "precomputed", "bf16", "fsdp2"])
 def test_analytic_agrees_with_the_trace(small_llama: Any, objective: str, kw: dict) -> None:
     from vramplan.analytic.estimate import estimate
 
@@ -190,6 +191,36 @@ def test_analytic_agrees_with_the_trace(small_llama: Any, objective: str, kw: di
                     **kw})
     a, r = estimate(small_llama, w), trace_workload(small_llama, w)
     assert abs(r.peak_allocated - a.peak.allocated) / a.peak.allocated < 0.05, (r.peak_allocated, a.peak.allocated)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_the_analytic_fsdp2_reference_gathers_as_the_trace_does(objective: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FSDP2 TRL shards the reference as one unit: its forward, after the policy's, gathers all of
+    it (the flat all-gather output and the parameters copied out of it). Llama-3.2-1B's width with 2
+    layers, where the gather is the forward's peak: the analytic forward phase is the trace's within 1 %
+    (weights but for the two copies' rotary buffers), and not without the gather (the policy's own forward instant)."""
+    import importlib
+
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace import analysis
+    from vramplan.workload import Phase
+
+    analytic = importlib.import_module("vramplan.analytic.estimate")
+    c = dict(resolve("llama-3.2-1b").config)
+    c["num_hidden_layers"] = 2
+    spec = spec_from_config(c, name="llama-3.2-1b-2-layers", source="test")
+    w = Workload(task="train", batch=1 if objective == "dpo" else 2, seq=256, precision="bf16-mixed",
+                 objective=objective, parallel=Parallel(dp=2, zero=3))
+    a, r = analytic.estimate(spec, w), trace_workload(spec, w)
+    fa = next(ph for ph in a.phases if ph.phase is Phase.FORWARD)
+    ft = next(ph for ph in analysis.phase_peaks(analysis.arrays(r.events)) if ph.phase is Phase.FORWARD)
+    assert 0 <= ft.breakdown.weights - fa.breakdown.weights <= 512, (fa.breakdown, ft.breakdown)  # (2 rotary inv_freq)
+    assert abs(fa.allocated - ft.allocated) / ft.allocated < 0.01, (fa.allocated, ft.allocated)
+    assert any("gathers all of it at once" in n for n in a.notes)
+    monkeypatch.setattr(analytic, "_sharded_reference_forward", lambda ph, *rest: ph)  # (the policy's instant)
+    without = next(ph for ph in analytic.estimate(spec, w).phases if ph.phase is Phase.FORWARD)
+    assert (ft.allocated - without.allocated) / ft.allocated > 0.05, (without.allocated, ft.allocated)  # (7 %)
 
 
 # --------------------------------------------------------------------------- KTO

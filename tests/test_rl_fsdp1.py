@@ -175,15 +175,19 @@ def test_trl_gathers_the_whole_reference_under_fsdp2_one_block_under_fsdp1() -> 
 
 def test_a_reference_model_outside_the_traced_layouts_is_refused_with_its_cause() -> None:
     """The trace lays the reference out under ZeRO-3 with FSDP1/FSDP2 only; the analytic method
-    refuses every data-parallel reference model (it does not model TRL's separate units)."""
+    models DPO's and KTO's under FSDP2 (one unit) and refuses the other data-parallel references."""
     from vramplan.analytic.estimate import estimate
 
     spec = spec_from_config(CONFIG, name="llama-2l", source="test")
     w = Workload(task="train", batch=2, seq=32, objective="dpo", reference="model",
                  parallel=Parallel(dp=2, zero=3, engine="fsdp"))
     w.check_reference_model(traced=True)
-    with pytest.raises(WorkloadError, match="analytic method does not model it") as e:
-        estimate(spec, w)
+    assert estimate(spec, w).peak.allocated > 0
+    grpo = Workload(task="train", batch=2, seq=32, prompt=8, objective="grpo", generations=2, reference="model",
+                    parallel=Parallel(dp=2, zero=3, engine="fsdp"))
+    grpo.check_reference_model(traced=True)
+    with pytest.raises(WorkloadError, match="analytic method models it for DPO and KTO under FSDP2 only") as e:
+        estimate(spec, grpo)
     assert e.value.field == "reference"
     for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=2, zero=0),
                 Parallel(dp=4, zero=3, dp_shard=2), Parallel(dp=2, zero=2, engine="deepspeed")):

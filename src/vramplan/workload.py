@@ -1044,9 +1044,9 @@ class Workload:
         fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1")
         plain = not (p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or self.quant is not Quant.NONE)
         trl = self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)  # (PPO's stack is verl's)
-        if traced and trl and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer
-                                                                    or p.dp_shard):
-            return
+        sharded = trl and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer or p.dp_shard)
+        if sharded and (traced or (p.engine.value != "fsdp1" and self.objective in (Objective.DPO, Objective.KTO))):
+            return  # (the analytic method: FSDP2's one unit over the whole reference, analytic/estimate.py)
         if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
             # (TRL 1.16.0 wraps it as it wraps the policy: `prepare_fsdp`, trl/models/utils.py:292-342,
             # called from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188)
@@ -1059,8 +1059,8 @@ class Workload:
                 hint = "use `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` with `peft=lora`, " \
                        "or `reference=precomputed`"
             else:
-                why = ("the analytic method does not model it (TRL shards it with its own FSDP units and gathers them "
-                       "for its forward); the trace does under ZeRO-3 with FSDP1 or FSDP2")
+                why = ("the analytic method models it for DPO and KTO under FSDP2 only (TRL shards it with its own FSDP "
+                       "units and gathers them for its forward); the trace does under ZeRO-3 with FSDP1 or FSDP2")
                 hint = "use `method=trace`, `reference=adapters` with `peft=lora`, or `reference=precomputed`"
             raise WorkloadError(f"a preference reference model under data or model parallelism or quantisation: {why}",
                                 hint=hint, field="reference")

@@ -17,6 +17,7 @@ from vramplan.workload import (
     Loss,
     Objective,
     Peft,
+    Phase,
     Reference,
     Task,
     Workload,
@@ -160,23 +161,50 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     model_ref = w.reference_source is Reference.MODEL
     sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, batch=w.sequences, loss=Loss.TRL)
     base = estimate(spec, sft, workspace_bytes=workspace_bytes)
-    ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
-        if model_ref else 0
+    ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) if model_ref else None
+    ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
 
     def more(ph: PhasePeak) -> PhasePeak:
         b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref)
         return PhasePeak(ph.phase, ph.allocated + ref, b)
 
     phases = tuple(more(ph) for ph in base.phases)
+    sharded = ref_est is not None and w.parallel.dp > 1 and w.parallel.zero == 3
+    if ref_est is not None and sharded:
+        phases = tuple(_sharded_reference_forward(ph, base, ref, ref_est.params, regime(w).compute)
+                       if ph.phase is Phase.FORWARD else ph for ph in phases)
     source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
               Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]
     what = ("DPO (TRL 1.16 DPOTrainer): the step of {n} sequences (chosen and rejected)" if w.objective is Objective.DPO
             else "KTO (TRL 1.16 KTOTrainer): the step of {n} sequences (and a KL batch as large, under no_grad)")
     note = (what.format(n=w.sequences) + f" through TRL's fused head; reference: {source}, its forwards under no_grad "
             "bounded by the policy's head instant")
+    if sharded:
+        note += ("; the reference sharded by FSDP2 as one unit (TRL 1.16 prepare_fsdp: fully_shard on its root), so its "
+                 "forward, after the policy's, gathers all of it at once: the all-gather output and the copy out of "
+                 "it into the parameters, 2 x its parameters in the gathered dtype, on top of the policy's saved "
+                 "activations")
     return dataclasses.replace(
         base, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*base.notes, note),
         states=dataclasses.replace(base.states, weights=base.states.weights + ref))
+
+
+def _sharded_reference_forward(ph: PhasePeak, base: AnalyticEstimate, ref_shard: int, ref_params: int,
+                               gathered_b: int) -> PhasePeak:
+    """The forward phase of a preference step whose reference FSDP2 shards as one unit: the
+    larger of the policy's own forward peak and the reference's gather. TRL runs the reference
+    after the policy's forward (``_compute_loss``, as :mod:`vramplan.trace.preference` does), so
+    the policy's saved activations are held; FSDP2 all-gathers the whole reference into one flat
+    buffer (torch 2.13 ``_fsdp_collectives.py`` ``foreach_all_gather``, L351) and copies it out into
+    each parameter's unsharded storage (``foreach_all_gather_copy_out``, L431-L490) while the flat
+    buffer is still alive: two copies of the reference in the gathered (compute) dtype. The policy's
+    own parameters are resharded by then (accelerate's ``reshard_after_forward=True``)."""
+    b = ph.breakdown
+    gathered = ref_params * gathered_b
+    policy = base.states.weights  # (the policy's shard: its gathered weights are freed)
+    at_gather = dataclasses.replace(b, weights=policy + ref_shard + gathered, temporaries=gathered)
+    total = at_gather.total
+    return PhasePeak(ph.phase, total, at_gather) if total > ph.allocated else ph
 
 
 def _deepspeed_notes(arch: Arch, w: Workload, total_params: int) -> tuple[str, ...]:
