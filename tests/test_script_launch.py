@@ -93,6 +93,59 @@ def test_fsdp2_meta_init_script_keeps_only_the_materialised_shards():
     assert whole_weights(built) == 4
 
 
+FSDP2_RESET = """\
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dist.init_process_group(dist.get_default_backend_for_device(device))
+if device == "cuda":
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+mesh = init_device_mesh(device, (dist.get_world_size(),))
+with torch.device("meta"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+model.to_empty(device=device)
+for layer in model:
+    layer.reset_parameters()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(3):
+    model(torch.randn(32, 256, device=device)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_sharded_reset_parameters_runs_and_rank_zero_agrees_with_gloo(tmp_path):
+    """PyTorch's own FSDP2 example's order (examples distributed/FSDP2/example.py): built on
+    meta, sharded, ``to_empty(device="cuda")``, then ``reset_parameters()`` on the DTensor
+    parameters. ``nn.Linear``'s ``kaiming_uniform_`` stopped in DTensor's fake shape propagation
+    ("PyTorch is not linked with support for cuda devices": its ``uniform_`` decomposition copies
+    between fake CUDA tensors). Rank 0 holds what rank 0 of a real 2-process gloo run holds at its
+    peak, storage for storage; the CPU run's count sees FSDP2 free its unsharded parameters
+    (``UntypedStorage.resize_(0)``: it counted every layer's as alive after its first forward)."""
+    from vramplan.script.truth import compare, cpu_truth_world
+
+    script = tmp_path / "fsdp2_reset.py"
+    script.write_text(FSDP2_RESET)
+    r = vramplan.run_script(script, [], gpu="h100-sxm", world=2, gpus=2, workspaces=False)
+    n = 4 * (256 * 256 + 256) * 4
+    assert r.model_states.weights == n // 2 and r.model_states.optimizer == n  # half a rank, AdamW's two states
+    c = compare(r, cpu_truth_world(script, [], world=2, steps=2, forked=True))
+    assert c.unexplained == 0 and not c.only_predicted, c.only_predicted
+    # only on the CPU: AdamW's host step counters (host tensors on a GPU too, where the GPU run
+    # leaves them out) and gloo's 8 bytes; FSDP2's freed unsharded parameters, resized to 0 bytes
+    assert all(n <= 8 for _, n in c.only_truth), c.only_truth
+    assert 0 <= c.truth - c.requested <= 64, (c.requested, c.truth)
+
+
 def test_fsdp1_script_runs_with_flat_sharded_states(tmp_path):
     """FSDP1 (``FullyShardedDataParallel``, flat parameters, a model built on the host and moved
     by ``device_id=torch.cuda.current_device()``): it runs (it stopped at ``torch.device(0)`` and

@@ -350,6 +350,33 @@ def test_from_pretrained_without_a_gpu_device_map_loads_on_the_host(tmp_path) ->
     a, b = vramplan.run_script(moved, gpu="h100-sxm"), vramplan.run_script(mapped, gpu="h100-sxm")
     assert abs(a.breakdown.weights - b.breakdown.weights) <= 1024 and a.breakdown.weights > 900_000_000
     assert abs(a.peak.allocated - b.peak.allocated) <= 0.005 * b.peak.allocated
+    assert not [n for n in b.notes if "device_map" in n]  # one GPU that holds it: transformers puts it all there
+
+
+def test_device_map_auto_that_would_spread_or_offload_says_so(tmp_path) -> None:
+    # device_map="auto" over 2 GPUs (accelerate's balanced split), or with a max_memory GPU 0 cannot
+    # hold the model in: transformers' own _get_device_map, run on the emulated GPUs, places modules
+    # off GPU 0; the run keeps the whole model on GPU 0 and its note says how a real load would differ
+    import re
+
+    def run(dm: str, gpus: int) -> tuple[int, dict[str, float]]:
+        script = tmp_path / "auto.py"
+        script.write_text("import torch\nfrom transformers import AutoModelForCausalLM\n"
+                          f"model = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', dtype=torch.bfloat16{dm})\n"
+                          "ids = torch.randint(0, 1000, (1, 16), device='cuda')\n"
+                          "with torch.inference_mode():\n    for _ in range(3):\n        model(input_ids=ids)\n")
+        r = vramplan.run_script(script, gpu="h100-sxm", gpus=gpus, workspaces=False)
+        notes = [n for n in r.notes if "device_map" in n]
+        assert len(notes) == 1, r.notes
+        placed = {k: float(v) * (1 if unit == "MiB" else 1024)
+                  for k, v, unit in re.findall(r"(GPU \d|cpu|disk) ([\d.]+) (MiB|GiB)", notes[0].split("(")[0])}
+        return r.breakdown.weights, placed
+
+    weights, two = run(", device_map='auto'", 2)
+    assert set(two) == {"GPU 0", "GPU 1"} and abs(sum(two.values()) - weights / 2**20) < 0.1
+    weights, small = run(", device_map='auto', max_memory={0: '300MiB', 'cpu': '8GiB'}", 1)
+    assert set(small) == {"GPU 0", "cpu"} and 0 < small["GPU 0"] <= 300  # what fits in 300 MiB, the rest on the host
+    assert abs(sum(small.values()) - weights / 2**20) < 0.1
 
 
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:

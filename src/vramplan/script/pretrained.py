@@ -95,12 +95,57 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[s
             model = klass._from_config(config, **extra, **model_kwargs)  # (meta tensors stand for loaded weights)
             if qc is not None:
                 run.notes += quantized.apply(model, qc, run.device)
-        if not on_host:
-            run.book(model)
     finally:
         _building[0] -= 1
+    if qc is None and kwargs.get("device_map") in _STRATEGIES:  # (before booking: GPU 0's free memory as transformers reads it)
+        run.notes += _auto_placement(model, kwargs["device_map"], kwargs.get("max_memory"))
+    if not on_host:
+        _building[0] += 1
+        try:
+            run.book(model)
+        finally:
+            _building[0] -= 1
     model.eval()  # from_pretrained returns a model in eval mode
     return model
+
+
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+"""The ``device_map`` values transformers computes a placement for (``_get_device_map``)."""
+
+
+def _auto_placement(model: Any, strategy: str, max_memory: Any) -> list[str]:
+    """What transformers would do with ``device_map=strategy``: its own ``_get_device_map``
+    (transformers/integrations/accelerate.py: accelerate's ``get_balanced_memory`` and
+    ``infer_auto_device_map`` over each GPU's ``mem_get_info`` — the emulated GPUs' — and this
+    machine's RAM), run on the model as built. When that places modules off GPU 0 (on other
+    GPUs, the CPU or disk), a note says so: the run keeps the whole model on GPU 0, so its
+    figures are the whole model on one GPU where the real load would spread or offload it."""
+    try:
+        from accelerate.utils import compute_module_sizes
+        from transformers.integrations.accelerate import _get_device_map
+
+        placement = _get_device_map(model, strategy, max_memory, None)
+        sizes = compute_module_sizes(model)
+    except Exception as e:  # noqa: BLE001 (a note only: say why it could not be computed)
+        return [f"device_map={strategy!r}: the whole model is on GPU 0; transformers' placement could not be "
+                f"computed here ({type(e).__name__}: {str(e)[:120]}), so a real load may spread it over GPUs "
+                "or offload part of it"]
+    where: dict[str, int] = {}
+    for name, dev in placement.items():
+        key = str(dev)
+        key = "GPU 0" if key in ("0", "cuda", "cuda:0") else f"GPU {key}" if key.isdigit() else key
+        where[key] = where.get(key, 0) + sizes.get(name, 0)
+    if set(where) <= {"GPU 0"}:
+        return []
+    gib = ", ".join(f"{k} {_size(v)}" for k, v in where.items())
+    return [f"device_map={strategy!r}: transformers would place the weights as {gib} (accelerate's "
+            "infer_auto_device_map over the emulated GPUs' free memory and this machine's RAM); vramplan run "
+            f"keeps the whole model ({_size(sizes.get('', 0))}) on GPU 0 and does not emulate the "
+            "split or the offload: the figures are the whole model on one GPU"]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _loads_on_host(device_map: Any, qc: Any) -> bool:

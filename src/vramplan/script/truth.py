@@ -174,7 +174,7 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _stops(truth, steps, tracker), eager_hop_calls(), tracker, _c10d_waits_release():
+        with _stops(truth, steps, tracker), eager_hop_calls(), tracker, tracker.resizes(), _c10d_waits_release():
             try:
                 runpy.run_path(str(p), run_name="__main__")
             except _Enough:

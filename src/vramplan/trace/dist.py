@@ -681,23 +681,71 @@ def dtensor_metadata_unrecorded() -> Iterator[None]:
         yield
         return
 
-    def unrecorded(orig: Any) -> Any:
+    def unrecorded(orig: Any, name: str) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             with _disable_current_modes():
                 try:
                     return orig(self, *args, **kwargs)
                 except Exception as e:
                     _clear_finished_frames(e)
-                    raise
+                    if name != "_propagate_tensor_meta_non_cached" or not _on_emulated_cuda(args):
+                        raise
+                    first = e
+                # (outside the handler: the retry's own failure is not chained to the first)
+                with _fake_args_on_meta():
+                    try:
+                        return orig(self, *args, **kwargs)
+                    except Exception as e:
+                        _clear_finished_frames(e)
+                raise first
         return run
 
     for n, orig in saved.items():
-        setattr(ShardingPropagator, n, unrecorded(orig))
+        setattr(ShardingPropagator, n, unrecorded(orig, n))
     try:
         yield
     finally:
         for n, orig in saved.items():
             setattr(ShardingPropagator, n, orig)
+
+
+def _on_emulated_cuda(args: tuple[Any, ...]) -> bool:
+    """True when the op schema (``args[0]``) runs on a ``"cuda"`` mesh while CUDA is emulated
+    (the trace's DeviceMesh, a script's own ``init_device_mesh("cuda", ...)``)."""
+    schema = args[0] if args else None
+    specs = [a for a in getattr(schema, "args_spec", ()) if getattr(a, "mesh", None) is not None]
+    return bool(specs) and specs[0].mesh.device_type == "cuda"
+
+
+@contextlib.contextmanager
+def _fake_args_on_meta() -> Iterator[None]:
+    """DTensor's fake propagation with its fake arguments on the ``meta`` device instead of the
+    mesh's ``"cuda"`` (``_rebuild_tensor_from_dtensor_meta``, torch/distributed/tensor/_op_schema.py).
+
+    A fake CUDA tensor is fake for its data, not for its device: a Tensor method with a device
+    guard asks the CUDA runtime for the device, so on the emulated GPU ``fake.copy_(other)``
+    raises "PyTorch is not linked with support for cuda devices" on a CPU build (torch 2.13)
+    and "CUDA driver version is insufficient" on a CUDA build without a GPU (2.14.1). DTensor's
+    ``uniform_`` reaches it through its decomposition (``self.copy_(uniform(...))``,
+    torch/_decomp/decompositions.py): ``nn.Linear.reset_parameters`` on an FSDP2 model moved with
+    ``to_empty(device="cuda")``, as PyTorch's own FSDP2 example runs it. Only the output's shape,
+    stride and dtype are read, which the meta kernels give; used only when the fake CUDA run
+    failed (a device's kernels may lay outputs out their own way)."""
+    import torch.distributed.tensor._op_schema as op_schema
+
+    rebuild = op_schema._rebuild_tensor_from_dtensor_meta
+
+    def on_meta(arg: Any) -> Any:
+        m = arg.tensor_meta
+        if m is None:
+            return rebuild(arg)  # (raises as torch does)
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+
+    op_schema._rebuild_tensor_from_dtensor_meta = on_meta
+    try:
+        yield
+    finally:
+        op_schema._rebuild_tensor_from_dtensor_meta = rebuild
 
 
 def _clear_finished_frames(exc: BaseException) -> None:
