@@ -134,6 +134,9 @@ def test_cli_runs_a_script_and_reports_json() -> None:
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout[p.stdout.index("{"):])
     assert d["method"] == "trace" and d["peak"]["allocated"] > 0
+    p = _cli("run", "--gpu", "rtx-4090", "--format", "markdown", "--", "python", str(EX / "plain_loop.py"), "--batch", "16")
+    assert p.returncode == 0, p.stderr
+    assert "vramplan run: plain_loop.py" in p.stdout and "vramplan trace:" not in p.stdout  # (it said "trace")
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -151,7 +151,7 @@ def _outermost(mods: Sequence[ModuleStat]) -> list[ModuleStat]:
 
 def to_doc(r: MemoryReport) -> Doc:
     doc = Doc(
-        title=f"vramplan {'trace' if r.user_model else 'estimate'}: {r.model} — "
+        title=f"vramplan {'run' if r.ran is not None else 'trace' if r.user_model else 'estimate'}: {r.model} — "
         f"{count(r.params)} params"
         + (f" ({count(r.trainable_params)} trainable)" if r.trainable_params != r.params else ""),
         subtitle="\n".join(line for line in (
