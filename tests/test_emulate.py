@@ -594,3 +594,16 @@ def test_diffusers_cpu_offload_hooks_bring_each_model_in_for_its_call(mode: str)
             resident.breakdown.activations + resident.breakdown.temporaries, rel=0.05)
     else:  # layer by layer: no whole model is ever resident
         assert off.breakdown.weights < resident.breakdown.weights / 4
+
+
+def test_a_cpu_reference_run_that_runs_nothing_is_refused(tmp_path: Path) -> None:
+    # pytorch/examples' FSDP2 and tensor-parallel examples exit on their GPU-count check before any forward on
+    # the CPU: the reference was a silent zero (and the comparison divided by it)
+    from vramplan.errors import TraceError
+    from vramplan.script.truth import cpu_truth
+
+    script = tmp_path / "needs_gpus.py"
+    script.write_text("import sys\nimport torch\nif torch.cuda.device_count() < 2:\n    print('needs 2 GPUs')\n"
+                      "    sys.exit()\nprint(torch.nn.Linear(4, 4)(torch.ones(1, 4)))\n")
+    with pytest.raises(TraceError, match="ran no forward on the CPU"):
+        cpu_truth(script)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import TraceError
 from ..events import Action, EventLog
 from ..results import MemoryReport
 from ..trace.flex import eager_hop_calls
@@ -189,6 +190,9 @@ def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> 
         sys.argv = saved_argv
         sys.path[:] = saved_path
         torch.set_num_threads(threads)
+    if truth.steps == 0 and truth.forwards == 0:
+        raise TraceError(f"{p.name} ran no forward on the CPU (it exited first, e.g. on a GPU-count check): "
+                         "there is no real run to compare with", hint="run a script that trains or infers on the CPU")
     truth.peak = tracker.step_peak
     truth.at_peak = tracker.composition()
     return truth
