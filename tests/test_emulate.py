@@ -607,3 +607,18 @@ def test_a_cpu_reference_run_that_runs_nothing_is_refused(tmp_path: Path) -> Non
                       "    sys.exit()\nprint(torch.nn.Linear(4, 4)(torch.ones(1, 4)))\n")
     with pytest.raises(TraceError, match="ran no forward on the CPU"):
         cpu_truth(script)
+
+
+def test_the_cpu_reference_runs_the_optimizers_cuda_default(tmp_path: Path) -> None:
+    # torch.optim's default is foreach on CUDA and the single-tensor loop on the CPU: the reference runs the
+    # GPU's path, so an optimizer-step peak (weights far larger than the activations) is the same storages
+    from vramplan.script.truth import compare, cpu_truth
+
+    script = tmp_path / "opt_peak.py"
+    script.write_text("import torch\nfrom torch import nn\ndev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+                      "m = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).to(dev)\n"
+                      "opt = torch.optim.AdamW(m.parameters())\n"
+                      "for _ in range(3):\n"
+                      "    m(torch.ones(1, 512, device=dev)).sum().backward(); opt.step(); opt.zero_grad()\n")
+    c = compare(vramplan.run_script(script, [], workspaces=False), cpu_truth(script))
+    assert c.unexplained == 0 and abs(c.residual) <= 64, c  # (AdamW's host step counters)
