@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM EP: token routing for the buffers that depend on it (worst: the whole batch to one "
                         "rank's experts; default even)")
     g.add_argument("--quantization", "--quantize", dest="quantization", default="none",
-                   choices=["none", "fp8", "awq", "gptq", "bitsandbytes"], help="weight quantisation (default none)")
+                   choices=["none", "fp8", "awq", "gptq", "bitsandbytes", "mxfp4"], help="weight quantisation (default none)")
     g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 (default auto)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default auto)")
     g.add_argument("--memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static",

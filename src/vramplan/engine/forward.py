@@ -13,7 +13,9 @@ the activation peak of a forward over a flat batch of tokens (:func:`forward`).
   0.5 + 2/128 + 0.5/128 B per weight) on the linear layers; embeddings and norms stay 16 bit.
   The linear-layer element count is the difference of the 16-bit and fp8 estimates.
   AWQ/GPTQ/fp8 kernels do not dequantise whole matrices, so their forward peak is the
-  16-bit model's.
+  16-bit model's. ``mxfp4`` (gpt-oss in vLLM): the routed experts are held as vLLM's MXFP4 MoE
+  method holds them (:func:`vramplan.pools.mxfp4.expert_bytes`, padded to ``mxfp4_align``), the
+  rest 16 bit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from vramplan.pools.base import AWQ_BYTES_PER_WEIGHT, Forward
 
 
 def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype: str,
-            method: str = "analytic") -> Forward:
+            method: str = "analytic", mxfp4_align: tuple[int, int] | None = None) -> Forward:
     """Weights on one rank and the activation peak of a forward over ``tokens`` tokens.
 
     Above the model's maximum positions the peak is scaled linearly from a forward at
@@ -40,7 +42,7 @@ def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype
     if spec.kv_heads and tp > spec.kv_heads and spec.family is not Family.MLA:
         etp, scale = spec.kv_heads, spec.kv_heads / tp
     w16, act, used = _estimate(spec.name, spec, run, etp, pp,
-                               "none" if quant in ("awq", "gptq", "fp8") else quant, dtype, method)
+                               "none" if quant in ("awq", "gptq", "fp8", "mxfp4") else quant, dtype, method)
     if tokens > run:
         act = act * tokens // run
     w16, act = int(w16 * scale), int(act * scale)
@@ -53,7 +55,23 @@ def forward(spec: ModelSpec, *, tokens: int, tp: int, pp: int, quant: str, dtype
         else:
             linear = max(0, w16 - w8)
             weights = int(w16 - 2 * linear + AWQ_BYTES_PER_WEIGHT * linear)
+    elif quant == "mxfp4":
+        weights = w16 - _mxfp4_saving(spec, tp, pp, mxfp4_align)
     return Forward(weights=weights, activation_peak=act, tokens=tokens, method=used, expert_elems=expert_elems(spec))
+
+
+def _mxfp4_saving(spec: ModelSpec, tp: int, pp: int, align: tuple[int, int] | None) -> int:
+    """The 16-bit estimate's routed experts on one rank (linear weights split over TP, their biases
+    whole, as the analytic estimate counts them) less what vLLM holds for them in MXFP4."""
+    from vramplan.pools.mxfp4 import expert_bytes
+
+    if align is None or spec.model_type != "gpt_oss" or pp != 1:
+        raise WorkloadError(f"MXFP4 weights are modelled for gpt-oss in vLLM on one pipeline stage, not {spec.name}"
+                            + (f" with pp={pp}" if pp != 1 else ""), hint="use quantization none", field="quantization")
+    e, i, h = spec.n_experts, spec.moe_intermediate, spec.hidden
+    layers = spec.layers
+    held16 = 2 * expert_elems(spec) // tp + 2 * layers * e * (2 * i + h)
+    return held16 - layers * e * expert_bytes(i, h, tp, align)
 
 
 def expert_elems(spec: ModelSpec) -> int:

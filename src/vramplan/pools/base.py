@@ -16,7 +16,8 @@ from vramplan.hardware.overhead import device_overhead
 from vramplan.models.spec import ModelSpec
 from vramplan.results import OverheadItem
 
-QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes")
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "bitsandbytes", "mxfp4")
+"""``mxfp4``: gpt-oss's MXFP4 experts, vLLM only (:mod:`vramplan.pools.mxfp4`)."""
 AWQ_BYTES_PER_WEIGHT = 0.5 + 2 / 128 + 0.5 / 128
 """4-bit packed weight + fp16 scale and 4-bit zero point per group of 128."""
 

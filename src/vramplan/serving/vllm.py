@@ -9,7 +9,7 @@ from vramplan.errors import WorkloadError
 from vramplan.hardware.gpu import GPU
 from vramplan.models import vlm
 from vramplan.models.spec import ModelSpec
-from vramplan.pools import mm
+from vramplan.pools import mm, mxfp4
 from vramplan.pools import vllm as rules
 from vramplan.pools.kvspec import layer_specs
 from vramplan.pools.result import ServePlan
@@ -31,7 +31,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     # vLLM's own refusals of the layout (heads per rank) come before its profile run
     layer_specs(text, tp=tp, pp=pp, kv_cache_dtype=settings.kv_cache_dtype, engine="vllm")
     mnbt = rules.profile_tokens(gpu, settings)
-    fwd = forward(text, tokens=mnbt, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
+    align = mxfp4.marlin_align(text, gpu, settings.engine_version) if quant == "mxfp4" else None
+    fwd = forward(text, tokens=mnbt, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method, mxfp4_align=align)
     enc = None
     if vlm.is_vlm(spec):
         if quant != "none":

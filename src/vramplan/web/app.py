@@ -310,7 +310,7 @@ def serve_choices() -> dict[str, Any]:
     read = {"vllm": vllm_release.RELEASES, "sglang": sglang_release.RELEASES, "tgi": tgi_release.RELEASES}
 
     return {"engines": list(ENGINES), "fraction_names": dict(FRACTION_NAME),
-            "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes"],
+            "quantization": ["none", "fp8", "awq", "gptq", "bitsandbytes", "mxfp4"],
             "kv_cache_dtype": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
             "spec_methods": ["none", "eagle", "eagle3", "deepseek_mtp", "ngram"],
             "engine_versions": {e: list(read.get(e, ())) for e in ENGINES}}
