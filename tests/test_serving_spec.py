@@ -66,7 +66,8 @@ def test_deepseek_mtp_loads_its_own_layer_and_head() -> None:
 
 def test_ngram_costs_no_gpu_memory() -> None:
     plain = serve_plan("llama-3.1-8b", "h100-sxm", **BASE)
-    p = serve_plan("llama-3.1-8b", "h100-sxm", speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    # 8 draft tokens: 8192 positions of logits (16-bit + fp32) outgrow the profile's 1024-row sampler (38 B per logit)
+    p = serve_plan("llama-3.1-8b", "h100-sxm", speculative_config={"method": "ngram", "num_speculative_tokens": 8},
                    **BASE)
     assert (p.weights, p.tokens, p.draft_buffers) == (plain.weights, plain.tokens, 0)
     assert any("At run time a full decode batch's logits" in n for n in p.notes)

@@ -111,10 +111,13 @@ def test_0_20_takes_the_cuda_graph_estimate_from_the_budget() -> None:
 
 
 def test_sampler_peak_per_release() -> None:
-    """1024 dummy rows × the vocabulary: 16-bit + 26 B (sort path) to 0.16, + 12 B (Triton) from
-    0.17.0; model runner V2 (dense from 0.25.0): + 4 B, + 12 B from 0.33.0 (FlashInfer pass)."""
+    """1024 dummy rows × the vocabulary: 16-bit + 36 B (the CUDA sort's instant) to 0.16, + 12 B
+    (Triton) from 0.17.0; model runner V2 (dense from 0.25.0): + 4 B, + 12 B from 0.33.0 (FlashInfer
+    pass). Below 128 rows the sort goes through the whole-batch path: + 48 B."""
     rows = 1024 * V
-    assert plan("0.16.0").profile_peak == rows * 28
+    assert plan("0.16.0").profile_peak == rows * 38
+    rel = Release.of("0.16.0")
+    assert (rel.sampler_bytes(False, 1), rel.sampler_bytes(False, 64), rel.sampler_bytes(False, 128)) == (36, 48, 36)
     assert plan("0.17.0").profile_peak == rows * 14
     assert plan("0.33.0", extensible_kv_cache=None).profile_peak == rows * 14
     v2 = plan("0.25.0")
@@ -251,10 +254,11 @@ def test_log_qwen3_235b_fp8_on_8_l40s_vllm_0_10_2() -> None:
     for CUDAGraph memory. …".
 
     0.10.2's rules on the log's own parts reproduce its pool exactly. vramplan's own parts: weights
-    −0.5 %, non-torch −0.05 GiB; two are off, measured here so a change shows: the profile peak
-    (1.01 predicted: the sampler over 256 × 151,936 logits; 1.4 logged — the 0.39 GiB is not found
-    yet) and the CUDA-graph pool (a lower bound of 0.01 GiB against 3.45 logged: outside 0.10.2's
-    budget, so it moves device use, not the pool). The L40S's total is 0.10 GiB above the log's."""
+    −0.5 %, non-torch −0.05 GiB, the profile peak 1.38 against 1.4 (the sampler over 256 × 151,936 logits
+    at the CUDA sort's instant, 38 B per logit: ``vllm_release.cuda_sort_scratch``; the ops' own 28 B per
+    logit gave 1.01, 0.39 GiB short). One is off, measured here so a change shows: the CUDA-graph pool
+    (a lower bound of 0.01 GiB against 3.45 logged: outside 0.10.2's budget, so it moves device use, not
+    the pool). The L40S's total is 0.10 GiB above the log's."""
     import json
 
     from vramplan.models.catalog import spec_from_text
@@ -276,7 +280,7 @@ def test_log_qwen3_235b_fp8_on_8_l40s_vllm_0_10_2() -> None:
     assert p.settings["max_num_batched_tokens"] == 2048 and p.settings["max_num_seqs"] == 256
     assert p.weights / GiB == pytest.approx(27.7183, rel=0.01)
     assert abs(p.non_torch - non_torch) < 0.2 * GiB
-    assert 0.3 * GiB < peak - p.profile_peak < 0.5 * GiB  # the gap named above
+    assert p.profile_peak == 256 * 151936 * 38 and abs(peak - p.profile_peak) < 0.05 * GiB
     assert p.kv_available / GiB == pytest.approx(10.68, rel=0.07)
     assert p.tokens == pytest.approx(238208, rel=0.07)
     assert p.cuda_graph < 3.45 * GiB and not p.cuda_graph_in_budget

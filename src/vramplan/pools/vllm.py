@@ -38,7 +38,8 @@ later release changes is :class:`.vllm_release.Release` (files and lines per ver
 Approximated: the sampler's peak (0.10.1.1's native top-k/top-p path of
 ``vllm/v1/sample/ops/topk_topp_sampler.py``: 16-bit logits, an fp32 copy, sorted values,
 int64 indices, two boolean masks, the softmax and the scattered result = dtype + 26 bytes
-per logit; later paths: :meth:`.vllm_release.Release.sampler_bytes`); the CUDA-graph pool (the
+per logit, and CUDA's sort temporaries above that at the sort: dtype + 36 bytes from 128 rows;
+:meth:`.vllm_release.Release.sampler_bytes`); the CUDA-graph pool (the
 activations of one forward at the largest capture size, which all graphs share — a lower
 bound: published logs report "Graph capturing finished …, took 0.1–1 GiB"); 0.34's
 transient reserve (the sizing step's torch-reservation growth is taken as the profile's peak);
@@ -382,7 +383,7 @@ def plan(spec: ModelSpec, gpu: GPU, fwd: Forward, *, tp: int = 1, pp: int = 1, q
     if lay is not None:
         weights += lay.weights_delta
         ep_peak, ep_buffers = lay.peak_delta, lay.non_torch
-    per_logit = rel.sampler_bytes(moe)
+    per_logit = rel.sampler_bytes(moe, num_reqs)
     sampler = num_reqs * spec.vocab * (compute + per_logit) if spec.vocab else 0
     buffers = rel.runner_buffers(moe, max_num_seqs, spec.vocab)
     peak = lm_phase = max(fwd.activation_peak + lora_peak + ep_peak, sampler)

@@ -29,10 +29,30 @@ NEWEST = "0.34.0"
 """The newest vLLM release on the package index when this was written (the default)."""
 
 SAMPLER_BYTES_PER_LOGIT = 26
-"""0.10.1.1's sort-based sampler, beyond the 16-bit logits: fp32 copy 4 + sorted 4 + int64
-indices 8 + two bool masks 2 + softmax 4 + scatter output 4 (``apply_top_k_top_p``); a vramplan
+"""0.10.1.1's sort-based sampler, beyond the 16-bit logits, as its own tensors: fp32 copy 4 + sorted 4
++ int64 indices 8 + two bool masks 2 + softmax 4 + scatter output 4 (``apply_top_k_top_p``); a vramplan
 trace of the same ops peaks at 27.4 B per logit in all, the 16-bit logits included
-(tests/test_serving.py)."""
+(tests/test_serving.py). On CUDA ``torch.sort`` adds its own temporaries: :func:`cuda_sort_scratch`."""
+
+
+def cuda_sort_scratch(rows: int) -> int:
+    """Bytes per element ``torch.sort`` allocates on CUDA beside its outputs while it sorts ``rows`` rows
+    of a float32 vocabulary (> 4096 values per row, so the stable radix path: aten/src/ATen/native/cuda/
+    Sort.cpp ``sort_cuda_kernel`` → SortStable.cu ``launch_stable_sort_kernel``):
+
+    * 1 row, or 128 rows and more: ``segmented_sort_large_segments`` / ``segmented_sort_pairs``
+      (SortStable.cu) fill int64 reverse indices (8) and call cub's segmented radix sort without a
+      ``DoubleBuffer``, whose temporary storage holds a third key buffer (4) and a third value buffer
+      (int64: 8) of all the items (NVIDIA/cub cub/device/dispatch/dispatch_radix_sort.cuh,
+      ``DispatchSegmentedRadixSort``: ``allocation_sizes[2]``): 20 B;
+    * 2 to 127 rows: ``segmented_sort_pairs_by_full_sort`` holds two ``int2`` (index, segment) arrays
+      (8 + 8) and sorts the whole batch once with keys written to a new buffer (4) and cub's third
+      key and ``int2`` value buffers (4 + 8): 32 B.
+
+    Read in the sources, not measured on a GPU; three public logs' profile peaks (0.10.1, 0.10.2,
+    0.15.1 at 256 and 1024 rows) land within 0.02–0.16 GiB with it and 10–11 B per logit short
+    without it (docs/research/vllm-public-logs.md, "Logs added in session 53")."""
+    return 32 if 1 < rows < 128 else 20
 
 _RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+-]?(?:post|rc|dev)\d*)?(?:\+.*)?$")
 
@@ -172,11 +192,13 @@ class Release:
         models only: the V1 runner is assumed there)."""
         return self.since("0.29.0") or (self.since("0.25.0") and not moe)
 
-    def sampler_bytes(self, moe: bool) -> int:
-        """Bytes per logit the dummy sampler run adds to the 16-bit logits:
+    def sampler_bytes(self, moe: bool, rows: int) -> int:
+        """Bytes per logit the dummy sampler run over ``rows`` requests adds to the 16-bit logits:
 
-        * V1 runner to 0.16.x: the sort-based top-k/top-p path (26 B: fp32 copy, sorted values,
-          int64 indices, two masks, softmax, scatter; v1/sample/ops/topk_topp_sampler.py);
+        * V1 runner to 0.16.x: the sort-based top-k/top-p path (v1/sample/ops/topk_topp_sampler.py
+          ``apply_top_k_top_p``), whose peak is ``logits.sort`` on CUDA: fp32 copy 4 + sorted values 4
+          + int64 indices 8 + the sort's temporaries (:func:`cuda_sort_scratch`: 20 B, 32 B for 2–127
+          rows), above the 26 B of its later steps (masks, softmax, scatter);
         * V1 runner from 0.17.0: the Triton top-k/top-p kernel masks the fp32 copy in place
           (≥ 8 rows), then softmax and the exponential draw: 12 B (0.17.0 topk_topp_sampler.py:251);
         * V2 runner to 0.32.x: one light pass, the fp32 copy only: 4 B (gpu/sample/sampler.py);
@@ -185,7 +207,9 @@ class Release:
         """
         if self.v2_runner(moe):
             return 12 if self.since("0.33.0") else 4
-        return 12 if self.since("0.17.0") else SAMPLER_BYTES_PER_LOGIT
+        if self.since("0.17.0"):
+            return 12
+        return max(SAMPLER_BYTES_PER_LOGIT, 4 + 4 + 8 + cuda_sort_scratch(rows))
 
     def runner_buffers(self, moe: bool, max_num_seqs: int, vocab: int) -> int:
         """The V2 runner's persistent sampler state, created after "Model loading took" and so in
