@@ -66,7 +66,7 @@ def _mxfp4_saving(spec: ModelSpec, tp: int, pp: int, align: tuple[int, int] | No
     from vramplan.pools.mxfp4 import expert_bytes
 
     if align is None or spec.model_type != "gpt_oss" or pp != 1:
-        raise WorkloadError(f"MXFP4 weights are modelled for gpt-oss in vLLM on one pipeline stage, not {spec.name}"
+        raise WorkloadError(f"`quantization=mxfp4` is modelled for gpt-oss in vLLM on one pipeline stage, not {spec.name}"
                             + (f" with pp={pp}" if pp != 1 else ""), hint="use quantization none", field="quantization")
     e, i, h = spec.n_experts, spec.moe_intermediate, spec.hidden
     layers = spec.layers

@@ -47,23 +47,25 @@ def marlin_align(spec: ModelSpec, gpu: GPU, version: str | None) -> tuple[int, i
     """(intermediate, hidden) alignment of the experts MXFP4 is held in on ``gpu`` at ``version``
     (Marlin's 128, 256), or the refusal with its cause."""
     if spec.model_type != "gpt_oss":
-        raise WorkloadError(f"MXFP4 weights are modelled for gpt-oss (its experts), not {spec.name}",
+        raise WorkloadError(f"`quantization=mxfp4` is modelled for gpt-oss (its experts), not {spec.name}",
                             hint="use quantization none, fp8, awq or gptq", field="quantization")
     rel = Release.of(version)
     if not rel.since("0.10.1"):
-        raise WorkloadError(f"vLLM {rel.text} has no MXFP4 (gpt-oss support arrives in 0.10.1)",
+        raise WorkloadError(f"`engine_version={rel.text}` has no MXFP4 (gpt-oss support arrives in vLLM 0.10.1)",
                             hint="use `engine_version` 0.10.1 … 0.19.1", field="engine_version")
     if rel.since("0.20.0"):
-        raise WorkloadError(f"MXFP4 experts at vLLM {rel.text} are not modelled: from 0.20 its backend oracle adds "
+        raise WorkloadError(f"`quantization=mxfp4` at `engine_version={rel.text}` is not modelled: from 0.20 vLLM's backend oracle adds "
                             "MXFP8, DeepGEMM and Humming backends with their own padding",
                             hint="use `engine_version` 0.10.1 … 0.19.1", field="engine_version")
     sm = gpu.sm
     if sm is None:
-        raise WorkloadError(f"MXFP4 on {gpu.name} is not modelled (vLLM's CUDA backends only)", field="quantization")
+        raise WorkloadError(f"`quantization=mxfp4` on {gpu.name} is not modelled (vLLM's CUDA backends only)",
+                            field="quantization")
     marlin = sm != (10, 0) if not rel.since("0.11.0") else sm < (9, 0)
     if not marlin:
         raise WorkloadError(
-            f"MXFP4 experts on {gpu.name} (compute capability {sm[0]}.{sm[1]}) at vLLM {rel.text} are not modelled: "
+            f"`quantization=mxfp4` on {gpu.name} (compute capability {sm[0]}.{sm[1]}) at `engine_version={rel.text}` is "
+            "not modelled: "
             "vLLM holds them in the triton_kernels package's swizzled layout or FlashInfer's there, whose padding is "
             "not in vLLM's source", hint="plan a GPU below compute capability 9.0 (Marlin), or engine_version 0.10.1 "
             "on Hopper", field="quantization")

@@ -147,7 +147,7 @@ def serve_plan(
         _check_lora(engine, max_loras, max_lora_rank, max_cpu_loras)
     q = check_quant(quantization)
     if q == "mxfp4" and engine != "vllm":
-        raise WorkloadError(f"MXFP4 weights are modelled for vLLM only, not {engine}", hint="use engine vllm",
+        raise WorkloadError(f"`quantization=mxfp4` is modelled for vLLM only, not `engine={engine}`", hint="use engine vllm",
                             field="quantization")
     d = serving_dtype(spec, dtype)
     common: dict[str, Any] = {"tp": tp, "pp": pp, "quant": q, "dtype": d, "avg_request_len": avg_request_len,
