@@ -444,3 +444,48 @@ def test_a_second_model_s_modules_carry_its_class(tmp_path: Path) -> None:
     r = vramplan.run_script(script, gpu="h100-sxm", steps=2)
     names = {m.module for m in r.top_modules}
     assert "Decoder.0" in names and "0" in names, names  # (the first model's paths stay as they are)
+
+
+_RETRYING = """import torch
+from torch import nn
+from accelerate.utils import find_executable_batch_size
+
+model = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+ran = []
+
+@find_executable_batch_size(starting_batch_size=1 << 20)
+def train(batch_size):
+    for _ in range(2):
+        model(torch.randn(batch_size, 4096, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ran.append(batch_size)
+
+train()
+print("ran", ran)
+"""
+
+
+def test_a_script_that_recovers_from_out_of_memory_runs_the_batch_the_gpu_would(tmp_path: Path) -> None:
+    """accelerate's find_executable_batch_size (HF Trainer's auto_find_batch_size) catches CUDA's
+    out-of-memory error and retries smaller: inside it the emulated GPU raises one where the caching
+    allocator, within the GPU's free memory, could not allocate; the run is the batch that fits."""
+    pytest.importorskip("accelerate")
+    script = tmp_path / "retrying.py"
+    script.write_text(_RETRYING)
+    r = vramplan.run_script(script, [], gpu="rtx-4090")
+    note = next(n for n in r.notes if "out-of-memory handler" in n)
+    sizes = [int(x.replace(",", "")) for x in note.split("batch sizes ")[1].split(":")[0].split(", ")]
+    assert sizes[0] == 1 << 20 and all(b < a for a, b in zip(sizes, sizes[1:], strict=False)) and len(sizes) > 3
+    assert r.ran is not None and r.ran.batch == sizes[-1] and r.ran.steps == 2
+    assert r.verdict is not None and r.verdict.fits, r.verdict
+    # the batch before the last did not fit: its first step's two [batch, 4096] activations and the input alone
+    # would not leave room for the rest (the replay says where)
+    assert 3 * sizes[-2] * 4096 * 4 > r.verdict.usable * 0.5
+    # without a handler the run goes past the GPU and reports the whole need
+    script.write_text(_RETRYING.replace("@find_executable_batch_size(starting_batch_size=1 << 20)\n", "")
+                      .replace("train()", "train(1 << 20)"))
+    whole = vramplan.run_script(script, [], gpu="rtx-4090")
+    assert whole.verdict is not None and not whole.verdict.fits
+    assert not any("out-of-memory handler" in n for n in whole.notes)

@@ -13,9 +13,9 @@ class LiveAllocator:
     """Replays the recorded events incrementally, so the script's memory queries get the
     simulation's figures at the moment it asks."""
 
-    def __init__(self, log: EventLog, conf: str | None = None) -> None:
+    def __init__(self, log: EventLog, conf: str | None = None, capacity: int | None = None) -> None:
         self.log = log
-        self.al = CachingAllocator(parse_conf(conf or ""))
+        self.al = CachingAllocator(parse_conf(conf or ""), capacity=capacity)
         self._pos = 0
         self._live: dict[int, Any] = {}
         self.peak_allocated = 0

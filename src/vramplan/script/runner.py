@@ -71,6 +71,7 @@ from ..trace.recorder import PHASE_INDEX
 from ..trace.result import TraceResult
 from ..trace.session import TraceSession
 from ..workload import Phase
+from .oom import OomGuard, recovering_handlers
 from .pretrained import building, weightless_from_pretrained
 
 Progress = Callable[[str], None]
@@ -1144,6 +1145,20 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     hooks.path = p
     live = LiveAllocator(sess.rec.log, alloc_conf)
     hooks.live = live
+    capacity = facts.total_memory - facts.outside_allocator
+    guard = OomGuard(capacity=capacity, total=facts.total_memory,
+                     replay=LiveAllocator(sess.rec.log, alloc_conf, capacity=capacity), stream=lambda: sess.rec.stream)
+
+
+    def retried() -> None:  # the handler runs its function again: its steps and its batch count
+        run.steps = run.device_forwards = 0
+        # the emulated error was raised in Python frames (the trace's dispatch mode), whose reference cycles
+        # keep the failed call's tensors; CUDA's is raised in C++ and they die with the exception
+        gc.collect()
+        sess.rec.emit_action(Action.EMPTY_CACHE, "out-of-memory retry: the allocator's cache freed")
+
+    guard.on_retry = retried
+    sess.rec.guard = guard
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def on_sync(kind: str) -> None:
@@ -1160,7 +1175,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
                 weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), \
                 _argv(p, argv, Path.cwd() if module else p.parent), \
-                modes_follow_threads(trace_session._ACTIVE), _no_process_exit(), _deadline(timeout):
+                modes_follow_threads(trace_session._ACTIVE), _no_process_exit(), _deadline(timeout), \
+                recovering_handlers(guard):
             sess.start_iteration(1)
             hooks._set_phase(Phase.FORWARD)
             try:
@@ -1203,8 +1219,11 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
             raise _script_error(e, p) from e
         # the script's own clean-up failed while vramplan stopped it (Lightning moves the model
         # back to the CPU in its teardown): the steps ran; what follows is not the step's memory
+    sess.rec.guard = None
     _check_on_device(run, p)
     notes = list(sess.notes)
+    if (handled := guard.note()) is not None:
+        notes.append(handled)
     what = {"steps": f"stopped after {run.steps} optimizer step(s)",
             "backwards": f"stopped after {run.backwards} backward pass(es) (no optimizer: the script updates its "
                          "parameters itself)",
