@@ -68,6 +68,20 @@ class PrecisionModel:
     peft: bool = False
     bnb_compute_dtype: str = ""
     """bitsandbytes 4-bit compute dtype name ("" = the compute dtype)."""
+    param_cast: bool = False
+    """FSDP's mixed precision runs the forward and backward on 16-bit copies of the fp32 stored
+    parameters: FSDP2's unsharded parameter is made in ``MixedPrecisionPolicy.param_dtype``
+    (torch 2.13 ``fsdp/_fully_shard/_fsdp_param.py:630-655`` ``init_unsharded_param``, ``:901`` the
+    all-gather input cast), FSDP1's ``MixedPrecision(param_dtype)`` all-gathers a low-precision shard
+    (``fsdp/_flat_param.py:1342-1358`` ``_use_low_precision_shard``). Autocast (FSDP1 under accelerate)
+    casts only its matmuls' operands; element-wise ops with a weight (an RMSNorm's ``weight * x``) read
+    this copy too."""
+
+    @property
+    def forward_weight(self) -> int:
+        """Bytes per element of an (unquantised) parameter as the forward reads it outside autocast's
+        casts: FSDP's ``param_dtype`` copy under its mixed precision, else the stored weight."""
+        return self.compute if self.param_cast else self.weight
 
     @property
     def weight_dtype(self) -> str:
@@ -138,7 +152,7 @@ def _precision_model(w: Workload) -> PrecisionModel:
     if w.training and dp_engine(w) in ("fsdp", "fsdp1") and w.quant is Quant.NONE:
         # FSDP1 as accelerate runs it: its MixedPrecision and, around the forward, CUDA autocast
         return PrecisionModel(weight=4, stream=2, compute=2, autocast=dp_engine(w) == "fsdp1", master=False,
-                              grad=4, state=4, compute_dtype=half)
+                              grad=4, state=4, compute_dtype=half, param_cast=True)
     if w.training and w.parallel.zero >= 1:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=True, grad=2, state=4,
                               compute_dtype=half)

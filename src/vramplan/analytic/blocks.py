@@ -13,7 +13,10 @@ real ``LlamaDecoderLayer`` (tests/test_analytic_torch.py):
 - HF ``LlamaRMSNorm``: ``x.to(fp32)`` → ``pow(2)`` (saves fp32 x) → ``mean`` → ``rsqrt``
   (saves the [n, 1] result) → ``x * rsqrt`` (saves fp32 x and rsqrt) → ``.to(input dtype)``
   → ``weight * normed`` (saves ``normed`` when the weight trains). Output dtype: the
-  promotion of weight and input (fp32 under AMP, whose weights are fp32).
+  promotion of the weight the forward reads and the input (transformers 5.24
+  ``models/llama/modeling_llama.py:62-67``): fp32 under AMP, whose weights are fp32 (``mul`` is on
+  no autocast list); 16-bit under FSDP's mixed precision, whose forward reads the 16-bit
+  ``param_dtype`` copy of the fp32 stored weight (``PrecisionModel.forward_weight``), and in pure 16-bit.
 - ``layer_norm`` saves its input plus mean and rstd ([n] fp32 each); under autocast it is
   an fp32-list op, so a 16-bit input is saved as its fp32 cast and the output is fp32.
 - SiLU / GELU (fused) save their input; GPT-2's composite ``gelu_new`` saves four
@@ -106,7 +109,7 @@ def norm(t: Terms, kind: str, in_b: int, width: int, ctx: Ctx, name: str, *,
         return in_b
     if trains:
         t.add(f"{name}: normalised input (weight grad)", in_b * width, shard=shard)
-    return max(in_b, ctx.rg.weight)
+    return max(in_b, ctx.rg.forward_weight)
 
 
 def linear_inputs(t: Terms, lins: tuple[Linear, ...], in_b: int, width: int, ctx: Ctx, name: str, *,

@@ -86,7 +86,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     # what the next micro-batch's backward no longer holds: one chunk of the stage's activations (and, where
     # the schedule runs several forwards of the last stage first, one micro-batch's logits and loss inputs)
     fewer = stage.held(a.layers) - stage.held(a.layers, 1) + (head_saved if earlier else 0)
-    acts = stage.held(a.layers) + a.embed + earlier + receive * stage.receives * w.grad_accum
+    recv = receive * stage.receives * w.grad_accum
+    # torch's pipeline stage keeps each forward's output in ``fwd_cache`` until that micro-batch's
+    # backward returns (torch 2.13 pipelining/stage.py:913-916, popped into a local at :963-966): a
+    # stage before the last hands on its hidden states (the receive buffer's size), one per chunk in flight
+    outs = stage.held(receive * (stage.virtual - stage.head))
+    acts = stage.held(a.layers) + a.embed + earlier + recv + outs
     # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
     # copies survive into backward only where its linears saved them (layers not fully
     # checkpointed), plus the one layer being recomputed.
@@ -129,7 +134,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads - (0 if early else st.accumulated_layer)),
-            activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept + out_single,
+            activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept + out_single + recv + outs,
             temporaries=st.casts_layer + a.transient + temps + workspace + step_temp + fresh,
         ),
     ]
@@ -138,11 +143,11 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             instants[0], gradients=_with_buckets(st, max(held, st.head_grads + st.layer_grads) + st.unsharded_grads),
             activations=instants[0].activations - fewer))
     if pipelined:
-        recv = receive * stage.receives * w.grad_accum
         if not early:  # the next micro-batch's backward: one chunk fewer, every layer's gradients accumulated
             instants.append(Breakdown(
                 weights=st.weights + st.gathered_end, optimizer=st.optimizer, gradients=held + st.accumulated,
-                activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept + out_single,
+                activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept + out_single + recv
+                + stage.held(receive * (stage.virtual - stage.head), 1),
                 temporaries=st.casts_layer + a.transient + temps + workspace + st.fresh_later,
             ))
         instants.append(Breakdown(  # the end of the step: perform_reduce_grad reduce-scatters unit by unit
@@ -154,14 +159,16 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                               *(((2, st.accumulated),) if not early else ())):
                 instants.append(Breakdown(
                     weights=w_live, optimizer=st.optimizer, gradients=held + acc,
-                    activations=stage.held(a.layers, less) + kept,
+                    activations=stage.held(a.layers, less) + kept + recv
+                    + stage.held(receive * (stage.virtual - stage.head), less - 1),
                     temporaries=st.fresh_embed + st.deferred + workspace,
                 ))
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
             weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, fwd_held + early),
             activations=acts + a.head + lm.backward_saved + kept + out,
-            temporaries=casts_bwd + lm.backward_transient + 2 * workspace,
+            # (FSDP2 ZeRO-3: the last layer's all-gather, prefetched by the root's pre-backward)
+            temporaries=casts_bwd + lm.backward_transient + 2 * workspace + st.prefetched,
         ))
         if fwd_held < held:  # the next micro-batch's, every gradient accumulated
             instants.append(dataclasses.replace(instants[-1], gradients=_with_buckets(st, held),

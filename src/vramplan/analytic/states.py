@@ -128,6 +128,15 @@ class States:
     the parameters' 16-bit dtype, kept as the unsharded parameters' ``grad`` until that stage's
     next backward (its post-backward casts or adds them): alive through the first stage's
     backward. 0 where the reduce dtype is the parameters' (autograd adds into the kept ones)."""
+    prefetched: int = 0
+    """FSDP2 ZeRO-3 (``reshard_after_forward=True``, not under a pipeline): the last layer's
+    all-gather output in ``param_dtype``, which the root's pre-backward prefetches before the loss's
+    backward runs and which lives until that layer's own pre-backward copies it out. torch 2.13
+    ``fsdp/_fully_shard``: ``_fsdp_state.py:434-452`` hooks ``_pre_backward`` on the root's outputs
+    (the loss, computed inside the causal LM's forward), ``_fsdp_param_group.py:576-585``
+    ``pre_backward`` gathers the root's unit, then ``_backward_prefetch`` (``:795-831``) unshards the
+    previous unit in forward order; ``_fsdp_collectives.py:351-354`` allocates the all-gather output
+    (the world size × the unit's padded shard), freed after its copy-out (``_fsdp_param_group.py:489``)."""
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
@@ -168,7 +177,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             for lin, n in lins
         )
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
-    gathered = pad = 0
+    gathered = pad = prefetched = 0
     # FSDP2 shards the parameters at ZeRO-2 too (reshard_after_forward=False keeps each unit's
     # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
     # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
@@ -186,6 +195,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         if pipelined:
             unit += adapters  # (the adapters are FSDP2 parameters too, gathered with their unit)
         gathered = (2 if per_unit else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
+        if fsdp2 and per_unit:  # (ZeRO-2 keeps the layers gathered from the forward: nothing to gather)
+            prefetched = (layer + unit_pad[0] + layer_adapters) * min(rg.weight, rg.compute)
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
     if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
         # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
@@ -204,6 +215,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
                         + local_small(g, w) * rg.compute for g, _ in stage.groups), default=0)
             gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
+            prefetched = 0 if pipelined else unit
             if pipelined:  # every unit of the stage stays gathered (pipeline_fsdp)
                 gathered = sum(n * sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
                                + n * local_small(g, w) * rg.compute for g, n in stage.groups) \
@@ -335,7 +347,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         accumulated_layer=accumulated_layer,
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
         fresh_head_first=fresh_head_first, head_cast=head_cast,
-        accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce,
+        accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce, prefetched=prefetched,
     )
 
 
