@@ -121,7 +121,8 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
         # (a zero-bubble V's last-stage weight gradients wait as 16-bit ``grad``s through later forwards too)
-        temporaries=casts_fwd + lm.forward_transient + 2 * workspace + (st.deferred if early else 0),
+        temporaries=casts_fwd + lm.forward_transient + 2 * workspace + (st.deferred if early else 0)
+        + st.forward_gather,
         kv_cache=stage.held(cache),
     )
     instants = [
@@ -189,6 +190,13 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                 instants.append(dataclasses.replace(
                     head_bwd, gradients=held + st.accumulated, activations=head_bwd.activations - fewer,
                     temporaries=head_bwd.temporaries + st.fresh_head))
+    if st.root_reduce[0]:  # FSDP2: the root unit's post-backward reduce-scatter, every block's already done
+        root_temp, root_shard = st.root_reduce
+        instants.append(Breakdown(
+            weights=st.weights, optimizer=st.optimizer,
+            gradients=_with_buckets(st, st.gradients - (0 if held else root_shard)),
+            activations=kept, temporaries=root_temp + workspace,
+        ))
     if st.embed_grad_full:
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,

@@ -137,6 +137,20 @@ class States:
     ``pre_backward`` gathers the root's unit, then ``_backward_prefetch`` (``:795-831``) unshards the
     previous unit in forward order; ``_fsdp_collectives.py:351-354`` allocates the all-gather output
     (the world size × the unit's padded shard), freed after its copy-out (``_fsdp_param_group.py:489``)."""
+    forward_gather: int = 0
+    """FSDP2 without a pipeline: the last block's all-gather output at the end of the forward. With
+    implicit prefetching each unit's all-gather result is kept until the next copy-out
+    (``_fsdp_param_group.py:429-432``, ``:483``), the last block's until the root's post-forward frees
+    it (``_fsdp_state.py:333-342``), after the head and the loss the causal LM computes inside its
+    forward."""
+    root_reduce: tuple[int, int] = (0, 0)
+    """FSDP2 without a pipeline, full training: the root unit's post-backward, the end of backward
+    (the root holds what no block holds: embeddings, final norm, head): (its unsharded gradients in
+    ``param_dtype`` beside the reduce-scatter input it copies them into, in the reduce dtype; its
+    gradient shard, made by that reduce-scatter). torch 2.13 ``fsdp/_fully_shard``:
+    ``_fsdp_param_group.py`` ``post_backward`` reshards the unit, then ``foreach_reduce``
+    (``_fsdp_collectives.py``) allocates the world size × padded shard input and copies the
+    gradients in (``foreach_reduce_scatter_copy_in``)."""
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
@@ -177,7 +191,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             for lin, n in lins
         )
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
-    gathered = pad = prefetched = 0
+    gathered = pad = prefetched = forward_gather = 0
     # FSDP2 shards the parameters at ZeRO-2 too (reshard_after_forward=False keeps each unit's
     # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
     # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
@@ -195,8 +209,10 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         if pipelined:
             unit += adapters  # (the adapters are FSDP2 parameters too, gathered with their unit)
         gathered = (2 if per_unit else 1) * unit * min(rg.weight, rg.compute)  # FSDP2 gathers in param_dtype
-        if fsdp2 and per_unit:  # (ZeRO-2 keeps the layers gathered from the forward: nothing to gather)
-            prefetched = (layer + unit_pad[0] + layer_adapters) * min(rg.weight, rg.compute)
+        if fsdp2 and not pipelined:
+            forward_gather = (layer + unit_pad[0] + layer_adapters) * min(rg.weight, rg.compute)
+            if per_unit:  # (ZeRO-2 keeps the layers gathered from the forward: nothing to gather)
+                prefetched = forward_gather
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
     if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
         # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
@@ -215,7 +231,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
                         + local_small(g, w) * rg.compute for g, _ in stage.groups), default=0)
             gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
-            prefetched = 0 if pipelined else unit
+            prefetched = forward_gather = 0 if pipelined else unit
             if pipelined:  # every unit of the stage stays gathered (pipeline_fsdp)
                 gathered = sum(n * sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
                                + n * local_small(g, w) * rg.compute for g, n in stage.groups) \
@@ -329,6 +345,10 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         else:
             fresh_later = fresh_first
         reduce = _reduce_peak(units, gathered)
+    root_reduce = (0, 0)
+    if fsdp2 and not pipelined and tr.full and w.quant is Quant.NONE:
+        root = embed + head + head_small + extra + unit_pad[1] + unit_pad[2]
+        root_reduce = (root * (min(rg.weight, rg.compute) + rg.grad), 0 if cpu else root * rg.grad // p.shard_group)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
@@ -348,6 +368,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
         fresh_head_first=fresh_head_first, head_cast=head_cast,
         accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce, prefetched=prefetched,
+        root_reduce=root_reduce, forward_gather=forward_gather,
     )
 
 
