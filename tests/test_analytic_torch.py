@@ -28,10 +28,14 @@ from vramplan.analytic.blocks import Ctx, block_saved  # noqa: E402
 from vramplan.analytic.estimate import build_arch  # noqa: E402
 from vramplan.analytic.regime import regime, trainable  # noqa: E402
 from vramplan.models.spec import Family, ModelSpec  # noqa: E402
-from vramplan.workload import Workload  # noqa: E402
+from vramplan.workload import Parallel, Workload  # noqa: E402
 
 B, S, H = 2, 24, 64  # 48 tokens: no activation shape collides with a weight shape below
-DTYPES = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-mixed": ("float32", True)}
+DTYPES = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-mixed": ("float32", True),
+          # FSDP's mixed precision: the forward runs on the 16-bit param_dtype copies of the fp32 stored
+          # parameters and 16-bit inputs (FSDP2: no autocast; FSDP1 as accelerate runs it: under autocast)
+          "fsdp2-bf16-mixed": ("bfloat16", False), "fsdp1-bf16-mixed": ("bfloat16", True)}
+FSDP = {"fsdp2-bf16-mixed": Parallel(dp=4, zero=3), "fsdp1-bf16-mixed": Parallel(dp=4, zero=3, engine="fsdp1")}
 
 
 def _saved_bytes(run: Callable[[], object], params: list, extra: list, autocast: bool) -> int:
@@ -54,7 +58,8 @@ def _saved_bytes(run: Callable[[], object], params: list, extra: list, autocast:
 
 
 def _predicted(spec: ModelSpec, precision: str, attention: str, peft: str = "none") -> int:
-    w = Workload(task="train", batch=B, seq=S, precision=precision, attention=attention, peft=peft, lora_rank=8)
+    w = Workload(task="train", batch=B, seq=S, precision=precision if precision not in FSDP else "bf16-mixed",
+                 attention=attention, peft=peft, lora_rank=8, parallel=FSDP.get(precision, Parallel()))
     arch = build_arch(spec)
     ctx = Ctx(regime(w), trainable(arch, w), w.attention)
     return size(block_saved(arch.groups[-1], ctx, arch.hidden), TokenShape(B * S, S))
@@ -116,8 +121,10 @@ def _spec(name: str, family: Family = Family.DENSE, **kw) -> ModelSpec:
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed", "fsdp2-bf16-mixed", "fsdp1-bf16-mixed"])
 def test_llama_layer(precision, impl):
+    """(Under FSDP's mixed precision the RMSNorms' outputs are 16-bit: ``weight * x.to(input dtype)`` with the
+    16-bit ``param_dtype`` weight; under AMP, fp32 weights and residual stream, they are fp32.)"""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
