@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 
 from test_trace_agreement import _optimizer_states, _small, estimate
+from test_trace_pipeline_parallel import _llama
+from vramplan import estimate as estimate_report
 from vramplan.errors import TraceError
 from vramplan.events import Action, Category
 from vramplan.models.catalog import resolve
 from vramplan.trace.run import TraceOptions, trace_workload
-from vramplan.workload import Parallel, Workload
+from vramplan.workload import Method, Parallel, Phase, Workload
 
 FAST = TraceOptions(count_flops=False)
 
@@ -221,11 +223,6 @@ def test_fsdp2_analytic_peak_is_the_traces(seq: int, dp: int) -> None:
     within 1 % of the trace's (docs/research/pipeline-fsdp.md, FSDP2 mixed precision) — the norms'
     16-bit outputs, the prefetched all-gather, the root's reduce-scatter — and the forward's too where
     the loss ends it (the last block's all-gather output kept until the root's post-forward)."""
-    from test_trace_pipeline_parallel import _llama
-
-    from vramplan import estimate as estimate_report
-    from vramplan.workload import Method, Phase
-
     spec = _llama(4)
     w = Workload(task="train", batch=1, seq=seq, precision="bf16-mixed", parallel=Parallel(dp=dp, zero=3))
     t = estimate_report(spec, w, method="trace", search_max_batch=False)
