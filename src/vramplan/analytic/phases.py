@@ -194,7 +194,8 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         root_temp, root_shard = st.root_reduce
         instants.append(Breakdown(
             weights=st.weights, optimizer=st.optimizer,
-            gradients=_with_buckets(st, st.gradients - (0 if held else root_shard)),
+            # (the root's shard is that reduce-scatter's output; it exists already where gradients are kept)
+            gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
             activations=kept, temporaries=root_temp + workspace,
         ))
     if st.embed_grad_full:
