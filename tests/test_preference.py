@@ -220,7 +220,8 @@ def test_the_analytic_fsdp2_reference_gathers_as_the_trace_does(objective: str, 
     assert any("gathers all of it at once" in n for n in a.notes)
     monkeypatch.setattr(analytic, "_sharded_reference_forward", lambda ph, *rest: ph)  # (the policy's instant)
     without = next(ph for ph in analytic.estimate(spec, w).phases if ph.phase is Phase.FORWARD)
-    assert (ft.allocated - without.allocated) / ft.allocated > 0.05, (without.allocated, ft.allocated)  # (7 %)
+    # (4.9 %: the policy's own forward instant holds its last block's all-gather output since session 53)
+    assert (ft.allocated - without.allocated) / ft.allocated > 0.04, (without.allocated, ft.allocated)
 
 
 # --------------------------------------------------------------------------- KTO

@@ -171,7 +171,8 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     phases = tuple(more(ph) for ph in base.phases)
     sharded = ref_est is not None and w.parallel.dp > 1 and w.parallel.zero == 3
     if ref_est is not None and sharded:
-        phases = tuple(_sharded_reference_forward(ph, base, ref, ref_est.params, regime(w).compute)
+        ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
+        phases = tuple(_sharded_reference_forward(ph, base, ref, ref_est.params, regime(w).compute, ws)
                        if ph.phase is Phase.FORWARD else ph for ph in phases)
     source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
               Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]
@@ -190,7 +191,7 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
 
 
 def _sharded_reference_forward(ph: PhasePeak, base: AnalyticEstimate, ref_shard: int, ref_params: int,
-                               gathered_b: int) -> PhasePeak:
+                               gathered_b: int, workspace: int = 0) -> PhasePeak:
     """The forward phase of a preference step whose reference FSDP2 shards as one unit: the
     larger of the policy's own forward peak and the reference's gather. TRL runs the reference
     after the policy's forward (``_compute_loss``, as :mod:`vramplan.trace.preference` does), so
@@ -202,7 +203,9 @@ def _sharded_reference_forward(ph: PhasePeak, base: AnalyticEstimate, ref_shard:
     b = ph.breakdown
     gathered = ref_params * gathered_b
     policy = base.states.weights  # (the policy's shard: its gathered weights are freed)
-    at_gather = dataclasses.replace(b, weights=policy + ref_shard + gathered, temporaries=gathered)
+    # (and the cuBLAS workspaces of the main and the autograd threads, cached from the policy's forward and
+    # the previous step's backward, as the policy's forward instant counts them)
+    at_gather = dataclasses.replace(b, weights=policy + ref_shard + gathered, temporaries=gathered + 2 * workspace)
     total = at_gather.total
     return PhasePeak(ph.phase, total, at_gather) if total > ph.allocated else ph
 
