@@ -302,8 +302,9 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
             prepared.step_context = ring if prepared.step_context is None else functools.partial(
                 _both, ring, prepared.step_context)  # TP × CP: ring attention and the loss-parallel loss
             prepared.notes.append(
-                f"context parallelism traced as rank 0 of cp={w.parallel.cp}: PyTorch's context_parallel ring "
-                f"attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per rank (contiguous shards)")
+                f"context parallelism traced as rank {submesh(mesh, 'cp').get_local_rank()} of cp={w.parallel.cp}: "
+                f"PyTorch's context_parallel ring attention over {w.seq // w.parallel.cp:,} of {w.seq:,} tokens per "
+                "rank (contiguous shards)")
         return _trace(prepared, w, device, iterations, opts, shadows=shadows, paths=paths, cache=cache,
                       experts=experts)
 
@@ -658,7 +659,8 @@ def parallel_world(w: Workload, *, rank: int = 0) -> Iterator[Any]:
             yield mesh
         return
     layout = data_layout(w, rank=rank)
-    world = layout.world if layout is not None else dist.world_of(tp=tp, cp=cp)
+    # (the traced rank: context-parallel ranks run different ring rounds; without it every rank was rank 0)
+    world = layout.world if layout is not None else dataclasses.replace(dist.world_of(tp=tp, cp=cp), rank=rank)
     with dist.fake_world(world) as mesh:
         yield mesh
 

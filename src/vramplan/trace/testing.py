@@ -1566,6 +1566,126 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
 
 
 
+def real_cp_peaks(model_name: str, *, layers: int, cp: int, dp: int = 1, batch: int, seq: int, iterations: int = 2,
+                  timeout: float = 300.0) -> list[int]:
+    """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU training run of
+    context parallelism without pipeline parallelism over ``dp × cp`` gloo processes: the catalog
+    model ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, SDPA attention,
+    AdamW (foreach), stepped as the trace steps a catalog model (``model(**batch)``, its ``.loss``)
+    under torch's ``context_parallel`` over the ``cp`` mesh with the batch's ``input_ids``,
+    ``labels`` and explicit ``position_ids`` as the buffers sharded on the sequence dimension
+    (:func:`.context_parallel.ring_attention`, the trace's own context: load-balanced rounds).
+    ``dp > 1``: torchtitan's ``(dp, cp)`` mesh and FSDP2 (``reshard_after_forward=True``: ZeRO-3)
+    over ``dp × cp`` flattened (``dp_cp``, as :meth:`.dist.RankContext.shard_mesh` shards), on
+    each decoder layer and the root, as the trace's FSDP2 layout shards a catalog model.
+
+    The ring's handlers are the CUDA kernels' ops, as under pipeline parallelism
+    (:func:`real_pipeline_peaks`): SDPA goes through the trace's own choice (:func:`.sdpa.run_sdpa`,
+    the memory-efficient kernel for fp32), whose forward and backward are CPU stand-ins with the
+    meta kernels' outputs (:func:`_efficient_attention_on_cpu`). Peaks in global rank order
+    (rank = dp rank × cp + cp rank)."""
+    args = (model_name, layers, cp, dp, batch, seq, iterations)
+    return _spawn_gloo(_cp_worker, args, dp * cp, timeout, "context-parallel run")
+
+
+def _cp_worker(rank: int, model_name: str, layers: int, cp: int, dp: int, batch: int, seq: int, iterations: int,
+               tmp: str, env: dict[str, str]) -> None:
+    import functools
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..models.build import build_model, quiet
+        from ..target import DEFAULT_PROFILE
+        from .context_parallel import ring_attention
+        from .dist import dtensor_metadata_unrecorded
+        from .sdpa import run_sdpa
+        from .steps import loss_of
+
+        spec = tiny_spec(model_name, layers=layers)
+        torch.manual_seed(0)
+        mesh = (init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1
+                else init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)))
+        with quiet():
+            model = build_model(spec, task="train", attention="sdpa", device="cpu", dtype=torch.float32)
+        model.train()
+        if dp > 1:  # torchtitan's FSDP2 over the flattened dp_shard × cp mesh
+            from torch.distributed.fsdp import fully_shard
+
+            shard = mesh["dp", "cp"]._flatten("dp_cp")
+            lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            for blk in max(lists, key=len):
+                fully_shard(blk, mesh=shard, reshard_after_forward=True)
+            fully_shard(model, mesh=shard, reshard_after_forward=True)
+        ring = mesh["cp"] if dp > 1 else mesh  # (outside the measurement: the mesh's own rank map is no GPU memory)
+        ids = torch.randint(0, spec.vocab, (batch, seq))
+        kw: dict[str, Any] = {"input_ids": ids, "labels": ids.clone(),
+                              "position_ids": torch.arange(seq).unsqueeze(0).expand(batch, seq).contiguous()}
+        tracker = _StoragePeak()
+        tracker.skip_wrappers = True
+        tracker.await_collectives = True
+        for t in [*model.parameters(), *model.buffers(), *kw.values()]:
+            tracker.add(getattr(t, "_local_tensor", t))
+        kernels = _efficient_attention_on_cpu()  # (registered while the library lives)
+        original = nn.functional.scaled_dot_product_attention
+
+        @functools.wraps(original)  # (the ring replaces F's function by this name)
+        def sdpa(*a: Any, **k: Any) -> Any:  # the kernel the trace picks (memory-efficient for fp32)
+            return run_sdpa(DEFAULT_PROFILE, original, *a, **k)[0]
+
+        nn.functional.scaled_dot_product_attention = sdpa  # (before the ring wraps it)
+        try:
+            with tracker, tracker.resizes(), _c10d_waits_release(), dtensor_metadata_unrecorded(), \
+                    ring_attention(ring, kw):
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+                for _ in range(iterations):
+                    out = model(**kw)
+                    loss = loss_of(out, ((), kw), None)
+                    del out
+                    loss.backward()
+                    del loss
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        finally:
+            nn.functional.scaled_dot_product_attention = original
+            kernels._destroy()
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(str(tracker.peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def cp_agreement(cp: int, *, dp: int = 1, layers: int = 2, batch: int = 1, seq: int | None = None
+                 ) -> list[tuple[int, int, int]]:
+    """(rank, real storage peak, traced peak) of every rank of a tiny Llama trained under context
+    parallelism without pipeline parallelism (``dp > 1``: FSDP2 ZeRO-3 over the flattened
+    ``dp × cp`` mesh) over ``dp × cp`` gloo processes (:func:`real_cp_peaks`), each rank traced
+    as itself (``TraceOptions(rank=)``) with the same workload (fp32, SDPA, no CUDA workspaces:
+    a CPU run has none). ``seq`` defaults to ``64 · cp``, the shortest the load-balanced ring's
+    memory-efficient kernel takes (:func:`.context_parallel.check_kernel`)."""
+    from ..workload import Attention, Parallel, Precision, Task, Workload
+    from .run import TraceOptions, trace_workload
+
+    seq = seq or 64 * cp
+    real = real_cp_peaks("llama-3.1-8b", layers=layers, cp=cp, dp=dp, batch=batch, seq=seq)
+    w = Workload(task=Task.TRAIN, precision=Precision.FP32, attention=Attention.SDPA, batch=batch, seq=seq,
+                 parallel=Parallel(dp=dp, cp=cp, zero=3 if dp > 1 else 0))
+    spec = tiny_spec("llama-3.1-8b", layers=layers)
+    out = []
+    for rank, peak in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        out.append((rank, peak, r.peak_allocated))
+    return out
+
+
 def _compiled_storage_peak() -> Any:
     """A :func:`_StoragePeak` that ``torch.compile`` compiles under and that sees what compiled
     code allocates (with :func:`_count_inductor_buffers`).
