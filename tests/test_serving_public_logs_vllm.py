@@ -11,23 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from test_serving_public_logs_sglang_tgi import close, gib  # (issue 30's tolerance, shared)
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import get_gpu
 from vramplan.models.catalog import resolve
 from vramplan.pools.mxfp4 import expert_bytes, marlin_align
 from vramplan.serving.api import serve_plan
 from vramplan.units import GiB
-
-
-def close(predicted: float, logged: float) -> bool:
-    """Issue 30's tolerance on one part (GiB): within 0.2 GiB for a part under 4 GiB, else within 5 %."""
-    if abs(logged) < 4:
-        return abs(predicted - logged) <= 0.2
-    return abs(predicted - logged) <= 0.05 * abs(logged)
-
-
-def gib(x: int) -> float:
-    return x / GiB
 
 
 def test_mxfp4_marlin_expert_layout() -> None:
