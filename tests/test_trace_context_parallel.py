@@ -162,3 +162,17 @@ def test_the_analytic_method_refuses_the_ring_the_trace_refuses(seq, precision, 
             trace_workload(spec, w, iterations=1)
     else:
         assert analytic_estimate(spec, w).peak.allocated > 0
+
+
+def test_a_forward_only_ring_is_traced_on_its_heaviest_rank():
+    """Inference under cp: the last cp rank runs only whole-query rounds and peaks highest (rank 0 the
+    lightest; real pp × cp runs, tests/test_pipeline_gloo.py): the default trace is that rank's."""
+    from vramplan.trace.run import TraceOptions
+
+    spec = tiny_spec("llama-2-7b")
+    w = Workload(task="infer", precision="bf16", batch=1, seq=256, parallel=Parallel(cp=4))
+    default = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False))
+    assert any("traced as rank 3 of cp=4" in n for n in default.notes), default.notes
+    last = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=3))
+    second = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=1))
+    assert default.peak_allocated == last.peak_allocated >= second.peak_allocated

@@ -30,7 +30,9 @@ class TraceOptions:
     sharded layout's collectives are counted per call). False traces every micro-step."""
     rank: int = 0
     """Which rank of a parallel layout's world is traced (every rank of an even FSDP/DDP layout
-    holds the same; the last one may hold less of a weight whose rows do not divide)."""
+    holds the same; the last one may hold less of a weight whose rows do not divide). 0, the
+    default, of a forward-only step under context parallelism traces the heaviest cp rank, the
+    last (``trace.context_parallel.heaviest_rank``), as a pipeline trace does."""
     replicate_layers: bool = dataclasses.field(default_factory=lambda: os.environ.get(FULL_TRACE_ENV, "") in ("", "0"))
     """Catalog models: trace the model with 2, 3 and 4 of its identical decoder layers (after a
     dense prefix) and write the other layers' events from their exact progression (see

@@ -279,6 +279,10 @@ def _trace_catalog(spec: ModelSpec, w: Workload, device: DeviceProfile | None, i
     notes: list[str] = _parallel_notes(w)
     if w.parallel.pp > 1:
         return _trace_pipeline(spec, w, device, iterations, opts, notes, checkpoint_policy)
+    if w.parallel.cp > 1 and not w.training and opts.rank == 0:
+        # a forward-only ring peaks highest on the last cp rank, rank 0 the lightest
+        # (:func:`context_parallel.heaviest_rank`): the per-GPU figure is that rank's (dp and tp rank 0)
+        opts = dataclasses.replace(opts, rank=context_parallel.heaviest_rank(w.parallel.cp, False) * w.parallel.tp)
     if models is not None and reuse.reusable(w, model_parallel=_model_parallel(w), layout=data_layout(w, rank=opts.rank),
                                              checkpoint_policy=checkpoint_policy):
         return _trace_lent(spec, w, device, iterations, opts, notes, attention, models, paths, cache, experts)
