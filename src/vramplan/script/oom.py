@@ -44,7 +44,7 @@ class OomGuard:
         self.depth = 0
         """Handlers running (nested calls count once each)."""
         self.raised: list[int] = []
-        """The bytes in use when each error was raised."""
+        """The bytes allocated when each error was raised."""
         self.tried: list[int] = []
         """The batch size of each call of the handled function, in order."""
         self.on_raise: Callable[[], None] | None = None
@@ -52,7 +52,7 @@ class OomGuard:
         """Called as the handler runs its function again after an error (the failed call's tensors
         are gone by then)."""
 
-    def __call__(self, in_use: int, nbytes: int) -> None:
+    def __call__(self, nbytes: int) -> None:
         if self.depth == 0 or nbytes == 0:
             return
         al = self.replay.sync()
@@ -60,6 +60,7 @@ class OomGuard:
         if block is not None:  # (it fits: handed back; the event itself is replayed with the others)
             al.free(block)
             return
+        in_use = al.allocated
         self.raised.append(in_use)
         if self.on_raise is not None:
             self.on_raise()

@@ -97,10 +97,8 @@ class Recorder:
         """The rank's host memory (:class:`~vramplan.trace.host.HostMemory`) while tensors
         live on the CPU in the real run (FSDP2's CPU offload); None otherwise."""
         self.spans_closed: list[int] = []
-        self.in_use = 0
-        """Bytes of the tracked storages alive now (what they asked for: no allocator rounding)."""
-        self.guard: Callable[[int, int], None] | None = None
-        """Called with (bytes in use, bytes asked) before each new storage is recorded; may raise
+        self.guard: Callable[[int], None] | None = None
+        """Called with the bytes asked before each new storage is recorded; may raise
         (``vramplan run``'s emulated out-of-memory error, :mod:`vramplan.script.oom`)."""
         # columnar aliases (hot path)
         log = self.log
@@ -178,12 +176,11 @@ class Recorder:
             return key
         nbytes = st.nbytes()
         if self.guard is not None:
-            self.guard(self.in_use, nbytes)
+            self.guard(nbytes)
         eid = self._next_id
         self._next_id += 1
         idx = self._emit(0, eid, nbytes, cat, self.intern(describe(t)))
         self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
-        self.in_use += nbytes
         return key
 
     def records(self, key: int) -> bool:
@@ -219,7 +216,6 @@ class Recorder:
                 self._next_id += 1
                 idx = self._emit(0, eid, nbytes, UNDECIDED, self.intern(f"storage[{nbytes}]"))
                 self.live[key] = [eid, idx, nbytes, weakref.ref(st, partial(self._freed, key))]
-                self.in_use += nbytes
             return
         if entry[2] == nbytes or entry[1] < 0:  # (unchanged, or an ignored storage)
             return
@@ -232,15 +228,11 @@ class Recorder:
             entry[0], entry[1] = eid, self._emit(0, eid, nbytes, cat, self._desc[entry[1]])
         else:
             entry[0] = 0
-        self.in_use += nbytes - entry[2]
         entry[2] = nbytes
 
     def _freed(self, key: int, _ref: object) -> None:
         rec = self.live.pop(key, None)
-        if rec is None:
-            return
-        self.in_use -= rec[2]
-        if not self.active:
+        if rec is None or not self.active:
             return
         if rec[0]:  # (0: resized to nothing, already freed)
             self._emit(1, rec[0], 0, self._cat[rec[1]])
