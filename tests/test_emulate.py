@@ -622,3 +622,40 @@ def test_the_cpu_reference_runs_the_optimizers_cuda_default(tmp_path: Path) -> N
                       "    m(torch.ones(1, 512, device=dev)).sum().backward(); opt.step(); opt.zero_grad()\n")
     c = compare(vramplan.run_script(script, [], workspaces=False), cpu_truth(script))
     assert c.unexplained == 0 and abs(c.residual) <= 64, c  # (AdamW's host step counters)
+
+
+def test_a_checkpoint_saved_from_the_device_loads_back_onto_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # torch.save of device tensors (a training script's checkpoint, Lightning's batch-size finder saving
+    # the model before its trials) writes a file of shapes without values; loading it within the run
+    # makes one device allocation per saved storage (tied weights once), where map_location puts it
+    n = (1024 * 1024 + 1024) * 4
+    script = tmp_path / "save_load.py"
+    script.write_text(
+        "import sys, torch\nfrom torch import nn\n"
+        "model = nn.Linear(1024, 1024).cuda()\n"
+        "torch.save({'model': model.state_dict(), 'tied': [model.weight, model.weight]}, sys.argv[1])\n"
+        "before = torch.cuda.memory_allocated()\n"
+        "ck = torch.load(sys.argv[1], map_location='cuda', weights_only=True)\n"
+        "assert ck['model']['weight'].is_cuda and ck['model']['weight'].shape == (1024, 1024)\n"
+        "assert ck['tied'][0].data_ptr() == ck['tied'][1].data_ptr()\n"
+        "model.load_state_dict(ck['model'])\n"
+        "print('loaded', torch.cuda.memory_allocated() - before)\n"
+        "del ck\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.randn(8, 1024, device='cuda')).sum().backward(); opt.step()\n")
+    ckpt = tmp_path / "ck.pt"
+    r = vramplan.run_script(script, [str(ckpt)], steps=1, workspaces=False)
+    assert r.model_states.weights == n
+    # two allocations: the weight's storage (the state dict's tensor and both list entries share it) and the bias
+    assert "loaded 4198400" in capsys.readouterr().out
+    assert any(n.startswith("torch.save wrote 1 file(s)") and str(ckpt) in n for n in r.notes)
+    # the file is real, and says what it is anywhere else
+    with pytest.raises(RuntimeError, match="written by `vramplan run`"):
+        torch.load(ckpt, weights_only=False)
+    # a file an emulated run wrote is written again; one it did not write is never overwritten
+    vramplan.run_script(script, [str(ckpt)], steps=1, workspaces=False)
+    mine = tmp_path / "mine.pt"
+    mine.write_bytes(b"a real checkpoint")
+    with pytest.raises(TraceError, match="over an existing file"):
+        vramplan.run_script(script, [str(mine)], steps=1, workspaces=False)
+    assert mine.read_bytes() == b"a real checkpoint"

@@ -489,3 +489,20 @@ def test_a_script_that_recovers_from_out_of_memory_runs_the_batch_the_gpu_would(
     whole = vramplan.run_script(script, [], gpu="rtx-4090")
     assert whole.verdict is not None and not whole.verdict.fits
     assert not any("out-of-memory handler" in n for n in whole.notes)
+
+
+def test_lightnings_batch_size_finder_settles_where_the_gpu_runs_out() -> None:
+    """Lightning's finder (Tuner.scale_batch_size, power mode) doubles the batch until CUDA raises its
+    out-of-memory error, then trains with the last size that ran: the emulated GPU raises it inside the
+    finder's trials, where the caching allocator replay could not allocate within the GPU's free memory."""
+    pytest.importorskip("lightning")
+    r = vramplan.run_script(EX / "lightning_find_batch.py", ["--init", "32"], gpu="rtx-4090")
+    note = next(n for n in r.notes if "Lightning's batch-size finder" in n)
+    sizes = [int(x.replace(",", "")) for x in note.split("batch sizes ")[1].split(":")[0].split(", ")]
+    assert sizes[0] == 32 and all(b == 2 * a for a, b in zip(sizes, sizes[1:], strict=False)) and len(sizes) >= 2
+    assert "1 emulated CUDA out-of-memory error" in note and f"settled on {sizes[-2]:,}" in note
+    assert r.ran is not None and r.ran.batch == sizes[-2] and r.ran.steps == 2  # the training after the finder
+    assert r.verdict is not None and r.verdict.fits, r.verdict
+    # the size that failed: its first forward's up-projection and GELU outputs, [batch, 2048, 4096] fp32 each,
+    # are most of the GPU
+    assert 2 * sizes[-1] * 2048 * 4096 * 4 > r.verdict.usable * 0.6

@@ -10,7 +10,8 @@ One entry, :func:`emulated_gpu`, used by ``vramplan run`` (a whole script), the 
   real run (host tensors without values, the script's own meta tensors) report that place;
 - module conversion keeps every Parameter object (:mod:`.modules`): tied weights stay tied,
   optimizers built before ``.to("cuda")`` step the right tensors;
-- ``torch.load`` of a real checkpoint to the device (:mod:`.checkpoints`);
+- ``torch.load`` of a real checkpoint to the device, and ``torch.save`` of device tensors
+  (shapes without values) (:mod:`.checkpoints`);
 - Triton kernel launches run as no-ops (:mod:`.kernels`: their buffers are allocated by PyTorch);
 - ``nn.DataParallel`` runs GPU 0's share (:mod:`.parallel`), the per-GPU figure real runs report;
 - models built by a factory take no memory and no GPU (:mod:`.construct`).
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoints import loading_to_device
+from .checkpoints import checkpoints_on_device
 from .cuda import CudaState, patched
 from .facts import DeviceFacts
 from .kernels import triton_launches
@@ -46,6 +47,8 @@ class Emulated:
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     kernels: int = 0
     """Triton kernel launches run as no-ops."""
+    saved: list[str] = field(default_factory=list)
+    """The files ``torch.save`` wrote (device tensors as shapes without values)."""
 
 
 @contextlib.contextmanager
@@ -83,7 +86,7 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
             on_launch(tensors)
 
     with patched(facts, live, on_sync, state, on_capture), device_view(view, values), keeping_identity(em.optimizers), \
-            checkpoint_metadata_on_storage(), loading_to_device(), triton_launches(launched), data_parallel(), \
+            checkpoint_metadata_on_storage(), checkpoints_on_device(em.saved), triton_launches(launched), data_parallel(), \
             _fresh_deepspeed_accelerator():
         yield em
 

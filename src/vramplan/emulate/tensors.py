@@ -110,6 +110,11 @@ def _view(t: torch.Tensor) -> torch.device:
     return _ACTIVE[-1].device_of(t) if _ACTIVE else raw_device(t)
 
 
+def reported_device(t: torch.Tensor) -> torch.device:
+    """Where ``t`` says it lives (the view's answer: ``cuda:N`` for a device tensor)."""
+    return _view(t)
+
+
 def _device(self: torch.Tensor) -> torch.device:
     return _view(self)
 

@@ -2,7 +2,10 @@
 
 A script that wraps its training in accelerate's ``find_executable_batch_size`` (HF Trainer's
 ``auto_find_batch_size=True`` goes through it) catches CUDA's out-of-memory error and runs again
-with a smaller batch. The emulated GPU has no capacity of its own: without an error the script
+with a smaller batch. Lightning's batch-size finder (``Tuner.scale_batch_size``, the
+``BatchSizeFinder`` callback) runs a few steps at each batch size it tries, doubling it until
+one raises that error, then trains with the largest that ran (its "power" mode; "binsearch"
+then searches between the two). The emulated GPU has no capacity of its own: without an error the script
 would keep its first batch size, and ``vramplan run`` would size a batch the real GPU never runs.
 Inside such a handler (only there) an allocation that the caching allocator simulation cannot
 make within the GPU's free memory, even after freeing its cache, raises ``torch.OutOfMemoryError``
@@ -26,8 +29,15 @@ from typing import Any
 
 import torch
 
+from ..emulate.imports import patched_on_import, replace
+
 _MODULES = ("accelerate.utils.memory", "accelerate.utils", "accelerate")
 """Where accelerate's ``find_executable_batch_size`` is importable from (accelerate 1.x)."""
+
+_LIGHTNING = ("lightning.pytorch.tuner.batch_size_scaling", "pytorch_lightning.tuner.batch_size_scaling")
+"""Lightning's batch-size finder (both package names; lightning 2.x): ``_try_loop_run`` runs one
+trial, ``_adjust_batch_size`` sets the next size, and ``__scale_batch_reset_params`` /
+``__scale_batch_restore_params`` open and close the search (batch_size_scaling.py, lightning 2.6.6)."""
 
 
 class OomGuard:
@@ -47,10 +57,21 @@ class OomGuard:
         """The bytes allocated when each error was raised."""
         self.tried: list[int] = []
         """The batch size of each call of the handled function, in order."""
+        self.handler = "accelerate's find_executable_batch_size"
+        self.searching = 0
+        """Lightning's batch-size finder is running: its trials' steps do not end the run."""
+        self.found: int | None = None
+        """The batch size Lightning's finder settled on."""
+        self.failed = False
+        """The last call ended in an emulated error (the next call is a retry)."""
         self.on_raise: Callable[[], None] | None = None
         self.on_retry: Callable[[], None] | None = None
         """Called as the handler runs its function again after an error (the failed call's tensors
         are gone by then)."""
+        self.current: Any = None
+        """The batch size Lightning's finder set last."""
+        self.on_search_end: Callable[[], None] | None = None
+        """Called as Lightning's finder ends (the run's steps are the training's after it)."""
 
     def __call__(self, nbytes: int) -> None:
         if self.depth == 0 or nbytes == 0:
@@ -62,6 +83,7 @@ class OomGuard:
             return
         in_use = al.allocated
         self.raised.append(in_use)
+        self.failed = True
         if self.on_raise is not None:
             self.on_raise()
         gib = 2**30
@@ -71,15 +93,26 @@ class OomGuard:
             f"Of the allocated memory {in_use / gib:.2f} GiB is allocated by PyTorch "
             "(emulated by vramplan run inside the script's out-of-memory handler)")
 
+    def enter(self, batch_size: Any) -> None:
+        """The handled function (or a finder's trial) starts with ``batch_size``."""
+        if self.failed and self.on_retry is not None:
+            self.on_retry()
+        self.failed = False
+        self.depth += 1
+        self.tried.append(batch_size)
+
     def note(self) -> str | None:
-        if not self.raised:
+        if not self.tried or (not self.raised and not self.searching and self.found is None):
             return None
-        sizes = ", ".join(f"{b:,}" for b in self.tried)
-        return (f"the script's out-of-memory handler (accelerate's find_executable_batch_size) ran its function with "
-                f"batch sizes {sizes}: {len(self.raised)} emulated CUDA out-of-memory error(s) (the caching allocator "
-                f"replayed within the GPU's free memory, {self.capacity / 2**30:.2f} GiB), then retried "
-                "as on a GPU; the steps are the last call's, and the peaks include the failed calls up to their "
-                "errors, as torch.cuda.max_memory_allocated() would")
+        sizes = ", ".join(f"{b:,}" if isinstance(b, int) else str(b) for b in self.tried)
+        errors = (f"{len(self.raised)} emulated CUDA out-of-memory error(s) (the caching allocator replayed within "
+                  f"the GPU's free memory, {self.capacity / 2**30:.2f} GiB)")
+        peaks = ("the peaks include the failed calls up to their errors, as torch.cuda.max_memory_allocated() would")
+        if self.found is not None:
+            return (f"the script's batch-size search ({self.handler}) tried batch sizes {sizes}: {errors}; it settled "
+                    f"on {self.found:,} and the steps are the training's after it; {peaks}")
+        return (f"the script's out-of-memory handler ({self.handler}) ran its function with batch sizes {sizes}: "
+                f"{errors}, then retried as on a GPU; the steps are the last call's, and {peaks}")
 
 
 def _oom_error() -> type[RuntimeError]:
@@ -113,10 +146,7 @@ def recovering_handlers(guard: OomGuard) -> Iterator[None]:
 
         @functools.wraps(function)
         def handled(batch_size: Any, *a: Any, **k: Any) -> Any:
-            if guard.raised and guard.on_retry is not None:
-                guard.on_retry()
-            guard.depth += 1
-            guard.tried.append(batch_size)
+            guard.enter(batch_size)
             try:
                 return function(batch_size, *a, **k)
             finally:
@@ -131,7 +161,66 @@ def recovering_handlers(guard: OomGuard) -> Iterator[None]:
             saved[name] = mod
             mod.find_executable_batch_size = find_executable_batch_size  # type: ignore[attr-defined]
     try:
-        yield
+        with _lightning_finder(guard):
+            yield
     finally:
         for mod in saved.values():
             mod.find_executable_batch_size = orig  # type: ignore[attr-defined]
+
+
+def _lightning_finder(guard: OomGuard) -> contextlib.AbstractContextManager[None]:
+    """Lightning's batch-size finder with each trial counted as a handler's call and its sizes
+    recorded; the search itself (its doubling, its retries, its cache clearing) is Lightning's.
+    Patched when the script imports it (importing Lightning takes seconds)."""
+
+    def patch(mod: Any, undo: contextlib.ExitStack) -> None:
+        names = ("_try_loop_run", "_adjust_batch_size", "__scale_batch_reset_params", "__scale_batch_restore_params")
+        found = [getattr(mod, n, None) for n in names]
+        if not all(callable(f) for f in found):  # (another Lightning: its finder is left as it is)
+            return
+        run, adjust, reset, restore = (f for f in found if f is not None)
+        for name, new in zip(names, (_trial(guard, run), _sized(guard, adjust), _opened(guard, reset),
+                                     _closed(guard, restore)), strict=True):
+            replace(undo, mod, name, new)
+
+    return patched_on_import(dict.fromkeys(_LIGHTNING, patch))
+
+
+def _trial(guard: OomGuard, run: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(run)
+    def trial(*args: Any, **kwargs: Any) -> Any:
+        guard.enter(guard.current)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            guard.depth -= 1
+    return trial
+
+
+def _sized(guard: OomGuard, adjust: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(adjust)
+    def sized(*args: Any, **kwargs: Any) -> Any:
+        out = adjust(*args, **kwargs)
+        guard.current = out[0]
+        return out
+    return sized
+
+
+def _opened(guard: OomGuard, reset: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(reset)
+    def opened(*args: Any, **kwargs: Any) -> Any:
+        guard.handler = "Lightning's batch-size finder"
+        guard.searching += 1
+        return reset(*args, **kwargs)
+    return opened
+
+
+def _closed(guard: OomGuard, restore: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(restore)
+    def closed(*args: Any, **kwargs: Any) -> Any:
+        guard.searching = max(0, guard.searching - 1)
+        guard.found = guard.current
+        if guard.on_search_end is not None:
+            guard.on_search_end()
+        return restore(*args, **kwargs)
+    return closed

@@ -148,6 +148,8 @@ class _Hooks:
         self._last_report = started
         self.live: LiveAllocator | None = None
         """The allocator simulation of the run (an inference script stops once its peak stops rising)."""
+        self.guard: OomGuard | None = None
+        """Out-of-memory errors for the script's own handlers (a batch-size finder's trials do not end the run)."""
         self._inference_peak = -1
         self._held = -1
         """The most memory held between two forward calls so far (a KV cache, a growing context)."""
@@ -309,10 +311,14 @@ class _Hooks:
         gc.collect()  # as a traced step: storages kept only by reference cycles die at the step's end
         self.run.steps += 1
         self.report("optimizer step")
-        if self.run.steps >= self.steps:
+        if self.run.steps >= self.steps and not self._searching():
             self.run.stopped_by = "steps"
             raise _Stop
         self.sess.start_iteration(self.run.steps + 1)
+
+    def _searching(self) -> bool:
+        """A batch-size finder's trial runs (its steps do not end the run: the training after it does)."""
+        return self.guard is not None and bool(self.guard.searching)
 
     def optimizer_created(self, opt: Any) -> None:
         self.run.optimizers += 1
@@ -351,7 +357,7 @@ class _Hooks:
             # backward pass is its step
             run.steps = run.backwards
             self.report("backward")
-            if run.backwards >= self.steps:
+            if run.backwards >= self.steps and not self._searching():
                 run.stopped_by = "backwards"
                 raise _Stop
             self.sess.start_iteration(run.backwards + 1)
@@ -1157,8 +1163,12 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         gc.collect()
         sess.rec.emit_action(Action.EMPTY_CACHE, "out-of-memory retry: the allocator's cache freed")
 
+    def searched() -> None:  # Lightning's batch-size finder ended: the run's steps are the training's after it
+        run.steps = run.device_forwards = 0
+
     guard.on_retry = retried
-    sess.rec.guard = guard
+    guard.on_search_end = searched
+    sess.rec.guard = hooks.guard = guard
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def on_sync(kind: str) -> None:
@@ -1237,6 +1247,11 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     if gpu.kernels:
         notes.append(f"{gpu.kernels} Triton kernel launch(es) ran as no-ops (they allocate nothing themselves: "
                      "their buffers are PyTorch allocations, traced)")
+    if gpu.saved:
+        files = sorted(set(gpu.saved))
+        notes.append(f"torch.save wrote {len(files)} file(s) holding the device tensors' shapes without values "
+                     f"(the emulated GPU has none): {', '.join(files[:3])}{' …' if len(files) > 3 else ''}; "
+                     "they load back onto the emulated GPU only")
     if sess.dispatch.host_reads:
         notes.append(f"{sum(sess.dispatch.host_reads.values())} copy(ies) of device data into host tensors kept the "
                      "host's old values (the trace has no device values; memory is unaffected)")
