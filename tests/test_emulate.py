@@ -659,3 +659,20 @@ def test_a_checkpoint_saved_from_the_device_loads_back_onto_it(tmp_path: Path, c
     with pytest.raises(TraceError, match="over an existing file"):
         vramplan.run_script(script, [str(mine)], steps=1, workspaces=False)
     assert mine.read_bytes() == b"a real checkpoint"
+
+
+def test_saving_device_tensors_with_safetensors_stops_with_the_cause(tmp_path: Path) -> None:
+    # safetensors writes every value: the run says so instead of the library's "invalid shape, data type,
+    # or offset", which a real GPU never raises; host tensors still save for real
+    pytest.importorskip("safetensors")
+    script = tmp_path / "st.py"
+    script.write_text(
+        "import sys, torch\nfrom safetensors.torch import save_file\n"
+        "save_file({'host': torch.ones(4)}, sys.argv[1] + '.host')\n"
+        "m = torch.nn.Linear(64, 64).cuda()\n"
+        "save_file(m.state_dict(), sys.argv[1])\n")
+    with pytest.raises(TraceError, match="saves 2 device tensor.s. with safetensors"):
+        vramplan.run_script(script, [str(tmp_path / "m.st")], steps=1, workspaces=False)
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "m.st.host"))["host"].tolist() == [1.0] * 4

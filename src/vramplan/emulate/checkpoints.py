@@ -16,6 +16,11 @@ strides, device and storage but no values (there are none): each is pickled as a
 saved storage, where ``map_location`` puts it, as a CUDA checkpoint would; loading it anywhere
 else fails with a message saying what the file is. Host tensors are saved as torch saves them.
 A file that no emulated run wrote is never overwritten: the run stops with an error naming it.
+
+safetensors (``save_file``, ``save``; what ``save_pretrained`` writes) has no such form: its file
+holds every value, which a run could only write as zeros, the whole model's size on disk. Saving
+device tensors with it stops the run with an error that says so, not the library's own
+("invalid shape, data type, or offset", which a real GPU never raises).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import TraceError
+from .imports import patched_on_import, replace
 from .signatures import like
 from .tensors import on_meta, reported_device
 
@@ -170,10 +176,30 @@ def checkpoints_on_device(written: list[str] | None = None) -> Iterator[None]:
 
     torch.save = like(real_save, save)
     try:
-        with _loading_to_device():
+        with _loading_to_device(), patched_on_import({"safetensors.torch": _refuse_device_safetensors}):
             yield
     finally:
         torch.save = real_save
+
+
+def _refuse_device_safetensors(mod: Any, undo: contextlib.ExitStack) -> None:
+    """safetensors' ``_flatten_as_ptr`` (every save goes through it, safetensors/torch.py 0.x)
+    refuses emulated device tensors (see the module docstring)."""
+    flatten = getattr(mod, "_flatten_as_ptr", None)
+    if flatten is None:
+        return
+
+    def flatten_as_ptr(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensors, dict):
+            on_device = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and _reduce_device_tensor(v)]
+            if on_device:
+                raise TraceError(
+                    f"the script saves {len(on_device)} device tensor(s) with safetensors ({on_device[0]!r}…): the "
+                    "emulated GPU has no values to write, and a safetensors file holds every value",
+                    hint="stop the run before the script saves (fewer steps), or save with torch.save")
+        return flatten(tensors, *args, **kwargs)
+
+    replace(undo, mod, "_flatten_as_ptr", flatten_as_ptr)
 
 
 @contextlib.contextmanager
