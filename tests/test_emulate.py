@@ -676,3 +676,38 @@ def test_saving_device_tensors_with_safetensors_stops_with_the_cause(tmp_path: P
     from safetensors.torch import load_file
 
     assert load_file(str(tmp_path / "m.st.host"))["host"].tolist() == [1.0] * 4
+
+
+_TIME_MAJOR = """
+import torch
+from torch import nn
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128), 2)
+        self.out = nn.Linear(64, 1000)
+
+    def forward(self, ids):
+        return self.out(self.enc(self.emb(ids)TRANSPOSE))
+
+
+m = LM().cuda()
+opt = torch.optim.AdamW(m.parameters())
+for _ in range(2):
+    ids = torch.randint(0, 1000, SHAPE, device="cuda")
+    m(ids).float().logsumexp(-1).mean().backward(); opt.step(); opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(("shape", "transpose"), [("(35, 20)", ""), ("(20, 35)", ".transpose(0, 1)")])
+def test_a_time_major_transformer_input_reads_as_seq_then_batch(tmp_path: Path, shape: str, transpose: str) -> None:
+    # nn.Transformer* layers default to batch_first=False: word_language_model feeds them [seq 35, batch 20];
+    # a model that transposes a [batch, seq] input inside (open_clip's text tower) hands them the same
+    # [35, 20, 64], and its own input is still batch-major
+    script = tmp_path / "tm.py"
+    script.write_text(_TIME_MAJOR.replace("SHAPE", shape).replace("TRANSPOSE", transpose))
+    r = vramplan.run_script(script, steps=1, workspaces=False)
+    assert r.ran is not None and r.ran.line().startswith("task train · batch 20 · seq 35"), r.ran.line()

@@ -164,6 +164,11 @@ class _Hooks:
         self.path = Path(".")
         self._backward_depth = 0
         self._root_modules: list[weakref.ref[nn.Module]] = []
+        self._first_shape: tuple[int, ...] | None = None
+        """The input shape the first device call's batch and sequence were read from."""
+        self._layout_known = False
+        """Whether that input is known to be batch-major or time-major (an RNN said, or the first
+        attention layer inside has been seen)."""
 
     # --- progress -----------------------------------------------------------------------
     def report(self, what: str) -> None:
@@ -176,6 +181,8 @@ class _Hooks:
 
     # --- modules ------------------------------------------------------------------------
     def module_pre(self, mod: nn.Module, args: Any) -> None:
+        if self._depth and not self._layout_known and isinstance(mod, nn.MultiheadAttention):
+            self._attention_layout(mod, args)
         if self._depth == 0:
             if id(mod) not in self._roots:
                 self._add_root(mod)
@@ -202,6 +209,20 @@ class _Hooks:
             if not run.host_model:
                 run.host_model = f"{type(mod).__name__} at {self.where()}"
 
+    def _attention_layout(self, mod: nn.MultiheadAttention, args: Any) -> None:
+        """The first attention layer of the first device call says whether its input was time-major:
+        ``nn.MultiheadAttention`` without ``batch_first`` (``nn.Transformer*``'s default) takes
+        ``[seq, batch, embed]``; when its query's first two sizes are the call's input's, that input
+        was ``[seq, batch]`` too (a model that transposes inside, as open_clip's text tower does, hands
+        it the other order)."""
+        self._layout_known = True
+        query = args[0] if isinstance(args, tuple) and args else None
+        first = self._first_shape
+        if mod.batch_first or not isinstance(query, torch.Tensor) or query.dim() != 3 or first is None \
+                or len(first) < 2 or tuple(query.shape[:2]) != tuple(first[:2]):
+            return
+        self.run.seq, self.run.batch = int(query.shape[0]), int(query.shape[1])
+
     def _shapes(self, args: Any, time_major: bool = False, model: nn.Module | None = None) -> None:
         """Batch and sequence (or image size) from the first call's inputs (else the host tensors
         copied to the device before it, less those shaped like the model's own buffers: FSDP1
@@ -218,6 +239,8 @@ class _Hooks:
             seen = moved
             ints = [s for s, d in seen if "int" in d and len(s) >= 2]
         floats = [s for s, d in seen if "float" in d or "bfloat" in d]
+        self._first_shape = ints[0] if ints else seen[0][0] if seen else None
+        self._layout_known = time_major
         if seen and seen[0][0]:
             run.batch = seen[0][0][1 if time_major and len(seen[0][0]) > 1 else 0]
         if ints:
