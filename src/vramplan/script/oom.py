@@ -64,7 +64,12 @@ class OomGuard:
         """The batch size Lightning's finder settled on."""
         self.failed = False
         """The last call ended in an emulated error (the next call is a retry)."""
+        self.released = 0
+        """Allocations that fitted only once the allocator freed its cache."""
         self.on_raise: Callable[[], None] | None = None
+        self.on_release: Callable[[], None] | None = None
+        """Called where the allocator freed its cache: an allocation fitted only then, or did not fit
+        even then (before the error)."""
         self.on_retry: Callable[[], None] | None = None
         """Called as the handler runs its function again after an error (the failed call's tensors
         are gone by then)."""
@@ -77,13 +82,22 @@ class OomGuard:
         if self.depth == 0 or nbytes == 0:
             return
         al = self.replay.sync()
+        retries = al.num_alloc_retries
         block = al.malloc(nbytes, self.stream())
         if block is not None:  # (it fits: handed back; the event itself is replayed with the others)
             al.free(block)
+            if al.num_alloc_retries > retries:
+                # it fitted once the allocator freed its cache, as CUDA's does before an out-of-memory
+                # error: the run's own (uncapped) replay frees it there too
+                self.released += 1
+                if self.on_release is not None:
+                    self.on_release()
             return
         in_use = al.allocated
         self.raised.append(in_use)
         self.failed = True
+        if self.on_release is not None:  # (CUDA's allocator freed its cache before it gave up)
+            self.on_release()
         if self.on_raise is not None:
             self.on_raise()
         gib = 2**30
@@ -108,6 +122,10 @@ class OomGuard:
         errors = (f"{len(self.raised)} emulated CUDA out-of-memory error(s) (the caching allocator replayed within "
                   f"the GPU's free memory, {self.capacity / 2**30:.2f} GiB)")
         peaks = ("the peaks include the failed calls up to their errors, as torch.cuda.max_memory_allocated() would")
+        if self.released:
+            errors += (f"; {self.released} allocation(s) fitted only once the allocator freed its cache, as CUDA's "
+                       "does before raising")
+        errors += " (the report's replay frees the cache where the allocator did, before each error too)"
         if self.found is not None:
             return (f"the script's batch-size search ({self.handler}) tried batch sizes {sizes}: {errors}; it settled "
                     f"on {self.found:,} and the steps are the training's after it; {peaks}")

@@ -1191,6 +1191,9 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
 
     guard.on_retry = retried
     guard.on_search_end = searched
+    guard.on_release = lambda: sess.rec.emit_action(
+        Action.EMPTY_CACHE, "the allocator freed its cache (inside an out-of-memory handler: to fit an allocation, or before its "
+        "out-of-memory error)")
     sess.rec.guard = hooks.guard = guard
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 
