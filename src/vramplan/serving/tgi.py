@@ -20,7 +20,10 @@
   (:func:`default_prefill`), ``max_total_tokens`` zero config — min(KV tokens, positions) from the
   warm-up (``flash_causal_lm.py`` v3.0.1:1595-1606), printed as "Maximum total tokens defaulted to".
   Several shards: the router takes the smallest shard's answer; vramplan plans one rank.
-- Approximated: the warm-up peak (vramplan's forward at ``max_batch_prefill_tokens``); the
+- AWQ / GPTQ on Marlin (compute capability 8.0+), 3.0.0 … 3.1.0: the warm-up peak adds Marlin's
+  per-GEMM buffers (:func:`marlin_temporaries`).
+- Approximated: the warm-up peak (vramplan's forward at ``max_batch_prefill_tokens``, its allocated
+  peak, where TGI's free-memory reading sees the caching allocator's reserve); the
   router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
 """
 
@@ -45,6 +48,13 @@ BLOCK_SIZES = {"flashinfer": 1, "paged": 16, "flashdecoding": 256}
 # workspace, torch.empty(128 MiB, uint8), kept for the process (layers/attention/flashinfer.py get_workspace,
 # v3.0.0:23-28, v3.3.7:38-43; models/flash_causal_lm.py v3.0.1:1337-1352): allocated before the warm-up.
 FLASHINFER_WORKSPACE = 128 * 2**20
+# AWQ / GPTQ checkpoints run on Marlin from compute capability 8.0 (utils/quantization.py v3.0.1:125-143,
+# layers/marlin/gptq.py v3.0.1:35-48). TGI 3.0.0 … 3.1.0 call marlin-kernels 0.3.6 / 0.3.7 (server/pyproject.toml),
+# whose gptq_marlin_gemm allocates per call, besides its output, a_tmp [M, K] in the activation dtype and an fp32
+# reduce buffer c_tmp [determine_reduce_max_m(M), N] (TGI passes use_fp32_reduce=True, layers/marlin/gptq.py
+# v3.0.1:409-423; marlin-kernels v0.3.6 csrc/quantization/gptq_marlin/gptq_marlin.cu:1912-1931, 2307-2319,
+# max_par 16 at :28). 3.1.1+ load kernels-community/quantization instead (not read): not counted there.
+MARLIN_TEMPS_UNTIL = "3.1.0"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,10 +86,11 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     block_bytes = per_token * block
     out = outside(gpu, tp * pp)
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
+    marlin = marlin_temporaries(spec, prefill, tp) if uses_marlin_temporaries(spec, gpu, rel, quant) else 0
+    peak = fwd.activation_peak + marlin
     batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
     workspace = FLASHINFER_WORKSPACE if s.attention == "flashinfer" else 0
-    cuda_free = total - out.context - out.later - fwd.weights - workspace - fwd.activation_peak \
-        - batch_blocks * block_bytes
+    cuda_free = total - out.context - out.later - fwd.weights - workspace - peak - batch_blocks * block_bytes
     free = max(0, int(cuda_free - (1 - s.cuda_memory_fraction * wiggle) * total))
     error = None
     if cuda_free - (1 - s.cuda_memory_fraction) * total < 0:
@@ -107,7 +118,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
           "kv_cache_dtype": s.kv_cache_dtype, "attention": s.attention, "quantization": quant, "dtype": dtype}
     notes = [f"Follows TGI {rel.text} FlashCausalLM.warmup: the free memory after a warm-up prefill of "
              f"{prefill:,} tokens less (1 − cuda_memory_fraction × TGI_WIGGLE_ROOM {wiggle}) of the total becomes "
-             f"KV blocks (warm-up peak {fwd.activation_peak / GiB:.2f} GiB, {fwd.method}).",
+             f"KV blocks (warm-up peak {peak / GiB:.2f} GiB, {fwd.method}"
+             + (f", of which {marlin / GiB:.2f} GiB Marlin GEMM temporaries" if marlin else "") + ").",
              "max_batch_prefill_tokens defaults to the launcher's compute-optimal prefill (card f16 FLOP/s ÷ "
              "model FLOP per token; 4096 on a card the launcher does not know) capped by max_position_embeddings "
              "and the launcher's VRAM estimate; unset max_total_tokens is TGI 3's zero config: "
@@ -115,16 +127,35 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     return ServePlan(
         engine="tgi", engine_version=rel.text, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=int(total * s.cuda_memory_fraction), weights=fwd.weights,
-        profile_peak=fwd.activation_peak, non_torch=out.later, context=out.context, cuda_graph=0,
+        profile_peak=peak, non_torch=out.later, context=out.context, cuda_graph=0,
         cuda_graph_in_budget=True, kv_available=free + batch_blocks * block_bytes,
         kv_pool=blocks * block_bytes, block_size=block, blocks=blocks, tokens=tokens,
         bytes_per_token=per_token, max_model_len=max_total, max_concurrency=conc, avg_request_len=avg_request_len,
         concurrency_at_avg=conc_avg, max_running=s.max_concurrent_requests, starts=error is None, error=error,
-        device_used=out.context + out.later + fwd.weights + workspace + fwd.activation_peak + blocks * block_bytes,
+        device_used=out.context + out.later + fwd.weights + workspace + peak + blocks * block_bytes,
         runner_buffers=workspace,
         log=tuple(log), command=command(spec, tp, quant, st), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds={layers[0].kind: len(layers)},
     )
+
+
+def uses_marlin_temporaries(spec: ModelSpec, gpu: GPU, rel: TgiRelease, quant: str) -> bool:
+    """Whether the warm-up's GEMMs carry Marlin's per-call buffers (:func:`marlin_temporaries`): an AWQ / GPTQ
+    dense model on compute capability 8.0+ under TGI 3.0.0 … 3.1.0 (the releases whose kernel was read)."""
+    major = int((gpu.compute_capability or "0").split(".")[0])
+    return quant in ("awq", "gptq") and not spec.is_moe and major >= 8 and not rel.since("3.1.1")
+
+
+def marlin_temporaries(spec: ModelSpec, tokens: int, tp: int) -> int:
+    """The largest per-call buffers of marlin-kernels' ``gptq_marlin_gemm`` over one rank's linear layers at
+    ``tokens`` rows: ``a_tmp`` [M, K] fp16 (AWQ runs in float16) + ``c_tmp`` [reduce_m, N] fp32, with reduce_m
+    = ``determine_reduce_max_m`` (M rounded up to 16 up to 64 rows, else 64 × min(⌈M / 64⌉, 16)). Added to
+    the 16-bit forward's peak: an upper bound, as the GEMM may not fall on that peak's moment."""
+    hd, kv = spec.head_dim, max(1, spec.kv_heads // tp)
+    shapes = ((spec.hidden, (spec.heads // tp + 2 * kv) * hd), (spec.heads // tp * hd, spec.hidden),
+              (spec.hidden, 2 * spec.intermediate // tp), (spec.intermediate // tp, spec.hidden))
+    reduce_m = cdiv(tokens, 16) * 16 if tokens <= 64 else 64 * min(cdiv(tokens, 64), 16)
+    return max(tokens * k * 2 + reduce_m * n * 4 for k, n in shapes)
 
 
 def warmup_blocks(prefill: int, max_total: int | None, block: int) -> int:
