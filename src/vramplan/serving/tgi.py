@@ -86,8 +86,10 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     block_bytes = per_token * block
     out = outside(gpu, tp * pp)
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
-    marlin = marlin_temporaries(spec, prefill, tp) if uses_marlin_temporaries(spec, gpu, rel, quant) else 0
-    peak = fwd.activation_peak + marlin
+    on_marlin = uses_marlin_temporaries(spec, gpu, rel, quant)
+    marlin = marlin_temporaries(spec, prefill, tp) if on_marlin else 0
+    flash = flash_llama_peak(spec, prefill, tp, marlin=on_marlin)
+    peak = flash if flash is not None else fwd.activation_peak + marlin
     batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
     workspace = FLASHINFER_WORKSPACE if s.attention == "flashinfer" else 0
     cuda_free = total - out.context - out.later - fwd.weights - workspace - peak - batch_blocks * block_bytes
@@ -118,8 +120,9 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
           "kv_cache_dtype": s.kv_cache_dtype, "attention": s.attention, "quantization": quant, "dtype": dtype}
     notes = [f"Follows TGI {rel.text} FlashCausalLM.warmup: the free memory after a warm-up prefill of "
              f"{prefill:,} tokens less (1 − cuda_memory_fraction × TGI_WIGGLE_ROOM {wiggle}) of the total becomes "
-             f"KV blocks (warm-up peak {peak / GiB:.2f} GiB, {fwd.method}"
-             + (f", of which {marlin / GiB:.2f} GiB Marlin GEMM temporaries" if marlin else "") + ").",
+             f"KV blocks (warm-up peak {peak / GiB:.2f} GiB, "
+             + ("TGI's FlashLlamaForCausalLM tensors as its forward holds them" if flash is not None else fwd.method)
+             + (" with Marlin's GEMM buffers" if marlin else "") + ").",
              "max_batch_prefill_tokens defaults to the launcher's compute-optimal prefill (card f16 FLOP/s ÷ "
              "model FLOP per token; 4096 on a card the launcher does not know) capped by max_position_embeddings "
              "and the launcher's VRAM estimate; unset max_total_tokens is TGI 3's zero config: "
@@ -154,8 +157,55 @@ def marlin_temporaries(spec: ModelSpec, tokens: int, tp: int) -> int:
     hd, kv = spec.head_dim, max(1, spec.kv_heads // tp)
     shapes = ((spec.hidden, (spec.heads // tp + 2 * kv) * hd), (spec.heads // tp * hd, spec.hidden),
               (spec.hidden, 2 * spec.intermediate // tp), (spec.intermediate // tp, spec.hidden))
-    reduce_m = cdiv(tokens, 16) * 16 if tokens <= 64 else 64 * min(cdiv(tokens, 64), 16)
+    reduce_m = marlin_reduce_rows(tokens)
     return max(tokens * k * 2 + reduce_m * n * 4 for k, n in shapes)
+
+
+# model_type values TGI serves with FlashLlamaForCausalLM (models/__init__.py v3.0.1:882-890, v3.3.7:993, 1044)
+FLASH_LLAMA_TYPES = ("llama", "phi3", "granite", "baichuan")
+
+
+def marlin_reduce_rows(tokens: int) -> int:
+    """marlin-kernels' ``determine_reduce_max_m(M, max_par=16)``: M rounded up to 16 up to 64 rows, else
+    64 × min(⌈M / 64⌉, 16)."""
+    return cdiv(tokens, 16) * 16 if tokens <= 64 else 64 * min(cdiv(tokens, 64), 16)
+
+
+def flash_llama_peak(spec: ModelSpec, tokens: int, tp: int, *, marlin: bool) -> int | None:
+    """The warm-up prefill's allocated peak as TGI's FlashLlamaForCausalLM holds its tensors (every 3.x tag,
+    models/custom_modeling/flash_llama_modeling.py v3.0.1), in units of M × 2 bytes (16-bit activations):
+
+    - held through every later layer: ``inputs_embeds`` (kept by the two outer ``forward`` frames, :687-688,
+      :601) and the loop's ``hidden_states`` / ``residual`` (:610-624); in the layer (:474-496) the locals
+      ``normed_hidden_states``, ``res``, ``attn_output``, ``normed_attn_res_output``, ``attn_res`` — the
+      CUDA ``FastRMSNorm`` returns a new normed tensor and a new residual sum (layers/layernorm.py v3.0.1:140-166,
+      hidden ≤ 8192): 8 × hidden during the MLP, 5 × hidden during the attention;
+    - the MLP (:379-404) keeps the fused ``gate_up_states`` [M, 2·I/tp] alive through ``down_proj``, whose
+      input is ``act(gate) * up`` [M, I/tp] (the ``act`` result is a temporary of the product);
+    - the attention: the fused qkv [M, (H + 2·KV)/tp · d], the attention output [M, H/tp · d], o_proj's [M, h];
+    - Marlin's ``a_tmp`` / ``c_tmp`` at each GEMM when ``marlin`` (:func:`marlin_temporaries`).
+
+    The peak is the largest of the GEMM moments and the activation's; the last position's logits and the
+    small sampling tensors are left out. ``None`` where this layout is not TGI's (another model class, an MoE,
+    hidden > 8192: the in-place RMSNorm path) — the caller falls back to vramplan's forward."""
+    if spec.model_type not in FLASH_LLAMA_TYPES or spec.is_moe or spec.hidden > 8192 or not spec.intermediate:
+        return None
+    m, h, d = tokens, spec.hidden, spec.head_dim
+    i, q, kv = spec.intermediate // tp, spec.heads // tp * d, max(1, spec.kv_heads // tp) * d
+    rows = marlin_reduce_rows(m)
+
+    def temps(k: int, n: int) -> int:
+        return (m * k * 2 + rows * n * 4) if marlin else 0
+
+    mlp_held, attn_held = 8 * h, 5 * h
+    moments = (
+        2 * m * (attn_held + (q + 2 * kv)) + temps(h, q + 2 * kv),        # qkv GEMM
+        2 * m * (attn_held + (q + 2 * kv) + q + h) + temps(q, h),          # o_proj GEMM
+        2 * m * (mlp_held + 2 * i) + temps(h, 2 * i),                      # gate_up GEMM
+        2 * m * (mlp_held + 2 * i + 2 * i),                                 # act(gate) * up
+        2 * m * (mlp_held + 2 * i + i + h) + temps(i, h),                  # down_proj GEMM
+    )
+    return max(moments)
 
 
 def warmup_blocks(prefill: int, max_total: int | None, block: int) -> int:
