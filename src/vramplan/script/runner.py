@@ -177,6 +177,8 @@ class _Hooks:
             self._last_report = now
             count = f"step {self.run.steps}/{self.steps}" if self.run.optimizers else \
                 f"forward {self.run.forwards}"
+            if self.guard is not None and self.guard.searching:
+                count = f"batch-size search, trial {len(self.guard.tried)} (batch {self.guard.current})"
             self.progress(f"{what} · {count} · {now - self.started:.1f} s")
 
     # --- modules ------------------------------------------------------------------------
