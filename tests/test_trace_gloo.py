@@ -137,6 +137,38 @@ def test_lora_under_tensor_parallelism_gloo_run_agrees_with_trace() -> None:
         assert any(f"rank {rank} of tp=2 with transformers' own tp_plan" in n for n in r.notes)
 
 
+def test_lora_under_tensor_parallelism_of_a_tied_model_gloo_run_agrees_with_trace() -> None:
+    """LoRA under transformers' tensor parallelism on a model whose head is tied to its embeddings
+    (Llama-3.2-1B's ``tie_word_embeddings``): ``from_pretrained`` shards the model untied and ties
+    it after loading, so the head and the embeddings share one vocabulary-sharded parameter; the
+    trace failed with ``KeyError: 'lm_head.weight'`` (issue 34). Per rank against the real 2-process
+    gloo run, with the same known difference as the untied test above (946,536 B traced,
+    946,584 B real: 20 AdamW ``step`` scalars, less 2 RNG outputs of 8 B per layer), the
+    parameters, gradients and optimizer states at the first step exactly.
+
+    The tiny Llama-3.2-1B with multi-head attention (4 kv heads), for the reason the untied test
+    gives: the trace models CUDA's fp32 SDPA, which takes no GQA, where the CPU's kernel does."""
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+    from vramplan.trace.run import TraceOptions, trace_workload
+    from vramplan.trace.testing import real_lora_tp_peaks, tiny_config
+    from vramplan.workload import Parallel, Workload
+
+    base = resolve("llama-3.2-1b")
+    cfg = {**tiny_config(dict(base.config)), "num_key_value_heads": 4}
+    spec = spec_from_config(cfg, name="tiny-llama-3.2-1b-mha", source=f"tiny copy of {base.source}, 4 kv heads")
+    assert spec.tie_embeddings and spec.kv_heads == spec.heads
+    targets = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    real = real_lora_tp_peaks(spec, tp=2, batch=2, seq=32, targets=targets)
+    w = Workload(task="train", precision="fp32", batch=2, seq=32, peft="lora", lora_targets=targets,
+                 parallel=Parallel(tp=2))
+    for rank, got in enumerate(real):
+        r = trace_workload(spec, w, options=TraceOptions(workspaces=False, count_flops=False, rank=rank))
+        assert abs(r.peak_allocated - got["peak"]) / got["peak"] < 1e-4, (rank, r.peak_allocated, got)
+        assert _parts_after_first_step(r) == (got["weights"], got["gradients"], got["optimizer"]), rank
+        assert any("`lm_head.weight` to `model.embed_tokens.weight`" in n for n in r.notes), r.notes
+
+
 def test_lora_under_tp_with_fsdp_fails_in_the_real_stacks_as_the_refusal_says() -> None:
     """LoRA × TP × FSDP2 (dp 2 × tp 2), run for real on 4 gloo processes with the installed
     transformers / peft / accelerate: accelerate's ND-parallel load cannot build its mesh, and

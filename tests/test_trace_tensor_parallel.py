@@ -262,6 +262,29 @@ def test_lora_under_tp_runs_transformers_plan_and_refuses_what_the_real_stack_ca
     assert "torchtitan's plan has no adapters" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "gemma-3-1b"])
+def test_lora_under_tp_of_a_tied_model_shares_one_vocabulary_shard(name):
+    """A head tied to the embeddings under transformers' TP (issue 34; the Llama gloo comparison
+    is in test_trace_gloo.py): from_pretrained shards the model untied and ties it after loading,
+    so rank 0 holds one vocabulary shard for both; the same model untied holds the head's too
+    (vocab / 2 × hidden × 4 B). Before, the trace failed with ``KeyError: 'lm_head.weight'``."""
+    from vramplan.models.normalize import spec_from_config
+
+    tied = tiny_spec(name)
+    untied = spec_from_config({**tied.config, "tie_word_embeddings": False}, name=f"{tied.name}-untied",
+                              source=tied.source)
+    assert tied.tie_embeddings and not untied.tie_embeddings
+    w = Workload(task="train", precision="fp32", batch=1, seq=32, peft="lora",
+                 lora_targets=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), parallel=Parallel(tp=2))
+    t = estimate(tied, w, method="trace", search_max_batch=False)
+    u = estimate(untied, w, method="trace", search_max_batch=False)
+    assert t.fallback is None and u.fallback is None
+    assert any("`lm_head.weight` to `model.embed_tokens.weight`" in n for n in t.notes)
+    assert not any("tied weights" in n for n in u.notes)
+    assert u.model_states.weights - t.model_states.weights == tied.vocab // 2 * tied.hidden * 4
+    assert u.model_states.optimizer == t.model_states.optimizer  # the adapters are the same
+
+
 @pytest.mark.parametrize("change, words", [
     ({"peft": "qlora"}, "bitsandbytes integration has no tensor-parallel path"),
     ({"sp": True}, "on a tensor-parallel mesh alone; with sp"),

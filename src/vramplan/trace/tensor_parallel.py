@@ -328,7 +328,10 @@ def apply_transformers_tensor_parallel(model: nn.Module, mesh: Any) -> list[str]
     _check_heads(model, tp)
     experts = init_device_mesh(mesh.device_type, (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     config = DistributedConfig(tp_size=tp)
+    tied = _untie(model)
     type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(mesh, experts))
+    if tied:
+        model.tie_weights(recompute_mapping=False)
     from torch.distributed.tensor import DTensor
 
     by_style: dict[str, list[str]] = {}
@@ -338,10 +341,46 @@ def apply_transformers_tensor_parallel(model: nn.Module, mesh: Any) -> list[str]
             by_style[style].append(leaf)
     plan = "; ".join(f"{style} {'/'.join(names)}" for style, names in by_style.items())
     whole = sum(1 for p in model.parameters() if not isinstance(p, DTensor))
-    return [f"tensor parallelism traced as rank {mesh.get_local_rank('tp')} of tp={tp} with transformers' own tp_plan, "
-            f"as from_pretrained(distributed_config=DistributedConfig(tp_size={tp})) shards the model ({plan}); "
-            f"{whole} parameter tensor(s) the plan leaves whole (norms) stay plain tensors on every rank. The "
-            "adapters follow peft's reading of that plan; full-weight TP is traced with torchtitan's plan instead"]
+    notes = [f"tensor parallelism traced as rank {mesh.get_local_rank('tp')} of tp={tp} with transformers' own tp_plan, "
+             f"as from_pretrained(distributed_config=DistributedConfig(tp_size={tp})) shards the model ({plan}); "
+             f"{whole} parameter tensor(s) the plan leaves whole (norms) stay plain tensors on every rank. The "
+             "adapters follow peft's reading of that plan; full-weight TP is traced with torchtitan's plan instead"]
+    if tied:
+        pairs = ", ".join(f"`{t}` to `{model.all_tied_weights_keys[t]}`" for t in tied)
+        notes.append(f"tied weights ({pairs}) sharded once: from_pretrained shards the model untied, then ties it "
+                     "after loading, so the head computes with the embedding's vocabulary shard (Shard(0))")
+    return notes
+
+
+def _untie(model: Any) -> list[str]:
+    """Give each tied parameter (a tied ``lm_head.weight``) a meta placeholder of its own, as
+    ``from_pretrained`` builds the model before it shards it, and return their names.
+
+    ``from_pretrained`` constructs the model under ``init.no_tie_weights()`` (transformers 5.24
+    ``modeling_utils.py`` L3816), shards it with ``maybe_distribute_model`` (L4414), loads, and
+    ties last (``_finalize_model_loading``, L4628: ``tie_weights(recompute_mapping=False)``). A
+    tied head is therefore sharded by its own plan entry (``colwise_gather_output``: ``Shard(0)``
+    over the vocabulary) and then replaced by the embedding's parameter (``embedding_rowwise``,
+    the same ``Shard(0)``; ``distributed/mixin.py`` L93-L94), which the head's installed forward
+    reads. On a model built tied, the expanded plan still lists ``lm_head.weight`` (each module's
+    ``named_parameters(recurse=False)``, ``distributed/mixin.py`` L223), but
+    ``apply_tensor_parallelism`` looks it up in the de-duplicated ``named_parameters()``, misses,
+    and takes it for a module: ``KeyError: 'lm_head.weight'`` (``distributed/tensor_parallel.py``
+    L644-L654)."""
+    untied = []
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        try:
+            shared = model.get_parameter(target) is model.get_parameter(source)
+        except AttributeError:
+            continue
+        if not shared:
+            continue
+        parent, _, leaf = target.rpartition(".")
+        p = model.get_parameter(source)
+        setattr(model.get_submodule(parent), leaf,
+                nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        untied.append(target)
+    return untied
 
 
 def lora_rowwise_mismatch(model: nn.Module) -> tuple[str, int, int] | None:

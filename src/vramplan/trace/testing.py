@@ -1043,11 +1043,11 @@ def _tp_generate_worker(rank: int, tp: int, model_name: str, prompt: int, new_to
         dist.destroy_process_group()
 
 
-def real_lora_tp_peaks(model_name: str, *, tp: int, batch: int, seq: int, targets: tuple[str, ...],
+def real_lora_tp_peaks(model: str | ModelSpec, *, tp: int, batch: int, seq: int, targets: tuple[str, ...],
                        rank_r: int = 16, timeout: float = 300.0) -> list[dict[str, int]]:
     """Each rank's figures of a real CPU run of a LoRA training step under transformers' tensor
-    parallelism on ``tp`` gloo processes, as a transformers + peft user runs it: the catalog model
-    ``model_name`` shrunk (:func:`tiny_spec`, fp32) saved and loaded back with
+    parallelism on ``tp`` gloo processes, as a transformers + peft user runs it: ``model`` (a
+    catalog name, shrunk by :func:`tiny_spec`, or a spec; fp32) saved and loaded back with
     ``from_pretrained(distributed_config=DistributedConfig(tp_size=tp))``, peft's
     ``get_peft_model`` (LoRA rank ``rank_r`` on ``targets``, as the trace's defaults), AdamW
     (``foreach=True``, CUDA's default) over the adapters in one parameter group per device mesh
@@ -1069,7 +1069,7 @@ def real_lora_tp_peaks(model_name: str, *, tp: int, batch: int, seq: int, target
 
     from ..models.build import build_model, quiet
 
-    spec = tiny_spec(model_name)
+    spec = tiny_spec(model) if isinstance(model, str) else model
     with tempfile.TemporaryDirectory() as saved:
         with quiet():
             built: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
