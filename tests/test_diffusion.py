@@ -191,6 +191,7 @@ def test_wan_estimate_takes_frames_and_wanpipelines_own_size() -> None:
     note = next(n for n in r.notes if n.startswith("one WanPipeline denoiser call"))
     assert "9 frames (`frames=10` rounded as WanPipeline rounds it" in note and "480 x 320" in note
     assert "[16, 3, 40, 60], 1,800 tokens" in note
+    assert "the denoiser alone: WanPipeline's UMT5 text encoding and its VAE decode" in note
     own = vramplan.estimate("wan2.1-t2v-1.3b", task="infer", method="trace")
     assert any("81 frames (WanPipeline's default), 832 x 480 (WanPipeline's default)" in n for n in own.notes)
     assert own.peak.allocated > r.peak.allocated

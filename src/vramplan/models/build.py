@@ -357,7 +357,10 @@ class WanVideo:
         return (f"one WanPipeline denoiser call on videos of {made}, {size}: per video latents "
                 f"[16, {self.latent_frames}, {self.height // 8}, {self.width // 8}], {tokens:,} tokens of 1 x 2 x 2 "
                 f"patches, the prompt's {self.text_tokens} UMT5 states (guidance_scale > 1 calls the transformer for "
-                "the prompt, then for the negative prompt, in turn: a step's peak is one call's)")
+                "the prompt, then for the negative prompt, in turn: a step's peak is one call's); the denoiser "
+                "alone: WanPipeline's UMT5 text encoding and its VAE decode, where a whole Wan pipeline peaks, are "
+                "not in it (a local folder with the repository's configs, given as the model, traces the whole "
+                "pipeline)")
 
 
 _WAN_TEMPORAL = 4
