@@ -545,6 +545,18 @@ def _exit_after(rank: int, worker: Any, *args: Any) -> None:
     os._exit(0)
 
 
+_STORE_VAR = "VRAMPLAN_GLOO_STORE"
+
+
+def _init_gloo(rank: int, world: int) -> None:
+    """The gloo process group of a :func:`_spawn_gloo` rank, met at the run's own file store."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=os.environ.get(_STORE_VAR) or "env://", rank=rank, world_size=world)
+
+
 def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float, what: str) -> list[Any]:
     """Run ``worker(rank, *args, tmp, env)`` in ``nprocs`` processes on a free local port; each
     writes its result (an integer, or JSON) to ``tmp/rank<r>``, returned in rank order.
@@ -569,7 +581,11 @@ def _spawn_gloo(worker: Any, args: tuple[Any, ...], nprocs: int, timeout: float,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        # the ranks meet at a file store of their own (:func:`_init_gloo`): a free port found here can be
+        # taken by another run's store or gloo socket before rank 0 binds it, and two runs that meet at one
+        # port hang each other. MASTER_PORT stays for code that makes its own group (env://).
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               _STORE_VAR: "file://" + os.path.join(tmp, "store")}
         ctx = mp.start_processes(_exit_after, args=(worker, *args, tmp, env), nprocs=nprocs, join=False,
                                  start_method=method)
         deadline = time.monotonic() + timeout
@@ -597,7 +613,7 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world)
     try:
         from .run import _flat_tensors
         from .steps import loss_of
@@ -759,7 +775,7 @@ def _ppo_dist_worker(rank: int, world: int, config: dict[str, Any], w: Any, iter
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world)
     try:
         import transformers
         from torch.distributed.device_mesh import init_device_mesh
@@ -850,7 +866,7 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world)
     try:
         import transformers
         from torch.distributed.fsdp import (
@@ -1001,7 +1017,7 @@ def _tp_generate_worker(rank: int, tp: int, model_name: str, prompt: int, new_to
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    _init_gloo(rank, tp)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import DynamicCache
@@ -1121,7 +1137,7 @@ def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, ba
     world = dp * tp
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world)
     try:
         from peft import LoraConfig, get_peft_model
         from torch.distributed.device_mesh import init_device_mesh
@@ -1167,7 +1183,7 @@ def _lora_tp_worker(rank: int, tp: int, saved: str, vocab: int, batch: int, seq:
 
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    _init_gloo(rank, tp)
     try:
         from peft import LoraConfig, get_peft_model
         from torch.distributed.tensor import DTensor
@@ -1420,7 +1436,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp * dp * tp * cp)
+    _init_gloo(rank, pp * dp * tp * cp)
     try:
         from torch.distributed.pipelining import PipelineStage
 
@@ -1628,7 +1644,7 @@ def _cp_worker(rank: int, model_name: str, layers: int, cp: int, dp: int, batch:
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
+    _init_gloo(rank, dp * cp)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -1807,7 +1823,7 @@ def _fsdp_compile_worker(rank: int, world: int, spec: Any, batch: int, seq: int,
 
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world)
     try:
         from torch._dynamo.utils import counters
         from torch.distributed.device_mesh import init_device_mesh
