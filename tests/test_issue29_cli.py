@@ -36,8 +36,13 @@ def _run(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
+_PROGRESS = re.compile(r"vramplan \w+: .* · \d+ s · ")
+"""A progress line (``vramplan trace: runaway.py:grow · 5 s · 1.69 GiB RAM (stops at …)``)."""
+
+
 def _one_line_error(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    # (a trace that runs past 5 s, as on a loaded machine, shows progress lines first: they are not the error)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not _PROGRESS.match(ln)]
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     return lines[0]
