@@ -356,30 +356,111 @@ def test_from_pretrained_without_a_gpu_device_map_loads_on_the_host(tmp_path) ->
     assert not [n for n in b.notes if "device_map" in n]  # one GPU that holds it: transformers puts it all there
 
 
-def test_device_map_auto_that_would_spread_or_offload_says_so(tmp_path) -> None:
-    # device_map="auto" over 2 GPUs (accelerate's balanced split), or with a max_memory GPU 0 cannot
-    # hold the model in: transformers' own _get_device_map, run on the emulated GPUs, places modules
-    # off GPU 0; the run keeps the whole model on GPU 0 and its note says how a real load would differ
-    import re
+_DEVICE_MAP_SCRIPT = """\
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+n = torch.cuda.device_count()
+mm = {int(k) if k.isdigit() else k: v for k, v in json.loads(sys.argv[2]).items()}
+model = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', dtype=torch.bfloat16, num_hidden_layers=4,
+                                             device_map='auto', max_memory=mm)
+loaded = [torch.cuda.memory_allocated(i) for i in range(n)]
+where = {}
+for name, p in [*model.named_parameters(), *model.named_buffers()]:
+    where[str(p.device)] = where.get(str(p.device), 0) + p.numel() * p.element_size()
+ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]]).to('cuda')
+with torch.inference_mode():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+got = [str(out.device), list(out.shape)]
+del out, ids
+dm = getattr(model, 'hf_device_map', None)  # (set by accelerate's dispatch: a map over more than one device)
+json.dump({'map': dm and {k: str(v) for k, v in dm.items()}, 'where': where, 'loaded': loaded,
+           'after': [torch.cuda.memory_allocated(i) for i in range(n)],
+           'peak': [torch.cuda.max_memory_allocated(i) for i in range(n)],
+           'out': got}, open(sys.argv[1], 'w'))
+"""
 
-    def run(dm: str, gpus: int) -> tuple[int, dict[str, float]]:
-        script = tmp_path / "auto.py"
-        script.write_text("import torch\nfrom transformers import AutoModelForCausalLM\n"
-                          f"model = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b', dtype=torch.bfloat16{dm})\n"
-                          "ids = torch.randint(0, 1000, (1, 16), device='cuda')\n"
-                          "with torch.inference_mode():\n    for _ in range(3):\n        model(input_ids=ids)\n")
-        r = vramplan.run_script(script, gpu="h100-sxm", gpus=gpus, workspaces=False)
-        notes = [n for n in r.notes if "device_map" in n]
-        assert len(notes) == 1, r.notes
-        placed = {k: float(v) * (1 if unit == "MiB" else 1024)
-                  for k, v, unit in re.findall(r"(GPU \d|cpu|disk) ([\d.]+) (MiB|GiB)", notes[0].split("(")[0])}
-        return r.breakdown.weights, placed
 
-    weights, two = run(", device_map='auto'", 2)
-    assert set(two) == {"GPU 0", "GPU 1"} and abs(sum(two.values()) - weights / 2**20) < 0.1
-    weights, small = run(", device_map='auto', max_memory={0: '300MiB', 'cpu': '8GiB'}", 1)
-    assert set(small) == {"GPU 0", "cpu"} and 0 < small["GPU 0"] <= 300  # what fits in 300 MiB, the rest on the host
-    assert abs(sum(small.values()) - weights / 2**20) < 0.1
+def _placed(max_memory: dict) -> tuple[dict[str, str], dict[str, int], int]:
+    """transformers' own placement of the model the script loads (its ``_get_device_map`` on the
+    same model built on meta, outside any run), the bytes of parameters and buffers each device
+    gets, and the largest offloaded leaf module's weight bytes (accelerate's hooks bring in one at
+    a time: accelerate 1.16 hooks.py:528-547, a hook on each module with tensors of its own)."""
+    from accelerate.utils import compute_module_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.accelerate import _get_device_map, expand_device_map
+
+    from vramplan.models.catalog import resolve
+
+    cfg = {k: v for k, v in resolve("qwen2.5-0.5b").config.items() if k != "auto_map"}
+    config = AutoConfig.for_model(**{**cfg, "num_hidden_layers": 4})  # (as the script loads it)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    placement = _get_device_map(model, "auto", dict(max_memory), None)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    device_of = expand_device_map(placement, [n for n, _ in tensors])
+    by_device: dict[str, int] = {}
+    buffers = {n for n, _ in model.named_buffers()}
+    for n, p in tensors:
+        key = str(device_of[n])
+        if key == "cpu" and n in buffers:  # an offloaded block's buffers go to the main GPU (offload_buffers=False:
+            key = "0"  # accelerate 1.16 hooks.py:328-332, AlignDevicesHook.init_hook)
+        by_device[key] = by_device.get(key, 0) + p.numel() * p.element_size()
+    sizes = compute_module_sizes(model)
+    leaves = [sizes[n] for n, m in model.named_modules() if n and not list(m.children())
+              and any(str(device_of.get(f"{n}.{k}")) == "cpu" for k, _ in m.named_parameters(recurse=False))]
+    return {k: str(v) for k, v in placement.items()}, by_device, max(leaves, default=0)
+
+
+def test_device_map_auto_spreads_the_model_over_the_emulated_gpus(tmp_path) -> None:
+    # device_map="auto" over 2 GPUs: transformers' own placement over the emulated GPUs, dispatched
+    # by accelerate's hooks: each parameter on its GPU, each GPU's memory its blocks' weights (and
+    # what they compute), generate() running across both, the output back on GPU 0
+    import json
+
+    script = tmp_path / "spread.py"
+    script.write_text(_DEVICE_MAP_SCRIPT)
+    out = tmp_path / "seen.json"
+    mm = {"0": "320MiB", "1": "1GiB", "cpu": "8GiB"}
+    r = vramplan.run_script(script, [str(out), json.dumps(mm)], gpu="h100-sxm", gpus=2, workspaces=False)
+    seen = json.loads(out.read_text())
+    placement, by_device, _ = _placed({0: "320MiB", 1: "1GiB", "cpu": "8GiB"})
+    assert seen["map"] == placement and set(placement.values()) == {"0", "1"}
+    assert seen["where"] == {"cuda:0": by_device["0"], "cuda:1": by_device["1"]}
+    assert r.breakdown.weights == by_device["0"]  # GPU 0's figures: only its own blocks' weights
+    assert seen["loaded"][1] == by_device["1"]  # GPU 1: its blocks' weights, live bytes
+    assert seen["loaded"][0] >= by_device["0"] and seen["after"] == seen["loaded"]  # (nothing left behind)
+    assert seen["out"] == ["cuda:0", [1, 11]]
+    # what GPU 1's blocks compute is on GPU 1: at most what the whole model computes on one GPU
+    one = tmp_path / "one.json"
+    single = vramplan.run_script(script, [str(one), json.dumps({"0": "8GiB", "cpu": "8GiB"})], gpu="h100-sxm",
+                                 workspaces=False)
+    alone = json.loads(one.read_text())
+    assert alone["map"] is None and single.breakdown.weights == by_device["0"] + by_device["1"]
+    assert 0 < seen["peak"][1] - by_device["1"] < alone["peak"][0] - alone["loaded"][0]
+    assert seen["peak"][0] - seen["loaded"][0] <= alone["peak"][0] - alone["loaded"][0]
+    assert any(f"GPU 1: peak {seen['peak'][1]:,} B" in n for n in r.notes), r.notes
+
+
+def test_device_map_auto_offloads_what_gpu_0_cannot_hold_to_the_cpu(tmp_path) -> None:
+    # 2 GPUs, max_memory GPU 0 300 MiB and the CPU: the rest of the weights wait in host RAM (on meta in the model,
+    # as accelerate leaves them) and each offloaded layer's weights come to GPU 0 for its call only
+    import json
+
+    script = tmp_path / "offload.py"
+    script.write_text(_DEVICE_MAP_SCRIPT)
+    out = tmp_path / "seen.json"
+    r = vramplan.run_script(script, [str(out), json.dumps({"0": "300MiB", "cpu": "8GiB"})], gpu="h100-sxm",
+                            gpus=2, workspaces=False)
+    seen = json.loads(out.read_text())
+    placement, by_device, largest = _placed({0: "300MiB", "cpu": "8GiB"})
+    assert seen["map"] == placement and set(placement.values()) == {"0", "cpu"}
+    assert seen["where"] == {"cuda:0": by_device["0"], "meta": by_device["cpu"]}
+    assert 0 < by_device["0"] <= seen["loaded"][0] <= 300 * 2**20 and seen["after"] == seen["loaded"]
+    assert seen["peak"][1] == 0  # (GPU 1 is not in max_memory: nothing there)
+    # at the peak: GPU 0's own weights and at most one offloaded leaf module's (a layer's MLP projection)
+    assert by_device["0"] < r.breakdown.weights <= by_device["0"] + largest
+    assert seen["out"] == ["cuda:0", [1, 11]]
+    assert any(f"{by_device['cpu']:,} B" in n and "host RAM" in n for n in r.notes), r.notes
 
 
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:

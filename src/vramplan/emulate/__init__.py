@@ -85,8 +85,10 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
         if on_launch is not None:
             on_launch(tensors)
 
-    with patched(facts, live, on_sync, state, on_capture), device_view(view, values), keeping_identity(em.optimizers), \
-            checkpoint_metadata_on_storage(), checkpoints_on_device(em.saved), triton_launches(launched), data_parallel(), \
+    others = {p.device.index: p for p in places if p.device.type == "cuda" and p.device.index}
+    with patched(facts, live, on_sync, state, on_capture, others), device_view(view, values), \
+            keeping_identity(em.optimizers), checkpoint_metadata_on_storage(), checkpoints_on_device(em.saved), \
+            triton_launches(launched), data_parallel(), \
             _fresh_deepspeed_accelerator():
         yield em
 

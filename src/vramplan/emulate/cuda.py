@@ -108,11 +108,15 @@ def _unsupported_class(name: str, what: str, hint: str) -> type:
 @contextlib.contextmanager
 def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], None],
             state: CudaState | None = None,
-            on_capture: Callable[[int | None], None] | None = None) -> Iterator[CudaState]:
+            on_capture: Callable[[int | None], None] | None = None,
+            others: dict[int, Any] | None = None) -> Iterator[CudaState]:
     """Patch ``torch.cuda`` and ``torch.accelerator`` (see the module docstring);
     ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache`` calls (the trace turns them
     into events); ``on_capture(pool)`` a CUDA graph's capture starting in its private pool
-    (``None``: it ended; :mod:`.graphs`) — without it, CUDA graphs stop the run."""
+    (``None``: it ended; :mod:`.graphs`) — without it, CUDA graphs stop the run. ``others``: the
+    GPUs other than 0 that may hold tensors of their own (index → their place: while its ``in_use``,
+    its ``pageable`` and ``pageable_peak`` bytes answer that GPU's memory figures — a model spread
+    by a device map; before, the emulated GPU's answer for every index)."""
     st = state or CudaState(facts)
     props = Properties(name=facts.name, major=facts.sm[0], minor=facts.sm[1], total_memory=facts.total_memory,
                        multi_processor_count=facts.sm_count, L2_cache_size=facts.l2_cache)
@@ -133,11 +137,23 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
         stack.callback(setattr, owner, name, real)
         setattr(owner, name, value)
 
+    gpus = others or {}
+
     def stat(key: str) -> Callable[..., int]:
-        return lambda device=None: live.stats()[key]
+        return lambda device=None: other_stat(device, key)
+
+    def other_stat(device: Any, key: str) -> int:
+        """GPU 0's figures from the allocator simulation; another GPU's, its tensors' live bytes
+        (no allocator simulation there: allocated and reserved alike)."""
+        other = gpus.get(st.index(device)) if gpus else None
+        if other is None or not other.in_use:
+            return int(live.stats()[key])
+        return int(other.pageable_peak if key.endswith(".peak") else other.pageable)
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        st.index(device)
+        idx = st.index(device)
+        if idx in gpus and gpus[idx].in_use:
+            return max(0, facts.total_memory - facts.outside_allocator - gpus[idx].pageable), facts.total_memory
         al = live.sync()
         return max(0, facts.total_memory - facts.outside_allocator - al.reserved), facts.total_memory
 
@@ -151,8 +167,12 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
     def empty_cache(*args: Any) -> None:
         on_sync("empty_cache")
 
-    def reset_peaks(*args: Any) -> None:
-        live.reset_peaks()
+    def reset_peaks(device: Any = None) -> None:
+        other = gpus.get(st.index(device)) if gpus else None
+        if other is None or not other.in_use:
+            live.reset_peaks()
+        else:
+            other.pageable_peak = other.pageable
 
     def summary(device: Any = None, abbreviated: bool = False) -> str:
         s = live.stats()
@@ -402,12 +422,12 @@ def _patch_modules(put: Callable[..., None], cuda: Any, functions: dict[str, Any
             "empty_host_cache": lambda: None,
             "get_device_capability": device_capability,
             "get_memory_info": lambda device_index=None: functions["mem_get_info"](device_index),
-            "memory_allocated": lambda device_index=None: live.stats()["allocated_bytes.all.current"],
-            "max_memory_allocated": lambda device_index=None: live.stats()["allocated_bytes.all.peak"],
-            "memory_reserved": lambda device_index=None: live.stats()["reserved_bytes.all.current"],
-            "max_memory_reserved": lambda device_index=None: live.stats()["reserved_bytes.all.peak"],
+            "memory_allocated": lambda device_index=None: functions["memory_allocated"](device_index),
+            "max_memory_allocated": lambda device_index=None: functions["max_memory_allocated"](device_index),
+            "memory_reserved": lambda device_index=None: functions["memory_reserved"](device_index),
+            "max_memory_reserved": lambda device_index=None: functions["max_memory_reserved"](device_index),
             "memory_stats": lambda device_index=None: live.stats(),
-            "reset_peak_memory_stats": lambda device_index=None: live.reset_peaks(),
+            "reset_peak_memory_stats": lambda device_index=None: functions["reset_peak_memory_stats"](device_index),
             "reset_accumulated_memory_stats": lambda device_index=None: None,
         }
         for name, impl in acc_functions.items():

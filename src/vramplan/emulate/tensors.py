@@ -215,6 +215,23 @@ def _read_of(orig: Callable[..., Any], name: str, values: Values) -> Callable[..
     return read
 
 
+def _data_ptr_of(orig: Callable[..., int]) -> Callable[..., int]:
+    def data_ptr(self: torch.Tensor) -> int:
+        """A tensor on the emulated GPU (or a host tensor without values) has an address of its
+        own, as on a real device: its storage's key plus its offset, where every ``meta`` storage
+        answers 0 (accelerate's ``tied_params_map`` keys the weights it moves by ``data_ptr()``:
+        with one key for all, every weight moved to a GPU would become the first one moved)."""
+        if not _ACTIVE or type(self) not in (torch.Tensor, torch.nn.Parameter) or not on_meta(self) \
+                or _view(self).type == "meta":  # (subclasses — FakeTensor, DTensor — answer for themselves)
+            return orig(self)
+        with _NO_TORCH_FUNCTION():
+            try:
+                return _storage_key(self) + int(self.storage_offset()) * self.element_size()
+            except (RuntimeError, NotImplementedError, TypeError):
+                return orig(self)
+    return data_ptr
+
+
 @contextlib.contextmanager
 def device_view(view: View, values: Values) -> Iterator[View]:
     """Tensors report where they live (see the module docstring) until the block ends."""
@@ -228,6 +245,7 @@ def device_view(view: View, values: Values) -> Iterator[View]:
         "type": _type,
         "__repr__": _repr_of(T.__repr__, values),
         "record_stream": _record_stream_of(T.record_stream),
+        "data_ptr": _data_ptr_of(T.data_ptr),
         "numpy": _read_of(T.numpy, "numpy", values),
         "tolist": _read_of(T.tolist, "tolist", values),
         "__array__": _read_of(T.__array__, "__array__", values),

@@ -39,6 +39,10 @@ class Loading:
     """Books the tensors made inside it on the host."""
     book: Callable[[nn.Module], None] = lambda model: None
     """Records a model's parameters and buffers as device memory, now."""
+    spread: Callable[[nn.Module, dict[str, Any]], list[str]] | None = None
+    """Places a built model's tensors as a device map says (GPU 0, the other emulated GPUs, the
+    host) and dispatches it as transformers does; returns notes (None: the run cannot, and the
+    whole model stays on GPU 0)."""
 
 
 _context: list[Loading] = []
@@ -97,9 +101,17 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[s
                 run.notes += quantized.apply(model, qc, run.device)
     finally:
         _building[0] -= 1
+    placement = None
     if qc is None and kwargs.get("device_map") in _STRATEGIES:  # (before booking: GPU 0's free memory as transformers reads it)
-        run.notes += _auto_placement(model, kwargs["device_map"], kwargs.get("max_memory"))
-    if not on_host:
+        placement, notes = _auto_placement(model, kwargs["device_map"], kwargs.get("max_memory"), run.spread is not None)
+        run.notes += notes
+    elif qc is None and isinstance(kwargs.get("device_map"), dict) and not on_host:
+        placement = dict(kwargs["device_map"])
+    if placement is not None and run.spread is not None and _spreads(placement):
+        # (not building: accelerate's dispatch runs as in a real load, its ``.to("meta")`` of an
+        # offloaded weight a tensor on meta)
+        run.notes += run.spread(model, placement)
+    elif not on_host:
         _building[0] += 1
         try:
             run.book(model)
@@ -113,13 +125,29 @@ _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 """The ``device_map`` values transformers computes a placement for (``_get_device_map``)."""
 
 
-def _auto_placement(model: Any, strategy: str, max_memory: Any) -> list[str]:
-    """What transformers would do with ``device_map=strategy``: its own ``_get_device_map``
+def _spreads(placement: dict[str, Any]) -> bool:
+    """A device map over more than one device, or with the disk: transformers then dispatches the
+    model with accelerate's hooks (transformers 5.24 modeling_utils.py:4464-4466). (A map with one
+    GPU stays the emulated GPU's, whichever its index.)"""
+    devices = {_gpu_key(d) for d in placement.values()}
+    return len(devices) > 1 or "disk" in devices
+
+
+def _gpu_key(dev: Any) -> str:
+    key = str(dev)
+    return "GPU 0" if key in ("0", "cuda", "cuda:0") else f"GPU {key.removeprefix('cuda:')}" \
+        if key.removeprefix("cuda:").isdigit() else key
+
+
+def _auto_placement(model: Any, strategy: str, max_memory: Any,
+                    emulated: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+    """What transformers does with ``device_map=strategy``: its own ``_get_device_map``
     (transformers/integrations/accelerate.py: accelerate's ``get_balanced_memory`` and
     ``infer_auto_device_map`` over each GPU's ``mem_get_info`` — the emulated GPUs' — and this
-    machine's RAM), run on the model as built. When that places modules off GPU 0 (on other
-    GPUs, the CPU or disk), a note says so: the run keeps the whole model on GPU 0, so its
-    figures are the whole model on one GPU where the real load would spread or offload it."""
+    machine's RAM), run on the model as built: (the placement, notes). ``emulated``: the run
+    places the model that way (:attr:`Loading.spread`); otherwise, when the placement leaves GPU 0,
+    a note says that the run keeps the whole model on GPU 0 where a real load would spread or
+    offload it."""
     try:
         from accelerate.utils import compute_module_sizes
         from transformers.integrations.accelerate import _get_device_map
@@ -127,21 +155,23 @@ def _auto_placement(model: Any, strategy: str, max_memory: Any) -> list[str]:
         placement = _get_device_map(model, strategy, max_memory, None)
         sizes = compute_module_sizes(model)
     except Exception as e:  # noqa: BLE001 (a note only: say why it could not be computed)
-        return [f"device_map={strategy!r}: the whole model is on GPU 0; transformers' placement could not be "
-                f"computed here ({type(e).__name__}: {str(e)[:120]}), so a real load may spread it over GPUs "
-                "or offload part of it"]
+        return None, [f"device_map={strategy!r}: the whole model is on GPU 0; transformers' placement could not be "
+                      f"computed here ({type(e).__name__}: {str(e)[:120]}), so a real load may spread it over GPUs "
+                      "or offload part of it"]
     where: dict[str, int] = {}
     for name, dev in placement.items():
-        key = str(dev)
-        key = "GPU 0" if key in ("0", "cuda", "cuda:0") else f"GPU {key}" if key.isdigit() else key
+        key = _gpu_key(dev)
         where[key] = where.get(key, 0) + sizes.get(name, 0)
     if set(where) <= {"GPU 0"}:
-        return []
+        return placement, []
     gib = ", ".join(f"{k} {_size(v)}" for k, v in where.items())
-    return [f"device_map={strategy!r}: transformers would place the weights as {gib} (accelerate's "
-            "infer_auto_device_map over the emulated GPUs' free memory and this machine's RAM); vramplan run "
-            f"keeps the whole model ({_size(sizes.get('', 0))}) on GPU 0 and does not emulate the "
-            "split or the offload: the figures are the whole model on one GPU"]
+    if emulated:
+        return placement, [f"device_map={strategy!r}: transformers places the weights as {gib} (accelerate's "
+                           "infer_auto_device_map over the emulated GPUs' free memory and this machine's RAM)"]
+    return placement, [f"device_map={strategy!r}: transformers would place the weights as {gib} (accelerate's "
+                       "infer_auto_device_map over the emulated GPUs' free memory and this machine's RAM); vramplan "
+                       f"run keeps the whole model ({_size(sizes.get('', 0))}) on GPU 0 and does not emulate the "
+                       "split or the offload: the figures are the whole model on one GPU"]
 
 
 def _size(n: int) -> str:

@@ -815,6 +815,15 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             # page-locked host memory is not GPU memory; on a CUDA build of torch (no driver
             # here) the real call would reach the CUDA runtime (DataLoader(pin_memory=True))
             return args[0]
+        if name == "to" and len(args) > 1 and type(args[1]) is int:
+            # ``t.to(0)`` (accelerate's hooks: a device map's GPU ordinals): the current accelerator's
+            # device 0, which a CPU-only torch has not
+            args = (args[0], torch.device("cuda", args[1]), *args[2:])
+        if type(kwargs.get("device")) is int and (name == "to" or func in _constructors()):
+            kwargs = {**kwargs, "device": torch.device("cuda", kwargs["device"])}
+        gpu = self._other_gpu(func, name, args, kwargs)
+        if gpu is not None:
+            return self._on_other_gpu(func, name, gpu, args, kwargs)
         if func in _constructors() and kwargs.get("device") is None:
             # the default device (``torch.set_default_device``, ``with torch.device(...)``): its
             # DeviceContext sits at the bottom of the mode stack and would fill it in after us
@@ -859,16 +868,73 @@ class _InputMode(torch.overrides.TorchFunctionMode):
             self.sess.dispatch.rules_used["finite"] += 1
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             src = args[0]
-            if not self._on_device(src) and self._on_device(out):
+            if not self._on_device(src) and self._on_device(out) and not self._gpu_of(src):
                 # a weight brought in by accelerate's offload hooks is a weight (``Parameter(w).to(dev)``)
-                self.sess.rec.relabel(out, Category.PARAMETER if isinstance(src, nn.Parameter) else Category.INPUT)
+                weight = isinstance(src, nn.Parameter) or getattr(src, "_vramplan_weight", False)
+                self.sess.rec.relabel(out, Category.PARAMETER if weight else Category.INPUT)
                 run = self.run
                 if run is not None and not run.device_forwards and not CONVERTING[0] and len(run.inputs) < 64 \
-                        and not isinstance(src, nn.Parameter):  # (FSDP1 moves parameters itself: not inputs)
+                        and not weight:  # (FSDP1 moves parameters itself: not inputs)
                     run.inputs.append((tuple(out.shape), str(out.dtype)))
                 if raw_device(src).type == "cpu" and not src.is_floating_point() and src.numel() <= 1 << 20:
                     self.sess.values.set_shadow(out, src)
         return out
+
+    def _gpu_of(self, t: torch.Tensor) -> bool:
+        """``t`` is on one of the emulated GPUs other than GPU 0 (its place)."""
+        p = self.places.place_of(t)
+        return p is not None and p.device.type == "cuda"
+
+    def _other_gpu(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The place of the GPU other than 0 that a copy (``t.to("cuda:1")``, ``t.cuda(1)``) or a
+        factory (``torch.zeros(…, device="cuda:1")``) names (None: none)."""
+        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+            dev = kwargs.get("device")
+            if dev is None and len(args) > 1 and not isinstance(args[1], torch.dtype):
+                dev = args[1]
+                if isinstance(dev, torch.Tensor):
+                    dev = dev.device
+            if name == "cuda" and isinstance(dev, int):
+                dev = torch.device("cuda", dev)
+        elif func in _constructors() or name in _FROM_DATA:
+            dev = kwargs.get("device")
+        else:
+            return None
+        if isinstance(dev, int) and not isinstance(dev, bool):
+            dev = f"cuda:{dev}"
+        if isinstance(dev, (str, torch.device)):
+            try:
+                d = torch.device(dev)
+            except RuntimeError:
+                return None
+            key = f"cuda:{d.index}"
+            if d.type == "cuda" and d.index and key in self.places.by_device and self.places.by_device[key].in_use:
+                return key
+        return None
+
+    def _on_other_gpu(self, func: Any, name: str, gpu: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A tensor made on, or copied to, a GPU other than 0 (a block of a model spread over
+        the GPUs by a device map, :func:`_spread`): it lives in that GPU's place."""
+        place = self.places.by_device[gpu]
+        if name not in ("to", "cuda"):
+            with self.places.scope(gpu):
+                if name in _FROM_DATA:
+                    host = func(*args, **{**kwargs, "device": "cpu"})
+                    out = host.to("meta", copy=True)
+                    self.sess.values.set_shadow(out, host)
+                    return out
+                return func(*args, **{**kwargs, "device": "meta"})
+        src = args[0]
+        dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+        if self.places.place_of(src) is place and not kwargs.get("copy"):
+            return src if dtype in (None, src.dtype) else src.to(dtype)  # (made in its place: its inputs are)
+        with self.places.scope(gpu):
+            if not on_meta(src):  # host data with values (token ids): a device tensor that keeps them
+                out = torch.empty_strided(src.shape, src.stride(), dtype=dtype or src.dtype, device="meta")
+                if src.numel() <= 1 << 20:
+                    self.sess.values.set_shadow(out, src.to(dtype or src.dtype))
+                return out
+            return src.to(device="meta", dtype=dtype or src.dtype, copy=True)
 
     def _values_of(self, data: Any) -> Any:
         if isinstance(data, torch.Tensor):
@@ -1122,18 +1188,87 @@ def _capture_pool(sess: TraceSession) -> Callable[[int | None], None]:
 
 def _loading(sess: TraceSession, places: Places) -> Any:
     """What ``from_pretrained`` needs of this run (:mod:`.pretrained`): the device, the notes, the
-    host scope, and the booking of a loaded model's tensors on the device."""
+    host scope, the booking of a loaded model's tensors on the device, and its placement over
+    the emulated GPUs and the host (:func:`_spread`)."""
     from .pretrained import Loading
 
     def book(model: nn.Module) -> None:
         for p in model.parameters():
-            if on_meta(p):
+            if on_meta(p) and not places.is_host(p):
                 sess.rec.relabel(p, Category.PARAMETER)
         for b in model.buffers():
-            if on_meta(b):
+            if on_meta(b) and not places.is_host(b):
                 sess.rec.relabel(b, Category.BUFFER)
 
-    return Loading(device=sess.profile, notes=sess.notes, host_scope=lambda: places.scope("cpu"), book=book)
+    return Loading(device=sess.profile, notes=sess.notes, host_scope=lambda: places.scope("cpu"), book=book,
+                   spread=lambda model, placement: _spread(model, placement, places, book))
+
+
+def _spread(model: nn.Module, placement: dict[str, Any], places: Places,
+            book: Callable[[nn.Module], None]) -> list[str]:
+    """A model loaded with a device map over more than GPU 0, placed as transformers 5.24 loads
+    it: each weight where the map puts it (``_load_pretrained_model`` reads every weight onto its
+    device; modeling_utils.py:4524-4526 ``expand_device_map``), then transformers' own
+    ``accelerate_dispatch`` (modeling_utils.py:4464-4466), i.e. accelerate's ``dispatch_model``
+    (accelerate 1.16 big_modeling.py:311-496): an ``AlignDevicesHook`` per block moves the
+    block's inputs to its GPU, and a block offloaded to the CPU has its weights put on ``meta``
+    and copied to the main GPU for each call (``pre_forward``), then dropped (``post_forward``).
+
+    The other GPUs' tensors live in their places (:class:`~vramplan.trace.places.Places`): they
+    report ``cuda:N`` and are kept off GPU 0's log; a CPU-offloaded weight is a host tensor.
+    ``"disk"`` is dispatched as ``"cpu"`` (the same copies to the GPU per call; the weights are
+    read from the offload folder instead of RAM)."""
+    from transformers.integrations.accelerate import accelerate_dispatch, expand_device_map
+
+    gpus = {k for k in places.by_device if k.startswith("cuda:")}
+    for k in gpus:  # from now on each GPU's tensors are its own (until now, all the emulated GPU's)
+        places.by_device[k].in_use = True
+    where: dict[str, str | None] = {}  # device map value → place (None: GPU 0)
+    for dev in set(placement.values()):
+        key = str(dev)
+        key = f"cuda:{key}" if key.isdigit() else "cpu" if key == "disk" else key
+        if key in ("cuda", "cuda:0"):
+            where[str(dev)] = None
+        elif key == "cpu" or key in gpus:
+            where[str(dev)] = key
+        else:
+            raise TraceError(f"device_map places weights on {dev!r}, which the emulated machine does not have "
+                             f"(GPUs cuda:0…cuda:{len(gpus)}, cpu, disk)", hint="vramplan run --gpus N")
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    device_of = expand_device_map(placement, names)
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for name, t in tensors.items():
+        place = where[str(device_of[name])]
+        if place is not None and on_meta(t):
+            places.adopt(t, place)
+    book(model)
+    dispatched = {k: "cpu" if v == "disk" else v for k, v in placement.items()}
+    accelerate_dispatch(model, None, dispatched, None, None, False)
+    setattr(model, "hf_device_map", dict(placement))  # noqa: B010  (dispatch_model sets the map it was given)
+    for m in model.modules():  # the offloaded weights, which the hooks copy to the GPU per call: weights there
+        loader = getattr(getattr(getattr(m, "_hf_hook", None), "weights_map", None), "dataset", None)
+        for t in (getattr(loader, "state_dict", None) or {}).values():
+            if isinstance(t, torch.Tensor):
+                t._vramplan_weight = True  # type: ignore[attr-defined]
+        if loader is not None:
+            break
+    book(model)  # (the buffers of offloaded blocks, moved to the main GPU by dispatch_model)
+    notes = []
+    off = {"cpu": 0, "disk": 0}  # (their buffers are on the GPU: offload_buffers=False)
+    for name, t in model.named_parameters():
+        dev = str(device_of[name])
+        if dev in off:
+            off[dev] += t.untyped_storage().nbytes()
+    if off["cpu"] or off["disk"]:
+        held = " and ".join(f"{n:,} B ({n / 2**30:.2f} GiB) {what}" for n, what in
+                            ((off["cpu"], "in host RAM"), (off["disk"], "in the offload folder on disk")) if n)
+        notes.append(f"device_map: weights offloaded: {held}; accelerate's hooks copy each offloaded block's "
+                     "weights to GPU 0 for its call and drop them after it")
+    if off["disk"]:
+        notes.append("device_map: the blocks placed on \"disk\" are emulated as offloaded to the CPU: the same "
+                     "copies to the GPU for each call (a real run reads them from the offload folder)")
+    return notes
 
 
 def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceProfile, facts: DeviceFacts,
@@ -1165,7 +1300,9 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     sess.dispatch.float_reads = 1.0
     sess.dispatch.bool_reads = False
     sess.dispatch.strict_devices = True
-    places = Places(sess.rec)
+    places = Places(sess.rec, ("cpu", "meta", *(f"cuda:{i}" for i in range(1, facts.count))))
+    for i in range(1, facts.count):  # (GPUs apart from GPU 0 once a device map spreads a model: _spread)
+        places.by_device[f"cuda:{i}"].in_use = False
     run = ScriptRun()
     if not isinstance(world, int) or world < 1:
         raise VramplanError(f"the world must be a positive number of processes, got {world!r}")
@@ -1284,8 +1421,22 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         notes.append(f"{sum(sess.dispatch.host_reads.values())} copy(ies) of device data into host tensors kept the "
                      "host's old values (the trace has no device values; memory is unaffected)")
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
+    notes += _other_gpus(places)
     result = summarize(sess, params=run.params, trainable=run.trainable, flops=None, notes=notes)
     return result, run
+
+
+def _other_gpus(places: Places) -> list[str]:
+    """A note per GPU other than 0 that held tensors (a model spread over the GPUs by a device
+    map: :func:`_spread`): its peak."""
+    out = []
+    for key, place in places.by_device.items():
+        if key.startswith("cuda:") and place.pageable_peak:
+            out.append(f"GPU {key.removeprefix('cuda:')}: peak {place.pageable_peak:,} B "
+                       f"({place.pageable_peak / 2**30:.2f} GiB) of tensors — its blocks' weights and what they "
+                       "compute there (live tensor bytes, without the allocator's rounding and cache); the figures "
+                       "above are GPU 0's")
+    return out
 
 
 def caused_by(e: BaseException, kind: type[BaseException]) -> bool:

@@ -67,6 +67,9 @@ class HostMemory:
         """Device-to-host copies land here (FSDP2's gradient offload)."""
         self.device = torch.device(device)
         """Where these tensors are in the real run (what they report under ``vramplan run``)."""
+        self.in_use = True
+        """False: a place kept for later (a GPU other than 0 before a device map spreads a model
+        over it: until then every GPU's tensors are the emulated GPU's)."""
         """False: the tensors are nowhere in the real run (a script's own ``meta`` model), not host
         RAM — kept off the GPU's log and not counted."""
         self.keys: dict[int, tuple[str, int, bool]] = {}
