@@ -463,6 +463,20 @@ def test_device_map_auto_offloads_what_gpu_0_cannot_hold_to_the_cpu(tmp_path) ->
     assert any(f"{by_device['cpu']:,} B" in n and "host RAM" in n for n in r.notes), r.notes
 
 
+def test_another_gpu_s_peak_past_its_capacity_is_said() -> None:
+    from types import SimpleNamespace
+
+    from vramplan.script.runner import _other_gpus
+
+    places = SimpleNamespace(by_device={"cpu": SimpleNamespace(pageable_peak=5 * 2**30),
+                                        "cuda:1": SimpleNamespace(pageable_peak=3 * 2**30),
+                                        "cuda:2": SimpleNamespace(pageable_peak=2**30),
+                                        "cuda:3": SimpleNamespace(pageable_peak=0)})
+    notes = _other_gpus(places, 2 * 2**30)  # type: ignore[arg-type]
+    assert [n.split(":")[0] for n in notes] == ["GPU 1", "GPU 2"]  # (not the host; not a GPU that held nothing)
+    assert "OVER its 2.00 GiB" in notes[0] and "OVER" not in notes[1]
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);

@@ -1421,21 +1421,22 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         notes.append(f"{sum(sess.dispatch.host_reads.values())} copy(ies) of device data into host tensors kept the "
                      "host's old values (the trace has no device values; memory is unaffected)")
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
-    notes += _other_gpus(places)
+    notes += _other_gpus(places, capacity)
     result = summarize(sess, params=run.params, trainable=run.trainable, flops=None, notes=notes)
     return result, run
 
 
-def _other_gpus(places: Places) -> list[str]:
+def _other_gpus(places: Places, capacity: int) -> list[str]:
     """A note per GPU other than 0 that held tensors (a model spread over the GPUs by a device
-    map: :func:`_spread`): its peak."""
+    map: :func:`_spread`): its peak, and whether it passed ``capacity`` (the allocator's bytes)."""
     out = []
     for key, place in places.by_device.items():
         if key.startswith("cuda:") and place.pageable_peak:
+            over = f"; OVER its {capacity / 2**30:.2f} GiB for the allocator" if place.pageable_peak > capacity else ""
             out.append(f"GPU {key.removeprefix('cuda:')}: peak {place.pageable_peak:,} B "
                        f"({place.pageable_peak / 2**30:.2f} GiB) of tensors — its blocks' weights and what they "
                        "compute there (live tensor bytes, without the allocator's rounding and cache); the figures "
-                       "above are GPU 0's")
+                       f"above are GPU 0's{over}")
     return out
 
 
