@@ -888,6 +888,8 @@ class _InputMode(torch.overrides.TorchFunctionMode):
     def _other_gpu(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """The place of the GPU other than 0 that a copy (``t.to("cuda:1")``, ``t.cuda(1)``) or a
         factory (``torch.zeros(…, device="cuda:1")``) names (None: none)."""
+        if not self.places.gpus_apart:
+            return None
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
             dev = kwargs.get("device")
             if dev is None and len(args) > 1 and not isinstance(args[1], torch.dtype):
@@ -1223,6 +1225,7 @@ def _spread(model: nn.Module, placement: dict[str, Any], places: Places,
     gpus = {k for k in places.by_device if k.startswith("cuda:")}
     for k in gpus:  # from now on each GPU's tensors are its own (until now, all the emulated GPU's)
         places.by_device[k].in_use = True
+    places.gpus_apart = bool(gpus)
     where: dict[str, str | None] = {}  # device map value → place (None: GPU 0)
     for dev in set(placement.values()):
         key = str(dev)
@@ -1232,8 +1235,8 @@ def _spread(model: nn.Module, placement: dict[str, Any], places: Places,
         elif key == "cpu" or key in gpus:
             where[str(dev)] = key
         else:
-            raise TraceError(f"device_map places weights on {dev!r}, which the emulated machine does not have "
-                             f"(GPUs cuda:0…cuda:{len(gpus)}, cpu, disk)", hint="vramplan run --gpus N")
+            raise TraceError(f"`device_map` places weights on {dev!r}, which the emulated machine does not have "
+                             f"(GPUs cuda:0…cuda:{len(gpus)}, cpu, disk)", hint="more GPUs: `gpus=N` (vramplan run --gpus N)")
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     device_of = expand_device_map(placement, names)
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())

@@ -44,6 +44,9 @@ class Places:
     def __init__(self, rec: Recorder, devices: tuple[str, ...] = ("cpu", "meta")) -> None:
         self.rec = rec
         self.by_device = {d: HostMemory(rec, counted=False, device=d) for d in devices}
+        self.gpus_apart = False
+        """Whether a ``cuda:N`` place (a GPU other than 0) is in use (``vramplan run``: a model spread
+        over the GPUs by a device map); until then every GPU's tensors are the emulated GPU's."""
 
     @property
     def all(self) -> tuple[HostMemory, ...]:
