@@ -75,7 +75,9 @@ class PrecisionModel:
     all-gather input cast), FSDP1's ``MixedPrecision(param_dtype)`` all-gathers a low-precision shard
     (``fsdp/_flat_param.py:1342-1358`` ``_use_low_precision_shard``). Autocast (FSDP1 under accelerate)
     casts only its matmuls' operands; element-wise ops with a weight (an RMSNorm's ``weight * x``) read
-    this copy too."""
+    this copy too. Under PEFT (a 16-bit base) it is the fp32 adapters that FSDP2 gathers in
+    ``param_dtype``: PEFT's cast of a LoRA input to ``lora_A``'s dtype is then a no-op, and autocast
+    has no adapter weight to cast."""
 
     @property
     def forward_weight(self) -> int:
@@ -144,8 +146,10 @@ def _precision_model(w: Workload) -> PrecisionModel:
         return PrecisionModel(weight=4, stream=4, compute=2, autocast=True, master=False, grad=4, state=4,
                               compute_dtype=half, peft=True)
     if peft:
+        # FSDP2's MixedPrecisionPolicy gathers the fp32 adapters in param_dtype (param_cast)
+        fsdp_mp = w.mixed and w.training and dp_engine(w) == "fsdp" and w.quant is Quant.NONE
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=w.mixed, master=False, grad=4, state=4,
-                              compute_dtype=half, peft=True)
+                              compute_dtype=half, peft=True, param_cast=fsdp_mp)
     if not w.mixed:
         return PrecisionModel(weight=2, stream=2, compute=2, autocast=False, master=False, grad=2, state=2,
                               compute_dtype=half)

@@ -127,8 +127,17 @@ def linear_inputs(t: Terms, lins: tuple[Linear, ...], in_b: int, width: int, ctx
             else:
                 t.saved_again(f"{name}: input")
         elif ctx.tr.lora_on(lin):
-            # PEFT casts x to the fp32 adapter dtype; under autocast lora_A then casts it back.
-            if rg.autocast:
+            # PEFT casts x to the fp32 adapter dtype; under autocast lora_A then casts it back. Under FSDP2's
+            # mixed precision the adapters are gathered in param_dtype (PrecisionModel.param_cast): the
+            # cast is a no-op and each lora_A saves x itself (peft 0.21.2 tuners/lora/layer.py:1100 Linear.forward,
+            # ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``)
+            if rg.param_cast:
+                if not shared:
+                    t.add(f"{name}: input", in_b * width, shard=shard)
+                    shared = True
+                else:
+                    t.saved_again(f"{name}: input")
+            elif rg.autocast:
                 t.add(f"{name}: {lin.name} LoRA input (16-bit cast)", c * width, shard=shard)
             elif in_b == 4:
                 if not shared:
@@ -136,7 +145,8 @@ def linear_inputs(t: Terms, lins: tuple[Linear, ...], in_b: int, width: int, ctx
                     shared = True
             else:
                 t.add(f"{name}: {lin.name} LoRA input (fp32 cast)", 4 * width, shard=shard)
-            t.add(f"{name}: {lin.name} LoRA A output", ctx.tr.rank * (c if rg.autocast else 4), shard="seq")
+            t.add(f"{name}: {lin.name} LoRA A output", ctx.tr.rank * (c if rg.autocast or rg.param_cast else 4),
+                  shard="seq")
 
 
 def _softmax_bytes(g: LayerGroup, ctx: Ctx) -> int:

@@ -13,6 +13,7 @@ schedule runs its forwards and backwards (:func:`chunks_in_flight`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from vramplan._dataclass import dataclass
@@ -47,13 +48,39 @@ class Stage:
     ``PipelineStage`` makes them for every micro-batch of the step when the schedule is first
     run, and keeps them (``_prepare_forward_infra`` / ``_prepare_backward_infra``)."""
 
+    chunk_layers: tuple[int, ...] = ()
+    """Interleaved1F1B: the layers of each of the rank's stages, in order (() where every chunk
+    is counted alike, ``layers / virtual``)."""
+    flight: tuple[tuple[int, ...], int] = ((), 0)
+    """Interleaved1F1B: (the chunks in flight of each local stage, the local stage whose backward
+    runs) at the backward with the most layers in flight (:func:`interleaved_flight`)."""
+    flight_last: tuple[tuple[int, ...], int] = ((), 0)
+    """The same at the last local stage's backward with the most (the loss and head instants)."""
+
     @property
     def layers(self) -> int:
         return sum(n for _, n in self.groups)
 
-    def held(self, per_microbatch: int, less: int = 0) -> int:
-        """Bytes of ``in_flight − less`` chunks, given one micro-batch's bytes over all the rank's layers."""
-        return per_microbatch * max(0, self.in_flight - less) // self.virtual
+    def held(self, per_microbatch: int, less: int = 0, *, last: bool = False, uniform: bool = False) -> int:
+        """Bytes of ``in_flight − less`` chunks, given one micro-batch's bytes over all the rank's layers
+        (per layer alike). Interleaved1F1B: the chunks in flight at its backward with the most layers in
+        flight (``last``: the last local stage's backward), each its own stage's layers, ``less``
+        chunks of the stage whose backward runs fewer (``uniform``: every chunk ``1 / virtual`` of the
+        rank's layers, as for the other schedules)."""
+        if not self.chunk_layers or uniform:
+            return per_microbatch * max(0, self.in_flight - less) // self.virtual
+        counts, back = self.flight_last if last and self.flight_last[0] else self.flight
+        live = sum(c * n for c, n in zip(counts, self.chunk_layers)) - less * self.chunk_layers[back]
+        return per_microbatch * max(0, live) // max(1, sum(self.chunk_layers))
+
+    def held_outputs(self, size: int, less: int = 0, *, last: bool = False) -> int:
+        """A stage's output of ``size`` bytes kept per chunk in flight of each local stage but the
+        last one (``fwd_cache``), as :meth:`held` counts chunks."""
+        if not self.chunk_layers:
+            return self.held(size * (self.virtual - self.head), less)
+        counts, back = self.flight_last if last and self.flight_last[0] else self.flight
+        kept = range(len(counts) - 1 if self.head else len(counts))
+        return size * max(0, sum(counts[i] for i in kept) - (less if back in kept else 0))
 
     @property
     def label(self) -> str:
@@ -81,8 +108,43 @@ def stages(arch: Arch, w: Workload) -> tuple[Stage, ...]:
         heads = w.grad_accum if w.training and p.pp_schedule in ("GPipe", "LoopedBFS") else 1
         last = p.pp * v - 1
         receives = sum(i != 0 for i in ids) + sum(i != last for i in ids) if w.training else 0
-        out.append(Stage(rank, groups, 0 in ids, last in ids, flight, v, heads, receives))
+        stage = Stage(rank, groups, 0 in ids, last in ids, flight, v, heads, receives)
+        if w.training and p.pp_schedule == "Interleaved1F1B" and not (rank == 0 and p.microbatches):
+            sizes = tuple(hi - lo for lo, hi in (bounds[i] for i in ids))
+            if len(set(sizes)) > 1:  # (stages of equal size: every chunk alike, as counted)
+                stage = dataclasses.replace(stage, chunk_layers=sizes,
+                                            flight=interleaved_flight(p.pp, v, w.grad_accum, rank, sizes),
+                                            flight_last=interleaved_flight(p.pp, v, w.grad_accum, rank, sizes, True))
+        out.append(stage)
     return tuple(out)
+
+
+def interleaved_flight(pp: int, v: int, m: int, rank: int, sizes: tuple[int, ...],
+                       last: bool = False) -> tuple[tuple[int, ...], int]:
+    """Interleaved1F1B on ``rank``: (the forwards of each local stage not yet run backward, the
+    local stage whose backward runs) at the backward with the most layers in flight (``last``: a
+    backward of the last local stage), ``sizes`` the layers of each local stage. torch 2.13
+    ``pipelining/schedules.py`` ``ScheduleInterleaved1F1B._calculate_single_rank_operations``
+    (:2954-3008): ``_get_warmup_ops`` forwards, then a forward and a backward per step, then the
+    backwards; forward step ``k`` runs local stage ``(k // per_round) % v``, backward step ``k``
+    local stage ``v − 1 − ((k − warmup) // per_round) % v`` (``_get_1f1b_rank_ops``, :2735-2869).
+    Chunks of a rank's stages differ in size where the embeddings or the head take a stage's
+    share of layers (``pp_first_less``, ``pp_last_less``)."""
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    counts = [0] * v
+    best: tuple[int, tuple[int, ...], int] = (-1, tuple(counts), v - 1)
+    for k in range(warmup):
+        counts[(k // per_round) % v] += 1
+    for k in range(warmup, m * v + warmup):
+        if k < m * v:
+            counts[(k // per_round) % v] += 1
+        b = v - 1 - ((k - warmup) // per_round) % v
+        score = sum(c * n for c, n in zip(counts, sizes))
+        if (b == v - 1 or not last) and score > best[0]:
+            best = (score, tuple(counts), b)
+        counts[b] -= 1
+    return best[1], best[2]
 
 
 def chunks_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:

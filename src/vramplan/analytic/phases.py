@@ -79,19 +79,25 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     out = lm.logits_held if w.parallel.pp > 1 and stage.head and not w.keep_outputs else 0
     out_single = out if stage.virtual == 1 else 0
     w_live = st.weights + st.gathered
+    # FSDP2 ZeRO-3: at the forward's end and in the loss's backward no block's parameters are unsharded (the
+    # last block's all-gather output is a temporary there: forward_gather, prefetched)
+    w_out = w_live - st.gathered_block
     # schedules that run several forwards of the last stage before its backward (GPipe,
     # LoopedBFS) keep each micro-batch's logits and loss inputs until then
     head_saved = a.head + lm.forward_saved
     earlier = (stage.head_in_flight - 1) * head_saved if stage.head else 0
     # what the next micro-batch's backward no longer holds: one chunk of the stage's activations (and, where
     # the schedule runs several forwards of the last stage first, one micro-batch's logits and loss inputs)
-    fewer = stage.held(a.layers) - stage.held(a.layers, 1) + (head_saved if earlier else 0)
+    # (the last layer's backward and the loss and head instants: on the rank with the last stage, that
+    # stage's backward; Interleaved1F1B holds another mix of its stages' chunks there, Stage.held)
+    at_last = stage.head
+    fewer = stage.held(a.layers, last=at_last) - stage.held(a.layers, 1, last=at_last) + (head_saved if earlier else 0)
     recv = receive * stage.receives * w.grad_accum
     # torch's pipeline stage keeps each forward's output in ``fwd_cache`` until that micro-batch's
     # backward returns (torch 2.13 pipelining/stage.py:913-916, popped into a local at :963-966): a
     # stage before the last hands on its hidden states (the receive buffer's size), one per chunk in flight
-    outs = stage.held(receive * (stage.virtual - stage.head))
-    acts = stage.held(a.layers) + a.embed + earlier + recv + outs
+    outs = stage.held_outputs(receive)
+    acts = stage.held(a.layers, last=at_last) + a.embed + earlier + recv + stage.held_outputs(receive, last=at_last)
     # Autocast's cache dies when the forward's autocast region exits; a layer's 16-bit weight
     # copies survive into backward only where its linears saved them (layers not fully
     # checkpointed), plus the one layer being recomputed.
@@ -103,8 +109,8 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     # trace runs it): every micro-batch in flight keeps its own saved 16-bit copies
     casts_fwd = st.casts_all
     if w.parallel.pp > 1:
-        casts_bwd += stage.held(casts_bwd, 1)
-        casts_fwd = stage.held(st.casts_all)
+        casts_bwd += stage.held(casts_bwd, 1, uniform=True)
+        casts_fwd = stage.held(st.casts_all, uniform=True)
     temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
     # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
     # accumulation to its parameter's step inside backward, with that step's temporaries
@@ -117,7 +123,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         fresh = st.fresh_later if early else st.fresh_first
 
     forward = Breakdown(
-        weights=w_live, gradients=_with_buckets(st, fwd_held + early), optimizer=st.optimizer,
+        weights=w_out, gradients=_with_buckets(st, fwd_held + early), optimizer=st.optimizer,
         activations=acts + head_saved + a.mask,
         # the autograd thread's cuBLAS workspace, made by the previous step's backward, stays cached
         # (a zero-bubble V's last-stage weight gradients wait as 16-bit ``grad``s through later forwards too)
@@ -130,7 +136,9 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             weights=w_live, optimizer=st.optimizer,
             gradients=_with_buckets(st, last_grads + st.unsharded_grads),
             activations=acts + a.recompute + kept + out,
-            temporaries=casts_bwd + a.transient + temps + workspace + step_temp + fresh,
+            # (FSDP2 ZeRO-3: its pre-backward prefetches the previous block, whose all-gather output waits)
+            temporaries=casts_bwd + a.transient + temps + workspace + step_temp + fresh
+            + (st.prefetched if st.gathered_block and stage.layers > 1 else 0),
         ),
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
@@ -148,7 +156,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             instants.append(Breakdown(
                 weights=st.weights + st.gathered_end, optimizer=st.optimizer, gradients=held + st.accumulated,
                 activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept + out_single + recv
-                + stage.held(receive * (stage.virtual - stage.head), 1),
+                + stage.held_outputs(receive, 1),
                 temporaries=st.casts_layer + a.transient + temps + workspace + st.fresh_later,
             ))
         instants.append(Breakdown(  # the end of the step: perform_reduce_grad reduce-scatters unit by unit
@@ -161,12 +169,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                 instants.append(Breakdown(
                     weights=w_live, optimizer=st.optimizer, gradients=held + acc,
                     activations=stage.held(a.layers, less) + kept + recv
-                    + stage.held(receive * (stage.virtual - stage.head), less - 1),
+                    + stage.held_outputs(receive, less - 1),
                     temporaries=st.fresh_embed + st.deferred + workspace,
                 ))
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
-            weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, fwd_held + early),
+            weights=w_out, optimizer=st.optimizer, gradients=_with_buckets(st, fwd_held + early),
             activations=acts + a.head + lm.backward_saved + kept + out,
             # (FSDP2 ZeRO-3: the last layer's all-gather, prefetched by the root's pre-backward)
             temporaries=casts_bwd + lm.backward_transient + 2 * workspace + st.prefetched,
@@ -198,6 +206,13 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
             activations=kept, temporaries=root_temp + workspace,
         ))
+        in_last, out = st.root_reduce_out
+        if in_last and not w.optimizer_in_backward:  # its output allocated, the last root gradient still alive
+            instants.append(Breakdown(
+                weights=st.weights, optimizer=st.optimizer, gradients=_with_buckets(st, all_grads), activations=kept,
+                # (the output is the gradient shard; a temporary where one exists already, or under CPU offload)
+                temporaries=in_last + (0 if root_shard and not held else out) + workspace,
+            ))
     if st.embed_grad_full:
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
@@ -210,7 +225,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, all_grads),
             activations=stage.held(a.layers, 1) + kept,
             # (a pipeline's other micro-batches in flight keep their saved 16-bit weight copies)
-            temporaries=(stage.held(st.casts_all, 1) if w.parallel.pp > 1 else 0) + st.embed_grad_new + temps
+            temporaries=(stage.held(st.casts_all, 1, uniform=True) if w.parallel.pp > 1 else 0) + st.embed_grad_new + temps
             + workspace,
         ))
     if w.optimizer_in_backward:

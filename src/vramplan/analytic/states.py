@@ -59,7 +59,17 @@ class States:
     gradients: int
     optimizer: int
     gathered: int = 0
-    """ZeRO-3 / FSDP: 16-bit parameters gathered at once (current + prefetched unit)."""
+    """ZeRO-3 / FSDP: 16-bit parameters gathered at once in a layer's backward. FSDP2 (ZeRO-3, no
+    pipeline): the root unit's (embeddings, final norm, head: what no block holds) and the running
+    block's (``gathered_block``); the prefetched block's all-gather output is ``prefetched``."""
+    gathered_block: int = 0
+    """FSDP2 ZeRO-3 without a pipeline: of ``gathered``, the running block's unsharded parameters,
+    which the forward's end and the loss's backward do not hold (every block is resharded after its
+    forward; there the last block's all-gather output is a temporary: ``forward_gather``,
+    ``prefetched``). The root unit stays gathered from the root's pre-backward to its post-backward
+    at the end of backward (torch 2.13 ``fsdp/_fully_shard/_fsdp_state.py:381-392`` ``_pre_backward``
+    unshards it; the root's forward inputs, the token ids, need no gradient, so its post-backward
+    runs from ``_root_post_backward_final_callback``, ``:408-413``, after every block's)."""
     gathered_end: int = 0
     """Of those, what is still gathered when backward reaches the first layer and the
     embeddings (FSDP2 ZeRO-2 reshards each unit after its backward: the last units only)."""
@@ -151,6 +161,13 @@ class States:
     ``_fsdp_param_group.py`` ``post_backward`` reshards the unit, then ``foreach_reduce``
     (``_fsdp_collectives.py``) allocates the world size × padded shard input and copies the
     gradients in (``foreach_reduce_scatter_copy_in``)."""
+    root_reduce_out: tuple[int, int] = (0, 0)
+    """The same post-backward a moment later, when the reduce-scatter output is allocated: (the input
+    plus the last root parameter's unsharded gradient in ``param_dtype`` — the head's, untied; the final
+    norm's, tied —, the output). ``foreach_reduce`` clears its list of the unsharded gradients after the
+    copy-in (torch 2.13 ``fsdp/_fully_shard/_fsdp_collectives.py:606``), but its loop over them
+    (``:580-590``, for any world size > 1) leaves its loop variable bound to the last one until it
+    returns: that gradient is alive beside the output (``:612``)."""
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
@@ -191,7 +208,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
             for lin, n in lins
         )
     weights = linear_b + (params - linear) * rg.weight + adapters * rg.adapter
-    gathered = pad = prefetched = forward_gather = 0
+    gathered = gathered_block = pad = prefetched = forward_gather = 0
     # FSDP2 shards the parameters at ZeRO-2 too (reshard_after_forward=False keeps each unit's
     # gathered 16-bit parameters from its forward to its backward, then reshards), padding dim 0
     # of every tensor to a multiple of the shard group (analytic/parallel.py fsdp_padding)
@@ -212,7 +229,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         if fsdp2 and not pipelined:
             forward_gather = (layer + unit_pad[0] + layer_adapters) * min(rg.weight, rg.compute)
             if per_unit:  # (ZeRO-2 keeps the layers gathered from the forward: nothing to gather)
-                prefetched = forward_gather
+                prefetched = gathered_block = forward_gather
+                # a unit per block and the root's (fully_shard on each block, then on the model): in a
+                # block's backward the root's parameters, the block's and the next one's all-gather output
+                # (prefetched, a temporary) — not 2 x the largest unit, which a tied head's root is
+                gathered = _root_params(embed, head, head_small, extra, unit_pad) * min(rg.weight, rg.compute) \
+                    + gathered_block
         weights = 0 if p.offload_params else (weights + pad * rg.weight) // p.shard_group
     if p.zero == 3 and fsdp_shards_quantised(w) and not p.offload_params:
         # FSDP-QLoRA: the packed 4-bit weights (Params4bit, bnb_4bit_quant_storage = the gather
@@ -274,7 +296,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         casts_all = rg.compute * ((0 if quantised else linear) + head_used + adapters)
         casts_layer = rg.compute * (layer_adapters + (0 if quantised else max(
             (sum(local(lin, w) for lin in g.linears) for g, _ in stage.groups), default=0)))
-    elif rg.autocast and adapters:
+    elif rg.autocast and adapters and not rg.param_cast:  # (FSDP2's param_dtype adapters: nothing to cast)
         casts_all, casts_layer = rg.compute * adapters, rg.compute * layer_adapters
     dequant = _dequant_bytes(w, rg) * _largest(lins, w) if w.quant is not Quant.NONE else 0
 
@@ -345,13 +367,17 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         else:
             fresh_later = fresh_first
         reduce = _reduce_peak(units, gathered)
-    root_reduce = (0, 0)
+    root_reduce = root_reduce_out = (0, 0)
     if fsdp2 and not pipelined and tr.full and w.quant is Quant.NONE:
-        root = embed + head + head_small + extra + unit_pad[1] + unit_pad[2]
+        root = _root_params(embed, head, head_small, extra, unit_pad)
         root_reduce = (root * (min(rg.weight, rg.compute) + rg.grad), 0 if cpu else root * rg.grad // p.shard_group)
+        # the root group's parameters in module order: the embeddings, the final norm, the head last
+        last = local(head_mats[-1], w) + unit_pad[2] if head_mats else arch.final_norm_params
+        if p.shard_group > 1:
+            root_reduce_out = (root * rg.grad + last * min(rg.weight, rg.compute), root * rg.grad // p.shard_group)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
-        optimizer=optimizer, gathered=gathered, gathered_end=gathered_end,
+        optimizer=optimizer, gathered=gathered, gathered_block=gathered_block, gathered_end=gathered_end,
         # (FSDP2 CPU offload: each reduce-scattered shard is copied to the host and freed)
         head_grads=(head + head_small) * rg.grad // g_shard if tr.full and not cpu else 0,
         layer_grads=0 if cpu else per_layer * rg.grad // g_shard,
@@ -368,8 +394,14 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
         fresh_head_first=fresh_head_first, head_cast=head_cast,
         accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce, prefetched=prefetched,
-        root_reduce=root_reduce, forward_gather=forward_gather,
+        root_reduce=root_reduce, root_reduce_out=root_reduce_out, forward_gather=forward_gather,
     )
+
+
+def _root_params(embed: int, head: int, head_small: int, extra: int, unit_pad: tuple[int, int, int]) -> int:
+    """Elements of FSDP2's root unit (``fully_shard(model)`` after each block's): what no block
+    holds — the embeddings, the final norm, the head (a tied head is the embeddings) — padded."""
+    return embed + head + head_small + extra + unit_pad[1] + unit_pad[2]
 
 
 def pipeline_fsdp(w: Workload) -> bool:
