@@ -11,7 +11,7 @@ import pytest
 
 from vramplan import Parallel, Workload, estimate
 from vramplan.analytic.estimate import build_arch
-from vramplan.analytic.parallel import chunks_in_flight, stages
+from vramplan.analytic.parallel import chunks_in_flight, interleaved_flight, stages
 from vramplan.analytic.regime import regime, trainable
 from vramplan.analytic.states import stage_states
 from vramplan.cli.main import main
@@ -80,6 +80,43 @@ def test_in_flight_counts_equal_torchs_own_action_orders(name, virtual):
             assert chunks_in_flight(name, pp, v, m, rank) == _peak_forwards(ops, "ZeroBubble" in name), \
                 (name, pp, v, m, rank)
             checked += 1
+    assert checked > 100
+
+
+def _torch_flight(ops: list, pp: int, rank: int, sizes: tuple[int, ...], last: bool) -> tuple[int, ...]:
+    """From torch's action list: the layers in flight (each forward of a local stage not yet run
+    backward, that stage's layers) at the backward with the most (``last``: of the last local stage)."""
+    c = sch._ComputationType
+    counts, best = [0] * len(sizes), -1
+    for a in ops:
+        if a is None:
+            continue
+        local = (a.stage_index - rank) // pp
+        if a.computation_type == c.FORWARD:
+            counts[local] += 1
+        elif a.computation_type == c.FULL_BACKWARD:
+            if local == len(sizes) - 1 or not last:
+                best = max(best, sum(n * k for n, k in zip(counts, sizes)))
+            counts[local] -= 1
+    return best
+
+
+def test_interleaved_chunks_in_flight_by_stage_equal_torchs_action_order():
+    """Interleaved1F1B with stages of unequal size (the embeddings' or the head's share): the mix of
+    each local stage's chunks in flight at the backward with the most layers in flight, and at the last
+    local stage's backward, is what torch's own action order holds (analytic ``interleaved_flight``)."""
+    checked = 0
+    for pp, v, m in itertools.product((2, 3, 4), (2, 3), (2, 4, 6, 8, 12)):
+        if m % max(1, m // pp):
+            continue
+        for rank, sizes in itertools.product(range(pp), ((2, 1, 3)[:v], (1, 2, 2)[:v], (3, 1, 1)[:v])):
+            ops = _torch_order("Interleaved1F1B", pp, v, m, rank)
+            for last in (False, True):
+                counts, back = interleaved_flight(pp, v, m, rank, sizes, last)
+                assert sum(n * k for n, k in zip(counts, sizes)) == _torch_flight(ops, pp, rank, sizes, last), \
+                    (pp, v, m, rank, sizes, last)
+                assert counts[back] > 0 and (back == v - 1 or not last)
+                checked += 1
     assert checked > 100
 
 

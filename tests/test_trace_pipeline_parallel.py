@@ -183,7 +183,8 @@ PP_FSDP2 = [  # layers, seq, micro-batches, precision, parallel, compare activat
     (6, 256, 3, "bf16-mixed", Parallel(pp=3, dp=2, zero=2, engine="fsdp"), False),  # ZeRO-2 alike under pp
     (4, 256, 4, "bf16-mixed", Parallel(pp=2, dp=4, dp_shard=2, zero=3), False),  # HSDP
     (8, 1024, 8, "bf16-mixed", Parallel(pp=4, dp=8, zero=3), True),  # a middle rank with 3 micro-batches in flight
-    (6, 256, 4, "bf16-mixed", Parallel(pp=2, dp=2, zero=3, pp_schedule="Interleaved1F1B"), False),  # 2 stages a rank
+    # 2 stages a rank of 2 and 1 layers: the head backward holds 2 chunks of the first and 1 of the second
+    (6, 256, 4, "bf16-mixed", Parallel(pp=2, dp=2, zero=3, pp_schedule="Interleaved1F1B"), True),
     # the V: the last stage's weight gradients of its separate W step wait as 16-bit grads through the first
     # stage's embedding backward
     (6, 256, 4, "bf16-mixed", Parallel(pp=2, dp=2, zero=3, pp_schedule="ZBVZeroBubble"), False),

@@ -206,6 +206,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
             activations=kept, temporaries=root_temp + workspace,
         ))
+        if st.tied_embed_grads:  # a tied head: the embeddings' backward sums its two gradients, the root gathered
+            instants.append(Breakdown(
+                weights=w_out, optimizer=st.optimizer, activations=kept,
+                gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
+                temporaries=st.tied_embed_grads + workspace,
+            ))
         in_last, out = st.root_reduce_out
         if in_last and not w.optimizer_in_backward:  # its output allocated, the last root gradient still alive
             instants.append(Breakdown(

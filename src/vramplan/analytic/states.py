@@ -168,6 +168,12 @@ class States:
     copy-in (torch 2.13 ``fsdp/_fully_shard/_fsdp_collectives.py:606``), but its loop over them
     (``:580-590``, for any world size > 1) leaves its loop variable bound to the last one until it
     returns: that gradient is alive beside the output (``:612``)."""
+    tied_embed_grads: int = 0
+    """FSDP2 without a pipeline, full training, a head tied to the embeddings: in the embeddings'
+    backward, the head's gradient (waiting in autograd's input buffer of the shared parameter's
+    AccumulateGrad), the embeddings' new one and their sum, made out of place (torch 2.13
+    ``include/torch/csrc/autograd/input_buffer.h:4-6``: "avoid modifying the passed values in-place
+    (adding an input twice will accumulate the result)"), in ``param_dtype``."""
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
@@ -375,6 +381,10 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         last = local(head_mats[-1], w) + unit_pad[2] if head_mats else arch.final_norm_params
         if p.shard_group > 1:
             root_reduce_out = (root * rg.grad + last * min(rg.weight, rg.compute), root * rg.grad // p.shard_group)
+    tied_embed_grads = 0
+    if fsdp2 and not pipelined and tr.full and w.quant is Quant.NONE and arch.head.tied and stage.embed \
+            and stage.head and p.tp == 1:
+        tied_embed_grads = 3 * embed * min(rg.weight, rg.compute)
     return States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered, gathered_block=gathered_block, gathered_end=gathered_end,
@@ -394,7 +404,8 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         fresh_first=fresh_first, fresh_later=fresh_later, fresh_head=fresh_head, fresh_embed=fresh_embed,
         fresh_head_first=fresh_head_first, head_cast=head_cast,
         accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce, prefetched=prefetched,
-        root_reduce=root_reduce, root_reduce_out=root_reduce_out, forward_gather=forward_gather,
+        root_reduce=root_reduce, root_reduce_out=root_reduce_out, tied_embed_grads=tied_embed_grads,
+        forward_gather=forward_gather,
     )
 
 
