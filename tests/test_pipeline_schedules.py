@@ -96,7 +96,7 @@ def _torch_flight(ops: list, pp: int, rank: int, sizes: tuple[int, ...], last: b
             counts[local] += 1
         elif a.computation_type == c.FULL_BACKWARD:
             if local == len(sizes) - 1 or not last:
-                best = max(best, sum(n * k for n, k in zip(counts, sizes)))
+                best = max(best, sum(n * k for n, k in zip(counts, sizes, strict=True)))
             counts[local] -= 1
     return best
 
@@ -113,7 +113,7 @@ def test_interleaved_chunks_in_flight_by_stage_equal_torchs_action_order():
             ops = _torch_order("Interleaved1F1B", pp, v, m, rank)
             for last in (False, True):
                 counts, back = interleaved_flight(pp, v, m, rank, sizes, last)
-                assert sum(n * k for n, k in zip(counts, sizes)) == _torch_flight(ops, pp, rank, sizes, last), \
+                assert sum(n * k for n, k in zip(counts, sizes, strict=True)) == _torch_flight(ops, pp, rank, sizes, last), \
                     (pp, v, m, rank, sizes, last)
                 assert counts[back] > 0 and (back == v - 1 or not last)
                 checked += 1

@@ -104,6 +104,10 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
                        "PipelineStage turns gradient sync and resharding off until the last micro-batch): each "
                        "stage's parameters stay gathered (in param_dtype) from its first forward to the end of the step, "
                        "and its gradients accumulate unsharded in the reduce dtype, reduce-scattered at the end.")
+        elif p.zero == 3 and p.framework is Engine.FSDP and w.quant is Quant.NONE:
+            out.append("FSDP2 ZeRO-3 (a unit per block and the root's): the root unit (embeddings, final norm, "
+                       "head) is gathered in 16-bit through the forward and backward, beside the running block "
+                       "and the next one's all-gather (prefetched).")
         elif p.zero == 3:
             out.append("ZeRO-3 / FSDP: the largest unit (layer or embeddings) is gathered in 16-bit, "
                        "plus the prefetched next one.")

@@ -70,7 +70,7 @@ class Stage:
         if not self.chunk_layers or uniform:
             return per_microbatch * max(0, self.in_flight - less) // self.virtual
         counts, back = self.flight_last if last and self.flight_last[0] else self.flight
-        live = sum(c * n for c, n in zip(counts, self.chunk_layers)) - less * self.chunk_layers[back]
+        live = sum(c * n for c, n in zip(counts, self.chunk_layers, strict=True)) - less * self.chunk_layers[back]
         return per_microbatch * max(0, live) // max(1, sum(self.chunk_layers))
 
     def held_outputs(self, size: int, less: int = 0, *, last: bool = False) -> int:
@@ -140,7 +140,7 @@ def interleaved_flight(pp: int, v: int, m: int, rank: int, sizes: tuple[int, ...
         if k < m * v:
             counts[(k // per_round) % v] += 1
         b = v - 1 - ((k - warmup) // per_round) % v
-        score = sum(c * n for c, n in zip(counts, sizes))
+        score = sum(c * n for c, n in zip(counts, sizes, strict=True))
         if (b == v - 1 or not last) and score > best[0]:
             best = (score, tuple(counts), b)
         counts[b] -= 1
