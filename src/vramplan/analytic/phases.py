@@ -220,8 +220,8 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                 temporaries=in_last + (0 if root_shard and not held else out) + workspace,
             ))
     if st.embed_grad_full:
-        instants.append(Breakdown(  # the embedding's backward under TP × FSDP2
-            weights=st.weights + st.gathered_end, optimizer=st.optimizer,
+        instants.append(Breakdown(  # the embedding's backward under TP × FSDP2 (every block resharded)
+            weights=st.weights + st.gathered_end - st.gathered_block, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads),
             activations=stage.held(a.layers, 1) + kept,
             temporaries=st.embed_grad_full + temps + workspace,
