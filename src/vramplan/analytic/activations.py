@@ -43,7 +43,7 @@ from .blocks import (
     norm_keeps_input,
     op_sac_saved,
 )
-from .parallel import Stage, tokens_per_rank
+from .parallel import Stage, logit_split, tokens_per_rank
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def stage_acts(arch: Arch, stage: Stage, w: Workload, ctx: Ctx, tokens: int, seq
     mask = 0
     if ctx.attention is Attention.EAGER and arch.head.kind == "lm":
         mask = tokens_per_rank(w, seq) * seq * ctx.rg.stream
-    classes = arch.head.classes // (p.tp if arch.head.kind != "cls" else 1)
+    classes = arch.head.classes // logit_split(arch, w)
     return StageActs(
         layers=layers, layer_full=layer_full, recompute=recompute, transient=transient,
         head=head, embed=embed, logits=positions * classes if stage.head else 0, mask=mask,

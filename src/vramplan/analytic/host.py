@@ -25,7 +25,7 @@ from vramplan.workload import Workload
 
 from .arch import Arch
 from .blocks import head_linear
-from .parallel import Stage, local, local_small
+from .parallel import Stage, local, local_adapters, local_small
 from .regime import Regime, Trainable
 from .states import States
 
@@ -55,7 +55,8 @@ def _tensors(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable) -
             rows = local(lin, w) // max(1, lin.count) // max(1, lin.d_in)
             out.extend([(rows, lin.d_in, rg.weight, tr.full)] * (lin.count * n))
             if tr.lora_on(lin):
-                out.extend([(tr.rank, lin.d_in, rg.adapter, True), (lin.d_out, tr.rank, rg.adapter, True)]
+                a, b = local_adapters(lin, tr.rank, w)
+                out.extend([(tr.rank, a // tr.rank, rg.adapter, True), (b // tr.rank, tr.rank, rg.adapter, True)]
                            * (lin.count * n))
         for _ in range(n):
             vectors(local_small(g, w), h, tr.full)

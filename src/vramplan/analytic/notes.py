@@ -18,6 +18,7 @@ from vramplan.workload import (
 )
 
 from .arch import Arch
+from .parallel import lora_tp
 from .regime import Regime, Trainable
 from .states import pipeline_fsdp
 
@@ -57,7 +58,13 @@ def notes(arch: Arch, w: Workload, rg: Regime, tr: Trainable, stage: int, worksp
                    f"of {split} layers as torchtitan splits {arch.layers} (the embeddings counted as "
                    f"{p.pp_first_less}, the head as {p.pp_last_less}); a rank holds the activations of the forwards "
                    "its schedule runs before their backwards.")
-    if p.tp > 1:
+    if p.tp > 1 and lora_tp(w):
+        sp = " with sequence parallelism sharding norm/dropout activations" if p.sp else ""
+        out.append(f"Tensor parallel {p.tp} with {w.peft} as transformers' tp_plan and peft run it: column/row splits, "
+                   f"a vocab-parallel embedding, the logits all-gathered whole on every rank (lm_head "
+                   f"colwise_gather_output, no loss parallel){sp}; adapters split with their layer (a column-parallel "
+                   "layer's lora_B, a row-parallel layer's lora_A), the other matrix whole on every rank.")
+    elif p.tp > 1:
         sp = " with sequence parallelism sharding norm/dropout activations" if p.sp else ""
         out.append(f"Tensor parallel {p.tp}: Megatron column/row splits, vocab-parallel embeddings and logits{sp}.")
     if p.cp > 1:

@@ -21,7 +21,7 @@ from vramplan.errors import WorkloadError
 from vramplan.models.arch import arch_of
 from vramplan.models.shape import tokens
 from vramplan.models.spec import Family, ModelSpec
-from vramplan.workload import Task, Workload
+from vramplan.workload import Peft, Task, Workload
 
 from .arch import Arch, LayerGroup, Linear
 
@@ -256,6 +256,37 @@ def local_small(g: LayerGroup, w: Workload) -> int:
 ROW_PARALLEL = frozenset({"o", "down", "fc2", "shared_down"})
 """Roles whose weight ``[d_out, d_in]`` tensor parallelism splits along ``d_in`` (Megatron's
 row-parallel linears; torchtitan's ``RowwiseParallel`` ``wo``/``w2``): dim 0 stays whole."""
+
+
+def lora_tp(w: Workload) -> bool:
+    """LoRA under tensor parallelism runs as transformers + peft run it, not Megatron's layout:
+    transformers' ``tp_plan`` (``LlamaForCausalLM._tp_plan``: ``lm_head: colwise_gather_output``,
+    transformers 5.24 ``models/llama/modeling_llama.py:414``; the style registered as
+    ``ColwiseParallel(Replicate in, Replicate out)``, ``distributed/tensor_parallel.py:602-604``)
+    all-gathers the logits, so every rank holds the whole vocabulary's and computes the ordinary
+    cross-entropy (no loss parallel); peft shards the adapters with the plan
+    (:func:`local_adapters`). docs/research/lora-under-tp.md."""
+    return w.parallel.tp > 1 and w.peft is not Peft.NONE
+
+
+def logit_split(arch: Arch, w: Workload) -> int:
+    """Ranks the logits' vocabulary is split over: ``tp`` (vocab-parallel logits: Megatron,
+    torchtitan's loss parallel), 1 for a classification head and for LoRA under TP
+    (:func:`lora_tp`: transformers gathers them)."""
+    return 1 if arch.head.kind == "cls" or lora_tp(w) else w.parallel.tp
+
+
+def local_adapters(lin: Linear, rank: int, w: Workload) -> tuple[int, int]:
+    """Elements of (``lora_A`` ``[rank, d_in]``, ``lora_B`` ``[d_out, rank]``) of one matrix of
+    ``lin`` on one rank. peft sizes the adapters of a TP-sharded linear by its local weight
+    (peft 0.21.2 ``tuners/tuners_utils.py:175-186``) and shards them with the base layer's style
+    (``tuners/lora/model.py:398-446``): a column-parallel layer's ``lora_B`` holds ``d_out / tp``
+    rows, its ``lora_A`` is whole on every rank; a row-parallel layer's ``lora_A`` holds
+    ``d_in / tp`` columns, its ``lora_B`` is whole (NeMo's LoRA splits the same way)."""
+    tp = w.parallel.tp if lin.tp else 1
+    if lin.role in ROW_PARALLEL:
+        return rank * (lin.d_in // tp), lin.d_out * rank
+    return rank * lin.d_in, (lin.d_out // tp) * rank
 
 
 def fsdp_rows(rows: int, n: int) -> int:

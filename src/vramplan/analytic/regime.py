@@ -10,6 +10,7 @@ from vramplan.precision import PrecisionModel, precision_model
 from vramplan.workload import ALL_LINEAR, LORA_DEFAULT_TARGETS, Peft, Task, Workload
 
 from .arch import Arch, Linear
+from .parallel import local_adapters
 
 Regime = PrecisionModel
 """The analytic formulas' name for the precision model."""
@@ -33,6 +34,10 @@ class Trainable:
 
     def adapter_params(self, lin: Linear) -> int:
         return self.rank * (lin.d_in + lin.d_out) * lin.count if self.lora_on(lin) else 0
+
+    def local_adapter_params(self, lin: Linear, w: Workload) -> int:
+        """Adapter elements of ``lin`` on one tensor-parallel rank (:func:`.parallel.local_adapters`)."""
+        return sum(local_adapters(lin, self.rank, w)) * lin.count if self.lora_on(lin) else 0
 
 
 def trainable(arch: Arch, w: Workload) -> Trainable:

@@ -28,7 +28,7 @@ from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Wor
 from . import deepspeed as ds
 from .arch import Arch, Linear
 from .blocks import head_linear
-from .parallel import Stage, fsdp_padding, local, local_small, stage_groups
+from .parallel import Stage, fsdp_padding, local, local_adapters, local_small, stage_groups
 from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
@@ -200,8 +200,9 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     head_used = head + (local(head_lin, w) if stage.head and arch.head.tied and stage.embed else 0)
     head_small = arch.head.small_params + arch.final_norm_params if stage.head else 0
     extra = arch.extra_params if stage.index == 0 else 0
-    adapters = sum(n * tr.adapter_params(lin) for lin, n in lins)
-    layer_adapters = max((sum(tr.adapter_params(lin) for lin in g.linears) for g, _ in stage.groups), default=0)
+    adapters = sum(n * tr.local_adapter_params(lin, w) for lin, n in lins)
+    layer_adapters = max((sum(tr.local_adapter_params(lin, w) for lin in g.linears) for g, _ in stage.groups),
+                         default=0)
     params = linear + small + embed + head + head_small + extra
 
     # --- weights -----------------------------------------------------------------------
@@ -256,12 +257,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         rest = (params - linear) * rg.weight + adapters * rg.adapter
         weights = sum(n * packed(lin, True) for lin, n in lins) + state + rest // shards
         if w.training:
-            unit = max((sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
+            unit = max((sum(packed(lin, False) + tr.local_adapter_params(lin, w) * rg.compute for lin in g.linears)
                         + local_small(g, w) * rg.compute for g, _ in stage.groups), default=0)
             gathered = 2 * max(unit, (embed + head) * min(rg.weight, rg.compute))
             prefetched = forward_gather = 0 if pipelined else unit
             if pipelined:  # every unit of the stage stays gathered (pipeline_fsdp)
-                gathered = sum(n * sum(packed(lin, False) + tr.adapter_params(lin) * rg.compute for lin in g.linears)
+                gathered = sum(n * sum(packed(lin, False) + tr.local_adapter_params(lin, w) * rg.compute for lin in g.linears)
                                + n * local_small(g, w) * rg.compute for g, n in stage.groups) \
                     + (embed + head + head_small) * min(rg.weight, rg.compute)
 
@@ -281,15 +282,15 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         matrices += [(lin.d_in, lin.d_out, 1, lin.tp, False) for lin in head_mats]
         vectors = small + head_small + extra + max(0, embed - (arch.vocab * h // p.tp if embed else 0))
     else:
-        matrices = [(d, tr.rank, n * lin.count, False, False) for lin, n in lins if tr.lora_on(lin)
-                    for d in (lin.d_in, lin.d_out)]
+        matrices = [(e // tr.rank, tr.rank, n * lin.count, False, False) for lin, n in lins if tr.lora_on(lin)
+                    for e in local_adapters(lin, tr.rank, w)]
         vectors = 0
     optimizer = _optimizer_bytes(w, rg, trainable + pad_trainable, matrices, vectors) // o_shard
     host_optimizer = optimizer if cpu else 0
     if off_opt:
         optimizer = 0
     largest = _largest(lins, w) if tr.full else max(
-        (tr.rank * max(lin.d_in, lin.d_out) for lin, _ in lins if tr.lora_on(lin)), default=0)
+        (max(local_adapters(lin, tr.rank, w)) for lin, _ in lins if tr.lora_on(lin)), default=0)
     if tr.full:
         largest = max(largest, embed, head)
     opt_temp = 0 if off_opt else _optimizer_temp(w, rg, trainable // o_shard, largest)
@@ -462,7 +463,7 @@ def _reduce_units(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainab
             add(arch.embed_params // p.tp, 0, fsdp_padding([], rows, [], h, w), more=embed_more)
         for g, n in stage_groups(arch, w, i) if p.pp > 1 else stage.groups:
             add(sum(local(lin, w) for lin in g.linears) + local_small(g, w),
-                sum(tr.adapter_params(lin) for lin in g.linears), fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w), n)
+                sum(tr.local_adapter_params(lin, w) for lin in g.linears), fsdp_padding([(lin, 1) for lin in g.linears], 0, [], h, w), n)
         if i == last and stage.head:
             add(sum(local(lin, w) for lin in head_mats) + arch.head.small_params + arch.final_norm_params, 0,
                 fsdp_padding([], 0, head_mats, h, w))
