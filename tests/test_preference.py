@@ -224,6 +224,66 @@ def test_the_analytic_fsdp2_reference_gathers_as_the_trace_does(objective: str, 
     assert (ft.allocated - without.allocated) / ft.allocated > 0.04, (without.allocated, ft.allocated)
 
 
+def _two_layer_1b() -> Any:
+    from vramplan.models.catalog import resolve
+    from vramplan.models.normalize import spec_from_config
+
+    c = dict(resolve("llama-3.2-1b").config)
+    c["num_hidden_layers"] = 2
+    return spec_from_config(c, name="llama-3.2-1b-2-layers", source="test")
+
+
+def test_the_analytic_fsdp2_grpo_reference_gathers_in_the_rollout_as_the_trace_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPO's reference under FSDP2 (one unit, TRL's prepare_fsdp) scores the window in the rollout,
+    after the generation: each chunk's forward gathers all of it (the flat all-gather output, held
+    through the forward, and the parameters copied out of it) beside the policy's shards and
+    optimizer states. Llama-3.2-1B's width with 2 layers: the analytic forward phase is the trace's
+    within 1 %, its weights to the byte but for the two copies' rotary buffers; without the gather
+    (the policy's training forward alone) it is over 2 % low."""
+    import importlib
+
+    from vramplan.results import Breakdown, PhasePeak
+    from vramplan.trace import analysis
+
+    analytic = importlib.import_module("vramplan.analytic.estimate")
+    spec = _two_layer_1b()
+    w = Workload(task="train", batch=2, seq=40, prompt=32, generations=2, precision="bf16-mixed", objective="grpo",
+                 reference="model", parallel=Parallel(dp=2, zero=3))
+    a, r = analytic.estimate(spec, w), trace_workload(spec, w)
+    fa = next(ph for ph in a.phases if ph.phase is Phase.FORWARD)
+    ft = next(ph for ph in analysis.phase_peaks(analysis.arrays(r.events)) if ph.phase is Phase.FORWARD)
+    assert 0 <= ft.breakdown.weights - fa.breakdown.weights <= 512, (fa.breakdown, ft.breakdown)
+    assert abs(fa.allocated - ft.allocated) / ft.allocated < 0.01, (fa.allocated, ft.allocated)
+    assert any("scoring forwards" in n for n in a.notes)
+    grpo = importlib.import_module("vramplan.analytic.grpo")
+    monkeypatch.setattr(grpo, "_sharded_reference_scoring", lambda *args: PhasePeak(Phase.FORWARD, 0, Breakdown()))
+    without = next(ph for ph in analytic.estimate(spec, w).phases if ph.phase is Phase.FORWARD)
+    assert (ft.allocated - without.allocated) / ft.allocated > 0.02, (without.allocated, ft.allocated)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_a_reference_under_ddp_is_a_replica_in_both_methods(objective: str) -> None:
+    """Under DDP TRL leaves the reference unwrapped (``prepare_model(ref, evaluation_mode=True)``): a
+    whole replica per rank. What it adds to the step's peak, traced and analytic, is its whole
+    weights (the traced ones with its two rotary buffers), the same in both methods (Llama-3.2-1B's
+    width with 2 layers, where the step peaks in the backward; the analytic SFT step itself is ~5 %
+    under the trace there, with or without a reference: its 128k-vocabulary head dominates)."""
+    import importlib
+
+    analytic = importlib.import_module("vramplan.analytic.estimate")
+    spec = _two_layer_1b()
+    base = dict(task="train", batch=1, seq=64, precision="bf16-mixed", parallel=Parallel(dp=2), objective=objective)
+    if objective == "grpo":
+        base.update(batch=2, prompt=56, generations=2)
+    without = "none" if objective == "grpo" else "precomputed"
+    a = {ref: analytic.estimate(spec, Workload(reference=ref, **base)).peak.allocated for ref in ("model", without)}
+    t = {ref: trace_workload(spec, Workload(reference=ref, **base)).peak_allocated for ref in ("model", without)}
+    weights = 4 * (spec.params or 0)  # (fp32: the policy's dtype, as TRL loads the reference)
+    assert a["model"] - a[without] == weights, a
+    assert 0 <= t["model"] - t[without] - weights <= 512, (t, weights)
+
+
 # --------------------------------------------------------------------------- KTO
 def _kto_inputs(source: Reference, *, attention_mask: bool, prompt: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

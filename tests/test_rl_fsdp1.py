@@ -95,19 +95,20 @@ def test_sft_with_a_loss_implementation_under_fsdp_runs_through_the_root(engine:
     assert max(p.allocated for p in got[0].phases) != max(p.allocated for p in got[1].phases)
 
 
-@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2", "ddp"])
 def test_grpo_reference_under_fsdp_agrees_with_trl_prepare_fsdp_on_gloo(layout: str) -> None:
     """GRPO with a reference model (``beta > 0``) under ZeRO-3: the same step run for real on 2
     gloo processes (the policy wrapped as accelerate wraps it, the reference prepared by TRL
     1.16.0's own ``prepare_fsdp`` under accelerate's own plugin) and traced on the fake process
-    group, per rank, the peak of each part of the second step. The update's agree to the byte but
+    group, per rank, the peak of each part of the second step. Under DDP (``zero=0``) the policy
+    is wrapped in ``DistributedDataParallel`` and the reference left a whole replica, as
+    ``accelerator.prepare_model(ref, evaluation_mode=True)`` leaves it. The update's agree to the byte but
     for AdamW's ``step`` counters (host tensors, as above); the rollout's too, but for those and the
     shuffle's permutation, live while the reference scores the window
     (``torch.randperm`` of the window on the host: 8 B per sequence, 32 B here; with
     ``grad_accum=3`` 48 B, checked once), a host tensor too."""
     w = Workload(task="train", batch=2, grad_accum=2, seq=24, prompt=8, precision="fp32", objective="grpo",
-                 generations=2, attention="eager", reference="model").replace(
-        dp=2, zero=3, engine="fsdp1" if layout == "fsdp1" else "fsdp")
+                 generations=2, attention="eager", reference="model").replace(dp=2, **_engine(layout))
     for rank, got, r, parts in _real_and_traced(w, layout):
         steps = 4 * got["adam_steps"]
         assert parts["actor"] == got["actor"] - steps, (rank, parts, got)
@@ -118,21 +119,29 @@ def test_grpo_reference_under_fsdp_agrees_with_trl_prepare_fsdp_on_gloo(layout: 
         if layout == "fsdp2":  # (the whole reference gathered: the step's peak)
             assert r.peak_module == "reference", r.peak_module
         assert got["adam_steps"] == (12 if layout == "fsdp1" else 21), got
-        assert any(n.startswith(f"reference: {'FSDP1' if layout == 'fsdp1' else 'FSDP2'} (TRL's prepare_fsdp")
-                   for n in r.notes), r.notes
+        assert any(n.startswith(_REF_NOTE[layout]) for n in r.notes), r.notes
 
 
-@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
+_REF_NOTE = {"fsdp1": "reference: FSDP1 (TRL's prepare_fsdp", "fsdp2": "reference: FSDP2 (TRL's prepare_fsdp",
+             "ddp": "reference: a whole replica on each of the dp=2 ranks, not wrapped"}
+
+
+def _engine(layout: str) -> dict:
+    return {"fsdp1": dict(zero=3, engine="fsdp1"), "fsdp2": dict(zero=3, engine="fsdp"), "ddp": dict(zero=0)}[layout]
+
+
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2", "ddp"])
 def test_dpo_with_a_reference_under_fsdp_agrees_with_a_real_gloo_run(layout: str) -> None:
     """DPO (reference not precomputed) under ZeRO-3: two real DPO steps on 2 gloo processes, the
     policy wrapped as accelerate wraps it and the reference prepared by TRL 1.16.0's own
     ``prepare_fsdp``, against the trace per rank: the storage peak to the byte but for AdamW's
     ``step`` counters (host tensors). Under FSDP2 the step peaks in the reference's forward (the
-    whole reference gathered beside the policy's activations)."""
+    whole reference gathered beside the policy's activations). Under DDP the reference is a
+    replica on each rank (TRL's ``prepare_model(ref, evaluation_mode=True)``: no DDP wrapper)."""
     from vramplan.trace.testing import real_grpo_fsdp1_peaks
 
     w = Workload(task="train", batch=2, seq=24, precision="fp32", objective="dpo", attention="eager",
-                 reference="model").replace(dp=2, zero=3, engine="fsdp1" if layout == "fsdp1" else "fsdp")
+                 reference="model").replace(dp=2, **_engine(layout))
     real = real_grpo_fsdp1_peaks(CONFIG, w, world=2, layout=layout)
     spec = spec_from_config(CONFIG, name="llama-2l", source="test")
     for rank, got in enumerate(real):
@@ -140,6 +149,7 @@ def test_dpo_with_a_reference_under_fsdp_agrees_with_a_real_gloo_run(layout: str
         assert r.peak_allocated == got["peak"] - 4 * got["adam_steps"], (rank, r.peak_allocated, got)
         assert got["adam_steps"] == (12 if layout == "fsdp1" else 21), got
         assert (r.peak_module == "reference") is (layout == "fsdp2"), r.peak_module
+        assert any(n.startswith(_REF_NOTE[layout]) for n in r.notes), r.notes
 
 
 def test_trl_gathers_the_whole_reference_under_fsdp2_one_block_under_fsdp1() -> None:
@@ -174,26 +184,30 @@ def test_trl_gathers_the_whole_reference_under_fsdp2_one_block_under_fsdp1() -> 
 
 
 def test_a_reference_model_outside_the_traced_layouts_is_refused_with_its_cause() -> None:
-    """The trace lays the reference out under ZeRO-3 with FSDP1/FSDP2 only; the analytic method
-    models DPO's and KTO's under FSDP2 (one unit) and refuses the other data-parallel references."""
+    """The trace lays the reference out under DDP (a replica) and under ZeRO-3 with FSDP1/FSDP2; the
+    analytic method models DPO's, KTO's and GRPO's under DDP and FSDP2 (one unit) and refuses FSDP1's;
+    both refuse DeepSpeed's engine, CPU offload and HSDP."""
     from vramplan.analytic.estimate import estimate
 
     spec = spec_from_config(CONFIG, name="llama-2l", source="test")
     w = Workload(task="train", batch=2, seq=32, objective="dpo", reference="model",
                  parallel=Parallel(dp=2, zero=3, engine="fsdp"))
-    w.check_reference_model(traced=True)
-    assert estimate(spec, w).peak.allocated > 0
     grpo = Workload(task="train", batch=2, seq=32, prompt=8, objective="grpo", generations=2, reference="model",
                     parallel=Parallel(dp=2, zero=3, engine="fsdp"))
-    grpo.check_reference_model(traced=True)
-    with pytest.raises(WorkloadError, match="analytic method models it for DPO and KTO under FSDP2 only") as e:
-        estimate(spec, grpo)
+    for x in (w, grpo, w.replace(parallel=Parallel(dp=2)), grpo.replace(parallel=Parallel(dp=2, engine="ddp"))):
+        x.check_reference_model(traced=True)
+        assert estimate(spec, x).peak.allocated > 0
+    fsdp1 = w.replace(parallel=Parallel(dp=2, zero=3, engine="fsdp1"))
+    fsdp1.check_reference_model(traced=True)
+    with pytest.raises(WorkloadError, match="under FSDP1 the trace does") as e:
+        fsdp1.check_reference_model()
     assert e.value.field == "reference"
-    for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=2, zero=0),
-                Parallel(dp=4, zero=3, dp_shard=2), Parallel(dp=2, zero=2, engine="deepspeed")):
-        with pytest.raises(WorkloadError, match="only its ZeRO-3 layouts with FSDP1 or FSDP2") as e:
-            w.replace(parallel=par).check_reference_model(traced=True)
-        assert e.value.field == "reference"
+    for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=4, zero=3, dp_shard=2),
+                Parallel(dp=2, zero=2, engine="deepspeed"), Parallel(dp=2, zero=1)):
+        for traced in (True, False):
+            with pytest.raises(WorkloadError, match="only DDP's replica and its ZeRO-3 layouts") as e:
+                w.replace(parallel=par).check_reference_model(traced=traced)
+            assert e.value.field == "reference"
     ppo = Workload(task="train", batch=2, seq=32, prompt=8, objective="ppo", generations=1, reference="model",
                    parallel=Parallel(dp=2, zero=3))
     with pytest.raises(WorkloadError, match="PPO's reference is verl's") as e:

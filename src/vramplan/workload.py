@@ -1036,31 +1036,36 @@ class Workload:
         """Refuse what the method does not model: a preference objective's frozen reference copy
         under parallelism (frameworks prepare and shard it with the policy) or quantisation.
         ``traced``: the trace's question, which lays the reference out as TRL 1.16.0 does under
-        ZeRO-3 with FSDP1 or FSDP2 (:func:`vramplan.trace.layout.apply_reference_layout`,
-        docs/research/trl-reference-fsdp.md); the analytic method refuses every data-parallel case."""
+        ZeRO-3 with FSDP1 or FSDP2 (:func:`vramplan.trace.layout.apply_reference_layout`) and under
+        DDP (a replica per rank); the analytic method models FSDP2's and DDP's
+        (docs/research/trl-reference-fsdp.md)."""
         p = self.parallel
         if self.objective is Objective.SFT or self.reference_source is not Reference.MODEL:
             return
         fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1")
         plain = not (p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or self.quant is not Quant.NONE)
         trl = self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)  # (PPO's stack is verl's)
-        sharded = trl and plain and p.dp > 1 and fsdp and not (p.offload_params or p.offload_optimizer or p.dp_shard)
-        if sharded and (traced or (p.engine.value != "fsdp1" and self.objective in (Objective.DPO, Objective.KTO))):
-            return  # (the analytic method: FSDP2's one unit over the whole reference, analytic/estimate.py)
+        offload = p.offload_params or p.offload_optimizer
+        if trl and plain and p.dp > 1 and p.framework is Engine.DDP and not offload:
+            return  # (TRL: `accelerator.prepare_model(ref, evaluation_mode=True)`: no DDP wrapper, a replica per rank)
+        sharded = trl and plain and p.dp > 1 and fsdp and not (offload or p.dp_shard)
+        if sharded and (traced or p.engine.value != "fsdp1"):
+            return  # (the analytic method: FSDP2's one unit over the whole reference, analytic/estimate.py, grpo.py)
         if p.dp > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1 or self.quant is not Quant.NONE:
             # (TRL 1.16.0 wraps it as it wraps the policy: `prepare_fsdp`, trl/models/utils.py:292-342,
             # called from dpo_trainer.py:984-990 and grpo_trainer.py:1182-1188)
             if not trl:
                 why = ("PPO's reference is verl's own FSDP worker, whose layout is not traced")
                 hint = "use `reference=none` (beta=0), or `dp=1`"
-            elif traced or not plain or p.dp == 1:
-                why = ("only its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, without CPU offload, "
-                       "are traced (TRL's `prepare_fsdp`; DeepSpeed's engine and DDP are not)")
-                hint = "use `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` with `peft=lora`, " \
-                       "or `reference=precomputed`"
-            else:
-                why = ("the analytic method models it for DPO and KTO under FSDP2 only (TRL shards it with its own FSDP "
-                       "units and gathers them for its forward); the trace does under ZeRO-3 with FSDP1 or FSDP2")
+            elif not sharded:
+                why = ("only DDP's replica and its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, "
+                       "without CPU offload, are traced (TRL's `prepare_model(evaluation_mode=True)` and `prepare_fsdp`; "
+                       "DeepSpeed's engine is not)")
+                hint = "use `zero=0` (DDP), `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` " \
+                       "with `peft=lora`, or `reference=precomputed`"
+            else:  # (FSDP1's units: the trace lays them out, the analytic method has FSDP2's formulas)
+                why = ("the analytic method models it under DDP (a replica) and FSDP2 (TRL shards it with its own FSDP "
+                       "unit and gathers it for its forward); under FSDP1 the trace does")
                 hint = "use `method=trace`, `reference=adapters` with `peft=lora`, or `reference=precomputed`"
             raise WorkloadError(f"a preference reference model under data or model parallelism or quantisation: {why}",
                                 hint=hint, field="reference")

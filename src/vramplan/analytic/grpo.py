@@ -122,8 +122,9 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     w.check_reference_model()
     sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8, reward_model=False)
     train = estimate(spec, sft, workspace_bytes=workspace_bytes)
-    ref = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes).states.weights \
-        if w.reference_source is Reference.MODEL else 0
+    ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) \
+        if w.reference_source is Reference.MODEL else None
+    ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
     window = w.batch * w.grad_accum
     if w.rollout is Rollout.VLLM:
         if engine is None:
@@ -156,7 +157,44 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
             f"{'autocast weight copies, ' if casts else ''}fp32 sampling), then {w.grad_accum} micro-step(s) of "
             f"{w.batch:,} sequences through TRL's fused head scoring the completion tokens; reference: "
             f"{_SOURCE[w.reference_source]}")
+    if ref_est is not None and w.parallel.dp > 1 and w.parallel.zero == 3:
+        scoring = _sharded_reference_scoring(spec, w, resident, ref, ref_est.params, backward_ws)
+        phases = tuple(scoring if ph.phase is Phase.FORWARD and scoring.allocated > ph.allocated else ph
+                       for ph in phases)
+        note += ("; the reference sharded by FSDP2 as one unit (TRL 1.16 prepare_fsdp: fully_shard on its root), so "
+                 f"each of its scoring forwards (chunks of {w.batch:,} completions, in the rollout) gathers all of it: "
+                 "the all-gather output, held through the forward, and the parameters copied out of it, 2 x its "
+                 "parameters in the gathered dtype, beside the policy's shards and optimizer states")
     return dataclasses.replace(_finish(train, phases, note, s.weights + ref), kv_cache=gen.kv_cache)
+
+
+def _sharded_reference_scoring(spec: ModelSpec, w: Workload, resident: Breakdown, ref_shard: int, ref_params: int,
+                               workspace: int) -> PhasePeak:
+    """The rollout's reference forward when FSDP2 shards the reference as one unit (TRL 1.16
+    ``prepare_fsdp``, docs/research/trl-reference-fsdp.md): it scores the window in chunks of
+    ``batch`` completions under no_grad (grpo_trainer.py:2710-2721) after the generation, the
+    policy's gradients freed. Each chunk's forward all-gathers the whole reference into one flat
+    buffer (torch 2.13 ``_fsdp_collectives.py`` ``foreach_all_gather``, L351) and copies it out into
+    each parameter's storage (``foreach_all_gather_copy_out``, L431-L490); the flat buffer stays
+    referenced by the unit's all-gather state until the next all-gather or the reshard
+    (``_fsdp_param_group.py`` ``AllGatherState``), so with one unit it lives through the forward:
+    two copies of the reference in the compute dtype, with the largest no-grad layer working set of
+    one chunk (``batch x seq`` tokens) on top, and the cuBLAS workspaces of the main and the
+    autograd threads (cached since the first step)."""
+    from .activations import infer_layer
+    from .blocks import Ctx
+    from .estimate import build_arch
+    from .parallel import stages
+    from .regime import regime, trainable
+
+    arch: Any = build_arch(spec)
+    rg = regime(w)
+    ctx = Ctx(rg, trainable(arch, w), w.attention, training=False)
+    stage = stages(arch, w)[0]
+    layer = infer_layer(stage, w, ctx, arch.hidden, w.batch * w.seq, w.seq)
+    gathered = ref_params * rg.compute
+    out = resident + Breakdown(weights=ref_shard + gathered, temporaries=gathered + layer + 2 * workspace)
+    return PhasePeak(Phase.FORWARD, out.total, out)
 
 
 def _with_engine(train: AnalyticEstimate, w: Workload, e: RolloutEngine, ref: int, workspace_bytes: int | None,

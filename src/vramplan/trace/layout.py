@@ -220,9 +220,20 @@ def apply_reference_layout(ref: nn.Module, layout: Layout, ctx: RankContext, w: 
       comes), each block's is freed;
     - FSDP2: ``fully_shard(ref)`` on the root alone (no per-block call), the plugin's
       ``reshard_after_forward`` (a bool, so not the root's automatic "keep"): the whole model is one
-      unit, all-gathered for each forward and freed after it.
+      unit, all-gathered for each forward and freed after it;
+    - DDP: left as it is, a whole replica on every rank. Without DeepSpeed or FSDP, TRL calls
+      ``accelerator.prepare_model(ref, evaluation_mode=True)`` (dpo_trainer.py:984-990,
+      grpo_trainer.py:1182-1188), which places it on the device but wraps it in
+      ``DistributedDataParallel`` only ``if not evaluation_mode`` (accelerate 1.16.0
+      accelerator.py:1854): no reducer, no buckets.
 
     Returns (the module to call, notes)."""
+    if layout.kind == "ddp":
+        if "tp" in layout.world.names:
+            raise TraceError("a reference model under DDP with tensor parallelism is not traced",
+                             hint="drop `tp`, or use `reference=precomputed`")
+        return ref, [f"reference: a whole replica on each of the dp={layout.world.dim('dp')} ranks, not wrapped "
+                     "(TRL's accelerator.prepare_model(ref, evaluation_mode=True): no DDP reducer)"]
     if layout.kind == "fsdp1":
         wrapped, notes = _fsdp1(ref, layout, ctx, w, compute_dtype, frozen=True)
         return wrapped, ["reference: " + notes[0].replace("FSDP1 (", "FSDP1 (TRL's prepare_fsdp; ", 1)]
