@@ -202,10 +202,14 @@ def test_a_reference_model_outside_the_traced_layouts_is_refused_with_its_cause(
     with pytest.raises(WorkloadError, match="under FSDP1 the trace does") as e:
         fsdp1.check_reference_model()
     assert e.value.field == "reference"
-    for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=4, zero=3, dp_shard=2),
-                Parallel(dp=2, zero=2, engine="deepspeed"), Parallel(dp=2, zero=1)):
+    for par in (Parallel(dp=2, zero=3, engine="fsdp", offload_params=True), Parallel(dp=4, zero=3, dp_shard=2)):
         for traced in (True, False):
             with pytest.raises(WorkloadError, match="only DDP's replica and its ZeRO-3 layouts") as e:
+                w.replace(parallel=par).check_reference_model(traced=traced)
+            assert e.value.field == "reference"
+    for par in (Parallel(dp=2, zero=2), Parallel(dp=2, zero=1), Parallel(dp=2, zero=3, engine="deepspeed")):
+        for traced in (True, False):  # (TRL's prepare_deepspeed: no DeepSpeed engine is traced, for the policy either)
+            with pytest.raises(WorkloadError, match="TRL prepares it with `prepare_deepspeed`.*runs no DeepSpeed") as e:
                 w.replace(parallel=par).check_reference_model(traced=traced)
             assert e.value.field == "reference"
     ppo = Workload(task="train", batch=2, seq=32, prompt=8, objective="ppo", generations=1, reference="model",

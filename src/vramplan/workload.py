@@ -1057,6 +1057,13 @@ class Workload:
             if not trl:
                 why = ("PPO's reference is verl's own FSDP worker, whose layout is not traced")
                 hint = "use `reference=none` (beta=0), or `dp=1`"
+            elif plain and p.dp > 1 and p.framework is Engine.DEEPSPEED:
+                why = ("under DeepSpeed TRL prepares it with `prepare_deepspeed` (trl/models/utils.py:246-289: "
+                       f"ZeRO-1/2 a stage-0 engine, a whole replica cast to the engine's 16-bit dtype; ZeRO-3 a "
+                       f"ZeRO-3 engine sharding it); the trace runs no DeepSpeed engine (the policy's `zero={p.zero}` "
+                       "is not traced either) and the analytic method does not model the reference beside it")
+                hint = "use `zero=0` (DDP), `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` " \
+                       "with `peft=lora`, or `reference=precomputed`"
             elif not sharded:
                 why = ("only DDP's replica and its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, "
                        "without CPU offload, are traced (TRL's `prepare_model(evaluation_mode=True)` and `prepare_fsdp`; "
