@@ -175,9 +175,10 @@ def _sharded_reference_scoring(spec: ModelSpec, w: Workload, resident: Breakdown
     ``batch`` completions under no_grad (grpo_trainer.py:2710-2721) after the generation, the
     policy's gradients freed. Each chunk's forward all-gathers the whole reference into one flat
     buffer (torch 2.13 ``_fsdp_collectives.py`` ``foreach_all_gather``, L351) and copies it out into
-    each parameter's storage (``foreach_all_gather_copy_out``, L431-L490); the flat buffer stays
-    referenced by the unit's all-gather state until the next all-gather or the reshard
-    (``_fsdp_param_group.py`` ``AllGatherState``), so with one unit it lives through the forward:
+    each parameter's storage (``foreach_all_gather_copy_out``, L431-L490); in forward the flat
+    buffer is kept in the all-gather state for the next unit's copy-out (``_fsdp_param_group.py``
+    L477-L486) and freed at the root's post-forward (``_fsdp_state.py`` L333-L342), so with one
+    unit it lives through the whole forward:
     two copies of the reference in the compute dtype, with the largest no-grad layer working set of
     one chunk (``batch x seq`` tokens) on top, and the cuBLAS workspaces of the main and the
     autograd threads (cached since the first step)."""
