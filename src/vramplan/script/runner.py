@@ -1235,8 +1235,8 @@ def _spread(model: nn.Module, placement: dict[str, Any], places: Places,
         elif key == "cpu" or key in gpus:
             where[str(dev)] = key
         else:
-            raise TraceError(f"`device_map` places weights on {dev!r}, which the emulated machine does not have "
-                             f"(GPUs cuda:0…cuda:{len(gpus)}, cpu, disk)", hint="more GPUs: `gpus=N` (vramplan run --gpus N)")
+            raise TraceError(f"the script's device map places weights on {dev!r}, which the emulated machine does not "
+                             f"have (GPUs cuda:0…cuda:{len(gpus)}, cpu, disk)", hint="emulate more GPUs: `gpus=N`")
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     device_of = expand_device_map(placement, names)
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
