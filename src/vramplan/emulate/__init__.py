@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .checkpoints import checkpoints_on_device
 from .cuda import CudaState, patched
 from .facts import DeviceFacts
@@ -89,8 +91,25 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
     with patched(facts, live, on_sync, state, on_capture, others), device_view(view, values), \
             keeping_identity(em.optimizers), checkpoint_metadata_on_storage(), checkpoints_on_device(em.saved), \
             triton_launches(launched), data_parallel(), \
-            _fresh_deepspeed_accelerator():
+            _fresh_deepspeed_accelerator(), _no_cudnn_rnn_flatten():
         yield em
+
+
+@contextlib.contextmanager
+def _no_cudnn_rnn_flatten() -> Iterator[None]:
+    """An RNN's ``flatten_parameters`` (on ``.cuda()`` and each call) copies its weights into one
+    cuDNN buffer with a CUDA-only kernel, which a CUDA build of torch would run for real; torch's own
+    switch (``torch._use_cudnn_rnn_flatten_weight``) turns it off, and the weights stay as they are
+    (the buffer would hold the same bytes: memory is the same after the copy)."""
+    real = getattr(torch, "_use_cudnn_rnn_flatten_weight", None)
+    if real is None:
+        yield
+        return
+    torch._use_cudnn_rnn_flatten_weight = lambda: False
+    try:
+        yield
+    finally:
+        torch._use_cudnn_rnn_flatten_weight = real
 
 
 @contextlib.contextmanager
