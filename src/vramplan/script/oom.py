@@ -107,13 +107,18 @@ class OomGuard:
             f"Of the allocated memory {in_use / gib:.2f} GiB is allocated by PyTorch "
             "(emulated by vramplan run inside the script's out-of-memory handler)")
 
-    def enter(self, batch_size: Any) -> None:
-        """The handled function (or a finder's trial) starts with ``batch_size``."""
+    @contextlib.contextmanager
+    def handling(self, batch_size: Any) -> Iterator[None]:
+        """The handled function (or a finder's trial) runs with ``batch_size``."""
         if self.failed and self.on_retry is not None:
             self.on_retry()
         self.failed = False
         self.depth += 1
         self.tried.append(batch_size)
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
     def note(self) -> str | None:
         if not self.tried or (not self.raised and not self.searching and self.found is None):
@@ -164,11 +169,8 @@ def recovering_handlers(guard: OomGuard) -> Iterator[None]:
 
         @functools.wraps(function)
         def handled(batch_size: Any, *a: Any, **k: Any) -> Any:
-            guard.enter(batch_size)
-            try:
+            with guard.handling(batch_size):
                 return function(batch_size, *a, **k)
-            finally:
-                guard.depth -= 1
 
         return orig(handled, *args, **kwargs)
 
@@ -207,11 +209,8 @@ def _lightning_finder(guard: OomGuard) -> contextlib.AbstractContextManager[None
 def _trial(guard: OomGuard, run: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(run)
     def trial(*args: Any, **kwargs: Any) -> Any:
-        guard.enter(guard.current)
-        try:
+        with guard.handling(guard.current):
             return run(*args, **kwargs)
-        finally:
-            guard.depth -= 1
     return trial
 
 
