@@ -323,8 +323,9 @@ def test_tgi_marlin_temporaries_where_they_apply() -> None:
     """Marlin's per-GEMM buffers are counted for an AWQ / GPTQ dense model on compute capability 8.0+
     under TGI 3.0.0 … 3.1.0 (marlin-kernels 0.3.6 / 0.3.7, read); not before Ampere (no Marlin), not
     from 3.1.1 (kernels-community/quantization, not read), not for a 16-bit model. Small batches: the
-    reduce buffer's rows are M rounded up to 16 up to 64 rows. A model outside TGI's FlashLlama class
-    (Mistral) keeps vramplan's forward peak, to which the largest layer's buffers are added."""
+    reduce buffer's rows are M rounded up to 16 up to 64 rows. A model whose TGI class was not read
+    (Qwen3: TGI 3.x has no flash Qwen3 class) keeps vramplan's forward peak, to which the largest layer's
+    buffers are added."""
     spec = resolve("llama-3.1-8b")
     rel, late = TgiRelease.of("3.0.1"), TgiRelease.of("3.1.1")
     a10g, v100 = get_gpu("a10g"), get_gpu("v100-sxm2-32gb")
@@ -335,12 +336,12 @@ def test_tgi_marlin_temporaries_where_they_apply() -> None:
     # 8B at 40 rows: gate_up (K 4096, N 28,672) with 48 reduce rows
     assert tgi.marlin_temporaries(spec, 40, 1) == 40 * 4096 * 2 + 48 * 28672 * 4
     assert [tgi.marlin_reduce_rows(m) for m in (1, 17, 64, 65, 4096)] == [16, 32, 64, 128, 1024]
-    mistral = resolve("mistral-7b")
+    qwen3 = resolve("qwen3-8b")
     kw = {"engine": "tgi", "quantization": "awq", "max_model_len": 4096, "max_num_batched_tokens": 4096}
-    base = serve_plan("mistral-7b", "a10g", engine_version="3.0.1", **kw)  # type: ignore[arg-type]
-    later = serve_plan("mistral-7b", "a10g", engine_version="3.1.1", **kw)  # type: ignore[arg-type]
-    assert tgi.flash_llama_peak(mistral, 4096, 1, marlin=True) is None
-    assert base.profile_peak - later.profile_peak == tgi.marlin_temporaries(mistral, 4096, 1)
+    base = serve_plan("qwen3-8b", "a10g", engine_version="3.0.1", **kw)  # type: ignore[arg-type]
+    later = serve_plan("qwen3-8b", "a10g", engine_version="3.1.1", **kw)  # type: ignore[arg-type]
+    assert tgi.warmup_peak(qwen3, 4096, 1, rel, marlin=True) is None
+    assert base.profile_peak - later.profile_peak == tgi.marlin_temporaries(qwen3, 4096, 1)
 
 
 def test_tgi_flash_llama_warmup_peak() -> None:
@@ -349,16 +350,97 @@ def test_tgi_flash_llama_warmup_peak() -> None:
     down_proj; the peak is the largest GEMM / activation moment. Llama-3.1-8B at 4,096 tokens, 16 bit:
     the act(gate) * up moment, 8 × 4096 + 4 × 14,336 columns; with Marlin the down_proj moment
     (9 × 4096 + 3 × 14,336 columns, + a_tmp [M, 14,336] + c_tmp [1024, 4096] fp32) is over it.
-    Not this layout: Qwen2 (another model class), an MoE, hidden > 8192 (in-place RMSNorm)."""
-    spec, m = resolve("llama-3.1-8b"), 4096
+    Not a read layout: an MoE (Mixtral), hidden > 8192 (in-place RMSNorm), Qwen3 (no flash class)."""
+    spec, m, rel = resolve("llama-3.1-8b"), 4096, TgiRelease.of("3.3.7")
     act = 2 * m * (8 * 4096 + 4 * 14336)
     down = 2 * m * (9 * 4096 + 3 * 14336) + m * 14336 * 2 + 1024 * 4096 * 4
-    assert tgi.flash_llama_peak(spec, m, 1, marlin=False) == act < down == tgi.flash_llama_peak(spec, m, 1, marlin=True)
-    for other in ("qwen2.5-32b", "mixtral-8x7b", "llama-3.1-405b"):
-        assert tgi.flash_llama_peak(resolve(other), m, 8, marlin=False) is None
+    assert tgi.warmup_peak(spec, m, 1, rel, marlin=False) == act < down == tgi.warmup_peak(spec, m, 1, rel, marlin=True)
+    for older in ("3.0.0", "3.1.1", "3.2.0"):  # the same layer at every tag
+        assert tgi.warmup_peak(spec, m, 1, TgiRelease.of(older), marlin=False) == act
+    for other in ("mixtral-8x7b", "llama-3.1-405b", "qwen3-8b"):
+        assert tgi.warmup_peak(resolve(other), m, 8, rel, marlin=False) is None
     p = serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", engine_version="3.3.7", max_model_len=8192,
                    max_num_batched_tokens=m)
-    assert p.profile_peak == act
+    assert p.profile_peak == act and "FlashLlamaForCausalLM" in p.notes[0]
+
+
+def test_tgi_qwen2_warmup_peak_per_release() -> None:
+    """TGI's Qwen2ForCausalLM, counted by hand from the code. Qwen2.5-7B (hidden 3584, intermediate 18,944,
+    28 heads, 4 KV heads of 128) at 4,096 tokens, 16 bit:
+
+    - to v3.1.0 the layer is FlashLlama's (flash_qwen2_modeling.py v3.0.1:254-277): 8 hidden-sized tensors
+      through the MLP, 5 during the attention; the act(gate) * up moment 8 × 3584 + 4 × 18,944 columns;
+    - from v3.1.1 (v3.1.1:238-256, v3.3.7:288-310) the norms take no residual and the sums are explicit:
+      ``inputs_embeds``, the loop's input, ``normed_hidden_states``, ``attn_output``, the sum, its normed
+      copy — 6 through the MLP, 3 during the attention: 6 × 3584 + 4 × 18,944;
+    - to v3.2.0 the batch fills ``prefill_cache_indices`` (config ``sliding_window`` 131,072 ≥ the prompt) and
+      the attention copies ``kv_to_cache`` [4096, 2 × 4 × 128] through o_proj (v3.0.1:143-146); from v3.2.1
+      no copy (flash_causal_lm.py v3.3.7:1139): the o_proj moment loses 4096 × 1024 × 2 bytes."""
+    spec, m = resolve("qwen2.5-7b"), 4096
+    h, i, q, kv = 3584, 18944, 28 * 128, 4 * 128
+    old, mid, new = TgiRelease.of("3.0.1"), TgiRelease.of("3.2.0"), TgiRelease.of("3.3.7")
+    assert tgi.warmup_peak(spec, m, 1, old, marlin=False) == 2 * m * (8 * h + 4 * i)
+    assert tgi.warmup_peak(spec, m, 1, TgiRelease.of("3.1.0"), marlin=False) == 2 * m * (8 * h + 4 * i)
+    assert tgi.warmup_peak(spec, m, 1, TgiRelease.of("3.1.1"), marlin=False) == 2 * m * (6 * h + 4 * i)
+    assert tgi.warmup_peak(spec, m, 1, new, marlin=False) == 2 * m * (6 * h + 4 * i)
+    o_proj = 2 * m * (3 * h + (q + 2 * kv) + q + h)
+    assert tgi.warmup_moments(spec, m, 1, new, marlin=False)["o_proj"] == o_proj
+    assert tgi.warmup_moments(spec, m, 1, mid, marlin=False)["o_proj"] == o_proj + 2 * m * 2 * kv
+    assert tgi.warmup_moments(spec, m, 1, old, marlin=False)["o_proj"] == 2 * m * (5 * h + q + 2 * kv + q + h + 2 * kv)
+    # TP 4: one KV head, 7 query heads, intermediate 4,736 per rank
+    assert tgi.warmup_peak(spec, m, 4, new, marlin=False) == 2 * m * (6 * h + 4 * 4736)
+    # the plan uses it, and names the class
+    p = serve_plan("qwen2.5-7b", "h100-sxm", engine="tgi", engine_version="3.3.7", max_model_len=8192,
+                   max_num_batched_tokens=m)
+    assert p.profile_peak == 2 * m * (6 * h + 4 * i) and "Qwen2ForCausalLM" in p.notes[0]
+
+
+def test_tgi_mistral_and_gemma2_warmup_peak() -> None:
+    """FlashMistralForCausalLM has FlashLlama's layer (flash_mistral_modeling.py v3.0.1:370-394): Mistral-7B
+    at 4,096 tokens peaks at act(gate) * up, 8 × 4096 + 4 × 14,336 columns. Its sliding window (4,096) caps
+    the ``kv_to_cache`` copy to the last 4,096 positions of each warm-up request to v3.2.0 (flash_causal_lm.py
+    v3.0.1:1059-1063): one 8,192-token request (zero config) copies 4,096 rows of 2 × 8 × 128, four
+    2,047-token requests and one of 4 (``max_total_tokens`` 2,048) all 8,192.
+
+    FlashGemma2ForCausalLM (v3.0.1:405-430) keeps 4 hidden-sized tensors during the attention and 7 through
+    the MLP; its fp32 RMSNorm (:118-126) on ``mlp_output`` adds an fp32 copy and product (4 units) over the 7
+    and ``mlp_output``. Gemma-2-9B (hidden 3584, intermediate 14,336, 16 heads of 256, 8 KV heads) at
+    4,096 tokens: act 7 × 3584 + 4 × 14,336; a norm moment of 12 × 3584 under it."""
+    rel, late = TgiRelease.of("3.0.1"), TgiRelease.of("3.2.1")
+    mistral, m, kv = resolve("mistral-7b"), 4096, 8 * 128
+    assert tgi.warmup_peak(mistral, m, 1, rel, marlin=False) == 2 * m * (8 * 4096 + 4 * 14336)
+    base = tgi.warmup_moments(mistral, 2 * m, 1, late, marlin=False)["o_proj"]
+    assert tgi.warmup_moments(mistral, 2 * m, 1, rel, marlin=False)["o_proj"] - base == 2 * 2 * kv * 4096
+    four = tgi.warmup_moments(mistral, 8192, 1, rel, marlin=False, max_total=2048)["o_proj"]
+    assert four - base == 2 * 2 * kv * 8192
+    assert tgi.warmup_requests(8192, 2048) == (2047, 2047, 2047, 2047, 4)
+    assert tgi.warmup_moments(resolve("mistral-7b-v0.3"), 2 * m, 1, rel, marlin=False)["o_proj"] == base
+    gemma = resolve("gemma-2-9b")
+    h, i, q, kvg = 3584, 14336, 16 * 256, 8 * 256
+    moments = tgi.warmup_moments(gemma, m, 1, late, marlin=False)
+    assert moments["act"] == 2 * m * (7 * h + 4 * i) == tgi.warmup_peak(gemma, m, 1, rel, marlin=False)
+    assert moments["post_norm"] == 2 * m * 12 * h and moments["o_proj"] == 2 * m * (4 * h + q + 2 * kvg + q + h)
+
+
+def test_log_qwen25_3b_rtx_a6000_tgi_3_2_3_issue_3181() -> None:
+    """huggingface/text-generation-inference#3181 (2025-04-16, TGI 3.2.3, one RTX A6000, defaults): "KV-cache
+    blocks: 1069251, size: 1", "Setting max batch total tokens to 1069251". Tier C: the thread starts both
+    Qwen/Qwen2.5-VL-3B-Instruct and Qwen/Qwen2.5-3B-Instruct and the excerpt does not say which run this is;
+    planned as the text model (TGI refuses nothing here; vramplan plans no VLM for TGI).
+
+    The prefill budget is the launcher's 4096 (an RTX A6000 is not in its card table). TGI 3.2.3 serves it with
+    Qwen2ForCausalLM's v3.1.1+ layer (6 hidden-sized tensors through the MLP, no sliding-window copy from
+    v3.2.1): warm-up peak 2 × 4096 × (6 × 2048 + 4 × 11,008) bytes = 440 MiB, where vramplan's generic forward
+    gave 298 MiB. Blocks: 1,084,258 (+1.4 %; the generic forward gave 1,088,293, +1.8 %) — within the 5 %
+    tolerance both ways; the rest, 15,007 tokens = 0.52 GiB, is not explained (the VL model's vision tower
+    would be one candidate), and not tuned."""
+    p = serve_plan("qwen2.5-3b", "rtx-a6000", engine="tgi", engine_version="3.2.3")
+    m, h, i = 4096, 2048, 11008
+    assert p.starts and p.settings["max_batch_prefill_tokens"] == m and p.block_size == 1
+    assert p.profile_peak == 2 * m * (6 * h + 4 * i)
+    assert p.blocks == p.tokens == pytest.approx(1069251, rel=0.05)
+    assert p.blocks > 1069251  # the measured gap as it is: +1.4 %
+    assert p.log[:2] == (f"KV-cache blocks: {p.blocks}, size: 1", f"Setting max batch total tokens to {p.tokens}")
 
 
 def test_log_llama33_70b_awq_tp2_rtx3090_tgi_3_0_1() -> None:
@@ -375,7 +457,7 @@ def test_log_llama33_70b_awq_tp2_rtx3090_tgi_3_0_1() -> None:
     not in its card table, so 4096. Before this change vramplan defaulted TGI 3 to 2.x's
     max_input_tokens + 50 = 131,121 prefill tokens and said this configuration fails at warm-up.
 
-    The warm-up peak is TGI's own (:func:`vramplan.serving.tgi.flash_llama_peak`): its
+    The warm-up peak is TGI's own (:func:`vramplan.serving.tgi.warmup_peak`): its
     FlashLlamaForCausalLM keeps 8 hidden-sized tensors alive through the MLP and the fused gate_up output
     through down_proj, and the AWQ checkpoint runs on Marlin (compute capability 8.6), whose
     marlin-kernels 0.3.6 allocates per GEMM an fp16 input copy and an fp32 reduce buffer: 1,056 MiB at
@@ -390,7 +472,7 @@ def test_log_llama33_70b_awq_tp2_rtx3090_tgi_3_0_1() -> None:
     # tensors + gate_up + its product, and Marlin's a_tmp [4096, 14,336] fp16 + c_tmp [1024, 8192] fp32
     m, h, i = 4096, 8192, 14336
     down = 2 * m * (9 * h + 3 * i) + m * i * 2 + 64 * 16 * h * 4
-    assert p.profile_peak == down == tgi.flash_llama_peak(resolve("llama-3.3-70b"), m, 2, marlin=True)
+    assert p.profile_peak == down == tgi.warmup_peak(resolve("llama-3.3-70b"), m, 2, TgiRelease.of("3.0.1"), marlin=True)
     assert p.blocks == pytest.approx(13807, rel=0.05) and close(p.blocks * p.bytes_per_token / GiB, 13807 * 160 / 2**20)
     assert p.tokens == pytest.approx(13793, rel=0.05)
     # zero config on vramplan's own pool: the router's figures follow from the blocks

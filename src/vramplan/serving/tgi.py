@@ -22,8 +22,11 @@
   Several shards: the router takes the smallest shard's answer; vramplan plans one rank.
 - AWQ / GPTQ on Marlin (compute capability 8.0+), 3.0.0 … 3.1.0: the warm-up peak adds Marlin's
   per-GEMM buffers (:func:`marlin_temporaries`).
-- Approximated: the warm-up peak (vramplan's forward at ``max_batch_prefill_tokens``, its allocated
-  peak, where TGI's free-memory reading sees the caching allocator's reserve); the
+- The warm-up peak at ``max_batch_prefill_tokens``: the tensors TGI's own model class holds
+  (:func:`warmup_peak`: FlashLlama's model types, Qwen2, Mistral, Gemma 2, per release); vramplan's
+  generic forward for the others (MoE models such as Mixtral — the fused-MoE kernels' buffers were not
+  read —, Gemma, Phi, …). Approximated: it is the allocated peak, where TGI's free-memory reading sees
+  the caching allocator's reserve; the
   router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
 """
 
@@ -88,7 +91,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     on_marlin = uses_marlin_temporaries(spec, gpu, rel, quant)
     marlin = marlin_temporaries(spec, prefill, tp) if on_marlin else 0
-    flash = flash_llama_peak(spec, prefill, tp, marlin=on_marlin)
+    layout = warmup_layout(spec, rel)
+    flash = warmup_peak(spec, prefill, tp, rel, marlin=on_marlin, max_total=s.max_total_tokens)
     peak = flash if flash is not None else fwd.activation_peak + marlin
     batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
     workspace = FLASHINFER_WORKSPACE if s.attention == "flashinfer" else 0
@@ -121,7 +125,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     notes = [f"Follows TGI {rel.text} FlashCausalLM.warmup: the free memory after a warm-up prefill of "
              f"{prefill:,} tokens less (1 − cuda_memory_fraction × TGI_WIGGLE_ROOM {wiggle}) of the total becomes "
              f"KV blocks (warm-up peak {peak / GiB:.2f} GiB, "
-             + ("TGI's FlashLlamaForCausalLM tensors as its forward holds them" if flash is not None else fwd.method)
+             + (f"TGI's {layout.model_class} tensors as its forward holds them" if layout is not None else fwd.method)
              + (" with Marlin's GEMM buffers" if marlin else "") + ").",
              "max_batch_prefill_tokens defaults to the launcher's compute-optimal prefill (card f16 FLOP/s ÷ "
              "model FLOP per token; 4096 on a card the launcher does not know) capped by max_position_embeddings "
@@ -161,51 +165,142 @@ def marlin_temporaries(spec: ModelSpec, tokens: int, tp: int) -> int:
     return max(tokens * k * 2 + reduce_m * n * 4 for k, n in shapes)
 
 
-# model_type values TGI serves with FlashLlamaForCausalLM (models/__init__.py v3.0.1:882-890, v3.3.7:993, 1044)
-FLASH_LLAMA_TYPES = ("llama", "phi3", "granite", "baichuan")
-
-
 def marlin_reduce_rows(tokens: int) -> int:
     """marlin-kernels' ``determine_reduce_max_m(M, max_par=16)``: M rounded up to 16 up to 64 rows, else
     64 × min(⌈M / 64⌉, 16)."""
     return cdiv(tokens, 16) * 16 if tokens <= 64 else 64 * min(cdiv(tokens, 64), 16)
 
 
-def flash_llama_peak(spec: ModelSpec, tokens: int, tp: int, *, marlin: bool) -> int | None:
-    """The warm-up prefill's allocated peak as TGI's FlashLlamaForCausalLM holds its tensors (every 3.x tag,
-    models/custom_modeling/flash_llama_modeling.py v3.0.1), in units of M × 2 bytes (16-bit activations):
+# model_type values TGI serves with FlashLlamaForCausalLM (models/__init__.py v3.0.1:882-890, v3.3.7:993, 1044)
+FLASH_LLAMA_TYPES = ("llama", "phi3", "granite", "baichuan")
+# model_type values whose TGI model class was read for the warm-up peak (:func:`warmup_layout`): FlashLlama's,
+# Qwen2ForCausalLM (flash_qwen2_modeling.py), FlashMistralForCausalLM, FlashGemma2ForCausalLM
+# (models/__init__.py v3.0.1:939-943, 1069-1073, 1146-1150; v3.3.7:1106-1110, 1335-1339, 1439-1443)
+WARMUP_TYPES = (*FLASH_LLAMA_TYPES, "qwen2", "mistral", "gemma2")
 
-    - held through every later layer: ``inputs_embeds`` (kept by the two outer ``forward`` frames, :687-688,
-      :601) and the loop's ``hidden_states`` / ``residual`` (:610-624); in the layer (:474-496) the locals
-      ``normed_hidden_states``, ``res``, ``attn_output``, ``normed_attn_res_output``, ``attn_res`` — the
-      CUDA ``FastRMSNorm`` returns a new normed tensor and a new residual sum (layers/layernorm.py v3.0.1:140-166,
-      hidden ≤ 8192): 8 × hidden during the MLP, 5 × hidden during the attention;
-    - the MLP (:379-404) keeps the fused ``gate_up_states`` [M, 2·I/tp] alive through ``down_proj``, whose
-      input is ``act(gate) * up`` [M, I/tp] (the ``act`` result is a temporary of the product);
-    - the attention: the fused qkv [M, (H + 2·KV)/tp · d], the attention output [M, H/tp · d], o_proj's [M, h];
+
+@dataclass(frozen=True)
+class WarmupLayout:
+    """What one of TGI's model classes keeps alive at its warm-up prefill, in hidden-sized [M, hidden] tensors
+    (:func:`warmup_peak`): during the attention, during the MLP; whether the attention copies the new K/V for
+    the sliding window (``kv_to_cache = kv[prefill_cache_indices]``); whether the RMSNorm runs in fp32 on
+    [M, hidden] temporaries (Gemma 2)."""
+
+    model_class: str
+    attn_held: int
+    mlp_held: int
+    kv_copy: bool = False
+    fp32_norm: bool = False
+
+
+def warmup_layout(spec: ModelSpec, rel: TgiRelease) -> WarmupLayout | None:
+    """The warm-up forward's layout of ``spec``'s TGI model class at ``rel`` (CUDA, every tag v3.0.0 … v3.3.7
+    read where not said), or ``None`` where it was not read (other classes, an MoE) or does not hold (hidden >
+    8192: ``FastRMSNorm`` adds in place, layers/layernorm.py v3.0.1:124-139).
+
+    - FlashLlama (flash_llama_modeling.py v3.0.1:474-496, 601, 610-624, 687-688) and FlashMistral (the same
+      layer, flash_mistral_modeling.py v3.0.1:370-394 = v3.3.7:370-394, loop :446-461, outer frame :523-536):
+      ``inputs_embeds`` (kept by the two outer frames), the loop's ``hidden_states`` / ``residual``, the
+      layer's ``normed_hidden_states``, ``res``, ``attn_output``, ``normed_attn_res_output``, ``attn_res`` —
+      CUDA ``FastRMSNorm`` with a residual returns a new normed tensor and a new sum (``dropout_add_ln_fwd``,
+      layers/layernorm.py v3.0.1:140-166, v3.3.7:161-187): 5 during the attention, 8 through the MLP.
+    - Qwen2 to v3.1.0: the same layer (flash_qwen2_modeling.py v3.0.1:254-277, loop :334-348, :407-420).
+      From v3.1.1 (#2943; v3.1.1:238-256, v3.3.7:288-310, loop :365-380): the norms take no residual, so
+      ``residual`` is the input itself, and ``attn_output + residual`` / ``mlp_output + residual`` are explicit
+      sums: ``inputs_embeds``, the loop's input, ``normed_hidden_states`` (3 during the attention), then
+      ``attn_output``, the sum and its normed copy (6 through the MLP).
+    - Gemma 2 (flash_gemma2_modeling.py v3.0.1:405-430, v3.3.7:406-430; its own RMSNorm :118-126 adds the
+      residual in place and normalises an fp32 copy): ``inputs_embeds``, the loop's ``hidden_states`` /
+      ``residual``, ``normed_hidden_states`` (4 during the attention), then ``attn_output``, the residual sum
+      ``normed_attn_res_output`` and ``pre_normed`` (7 through the MLP); the post-feed-forward norm of
+      ``mlp_output`` holds an fp32 [M, h] copy and its product (4 hidden-sized 16-bit units) over those 8.
+    - The sliding-window copy (Mistral, Qwen2 attention: flash_mistral_modeling.py v3.0.1:208-211,
+      flash_qwen2_modeling.py v3.0.1:143-146): ``FlashCausalLMBatch`` fills ``prefill_cache_indices`` for a
+      model whose config has ``sliding_window`` (flash_causal_lm.py v3.0.1:1059-1063, 1160-1162, set at
+      :1300-1303) until v3.2.0; from v3.2.1 it is always ``None`` (#3112; v3.3.7:1139). Gemma 2's attention
+      takes no ``prefill_cache_indices``. Qwen2's config keeps its ``sliding_window`` with
+      ``use_sliding_window: false`` in transformers 4.46.3 / 4.49 (TGI 3.0 / 3.2's pins,
+      server/requirements_cuda.txt) — assumed from huggingface/transformers#36377 (Feb 2025), which reads it
+      as a number there."""
+    if spec.is_moe or not spec.intermediate or spec.model_type not in WARMUP_TYPES:
+        return None
+    if spec.model_type == "gemma2":
+        return WarmupLayout("FlashGemma2ForCausalLM", 4, 7, fp32_norm=True)
+    if spec.hidden > 8192:
+        return None
+    window = spec.config.get("sliding_window") is not None and not rel.since("3.2.1")
+    if spec.model_type == "qwen2":
+        if rel.since("3.1.1"):
+            return WarmupLayout("Qwen2ForCausalLM", 3, 6, kv_copy=window)
+        return WarmupLayout("Qwen2ForCausalLM", 5, 8, kv_copy=window)
+    if spec.model_type == "mistral":
+        return WarmupLayout("FlashMistralForCausalLM", 5, 8, kv_copy=window)
+    return WarmupLayout("FlashLlamaForCausalLM", 5, 8)
+
+
+def warmup_requests(prefill: int, max_total: int | None) -> tuple[int, ...]:
+    """The prompt lengths of the router's warm-up requests (:func:`warmup_blocks`): ``max_total_tokens − 1``
+    each up to ``max_batch_prefill_tokens``, or one request of them all under zero config."""
+    if max_total is None:
+        return (prefill,)
+    per_request = max(1, max_total - 1)
+    full, rest = divmod(prefill, per_request)
+    return (per_request,) * full + ((rest,) if rest else ())
+
+
+def warmup_peak(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, marlin: bool,
+                max_total: int | None = None) -> int | None:
+    """The warm-up prefill's allocated peak as TGI's model class holds its tensors: the largest of
+    :func:`warmup_moments`; ``None`` where the layout is not known (:func:`warmup_layout`) — the caller falls
+    back to vramplan's forward."""
+    moments = warmup_moments(spec, tokens, tp, rel, marlin=marlin, max_total=max_total)
+    return max(moments.values()) if moments else None
+
+
+def warmup_moments(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, marlin: bool,
+                   max_total: int | None = None) -> dict[str, int]:
+    """The bytes alive at each GEMM / activation moment of one layer of the warm-up prefill as TGI's model class
+    holds its tensors (:func:`warmup_layout`), 16-bit activations, M = ``tokens`` rows:
+
+    - the held hidden-sized tensors of the layout, during the attention and through the MLP;
+    - the MLP (flash_llama_modeling.py v3.0.1:379-404, flash_qwen2_modeling.py v3.0.1:217-220 / v3.3.7:246-251,
+      flash_mistral_modeling.py v3.0.1:326-330, flash_gemma2_modeling.py v3.0.1:347-352) keeps the fused
+      ``gate_up_states`` [M, 2·I/tp] alive through ``down_proj``, whose input is ``act(gate) * up`` [M, I/tp]
+      (the ``act`` result a temporary of the product);
+    - the attention: the fused qkv [M, (H + 2·KV)/tp · d], the attention output [M, H/tp · d], o_proj's
+      [M, h]; with the sliding-window copy, ``kv_to_cache`` [Σ min(prompt, window), 2·KV/tp · d] through
+      the attention and o_proj (the attention's frame holds it);
+    - Gemma 2: the post-feed-forward norm's moment (8 held + an fp32 [M, h] copy and product);
     - Marlin's ``a_tmp`` / ``c_tmp`` at each GEMM when ``marlin`` (:func:`marlin_temporaries`).
 
-    The peak is the largest of the GEMM moments and the activation's; the last position's logits and the
-    small sampling tensors are left out. ``None`` where this layout is not TGI's (another model class, an MoE,
-    hidden > 8192: the in-place RMSNorm path) — the caller falls back to vramplan's forward."""
-    if spec.model_type not in FLASH_LLAMA_TYPES or spec.is_moe or spec.hidden > 8192 or not spec.intermediate:
-        return None
+    Left out: the logits — the warm-up
+    batch asks no prefill logprobs unless ``REQUEST_LOGPROBS`` (flash_causal_lm.py v3.0.1:296-299,
+    v3.3.7:285), so ``lm_head_indices`` is each request's last position (v3.0.1:1165-1168, v3.3.7:1145) and
+    the lm_head runs on a few rows after the layers' tensors are gone — and the small sampling tensors.
+    Empty where the layout is not known."""
+    lay = warmup_layout(spec, rel)
+    if lay is None:
+        return {}
     m, h, d = tokens, spec.hidden, spec.head_dim
     i, q, kv = spec.intermediate // tp, spec.heads // tp * d, max(1, spec.kv_heads // tp) * d
     rows = marlin_reduce_rows(m)
+    window = int(spec.config.get("sliding_window") or 0)
+    copy = 2 * kv * sum(min(r, window) for r in warmup_requests(m, max_total)) if lay.kv_copy else 0
 
     def temps(k: int, n: int) -> int:
         return (m * k * 2 + rows * n * 4) if marlin else 0
 
-    mlp_held, attn_held = 8 * h, 5 * h
-    moments = (
-        2 * m * (attn_held + (q + 2 * kv)) + temps(h, q + 2 * kv),        # qkv GEMM
-        2 * m * (attn_held + (q + 2 * kv) + q + h) + temps(q, h),          # o_proj GEMM
-        2 * m * (mlp_held + 2 * i) + temps(h, 2 * i),                      # gate_up GEMM
-        2 * m * (mlp_held + 2 * i + 2 * i),                                 # act(gate) * up
-        2 * m * (mlp_held + 2 * i + i + h) + temps(i, h),                  # down_proj GEMM
-    )
-    return max(moments)
+    attn, mlp = lay.attn_held * h, lay.mlp_held * h
+    moments = {
+        "qkv": 2 * m * (attn + (q + 2 * kv)) + temps(h, q + 2 * kv),
+        "o_proj": 2 * m * (attn + (q + 2 * kv) + q + h) + 2 * copy + temps(q, h),
+        "gate_up": 2 * m * (mlp + 2 * i) + temps(h, 2 * i),
+        "act": 2 * m * (mlp + 2 * i + 2 * i),
+        "down_proj": 2 * m * (mlp + 2 * i + i + h) + temps(i, h),
+    }
+    if lay.fp32_norm:  # mlp_output, its fp32 copy and the normalised fp32 product
+        moments["post_norm"] = 2 * m * (mlp + h + 4 * h)
+    return moments
 
 
 def warmup_blocks(prefill: int, max_total: int | None, block: int) -> int:
