@@ -236,6 +236,8 @@ def test_fsdp2_analytic_peak_is_the_traces(seq: int, dp: int) -> None:
     if dp == 4:
         tf, af = ([p.allocated for p in r.phases if p.phase is Phase.FORWARD][0] for r in (t, a))
         assert af == pytest.approx(tf, rel=0.01)
+    else:  # the root's reduce-scatter: both threads' cuBLAS workspaces (the forward's stays cached), 0.9985 with one
+        assert a.breakdown.temporaries == pytest.approx(t.breakdown.temporaries, rel=5e-4)
 
 
 def _tied_llama(layers: int):

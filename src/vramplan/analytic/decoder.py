@@ -114,6 +114,22 @@ def build(spec: ModelSpec) -> Arch:
     return replace(arch, extra_params=max(0, spec.params - arch.structured_params))
 
 
+def value_head(arch: Arch) -> Arch:
+    """``arch`` as PPO's critic: the backbone and a scalar score head in place of the LM head, as verl
+    0.7.0 builds its critic (``fsdp_workers.py`` ``_build_critic_model_optimizer``: ``num_labels = 1``,
+    ``classifier_dropout = 0.0``, loaded with ``AutoModelForTokenClassification``, L1292-L1310) and as
+    :class:`vramplan.trace.ppo.ValueModel` traces it. transformers 5.24 ``modeling_layers.py:268-290``
+    ``GenericForTokenClassification``: the base model (the embeddings, the layers, the final norm; no
+    LM head, so nothing is tied) then ``score = nn.Linear(hidden_size, num_labels)``, one value per
+    token. A per-token output as the LM head's (``kind="lm"``), of one class: the embeddings are the
+    embeddings alone, the root unit under FSDP2 the embeddings, the final norm and the ``[1, hidden]``
+    score. (transformers gives ``score`` a bias, ``token_classification_bias``; the trace's value head has
+    none: one element, left out as the trace does.)"""
+    h = arch.hidden
+    head = Head(kind="lm", classes=1, tied=False, linears=(Linear("score", "head", h, 1, tp=False, lora=False),))
+    return replace(arch, head=head)
+
+
 def _mha_linears(mt: str, h: int, a: Attn) -> tuple[Linear, ...]:
     if mt in GPT2_LIKE:
         return (Linear("c_attn", "qkv", h, a.q_dim + 2 * a.kv_dim, attn=True),

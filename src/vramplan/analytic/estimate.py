@@ -57,13 +57,15 @@ def build_arch(spec: ModelSpec) -> Arch:
 
 
 def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None,
-             rollout: RolloutEngine | None = None) -> AnalyticEstimate:
+             rollout: RolloutEngine | None = None, value_head: bool = False) -> AnalyticEstimate:
     """Per-rank peak allocated bytes of ``w`` on ``spec``, by phase and category.
 
     ``workspace_bytes``: the cuBLAS workspace the caching allocator holds (one per thread
     that runs matmuls: the forward's and autograd's backward thread); default 8,519,680 B
     (before Hopper) — the estimate core passes ``DeviceProfile.cublas_workspace``.
     ``rollout``: GRPO's colocated rollout engine (``DeviceProfile.rollout``), for ``rollout=vllm``.
+    ``value_head``: the decoder with a scalar value head in place of its LM head (PPO's critic,
+    :func:`.decoder.value_head`); an SFT step of it, whose loss reads one value per token.
     """
     if is_vlm(spec):
         from .vlm import estimate_vlm
@@ -96,6 +98,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         raise WorkloadError(f"`loss={w.loss}` replaces a causal language model's loss; {spec.name} is not one",
                             hint="use `loss=full`", field="loss")
     arch = build_arch(spec)
+    if value_head:
+        arch = decoder.value_head(arch)
     rg, tr = regime(w), trainable(arch, w)
     check_ring_kernel(w, rg.compute, max(g.attn.head_dim for g in arch.groups))
     ctx = Ctx(rg, tr, w.attention, training=w.training, ring=w.parallel.cp > 1)
@@ -128,7 +132,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             best = (stage, phases, ModelStates(st.weights, 0 if w.optimizer_in_backward else st.gradients, st.optimizer), peak)
     assert best is not None  # stages() always yields one
     stage, phases, states, _ = best
-    total_params = spec.params or arch.params
+    total_params = (spec.params if not value_head else 0) or arch.params
     trainable_params = total_params if tr.full else sum(
         tr.adapter_params(lin) * g.count for g in arch.groups for lin in g.linears)
     if w.task is not Task.TRAIN:

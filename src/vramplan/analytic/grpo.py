@@ -57,20 +57,25 @@ def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None
     """GRPO's phases with the value models of :mod:`vramplan.trace.ppo` beside them: the reward model's
     weights (frozen, the backbone and a scalar head, 16-bit) resident; PPO's critic (the same shape, trained in
     full) resident with its weights and optimizer states, its gradients during its own update, which
-    runs before the policy's with the policy's gradients freed: the full model's training step less
-    its head's states, beside the policy's weights and optimizer states."""
+    runs before the policy's with the policy's gradients freed: the training step of the backbone with a
+    scalar value head (:func:`.decoder.value_head`, ``estimate(..., value_head=True)``), beside the policy's
+    weights and optimizer states.
+
+    The critic is its own model, not the LM step less its head: under FSDP2 its root unit (the embeddings,
+    the final norm, the ``[1, hidden]`` score) has no LM head, whose gradient the LM step's root
+    reduce-scatter counts (torch 2.13 ``fsdp/_fully_shard/_fsdp_param_group.py`` ``post_backward``,
+    ``_fsdp_collectives.py`` ``foreach_reduce``: the unit's unsharded gradients beside the reduce-scatter
+    input), and its loss reads one value per token, not the vocabulary's logits."""
     base = _grpo(spec, w.replace(reward_model=False), workspace_bytes, estimate, engine)
-    full_w = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8, peft=Peft.NONE,
-                       reward_model=False)
-    full = estimate(spec, full_w, workspace_bytes=workspace_bytes)
-    head = spec.vocab * spec.hidden if not spec.tie_embeddings else 0
-    body = 1 - head / spec.params if spec.params else 1.0
+    # the critic's own step (verl's ``compute_value_loss`` on the values: the loss of one output per token)
+    crit_w = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.FULL, generations=8,
+                       peft=Peft.NONE, reward_model=False)
+    full = estimate(spec, crit_w, workspace_bytes=workspace_bytes, value_head=True)
     fs = full.states
-    # the reward model in 16 bits (trace.ppo.reward_dtype: verl and OpenRLHF load it in bf16), sharded as
-    # the policy's weights are
-    rm = int(fs.weights * body * 2 / precision_model(full_w).weight) if w.reward_model else 0
-    critic = Breakdown(weights=int(fs.weights * body), optimizer=int(fs.optimizer * body)) \
-        if w.objective is Objective.PPO else Breakdown()
+    # the reward model in 16 bits (trace.ppo.reward_dtype: verl and OpenRLHF load it in bf16), the critic's
+    # shape, sharded as the critic's weights are
+    rm = int(fs.weights * 2 / precision_model(crit_w).weight) if w.reward_model else 0
+    critic = Breakdown(weights=fs.weights, optimizer=fs.optimizer) if w.objective is Objective.PPO else Breakdown()
     held = Breakdown(weights=rm) + critic
 
     def more(ph: PhasePeak) -> PhasePeak:
@@ -82,17 +87,14 @@ def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None
     if w.objective is Objective.PPO:
         s = base.states
         engine_keep = engine.resident if engine is not None else 0
-        # the critic's update: its own full step (less the head's states) beside the policy's weights and
+        # the critic's update: its own full step beside the policy's weights and
         # optimizer states (gradients freed by the last step's zero_grad), the reference's and reward model's
         # weights, the engine's blocks, and the window's per-token tensors (values, returns, advantages, fp32)
         beside = Breakdown(weights=s.weights + rm, optimizer=s.optimizer,
                            temporaries=engine_keep + w.batch * w.grad_accum * w.completion * 4 * 3)
         crit = []
         for ph in full.phases:
-            b = ph.breakdown
-            own = dataclasses.replace(b, weights=int(b.weights * body), gradients=int(b.gradients * body),
-                                      optimizer=int(b.optimizer * body))
-            out = own + beside
+            out = ph.breakdown + beside
             crit.append(PhasePeak(ph.phase, out.total, out))
         parts = {"generation": parts["generation"], "critic": max(p.allocated for p in crit), "actor": parts["actor"]}
         merged: dict[Phase, PhasePeak] = {p.phase: p for p in phases}
@@ -114,7 +116,7 @@ def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None
     states = dataclasses.replace(base.states, weights=base.states.weights + held.weights)
     tup = tuple(phases)
     return dataclasses.replace(base, phases=tup, peak=max(tup, key=lambda ph: ph.allocated),
-                               notes=(*base.notes, note, limit), states=states)
+                               notes=(*base.notes, note, limit), states=states, step_parts=tuple(parts.items()))
 
 
 def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,

@@ -200,24 +200,26 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                     temporaries=head_bwd.temporaries + st.fresh_head))
     if st.root_reduce[0]:  # FSDP2: the root unit's post-backward reduce-scatter, every block's already done
         root_temp, root_shard = st.root_reduce
+        # (the end of backward: the forward's cuBLAS workspace, cached on the main thread's handle, beside
+        # the autograd thread's, as in the loss's backward; the trace's peak there holds both)
         instants.append(Breakdown(
             weights=st.weights, optimizer=st.optimizer,
             # (the root's shard is that reduce-scatter's output; it exists already where gradients are kept)
             gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
-            activations=kept, temporaries=root_temp + workspace,
+            activations=kept, temporaries=root_temp + 2 * workspace,
         ))
         if st.tied_embed_grads:  # a tied head: the embeddings' backward sums its two gradients, the root gathered
             instants.append(Breakdown(
                 weights=w_out, optimizer=st.optimizer, activations=kept,
                 gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
-                temporaries=st.tied_embed_grads + workspace,
+                temporaries=st.tied_embed_grads + 2 * workspace,
             ))
         in_last, out = st.root_reduce_out
         if in_last and not w.optimizer_in_backward:  # its output allocated, the last root gradient still alive
             instants.append(Breakdown(
                 weights=st.weights, optimizer=st.optimizer, gradients=_with_buckets(st, all_grads), activations=kept,
                 # (the output is the gradient shard; a temporary where one exists already, or under CPU offload)
-                temporaries=in_last + (0 if root_shard and not held else out) + workspace,
+                temporaries=in_last + (0 if root_shard and not held else out) + 2 * workspace,
             ))
     if st.embed_grad_full:
         instants.append(Breakdown(  # the embedding's backward under TP × FSDP2 (every block resharded)

@@ -48,3 +48,7 @@ class AnalyticEstimate:
     offload's parameters, gradients and optimizer (``offload_params``)."""
     host_parts: tuple[tuple[str, int], ...] = ()
     """(part, bytes) of ``host_memory``."""
+    step_parts: tuple[tuple[str, int], ...] = ()
+    """PPO (a critic or a reward model beside the policy): (part, peak allocated bytes) of the step's
+    parts, ``generation`` (and scoring), ``critic`` (its update, PPO) and ``actor``, as the trace's
+    ``TraceResult.step_parts``; empty otherwise."""
