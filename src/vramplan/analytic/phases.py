@@ -209,10 +209,15 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             activations=kept, temporaries=root_temp + 2 * workspace,
         ))
         if st.tied_embed_grads:  # a tied head: the embeddings' backward sums its two gradients, the root gathered
+            # The first block's reduce-scatter input (its unsharded gradients in the reduce dtype) is still
+            # alive: FSDP2 keeps each unit's input in ``reduce_scatter_states`` until the next unit's
+            # post-backward pops it or the root's final callback clears it (torch 2.13
+            # ``fsdp/_fully_shard/_fsdp_param_group.py:717-719`` appends, ``:647-659`` pops,
+            # ``_fsdp_state.py:424-431`` clears), and the root's post-backward runs after the embeddings'.
             instants.append(Breakdown(
                 weights=w_out, optimizer=st.optimizer, activations=kept,
                 gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
-                temporaries=st.tied_embed_grads + 2 * workspace,
+                temporaries=st.tied_embed_grads + st.unsharded_grads + 2 * workspace,
             ))
         in_last, out = st.root_reduce_out
         if in_last and not w.optimizer_in_backward:  # its output allocated, the last root gradient still alive
