@@ -376,6 +376,8 @@ dm = getattr(model, 'hf_device_map', None)  # (set by accelerate's dispatch: a m
 json.dump({'map': dm and {k: str(v) for k, v in dm.items()}, 'where': where, 'loaded': loaded,
            'after': [torch.cuda.memory_allocated(i) for i in range(n)],
            'peak': [torch.cuda.max_memory_allocated(i) for i in range(n)],
+           'reserved': [torch.cuda.max_memory_reserved(i) for i in range(n)],
+           'free': [torch.cuda.mem_get_info(i)[0] for i in range(n)],
            'out': got}, open(sys.argv[1], 'w'))
 """
 
@@ -405,6 +407,11 @@ def _placed(max_memory: dict) -> tuple[dict[str, str], dict[str, int], int]:
         if key == "cpu" and n in buffers:  # an offloaded block's buffers go to the main GPU (offload_buffers=False:
             key = "0"  # accelerate 1.16 hooks.py:328-332, AlignDevicesHook.init_hook)
         by_device[key] = by_device.get(key, 0) + p.numel() * p.element_size()
+        # what the caching allocator hands out for it: a block rounded up to 512 B (kMinBlockSize,
+        # c10/cuda/CUDACachingAllocator.cpp round_size)
+        rounded = -(-p.numel() * p.element_size() // 512) * 512
+        by_device[f"{key} blocks"] = by_device.get(f"{key} blocks", 0) + rounded
+        by_device[f"{key} tensors"] = by_device.get(f"{key} tensors", 0) + 1
     sizes = compute_module_sizes(model)
     leaves = [sizes[n] for n, m in model.named_modules() if n and not list(m.children())
               and any(str(device_of.get(f"{n}.{k}")) == "cpu" for k, _ in m.named_parameters(recurse=False))]
@@ -427,7 +434,21 @@ def test_device_map_auto_spreads_the_model_over_the_emulated_gpus(tmp_path) -> N
     assert seen["map"] == placement and set(placement.values()) == {"0", "1"}
     assert seen["where"] == {"cuda:0": by_device["0"], "cuda:1": by_device["1"]}
     assert r.breakdown.weights == by_device["0"]  # GPU 0's figures: only its own blocks' weights
-    assert seen["loaded"][1] == by_device["1"]  # GPU 1: its blocks' weights, live bytes
+    # GPU 1: its blocks' weights in the allocator's blocks (at least each rounded up to 512 B; a block's unsplit
+    # remainder below 1 MiB stays with it: CUDACachingAllocator.cpp should_split), and less than a segment more
+    assert by_device["1 blocks"] <= seen["loaded"][1] < by_device["1 blocks"] + 2**20 * by_device["1 tensors"]
+    # each GPU through the allocator simulation: GPU 0 first (the report's peak), the verdict the fullest one's
+    assert [x.gpu for x in r.gpus] == [0, 1] and r.gpus[0].device_used == r.peak.device_used
+    one_gpu = r.gpus[1]
+    assert one_gpu.reserved >= one_gpu.allocated and one_gpu.reserved % (2 * 2**20) == 0  # (whole segments)
+    assert (one_gpu.allocated, one_gpu.reserved) == (seen["peak"][1], seen["reserved"][1])  # the script read the same
+    context = r.peak.device_used - r.peak.reserved  # (GPU 1's own CUDA context, as GPU 0's)
+    assert one_gpu.device_used == one_gpu.reserved + context
+    assert seen["free"][1] == r.verdict.usable - context - one_gpu.reserved  # (no empty_cache: reserved only grew)
+    worst = max(r.gpus, key=lambda x: x.device_used)
+    assert r.verdict.headroom == r.verdict.usable - worst.device_used
+    assert r.to_dict()["gpus"][1] == {"gpu": 1, "allocated": one_gpu.allocated, "reserved": one_gpu.reserved,
+                                      "device_used": one_gpu.device_used}
     assert seen["loaded"][0] >= by_device["0"] and seen["after"] == seen["loaded"]  # (nothing left behind)
     assert seen["out"] == ["cuda:0", [1, 11]]
     # what GPU 1's blocks compute is on GPU 1: at most what the whole model computes on one GPU
@@ -438,7 +459,7 @@ def test_device_map_auto_spreads_the_model_over_the_emulated_gpus(tmp_path) -> N
     assert alone["map"] is None and single.breakdown.weights == by_device["0"] + by_device["1"]
     assert 0 < seen["peak"][1] - by_device["1"] < alone["peak"][0] - alone["loaded"][0]
     assert seen["peak"][0] - seen["loaded"][0] <= alone["peak"][0] - alone["loaded"][0]
-    assert any(f"GPU 1: peak {seen['peak'][1]:,} B" in n for n in r.notes), r.notes
+    assert not single.gpus and "gpus" not in single.to_dict()  # (one GPU: nothing per GPU)
 
 
 def test_device_map_auto_offloads_what_gpu_0_cannot_hold_to_the_cpu(tmp_path) -> None:
@@ -456,25 +477,85 @@ def test_device_map_auto_offloads_what_gpu_0_cannot_hold_to_the_cpu(tmp_path) ->
     assert seen["map"] == placement and set(placement.values()) == {"0", "cpu"}
     assert seen["where"] == {"cuda:0": by_device["0"], "meta": by_device["cpu"]}
     assert 0 < by_device["0"] <= seen["loaded"][0] <= 300 * 2**20 and seen["after"] == seen["loaded"]
-    assert seen["peak"][1] == 0  # (GPU 1 is not in max_memory: nothing there)
+    assert seen["peak"][1] == 0 and not r.gpus  # (GPU 1 is not in max_memory: nothing there, no per-GPU figures)
     # at the peak: GPU 0's own weights and at most one offloaded leaf module's (a layer's MLP projection)
     assert by_device["0"] < r.breakdown.weights <= by_device["0"] + largest
     assert seen["out"] == ["cuda:0", [1, 11]]
     assert any(f"{by_device['cpu']:,} B" in n and "host RAM" in n for n in r.notes), r.notes
 
 
-def test_another_gpu_s_peak_past_its_capacity_is_said() -> None:
+def test_another_gpu_s_memory_is_its_own_events_through_the_allocator() -> None:
+    # a GPU other than 0 (a device map's): its storages are its own event stream; what the script reads about it
+    # (live, while it runs) is the allocator simulation of that stream, as a replay of it afterwards says
+    import gc
     from types import SimpleNamespace
 
-    from vramplan.script.runner import _other_gpus
+    from vramplan.allocator import replay
+    from vramplan.events import Action
+    from vramplan.trace.places import GpuPlace
 
-    places = SimpleNamespace(by_device={"cpu": SimpleNamespace(pageable_peak=5 * 2**30),
-                                        "cuda:1": SimpleNamespace(pageable_peak=3 * 2**30),
-                                        "cuda:2": SimpleNamespace(pageable_peak=2**30),
-                                        "cuda:3": SimpleNamespace(pageable_peak=0)})
-    notes = _other_gpus(places, 2 * 2**30)  # type: ignore[arg-type]
-    assert [n.split(":")[0] for n in notes] == ["GPU 1", "GPU 2"]  # (not the host; not a GPU that held nothing)
-    assert "OVER its 2.00 GiB" in notes[0] and "OVER" not in notes[1]
+    rec = SimpleNamespace(live={}, ignore=lambda t: None)
+    gpu = GpuPlace(rec, "cuda:1")  # type: ignore[arg-type]
+    weights = [torch.empty(n, device="meta") for n in (3_000_000, 1000, 5_000_000)]  # fp32: 12 MB, 4 KB, 20 MB
+    for w in weights:
+        gpu.adopt(w)
+    peak_live = gpu.live.stats()
+    del weights[1]
+    gc.collect()
+    gpu.empty_cache()
+    t = torch.empty(700_000, device="meta")  # (after the free: its 2.8 MB is a new segment; the small pool emptied)
+    gpu.adopt(t)
+    gpu.blas_workspace(4096, (0, 0))
+    gpu.blas_workspace(4096, (0, 0))  # (once per thread and stream)
+    log = gpu.log
+    assert [Action(a) for a in log.action] == [Action.ALLOC] * 3 + [Action.FREE, Action.EMPTY_CACHE] + [Action.ALLOC] * 2
+    stats = gpu.live.stats()
+    res = replay(log, segment_map=False)
+    assert (stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]) == (res.max_allocated, res.max_reserved)
+    # PyTorch's rules (c10/cuda/CUDACachingAllocator.cpp): a request of 10 MB or more gets a segment rounded up to
+    # 2 MiB, whose remainder below 1 MiB is not split off (the block keeps it); the 4 KB one a 2 MiB small segment
+    assert peak_live["allocated_bytes.all.current"] == 12 * 2**20 + 4096 + 20 * 2**20
+    assert peak_live["reserved_bytes.all.current"] == 12 * 2**20 + 2 * 2**20 + 20 * 2**20
+    # empty_cache released the emptied small segment; the 2.8 MB request (1-10 MB) takes a 20 MiB segment, the
+    # workspace a new small one
+    assert stats["reserved_bytes.all.current"] == 12 * 2**20 + 20 * 2**20 + 20 * 2**20 + 2 * 2**20
+    assert res.max_reserved >= res.max_allocated
+
+
+_OVERFLOW_SCRIPT = """\
+import sys, torch
+from transformers import AutoModelForCausalLM
+n = int(sys.argv[1])  # the first n layers on GPU 0, the rest, the norm and the head on GPU 1
+dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, **{f"model.layers.{i}": int(i >= n) for i in range(8)},
+      "model.norm": 1, "lm_head": 1}
+model = AutoModelForCausalLM.from_pretrained('qwen2.5-7b', dtype=torch.float32, num_hidden_layers=8, device_map=dm)
+ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]]).to('cuda')
+with torch.inference_mode():
+    for _ in range(3):
+        model(input_ids=ids)
+"""
+
+
+def test_a_split_that_overflows_gpu_1_does_not_fit_and_names_it(tmp_path) -> None:
+    # an RTX 4060 (8 GB) pair, a dict device map: GPU 0 holds the embedding and one layer (~3 GB), GPU 1 the other
+    # seven layers and the head (~8.7 GB): GPU 0 fits, GPU 1 does not, and so neither does the split
+    from vramplan.report.estimate import to_doc
+    from vramplan.report.render import to_text
+
+    script = tmp_path / "over.py"
+    script.write_text(_OVERFLOW_SCRIPT)
+    r = vramplan.run_script(script, ["1"], gpu="rtx-4060", gpus=2)
+    v = r.verdict
+    assert v is not None and [x.gpu for x in r.gpus] == [0, 1]
+    gpu0, gpu1 = r.gpus
+    assert gpu0.device_used == r.peak.device_used <= v.usable < gpu1.device_used
+    assert gpu1.reserved >= gpu1.allocated > 7 * 4 * 3584 * (3 * 18944 + 2 * 3584 + 2 * 512)  # (7 layers' fp32 weights)
+    assert r.worst_gpu == gpu1 and not v.fits and v.headroom == v.usable - gpu1.device_used
+    d = r.to_dict()
+    assert d["fits"] is False and d["worst_gpu"] == 1 and [x["gpu"] for x in d["gpus"]] == [0, 1]
+    text = to_text(to_doc(r), width=200)
+    assert "DOES NOT FIT" in text and "on GPU 1, the fullest of 2" in text
+    assert "GPU 1 (fullest)" in text
 
 
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:

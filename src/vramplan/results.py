@@ -88,6 +88,22 @@ class Peak:
 
 
 @dataclass(frozen=True)
+class GpuPeak:
+    """One GPU's predicted peak where a run spreads a model over several GPUs (a device map):
+    each GPU's own allocations replayed through the allocator simulation."""
+
+    gpu: int
+    """The GPU's index (``cuda:N``)."""
+    allocated: int
+    """Predicted ``torch.cuda.max_memory_allocated(N)``."""
+    reserved: int
+    """Predicted ``torch.cuda.max_memory_reserved(N)``."""
+    device_used: int
+    """Predicted nvidia-smi used memory of that GPU (reserved + its CUDA context and workspaces
+    outside the allocator, as on GPU 0)."""
+
+
+@dataclass(frozen=True)
 class PhasePeak:
     """The allocated peak of one phase, with its breakdown."""
 
@@ -263,6 +279,20 @@ class MemoryReport:
     """(part, bytes) of ``host_memory``."""
     ran: Ran | None = None
     """A script's run (``vramplan run``): what it did, as seen while it ran."""
+    gpus: tuple[GpuPeak, ...] = ()
+    """Each GPU's peak, GPU 0 first (whose figures are also :attr:`peak`), when the run spread a
+    model over several GPUs (a device map); empty otherwise. The verdict is the fullest GPU's."""
+
+    @property
+    def worst_gpu(self) -> GpuPeak | None:
+        """The GPU with the highest device used (the first of equals), None without :attr:`gpus`."""
+        return max(self.gpus, key=lambda g: g.device_used) if self.gpus else None
+
+    @property
+    def device_used_worst(self) -> int:
+        """The device used that decides the verdict: the fullest GPU's, else :attr:`peak`'s."""
+        w = self.worst_gpu
+        return self.peak.device_used if w is None else max(w.device_used, self.peak.device_used)
 
     @property
     def overhead_total(self) -> int:
@@ -300,6 +330,9 @@ class MemoryReport:
         }
         if self.ran is not None:
             d["ran"] = dataclasses.asdict(self.ran)
+        if self.gpus:
+            d["gpus"] = [dataclasses.asdict(g) for g in self.gpus]
+            d["worst_gpu"] = self.worst_gpu.gpu if self.worst_gpu is not None else 0
         if self.flops_per_step is not None:
             d["flops_per_step"] = self.flops_per_step
         if self.host_memory:

@@ -115,8 +115,8 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
     into events); ``on_capture(pool)`` a CUDA graph's capture starting in its private pool
     (``None``: it ended; :mod:`.graphs`) — without it, CUDA graphs stop the run. ``others``: the
     GPUs other than 0 that may hold tensors of their own (index → their place: while its ``in_use``,
-    its ``pageable`` and ``pageable_peak`` bytes answer that GPU's memory figures — a model spread
-    by a device map; before, the emulated GPU's answer for every index)."""
+    its ``live`` allocator simulation, fed with that GPU's own events, answers that GPU's memory
+    figures — a model spread by a device map; before, the emulated GPU's answer for every index)."""
     st = state or CudaState(facts)
     props = Properties(name=facts.name, major=facts.sm[0], minor=facts.sm[1], total_memory=facts.total_memory,
                        multi_processor_count=facts.sm_count, L2_cache_size=facts.l2_cache)
@@ -140,21 +140,15 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
     gpus = others or {}
 
     def stat(key: str) -> Callable[..., int]:
-        return lambda device=None: other_stat(device, key)
+        return lambda device=None: int(of(device).stats()[key])
 
-    def other_stat(device: Any, key: str) -> int:
-        """GPU 0's figures from the allocator simulation; another GPU's, its tensors' live bytes
-        (no allocator simulation there: allocated and reserved alike)."""
+    def of(device: Any) -> LiveAllocator:
+        """The allocator simulation of ``device``: GPU 0's, or another GPU's own once it is in use."""
         other = gpus.get(st.index(device)) if gpus else None
-        if other is None or not other.in_use:
-            return int(live.stats()[key])
-        return int(other.pageable_peak if key.endswith(".peak") else other.pageable)
+        return live if other is None or not other.in_use else other.live
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        idx = st.index(device)
-        if idx in gpus and gpus[idx].in_use:
-            return max(0, facts.total_memory - facts.outside_allocator - gpus[idx].pageable), facts.total_memory
-        al = live.sync()
+        al = of(device).sync()  # (each GPU used has its own CUDA context outside its allocator)
         return max(0, facts.total_memory - facts.outside_allocator - al.reserved), facts.total_memory
 
     def set_device(device: Any) -> None:
@@ -168,14 +162,10 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
         on_sync("empty_cache")
 
     def reset_peaks(device: Any = None) -> None:
-        other = gpus.get(st.index(device)) if gpus else None
-        if other is None or not other.in_use:
-            live.reset_peaks()
-        else:
-            other.pageable_peak = other.pageable
+        of(device).reset_peaks()
 
     def summary(device: Any = None, abbreviated: bool = False) -> str:
-        s = live.stats()
+        s = of(device).stats()
         return (f"|  vramplan emulated {facts.name}: allocated {s['allocated_bytes.all.current']:,} B "
                 f"(peak {s['allocated_bytes.all.peak']:,} B), reserved {s['reserved_bytes.all.current']:,} B "
                 f"(peak {s['reserved_bytes.all.peak']:,} B)  |")
@@ -222,7 +212,7 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
         "max_memory_reserved": stat("reserved_bytes.all.peak"),
         "memory_cached": stat("reserved_bytes.all.current"),
         "max_memory_cached": stat("reserved_bytes.all.peak"),
-        "memory_stats": lambda device=None: live.stats(),
+        "memory_stats": lambda device=None: of(device).stats(),
         "memory_summary": summary,
         "list_gpu_processes": lambda device=None: f"GPU:{st.index(device)}\nno processes are running",
         "reset_peak_memory_stats": reset_peaks,
@@ -426,7 +416,7 @@ def _patch_modules(put: Callable[..., None], cuda: Any, functions: dict[str, Any
             "max_memory_allocated": lambda device_index=None: functions["max_memory_allocated"](device_index),
             "memory_reserved": lambda device_index=None: functions["memory_reserved"](device_index),
             "max_memory_reserved": lambda device_index=None: functions["max_memory_reserved"](device_index),
-            "memory_stats": lambda device_index=None: live.stats(),
+            "memory_stats": lambda device_index=None: functions["memory_stats"](device_index),
             "reset_peak_memory_stats": lambda device_index=None: functions["reset_peak_memory_stats"](device_index),
             "reset_accumulated_memory_stats": lambda device_index=None: None,
         }

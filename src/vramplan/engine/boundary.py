@@ -47,8 +47,9 @@ def fits(r: MemoryReport, usable: int) -> bool:
     needs on the device (device_used; a traced step replayed without a memory limit) is
     within the GPU's usable bytes. A step that would run only by the allocator freeing its
     cache and retrying at the limit does not count as fitting, nor one a framework refuses to
-    start on this GPU (the verdict's ``refused``)."""
-    return r.peak.device_used <= usable and not (r.verdict is not None and r.verdict.refused)
+    start on this GPU (the verdict's ``refused``). A run spread over several GPUs (a device map)
+    fits when its fullest GPU does."""
+    return r.device_used_worst <= usable and not (r.verdict is not None and r.verdict.refused)
 
 
 class BoundarySearch:

@@ -142,6 +142,20 @@ def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None =
                                               first_oom=capacity is not None))
 
 
+def replay_gpus(tr: TraceResult, alloc_conf: str | None) -> tuple[tuple[int, int, int], ...]:
+    """(index, allocated peak, reserved peak) of each GPU other than 0 of a run spread over several
+    GPUs (:attr:`TraceResult.gpu_events`): each GPU's own events replayed through the allocator
+    simulation, as GPU 0's are (uncapped: what each GPU needs)."""
+    from ..allocator import parse_conf, replay
+
+    conf = parse_conf(alloc_conf or "")
+    out = []
+    for i, log in tr.gpu_events:
+        res = replay(log, conf, segment_map=False)
+        out.append((i, int(res.max_allocated), max(int(res.max_reserved), int(res.max_allocated))))
+    return tuple(out)
+
+
 def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
     backend = str(getattr(res, "backend", "native"))
     label = backend if backend == "native" or "approx" in backend else f"{backend} (approximation)"

@@ -18,7 +18,7 @@ from ..errors import TraceError, WorkloadError
 from ..models.pipelines import pipeline_folder
 from ..models.spec import Family, ModelSpec
 from ..recipes import notes as recipe_notes
-from ..results import Fallback, MemoryReport, Peak, Verdict
+from ..results import Fallback, GpuPeak, MemoryReport, Peak, Verdict
 from ..target import DeviceProfile
 from ..workload import Method, Task, Workload, as_enum
 from .device import bf16_notes, profile
@@ -222,16 +222,22 @@ def _check(spec: ModelSpec, w: Workload) -> None:
 
 def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: DeviceProfile, *,
            notes: list[str], num_gpus: int = 1, fallback: Fallback | None = None,
-           user_model: bool = False, spec: ModelSpec | None = None, refused: str = "") -> MemoryReport:
-    """Add the device's share (overhead outside the allocator, the verdict) to a method's result."""
+           user_model: bool = False, spec: ModelSpec | None = None, refused: str = "",
+           gpus: tuple[tuple[int, int, int], ...] = ()) -> MemoryReport:
+    """Add the device's share (overhead outside the allocator, the verdict) to a method's result.
+    ``gpus``: (index, allocated, reserved) of each GPU other than 0 a run spread a model over (a
+    device map), each with the same outside-the-allocator share: the verdict is the fullest GPU's."""
     overhead = dev.overhead
     peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + dev.overhead_bytes)
+    per_gpu = (GpuPeak(0, peak.allocated, peak.reserved, peak.device_used),
+               *(GpuPeak(i, a, r, r + dev.overhead_bytes) for i, a, r in gpus)) if gpus else ()
+    worst = max((x.device_used for x in per_gpu), default=peak.device_used)
     verdict = None
     if g is not None and dev.usable is not None:
         use, usable_src = dev.usable, dev.usable_source
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
-            fits=False, headroom=use - peak.device_used, max_batch=None,
+            fits=False, headroom=use - worst, max_batch=None,
             num_gpus=num_gpus, capacity_source=usable_src, refused=refused,
         )
     timeline = core.timeline
@@ -243,6 +249,7 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
         top_modules=core.top_modules, top_tensors=core.top_tensors,
         iterations=core.iterations, timeline=timeline, model_states=core.model_states,
         flops_per_step=core.flops_per_step, host_memory=core.host_memory, host_parts=core.host_parts, events=core.events, fallback=fallback, user_model=user_model,
+        gpus=per_gpu,
         **_axes(spec),  # type: ignore[arg-type]
     )
     if verdict is not None:  # the one rule for "fits", also the boundary search's

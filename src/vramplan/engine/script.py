@@ -14,7 +14,7 @@ from .device import profile
 
 if TYPE_CHECKING:
     from ..script.runner import ScriptRun
-from .methods import trace_core
+from .methods import replay_gpus, trace_core
 from .pipeline import finish
 from .resolve import resolve_gpu
 
@@ -75,7 +75,8 @@ def run_script(
                            module=module, launched=launched or world > 1)
     w, ran, notes = what_ran(run, world)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
-    return finish(core, Path(path).name, w, g, dev, notes=notes, user_model=True).replace(ran=ran)
+    return finish(core, Path(path).name, w, g, dev, notes=notes, user_model=True,
+                  gpus=replay_gpus(tr, alloc_conf)).replace(ran=ran)
 
 
 _OPTIMIZERS = {

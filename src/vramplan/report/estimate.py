@@ -170,8 +170,11 @@ def to_doc(r: MemoryReport) -> Doc:
     rows.append(["= reserved (max_memory_reserved)", g(pk.reserved), pct(pk.reserved, pk.device_used)])
     for o in r.overhead:
         rows.append([f"{o.name} (outside the allocator)", g(o.bytes), pct(o.bytes, pk.device_used)])
-    doc.add(Table(["where the memory goes (at the peak)", "GiB", "share"], rows,
+    where = "where the memory goes on GPU 0 (at its peak)" if r.gpus else "where the memory goes (at the peak)"
+    doc.add(Table([where, "GiB", "share"], rows,
                   footer=["= device used (nvidia-smi)", g(pk.device_used), "100.0 %"]))
+    if r.gpus:
+        doc.add(_gpus_table(r))
 
     kv: list[tuple[str, str]] = [("peak phase", str(r.peak_phase))]
     if r.model_states is not None and r.workload.training:
@@ -198,7 +201,9 @@ def to_doc(r: MemoryReport) -> Doc:
         head = f"{g(abs(v.headroom))} GiB {'headroom' if v.headroom >= 0 else 'short'}"
         kv.append(("GPU", f"{v.gpu_name} ({v.gpu}): {g(v.capacity)} GiB, usable {g(v.usable)} GiB"
                    + (f" [{v.capacity_source}]" if v.capacity_source else "")))
-        kv.append(("verdict", f"{verdict} — {head}" + (f"; refused at start-up: {v.refused}" if v.refused else "")))
+        worst = r.worst_gpu
+        by = f" on GPU {worst.gpu}, the fullest of {len(r.gpus)}" if worst is not None else ""
+        kv.append(("verdict", f"{verdict} — {head}{by}" + (f"; refused at start-up: {v.refused}" if v.refused else "")))
         if v.max_batch is not None:
             kv.append(("largest batch that fits", str(v.max_batch) if v.max_batch else "none (batch 1 does not fit)"))
     doc.add(KeyValues(kv))
@@ -226,6 +231,19 @@ def to_doc(r: MemoryReport) -> Doc:
     return doc
 
 
+def _gpus_table(r: MemoryReport) -> Table:
+    """Each GPU's peak of a run spread over several GPUs (a device map), the fullest marked."""
+    worst = r.worst_gpu
+    usable = r.verdict.usable if r.verdict is not None else None
+    rows = []
+    for x in r.gpus:
+        room = "" if usable is None else g(usable - x.device_used)
+        rows.append([f"GPU {x.gpu}" + (" (fullest)" if worst is not None and x.gpu == worst.gpu and len(r.gpus) > 1
+                                        else ""), g(x.allocated), g(x.reserved), g(x.device_used), room])
+    return Table(["GPU", "allocated", "reserved", "device used (nvidia-smi)", "headroom"], rows,
+                 title="Each GPU of the device map (GiB): its own allocations through the allocator simulation")
+
+
 def answer(r: MemoryReport, fix: Suggestion | None, *, searched: bool = True) -> KeyValues | None:
     """The question the estimate answers, its verdict and (when it does not fit) the change
     that makes it fit, together, to end the report (None without a GPU). ``searched``: the
@@ -236,7 +254,9 @@ def answer(r: MemoryReport, fix: Suggestion | None, *, searched: bool = True) ->
     n = r.workload.parallel.world_size
     gpus = f"{n}× {v.gpu_name} (per GPU)" if n > 1 else v.gpu_name
     items = [("question", f"does {r.model} ({workload_line(r)}) fit on {gpus}?")]
-    used = f"{g(r.peak.device_used)} GiB device used ({r.method}) of {g(v.usable)} GiB usable"
+    worst = r.worst_gpu
+    on = f" on GPU {worst.gpu}, the fullest of {len(r.gpus)}" if worst is not None else ""
+    used = f"{g(r.device_used_worst)} GiB device used{on} ({r.method}) of {g(v.usable)} GiB usable"
     if v.fits and r.fallback is not None and v.max_batch is not None and v.max_batch < r.workload.batch:
         items.append(("answer", f"yes by the formulas ({used}), but within their margin, where a trace may not "
                       f"fit (see the notes); largest batch {v.max_batch} with the margin"))

@@ -364,7 +364,9 @@ def _verdict_line(report: MemoryReport) -> str:
         return head
     word = "fits" if v.fits else "does NOT fit"
     room = f"{_g(abs(v.headroom))} {'headroom' if v.headroom >= 0 else 'short'}"
-    return f"{head} · {word} on {v.gpu_name or v.gpu} ({room})"
+    worst = report.worst_gpu
+    which = f", GPU {worst.gpu} the fullest of {len(report.gpus)}" if worst is not None else ""
+    return f"{head} · {word} on {v.gpu_name or v.gpu} ({room}{which})"
 
 
 def _g(n: float) -> str:

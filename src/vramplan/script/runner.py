@@ -38,6 +38,7 @@ user's ``file:line`` (:class:`~vramplan.errors.TraceError`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import runpy
@@ -63,7 +64,7 @@ from ..emulate.modules import CONVERTING
 from ..emulate.tensors import on_meta, raw_device
 from ..emulate.threads import modes_follow_threads
 from ..errors import TraceError, VramplanError
-from ..events import Action, Category
+from ..events import Action, Category, EventLog
 from ..target import DeviceProfile
 from ..trace import session as trace_session
 from ..trace.places import Places
@@ -1303,7 +1304,7 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     sess.dispatch.float_reads = 1.0
     sess.dispatch.bool_reads = False
     sess.dispatch.strict_devices = True
-    places = Places(sess.rec, ("cpu", "meta", *(f"cuda:{i}" for i in range(1, facts.count))))
+    places = Places(sess.rec, ("cpu", "meta", *(f"cuda:{i}" for i in range(1, facts.count))), alloc_conf)
     for i in range(1, facts.count):  # (GPUs apart from GPU 0 once a device map spreads a model: _spread)
         places.by_device[f"cuda:{i}"].in_use = False
     run = ScriptRun()
@@ -1327,6 +1328,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         # keep the failed call's tensors; CUDA's is raised in C++ and they die with the exception
         gc.collect()
         sess.rec.emit_action(Action.EMPTY_CACHE, "out-of-memory retry: the allocator's cache freed")
+        for other in places.gpus.values():
+            other.empty_cache()
 
     def searched() -> None:  # Lightning's batch-size finder ended: the run's steps are the training's after it
         run.steps = run.device_forwards = 0
@@ -1342,6 +1345,9 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
     def on_sync(kind: str) -> None:
         action = Action.SYNC if kind == "synchronize" else Action.EMPTY_CACHE
         sess.rec.emit_action(action, f"torch.cuda.{kind}")
+        if action is Action.EMPTY_CACHE:  # (every GPU's cache: GpuPlace.empty_cache)
+            for other in places.gpus.values():
+                other.empty_cache()
 
     try:
         with _offline(online), _collect_deterministically(), _environ(env or {}), _fresh_accelerate_state(), \
@@ -1424,23 +1430,14 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
         notes.append(f"{sum(sess.dispatch.host_reads.values())} copy(ies) of device data into host tensors kept the "
                      "host's old values (the trace has no device values; memory is unaffected)")
     notes += _emulation_notes(sess, profile.name, profile.cublas_workspace)
-    notes += _other_gpus(places, capacity)
     result = summarize(sess, params=run.params, trainable=run.trainable, flops=None, notes=notes)
-    return result, run
+    return dataclasses.replace(result, gpu_events=_other_gpus(places)), run
 
 
-def _other_gpus(places: Places, capacity: int) -> list[str]:
-    """A note per GPU other than 0 that held tensors (a model spread over the GPUs by a device
-    map: :func:`_spread`): its peak, and whether it passed ``capacity`` (the allocator's bytes)."""
-    out = []
-    for key, place in places.by_device.items():
-        if key.startswith("cuda:") and place.pageable_peak:
-            over = f"; OVER its {capacity / 2**30:.2f} GiB for the allocator" if place.pageable_peak > capacity else ""
-            out.append(f"GPU {key.removeprefix('cuda:')}: peak {place.pageable_peak:,} B "
-                       f"({place.pageable_peak / 2**30:.2f} GiB) of tensors — its blocks' weights and what they "
-                       "compute there (live tensor bytes, without the allocator's rounding and cache); the figures "
-                       f"above are GPU 0's{over}")
-    return out
+def _other_gpus(places: Places) -> tuple[tuple[int, EventLog], ...]:
+    """The event stream of each GPU other than 0 that held tensors (a model spread over the GPUs
+    by a device map: :func:`_spread`), by index."""
+    return tuple((i, p.log) for i, p in sorted(places.gpus.items()) if p.in_use and p.used)
 
 
 def caused_by(e: BaseException, kind: type[BaseException]) -> bool:

@@ -425,7 +425,7 @@ class TraceMode(TorchDispatchMode):
             _copy_hints(values, args[0], out)
 
         if func in BLAS_OPS:
-            self._blas_workspace()
+            self._blas_workspace(args)
         elif func is aten.multinomial.default and isinstance(args[0], torch.Tensor) and on_meta(args[0]) \
                 and (len(args) < 3 or not args[2] or args[1] == 1):
             # ATen's multinomial (native/Distributions.cpp, the fast path for one sample or no
@@ -762,11 +762,16 @@ class TraceMode(TorchDispatchMode):
             self.values.set_bound(t, size)
 
     # --- CUDA emulation ------------------------------------------------------------
-    def _blas_workspace(self) -> None:
+    def _blas_workspace(self, args: tuple[Any, ...]) -> None:
         size = self.profile.cublas_workspace
         if size <= 0:
             return
         key = (1 if self.in_backward else 0, self.rec.stream)
+        host = self.rec.host
+        book = getattr(host.target(args), "blas_workspace", None) if host is not None else None
+        if book is not None:  # a GEMM on another GPU (a device map's): that GPU's cuBLAS handle, its workspace
+            book(size, key)
+            return
         if key in self._blas_seen:
             return
         self._blas_seen.add(key)

@@ -153,6 +153,13 @@ class HostMemory:
                     self.flat_shards += n
                 if self.pageable > self.pageable_peak:
                     self.pageable_peak, self.peak_of_shards = self.pageable, self.flat_shards > 0
+            self._booked(key, n)
+
+    def _booked(self, key: int, n: int) -> None:
+        """A storage of ``n`` bytes was booked here (a GPU's place logs it: :class:`~.places.GpuPlace`)."""
+
+    def _dropped(self, key: int) -> None:
+        """A booked storage died."""
 
     def _freed(self, key: int) -> None:
         entry = self.keys.pop(key, None)
@@ -165,6 +172,7 @@ class HostMemory:
             self.pageable -= n
             if part == FLAT_SHARDS:
                 self.flat_shards -= n
+        self._dropped(key)
 
     @contextlib.contextmanager
     def scope(self, part: str, *, pinned: bool = True) -> Iterator[None]:

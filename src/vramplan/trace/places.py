@@ -15,20 +15,71 @@ A place is a :class:`~.host.HostMemory` (not counted: host RAM is not what ``vra
 reports); :class:`Places` answers the recorder's host interface for all of them: an op whose
 meta inputs all live in one place makes its outputs there, and a copy to the device
 (``.to("cuda")``) makes device memory again.
+
+A GPU other than 0 (``cuda:N``, a model spread over the GPUs by a device map) is a
+:class:`GpuPlace`: its storages are also that GPU's own event stream, replayed through the same
+caching-allocator simulation as GPU 0's — live for what the script reads about that device, and
+again for the report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..emulate.live import LiveAllocator
 from ..emulate.tensors import on_meta
 from ..emulate.threads import PerThread
+from ..events import Action, EventLog
 from .host import HostMemory, _flat
 from .recorder import Recorder, local_tensor
+
+
+class GpuPlace(HostMemory):
+    """A GPU other than 0 (see the module docstring): its storages are logged as that GPU's
+    allocations and frees (:attr:`log`, one stream: the run's other streams are GPU 0's) and
+    :attr:`live` answers its memory figures from the allocator simulation, as GPU 0's are."""
+
+    def __init__(self, rec: Recorder, device: str, alloc_conf: str | None = None) -> None:
+        super().__init__(rec, counted=False, device=device)
+        self.log = EventLog()
+        self.live = LiveAllocator(self.log, alloc_conf)
+        self._lock = threading.Lock()  # (a storage may die on another thread: autograd's, gloo's)
+        self._workspaces: set[tuple[int, int]] = set()
+
+    def _booked(self, key: int, n: int) -> None:
+        with self._lock:
+            self.log.alloc(key, n)
+
+    def _dropped(self, key: int) -> None:
+        with self._lock:
+            self.log.free(key)
+
+    def blas_workspace(self, size: int, key: tuple[int, int]) -> None:
+        """A GEMM on this GPU: the cuBLAS workspace of its handle (one per thread and stream, as GPU
+        0's: :meth:`~.dispatch.TraceMode._blas_workspace`), allocated once and kept."""
+        with self._lock:
+            if key in self._workspaces:
+                return
+            self._workspaces.add(key)
+            self.log.alloc(-len(self._workspaces), size)  # (ids apart from the storages' keys)
+
+    @property
+    def used(self) -> bool:
+        """Whether anything was ever allocated on this GPU."""
+        return len(self.log) > 0
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()`` releases every GPU's cached blocks (PyTorch's
+        ``NativeCachingAllocator::emptyCache`` loops over its per-device allocators:
+        c10/cuda/CUDACachingAllocator.cpp at commit 001074d2)."""
+        with self._lock:
+            if len(self.log):
+                self.log.append(Action.EMPTY_CACHE)
 
 
 class Places:
@@ -41,9 +92,10 @@ class Places:
     _scope = PerThread(None)
     """(Per thread: a scope one thread opens places that thread's outputs only.)"""
 
-    def __init__(self, rec: Recorder, devices: tuple[str, ...] = ("cpu", "meta")) -> None:
+    def __init__(self, rec: Recorder, devices: tuple[str, ...] = ("cpu", "meta"), alloc_conf: str | None = None) -> None:
         self.rec = rec
-        self.by_device = {d: HostMemory(rec, counted=False, device=d) for d in devices}
+        self.by_device = {d: GpuPlace(rec, d, alloc_conf) if d.startswith("cuda:") else
+                          HostMemory(rec, counted=False, device=d) for d in devices}
         self.gpus_apart = False
         """Whether a ``cuda:N`` place (a GPU other than 0) is in use (``vramplan run``: a model spread
         over the GPUs by a device map); until then every GPU's tensors are the emulated GPU's."""
@@ -51,6 +103,11 @@ class Places:
     @property
     def all(self) -> tuple[HostMemory, ...]:
         return tuple(self.by_device.values())
+
+    @property
+    def gpus(self) -> dict[int, GpuPlace]:
+        """The GPUs other than 0, by index."""
+        return {p.device.index or 0: p for p in self.by_device.values() if isinstance(p, GpuPlace)}
 
     def place_of(self, t: torch.Tensor) -> HostMemory | None:
         t = local_tensor(t)

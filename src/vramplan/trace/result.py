@@ -45,6 +45,9 @@ class TraceResult:
     """PPO (a critic or a reward model beside the policy): (part, peak allocated bytes) of the
     last traced step's parts, ``generation`` (and scoring), ``critic`` (its update) and ``actor``
     (:func:`.ppo.parts_of`); empty otherwise."""
+    gpu_events: tuple[tuple[int, EventLog], ...] = ()
+    """(index, event log) of each GPU other than 0 that held tensors (``vramplan run`` of a model
+    spread over the GPUs by a device map); :attr:`events` is GPU 0's. Empty otherwise."""
     paths: frozenset[str] = frozenset()
     """Module paths of the model traced (per-module attribution looks ancestors up in them): kept
     so that a log written from this one (:mod:`.nearby`) is summarised like a trace."""
