@@ -1036,13 +1036,15 @@ class Workload:
         """Refuse what the method does not model: a preference objective's frozen reference copy
         under parallelism (frameworks prepare and shard it with the policy) or quantisation.
         ``traced``: the trace's question, which lays the reference out as TRL 1.16.0 does under
-        ZeRO-3 with FSDP1 or FSDP2 (:func:`vramplan.trace.layout.apply_reference_layout`) and under
-        DDP (a replica per rank); the analytic method models FSDP2's and DDP's
+        ZeRO-3 and ZeRO-2 with FSDP1 or FSDP2 (:func:`vramplan.trace.layout.apply_reference_layout`)
+        and under DDP (a replica per rank); the analytic method models FSDP2's and DDP's
         (docs/research/trl-reference-fsdp.md)."""
         p = self.parallel
         if self.objective is Objective.SFT or self.reference_source is not Reference.MODEL:
             return
-        fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1")
+        # (ZeRO-2: FSDP2's `reshard_after_forward=False`, FSDP1's SHARD_GRAD_OP: the accelerate plugin's setting, which
+        # prepare_fsdp passes to the reference too)
+        fsdp = p.zero == 3 and p.engine.value in ("auto", "fsdp", "fsdp1") or p.zero == 2 and p.engine.value in ("fsdp", "fsdp1")
         plain = not (p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or self.quant is not Quant.NONE)
         trl = self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)  # (PPO's stack is verl's)
         offload = p.offload_params or p.offload_optimizer
@@ -1065,11 +1067,11 @@ class Workload:
                 hint = "use `zero=0` (DDP), `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` " \
                        "with `peft=lora`, or `reference=precomputed`"
             elif not sharded:
-                why = ("only DDP's replica and its ZeRO-3 layouts with FSDP1 or FSDP2 over one data-parallel group, "
-                       "without CPU offload, are traced (TRL's `prepare_model(evaluation_mode=True)` and `prepare_fsdp`; "
-                       "DeepSpeed's engine is not)")
-                hint = "use `zero=0` (DDP), `zero=3` with `engine=fsdp` or `engine=fsdp1`, `reference=adapters` " \
-                       "with `peft=lora`, or `reference=precomputed`"
+                why = ("only DDP's replica and its ZeRO-3 and ZeRO-2 layouts with FSDP1 or FSDP2 over one data-parallel "
+                       "group, without CPU offload, are traced (TRL's `prepare_model(evaluation_mode=True)` and "
+                       "`prepare_fsdp`; DeepSpeed's engine is not)")
+                hint = "use `zero=0` (DDP), `zero=3` or `zero=2` with `engine=fsdp` or `engine=fsdp1`, " \
+                       "`reference=adapters` with `peft=lora`, or `reference=precomputed`"
             else:  # (FSDP1's units: the trace lays them out, the analytic method has FSDP2's formulas)
                 why = ("the analytic method models it under DDP (a replica) and FSDP2 (TRL shards it with its own FSDP "
                        "unit and gathers it for its forward); under FSDP1 the trace does")

@@ -167,23 +167,33 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     base = estimate(spec, sft, workspace_bytes=workspace_bytes)
     ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) if model_ref else None
     ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
+    kept = ref_est.params * regime(w).compute if ref_est is not None and reference_kept_gathered(w) else 0
+    ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
 
     def more(ph: PhasePeak) -> PhasePeak:
-        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref)
-        return PhasePeak(ph.phase, ph.allocated + ref, b)
+        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref + kept)
+        return PhasePeak(ph.phase, ph.allocated + ref + kept, b)
 
     phases = tuple(more(ph) for ph in base.phases)
     sharded = ref_est is not None and w.parallel.dp > 1 and w.parallel.zero == 3
     if ref_est is not None and sharded:
-        ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
         phases = tuple(_sharded_reference_forward(ph, base, ref, ref_est.params, regime(w).compute, ws)
                        if ph.phase is Phase.FORWARD else ph for ph in phases)
+    if kept:
+        first = {ph.phase: _first_gather(ph, ref, kept, ws) for ph in base.phases if ph.phase is Phase.FORWARD}
+        phases = tuple(first[ph.phase] if ph.phase in first and first[ph.phase].allocated > ph.allocated else ph
+                       for ph in phases)
     source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
               Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]
     what = ("DPO (TRL 1.16 DPOTrainer): the step of {n} sequences (chosen and rejected)" if w.objective is Objective.DPO
             else "KTO (TRL 1.16 KTOTrainer): the step of {n} sequences (and a KL batch as large, under no_grad)")
     note = (what.format(n=w.sequences) + f" through TRL's fused head; reference: {source}, its forwards under no_grad "
             "bounded by the policy's head instant")
+    if kept:
+        note += ("; the reference sharded by FSDP2 as one unit with reshard_after_forward=False (ZeRO-2; TRL 1.16 "
+                 "prepare_fsdp passes accelerate's setting): its first forward gathers all of it and, with no backward "
+                 "to reshard it, it stays gathered for the run: its shard and its whole weights in the gathered dtype "
+                 "in every phase (the first forward's all-gather output too, before the optimizer's states exist)")
     if sharded:
         note += ("; the reference sharded by FSDP2 as one unit (TRL 1.16 prepare_fsdp: fully_shard on its root), so its "
                  "forward, after the policy's, gathers all of it at once: the all-gather output and the copy out of "
@@ -192,6 +202,32 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     return dataclasses.replace(
         base, phases=phases, peak=max(phases, key=lambda ph: ph.allocated), notes=(*base.notes, note),
         states=dataclasses.replace(base.states, weights=base.states.weights + ref))
+
+
+def reference_kept_gathered(w: Workload) -> bool:
+    """A reference model that FSDP2 shards with ``reshard_after_forward=False`` (``zero=2``, engine
+    ``fsdp``): TRL 1.16 ``prepare_fsdp`` calls ``fully_shard(ref, reshard_after_forward=
+    plugin.reshard_after_forward)`` (trl/models/utils.py:326-339), accelerate's bool. Its post-forward
+    then keeps the unsharded parameters (torch 2.13 ``_fsdp_param_group.py`` ``reshard``, L499-L502),
+    which only a post-backward would reshard (``post_backward``; its hook is not registered under
+    no_grad, ``_fsdp_state.py`` ``_register_pre_backward_hook``/``_register_post_backward_hook``), and
+    a later forward's ``unshard`` is a no-op (L375-L376): from its first forward on the reference
+    holds its whole weights in the gathered dtype beside its shard (docs/research/trl-reference-fsdp.md)."""
+    p = w.parallel
+    return (w.reference_source is Reference.MODEL and w.objective is not Objective.SFT and p.dp > 1 and p.zero == 2
+            and p.framework is Engine.FSDP)
+
+
+def _first_gather(ph: PhasePeak, ref_shard: int, gathered: int, workspace: int) -> PhasePeak:
+    """The preference step's first reference forward under FSDP2 ZeRO-2 (:func:`reference_kept_gathered`):
+    after the policy's forward (whose units ZeRO-2 keeps gathered, with its saved activations), the
+    reference's flat all-gather output (torch 2.13 ``_fsdp_collectives.py`` ``foreach_all_gather``, L351)
+    and the parameters copied out of it (L431-L490), alive together; the optimizer's states do not exist
+    yet (AdamW creates them at its first step). ``ph``: the policy's forward phase."""
+    b = ph.breakdown
+    out = dataclasses.replace(b, weights=b.weights + ref_shard + gathered, optimizer=0,
+                              temporaries=gathered + 2 * workspace)
+    return PhasePeak(ph.phase, out.total, out)
 
 
 def _sharded_reference_forward(ph: PhasePeak, base: AnalyticEstimate, ref_shard: int, ref_params: int,

@@ -24,6 +24,7 @@ from vramplan.precision import precision_model
 from vramplan.results import Breakdown, PhasePeak
 from vramplan.workload import (
     Checkpointing,
+    Engine,
     Loss,
     Objective,
     Peft,
@@ -127,6 +128,11 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) \
         if w.reference_source is Reference.MODEL else None
     ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
+    from .estimate import reference_kept_gathered
+    from .regime import regime
+
+    # (FSDP2 ZeRO-2: the reference stays gathered from its first scoring forward on)
+    kept = ref_est.params * regime(w).compute if ref_est is not None and reference_kept_gathered(w) else 0
     window = w.batch * w.grad_accum
     if w.rollout is Rollout.VLLM:
         if engine is None:
@@ -141,7 +147,12 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     # the backward thread's cuBLAS workspace, cached since the first step's backward
     backward_ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     s = train.states
-    resident = Breakdown(weights=s.weights, gradients=s.gradients if w.keep_grads else 0, optimizer=s.optimizer)
+    # FSDP2 ZeRO-2 (reshard_after_forward=False): the generation's no-grad forwards leave each of the
+    # policy's units gathered (torch 2.13 _fsdp_param_group.py reshard, L499-L502) until the training
+    # backward's post-backward reshards them
+    policy_kept = train.params * regime(sft).compute if _fsdp2_zero2(w) else 0
+    resident = Breakdown(weights=s.weights + policy_kept, gradients=s.gradients if w.keep_grads else 0,
+                         optimizer=s.optimizer)
 
     def rollout(ph: PhasePeak) -> PhasePeak:
         b = ph.breakdown
@@ -150,8 +161,8 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
         return PhasePeak(ph.phase, out.total, out)
 
     def more(ph: PhasePeak) -> PhasePeak:
-        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref)
-        return PhasePeak(ph.phase, ph.allocated + ref, b)
+        b = dataclasses.replace(ph.breakdown, weights=ph.breakdown.weights + ref + kept)
+        return PhasePeak(ph.phase, ph.allocated + ref + kept, b)
 
     phases = tuple(more(ph) for ph in (*(rollout(ph) for ph in gen.phases), *train.phases))
     note = (f"GRPO (TRL 1.16 GRPOTrainer, use_vllm=False): generation of {window:,} completions of {w.completion:,} "
@@ -167,7 +178,22 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
                  f"each of its scoring forwards (chunks of {w.batch:,} completions, in the rollout) gathers all of it: "
                  "the all-gather output, held through the forward, and the parameters copied out of it, 2 x its "
                  "parameters in the gathered dtype, beside the policy's shards and optimizer states")
-    return dataclasses.replace(_finish(train, phases, note, s.weights + ref), kv_cache=gen.kv_cache)
+    if kept:
+        # the first step's scoring forward: the flat all-gather output beside the copied-out parameters,
+        # before AdamW's first step has created the optimizer's states
+        first = _sharded_reference_scoring(spec, w, dataclasses.replace(resident, optimizer=0), ref, ref_est.params
+                                           if ref_est is not None else 0, backward_ws)
+        phases = tuple(first if ph.phase is Phase.FORWARD and first.allocated > ph.allocated else ph for ph in phases)
+        note += ("; the reference sharded by FSDP2 as one unit with reshard_after_forward=False (ZeRO-2; TRL 1.16 "
+                 "prepare_fsdp passes accelerate's setting): its first scoring forward gathers all of it and, with no "
+                 "backward to reshard it, it stays gathered for the run (its shard and its whole weights in the "
+                 "gathered dtype in every phase)")
+    return dataclasses.replace(_finish(train, phases, note, s.weights + ref + kept), kv_cache=gen.kv_cache)
+
+
+def _fsdp2_zero2(w: Workload) -> bool:
+    p = w.parallel
+    return p.dp > 1 and p.zero == 2 and p.framework is Engine.FSDP and p.pp == 1
 
 
 def _sharded_reference_scoring(spec: ModelSpec, w: Workload, resident: Breakdown, ref_shard: int, ref_params: int,

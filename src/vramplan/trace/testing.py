@@ -860,7 +860,9 @@ def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, 
     25 MiB buckets), its gradients all-reduced at each micro-batch's backward as the trace's step
     runs them. ``layout="fsdp2"``: ``fully_shard`` on each ``_no_split_modules`` layer and the root
     (accelerate's FSDP2 plugin, ``reshard_after_forward=True``; gloo's reduce-scatter input copy left
-    out, as :func:`real_ppo_dist_peaks` leaves it out).
+    out, as :func:`real_ppo_dist_peaks` leaves it out); ``"fsdp2-zero2"``: the same with
+    ``reshard_after_forward=False``, the plugin's too (ZeRO-2); ``"fsdp1-zero2"``: FSDP1 with
+    ``SHARD_GRAD_OP``, the plugin's too.
 
     A workload with ``reference=model`` (GRPO with ``beta > 0``): a reference copy of the model
     (the same weights, ``requires_grad`` left on as ``from_pretrained`` leaves it) prepared by TRL's
@@ -873,8 +875,8 @@ def real_grpo_fsdp1_peaks(config: dict[str, Any], workload: Any, *, world: int, 
     ``objective=dpo``: a DPO step instead (:func:`.steps.train_step`, ``grad_accum`` micro-batches of
     ``batch`` pairs, random token ids, every position scored); returns ``{"peak", "adam_steps"}``,
     the storage peak over the ``iterations`` steps."""
-    if layout not in ("fsdp1", "fsdp2", "ddp"):
-        raise ValueError(f"layout {layout!r}: fsdp1, fsdp2 or ddp")
+    if layout not in ("fsdp1", "fsdp1-zero2", "fsdp2", "fsdp2-zero2", "ddp"):
+        raise ValueError(f"layout {layout!r}: fsdp1, fsdp1-zero2, fsdp2, fsdp2-zero2 or ddp")
     args = (world, config, workload, iterations, layout)
     return _spawn_gloo(_grpo_fsdp1_worker, args, world, timeout, "GRPO FSDP1 gloo run")
 
@@ -916,18 +918,20 @@ def _grpo_fsdp1_worker(rank: int, world: int, config: dict[str, Any], w: Any, it
             from torch.nn.parallel import DistributedDataParallel
 
             wrapped = DistributedDataParallel(model)
-        elif layout == "fsdp2":
+        elif layout.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             _gloo_reduce_scatter_uncounted()
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            reshard = layout == "fsdp2"
             for sub in [m for m in model.modules() if type(m) in classes]:
-                fully_shard(sub, mesh=mesh, reshard_after_forward=True)
-            wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=True)
+                fully_shard(sub, mesh=mesh, reshard_after_forward=reshard)
+            wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         else:
+            strategy = ShardingStrategy.SHARD_GRAD_OP if layout == "fsdp1-zero2" else ShardingStrategy.FULL_SHARD
             wrapped = FullyShardedDataParallel(
-                model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy(classes),
+                model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy(classes),
                 device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
         wrapped.train()
@@ -1001,8 +1005,15 @@ def _trl_prepared_reference(ref: Any, layout: str, mesh: Any) -> Any:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from trl.models import prepare_fsdp
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2 if layout == "fsdp2" else 1,
-                                            auto_wrap_policy="transformer_based_wrap", use_orig_params=True)
+    two = layout.startswith("fsdp2")
+    # (FSDP1: accelerate 1.16 fills `sharding_strategy` from FSDP_SHARDING_STRATEGY, default FULL_SHARD, even when
+    # `reshard_after_forward` is given, and prepare_fsdp takes `sharding_strategy or reshard_after_forward`, as
+    # accelerate's own prepare does for the policy (accelerator.py:1919): the strategy is given as `sharding_strategy`,
+    # what `accelerate launch` exports from `fsdp_sharding_strategy`)
+    kw = {"reshard_after_forward": layout == "fsdp2"} if two else \
+        {"sharding_strategy": "SHARD_GRAD_OP" if layout == "fsdp1-zero2" else "FULL_SHARD"}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2 if two else 1, auto_wrap_policy="transformer_based_wrap",
+                                            use_orig_params=True, **kw)
     acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu"),
                           torch_device_mesh=mesh, parallelism_config=SimpleNamespace(fsdp_dim_names=("dp",)))
     return prepare_fsdp(ref, acc)
