@@ -137,7 +137,7 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     if w.rollout is Rollout.VLLM:
         if engine is None:
             raise rollout_unsized()
-        return _with_engine(train, w, engine, ref, workspace_bytes, window)
+        return _with_engine(train, w, engine, ref + kept, workspace_bytes, window)  # (ZeRO-2: kept gathered)
     gen_w = Workload(task=Task.GENERATE, batch=window, seq=w.prompt, new_tokens=w.completion,
                      precision=_COMPUTE.get(w.precision, w.precision), attention=w.attention, kv_dtype=w.kv_dtype,
                      quant=w.quant, checkpointing=Checkpointing.NONE)
