@@ -12,6 +12,7 @@ docs/research/sglang-tgi-public-logs.md. SGLang prints GB but divides by 2^30 (G
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -420,6 +421,58 @@ def test_tgi_mistral_and_gemma2_warmup_peak() -> None:
     moments = tgi.warmup_moments(gemma, m, 1, late, marlin=False)
     assert moments["act"] == 2 * m * (7 * h + 4 * i) == tgi.warmup_peak(gemma, m, 1, rel, marlin=False)
     assert moments["post_norm"] == 2 * m * 12 * h and moments["o_proj"] == 2 * m * (4 * h + q + 2 * kvg + q + h)
+
+
+def test_tgi_mixtral_fused_moe_warmup_peak() -> None:
+    """FlashMixtralForCausalLM to TGI 3.1.0 (moe-kernels 0.7.0 / 0.8.2): FlashMistral's layer without the
+    outer frames' embeddings (flash_mixtral_modeling.py v3.0.1:463-485), 4 hidden-sized tensors during the
+    attention and 7 through the MoE, which writes into its input (``inplace=True``, layers/moe/unquantized.py
+    v3.0.1:84-95). Hand count, Mixtral-8x7B (hidden 4096, expert intermediate 14,336, 8 experts, top 2) at
+    4,096 tokens, one GPU, at ``fused_experts`` (moe_kernels/fused_moe.py v0.7.0:517-531): the 7 held, the
+    router logits [M, 8] bf16, ``topk_weights`` fp32 + ``topk_ids`` int32 [M, 2], the caches [M, 2, 28,672],
+    [2M, 14,336], [M, 2, 4096] bf16, and ``sorted_ids`` [2M + 8 × 63] / ``expert_ids`` [⌈that / 64⌉] /
+    the padded count [1] int32 (v0.7.0:218-231, default BLOCK_SIZE_M 64 at :345)."""
+    spec, m, h = resolve("mixtral-8x7b"), 4096, 4096
+    old, new = TgiRelease.of("3.0.1"), TgiRelease.of("3.1.1")
+    padded = 2 * m + 8 * 63
+    experts = 2 * m * 7 * h + 2 * m * 8 + 8 * m * 2 + 2 * m * 2 * (2 * 14336 + 14336 + h) + 4 * (padded + 136 + 1)
+    moments = tgi.warmup_moments(spec, m, 1, old, marlin=False)
+    assert moments["fused_experts"] == experts == tgi.warmup_peak(spec, m, 1, TgiRelease.of("3.1.0"), marlin=False)
+    assert moments["topk_softmax"] == 2 * m * 7 * h + 2 * m * 8 + 4 * m * 8 + 12 * m * 2
+    assert moments["renormalize"] == 2 * m * 7 * h + 2 * m * 8 + 12 * m * 2 + 4 * m
+    assert moments["o_proj"] == 2 * m * (4 * h + 32 * 128 + 2 * 8 * 128 + 32 * 128 + h)  # no sliding window
+    assert "gate_up" not in moments
+    # a config with a sliding window (Mixtral-8x7B's has none) copies the last 4,096 K/V rows (:256-259)
+    windowed = dataclasses.replace(spec, config={**spec.config, "sliding_window": 4096})
+    copied = tgi.warmup_moments(windowed, 2 * m, 1, old, marlin=False)["o_proj"]
+    assert copied - tgi.warmup_moments(spec, 2 * m, 1, old, marlin=False)["o_proj"] == 2 * 2 * 8 * 128 * 4096
+    # kernel-hub MoE from 3.1.1 (not read), quantized experts (Marlin MoE / dense): vramplan's generic forward
+    assert tgi.warmup_layout(spec, new) is None and tgi.warmup_peak(spec, m, 1, new, marlin=False) is None
+    assert tgi.warmup_layout(spec, old, "awq") is None and tgi.warmup_layout(resolve("qwen3-30b-a3b"), old) is None
+    # a non-power-of-two expert count adds topk_softmax's fp32 [M, E] workspace (topk_softmax_kernels.cu
+    # v0.7.0:489-495); past one pass (32,768 tokens) the caches stay one pass long and two passes' alignment
+    # outputs meet: 40,000 tokens = passes of 32,768 and 7,232
+    six, eight = tgi.fused_moe_moments(m, h, 14336, 6, 2), tgi.fused_moe_moments(m, h, 14336, 8, 2)
+    assert six["topk_softmax"] - eight["topk_softmax"] == 2 * m * (6 - 8) + 4 * m * (6 - 8) + 4 * m * 6
+    big = tgi.fused_moe_moments(40000, h, 14336, 8, 2)["fused_experts"]
+    align = [4 * (p + -(-p // 64) + 1) for p in (2 * 32768 + 504, 2 * 7232 + 504)]
+    assert big == 2 * 40000 * 8 + 8 * 40000 * 2 + 2 * 32768 * 2 * (3 * 14336 + h) + sum(align)
+    assert tgi.moe_align_ints(8, 2, 8) == 4 * (16 + 8 * 15 + 9 + 1)  # M ≤ E: BLOCK_SIZE_M 16 (v0.7.0:351-357)
+
+
+def test_tgi_mixtral_plan_follows_fused_moe_per_release() -> None:
+    """serve-plan's TGI warm-up peak for Mixtral-8x7B, TP 2 on H100 (the launcher's 32,768 prefill tokens):
+    to 3.1.0 the fused-MoE count (each rank's experts at I / 2 = 7,168, one 32,768-token pass), from 3.1.1
+    vramplan's generic forward, named in the note."""
+    m, h, i = 32768, 4096, 7168
+    padded = 2 * m + 8 * 63
+    hand = 2 * m * 7 * h + 2 * m * 8 + 8 * m * 2 + 2 * m * 2 * (3 * i + h) + 4 * (padded + -(-padded // 64) + 1)
+    for version in ("3.0.1", "3.1.0"):
+        p = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version=version, tp=2)
+        assert p.settings["max_batch_prefill_tokens"] == m and p.profile_peak == hand
+        assert "FlashMixtralForCausalLM" in p.notes[0]
+    late = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version="3.1.1", tp=2)
+    assert "FlashMixtralForCausalLM" not in late.notes[0] and late.profile_peak < hand
 
 
 def test_log_qwen25_3b_rtx_a6000_tgi_3_2_3_issue_3181() -> None:
