@@ -32,7 +32,7 @@ emulated GPU as ``vramplan run`` imports them (what a library detects when it is
 checked there); the others in processes forked from a server that imported them already."""
 
 
-@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e.name, marks=[pytest.mark.slow] if e.slow else []) for e in ZOO])
 def test_a_real_script_matches_its_cpu_run(entry: Entry, root: Path) -> None:
     # in its own process: vramplan run, then the script for real on the CPU
     c = run(entry, root, fresh=entry.name in FRESH)

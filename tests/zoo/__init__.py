@@ -50,6 +50,11 @@ class Entry:
     known: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """(pattern, why): storages that exist on one side only because CUDA and the CPU take
     different code paths (``pattern`` is a regular expression on ``dtype[shape]``)."""
+    cpu_prelude: str = ""
+    """A file under ``tests/zoo/preludes`` each real CPU process runs before the script (a library
+    call that raises on the CPU, answered there; the file says which and why)."""
+    slow: bool = False
+    """The pair of runs takes more than ~10 s: the test runs in the slow tier (``make test-slow``)."""
 
     def path(self) -> Path | None:
         d = package_dir(self.package)
@@ -219,6 +224,14 @@ _RNN_STATE = (r"u8\[\d+\]|cudnn .*|f32\[2048,512\]|f32\[2048\]|f32\[35,20,512\]|
 _TOKENS = (r"i64\[164000\]", "WikiText2's token ids (the fixture's 4,000 lines of 41 tokens): a host tensor in the "
            "GPU run (batches are copied to the device), counted by the CPU run")
 
+_PHILOX = (r"i64\[\]|i32\[2\]", "cuDNN's SDPA (the H100's first choice for bf16, torch aten/src/ATen/native/"
+           "transformers/cuda/sdp_utils.cpp) keeps its philox seed and offset (i64[] each, per attention call) for the "
+           "backward even without dropout; the CPU's flash kernel keeps none. The CPU run counts the DeviceMeshes' rank "
+           "maps (i32[2], made on the host: torch/distributed/device_mesh.py `init_device_mesh`), host tensors in a GPU "
+           "run; the comparison pairs them with as many seeds (the same 8 bytes)")
+_DPO_LOG = (r"f32\[\]", "rank 0's step log (recipes/lora_dpo_distributed.py:779-808): the running metrics copied "
+            "to the host (`.cpu()`) and the tokens per second (from `num_tokens`, a host tensor: :691) are host "
+            "tensors in a GPU run; on the CPU `.cpu()` returns the metric itself, which the dict keeps alive, counted")
 _MNIST_DATA = (r"u8\[512,28,28\]|i64\[512\]", "the fixture's MNIST images and labels (_MNIST loads them whole): host "
                "tensors in the GPU run (batches are copied to the device), counted by the CPU run")
 _SCALARS = (r"f32\[\]|i32\[\]", "0-dim scalars: the GradScaler's scale and growth tracker exist on the GPU only "
@@ -273,6 +286,27 @@ ZOO: tuple[Entry, ...] = (
               "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", "max_new_tokens=8",
               "prompt.user=Count to five.", "top_k=50"),
           ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), covers="inference: sampling with a KV cache"),
+    Entry("torchtune full finetune, FSDP2 over 2 processes", "recipes", "full_finetune_distributed.py",
+          _tt("llama3_2/1B_full.yaml", *_ALPACA, "model._component_=torchtune.models.llama3_2.llama3_2",
+              "gradient_accumulation_steps=1"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), world=2,
+          cpu_prelude="torchtune_cpu.py", slow=True, known=(_PHILOX,),
+          covers="a torchrun launch of torchtune's FSDP2 recipe: rank 0's shards, fused AdamW"),
+    Entry("torchtune LoRA, FSDP2 over 2 processes", "recipes", "lora_finetune_distributed.py",
+          _tt("llama3_2/1B_lora.yaml", *_ALPACA, *_LORA, "gradient_accumulation_steps=1",
+              "lr_scheduler.num_warmup_steps=1"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), world=2,
+          cpu_prelude="torchtune_cpu.py", slow=True, known=(_PHILOX,),
+          covers="a torchrun launch of torchtune's FSDP2 LoRA recipe: frozen sharded base, sharded adapters"),
+    Entry("torchtune LoRA DPO, FSDP2 over 2 processes", "recipes", "lora_dpo_distributed.py",
+          _tt("llama3_1/8B_lora_dpo.yaml", *_LORA, "checkpointer.model_type=LLAMA3_2",
+              "dataset._component_=torchtune.datasets.preference_dataset", "dataset.source=json",
+              "dataset.data_files=ROOT/tt/pref.json", "dataset.split=train", "gradient_accumulation_steps=1",
+              "enable_activation_checkpointing=False", "lr_scheduler.num_warmup_steps=1"),
+          ("device=cpu",), needs="torchtune", path_extra=(".zoo-deps",), world=2,
+          cpu_prelude="torchtune_cpu.py", slow=True, known=(_DPO_LOG,),  # (its seeds and rank maps pair up)
+          covers="a torchrun launch of torchtune's FSDP2 LoRA DPO recipe: policy and reference (adapters off) "
+          "over the sharded base"),
     Entry("Lightning Trainer, demo transformer LM", "zoo", "scripts/lightning_trainer.py", ("ROOT/wikitext",), (),
           "Lightning's LightningTransformer demo (nn.Transformer, dropout) under Trainer: accelerator auto, "
           "gradient clipping, SGD", needs="lightning", known=(_MHA, _TOKENS)),
@@ -365,9 +399,15 @@ def _truth(entry: Entry, root: Path, *, forked: bool) -> Any:
     path = entry.path()
     assert path is not None
     argv = [a.replace("ROOT", str(root)) for a in [*entry.args, *entry.cpu]]
+    prelude = Path(__file__).with_name("preludes") / entry.cpu_prelude if entry.cpu_prelude else None
     if entry.world > 1:
-        return cpu_truth_world(path, argv, world=entry.world, steps=entry.steps, forked=forked)
-    return cpu_truth(path, argv, steps=entry.steps)
+        import os
+
+        extra = [str(REPO / p) for p in entry.path_extra]  # (the ranks' path, as :func:`run` gives the script's)
+        env = {"PYTHONPATH": os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+        return cpu_truth_world(path, argv, world=entry.world, steps=entry.steps, forked=forked, prelude=prelude,
+                               env=env)
+    return cpu_truth(path, argv, steps=entry.steps, prelude=prelude)
 
 
 def compare_entry(name: str, root: Path, truth: Any = None) -> dict:
@@ -426,6 +466,17 @@ def _forked_entry(name: str, root: str, extra: list[str], env: dict[str, str], o
     os._exit(0)
 
 
+def _forked_fixtures(root: str, extra: list[str], torchtune: bool) -> None:
+    """:func:`fixtures` in a process forked from the fork server, ``extra`` first on the path (building
+    torchtune's imports torchtune, which needs ``.zoo-deps``)."""
+    import os
+    import sys
+
+    sys.path[:0] = extra
+    fixtures(Path(root), torchtune=torchtune)
+    os._exit(0)
+
+
 def run(entry: Entry, root: Path, *, fresh: bool = True, timeout: float = 600) -> dict:
     """Run ``entry`` in a process of its own and return its :func:`compare_entry`.
 
@@ -439,6 +490,9 @@ def run(entry: Entry, root: Path, *, fresh: bool = True, timeout: float = 600) -
     import sys
     import tempfile
 
+    missing = [p for p in entry.path_extra if not (REPO / p).is_dir()]
+    if missing:  # (before the real run of a world, which runs here: its libraries would not import)
+        return {"skip": f"{', '.join(missing)} is not installed (the Makefile installs it)"}
     env = dict(os.environ)
     extra = [str(REPO / p) for p in entry.path_extra]
     env["PYTHONPATH"] = os.pathsep.join([*extra, env.get("PYTHONPATH", "")]).strip(os.pathsep)
@@ -449,7 +503,13 @@ def run(entry: Entry, root: Path, *, fresh: bool = True, timeout: float = 600) -
         truth = None
         script = entry.path()
         if entry.world > 1 and script is not None and script.is_file():  # (the ranks are forked from here: the
-            truth = _truth(entry, root, forked=True)                     # fork server is this process's)
+            p = fork_context().Process(target=_forked_fixtures, args=(str(root), extra,  # fork server is this
+                                                                     entry.needs == "torchtune"))  # process's)
+            p.start()
+            p.join(timeout)
+            if p.exitcode != 0:
+                raise AssertionError(f"{entry.name}: building the fixtures failed (exit {p.exitcode})")
+            truth = _truth(entry, root, forked=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result")
             p = fork_context().Process(target=_forked_entry, args=(entry.name, str(root), extra, env, out, truth))

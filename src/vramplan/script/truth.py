@@ -181,14 +181,18 @@ def _foreach_on_the_host() -> Iterator[None]:
         optimizer._get_foreach_kernels_supported_devices = devices  # type: ignore[attr-defined]
 
 
-def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2) -> Truth:
+def cpu_truth(path: str | Path, argv: Sequence[str] = (), *, steps: int = 2, prelude: str | Path | None = None) -> Truth:
     """Run the script for real on the CPU (see the module docstring). The script's
     ``torch.distributed`` collectives return once gloo has let go of their buffers
     (:func:`~vramplan.trace.testing._c10d_waits_release`), as its functional collectives' waits
-    do (the tracker's ``await_collectives``)."""
+    do (the tracker's ``await_collectives``). ``prelude``: a Python file run first, untracked (a
+    library call that only works on CUDA answered on the CPU, where the script as written cannot
+    run there otherwise; the caller names why)."""
     from ..trace.testing import _c10d_waits_release
 
     p = Path(path)
+    if prelude is not None:
+        runpy.run_path(str(prelude), run_name="__vramplan_prelude__")
     truth = Truth()
     tracker = _tracker()
     saved_argv, saved_path = sys.argv, list(sys.path)
@@ -362,7 +366,8 @@ def compare(report: MemoryReport, truth: Truth, known: Sequence[tuple[str, str]]
 
 
 def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, steps: int = 2,
-                    timeout: float = 600.0, forked: bool = False) -> Truth:
+                    timeout: float = 600.0, forked: bool = False, prelude: str | Path | None = None,
+                    ranks: list[Truth] | None = None, env: dict[str, str] | None = None) -> Truth:
     """The script launched as ``world`` processes on the CPU (as ``torchrun --nproc-per-node
     WORLD`` would: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a local rendezvous; the script's own
     ``init_process_group`` picks gloo on the CPU), each tracked as :func:`cpu_truth` does; the
@@ -371,7 +376,9 @@ def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, s
     ``forked``: the ranks are forked from the fork server of
     :func:`vramplan.trace.testing.fork_context` (its preloaded libraries, one thread each) instead
     of started as new interpreters — the same run, without importing torch and the script's
-    libraries once per rank."""
+    libraries once per rank. ``prelude``: as :func:`cpu_truth`'s, in every rank. ``ranks``: a list
+    that receives every rank's truth (rank 0 first). ``env``: variables set in every rank
+    (over this process's: e.g. a ``PYTHONPATH`` for the script's libraries)."""
     import json
     import os
     import socket
@@ -384,19 +391,21 @@ def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, s
     with tempfile.TemporaryDirectory() as tmp:
         procs: list[Any] = []
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
             out = Path(tmp) / f"rank{rank}.json"
             if forked:
                 from ..trace.testing import fork_context
 
-                proc = fork_context().Process(target=_forked_rank, args=(str(out), steps, str(path), list(argv), env))
+                proc = fork_context().Process(target=_forked_rank, args=(str(out), steps, str(path), list(argv), rank_env,
+                                                                         None if prelude is None else str(prelude)))
                 proc.start()
                 procs.append(proc)
                 continue
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "vramplan.script.truth", str(out), str(steps), str(path), *argv], env=env,
+                [sys.executable, "-m", "vramplan.script.truth", str(out), str(steps), "" if prelude is None else
+                 str(prelude), str(path), *argv], env=rank_env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         errors = []
         for p in procs:
@@ -419,12 +428,18 @@ def cpu_truth_world(path: str | Path, argv: Sequence[str] = (), *, world: int, s
                 errors.append(err[-2000:])
         if errors:
             raise RuntimeError(f"a rank of the CPU run failed: {errors[0]}")
-        d = json.loads((Path(tmp) / "rank0.json").read_text())
-    return Truth(peak=d["peak"], at_peak=[tuple(x) for x in d["at_peak"]], steps=d["steps"],  # type: ignore[misc]
-                 forwards=d["forwards"])
+        found = []
+        for rank in range(world):
+            d = json.loads((Path(tmp) / f"rank{rank}.json").read_text())
+            found.append(Truth(peak=d["peak"], at_peak=[tuple(x) for x in d["at_peak"]],  # type: ignore[misc]
+                               steps=d["steps"], forwards=d["forwards"]))
+    if ranks is not None:
+        ranks[:] = found
+    return found[0]
 
 
-def _forked_rank(out: str, steps: int, script: str, argv: list[str], env: dict[str, str]) -> None:
+def _forked_rank(out: str, steps: int, script: str, argv: list[str], env: dict[str, str],
+                 prelude: str | None = None) -> None:
     """One rank of :func:`cpu_truth_world` in a forked process (``forked=True``)."""
     import json
     import os
@@ -438,7 +453,7 @@ def _forked_rank(out: str, steps: int, script: str, argv: list[str], env: dict[s
     os.dup2(devnull, 1)  # (as the new interpreters' output: discarded; errors kept beside the result)
     os.dup2(os.open(out + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     torch.set_num_threads(1)  # (OMP_NUM_THREADS=1 is read when torch loads: the server loaded it)
-    t = cpu_truth(script, argv, steps=steps)
+    t = cpu_truth(script, argv, steps=steps, prelude=prelude)
     Path(out).write_text(json.dumps({"peak": t.peak, "at_peak": t.at_peak, "steps": t.steps, "forwards": t.forwards}))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -446,11 +461,12 @@ def _forked_rank(out: str, steps: int, script: str, argv: list[str], env: dict[s
 
 
 def _rank_main() -> int:
-    """``python -m vramplan.script.truth OUT STEPS SCRIPT ARGS…``: one rank of :func:`cpu_truth_world`."""
+    """``python -m vramplan.script.truth OUT STEPS PRELUDE SCRIPT ARGS…``: one rank of
+    :func:`cpu_truth_world` (``PRELUDE``: empty for none)."""
     import json
 
-    out, steps, script, *argv = sys.argv[1:]
-    t = cpu_truth(script, argv, steps=int(steps))
+    out, steps, prelude, script, *argv = sys.argv[1:]
+    t = cpu_truth(script, argv, steps=int(steps), prelude=prelude or None)
     Path(out).write_text(json.dumps({"peak": t.peak, "at_peak": t.at_peak, "steps": t.steps, "forwards": t.forwards}))
     return 0
 
