@@ -138,7 +138,10 @@ def test_fsdp2_sharded_reset_parameters_runs_and_rank_zero_agrees_with_gloo(tmp_
     r = vramplan.run_script(script, [], gpu="h100-sxm", world=2, gpus=2, workspaces=False)
     n = 4 * (256 * 256 + 256) * 4
     assert r.model_states.weights == n // 2 and r.model_states.optimizer == n  # half a rank, AdamW's two states
-    c = compare(r, cpu_truth_world(script, [], world=2, steps=2, forked=True))
+    ranks: list = []
+    truth = cpu_truth_world(script, [], world=2, steps=2, forked=True, ranks=ranks)
+    assert len(ranks) == 2 and ranks[0] is truth and ranks[1].steps == truth.steps == 2  # (every rank's, rank 0's first)
+    c = compare(r, truth)
     assert c.unexplained == 0 and not c.only_predicted, c.only_predicted
     # only on the CPU: AdamW's host step counters (host tensors on a GPU too, where the GPU run
     # leaves them out) and gloo's 8 bytes; FSDP2's freed unsharded parameters, resized to 0 bytes

@@ -140,3 +140,30 @@ def test_the_cpu_truth_counts_weights_no_op_made(tmp_path: Path) -> None:
     t = cpu_truth(script, steps=2)
     assert ("f32[1024,256]", 1024 * 256 * 4) in t.at_peak and ("f32[1024]", 1024 * 4) in t.at_peak
     assert t.peak == 1024 * 256 * 4 + 1024 * 4 + 4 * 256 * 4 + 4 * 1024 * 4  # weights, input, output
+
+
+def test_the_cpu_truth_runs_its_prelude_first_and_untracked(tmp_path: Path) -> None:
+    # a prelude answers on the CPU what the script needs and only CUDA has (torchtune's distributed
+    # recipes: tests/zoo/preludes/torchtune_cpu.py); it runs before the script, and what it makes is
+    # not the script's memory
+    import sys
+
+    from vramplan.script.truth import cpu_truth
+
+    prelude = tmp_path / "prelude.py"
+    prelude.write_text("import sys, types, torch\n"
+                       "sys.modules['prelude_probe'] = types.SimpleNamespace(width=512, held=torch.ones(1 << 20))\n")
+    script = tmp_path / "uses_it.py"
+    script.write_text("import torch\nfrom torch import nn\nfrom prelude_probe import width\n"
+                      "model = nn.Linear(width, width, bias=False)\n"
+                      "with torch.no_grad():\n"
+                      "    for _ in range(3):\n"
+                      "        model(torch.ones(4, width))\n")
+    try:
+        with pytest.raises(ModuleNotFoundError):
+            cpu_truth(script, steps=2)
+        t = cpu_truth(script, steps=2, prelude=prelude)
+    finally:
+        sys.modules.pop("prelude_probe", None)
+    assert ("f32[512,512]", 512 * 512 * 4) in t.at_peak
+    assert t.peak == 512 * 512 * 4 + 2 * 4 * 512 * 4  # weight, input, output: not the prelude's 4 MiB
