@@ -15,10 +15,11 @@ recipes/full_finetune_single_device.py:453):
   ``gc.collect()`` it starts with runs, and the caching allocator's two calls, which have no CPU
   counterpart, are skipped;
 - the LoRA and DPO recipes start ``init_process_group("cuda:nccl,cpu:gloo")``
-  (lora_finetune_distributed.py:918, lora_dpo_distributed.py:848), and a CPU-only build of torch
-  has no NCCL to build the CUDA backend with (torch/distributed/distributed_c10d.py, "Distributed
-  package doesn't have NCCL built in"): there the CUDA half of the string is dropped (no CUDA
-  tensor reaches it on the CPU; gloo serves the CPU's, as it does in the string).
+  (lora_finetune_distributed.py:918, lora_dpo_distributed.py:848), and without a GPU the CUDA
+  backend cannot be built (torch/distributed/distributed_c10d.py: a CPU-only build "doesn't have
+  NCCL built in"; a CUDA build's ProcessGroupNCCL "is only supported with GPUs"): there the CUDA half
+  of the string is dropped (no CUDA tensor reaches it on the CPU; gloo serves the CPU's, as it does
+  in the string).
 
 The recipe itself runs as written.
 """
@@ -50,7 +51,7 @@ def cleanup_before_training() -> None:
 
 
 def init_process_group(backend: str | None = None, *args: object, **kwargs: object) -> None:
-    if isinstance(backend, str) and "cuda:nccl" in backend and not torch.distributed.is_nccl_available():
+    if isinstance(backend, str) and "cuda:" in backend and not torch.cuda.is_available():
         backend = ",".join(b for b in backend.split(",") if not b.startswith("cuda:")) or "gloo"
     _init_process_group(backend, *args, **kwargs)  # type: ignore[arg-type]
 
