@@ -111,7 +111,10 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     if w.parallel.pp > 1:
         casts_bwd += stage.held(casts_bwd, 1, uniform=True)
         casts_fwd = stage.held(st.casts_all, uniform=True)
-    temps = st.dequant + workspace  # a quantised layer's dequantised weight: only while a layer runs
+    # a quantised layer's dequantised weight (only while a layer runs), and both cuBLAS workspaces: backward
+    # runs on the autograd engine's device thread, with its own handle and so its own workspace, while the
+    # forward's, cached on the main thread's handle, stays (docs/research/pipeline-fsdp.md, session 55)
+    temps = st.dequant + 2 * workspace
     # optimizer_in_backward (torchtune optimizer_in_bwd): a gradient lives from its
     # accumulation to its parameter's step inside backward, with that step's temporaries
     step_temp = st.step_temp if w.optimizer_in_backward else 0
@@ -137,14 +140,14 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             gradients=_with_buckets(st, last_grads + st.unsharded_grads),
             activations=acts + a.recompute + kept + out,
             # (FSDP2 ZeRO-3: its pre-backward prefetches the previous block, whose all-gather output waits)
-            temporaries=casts_bwd + a.transient + temps + workspace + step_temp + fresh
+            temporaries=casts_bwd + a.transient + temps + step_temp + fresh
             + (st.prefetched if st.gathered_block and stage.layers > 1 else 0),
         ),
         Breakdown(  # the first layer's backward
             weights=st.weights + st.gathered_end, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads - (0 if early else st.accumulated_layer)),
             activations=stage.held(a.layers, 1) + a.embed + a.layer_full + kept + out_single + recv + outs,
-            temporaries=st.casts_layer + a.transient + temps + workspace + step_temp + fresh,
+            temporaries=st.casts_layer + a.transient + temps + step_temp + fresh,
         ),
     ]
     if fwd_held < held:  # the next micro-batch's last layer: one chunk fewer, every gradient accumulated
@@ -157,11 +160,11 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                 weights=st.weights + st.gathered_end, optimizer=st.optimizer, gradients=held + st.accumulated,
                 activations=stage.held(a.layers, 2) + a.embed + a.layer_full + kept + out_single + recv
                 + stage.held_outputs(receive, 1),
-                temporaries=st.casts_layer + a.transient + temps + workspace + st.fresh_later,
+                temporaries=st.casts_layer + a.transient + temps + st.fresh_later,
             ))
         instants.append(Breakdown(  # the end of the step: perform_reduce_grad reduce-scatters unit by unit
             weights=st.weights + st.reduce[0], optimizer=st.optimizer, gradients=held + st.reduce[1],
-            activations=recv + out_single, temporaries=st.reduce[2] + workspace,
+            activations=recv + out_single, temporaries=st.reduce[2] + 2 * workspace,
         ))
         if stage.embed and st.fresh_embed:  # the embeddings' backward: their new gradient beside the kept ones
             for less, acc in ((1, st.accumulated - (0 if early else st.accumulated_embed)),
@@ -170,7 +173,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
                     weights=w_live, optimizer=st.optimizer, gradients=held + acc,
                     activations=stage.held(a.layers, less) + kept + recv
                     + stage.held_outputs(receive, less - 1),
-                    temporaries=st.fresh_embed + st.deferred + workspace,
+                    temporaries=st.fresh_embed + st.deferred + 2 * workspace,
                 ))
     if stage.head:
         instants.append(Breakdown(  # the loss backward (before any weight gradient exists)
@@ -231,15 +234,14 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             weights=st.weights + st.gathered_end - st.gathered_block, optimizer=st.optimizer,
             gradients=_with_buckets(st, all_grads + st.unsharded_grads),
             activations=stage.held(a.layers, 1) + kept,
-            temporaries=st.embed_grad_full + temps + workspace,
+            temporaries=st.embed_grad_full + temps,
         ))
     if st.embed_grad_new and w.grad_accum > 1 and not w.optimizer_in_backward:
         instants.append(Breakdown(  # a later micro-batch's embedding backward under TP: its new whole table
             weights=w_live, optimizer=st.optimizer, gradients=_with_buckets(st, all_grads),
             activations=stage.held(a.layers, 1) + kept,
             # (a pipeline's other micro-batches in flight keep their saved 16-bit weight copies)
-            temporaries=(stage.held(st.casts_all, 1, uniform=True) if w.parallel.pp > 1 else 0) + st.embed_grad_new + temps
-            + workspace,
+            temporaries=(stage.held(st.casts_all, 1, uniform=True) if w.parallel.pp > 1 else 0) + st.embed_grad_new + temps,
         ))
     if w.optimizer_in_backward:
         return _peak(Phase.FORWARD, forward), _peak(Phase.BACKWARD, *instants)
