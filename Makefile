@@ -1,8 +1,10 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- create .venv, install, and run the main job on the embedded default
 #   make test   -- create .venv, install, lint, type-check and run the test suite
-# CI (.ci/run) also runs `make test-torch214`: the suite again on torch 2.14.1 (the CUDA
-# build a plain `pip install torch` gives), in its own venv (~6 GB).
+# `make test` runs the tests not marked `slow`; `make test-slow` the slow tier (real multi-process
+# gloo runs, the zoo's scripts, large traces: each over ~10 s). CI (.ci/run) runs both, then
+# `make test-torch214`: the whole suite (both tiers) on torch 2.14.1 (the CUDA build a plain
+# `pip install torch` gives), in its own venv (~6 GB).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +20,7 @@ QUANTDEPS := .quant-deps
 # torchtitan and what its trainer imports, for tests/test_torchtitan.py (its runs' path only)
 TITANDEPS := .titan-deps
 
-.PHONY: demo test test-noextras test-torch214 test-latest lint typecheck bench clean install
+.PHONY: demo test test-slow test-noextras test-torch214 test-latest lint typecheck bench clean install
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) requirements/zoo.txt requirements/quant.txt requirements/titan.txt
 	$(PY) -m venv $(VENV)
@@ -62,7 +64,11 @@ demo: $(STAMP)
 test: $(STAMP) $(CORE)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 -p no:cacheprovider
+	$(BIN)/pytest -n 2 -p no:cacheprovider -m "not slow"
+
+# The slow tier (tests marked `slow`); CI runs it after `make test`.
+test-slow: $(STAMP) $(CORE)
+	$(BIN)/pytest -n 2 -p no:cacheprovider -m slow
 
 # Only the suite: ruff and mypy ran in `make test` (mypy is also clean on 2.14.1, but a cold
 # mypy over torch's annotations adds minutes for little: behaviour differences show in tests).

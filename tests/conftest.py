@@ -215,5 +215,21 @@ sent to the xdist workers first: collected in name order they came last and one 
 alone at the end of the suite."""
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Send :data:`_LONG_FILES_FIRST` first, and mark the slow tier (:mod:`tiers`): ``make test``
+    runs ``-m "not slow"``, ``make test-slow`` the rest. When the whole suite is collected, every
+    entry of the list must still name a test (a renamed test would otherwise drop back into the
+    fast tier unnoticed)."""
+    import tiers
+
     items.sort(key=lambda item: item.path.name not in _LONG_FILES_FIRST)  # (stable: the rest keep their order)
+
+    used: set[str] = set()
+    for item in items:
+        entry = tiers.slow_entry(item.nodeid)
+        if entry is not None:
+            item.add_marker(pytest.mark.slow)
+            used.add(entry)
+    whole = not config.args or [os.path.normpath(a) for a in config.args] == ["tests"]
+    if whole and not config.option.keyword and (unused := sorted(set(tiers.SLOW) - used)):
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {', '.join(unused)}")
