@@ -473,6 +473,11 @@ def test_tgi_mixtral_plan_follows_fused_moe_per_release() -> None:
         assert "FlashMixtralForCausalLM" in p.notes[0]
     late = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version="3.1.1", tp=2)
     assert "FlashMixtralForCausalLM" not in late.notes[0] and late.profile_peak < hand
+    # the generic peak leaves the unread kernel's buffers out, and the plan says so, with 3.1.0's figure for scale
+    said = [n for n in late.notes if n.startswith("The fused-MoE kernel's per-call buffers")]
+    assert len(said) == 1 and "TGI 3.1.1's MoE kernel" in said[0] and f"{hand / 2**30:.2f} GiB" in said[0]
+    early = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version="3.1.0", tp=2)
+    assert not any("fused-MoE kernel's per-call" in n for n in early.notes)
 
 
 def test_log_qwen25_3b_rtx_a6000_tgi_3_2_3_issue_3181() -> None:

@@ -131,6 +131,8 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
              "model FLOP per token; 4096 on a card the launcher does not know) capped by max_position_embeddings "
              "and the launcher's VRAM estimate; unset max_total_tokens is TGI 3's zero config: "
              "min(KV tokens, max_position_embeddings)."]
+    if layout is None and spec.is_moe:
+        notes.append(moe_buffers_note(spec, prefill, tp, rel, quant, s.max_total_tokens))
     return ServePlan(
         engine="tgi", engine_version=rel.text, model=spec.name, gpu=gpu.key, tp=tp, pp=pp, settings=st,
         total_memory=total, budget=int(total * s.cuda_memory_fraction), weights=fwd.weights,
@@ -144,6 +146,23 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
         log=tuple(log), command=command(spec, tp, quant, st), profile_method=fwd.method, notes=tuple(notes),
         layer_kinds={layers[0].kind: len(layers)},
     )
+
+
+def moe_buffers_note(spec: ModelSpec, prefill: int, tp: int, rel: TgiRelease, quant: str,
+                     max_total: int | None) -> str:
+    """What the warm-up peak of an MoE model leaves out where TGI's fused-MoE kernel was not read at ``rel``
+    (from 3.1.1 TGI loads ``kernels-community/moe`` from the kernel hub; quantised MoE layers at every
+    release): its per-call buffers, so the KV pool may be overstated. For scale, the peak with moe-kernels
+    0.8.2's buffers (TGI 3.1.0's, :func:`fused_moe_moments`) where that model class was read."""
+    base = ("The fused-MoE kernel's per-call buffers (routing, sorted token ids, the expert GEMMs' caches) are not "
+            f"in this warm-up peak: TGI {rel.text}'s MoE kernel for this model was not read, so the KV pool may be "
+            "overstated")
+    then = TgiRelease.of("3.1.0")
+    if quant == "none" and warmup_layout(spec, then, quant) is not None:
+        peak = warmup_peak(spec, prefill, tp, then, marlin=False, max_total=max_total, quant=quant)
+        if peak is not None:
+            base += f" (with TGI 3.1.0's moe-kernels 0.8.2 buffers the warm-up peak is {peak / GiB:.2f} GiB)"
+    return base + "."
 
 
 def uses_marlin_temporaries(spec: ModelSpec, gpu: GPU, rel: TgiRelease, quant: str) -> bool:
