@@ -38,6 +38,7 @@ from vramplan.engine.forward import forward
 from vramplan.errors import WorkloadError
 from vramplan.hardware.catalog import usable_capacity
 from vramplan.hardware.gpu import GPU
+from vramplan.models.shape import model_shape
 from vramplan.models.spec import Family, ModelSpec
 from vramplan.pools.base import cdiv, outside
 from vramplan.pools.kvspec import bytes_per_token, layer_specs
@@ -389,7 +390,7 @@ def warmup_moments(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, ma
         "o_proj": 2 * m * (attn + (q + 2 * kv) + q + h) + 2 * copy + temps(q, h),
     }
     if lay.fused_moe:
-        inter = (spec.moe_intermediate or spec.intermediate) // tp
+        inter = model_shape(spec).moe_intermediate // tp
         moe = fused_moe_moments(m, h, inter, spec.n_experts, spec.experts_per_token)
         return moments | {name: 2 * m * mlp + b for name, b in moe.items()}
     moments |= {
