@@ -167,7 +167,7 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
     base = estimate(spec, sft, workspace_bytes=workspace_bytes)
     ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) if model_ref else None
     ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
-    kept = ref_est.params * regime(w).compute if ref_est is not None and reference_kept_gathered(w) else 0
+    kept = reference_gathered_bytes(ref_est, w)
     ws = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
 
     def more(ph: PhasePeak) -> PhasePeak:
@@ -213,9 +213,19 @@ def reference_kept_gathered(w: Workload) -> bool:
     no_grad, ``_fsdp_state.py`` ``_register_pre_backward_hook``/``_register_post_backward_hook``), and
     a later forward's ``unshard`` is a no-op (L375-L376): from its first forward on the reference
     holds its whole weights in the gathered dtype beside its shard (docs/research/trl-reference-fsdp.md)."""
+    return w.reference_source is Reference.MODEL and w.objective is not Objective.SFT and fsdp2_reshard_off(w)
+
+
+def fsdp2_reshard_off(w: Workload) -> bool:
+    """FSDP2 sharding with ``reshard_after_forward=False`` (``zero=2``, engine ``fsdp``, ``dp > 1``)."""
     p = w.parallel
-    return (w.reference_source is Reference.MODEL and w.objective is not Objective.SFT and p.dp > 1 and p.zero == 2
-            and p.framework is Engine.FSDP)
+    return p.dp > 1 and p.zero == 2 and p.framework is Engine.FSDP
+
+
+def reference_gathered_bytes(ref_est: AnalyticEstimate | None, w: Workload) -> int:
+    """The reference's whole weights in the gathered dtype where it stays gathered
+    (:func:`reference_kept_gathered`), else 0."""
+    return ref_est.params * regime(w).compute if ref_est is not None and reference_kept_gathered(w) else 0
 
 
 def _first_gather(ph: PhasePeak, ref_shard: int, gathered: int, workspace: int) -> PhasePeak:

@@ -24,7 +24,6 @@ from vramplan.precision import precision_model
 from vramplan.results import Breakdown, PhasePeak
 from vramplan.workload import (
     Checkpointing,
-    Engine,
     Loss,
     Objective,
     Peft,
@@ -128,11 +127,10 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) \
         if w.reference_source is Reference.MODEL else None
     ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
-    from .estimate import reference_kept_gathered
+    from .estimate import fsdp2_reshard_off, reference_gathered_bytes
     from .regime import regime
 
-    # (FSDP2 ZeRO-2: the reference stays gathered from its first scoring forward on)
-    kept = ref_est.params * regime(w).compute if ref_est is not None and reference_kept_gathered(w) else 0
+    kept = reference_gathered_bytes(ref_est, w)  # (FSDP2 ZeRO-2: gathered from its first scoring forward on)
     window = w.batch * w.grad_accum
     if w.rollout is Rollout.VLLM:
         if engine is None:
@@ -150,7 +148,7 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     # FSDP2 ZeRO-2 (reshard_after_forward=False): the generation's no-grad forwards leave each of the
     # policy's units gathered (torch 2.13 _fsdp_param_group.py reshard, L499-L502) until the training
     # backward's post-backward reshards them
-    policy_kept = train.params * regime(sft).compute if _fsdp2_zero2(w) else 0
+    policy_kept = train.params * regime(sft).compute if fsdp2_reshard_off(w) and w.parallel.pp == 1 else 0
     resident = Breakdown(weights=s.weights + policy_kept, gradients=s.gradients if w.keep_grads else 0,
                          optimizer=s.optimizer)
 
@@ -189,11 +187,6 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
                  "backward to reshard it, it stays gathered for the run (its shard and its whole weights in the "
                  "gathered dtype in every phase)")
     return dataclasses.replace(_finish(train, phases, note, s.weights + ref + kept), kv_cache=gen.kv_cache)
-
-
-def _fsdp2_zero2(w: Workload) -> bool:
-    p = w.parallel
-    return p.dp > 1 and p.zero == 2 and p.framework is Engine.FSDP and p.pp == 1
 
 
 def _sharded_reference_scoring(spec: ModelSpec, w: Workload, resident: Breakdown, ref_shard: int, ref_params: int,

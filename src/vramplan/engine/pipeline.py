@@ -231,13 +231,12 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
     peak = Peak(allocated=core.allocated, reserved=core.reserved, device_used=core.reserved + dev.overhead_bytes)
     per_gpu = (GpuPeak(0, peak.allocated, peak.reserved, peak.device_used),
                *(GpuPeak(i, a, r, r + dev.overhead_bytes) for i, a, r in gpus)) if gpus else ()
-    worst = max((x.device_used for x in per_gpu), default=peak.device_used)
     verdict = None
     if g is not None and dev.usable is not None:
         use, usable_src = dev.usable, dev.usable_source
         verdict = Verdict(
             gpu=g.key, gpu_name=g.name, capacity=g.capacity, usable=use,
-            fits=False, headroom=use - worst, max_batch=None,
+            fits=False, headroom=0, max_batch=None,
             num_gpus=num_gpus, capacity_source=usable_src, refused=refused,
         )
     timeline = core.timeline
@@ -255,7 +254,8 @@ def finish(core: MethodResult, name: str, w: Workload, g: GPU | None, dev: Devic
     if verdict is not None:  # the one rule for "fits", also the boundary search's
         from .boundary import fits
 
-        report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable)))
+        report = report.replace(verdict=dataclasses.replace(verdict, fits=fits(report, verdict.usable),
+                                                            headroom=verdict.usable - report.device_used_worst))
     return report
 
 

@@ -319,7 +319,6 @@ def _storage_peak_mode() -> Any:
             ``all_gather_single``'s ``res.wait()`` of a sequence-parallel all-gather, or a
             tensor-parallel backward's), its redispatch holds the argument on a second stack."""
             import sys
-            import time
 
             stacks = 1
             f: Any = sys._getframe(1)
@@ -328,13 +327,10 @@ def _storage_peak_mode() -> Any:
                         ("_library/autograd.py", "_library\\autograd.py")):
                     stacks += 1
                 f = f.f_back
-            deadline = time.monotonic() + 60.0
-            while t._use_count() > 1 + stacks:  # type: ignore[attr-defined]
-                if time.monotonic() > deadline:
-                    held = t._use_count() - 1 - stacks  # type: ignore[attr-defined]
-                    raise RuntimeError(f"a collective's output {tuple(t.shape)} still held by {held} "
-                                       "references 60 s after its wait: not the gloo worker's")
-                time.sleep(1e-4)
+            _poll_until(lambda: t._use_count() <= 1 + stacks,  # type: ignore[attr-defined]
+                        lambda: f"a collective's output {tuple(t.shape)} still held by "
+                                f"{t._use_count() - 1 - stacks} references 60 s after its wait: "  # type: ignore[attr-defined]
+                                "not the gloo worker's")
 
         def _await_inputs(self, out: Any, args: Any, kwargs: Any, before: list[int]) -> None:
             """Complete the functional collective just issued (``out``: its outputs) and return
@@ -355,24 +351,16 @@ def _storage_peak_mode() -> Any:
             worker thread whenever it ran: in a CI run (stop 49) the two tensor-parallel ranks of
             a pipeline rank peaked 504 B apart. Each output is waited for until only its Python
             object holds it."""
-            import time
-
             inputs = [t for t in tree_leaves((args, kwargs)) if type(t) is torch.Tensor]
-            deadline = time.monotonic() + 60.0
             for t in tree_leaves(out):
                 if type(t) is torch.Tensor:
                     torch.ops._c10d_functional.wait_tensor(t)
-                    if any(t is x for x in inputs):  # (an in-place or ``out=`` variant: the caller's)
-                        continue
-                    while t._use_count() > 1:  # type: ignore[attr-defined]
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"a functional collective's output {tuple(t.shape)} still held 60 s "
-                                               "after it completed")
-                        time.sleep(1e-4)
-            while any(t._use_count() > n for t, n in zip(inputs, before, strict=True)):  # type: ignore[attr-defined]
-                if time.monotonic() > deadline:
-                    raise RuntimeError("a functional collective's inputs still held 60 s after it completed")
-                time.sleep(1e-4)
+                    if not any(t is x for x in inputs):  # (an in-place or ``out=`` variant: the caller's)
+                        _poll_until(lambda t=t: t._use_count() <= 1,  # type: ignore[attr-defined,misc]
+                                    lambda t=t: f"a functional collective's output {tuple(t.shape)} still held "  # type: ignore[misc]
+                                                "60 s after it completed")
+            _poll_until(lambda: all(t._use_count() <= n for t, n in zip(inputs, before, strict=True)),  # type: ignore[attr-defined]
+                        lambda: "a functional collective's inputs still held 60 s after it completed")
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types):
@@ -428,6 +416,18 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
 
+def _poll_until(done: Any, message: Any, timeout: float = 60.0) -> None:
+    """Return once ``done()`` is true (polled every 0.1 ms); raise ``RuntimeError(message())``
+    after ``timeout`` seconds (a real run's collective buffers held by another thread: gloo's worker)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(message())
+        time.sleep(1e-4)
+
+
 _C10D_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
                      "all_reduce", "broadcast")
 """The ``torch.distributed`` collectives FSDP1/FSDP2 call through the module (so a patch of the
@@ -450,7 +450,6 @@ def _c10d_waits_release() -> Iterator[None]:
     (views the work made of them count) and every storage the call allocated otherwise is freed
     (a minute at most). A call with ``async_op`` runs synchronously and hands back a completed
     work: only when a collective waits changes, not what it allocates."""
-    import time
     import weakref
 
     import torch
@@ -500,11 +499,7 @@ def _c10d_waits_release() -> Iterator[None]:
                 return (any(uses(s._cdata) > n for s, n in zip(storages, before, strict=True))
                         or any(r() is not None for r in made))
 
-            deadline = time.monotonic() + 60.0
-            while held():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the buffers of a {fn.__name__} still held 60 s after it returned")
-                time.sleep(1e-4)
+            _poll_until(lambda: not held(), lambda: f"the buffers of a {fn.__name__} still held 60 s after it returned")
             return _Done() if asynchronous else None
 
         call.__name__ = getattr(fn, "__name__", "collective")
