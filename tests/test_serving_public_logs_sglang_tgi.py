@@ -351,14 +351,15 @@ def test_tgi_flash_llama_warmup_peak() -> None:
     down_proj; the peak is the largest GEMM / activation moment. Llama-3.1-8B at 4,096 tokens, 16 bit:
     the act(gate) * up moment, 8 × 4096 + 4 × 14,336 columns; with Marlin the down_proj moment
     (9 × 4096 + 3 × 14,336 columns, + a_tmp [M, 14,336] + c_tmp [1024, 4096] fp32) is over it.
-    Not a read layout: an MoE (Mixtral), hidden > 8192 (in-place RMSNorm), Qwen3 (no flash class)."""
+    Not a read layout: an MoE other than Mixtral (Qwen3-MoE), hidden > 8192 (in-place RMSNorm), Qwen3 (no flash
+    class)."""
     spec, m, rel = resolve("llama-3.1-8b"), 4096, TgiRelease.of("3.3.7")
     act = 2 * m * (8 * 4096 + 4 * 14336)
     down = 2 * m * (9 * 4096 + 3 * 14336) + m * 14336 * 2 + 1024 * 4096 * 4
     assert tgi.warmup_peak(spec, m, 1, rel, marlin=False) == act < down == tgi.warmup_peak(spec, m, 1, rel, marlin=True)
     for older in ("3.0.0", "3.1.1", "3.2.0"):  # the same layer at every tag
         assert tgi.warmup_peak(spec, m, 1, TgiRelease.of(older), marlin=False) == act
-    for other in ("mixtral-8x7b", "llama-3.1-405b", "qwen3-8b"):
+    for other in ("qwen3-30b-a3b", "llama-3.1-405b", "qwen3-8b"):
         assert tgi.warmup_peak(resolve(other), m, 8, rel, marlin=False) is None
     p = serve_plan("llama-3.1-8b", "h100-sxm", engine="tgi", engine_version="3.3.7", max_model_len=8192,
                    max_num_batched_tokens=m)
@@ -446,9 +447,12 @@ def test_tgi_mixtral_fused_moe_warmup_peak() -> None:
     windowed = dataclasses.replace(spec, config={**spec.config, "sliding_window": 4096})
     copied = tgi.warmup_moments(windowed, 2 * m, 1, old, marlin=False)["o_proj"]
     assert copied - tgi.warmup_moments(spec, 2 * m, 1, old, marlin=False)["o_proj"] == 2 * 2 * 8 * 128 * 4096
-    # kernel-hub MoE from 3.1.1 (not read), quantized experts (Marlin MoE / dense): vramplan's generic forward
-    assert tgi.warmup_layout(spec, new) is None and tgi.warmup_peak(spec, m, 1, new, marlin=False) is None
-    assert tgi.warmup_layout(spec, old, "awq") is None and tgi.warmup_layout(resolve("qwen3-30b-a3b"), old) is None
+    # from 3.1.1 the kernel hub's MoE (tests/test_serving_tgi_moe.py); AWQ experts run Marlin MoE at every release,
+    # fp8 experts are read from 3.1.1 only; another MoE model class is not read: vramplan's generic forward
+    assert tgi.warmup_layout(spec, new).moe_kernel == "kernels-community/moe"
+    assert tgi.warmup_layout(spec, old).moe_kernel == "moe-kernels" and tgi.warmup_layout(spec, old, "awq")
+    assert tgi.warmup_layout(spec, old, "fp8") is None and tgi.warmup_layout(spec, new, "fp8") is not None
+    assert tgi.warmup_layout(resolve("qwen3-30b-a3b"), old) is None
     # a non-power-of-two expert count adds topk_softmax's fp32 [M, E] workspace (topk_softmax_kernels.cu
     # v0.7.0:489-495); past one pass (32,768 tokens) the caches stay one pass long and two passes' alignment
     # outputs meet: 40,000 tokens = passes of 32,768 and 7,232
@@ -462,22 +466,25 @@ def test_tgi_mixtral_fused_moe_warmup_peak() -> None:
 
 def test_tgi_mixtral_plan_follows_fused_moe_per_release() -> None:
     """serve-plan's TGI warm-up peak for Mixtral-8x7B, TP 2 on H100 (the launcher's 32,768 prefill tokens):
-    to 3.1.0 the fused-MoE count (each rank's experts at I / 2 = 7,168, one 32,768-token pass), from 3.1.1
-    vramplan's generic forward, named in the note."""
+    to 3.1.0 moe-kernels' fused-MoE count (each rank's experts at I / 2 = 7,168, one 32,768-token pass, three
+    caches), from 3.1.1 the kernel hub's (caches 1 and 3 share one buffer, max(2·I, hidden) wide, so 2 × M × 2 ×
+    min(2·I, hidden) bytes less; the fp32 router copy and ``token_expert_indicies`` outlive the renormalization,
+    which is not the peak here). No note then: every release's kernel for it was read."""
     m, h, i = 32768, 4096, 7168
     padded = 2 * m + 8 * 63
-    hand = 2 * m * 7 * h + 2 * m * 8 + 8 * m * 2 + 2 * m * 2 * (3 * i + h) + 4 * (padded + -(-padded // 64) + 1)
-    for version in ("3.0.1", "3.1.0"):
+    align = 4 * (padded + -(-padded // 64) + 1)
+    hand = 2 * m * 7 * h + 2 * m * 8 + 8 * m * 2 + 2 * m * 2 * (3 * i + h) + align
+    hub = 2 * m * 7 * h + 2 * m * 8 + 8 * m * 2 + 2 * m * 2 * (max(2 * i, h) + i) + align
+    for version, want in (("3.0.1", hand), ("3.1.0", hand), ("3.1.1", hub), ("3.3.7", hub)):
         p = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version=version, tp=2)
-        assert p.settings["max_batch_prefill_tokens"] == m and p.profile_peak == hand
+        assert p.settings["max_batch_prefill_tokens"] == m and p.profile_peak == want
         assert "FlashMixtralForCausalLM" in p.notes[0]
-    late = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version="3.1.1", tp=2)
-    assert "FlashMixtralForCausalLM" not in late.notes[0] and late.profile_peak < hand
-    # the generic peak leaves the unread kernel's buffers out, and the plan says so, with 3.1.0's figure for scale
-    said = [n for n in late.notes if n.startswith("The fused-MoE kernel's per-call buffers")]
-    assert len(said) == 1 and "TGI 3.1.1's MoE kernel" in said[0] and f"{hand / 2**30:.2f} GiB" in said[0]
-    early = serve_plan("mixtral-8x7b", "h100-sxm", engine="tgi", engine_version="3.1.0", tp=2)
-    assert not any("fused-MoE kernel's per-call" in n for n in early.notes)
+        assert not any("fused-MoE kernel's per-call" in n for n in p.notes)
+    assert hand - hub == 2 * m * 2 * min(2 * i, h)
+    # an MoE model class that was not read keeps the generic forward and says what it leaves out
+    other = serve_plan("qwen3-30b-a3b", "h100-sxm", engine="tgi", engine_version="3.3.7")
+    said = [n for n in other.notes if n.startswith("The fused-MoE kernel's per-call buffers")]
+    assert len(said) == 1 and "TGI 3.3.7's MoE layer for qwen3-30b-a3b was not read" in said[0]
 
 
 def test_log_qwen25_3b_rtx_a6000_tgi_3_2_3_issue_3181() -> None:

@@ -23,9 +23,10 @@
 - AWQ / GPTQ on Marlin (compute capability 8.0+), 3.0.0 … 3.1.0: the warm-up peak adds Marlin's
   per-GEMM buffers (:func:`marlin_temporaries`).
 - The warm-up peak at ``max_batch_prefill_tokens``: the tensors TGI's own model class holds
-  (:func:`warmup_peak`: FlashLlama's model types, Qwen2, Mistral, Gemma 2, per release; Mixtral unquantized
-  to 3.1.0, with moe-kernels' fused-MoE buffers); vramplan's generic forward for the others (Mixtral from
-  3.1.1, whose kernel-hub MoE kernels were not read; other MoE models, Gemma, Phi, …). Approximated: it is the allocated peak, where TGI's free-memory reading sees
+  (:func:`warmup_peak`: FlashLlama's model types, Qwen2, Mistral, Gemma 2, per release; Mixtral with its
+  fused-MoE buffers per kernel generation, :mod:`vramplan.serving.tgi_moe`: unquantized and AWQ / GPTQ Marlin
+  MoE at every release, fp8 from 3.1.1); vramplan's generic forward for the others (other MoE models, Gemma,
+  Phi, …). Approximated: it is the allocated peak, where TGI's free-memory reading sees
   the caching allocator's reserve; the
   router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
 """
@@ -44,6 +45,15 @@ from vramplan.pools.base import cdiv, outside
 from vramplan.pools.kvspec import bytes_per_token, layer_specs
 from vramplan.pools.result import ServePlan
 from vramplan.pools.tgi_release import NEWEST, TgiRelease
+from vramplan.serving.tgi_moe import FUSED_MOE_CHUNK as FUSED_MOE_CHUNK
+from vramplan.serving.tgi_moe import (
+    HUB,
+    HUB_FROM,
+    MOE_KERNELS,
+    fused_moe_moments,
+    marlin_moe_moments,
+)
+from vramplan.serving.tgi_moe import moe_align_ints as moe_align_ints
 from vramplan.units import GiB
 
 VERSION = NEWEST
@@ -92,8 +102,12 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
     fwd = forward(spec, tokens=prefill, tp=tp, pp=pp, quant=quant, dtype=dtype, method=method)
     on_marlin = uses_marlin_temporaries(spec, gpu, rel, quant)
     marlin = marlin_temporaries(spec, prefill, tp) if on_marlin else 0
-    layout = warmup_layout(spec, rel, quant)
-    flash = warmup_peak(spec, prefill, tp, rel, marlin=on_marlin, max_total=s.max_total_tokens, quant=quant)
+    # AWQ / GPTQ experts below compute capability 8.0 take DenseMoELayer (layers/moe/__init__.py v3.3.7:268-285,
+    # gptq_marlin.py :29-43 ``has_sm_8_0``; flash_mixtral_modeling.py v3.3.7:363-365): not read, generic forward
+    sparse = not (spec.is_moe and quant in ("awq", "gptq") and _major(gpu) < 8)
+    layout = warmup_layout(spec, rel, quant) if sparse else None
+    flash = warmup_peak(spec, prefill, tp, rel, marlin=on_marlin, max_total=s.max_total_tokens, quant=quant) \
+        if sparse else None
     peak = flash if flash is not None else fwd.activation_peak + marlin
     batch_blocks = warmup_blocks(prefill, s.max_total_tokens, block)
     workspace = FLASHINFER_WORKSPACE if s.attention == "flashinfer" else 0
@@ -151,26 +165,25 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
 
 def moe_buffers_note(spec: ModelSpec, prefill: int, tp: int, rel: TgiRelease, quant: str,
                      max_total: int | None) -> str:
-    """What the warm-up peak of an MoE model leaves out where TGI's fused-MoE kernel was not read at ``rel``
-    (from 3.1.1 TGI loads ``kernels-community/moe`` from the kernel hub; quantised MoE layers at every
-    release): its per-call buffers, so the KV pool may be overstated. For scale, the peak with moe-kernels
-    0.8.2's buffers (TGI 3.1.0's, :func:`fused_moe_moments`) where that model class was read."""
-    base = ("The fused-MoE kernel's per-call buffers (routing, sorted token ids, the expert GEMMs' caches) are not "
-            f"in this warm-up peak: TGI {rel.text}'s MoE kernel for this model was not read, so the KV pool may be "
-            "overstated")
-    then = TgiRelease.of("3.1.0")
-    if quant == "none" and warmup_layout(spec, then, quant) is not None:
-        peak = warmup_peak(spec, prefill, tp, then, marlin=False, max_total=max_total, quant=quant)
-        if peak is not None:
-            base += f" (with TGI 3.1.0's moe-kernels 0.8.2 buffers the warm-up peak is {peak / GiB:.2f} GiB)"
-    return base + "."
+    """What the warm-up peak of an MoE model leaves out where TGI's model class or fused-MoE kernel for it was not
+    read at ``rel`` (MoE models other than Mixtral; fp8 Mixtral to 3.1.0; AWQ / GPTQ Mixtral below compute
+    capability 8.0, which runs DenseMoELayer): the MoE's per-call buffers, so the KV pool may be overstated."""
+    return ("The fused-MoE kernel's per-call buffers (routing, sorted token ids, the expert GEMMs' caches) are not "
+            f"in this warm-up peak: TGI {rel.text}'s MoE layer for {spec.name}"
+            + (f" with {quant} weights" if quant != "none" else "")
+            + " was not read, so the KV pool may be overstated.")
+
+
+def _major(gpu: GPU) -> int:
+    return int((gpu.compute_capability or "0").split(".")[0])
 
 
 def uses_marlin_temporaries(spec: ModelSpec, gpu: GPU, rel: TgiRelease, quant: str) -> bool:
-    """Whether the warm-up's GEMMs carry Marlin's per-call buffers (:func:`marlin_temporaries`): an AWQ / GPTQ
-    dense model on compute capability 8.0+ under TGI 3.0.0 … 3.1.0 (the releases whose kernel was read)."""
-    major = int((gpu.compute_capability or "0").split(".")[0])
-    return quant in ("awq", "gptq") and not spec.is_moe and major >= 8 and not rel.since("3.1.1")
+    """Whether the warm-up's dense GEMMs carry Marlin's per-call buffers (:func:`marlin_temporaries`): an AWQ /
+    GPTQ model on compute capability 8.0+ under TGI 3.0.0 … 3.1.0 (the releases whose kernel was read) — dense, or
+    Mixtral's attention (its experts run Marlin MoE, :func:`vramplan.serving.tgi_moe.marlin_moe_moments`)."""
+    moe_ok = not spec.is_moe or warmup_layout(spec, rel, quant) is not None
+    return quant in ("awq", "gptq") and moe_ok and _major(gpu) >= 8 and not rel.since(HUB_FROM)
 
 
 def marlin_temporaries(spec: ModelSpec, tokens: int, tp: int) -> int:
@@ -197,22 +210,14 @@ FLASH_LLAMA_TYPES = ("llama", "phi3", "granite", "baichuan")
 # Qwen2ForCausalLM (flash_qwen2_modeling.py), FlashMistralForCausalLM, FlashGemma2ForCausalLM
 # (models/__init__.py v3.0.1:939-943, 1069-1073, 1146-1150; v3.3.7:1106-1110, 1335-1339, 1439-1443)
 WARMUP_TYPES = (*FLASH_LLAMA_TYPES, "qwen2", "mistral", "gemma2")
-# TGI 3.0.0 … 3.0.2 install moe-kernels 0.7.0, 3.1.0 moe-kernels 0.8.2 (server/pyproject.toml v3.0.1:56-60,
-# v3.1.0:78); from 3.1.1 the CUDA MoE layer loads kernels-community/moe from the kernel hub (v3.1.1 / 3.2.0
-# ">=0.1.1" unlocked, server/kernels.lock pins hub revision 605a216f from 3.2.1, e3efab93 from 3.3.1), whose
-# fused_experts was not read: Mixtral's warm-up peak is TGI's own to 3.1.0 only (:func:`warmup_layout`).
-# moe-kernels' fused_experts runs at most VLLM_FUSED_MOE_CHUNK_SIZE tokens per pass (default 32768;
-# moe_kernels/fused_moe.py v0.7.0:16, v0.8.2:17) and sizes its caches for one pass.
-FUSED_MOE_CHUNK = 32768
-
-
 @dataclass(frozen=True)
 class WarmupLayout:
     """What one of TGI's model classes keeps alive at its warm-up prefill, in hidden-sized [M, hidden] tensors
     (:func:`warmup_peak`): during the attention, during the MLP; whether the attention copies the new K/V for
     the sliding window (``kv_to_cache = kv[prefill_cache_indices]``); whether the RMSNorm runs in fp32 on
-    [M, hidden] temporaries (Gemma 2); whether the MLP is moe-kernels' ``fused_moe`` (Mixtral,
-    :func:`fused_moe_moments`)."""
+    [M, hidden] temporaries (Gemma 2); whether the MLP is a fused MoE (Mixtral,
+    :mod:`vramplan.serving.tgi_moe`) and which kernel generation runs it (``moe_kernel``: moe-kernels to 3.1.0,
+    the kernel hub's ``kernels-community/moe`` from 3.1.1)."""
 
     model_class: str
     attn_held: int
@@ -220,12 +225,13 @@ class WarmupLayout:
     kv_copy: bool = False
     fp32_norm: bool = False
     fused_moe: bool = False
+    moe_kernel: str = ""
 
 
 def warmup_layout(spec: ModelSpec, rel: TgiRelease, quant: str = "none") -> WarmupLayout | None:
     """The warm-up forward's layout of ``spec``'s TGI model class at ``rel`` (CUDA, every tag v3.0.0 … v3.3.7
-    read where not said), or ``None`` where it was not read (other classes, other MoE models, Mixtral from
-    3.1.1 or quantized) or does not hold (hidden > 8192: ``FastRMSNorm`` adds in place, layers/layernorm.py
+    read where not said), or ``None`` where it was not read (other classes, other MoE models, Mixtral with other
+    weights) or does not hold (hidden > 8192: ``FastRMSNorm`` adds in place, layers/layernorm.py
     v3.0.1:124-139).
 
     - FlashLlama (flash_llama_modeling.py v3.0.1:474-496, 601, 610-624, 687-688) and FlashMistral (the same
@@ -252,23 +258,28 @@ def warmup_layout(spec: ModelSpec, rel: TgiRelease, quant: str = "none") -> Warm
       ``use_sliding_window: false`` in transformers 4.46.3 / 4.49 (TGI 3.0 / 3.2's pins,
       server/requirements_cuda.txt) — assumed from huggingface/transformers#36377 (Feb 2025), which reads it
       as a number there.
-    - FlashMixtralForCausalLM (mixtral; models/__init__.py v3.0.1:1094-1098, v3.1.0:1219), unquantized
-      (``quant="none"``: ``SparseMoELayer`` picks ``UnquantizedSparseMoELayer``, layers/moe/__init__.py
-      v3.0.1:225-229), 3.0.0 … 3.1.0 (moe-kernels; the kernel hub's MoE after was not read): FlashMistral's
-      layer (flash_mixtral_modeling.py v3.0.1:378-415, the same file at v3.1.0) and attention (:230-295, the
-      sliding-window copy :256-259, to 3.2.0 as for Mistral), but ``MixtralModel`` embeds
-      the ids itself and rebinds ``hidden_states`` in its loop (:463-485), so no frame keeps the embeddings past
-      the first layer: the loop's ``hidden_states`` / ``residual``, ``normed_hidden_states``, ``res`` (4 during
-      the attention), then ``attn_output``, ``normed_attn_res_output``, ``attn_res`` (7 through the MoE). The
-      MoE (``MixtralMoE.forward`` :341-350) writes its output into ``normed_attn_res_output``
-      (``fused_moe(..., inplace=True)``, layers/moe/unquantized.py v3.0.1:84-95, v3.1.0:76-89), so its moments
-      are :func:`fused_moe_moments` over those 7."""
+    - FlashMixtralForCausalLM (mixtral; models/__init__.py v3.0.1:1094-1098, v3.1.0:1219, v3.3.7:1373), the same
+      file at v3.0.1, v3.1.0 and v3.3.7 but for one argument of the attention call: FlashMistral's layer
+      (flash_mixtral_modeling.py v3.0.1:378-415) and attention (:230-295, the sliding-window copy :256-259,
+      v3.3.7:257, to 3.2.0 as for Mistral), but ``MixtralModel`` embeds the ids itself and rebinds
+      ``hidden_states`` in its loop (:463-485), so no frame keeps the embeddings past the first layer: the loop's
+      ``hidden_states`` / ``residual``, ``normed_hidden_states``, ``res`` (4 during the attention), then
+      ``attn_output``, ``normed_attn_res_output``, ``attn_res`` (7 through the MoE). ``MixtralMoE.forward``
+      (v3.0.1:341-350, v3.3.7:342-351) keeps the router logits and calls ``SparseMoELayer`` (layers/moe/__init__.py
+      v3.0.1:225-229, v3.3.7:221-243), whose moments per weight kind and kernel generation are
+      :mod:`vramplan.serving.tgi_moe`'s over those 7: unquantized (``UnquantizedSparseMoELayer``, writes into
+      ``normed_attn_res_output``: :func:`fused_moe_moments`), AWQ / GPTQ (``GPTQMarlinSparseMoELayer``, compute
+      capability 8.0+ — the caller checks it: :func:`marlin_moe_moments`) and, from 3.1.1, ``--quantize fp8``
+      (``FP8SparseMoELayer``, the hub's fp8 w8a8 path; to 3.1.0 moe-kernels' fp8 path was not read)."""
     if spec.is_moe:
-        if (spec.model_type != "mixtral" or quant != "none" or rel.since("3.1.1") or spec.hidden > 8192
-                or not spec.n_experts or not spec.experts_per_token):
+        if (spec.model_type != "mixtral" or spec.hidden > 8192 or not spec.n_experts or not spec.experts_per_token):
             return None
-        window = spec.config.get("sliding_window") is not None  # (every release to 3.1.0 copies)
-        return WarmupLayout("FlashMixtralForCausalLM", 4, 7, kv_copy=window, fused_moe=True)
+        hub = rel.since(HUB_FROM)
+        if quant not in ("none", "awq", "gptq") and not (quant == "fp8" and hub):
+            return None
+        window = spec.config.get("sliding_window") is not None and not rel.since("3.2.1")
+        return WarmupLayout("FlashMixtralForCausalLM", 4, 7, kv_copy=window, fused_moe=True,
+                            moe_kernel=HUB if hub else MOE_KERNELS)
     if not spec.intermediate or spec.model_type not in WARMUP_TYPES:
         return None
     if spec.model_type == "gemma2":
@@ -304,52 +315,6 @@ def warmup_peak(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, marli
     return max(moments.values()) if moments else None
 
 
-def moe_align_ints(tokens: int, topk: int, experts: int) -> int:
-    """Bytes of ``moe_align_block_size``'s int32 outputs for one pass of ``tokens`` rows: ``sorted_ids``
-    [M·topk + E·(BLOCK_SIZE_M − 1)], ``expert_ids`` [⌈that / BLOCK_SIZE_M⌉], ``num_tokens_post_pad`` [1]
-    (moe_kernels/fused_moe.py v0.7.0:218-231, v0.8.2:246-259). BLOCK_SIZE_M is the default config's, 64, or
-    16 for M ≤ E (v0.7.0:335-358, v0.8.2:377-400); a tuned config file for the card (moe_kernels/configs/,
-    E=…,N=…,device_name=….json) may pick another (16 … 256): E · 4 bytes per unit of difference."""
-    block = 16 if tokens <= experts else 64
-    padded = tokens * topk + experts * (block - 1)
-    return 4 * (padded + cdiv(padded, block) + 1)
-
-
-def fused_moe_moments(m: int, hidden: int, inter: int, experts: int, topk: int) -> dict[str, int]:
-    """Bytes moe-kernels' ``fused_moe`` (0.7.0 / 0.8.2; TGI's ``UnquantizedSparseMoELayer``, 16-bit
-    activations) holds over its input, per moment, for ``m`` tokens, ``inter`` = the expert intermediate on
-    this rank (TGI shards each expert's w1/w3 by column and w2 by row: layers/moe/unquantized.py
-    v3.0.1:98-154), with the router logits [M, E] in the activation dtype from ``MixtralMoE``'s gate
-    (flash_mixtral_modeling.py v3.0.1:341-344) alive throughout:
-
-    - ``topk_softmax``: ``fused_topk`` allocates ``topk_weights`` fp32, ``topk_ids`` and
-      ``token_expert_indicies`` int32, each [M, topk], and passes ``gating_output.float()`` [M, E]
-      (v0.7.0:387-416, v0.8.2:436-465); the kernel adds an fp32 [M·E] workspace when E is not a power of two
-      or above 256 (csrc/moe/topk_softmax_kernels.cu v0.7.0:489-495);
-    - ``renormalize`` (TGI passes ``renormalize=True``, flash_mixtral_modeling.py v3.0.1:329): after ``del
-      token_expert_indicies``, ``topk_weights / topk_weights.sum(-1, keepdim=True)`` holds the old weights,
-      the [M, 1] fp32 sum and the new weights;
-    - ``fused_experts`` (v0.7.0:471-612, v0.8.2:545-688): ``intermediate_cache1`` [Mc, topk, 2·I],
-      ``intermediate_cache2`` [Mc·topk, I], ``intermediate_cache3`` [Mc, topk, hidden], all allocated before
-      the loop (Mc = min(M, :data:`FUSED_MOE_CHUNK`)), ``out_hidden_states`` the input itself (``inplace``),
-      and per pass :func:`moe_align_ints` — the previous pass's still bound while the next is aligned; the
-      GEMMs (Triton), ``silu_and_mul`` and ``moe_sum`` write into those caches / the input and allocate
-      nothing."""
-    e, k = experts, topk
-    logits = 2 * m * e
-    workspace = 4 * m * e if (e & (e - 1)) or e > 256 else 0
-    chunk = min(m, FUSED_MOE_CHUNK)
-    passes = [min(FUSED_MOE_CHUNK, m - start) for start in range(0, m, FUSED_MOE_CHUNK)]
-    aligned = [moe_align_ints(t, k, e) for t in passes]
-    align = max([aligned[0]] + [a + b for a, b in zip(aligned, aligned[1:], strict=False)])
-    return {
-        "router": logits,
-        "topk_softmax": logits + 4 * m * e + workspace + 3 * 4 * m * k,
-        "renormalize": logits + 3 * 4 * m * k + 4 * m,
-        "fused_experts": logits + 2 * 4 * m * k + 2 * chunk * k * (2 * inter + inter + hidden) + align,
-    }
-
-
 def warmup_moments(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, marlin: bool,
                    max_total: int | None = None, quant: str = "none") -> dict[str, int]:
     """The bytes alive at each GEMM / activation moment of one layer of the warm-up prefill as TGI's model class
@@ -364,7 +329,8 @@ def warmup_moments(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, ma
       [M, h]; with the sliding-window copy, ``kv_to_cache`` [Σ min(prompt, window), 2·KV/tp · d] through
       the attention and o_proj (the attention's frame holds it);
     - Gemma 2: the post-feed-forward norm's moment (8 held + an fp32 [M, h] copy and product);
-    - Mixtral (``fused_moe`` layout): :func:`fused_moe_moments` over the held tensors in place of the MLP's;
+    - Mixtral (``fused_moe`` layout): the MoE's moments (:mod:`vramplan.serving.tgi_moe`, per weight kind and
+      kernel generation) over the held tensors in place of the MLP's;
     - Marlin's ``a_tmp`` / ``c_tmp`` at each GEMM when ``marlin`` (:func:`marlin_temporaries`).
 
     Left out: the logits — the warm-up
@@ -390,8 +356,9 @@ def warmup_moments(spec: ModelSpec, tokens: int, tp: int, rel: TgiRelease, *, ma
         "o_proj": 2 * m * (attn + (q + 2 * kv) + q + h) + 2 * copy + temps(q, h),
     }
     if lay.fused_moe:
-        inter = model_shape(spec).moe_intermediate // tp
-        moe = fused_moe_moments(m, h, inter, spec.n_experts, spec.experts_per_token)
+        shape = (m, h, model_shape(spec).moe_intermediate // tp, spec.n_experts, spec.experts_per_token)
+        moe = marlin_moe_moments(*shape, kernel=lay.moe_kernel) if quant in ("awq", "gptq") else \
+            fused_moe_moments(*shape, kernel=lay.moe_kernel, fp8=quant == "fp8")
         return moments | {name: 2 * m * mlp + b for name, b in moe.items()}
     moments |= {
         "gate_up": 2 * m * (mlp + 2 * i) + temps(h, 2 * i),
