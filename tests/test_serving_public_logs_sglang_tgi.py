@@ -448,7 +448,7 @@ def test_tgi_mixtral_fused_moe_warmup_peak() -> None:
     copied = tgi.warmup_moments(windowed, 2 * m, 1, old, marlin=False)["o_proj"]
     assert copied - tgi.warmup_moments(spec, 2 * m, 1, old, marlin=False)["o_proj"] == 2 * 2 * 8 * 128 * 4096
     # from 3.1.1 the kernel hub's MoE (tests/test_serving_tgi_moe.py); AWQ experts run Marlin MoE at every release,
-    # fp8 experts are read from 3.1.1 only; another MoE model class is not read: vramplan's generic forward
+    # fp8 experts from 3.1.0 (3.0.x has no fp8 MoE layer); another MoE model class is not read: vramplan's generic forward
     assert tgi.warmup_layout(spec, new).moe_kernel == "kernels-community/moe"
     assert tgi.warmup_layout(spec, old).moe_kernel == "moe-kernels" and tgi.warmup_layout(spec, old, "awq")
     assert tgi.warmup_layout(spec, old, "fp8") is None and tgi.warmup_layout(spec, new, "fp8") is not None

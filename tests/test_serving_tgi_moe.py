@@ -41,12 +41,17 @@ def test_hub_fp8_experts_add_the_quantised_input_and_activation() -> None:
     """``--quantize fp8`` Mixtral from 3.1.1: ``FP8SparseMoELayer`` → ``fused_moe(use_fp8_w8a8=True)`` with no
     input scale (layers/moe/fp8.py v3.3.7:72-91), so each pass quantises its input and the activated cache
     dynamically (vllm_moe/fp8.py ``scaled_fp8_quant``: an fp8 copy + an fp32 scale [1]), both alive at the w2
-    GEMM. To 3.1.0 (moe-kernels' fp8 path, not read) the layout is unknown."""
+    GEMM. TGI 3.1.0 runs the same layer over moe-kernels 0.8.2, whose ``invoke_fused_moe_kernel`` quantises each
+    GEMM's input into a temporary (fused_moe.py v0.8.2:284-287): the larger copy, here the activated cache. 3.0.x
+    has no fp8 MoE layer: not read."""
     spec, rel = resolve("mixtral-8x7b"), TgiRelease.of("3.2.1")
     plain = tgi.warmup_moments(spec, M, 1, rel, marlin=False)["fused_experts"]
     fp8 = tgi.warmup_moments(spec, M, 1, rel, marlin=False, quant="fp8")["fused_experts"]
     assert fp8 - plain == M * H + M * K * INTER + 8
-    assert tgi.warmup_layout(spec, TgiRelease.of("3.1.0"), "fp8") is None
+    old = TgiRelease.of("3.1.0")
+    three = tgi.warmup_moments(spec, M, 1, old, marlin=False, quant="fp8")["fused_experts"]
+    assert three - tgi.warmup_moments(spec, M, 1, old, marlin=False)["fused_experts"] == M * K * INTER + 4
+    assert tgi.warmup_layout(spec, TgiRelease.of("3.0.2"), "fp8") is None
 
 
 def test_marlin_moe_moments_by_hand() -> None:

@@ -25,7 +25,7 @@
 - The warm-up peak at ``max_batch_prefill_tokens``: the tensors TGI's own model class holds
   (:func:`warmup_peak`: FlashLlama's model types, Qwen2, Mistral, Gemma 2, per release; Mixtral with its
   fused-MoE buffers per kernel generation, :mod:`vramplan.serving.tgi_moe`: unquantized and AWQ / GPTQ Marlin
-  MoE at every release, fp8 from 3.1.1); vramplan's generic forward for the others (other MoE models, Gemma,
+  MoE at every release, fp8 from 3.1.0); vramplan's generic forward for the others (other MoE models, Gemma,
   Phi, …). Approximated: it is the allocated peak, where TGI's free-memory reading sees
   the caching allocator's reserve; the
   router's refusal when ``max_total_tokens`` exceeds the pool is paraphrased, not quoted.
@@ -166,7 +166,7 @@ def plan(spec: ModelSpec, gpu: GPU, *, tp: int = 1, pp: int = 1, quant: str = "n
 def moe_buffers_note(spec: ModelSpec, prefill: int, tp: int, rel: TgiRelease, quant: str,
                      max_total: int | None) -> str:
     """What the warm-up peak of an MoE model leaves out where TGI's model class or fused-MoE kernel for it was not
-    read at ``rel`` (MoE models other than Mixtral; fp8 Mixtral to 3.1.0; AWQ / GPTQ Mixtral below compute
+    read at ``rel`` (MoE models other than Mixtral; fp8 Mixtral on 3.0.x; AWQ / GPTQ Mixtral below compute
     capability 8.0, which runs DenseMoELayer): the MoE's per-call buffers, so the KV pool may be overstated."""
     return ("The fused-MoE kernel's per-call buffers (routing, sorted token ids, the expert GEMMs' caches) are not "
             f"in this warm-up peak: TGI {rel.text}'s MoE layer for {spec.name}"
@@ -269,13 +269,15 @@ def warmup_layout(spec: ModelSpec, rel: TgiRelease, quant: str = "none") -> Warm
       v3.0.1:225-229, v3.3.7:221-243), whose moments per weight kind and kernel generation are
       :mod:`vramplan.serving.tgi_moe`'s over those 7: unquantized (``UnquantizedSparseMoELayer``, writes into
       ``normed_attn_res_output``: :func:`fused_moe_moments`), AWQ / GPTQ (``GPTQMarlinSparseMoELayer``, compute
-      capability 8.0+ — the caller checks it: :func:`marlin_moe_moments`) and, from 3.1.1, ``--quantize fp8``
-      (``FP8SparseMoELayer``, the hub's fp8 w8a8 path; to 3.1.0 moe-kernels' fp8 path was not read)."""
+      capability 8.0+ — the caller checks it: :func:`marlin_moe_moments`) and, from 3.1.0, ``--quantize fp8``
+      (``FP8SparseMoELayer``, layers/moe/fp8.py v3.1.0 / v3.3.7:72-91, the fp8 w8a8 path; 3.0.x hands a
+      ``HybridFP8UnquantLoader`` to ``UnquantizedSparseMoELayer``, layers/moe/__init__.py v3.0.1:225-229 — not
+      read)."""
     if spec.is_moe:
         if (spec.model_type != "mixtral" or spec.hidden > 8192 or not spec.n_experts or not spec.experts_per_token):
             return None
         hub = rel.since(HUB_FROM)
-        if quant not in ("none", "awq", "gptq") and not (quant == "fp8" and hub):
+        if quant not in ("none", "awq", "gptq") and not (quant == "fp8" and rel.since("3.1.0")):
             return None
         window = spec.config.get("sliding_window") is not None and not rel.since("3.2.1")
         return WarmupLayout("FlashMixtralForCausalLM", 4, 7, kv_copy=window, fused_moe=True,

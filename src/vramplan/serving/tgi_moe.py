@@ -82,7 +82,11 @@ def fused_moe_moments(m: int, hidden: int, inter: int, experts: int, topk: int, 
       hidden)] that caches 1 and 3 view (:1306-1314) and ``intermediate_cache2`` [Mc·topk, I] (:1316-1319);
       with ``fp8`` (``use_fp8_w8a8``, TGI's on-the-fly fp8 with no input scale) each pass quantises its input
       and the activated cache with ``scaled_fp8_quant`` (vllm_moe/fp8.py :12-60: an fp8 copy and a dynamic
-      per-tensor fp32 scale [1]), both bound through the w2 GEMM (fused_moe.py :1362-1369, :1404-1411)."""
+      per-tensor fp32 scale [1]), both bound through the w2 GEMM (fused_moe.py :1362-1369, :1404-1411);
+    - fp8 with moe-kernels 0.8.2 (TGI 3.1.0's ``FP8SparseMoELayer``, layers/moe/fp8.py v3.1.0:72-91; 3.0.x has
+      no fp8 MoE layer): ``invoke_fused_moe_kernel`` quantises its own GEMM input into a temporary
+      (moe_kernels/fused_moe.py v0.8.2:284-287, ``scaled_fp8_quant`` fp8.py v0.8.2:10-60), freed when the GEMM
+      returns: the larger of the two GEMMs' copies, Mc·hidden or Mc·topk·I bytes, + the scale."""
     k = topk
     moments = routing_moments(m, experts, topk, kernel)
     chunk = min(m, FUSED_MOE_CHUNK)
@@ -90,7 +94,12 @@ def fused_moe_moments(m: int, hidden: int, inter: int, experts: int, topk: int, 
     aligned = [moe_align_ints(t, k, experts) for t in passes]
     align = max([aligned[0]] + [a + b for a, b in zip(aligned, aligned[1:], strict=False)])
     caches = (2 * inter + inter + hidden) if kernel == MOE_KERNELS else (max(2 * inter, hidden) + inter)
-    quantised = chunk * hidden + chunk * k * inter + 2 * 4 if fp8 else 0
+    if not fp8:
+        quantised = 0
+    elif kernel == MOE_KERNELS:
+        quantised = max(chunk * hidden, chunk * k * inter) + 4
+    else:
+        quantised = chunk * hidden + chunk * k * inter + 2 * 4
     return moments | {"fused_experts": moments["router"] + 2 * 4 * m * k + 2 * chunk * k * caches + align + quantised}
 
 
