@@ -115,3 +115,49 @@ def test_pipeline_inference_with_tp_or_cp_agrees_with_a_real_run(layout) -> None
     assert {r for _, r, _, _ in rows} == {0, 1}
     for _, rank, real, traced in rows:
         assert traced == real, (layout, rank, traced, real)
+
+
+@pytest.mark.parametrize("layout", [{}, {"cp": 2, "seq": 128}], ids=["pp", "pp-cp"])
+def test_lora_pipeline_agrees_with_a_real_run(layout) -> None:
+    """LoRA under PP and under PP × CP (issue 34): 2 or 4 gloo processes, each rank's stage parts
+    given peft's LoRA after the split (rank 16 on q/k/v/o, the base frozen, AdamW over the
+    adapters), 1F1B over 4 micro-batches, fp32; under CP each stage on its cp rank's half of the
+    sequence with torch's ring attention in every block (CPU stand-ins for its CUDA kernels, as
+    for full weights). Each pipeline rank's traced peak (cp rank 0, the heaviest in training)
+    within 0.01 % of the real one; what is left is the real run's AdamW ``step`` counters, 4 B per
+    trainable tensor: lora_A and lora_B on 4 projections of each of the rank's 2 layers (16)."""
+    from vramplan.workload import LORA_DEFAULT_TARGETS, Parallel
+
+    rows = pipeline_agreement(("1F1B",), lora=True, **layout)
+    assert {r for _, r, _, _ in rows} == {0, 1}
+    bounds = Parallel(pp=2).stage_bounds(4)
+    for schedule, rank, real, traced in rows:
+        adapters = 2 * len(LORA_DEFAULT_TARGETS) * (bounds[rank][1] - bounds[rank][0])
+        assert real - traced == 4 * adapters, (schedule, rank, traced, real)
+        assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
+
+
+def test_lora_under_pp_tp_fails_in_transformers_as_the_refusal_says() -> None:
+    """LoRA under PP × TP is refused (issue 34) because the Hugging Face stack it would be traced as
+    does not run it, checked for real with the installed transformers and peft: on 4 gloo processes
+    ``from_pretrained(distributed_config=DistributedConfig(pp_size=2, tp_size=2))`` raises KeyError on
+    every rank (the tensor-parallel plan names the layers the pipeline split removed); on 2 (pp alone)
+    the model loads, peft's adapters are built, the output has no loss, the first stage's backward
+    fails (its logits are a broadcast buffer outside autograd) and only the last stage's adapters
+    get gradients. When a new version trains it, this fails: trace it then."""
+    from vramplan.errors import TraceError
+    from vramplan.trace.run import trace_workload
+    from vramplan.trace.testing import real_lora_pp_tp_outcomes, tiny_spec
+    from vramplan.workload import Parallel, Workload
+
+    targets = ("q_proj", "v_proj")  # (column-sharded: peft trains them under transformers' TP alone)
+    for got in real_lora_pp_tp_outcomes("llama-2-7b", pp=2, tp=2, batch=2, seq=32, targets=targets):
+        assert got["load"].startswith("KeyError: 'model."), got
+    first, last = real_lora_pp_tp_outcomes("llama-2-7b", pp=2, tp=1, batch=2, seq=32, targets=targets)
+    assert first["load"] == last["load"] == "" and not first["loss"] and not last["loss"], (first, last)
+    assert "does not require grad" in first["backward"] and first["with_grad"] == 0 < first["adapters"], first
+    assert last["backward"] == "" and last["with_grad"] == last["adapters"] > 0, last
+    w = Workload(task="train", precision="fp32", batch=2, seq=32, grad_accum=2, peft="lora", lora_targets=targets,
+                 parallel=Parallel(pp=2, tp=2))
+    with pytest.raises(TraceError, match=r"does not load .*KeyError.*forward-only"):
+        trace_workload(tiny_spec("llama-2-7b"), w, iterations=1)

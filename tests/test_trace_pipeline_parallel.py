@@ -86,8 +86,9 @@ def test_a_tied_head_is_a_copy_on_the_last_stage():
 @pytest.mark.parametrize("parallel, extra, match", [
     (Parallel(pp=2, tp=2), {"peft": "lora"}, r"pipeline × tensor parallelism is traced for full-weight training and "
                                              r"one-pass inference, as torchtitan runs them .*; `pp=2` with `tp=2` and "
-                                             r"`peft=lora` is not \(LoRA under TP is traced with transformers'"),
-    (Parallel(pp=2, cp=2), {"peft": "lora"}, r"`pp=2` with `cp=2` and `peft=lora` is not \(LoRA stages under ring"),
+                                             r"`peft=lora` is not: LoRA under TP is traced as transformers \+ peft "
+                                             r"run it, and transformers' own pipeline × tensor parallelism does not "
+                                             r"load .*KeyError"),
 ])
 def test_pipeline_with_tensor_parallelism_refuses_the_rest_with_its_cause(parallel, extra, match):
     spec = tiny_spec("llama-3.1-8b", layers=4)
@@ -95,6 +96,25 @@ def test_pipeline_with_tensor_parallelism_refuses_the_rest_with_its_cause(parall
     with pytest.raises(TraceError, match=match):
         estimate(spec, w, method="trace", search_max_batch=False)
     assert estimate(spec, w, search_max_batch=False).method is Method.ANALYTIC
+
+
+def test_lora_under_pipeline_context_parallelism_is_traced():
+    """LoRA under PP × CP (issue 34; the real gloo run: tests/test_pipeline_gloo.py): peft's adapters on
+    each stage, ring attention in every block. The adapters' gradients and AdamW states are the
+    analytic method's at the step (the whole model's adapters counted as trainable, as a one-GPU
+    trace counts them); both ranks traced, cp rank 0 reported."""
+    spec = tiny_spec("llama-3.1-8b", layers=4)
+    w = Workload(task="train", batch=2, seq=128, grad_accum=2, peft="lora", precision="bf16-mixed",
+                 parallel=Parallel(pp=2, cp=2))
+    t = estimate(spec, w, method="trace", search_max_batch=False)
+    a = estimate(spec, w, method="analytic", search_max_batch=False)
+    assert t.method is Method.TRACE
+    ts, as_ = t.model_states, a.model_states
+    assert (ts.gradients, ts.optimizer) == (as_.gradients, as_.optimizer) > (0, 0)
+    assert t.trainable_params == a.trainable_params < t.params
+    note = next(n for n in t.notes if n.startswith("pipeline parallelism traced per rank"))
+    assert "ring attention over cp=2" in note and "cp rank 0 traced" in note and "rank 1 (" in note
+    assert any(n.startswith("LoRA r=16 on k_proj, o_proj, q_proj, v_proj") for n in t.notes)
 
 
 def test_pipeline_with_tensor_parallelism_hands_on_the_tp_local_hidden_states():

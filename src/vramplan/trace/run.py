@@ -540,21 +540,22 @@ def _parallel_notes(w: Workload) -> list[str]:
     if p.cp > 1 and w.task is Task.GENERATE:
         raise TraceError(f"context parallelism is traced for training and one-pass inference; `cp={p.cp}` with "
                          "generation is not", hint="use `method=analytic`")
-    if p.cp > 1 and p.pp > 1 and w.peft is not Peft.NONE:
-        raise TraceError(f"pipeline × context parallelism is traced for full-weight training and one-pass inference, "
-                         f"as torchtitan runs them; `pp={p.pp}` with `cp={p.cp}` and `peft={w.peft}` is not (LoRA "
-                         "stages under ring attention are not checked against a real run)", hint="use `method=analytic`")
     if p.pp > 1 and (w.task is Task.GENERATE or w.peft is Peft.QLORA or w.quant is not Quant.NONE):
         raise TraceError(f"pipeline parallelism is traced for training (full weights or LoRA) and one-pass "
                          f"inference; `pp={p.pp}` with this workload is not (torch's pipelining has no generation "
                          "loop; quantised or QLoRA stages are not traced)", hint="use `method=analytic`")
     if p.pp > 1 and p.tp > 1 and w.peft is not Peft.NONE:
-        raise TraceError(f"pipeline × tensor parallelism is traced for full-weight training and one-pass inference, "
-                         f"as torchtitan runs them (checked against a real gloo run); `pp={p.pp}` with `tp={p.tp}` and "
-                         f"`peft={w.peft}` is not (LoRA under TP is traced with transformers' own tp_plan, whose "
-                         "pipeline loading is not traced; torchtitan 0.3.0 runs LoRA as its own LoRALinear with "
-                         "adapters sharded after the base linear's TP placement, components/lora.py, which is not "
-                         "laid out on transformers' and peft's modules)", hint="use `method=analytic`, or drop `tp`")
+        raise TraceError(
+            f"pipeline × tensor parallelism is traced for full-weight training and one-pass inference, as torchtitan "
+            f"runs them (checked against a real gloo run); `pp={p.pp}` with `tp={p.tp}` and `peft={w.peft}` is not: "
+            "LoRA under TP is traced as transformers + peft run it, and transformers' own pipeline × tensor "
+            "parallelism does not load (transformers 5.24, from_pretrained(distributed_config=DistributedConfig("
+            "pp_size, tp_size)): the pipeline split replaces the other stages' layers before the tensor-parallel plan, "
+            "resolved for every layer, is applied, which raises KeyError on their weights, run on 4 gloo processes), "
+            "and its pipeline is forward-only (with pp alone the output has no loss and no gradient reaches an earlier "
+            "stage); torchtitan 0.3.0 runs LoRA under pp × tp as its own LoRALinear, converted into its model's "
+            "config before the build (components/lora.py), not on transformers' and peft's modules, and wants a GPU "
+            "to run (not checked here)", hint="use `method=analytic`, or drop `tp`")
     if p.pp > 1 and not w.training and p.stages_per_rank > 1:
         raise TraceError(f"pipeline inference is traced with one stage per rank; {p.pp_schedule} holds "
                          f"{p.stages_per_rank}", hint="use `pp_schedule=1F1B` (or GPipe) for inference, or "

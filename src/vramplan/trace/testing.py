@@ -1155,6 +1155,89 @@ def real_lora_tp_fsdp_failures(model_name: str, *, dp: int, tp: int, batch: int,
         return _spawn_gloo(_lora_tp_fsdp_worker, args, dp * tp, timeout, "LoRA tensor-parallel FSDP2 run")
 
 
+def real_lora_pp_tp_outcomes(model_name: str, *, pp: int, tp: int, batch: int, seq: int, targets: tuple[str, ...],
+                             rank_r: int = 16, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """What transformers' own pipeline × tensor parallelism does with a LoRA training step on
+    ``pp × tp`` gloo processes (the catalog model ``model_name`` shrunk, fp32, saved and loaded
+    back): ``from_pretrained(distributed_config=DistributedConfig(pp_size=pp, tp_size=tp))``,
+    peft's ``get_peft_model`` (LoRA rank ``rank_r`` on ``targets``), one forward with labels and a
+    backward of the cross-entropy of the logits it returns. Per rank (transformers' mesh order,
+    rank = pp rank × tp + tp rank): ``load`` (the error ``from_pretrained`` raised, "" if it loaded;
+    nothing else is tried then), ``loss`` (whether the output carries one), ``backward`` (the
+    error the backward raised, "" if it ran), ``adapters`` (trainable tensors on the rank) and
+    ``with_grad`` (how many got a gradient).
+
+    Checks that the trace's refusal of LoRA under ``pp × tp`` (``trace.run``) names what the
+    Hugging Face stack does."""
+    import tempfile
+
+    import torch
+
+    from ..models.build import build_model, quiet
+
+    spec = tiny_spec(model_name)
+    with tempfile.TemporaryDirectory() as saved:
+        with quiet():
+            built: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+            built.save_pretrained(saved)
+        args = (pp, tp, saved, spec.vocab, batch, seq, targets, rank_r)
+        return _spawn_gloo(_lora_pp_tp_worker, args, pp * tp, timeout, "LoRA pipeline × tensor-parallel run")
+
+
+def _lora_pp_tp_worker(rank: int, pp: int, tp: int, saved: str, vocab: int, batch: int, seq: int,
+                       targets: tuple[str, ...], rank_r: int, tmp: str, env: dict[str, str]) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world = pp * tp
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    _init_gloo(rank, world)
+    try:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        from ..models.build import quiet
+
+        def line(e: BaseException) -> str:
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+        out: dict[str, Any] = {"load": "", "loss": False, "backward": "", "adapters": 0, "with_grad": 0}
+        with quiet():
+            try:
+                model: Any = AutoModelForCausalLM.from_pretrained(
+                    saved, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=pp, tp_size=tp))
+            except Exception as e:
+                out["load"] = line(e)
+                with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+                    f.write(json.dumps(out))
+                return
+            model = get_peft_model(model, LoraConfig(r=rank_r, lora_alpha=2 * rank_r, lora_dropout=0.0,
+                                                     target_modules=list(targets), bias="none"))
+            model.train()
+            torch.manual_seed(0)
+            ids = torch.randint(0, vocab, (batch, seq))
+            res = model(input_ids=ids, labels=ids)
+            out["loss"] = getattr(res, "loss", None) is not None
+            try:
+                loss = res.loss if out["loss"] else torch.nn.functional.cross_entropy(
+                    res.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+                loss.backward()
+            except Exception as e:
+                out["backward"] = line(e)
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        out["adapters"] = len(adapters)
+        out["with_grad"] = sum(p.grad is not None for p in adapters)
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, batch: int, seq: int,
                          targets: tuple[str, ...], rank_r: int, tmp: str, env: dict[str, str]) -> None:
     import json
@@ -1357,7 +1440,8 @@ def dist_agreement(world: int = 2) -> list[tuple[str, int, int, int]]:
 
 def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str, microbatches: int, batch: int,
                         seq: int, iterations: int = 2, dp: int = 1, mixed: bool = False, tp: int = 1,
-                        sp: bool = False, cp: int = 1, training: bool = True, timeout: float = 300.0) -> list[int]:
+                        sp: bool = False, cp: int = 1, training: bool = True, lora: tuple[str, ...] = (),
+                        timeout: float = 300.0) -> list[int]:
     """Each rank's storage peak (as :func:`real_peak` measures it) of a real CPU run of
     ``torch.distributed.pipelining``'s ``schedule`` over ``pp × dp`` gloo processes: the catalog model
     ``model_name`` shrunk to ``layers`` layers (:func:`tiny_spec`), fp32, eager attention, cut
@@ -1390,10 +1474,14 @@ def real_pipeline_peaks(model_name: str, *, layers: int, pp: int, schedule: str,
     ``step`` without targets under ``torch.no_grad()``; ``schedule`` and ``microbatches`` unused),
     the model in eval mode without gradients, no optimizer; under ``tp`` the last stage's logits
     stay vocabulary-sharded (the head's ``Shard(-1)`` output, torchtitan's loss-parallel layout).
+    ``lora``: peft's LoRA (rank 16, alpha 32, no dropout: the trace's defaults) on those module names,
+    ``get_peft_model`` on the rank's model parts after the split (and after TP), as the trace
+    applies it: the base frozen, AdamW over the adapters.
     Peaks in global rank order (rank = ((pp rank × dp + dp rank) × cp + cp rank) × tp + tp rank)."""
     if not training:
         schedule, microbatches = "GPipe", 1
-    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp, cp, training)
+    args = (pp, model_name, layers, schedule, microbatches, batch, seq, iterations, dp, mixed, tp, sp, cp, training,
+            lora)
     return _spawn_gloo(_pp_worker, args, pp * dp * tp * cp, timeout, "pipeline run")
 
 
@@ -1455,7 +1543,7 @@ def _efficient_attention_on_cpu() -> Any:
 
 def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, microbatches: int, batch: int,
                seq: int, iterations: int, dp: int, mixed: bool, tp: int, sp: bool, cp: int, training: bool,
-               tmp: str, env: dict[str, str]) -> None:
+               lora: tuple[str, ...], tmp: str, env: dict[str, str]) -> None:
     import contextlib
     import os
 
@@ -1504,6 +1592,12 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
             ppl.shard_positions(ppl.Chunks(parts), seq)
         if tp > 1:  # torchtitan's parallelize_fn on each model part: TP first
             ppl.tensor_parallelise(ppl.Chunks(parts), mesh["tp"], sp=sp, seq=seq)
+        if lora:  # peft on the rank's parts (in place: the stages' modules get the adapters)
+            from peft import LoraConfig, get_peft_model
+
+            with quiet():
+                get_peft_model(ppl.Chunks(parts), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                             target_modules=list(lora), bias="none"))
         if dp > 1:  # torchtitan's apply_fsdp_to_decoder on each model part
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1599,7 +1693,7 @@ def _pp_worker(rank: int, pp: int, model_name: str, layers: int, schedule: str, 
 def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B"), *, pp: int = 2,
                        layers: int = 4, microbatches: int = 4, batch: int = 2, seq: int = 64, dp: int = 1,
                        mixed: bool = False, tp: int = 1, sp: bool = False, cp: int = 1,
-                       training: bool = True) -> list[tuple[str, int, int, int]]:
+                       training: bool = True, lora: bool = False) -> list[tuple[str, int, int, int]]:
     """(schedule, pipeline rank, real storage peak, traced peak) of a tiny Llama over ``pp × dp × tp``
     gloo processes (:func:`real_pipeline_peaks`; ``dp > 1``: FSDP2 on each stage; ``tp > 1``: each
     stage tensor-parallel; the real peak of data- and tensor-parallel rank 0, whose peers' peaks
@@ -1607,8 +1701,17 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     its peers' must not exceed) and of the trace of the same layout (fp32 or FSDP2's bf16 mixed
     precision, eager attention — SDPA under ``cp`` —, no CUDA workspaces: a CPU run has none).
     ``training=False``: one-pass inference (``task=infer``), one forward-only micro-batch of ``batch``
-    (``schedules`` and ``microbatches`` are then unused by both)."""
-    from ..workload import Attention, Parallel, Precision, Task, Workload
+    (``schedules`` and ``microbatches`` are then unused by both). ``lora``: LoRA training (``peft=lora``,
+    the default rank and targets; peft on each rank's parts in the real run)."""
+    from ..workload import (
+        LORA_DEFAULT_TARGETS,
+        Attention,
+        Parallel,
+        Peft,
+        Precision,
+        Task,
+        Workload,
+    )
     from .context_parallel import heaviest_rank
     from .run import TraceOptions, trace_pipeline_stages
 
@@ -1617,7 +1720,7 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
     for schedule in schedules:
         real = real_pipeline_peaks("llama-3.1-8b", layers=layers, pp=pp, schedule=schedule,
                                    microbatches=microbatches, batch=batch, seq=seq, dp=dp, mixed=mixed, tp=tp, sp=sp,
-                                   cp=cp, training=training)
+                                   cp=cp, training=training, lora=LORA_DEFAULT_TARGETS if lora else ())
         per = dp * tp * cp
         at = heaviest_rank(cp, training) * tp  # the traced cp rank (dp and tp rank 0) within its pipeline rank
         for r in range(pp):
@@ -1630,8 +1733,8 @@ def pipeline_agreement(schedules: tuple[str, ...] = ("GPipe", "1F1B", "Interleav
                                      f"{real[r * per:(r + 1) * per]}")
         w = Workload(task=Task.TRAIN if training else Task.INFER, precision=Precision.BF16_MIXED if mixed else Precision.FP32,
                      attention=Attention.SDPA if cp > 1 else Attention.EAGER, batch=batch, seq=seq,
-                     grad_accum=microbatches, parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp,
-                                                                zero=3 if dp > 1 else 0, tp=tp, sp=sp, cp=cp))
+                     grad_accum=microbatches, peft=Peft.LORA if lora else Peft.NONE,
+                     parallel=Parallel(pp=pp, pp_schedule=schedule, dp=dp, zero=3 if dp > 1 else 0, tp=tp, sp=sp, cp=cp))
         opts = TraceOptions(workspaces=False, count_flops=False)
         traced = dict(trace_pipeline_stages(spec, w, options=opts))
         for rank in sorted(traced):
