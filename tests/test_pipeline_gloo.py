@@ -117,23 +117,27 @@ def test_pipeline_inference_with_tp_or_cp_agrees_with_a_real_run(layout) -> None
         assert traced == real, (layout, rank, traced, real)
 
 
-@pytest.mark.parametrize("layout", [{}, {"cp": 2, "seq": 128}], ids=["pp", "pp-cp"])
-def test_lora_pipeline_agrees_with_a_real_run(layout) -> None:
+@pytest.mark.parametrize("schedules, layout", [(("1F1B",), {}), (("1F1B", "ZBVZeroBubble"), {"cp": 2, "seq": 128})],
+                         ids=["pp", "pp-cp"])
+def test_lora_pipeline_agrees_with_a_real_run(schedules, layout) -> None:
     """LoRA under PP and under PP × CP (issue 34): 2 or 4 gloo processes, each rank's stage parts
     given peft's LoRA after the split (rank 16 on q/k/v/o, the base frozen, AdamW over the
-    adapters), 1F1B over 4 micro-batches, fp32; under CP each stage on its cp rank's half of the
-    sequence with torch's ring attention in every block (CPU stand-ins for its CUDA kernels, as
-    for full weights). Each pipeline rank's traced peak (cp rank 0, the heaviest in training)
-    within 0.01 % of the real one; what is left is the real run's AdamW ``step`` counters, 4 B per
-    trainable tensor: lora_A and lora_B on 4 projections of each of the rank's 2 layers (16)."""
+    adapters), 4 micro-batches, fp32; under CP each stage on its cp rank's half of the sequence with
+    torch's ring attention in every block (CPU stand-ins for its CUDA kernels, as for full weights),
+    1F1B and the V schedule (its weight gradients apart from the input gradients). Each pipeline
+    rank's traced peak (cp rank 0, the heaviest in training) within 0.01 % of the real one; what is
+    left is the real run's AdamW ``step`` counters, 4 B per trainable tensor: lora_A and lora_B on 4
+    projections of each layer of the rank's stages (2 layers each under 1F1B: 64 B; 1 and 3 under
+    ZBVZeroBubble)."""
     from vramplan.workload import LORA_DEFAULT_TARGETS, Parallel
 
-    rows = pipeline_agreement(("1F1B",), lora=True, **layout)
-    assert {r for _, r, _, _ in rows} == {0, 1}
-    bounds = Parallel(pp=2).stage_bounds(4)
+    rows = pipeline_agreement(schedules, lora=True, **layout)
+    assert {(s, r) for s, r, _, _ in rows} == {(s, r) for s in schedules for r in (0, 1)}
     for schedule, rank, real, traced in rows:
-        adapters = 2 * len(LORA_DEFAULT_TARGETS) * (bounds[rank][1] - bounds[rank][0])
-        assert real - traced == 4 * adapters, (schedule, rank, traced, real)
+        par = Parallel(pp=2, pp_schedule=schedule)
+        bounds = par.stage_bounds(4)
+        layers = sum(bounds[i][1] - bounds[i][0] for i in par.stage_ids(rank))
+        assert real - traced == 4 * 2 * len(LORA_DEFAULT_TARGETS) * layers, (schedule, rank, traced, real)
         assert abs(traced - real) / real < 1e-4, (schedule, rank, traced, real)
 
 
