@@ -57,11 +57,14 @@ def test_context_with_tensor_parallelism_states_exact_peak_close(sp):
     assert _forward_activations(t) < 0.6 * _forward_activations(tp)
 
 
-@pytest.mark.parametrize("extra, match", [({"peft": "lora"}, "`cp=2` and `peft=lora` is not")])
+@pytest.mark.parametrize("extra, match", [
+    ({"peft": "qlora", "precision": "bf16-mixed"}, "quantised or QLoRA stages are not traced"),
+    ({"peft": "lora", "parallel": Parallel(cp=2, pp=2, dp=2, zero=3)}, "full-weight training; `peft=lora` is not"),
+])
 def test_context_with_pipeline_parallelism_refuses_the_rest_with_its_cause(extra, match):
-    """PP × CP is traced for full-weight training and one-pass inference
-    (tests/test_trace_pipeline_parallel.py, tests/test_pipeline_gloo.py); LoRA stages under it are
-    refused with their cause, and the analytic method answers."""
+    """PP × CP is traced for full-weight training, LoRA and one-pass inference
+    (tests/test_trace_pipeline_parallel.py, tests/test_pipeline_gloo.py); QLoRA stages under it, and
+    LoRA with FSDP2 on the stages, are refused with their cause, and the analytic method answers."""
     spec = tiny_spec("llama-3.1-8b")
     w = Workload(**{"task": "train", "seq": 256, "grad_accum": 2, "parallel": Parallel(cp=2, pp=2), **extra})
     with pytest.raises(TraceError, match=match):
