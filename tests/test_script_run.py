@@ -558,6 +558,24 @@ def test_a_split_that_overflows_gpu_1_does_not_fit_and_names_it(tmp_path) -> Non
     assert "GPU 1 (fullest)" in text
 
 
+@pytest.mark.parametrize(("n", "full", "fits"), [("1", 1, 0), ("8", 0, 1)])
+def test_each_gpu_is_replayed_within_its_capacity_and_its_oom_names_it(tmp_path, n, full, fits) -> None:
+    # every GPU has its own caching allocator (NativeCachingAllocator::device_allocator): the GPU whose need passes
+    # the allocator's bytes is replayed within them, as GPU 0 always was, and the out-of-memory note names it;
+    # the GPU that fits gets no note. n=1: seven layers and the head on GPU 1, which runs out loading the head
+    # (152,064 x 3,584 fp32); n=8: every layer on GPU 0, which runs out, the head alone on GPU 1
+    script = tmp_path / "over.py"
+    script.write_text(_OVERFLOW_SCRIPT)
+    r = vramplan.run_script(script, [n], gpu="rtx-4060", gpus=2)
+    capped = [x for x in r.notes if "for the allocator: replayed within it" in x]
+    assert len(capped) == 1 and f"out of memory on GPU {full} at event" in capped[0], r.notes
+    assert not any(f"on GPU {fits}" in x for x in r.notes)
+    if full == 1:
+        assert f"(setup, asking for {152064 * 3584 * 4:,} B)" in capped[0]
+    else:
+        assert r.allocator is not None and r.allocator.ooms == 1  # (GPU 0's summary is its own replay's)
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);

@@ -142,18 +142,46 @@ def replay_trace(tr: TraceResult, alloc_conf: str | None, capacity: int | None =
                                               first_oom=capacity is not None))
 
 
-def replay_gpus(tr: TraceResult, alloc_conf: str | None) -> tuple[tuple[int, int, int], ...]:
+def replay_gpus(tr: TraceResult, alloc_conf: str | None, capacity: int | None = None,
+                ) -> tuple[tuple[tuple[int, int, int], ...], list[str]]:
     """(index, allocated peak, reserved peak) of each GPU other than 0 of a run spread over several
     GPUs (:attr:`TraceResult.gpu_events`): each GPU's own events replayed through the allocator
-    simulation, as GPU 0's are (uncapped: what each GPU needs)."""
+    simulation, as GPU 0's are (uncapped: what each GPU needs). Where one GPU's need passes
+    ``capacity`` (the allocator's bytes of one GPU), that GPU's events are replayed again within it,
+    as GPU 0's are (:func:`trace_core`): the notes say, naming the GPU, whether freeing its cache and
+    retrying would let it run or it would raise CUDA out of memory. Every GPU has a caching allocator
+    of its own (``NativeCachingAllocator::device_allocator``, one ``DeviceCachingAllocator`` per
+    device: its retry frees that device's cache only, and its OOM is that device's)."""
     from ..allocator import parse_conf, replay
 
     conf = parse_conf(alloc_conf or "")
-    out = []
+    out, notes = [], []
     for i, log in tr.gpu_events:
         res = replay(log, conf, segment_map=False)
         out.append((i, int(res.max_allocated), max(int(res.max_reserved), int(res.max_allocated))))
-    return tuple(out)
+        if capacity is not None and res.max_reserved > capacity:
+            capped = replay(log, conf, capacity=capacity, segment_map=False, first_oom=True)
+            notes.append(capacity_note(res, capped, capacity, log, gpu=i))
+    return tuple(out), notes
+
+
+def capacity_note(res: Any, capped: Any, capacity: int, log: Any, gpu: int | None = None) -> str:
+    """What a replay within ``capacity`` (``capped``) says of a step whose uncapped replay
+    (``res``) needs more: it runs only by freeing the cache and retrying, or it runs out of memory
+    (where). ``gpu``: the GPU the events are of, named (a run over several GPUs)."""
+    on = f" on GPU {gpu}" if gpu is not None else ""
+    if capped.ooms == 0:
+        return (f"the step needs {res.max_reserved:,} B reserved{on}, more than the GPU's {capacity:,} B for "
+                f"the allocator; freeing its cache and retrying ({capped.alloc_retries}×) it might still run, "
+                "slowly and with no margin, so the verdict counts what it needs")
+    from ..events import PHASES  # (events imports pathlib: kept off the analytic path)
+
+    k = capped.oom_indices[0] if capped.oom_indices else -1
+    where = (f" at event {k:,} of {len(log):,} ({PHASES[log.phase[k]]}, asking for "
+             f"{log.size[k]:,} B)") if 0 <= k < len(log) else ""
+    return (f"the step needs more than the GPU's {capacity:,} B for the allocator: replayed "
+            f"within it, it would raise CUDA out of memory{on}{where} even after freeing the cache "
+            f"({capped.alloc_retries} retries before); the figures show what the step needs without a limit")
 
 
 def _summary(res: Any, alloc_conf: str | None) -> AllocatorSummary:
@@ -205,23 +233,8 @@ def trace_core(tr: TraceResult, w: Workload, alloc_conf: str | None, pool_capaci
     summary = _summary(res, alloc_conf)
     if within_capacity and pool_capacity is not None and res.max_reserved > pool_capacity:
         capped = replay_trace(tr, alloc_conf, pool_capacity)
-        if capped.ooms == 0:
-            notes.append(
-                f"the step needs {res.max_reserved:,} B reserved, more than the GPU's {pool_capacity:,} B for "
-                f"the allocator; freeing its cache and retrying ({capped.alloc_retries}×) it might still run, "
-                "slowly and with no margin, so the verdict counts what it needs"
-            )
-        else:
-            from ..events import PHASES  # (events imports pathlib: kept off the analytic path)
-
-            k = capped.oom_indices[0] if capped.oom_indices else -1
-            where = (f" at event {k:,} of {len(tr.events):,} ({PHASES[tr.events.phase[k]]}, asking for "
-                     f"{tr.events.size[k]:,} B)") if 0 <= k < len(tr.events) else ""
-            notes.append(
-                f"the step needs more than the GPU's {pool_capacity:,} B for the allocator: replayed "
-                f"within it, it would raise CUDA out of memory{where} even after freeing the cache "
-                f"({capped.alloc_retries} retries before); the figures show what the step needs without a limit"
-            )
+        # (a run spread over several GPUs: the note names GPU 0, as the others' name theirs: replay_gpus)
+        notes.append(capacity_note(res, capped, pool_capacity, tr.events, gpu=0 if tr.gpu_events else None))
         summary = dataclasses.replace(summary, ooms=capped.ooms, alloc_retries=capped.alloc_retries)
     allocated, reserved = int(res.max_allocated), int(res.max_reserved)
     traced = tr.breakdown_at_peak.total
@@ -254,4 +267,5 @@ def _traced_states(tr: TraceResult) -> Breakdown:
 
 
 __all__ = ["MethodResult", "analytic_core", "analytic_device_used", "trace_core", "trace_catalog_model", "replay_trace",
+           "replay_gpus", "capacity_note",
            "ANALYTIC_RESERVE_SLACK"]

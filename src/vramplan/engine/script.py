@@ -75,8 +75,9 @@ def run_script(
                            module=module, launched=launched or world > 1)
     w, ran, notes = what_ran(run, world)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
-    return finish(core, Path(path).name, w, g, dev, notes=notes, user_model=True,
-                  gpus=replay_gpus(tr, alloc_conf)).replace(ran=ran)
+    gpus, capped = replay_gpus(tr, alloc_conf, dev.allocator_capacity)  # (every GPU capped as GPU 0 is)
+    return finish(core, Path(path).name, w, g, dev, notes=[*notes, *capped], user_model=True,
+                  gpus=gpus).replace(ran=ran)
 
 
 _OPTIMIZERS = {
