@@ -576,6 +576,31 @@ def test_each_gpu_is_replayed_within_its_capacity_and_its_oom_names_it(tmp_path,
         assert r.allocator is not None and r.allocator.ooms == 1  # (GPU 0's summary is its own replay's)
 
 
+def test_a_saved_trace_holds_every_gpus_trace_and_each_replays_to_that_gpus_figures(tmp_path, monkeypatch, capsys) -> None:
+    # `vramplan run --snapshot` of a device map: one device trace per GPU (PyTorch's snapshot keeps one per
+    # DeviceCachingAllocator), segments tagged with their device; `vramplan replay --device N` of the file gives
+    # GPU N's figures in the report, and the recorded segments match the simulation's
+    from vramplan.cli.main import main
+    from vramplan.snapshot.reader import compare_with_recorded, load_snapshot
+
+    script, snap_path = tmp_path / "over.py", tmp_path / "pred.pickle"
+    script.write_text(_OVERFLOW_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--gpu", "rtx-4060", "--gpus", "2", "--json", "--snapshot", str(snap_path), "--",
+                 "python", str(script), "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    snap = load_snapshot(snap_path)
+    assert len(snap["device_traces"]) == 2 and all(snap["device_traces"])
+    assert {s["device"] for s in snap["segments"]} == {0, 1}
+    assert snap["vramplan"]["gpus"] == report["gpus"]
+    for g in report["gpus"]:
+        cmp = compare_with_recorded(snap, device=g["gpu"])
+        assert (cmp.result.max_allocated, cmp.result.max_reserved) == (g["allocated"], g["reserved"])
+        assert cmp.match
+    assert main(["replay", str(snap_path), "--device", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_reserved"] == report["gpus"][1]["reserved"]
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);

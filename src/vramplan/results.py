@@ -282,6 +282,9 @@ class MemoryReport:
     gpus: tuple[GpuPeak, ...] = ()
     """Each GPU's peak, GPU 0 first (whose figures are also :attr:`peak`), when the run spread a
     model over several GPUs (a device map); empty otherwise. The verdict is the fullest GPU's."""
+    gpu_events: tuple[tuple[int, EventLog], ...] = field(default=(), repr=False, compare=False)
+    """(index, event log) of each GPU other than 0 in :attr:`gpus` (:attr:`events` is GPU 0's): what a
+    saved trace (``--snapshot``) writes as that device's trace; not part of the JSON."""
 
     @property
     def worst_gpu(self) -> GpuPeak | None:

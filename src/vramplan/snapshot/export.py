@@ -7,8 +7,13 @@ every segment its ``segment_alloc``/``segment_free`` (``segment_map``/``segment_
 expandable segments). The snapshot holds
 
 - ``device_traces[0]``: ``alloc``, ``free_requested`` + ``free_completed``, ``segment_*`` and
-  ``oom`` entries in event order (``time_us`` is the event index);
-- ``segments``: the allocator's state after the last event, blocks and all;
+  ``oom`` entries in event order (``time_us`` is the event index); a run spread over several GPUs
+  (``vramplan run`` of a device map: :attr:`MemoryReport.gpu_events`) has ``device_traces[N]`` for
+  each GPU N, from that GPU's own allocator replay (an empty list for a GPU without events), as
+  PyTorch writes one trace per device (``torch.cuda.memory._snapshot``: one per
+  ``DeviceCachingAllocator``);
+- ``segments``: the allocator's state after the last event, blocks and all, each with its
+  ``device``;
 - ``allocator_settings``: the simulated configuration;
 - ``vramplan``: what produced it (model, method, predicted peaks), ignored by the viewers.
 
@@ -23,7 +28,7 @@ The pickle uses protocol 4 and only the opcodes PyTorch's JavaScript viewer read
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -45,11 +50,13 @@ Frames = list[dict[str, Any]]
 def write_predicted_snapshot(
     log: EventLog, path: str | Path, *, conf: AllocatorConfig | str | None = None,
     report: MemoryReport | None = None, capacity: int | None = None,
+    others: Sequence[tuple[int, EventLog]] | None = None,
 ) -> None:
     """Replay ``log`` through the allocator simulation (``conf``: a ``PYTORCH_CUDA_ALLOC_CONF``
-    string or config) and write the snapshot pickle to ``path``."""
+    string or config) and write the snapshot pickle to ``path`` (``others``: see
+    :func:`predicted_snapshot`)."""
     check_snapshot_path(path)
-    snap = predicted_snapshot(log, conf=conf, report=report, capacity=capacity)
+    snap = predicted_snapshot(log, conf=conf, report=report, capacity=capacity, others=others)
     p = Path(path)
     try:
         with open(p, "wb") as f:
@@ -70,25 +77,34 @@ def check_snapshot_path(path: str | Path) -> Path:
 
 def predicted_snapshot(
     log: EventLog, *, conf: AllocatorConfig | str | None = None, report: MemoryReport | None = None,
-    capacity: int | None = None,
+    capacity: int | None = None, others: Sequence[tuple[int, EventLog]] | None = None,
 ) -> dict[str, Any]:
-    """The snapshot dict (what :func:`write_predicted_snapshot` pickles)."""
+    """The snapshot dict (what :func:`write_predicted_snapshot` pickles). ``log`` is GPU 0's;
+    ``others`` (index, log) of each other GPU of a run spread over several (default: the
+    ``report``'s :attr:`~vramplan.results.MemoryReport.gpu_events`), each replayed through an
+    allocator of its own into ``device_traces[index]`` and segments of that device."""
     from vramplan.allocator import CachingAllocator, parse_conf
 
     cfg = parse_conf(conf) if isinstance(conf, str) or conf is None else conf
     if cfg.backend != "native":
         raise VramplanError(f"a predicted snapshot needs the native allocator's addresses; {cfg.backend} is "
                             "only approximated", hint="drop backend:cudaMallocAsync from `alloc_conf`")
-    al = CachingAllocator(cfg, capacity=capacity, record_segments=True)
-    frames = _FrameMaker(log)
-    trace = _Tracer(al, frames, capacity).run(log)
-    segs = [_segment(s, frames.for_event) for s in al.snapshot()]
+    if others is None:
+        others = report.gpu_events if report is not None else ()
+    logs = [(0, log), *sorted(others, key=lambda x: x[0])]
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(max(i for i, _ in logs) + 1)]
+    segs: list[dict[str, Any]] = []
+    for device, lg in logs:  # (one caching allocator per device, as PyTorch's NativeCachingAllocator keeps)
+        al = CachingAllocator(cfg, capacity=capacity, record_segments=True)
+        frames = _FrameMaker(lg)
+        traces[device] = _Tracer(al, frames, capacity).run(lg)
+        segs += [_segment(s, frames.for_event, device) for s in al.snapshot()]
     snap: dict[str, Any] = {
         "segments": segs,
-        "device_traces": [trace],
+        "device_traces": traces,
         "allocator_settings": _settings(cfg),
         "external_annotations": [],
-        "vramplan": _provenance(report, log),
+        "vramplan": _provenance(report, log, others),
     }
     return snap
 
@@ -229,13 +245,13 @@ class _Tracer:
                              "time_us": max(int(k), 0), "frames": [], "category": UNKNOWN})
 
 
-def _segment(s: SegmentInfo, frames: Callable[[int], Frames]) -> dict[str, Any]:
+def _segment(s: SegmentInfo, frames: Callable[[int], Frames], device: int = 0) -> dict[str, Any]:
     blocks = [{
         "address": int(b.addr), "size": int(b.size), "requested_size": int(b.requested), "state": b.state,
         "frames": frames(b.event_index) if b.state != "inactive" else [],
     } for b in s.blocks]
     return {
-        "device": 0, "address": int(s.addr), "total_size": int(s.size), "stream": int(s.stream),
+        "device": device, "address": int(s.addr), "total_size": int(s.size), "stream": int(s.stream),
         "segment_type": s.pool, "segment_pool_id": (0, 0),
         "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
         "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
@@ -258,8 +274,11 @@ def _settings(cfg: Any) -> dict[str, Any]:
     }
 
 
-def _provenance(report: MemoryReport | None, log: EventLog) -> dict[str, Any]:
+def _provenance(report: MemoryReport | None, log: EventLog,
+                others: Sequence[tuple[int, EventLog]] = ()) -> dict[str, Any]:
     d: dict[str, Any] = {"predicted": True, "events": len(log)}
+    if others:  # (each other GPU's event count, by index: a run spread over several GPUs)
+        d["gpu_events"] = {int(i): len(lg) for i, lg in others}
     try:
         from importlib.metadata import version
 
@@ -270,4 +289,7 @@ def _provenance(report: MemoryReport | None, log: EventLog) -> dict[str, Any]:
         d.update(model=report.model, method=str(report.method), workload=report.workload.to_dict(),
                  peak={"allocated": report.peak.allocated, "reserved": report.peak.reserved,
                        "device_used": report.peak.device_used})
+        if report.gpus:
+            d["gpus"] = [{"gpu": g.gpu, "allocated": g.allocated, "reserved": g.reserved,
+                          "device_used": g.device_used} for g in report.gpus]
     return d
