@@ -601,6 +601,51 @@ def test_a_saved_trace_holds_every_gpus_trace_and_each_replays_to_that_gpus_figu
     assert json.loads(capsys.readouterr().out)["max_reserved"] == report["gpus"][1]["reserved"]
 
 
+_SIDE_STREAM_SCRIPT = """\
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+      "lm_head": 1}
+model = AutoModelForCausalLM.from_pretrained('qwen2.5-7b', dtype=torch.bfloat16, num_hidden_layers=2, device_map=dm)
+side = torch.cuda.Stream(device=1)
+seen = {}
+base = torch.cuda.memory_reserved(1)
+with torch.cuda.stream(side):
+    seen["in"] = [torch.cuda.current_device(), torch.cuda.current_stream(1) == side,
+                  torch.cuda.current_stream(0) == torch.cuda.default_stream(0)]
+    staged = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:1")  # 64 MiB on GPU 1's side stream
+del staged
+seen["after"] = [torch.cuda.current_device(), torch.cuda.current_stream(1) == torch.cuda.default_stream(1)]
+x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:1")  # GPU 1's default stream: not the side stream's block
+seen["grew"] = torch.cuda.memory_reserved(1) - base
+del x
+with torch.inference_mode():
+    model(input_ids=torch.tensor([[11, 12, 13, 14]]).to("cuda"))
+json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_side_stream_of_gpu_1_is_its_own_pool_on_gpu_1(tmp_path) -> None:
+    # torch.cuda.Stream(device=1) under a device map: entering it makes GPU 1 current and the stream GPU 1's current
+    # one (torch's StreamContext / _cuda_setStream), GPU 0 keeps its default stream; what is allocated there is
+    # on that stream in GPU 1's events, and the caching allocator does not hand a block cached by one stream to
+    # another (get_free_block matches the stream): a 64 MiB block freed by the side stream is not reused by the
+    # default stream's 64 MiB request, so GPU 1 reserves both, live (as the script reads) and in the report
+    import json
+
+    script, out = tmp_path / "side.py", tmp_path / "seen.json"
+    script.write_text(_SIDE_STREAM_SCRIPT)
+    r = vramplan.run_script(script, [str(out)], gpu="h100-sxm", gpus=2, workspaces=False)
+    seen = json.loads(out.read_text())
+    assert seen["in"] == [1, True, True] and seen["after"] == [0, True]
+    assert seen["grew"] == 2 * 64 * 2**20  # (one stream would have reused the block: 64 MiB)
+    (i, log), = r.gpu_events
+    streams = sorted(st for a, sz, st in zip(log.action, log.size, log.stream, strict=True) if a == 0 and sz == 64 * 2**20)
+    assert i == 1 and len(streams) == 2 and streams[0] == 0 < streams[1]  # (one block on each stream)
+    assert r.events is not None and set(r.events.stream) == {0}  # (GPU 0 never left its default stream)
+    assert r.gpus[1].reserved >= 2 * 64 * 2**20 + r.gpus[1].allocated - 64 * 2**20
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);

@@ -59,7 +59,8 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
                  optimizers: weakref.WeakSet[Any] | None = None,
                  on_launch: Callable[[list[Any]], None] | None = None,
                  on_gpu: Callable[[int], bool] | None = None,
-                 on_capture: Callable[[int | None], None] | None = None) -> Iterator[Emulated]:
+                 on_capture: Callable[[int | None], None] | None = None,
+                 on_stream: Callable[[int, int], None] | None = None) -> Iterator[Emulated]:
     """The target GPU emulated until the block ends (see the package docstring).
 
     ``on_sync(kind)`` receives ``synchronize`` / ``empty_cache``; ``values(t, what)`` gives the
@@ -69,7 +70,8 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
     (the tensors it was given, which it writes); ``on_gpu(key)`` says whether a meta storage is
     device memory (None: every meta storage off the ``places`` is); ``on_capture(pool)`` hears a
     CUDA graph's capture start in its private pool and end (``None``; without it CUDA graphs stop
-    the run: :mod:`.graphs`)."""
+    the run: :mod:`.graphs`); ``on_stream(device, stream)`` hears a device's current stream change
+    (``torch.cuda.stream(s)``, ``set_stream``: :attr:`.cuda.CudaState.on_stream`)."""
     # torch's Python kernels (``_prims_common.wrappers``' ``_disable_dynamo``) import torch._dynamo
     # on their first call; inside a traced op that import runs on the script's stack and some of
     # its module-level code leaves a frame cycle (``inspect.currentframe()`` kept in a local) that
@@ -77,7 +79,7 @@ def emulated_gpu(facts: DeviceFacts, live: LiveAllocator, *, on_sync: Callable[[
     # whole model) — until the next cyclic collection. A real GPU run never takes that path.
     import torch._dynamo  # noqa: F401
 
-    state = CudaState(facts)
+    state = CudaState(facts, on_stream=on_stream)
     view = View(current=lambda: state.current, on_gpu=on_gpu)
     view.places.extend(places)
     em = Emulated(state, view, optimizers if optimizers is not None else weakref.WeakSet())

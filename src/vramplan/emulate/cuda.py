@@ -41,6 +41,15 @@ class CudaState:
     current: int = 0
     seed: int = 0
     streams: dict[int, Any] = field(default_factory=dict)
+    """Each device's current stream, by index (absent: that device's default stream). CUDA's current
+    stream is per device (c10 ``setCurrentCUDAStream`` sets it for the stream's own device)."""
+    defaults: dict[int, Any] = field(default_factory=dict)
+    """Each device's default stream, made on first use (stream id 0)."""
+    stream_ids: int = 0
+    """Stream ids given so far (each emulated ``Stream`` gets the next; a default stream is 0)."""
+    on_stream: Callable[[int, int], None] | None = None
+    """Told ``(device, stream id)`` whenever a device's current stream changes: the trace records
+    that device's allocations on that stream (the allocator keeps one pool per stream)."""
 
     def index(self, device: Any) -> int:
         """The ordinal ``device`` names (None: the current device), checked against the count."""
@@ -170,17 +179,34 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
                 f"(peak {s['allocated_bytes.all.peak']:,} B), reserved {s['reserved_bytes.all.current']:,} B "
                 f"(peak {s['reserved_bytes.all.peak']:,} B)  |")
 
-    Stream, Event, stream_ctx, device_ctx = _classes(st, on_sync)
-    default_stream = Stream()
-    current = [default_stream]
+    def default_stream(device: Any = None) -> Any:
+        idx = st.index(device)
+        s = st.defaults.get(idx)
+        if s is None:
+            s = st.defaults[idx] = Stream(device=idx)
+            s._vramplan_sid = 0
+        return s
 
     def current_stream(device: Any = None) -> Any:
-        st.index(device)
-        return current[0]
+        idx = st.index(device)
+        return st.streams.get(idx) or default_stream(idx)
 
     def set_stream(s: Any) -> None:
-        if s is not None:
-            current[0] = s
+        """torch's ``_cuda_setStream`` (torch/csrc/cuda/Module.cpp ``THCPModule_setStream_wrap``):
+        the stream's device becomes the current device, and the stream that device's current stream."""
+        if s is None:
+            return
+        idx, sid = getattr(s, "device_index", None), getattr(s, "_vramplan_sid", None)
+        if not isinstance(idx, int) or sid is None:  # (another emulation's stream: kept, not recorded)
+            st.streams[st.current] = s
+            return
+        st.current = idx
+        before = current_stream(idx)
+        st.streams[idx] = s
+        if st.on_stream is not None and getattr(before, "_vramplan_sid", None) != sid:
+            st.on_stream(idx, sid)
+
+    Stream, Event, stream_ctx, device_ctx = _classes(st, on_sync, current_stream, set_stream)
 
     def stream(s: Any) -> Any:
         return stream_ctx(s)
@@ -232,7 +258,7 @@ def patched(facts: DeviceFacts, live: LiveAllocator, on_sync: Callable[[str], No
         "get_rng_state_all": lambda: [rng_state() for _ in range(facts.count)],
         "set_rng_state_all": lambda new_states: None,
         "current_stream": current_stream,
-        "default_stream": lambda device=None: (st.index(device), default_stream)[1],
+        "default_stream": default_stream,
         "stream": stream,
         "set_stream": set_stream,
         "set_per_process_memory_fraction": lambda fraction, device=None: None,
@@ -468,7 +494,8 @@ def _device_index_class(real: type, st: CudaState) -> type:
     return device_index
 
 
-def _classes(st: CudaState, on_sync: Callable[[str], None]) -> tuple[type, type, type, type]:
+def _classes(st: CudaState, on_sync: Callable[[str], None], current_stream: Callable[..., Any],
+             set_stream: Callable[[Any], None]) -> tuple[type, type, type, type]:
     """Emulated ``Stream``, ``Event``, ``StreamContext`` and ``device`` with torch's constructors."""
     import inspect
 
@@ -476,7 +503,10 @@ def _classes(st: CudaState, on_sync: Callable[[str], None]) -> tuple[type, type,
     real_ctx, real_device = torch.cuda.StreamContext, torch.cuda.device
 
     class Stream:
-        """An emulated CUDA stream: work on it is ordered like the default stream's."""
+        """An emulated CUDA stream of one device. Work on it is ordered like the default stream's (a
+        trace is one serial order), but what is allocated while it is its device's current stream is
+        recorded on it, and the caching allocator keeps one pool per stream (a block cached by one
+        stream is not reused by another: ``CUDACachingAllocator.cpp`` ``get_free_block``)."""
 
         __signature__ = inspect.signature(real_stream)
 
@@ -487,6 +517,8 @@ def _classes(st: CudaState, on_sync: Callable[[str], None]) -> tuple[type, type,
             self.priority = priority
             self.stream_id = id(self)
             self.device_type = 1
+            st.stream_ids += 1
+            self._vramplan_sid = st.stream_ids
 
         def synchronize(self) -> None:
             on_sync("synchronize")
@@ -546,17 +578,34 @@ def _classes(st: CudaState, on_sync: Callable[[str], None]) -> tuple[type, type,
             return 0.0
 
     class StreamContext:
-        """``with torch.cuda.stream(s):`` (ops are recorded on the default stream's order)."""
+        """``with torch.cuda.stream(s):`` makes ``s`` its device's current stream for the block, as
+        torch's ``StreamContext`` does (torch/cuda/__init__.py: the current device's stream and, for a
+        stream of another device, that device's are put back on exit; ``set_stream`` also makes the
+        stream's device current). Ops stay in one serial order."""
 
         __signature__ = inspect.signature(real_ctx)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             (self.stream,) = bind_init(real_ctx, args, kwargs)[:1]
+            self.src_prev: Any = None
+            self.dst_prev: Any = None
 
         def __enter__(self) -> Any:
-            return self.stream
+            cur = self.stream
+            if cur is None:
+                return None
+            self.src_prev = current_stream(None)
+            if getattr(self.src_prev, "device", None) != getattr(cur, "device", None):
+                self.dst_prev = current_stream(getattr(cur, "device_index", None))
+            set_stream(cur)
+            return cur
 
-        def __exit__(self, *exc: Any) -> None: ...
+        def __exit__(self, *exc: Any) -> None:
+            if self.stream is None or self.src_prev is None:
+                return
+            if self.dst_prev is not None:
+                set_stream(self.dst_prev)
+            set_stream(self.src_prev)
 
     class device:  # noqa: N801 (torch's name)
         """``with torch.cuda.device(i):`` sets the current device for the block."""

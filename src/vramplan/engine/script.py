@@ -75,9 +75,9 @@ def run_script(
                            module=module, launched=launched or world > 1)
     w, ran, notes = what_ran(run, world)
     core = trace_core(tr, w, alloc_conf, dev.allocator_capacity)
-    gpus, capped = replay_gpus(tr, alloc_conf, dev.allocator_capacity)  # (every GPU capped as GPU 0 is)
+    per_gpu, capped = replay_gpus(tr, alloc_conf, dev.allocator_capacity)  # (every GPU capped as GPU 0 is)
     return finish(core, Path(path).name, w, g, dev, notes=[*notes, *capped], user_model=True,
-                  gpus=gpus).replace(ran=ran, gpu_events=tr.gpu_events)
+                  gpus=per_gpu).replace(ran=ran, gpu_events=tr.gpu_events)
 
 
 _OPTIMIZERS = {

@@ -1189,6 +1189,21 @@ def _capture_pool(sess: TraceSession) -> Callable[[int | None], None]:
     return on_capture
 
 
+def _stream_of(sess: TraceSession, places: Places) -> Callable[[int, int], None]:
+    """A device's current stream changed (``torch.cuda.stream(s)``, ``set_stream``: :mod:`vramplan.emulate.cuda`):
+    GPU 0's allocations are recorded on it (the recorder's stream), another GPU's on its own
+    (:attr:`~vramplan.trace.places.GpuPlace.stream`); each GPU's allocator replay keeps one pool per stream."""
+    def on_stream(device: int, stream: int) -> None:
+        if device == 0:
+            sess.rec.stream = stream
+            return
+        other = places.gpus.get(device)
+        if other is not None:
+            other.stream = stream
+
+    return on_stream
+
+
 def _loading(sess: TraceSession, places: Places) -> Any:
     """What ``from_pretrained`` needs of this run (:mod:`.pretrained`): the device, the notes, the
     host scope, the booking of a loaded model's tensors on the device, and its placement over
@@ -1354,7 +1369,8 @@ def trace_script(path: str | Path, argv: Sequence[str] = (), *, profile: DeviceP
                 _rank_zero(world, facts.count, launched), sess, \
                 emulated_gpu(facts, live, on_sync=on_sync, values=_host_values(sess), places=places.all,
                              optimizers=optimizers, on_launch=lambda ts: _forget(sess, ts),
-                             on_gpu=sess.rec.records, on_capture=_capture_pool(sess)) \
+                             on_gpu=sess.rec.records, on_capture=_capture_pool(sess),
+                             on_stream=_stream_of(sess, places)) \
                 as gpu, \
                 _rank_streams(world, sess), _patched(hooks, optimizers), _workers_in_process(run), \
                 weightless_from_pretrained(_loading(sess, places)), _InputMode(sess, places, run), \

@@ -41,8 +41,9 @@ from .recorder import Recorder, local_tensor
 
 class GpuPlace(HostMemory):
     """A GPU other than 0 (see the module docstring): its storages are logged as that GPU's
-    allocations and frees (:attr:`log`, one stream: the run's other streams are GPU 0's) and
-    :attr:`live` answers its memory figures from the allocator simulation, as GPU 0's are."""
+    allocations and frees (:attr:`log`, each allocation on that GPU's current :attr:`stream`, as
+    GPU 0's are on the recorder's) and :attr:`live` answers its memory figures from the allocator
+    simulation, as GPU 0's are."""
 
     def __init__(self, rec: Recorder, device: str, alloc_conf: str | None = None) -> None:
         super().__init__(rec, counted=False, device=device)
@@ -50,10 +51,13 @@ class GpuPlace(HostMemory):
         self.live = LiveAllocator(self.log, alloc_conf)
         self._lock = threading.Lock()  # (a storage may die on another thread: autograd's, gloo's)
         self._workspaces: set[tuple[int, int]] = set()
+        self.stream = 0
+        """This GPU's current stream (``vramplan run``: ``torch.cuda.stream(s)`` of a stream of this
+        device; each GPU has a current stream of its own); 0 is its default stream."""
 
     def _booked(self, key: int, n: int) -> None:
         with self._lock:
-            self.log.alloc(key, n)
+            self.log.alloc(key, n, stream=self.stream)
 
     def _dropped(self, key: int) -> None:
         with self._lock:
@@ -61,12 +65,14 @@ class GpuPlace(HostMemory):
 
     def blas_workspace(self, size: int, key: tuple[int, int]) -> None:
         """A GEMM on this GPU: the cuBLAS workspace of its handle (one per thread and stream, as GPU
-        0's: :meth:`~.dispatch.TraceMode._blas_workspace`), allocated once and kept."""
+        0's: :meth:`~.dispatch.TraceMode._blas_workspace`; ``key`` is (thread, GPU 0's stream): the
+        stream here is this GPU's own), allocated once and kept."""
         with self._lock:
+            key = (key[0], self.stream)
             if key in self._workspaces:
                 return
             self._workspaces.add(key)
-            self.log.alloc(-len(self._workspaces), size)  # (ids apart from the storages' keys)
+            self.log.alloc(-len(self._workspaces), size, stream=self.stream)  # (ids apart from the storages' keys)
 
     @property
     def used(self) -> bool:
