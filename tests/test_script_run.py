@@ -646,6 +646,45 @@ def test_a_side_stream_of_gpu_1_is_its_own_pool_on_gpu_1(tmp_path) -> None:
     assert r.gpus[1].reserved >= 2 * 64 * 2**20 + r.gpus[1].allocated - 64 * 2**20
 
 
+_QUANT_MAP_SCRIPT = """\
+import json, sys, torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+rest = json.loads(sys.argv[2])  # where layers 2-3, the norm and the head go
+dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+      "model.layers.2": rest, "model.layers.3": rest, "model.norm": rest, "lm_head": rest}
+q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4")
+model = AutoModelForCausalLM.from_pretrained('qwen2.5-7b', num_hidden_layers=4, quantization_config=q, device_map=dm)
+down = model.model.layers[3].mlp.down_proj
+seen = {"loaded": [torch.cuda.memory_allocated(0), torch.cuda.memory_allocated(1)], "map": model.hf_device_map,
+        "down": [type(down).__name__, str(down.weight.device)]}
+with torch.inference_mode():
+    seen["out"] = str(model(input_ids=torch.tensor([[11, 12, 13, 14]]).to("cuda")).logits.device)
+json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_bitsandbytes_model_is_spread_by_its_device_map_and_cpu_in_it_stops_as_transformers_does(tmp_path) -> None:
+    # BitsAndBytesConfig(load_in_4bit) with a dict map over two GPUs: transformers dispatches it as any model
+    # (modeling_utils.py:4464-4466), each layer quantised on its GPU; before, the map was dropped and the whole
+    # model sat on GPU 0. qwen2.5-7b (hidden 3,584, intermediate 18,944, 4 KV heads of 128): a layer's linears hold
+    # 3,584 x (3,584 + 512 + 512 + 3,584 + 3 x 18,944) parameters, at 0.5 B each in nf4 (+ absmax, biases, norms);
+    # the head stays bf16 (152,064 x 3,584 x 2 B). With the CPU in the map, bitsandbytes' quantizer raises
+    # (quantizer_bnb_4bit.py:71-81) without llm_int8_enable_fp32_cpu_offload: the run stops there too
+    import json
+
+    script, out = tmp_path / "q.py", tmp_path / "seen.json"
+    script.write_text(_QUANT_MAP_SCRIPT)
+    r = vramplan.run_script(script, [str(out), "1"], gpu="rtx-4090", gpus=2, workspaces=False)
+    seen = json.loads(out.read_text())
+    layer, head = 3584 * (3584 + 512 + 512 + 3584 + 3 * 18944), 152064 * 3584 * 2
+    assert seen["down"] == ["QuantLinear", "cuda:1"]  # (vramplan's nf4 layer, trace.quant: on the map's GPU)
+    assert seen["map"]["lm_head"] == 1 and seen["out"] == "cuda:0"
+    assert head + 2 * layer // 2 <= seen["loaded"][1] <= head + 2 * layer * 5 // 8  # (bf16 layers: 4 B per 2 params)
+    assert [x.gpu for x in r.gpus] == [0, 1] and r.gpus[1].allocated >= seen["loaded"][1]
+    with pytest.raises(TraceError, match="the real run stops here too"):
+        vramplan.run_script(script, [str(out), '"cpu"'], gpu="rtx-4090", gpus=2, workspaces=False)
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..emulate.imports import patched_on_import, replace
+from ..errors import TraceError
 from ..target import DEFAULT_PROFILE, DeviceProfile
 from . import quantized
 
@@ -88,6 +89,7 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[s
         extra["dtype"] = dtype
     run = _context[-1] if _context else Loading()
     on_host = _loads_on_host(kwargs.get("device_map"), qc)
+    quant_notes = _quantized_map(qc, kwargs.get("device_map"), on_host)
     # transformers builds the model empty and loads each weight into place (tied weights tied
     # first; a quantised weight quantised as it is read): no construction-time tensor is device
     # memory. The model is built unrecorded and its parameters and buffers are then booked on
@@ -102,11 +104,12 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[s
     finally:
         _building[0] -= 1
     placement = None
+    run.notes += quant_notes
     if qc is None and kwargs.get("device_map") in _STRATEGIES:  # (before booking: GPU 0's free memory as transformers reads it)
         placement, notes = _auto_placement(model, kwargs["device_map"], kwargs.get("max_memory"), run.spread is not None)
         run.notes += notes
-    elif qc is None and isinstance(kwargs.get("device_map"), dict) and not on_host:
-        placement = dict(kwargs["device_map"])
+    elif isinstance(kwargs.get("device_map"), dict) and not on_host and not quant_notes:
+        placement = dict(kwargs["device_map"])  # (a quantised model's too: its layers go where the map says)
     if placement is not None and run.spread is not None and _spreads(placement):
         # (not building: accelerate's dispatch runs as in a real load, its ``.to("meta")`` of an
         # offloaded weight a tensor on meta)
@@ -119,6 +122,37 @@ def _build(klass: Any, config: Any, kwargs: dict[str, Any], model_kwargs: dict[s
             _building[0] -= 1
     model.eval()  # from_pretrained returns a model in eval mode
     return model
+
+
+def _quantized_map(qc: Any, device_map: Any, on_host: bool) -> list[str]:
+    """A quantised model's device map. A dict over GPUs only is placed as any model's (each quantised
+    layer loads on its device; transformers dispatches a map over several devices alike). One with
+    the CPU or the disk: bitsandbytes refuses it without ``llm_int8_enable_fp32_cpu_offload``
+    (transformers 5.24.0 quantizers/quantizer_bnb_4bit.py:71-81, quantizer_bnb_8bit.py:71-81: the
+    same ``ValueError``: the run stops there, as the real one does); with it, or with another format, the offloaded
+    layers are not emulated — a note says the whole model stays on GPU 0, as does a placement
+    strategy (``"auto"``…), whose quantised sizes transformers computes with the quantizer's
+    adjustments (not emulated)."""
+    if qc is None or on_host or device_map is None:
+        return []
+    if isinstance(device_map, dict):
+        host = {str(v) for v in device_map.values() if _host_name(v)}
+        if not host:
+            return []
+        if quantized.method(qc) == "bitsandbytes" and not quantized._get(qc, "llm_int8_enable_fp32_cpu_offload", False):
+            raise TraceError(f"from_pretrained: a device_map with {' and '.join(sorted(host))} for a bitsandbytes model: "
+                             "transformers' quantizer raises ValueError (\"Some modules are dispatched on the CPU or "
+                             "the disk…\") — the real run stops here too",
+                             hint="map every module to a GPU, or pass BitsAndBytesConfig(…, "
+                             "llm_int8_enable_fp32_cpu_offload=True)")
+        return [f"device_map with {' and '.join(sorted(host))} for a {quantized.method(qc)}-quantised model: the "
+                "offload of quantised layers is not emulated; vramplan run keeps the whole model on GPU 0 (the "
+                "figures are the whole model on one GPU)"]
+    if device_map in _STRATEGIES and torch.cuda.device_count() > 1:  # (one GPU: the whole model is there)
+        return [f"device_map={device_map!r} for a {quantized.method(qc)}-quantised model: transformers' placement of "
+                "quantised weights is not emulated; vramplan run keeps the whole model on GPU 0 (a real load may "
+                "spread it over GPUs or offload part of it)"]
+    return []
 
 
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
