@@ -685,6 +685,38 @@ def test_a_bitsandbytes_model_is_spread_by_its_device_map_and_cpu_in_it_stops_as
         vramplan.run_script(script, [str(out), '"cpu"'], gpu="rtx-4090", gpus=2, workspaces=False)
 
 
+_DISK_MAP_SCRIPT = """\
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+away = json.loads(sys.argv[2])  # where layers 2-3 go: "cpu" or "disk"
+dm = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+      "model.layers.2": away, "model.layers.3": away, "model.norm": 1, "lm_head": 1}
+model = AutoModelForCausalLM.from_pretrained('qwen2.5-7b', dtype=torch.bfloat16, num_hidden_layers=4, device_map=dm)
+with torch.inference_mode():
+    model(input_ids=torch.tensor([[11, 12, 13, 14]]).to("cuda"))
+"""
+
+
+def test_disk_in_a_device_map_runs_as_the_cpu_offload_with_its_note(tmp_path) -> None:
+    # "disk" in a device map: transformers reads those weights from the checkpoint's safetensors per call
+    # (integrations/accelerate.py:461-530 accelerate_disk_offload) and accelerate's hooks bring them to the main
+    # GPU for the call, as for "cpu": every GPU's figures are the CPU offload's, and the notes say the disk
+    script = tmp_path / "disk.py"
+    script.write_text(_DISK_MAP_SCRIPT)
+    cpu = vramplan.run_script(script, [str(tmp_path), '"cpu"'], gpu="rtx-4090", gpus=2, workspaces=False)
+    disk = vramplan.run_script(script, [str(tmp_path), '"disk"'], gpu="rtx-4090", gpus=2, workspaces=False)
+    assert [x.gpu for x in disk.gpus] == [0, 1] and disk.gpus == cpu.gpus
+    # a layer in bf16: its linears (3,584 x (3,584 + 512 + 512 + 3,584 + 3 x 18,944)), q/k/v biases, two norms
+    layer = 2 * (3584 * (3584 + 512 + 512 + 3584 + 3 * 18944) + (3584 + 512 + 512) + 2 * 3584)
+    assert any(f"{2 * layer:,} B" in n and "in the offload folder on disk" in n for n in disk.notes), disk.notes
+    assert any('placed on "disk" are emulated as offloaded to the CPU' in n for n in disk.notes)
+    assert any(f"{2 * layer:,} B" in n and "in host RAM" in n for n in cpu.notes) \
+        and not any("on disk" in n or '"disk"' in n for n in cpu.notes)
+    # an offloaded layer's weights come to GPU 0 (the main device) for its call: GPU 0's peak holds more than its
+    # own embedding and layer 0
+    assert disk.breakdown.weights > 152064 * 3584 * 2 + layer
+
+
 def test_from_pretrained_applies_its_keyword_arguments_as_transformers_does(tmp_path) -> None:
     # config attributes passed to from_pretrained / AutoConfig.from_pretrained change the model
     # built (TRL's RewardTrainer passes num_labels=1: a 1-row score head, not the config's 2);
