@@ -324,11 +324,16 @@ def test_a_zero2_fsdp2_reference_stays_gathered_in_both_methods(objective: str, 
 
 
 @pytest.mark.parametrize("objective", ["dpo", "grpo"])
-def test_the_first_zero2_reference_forward_gathers_before_the_optimizer_states_exist(objective: str) -> None:
+def test_the_first_zero2_reference_forward_gathers_before_the_optimizer_states_exist(
+        objective: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """At dp 8 the optimizer's shard is small beside the reference's second copy: the forward phase
     is the first step's reference gather (the flat all-gather output and the parameters copied out of
     it, before AdamW's first step creates its states). Llama-3.2-1B's width with 2 layers: the
-    analytic forward phase within 1 % of the trace's, its weights to the rotary buffers."""
+    analytic forward phase within 1 % of the trace's, its weights to the rotary buffers. (DPO: a later
+    step's first policy gathers, the first block's unshard beside the root's all-gather output, come
+    within 0.3 % of it in the trace and in the analytic method, 0.9992 of the trace's: the first
+    step's gather is checked with that instant left out, and the forward phase with it. GRPO's policy
+    under ZeRO-2 stays gathered from the rollout: its training forward gathers nothing.)"""
     import importlib
 
     from vramplan.trace import analysis
@@ -338,9 +343,12 @@ def test_the_first_zero2_reference_forward_gathers_before_the_optimizer_states_e
     kw: dict[str, Any] = dict(batch=1, seq=256) if objective == "dpo" else dict(batch=2, seq=40, prompt=32, generations=2)
     w = Workload(task="train", precision="bf16-mixed", objective=objective, reference="model",
                  parallel=Parallel(dp=8, zero=2, engine="fsdp"), **kw)
-    a, r = analytic.estimate(spec, w), trace_workload(spec, w)
-    fa = next(ph for ph in a.phases if ph.phase is Phase.FORWARD)
+    r = trace_workload(spec, w)
     ft = next(ph for ph in analysis.phase_peaks(analysis.arrays(r.events)) if ph.phase is Phase.FORWARD)
+    fa = next(ph for ph in analytic.estimate(spec, w).phases if ph.phase is Phase.FORWARD)
+    assert abs(fa.allocated - ft.allocated) / ft.allocated < 0.01, (fa.allocated, ft.allocated)
+    monkeypatch.setattr(analytic, "with_forward_start", lambda st, ws, phases: phases)
+    fa = next(ph for ph in analytic.estimate(spec, w).phases if ph.phase is Phase.FORWARD)
     assert fa.breakdown.optimizer == ft.breakdown.optimizer == 0, (fa.breakdown, ft.breakdown)
     assert 0 <= ft.breakdown.weights - fa.breakdown.weights <= 512, (fa.breakdown, ft.breakdown)
     assert abs(fa.allocated - ft.allocated) / ft.allocated < 0.01, (fa.allocated, ft.allocated)

@@ -32,7 +32,7 @@ from .flops import step_flops
 from .host import fsdp_offload_parts
 from .notes import notes
 from .parallel import Stage, check_against_model, check_ring_kernel, stages, tokens_per_rank
-from .phases import inference, training
+from .phases import inference, training, with_forward_start
 from .regime import regime, trainable
 from .result import AnalyticEstimate, ModelStates
 from .states import stage_states
@@ -111,7 +111,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     tokens = counts.per_rank if spec.family is not Family.VIT else counts.micro_batch
     positions = w.batch if arch.head.kind == "cls" else tokens
 
-    best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int] | None = None
+    best: tuple[Stage, tuple[PhasePeak, ...], ModelStates, int, tuple[PhasePeak, ...]] | None = None
     host: dict[int, tuple[tuple[str, int], ...]] = {}
     for stage in stages(arch, w):
         st = stage_states(arch, stage, w, rg, tr)
@@ -123,15 +123,18 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             receive = tokens * arch.hidden * rg.stream // (w.parallel.tp if w.parallel.sp else 1)
             phases = training(st, acts, stage, w, ctx, workspace, cache, receive)
+            ends = phases
+            phases = with_forward_start(st, workspace, phases)
         else:
             gen_tokens = tokens if w.task is Task.INFER else counts.per_rank
-            phases = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,
-                               mask=_infer_mask(arch, w, seq))
+            phases = ends = inference(arch, st, stage, w, ctx, workspace, gen_tokens, seq, positions,
+                                      mask=_infer_mask(arch, w, seq))
         peak = max(p.allocated for p in phases)
         if best is None or peak > best[3]:
-            best = (stage, phases, ModelStates(st.weights, 0 if w.optimizer_in_backward else st.gradients, st.optimizer), peak)
+            best = (stage, phases, ModelStates(st.weights, 0 if w.optimizer_in_backward else st.gradients, st.optimizer), peak,
+                    ends)
     assert best is not None  # stages() always yields one
-    stage, phases, states, _ = best
+    stage, phases, states, _, ends = best
     total_params = (spec.params if not value_head else 0) or arch.params
     trainable_params = total_params if tr.full else sum(
         tr.adapter_params(lin) * g.count for g in arch.groups for lin in g.linears)
@@ -149,6 +152,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         states=states,
         activations_per_layer=per_layer, kv_cache=cache, stage=stage.index,
         host_memory=sum(n for _, n in host.get(stage.index, ())), host_parts=host.get(stage.index, ()),
+        forward_end=next((p for p in ends if p.phase is Phase.FORWARD), None) if ends != phases else None,
     )
 
 
@@ -175,13 +179,17 @@ def _preference(spec: ModelSpec, w: Workload, workspace_bytes: int | None) -> An
         return PhasePeak(ph.phase, ph.allocated + ref + kept, b)
 
     phases = tuple(more(ph) for ph in base.phases)
+    # (the reference's forwards follow the policy's: they build on the end of its forward, not on FSDP2's
+    # first gathers at its start, which base's forward phase may be: AnalyticEstimate.forward_end)
+    end = base.forward_end or next(ph for ph in base.phases if ph.phase is Phase.FORWARD)
     sharded = ref_est is not None and w.parallel.dp > 1 and w.parallel.zero == 3
     if ref_est is not None and sharded:
-        phases = tuple(_sharded_reference_forward(ph, base, ref, ref_est.params, regime(w).compute, ws)
-                       if ph.phase is Phase.FORWARD else ph for ph in phases)
+        gather = _sharded_reference_forward(more(end), base, ref, ref_est.params, regime(w).compute, ws)
+        phases = tuple(gather if ph.phase is Phase.FORWARD and gather.allocated > ph.allocated else ph
+                       for ph in phases)
     if kept:
-        first = {ph.phase: _first_gather(ph, ref, kept, ws) for ph in base.phases if ph.phase is Phase.FORWARD}
-        phases = tuple(first[ph.phase] if ph.phase in first and first[ph.phase].allocated > ph.allocated else ph
+        first = _first_gather(end, ref, kept, ws)
+        phases = tuple(first if ph.phase is Phase.FORWARD and first.allocated > ph.allocated else ph
                        for ph in phases)
     source = {Reference.MODEL: "a frozen copy of the model", Reference.ADAPTERS: "the policy with adapters disabled",
               Reference.PRECOMPUTED: "log-probabilities from the dataset"}[w.reference_source]

@@ -131,6 +131,12 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
     from .regime import regime
 
     kept = reference_gathered_bytes(ref_est, w)  # (FSDP2 ZeRO-2: gathered from its first scoring forward on)
+    if fsdp2_reshard_off(w) and train.forward_end is not None:
+        # FSDP2 ZeRO-2: the rollout's no-grad forwards leave the policy's units gathered (below), so the
+        # training forward's unshards are no-ops (torch 2.13 _fsdp_param_group.py L375-L376): no first gathers
+        end = train.forward_end
+        train = dataclasses.replace(train, phases=tuple(end if ph.phase is Phase.FORWARD else ph for ph in train.phases),
+                                    forward_end=None)
     window = w.batch * w.grad_accum
     if w.rollout is Rollout.VLLM:
         if engine is None:

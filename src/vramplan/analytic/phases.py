@@ -53,7 +53,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     c = ctx.rg.compute
     classes = a.logits // a.positions if a.positions else 0
     lm = loss_memory(w, tokens=a.positions, classes=classes, hidden=a.hidden, compute=c, stream=ctx.rg.stream,
-                     head_weight=ctx.rg.weight, head_trains=ctx.tr.full, autocast=ctx.rg.autocast,
+                     head_weight=ctx.rg.forward_weight, head_trains=ctx.tr.full, autocast=ctx.rg.autocast,
                      softcap=a.softcap) if a.logits else LossMemory(0, 0, 0, 0)
     # keep_grads (set_to_none=False) and gradient accumulation keep every gradient through the forward
     held = st.gradients if (w.grad_accum > 1 or w.keep_grads) and not w.optimizer_in_backward else 0
@@ -217,8 +217,12 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             # post-backward pops it or the root's final callback clears it (torch 2.13
             # ``fsdp/_fully_shard/_fsdp_param_group.py:717-719`` appends, ``:647-659`` pops,
             # ``_fsdp_state.py:424-431`` clears), and the root's post-backward runs after the embeddings'.
+            # Every block is resharded by then, under ZeRO-2 too: its post-backward reshards it whatever
+            # reshard_after_forward says (torch 2.13 ``_fsdp_param_group.py:600`` POST_BACKWARD state,
+            # ``:637-638`` ``reshard()``, which returns early only in FORWARD, ``:499-509``): the root's
+            # parameters are the only gathered ones
             instants.append(Breakdown(
-                weights=w_out, optimizer=st.optimizer, activations=kept,
+                weights=st.weights + st.gathered_root, optimizer=st.optimizer, activations=kept,
                 gradients=_with_buckets(st, all_grads - (0 if held or w.optimizer_in_backward else root_shard)),
                 temporaries=st.tied_embed_grads + st.unsharded_grads + 2 * workspace,
             ))
@@ -254,6 +258,24 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         _peak(Phase.BACKWARD, *instants),
         _peak(Phase.OPTIMIZER, optimizer),
     )
+
+
+def with_forward_start(st: States, workspace: int, phases: tuple[PhasePeak, ...]) -> tuple[PhasePeak, ...]:
+    """``training``'s phases with FSDP2's first gathers of each step's forward (:attr:`States.gathered_root`):
+    the first block's unshard, the root's all-gather output still alive — both units' parameters and
+    all-gather outputs, no activation yet — where that is higher than the end of the forward. (Kept
+    apart from ``training``: a preference step's reference forwards build on the end of the forward.)"""
+    if not (st.gathered_root and st.forward_gather):
+        return phases
+    out = []
+    for ph in phases:
+        if ph.phase is Phase.FORWARD:
+            start = Breakdown(weights=st.weights + st.gathered_root + st.forward_gather,
+                              gradients=ph.breakdown.gradients, optimizer=st.optimizer,
+                              temporaries=st.gathered_root + st.forward_gather + 2 * workspace)
+            ph = _peak(Phase.FORWARD, ph.breakdown, start)
+        out.append(ph)
+    return tuple(out)
 
 
 def inference(arch: Arch, st: States, stage: Stage, w: Workload, ctx: Ctx, workspace: int,

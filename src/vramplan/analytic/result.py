@@ -48,6 +48,11 @@ class AnalyticEstimate:
     offload's parameters, gradients and optimizer (``offload_params``)."""
     host_parts: tuple[tuple[str, int], ...] = ()
     """(part, bytes) of ``host_memory``."""
+    forward_end: PhasePeak | None = None
+    """Training under FSDP2 where the forward phase's peak is its first gathers (the first block's
+    unshard beside the root's all-gather output, ``phases.with_forward_start``): the end of the
+    forward, which what runs after the forward builds on (a preference step's reference forwards,
+    a VLM's tower); None where the forward phase is that instant already."""
     step_parts: tuple[tuple[str, int], ...] = ()
     """PPO (a critic or a reward model beside the policy): (part, peak allocated bytes) of the step's
     parts, ``generation`` (and scoring), ``critic`` (its update, PPO) and ``actor``, as the trace's

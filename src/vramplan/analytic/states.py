@@ -70,6 +70,17 @@ class States:
     at the end of backward (torch 2.13 ``fsdp/_fully_shard/_fsdp_state.py:381-392`` ``_pre_backward``
     unshards it; the root's forward inputs, the token ids, need no gradient, so its post-backward
     runs from ``_root_post_backward_final_callback``, ``:408-413``, after every block's)."""
+    gathered_root: int = 0
+    """FSDP2 without a pipeline (unquantised, data-parallel): the root unit's unsharded parameters in
+    ``param_dtype`` (embeddings, final norm, head, padded; :func:`_root_params`), gathered from the
+    root's pre-backward to its post-backward at the end of backward, at ZeRO-2 and ZeRO-3 alike.
+    Each step's forward gathers it first (every unit is resharded by the previous post-backward);
+    its all-gather output, as large, outlives the first block's copy-out: ``wait_for_unshard``
+    frees the previous unit's result only when it returns (torch 2.13
+    ``fsdp/_fully_shard/_fsdp_param_group.py:427-430``: ``comm_ctx.all_gather_state = None``, but the
+    walrus's local ``prev_all_gather_state`` still refers to it through the copy-out, ``:455-462``),
+    so the first block's forward starts with the root's parameters and all-gather output and the
+    block's (``forward_gather``) both."""
     gathered_end: int = 0
     """Of those, what is still gathered when backward reaches the first layer and the
     embeddings (FSDP2 ZeRO-2 reshards each unit after its backward: the last units only)."""
@@ -382,7 +393,9 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         last = local(head_mats[-1], w) + unit_pad[2] if head_mats else arch.final_norm_params
         if p.shard_group > 1:
             root_reduce_out = (root * rg.grad + last * min(rg.weight, rg.compute), root * rg.grad // p.shard_group)
-    tied_embed_grads = 0
+    tied_embed_grads = gathered_root = 0
+    if fsdp2 and not pipelined and w.quant is Quant.NONE and p.shard_group > 1:
+        gathered_root = _root_params(embed, head, head_small, extra, unit_pad) * min(rg.weight, rg.compute)
     if fsdp2 and not pipelined and tr.full and w.quant is Quant.NONE and arch.head.tied and stage.embed \
             and stage.head and p.tp == 1:
         tied_embed_grads = 3 * embed * min(rg.weight, rg.compute)
@@ -406,6 +419,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         fresh_head_first=fresh_head_first, head_cast=head_cast,
         accumulated_embed=accumulated_embed, deferred=deferred, reduce=reduce, prefetched=prefetched,
         root_reduce=root_reduce, root_reduce_out=root_reduce_out, tied_embed_grads=tied_embed_grads,
+        gathered_root=gathered_root,
         forward_gather=forward_gather,
     )
 

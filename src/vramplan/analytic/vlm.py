@@ -390,6 +390,9 @@ def estimate_vlm(spec: ModelSpec, w: Workload, workspace_bytes: int | None, esti
     for ph in lm.phases:
         bd = ph.breakdown
         if ph.phase is Phase.FORWARD and w.training:
+            # (the end of the language model's forward: its FSDP2 first gathers, AnalyticEstimate.forward_end,
+            # are not counted beside the tower's)
+            bd = (lm.forward_end or ph).breakdown
             end = plus(bd, **base, gradients=held, activations=v.pixels + v.saved, temporaries=v.casts)
             tower_fwd = Breakdown(  # the tower's forward, before the language model's
                 weights=lm.states.weights + v.weights + buffers, optimizer=lm.states.optimizer + v.optimizer,
