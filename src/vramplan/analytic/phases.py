@@ -52,6 +52,9 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
     micro-batch's hidden states), kept ``stage.receives`` times per micro-batch of the step."""
     c = ctx.rg.compute
     classes = a.logits // a.positions if a.positions else 0
+    # (the head weight as the loss reads it: under FSDP2's mixed precision the unsharded param_dtype
+    # parameter, not the fp32 shard — TRL's fused head then casts its fp32 grad_weight back to it and
+    # casts no weight slice; PrecisionModel.forward_weight)
     lm = loss_memory(w, tokens=a.positions, classes=classes, hidden=a.hidden, compute=c, stream=ctx.rg.stream,
                      head_weight=ctx.rg.forward_weight, head_trains=ctx.tr.full, autocast=ctx.rg.autocast,
                      softcap=a.softcap) if a.logits else LossMemory(0, 0, 0, 0)
@@ -218,7 +221,7 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
             # ``fsdp/_fully_shard/_fsdp_param_group.py:717-719`` appends, ``:647-659`` pops,
             # ``_fsdp_state.py:424-431`` clears), and the root's post-backward runs after the embeddings'.
             # Every block is resharded by then, under ZeRO-2 too: its post-backward reshards it whatever
-            # reshard_after_forward says (torch 2.13 ``_fsdp_param_group.py:600`` POST_BACKWARD state,
+            # reshard_after_forward says (torch 2.13 ``_fsdp_param_group.py:602`` POST_BACKWARD state,
             # ``:637-638`` ``reshard()``, which returns early only in FORWARD, ``:499-509``): the root's
             # parameters are the only gathered ones
             instants.append(Breakdown(

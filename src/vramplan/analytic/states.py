@@ -77,8 +77,8 @@ class States:
     Each step's forward gathers it first (every unit is resharded by the previous post-backward);
     its all-gather output, as large, outlives the first block's copy-out: ``wait_for_unshard``
     frees the previous unit's result only when it returns (torch 2.13
-    ``fsdp/_fully_shard/_fsdp_param_group.py:427-430``: ``comm_ctx.all_gather_state = None``, but the
-    walrus's local ``prev_all_gather_state`` still refers to it through the copy-out, ``:455-462``),
+    ``fsdp/_fully_shard/_fsdp_param_group.py:430-432``: ``comm_ctx.all_gather_state = None``, but the
+    walrus's local ``prev_all_gather_state`` still refers to it through the copy-out, ``:463-470``),
     so the first block's forward starts with the root's parameters and all-gather output and the
     block's (``forward_gather``) both."""
     gathered_end: int = 0
