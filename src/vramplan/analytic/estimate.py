@@ -82,12 +82,14 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             f"`float8={w.float8}`: the analytic method does not model torchao's Float8Linear (its fp8 casts of "
             "inputs, weights and gradients, and what it saves for backward)",
             hint="use `method=trace` with torchao installed (auto traces catalog models)", field="float8")
-    if w.parallel.engine.value == "fsdp1" and w.parallel.dp > 1:
-        raise WorkloadError(
-            "`engine=fsdp1`: the analytic method has FSDP2's formulas; FSDP1's flat parameters (per-unit "
-            "padding, all-gather and reduce-scatter buffers, its rate limiter) are traced",
-            hint="use `method=trace` (auto traces catalog models), which runs FullyShardedDataParallel itself",
-            field="engine")
+    if w.parallel.engine.value == "fsdp1" and w.parallel.dp > 1 and w.training:
+        from .fsdp1 import unsupported
+
+        if missing := unsupported(w):
+            raise WorkloadError(
+                f"`engine=fsdp1`: the analytic method's FSDP1 formulas (flat parameters per block and the root) do "
+                f"not model {missing}", hint="use `method=trace` (auto traces catalog models), which runs "
+                "FullyShardedDataParallel itself", field="engine")
     if w.rl:
         from .grpo import estimate_grpo
 

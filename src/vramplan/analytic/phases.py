@@ -29,6 +29,7 @@ from . import kv
 from .activations import StageActs, infer_layer
 from .arch import Arch
 from .blocks import Ctx
+from .fsdp1 import Fsdp1
 from .loss import LossMemory, loss_memory
 from .parallel import Stage
 from .states import States, pipeline_fsdp
@@ -137,6 +138,15 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         + st.forward_gather,
         kv_cache=stage.held(cache),
     )
+    if st.fsdp1 is not None:
+        start = Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer, temporaries=2 * workspace)
+        # the last block's forward (FULL_SHARD: gathered until its post-forward), before the head and the loss
+        last_block = Breakdown(weights=st.weights + st.fsdp1.root + st.fsdp1.block, optimizer=st.optimizer,
+                               activations=acts + a.mask, temporaries=2 * workspace)
+        return (_peak(Phase.FORWARD, forward, start, *([last_block] if stage.layers else [])),
+                _peak(Phase.BACKWARD, *_fsdp1_backward(st, st.fsdp1, a, lm, stage, acts, kept, out, temps)),
+                _peak(Phase.OPTIMIZER, Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer,
+                                                 temporaries=st.opt_temp + 2 * workspace)))
     instants = [
         Breakdown(  # the last layer's backward (after the loss and head)
             weights=w_live, optimizer=st.optimizer,
@@ -279,6 +289,42 @@ def with_forward_start(st: States, workspace: int, phases: tuple[PhasePeak, ...]
             ph = _peak(Phase.FORWARD, ph.breakdown, start)
         out.append(ph)
     return tuple(out)
+
+
+def _fsdp1_backward(st: States, f: Fsdp1, a: StageActs, lm: LossMemory, stage: Stage, acts: int, kept: int,
+                    out: int, temps: int) -> list[Breakdown]:
+    """FSDP1's backward instants (:mod:`.fsdp1`): the loss's; each block's twice — at its start (its
+    activations whole, with its backward's working set) and when its original-parameter gradients
+    are concatenated into its flat gradient (its activations freed); the root's at the end (the
+    embeddings' gradient completes its flat gradient) and its reduce-scatter. Blocks are taken
+    alike (the largest), the ``i`` earlier ones keeping their saved activations."""
+    w, o, n = st.weights, st.optimizer, stage.layers
+    layer_grads = f.block_fresh + f.block_flat
+    per_layer = a.layers // max(1, n)
+    out_b = [Breakdown(  # the loss's backward: the root gathered (the last block prefetched under BACKWARD_PRE)
+        weights=w + f.root + ((f.blocks if f.keep_all else f.loss_prefetched) if n else 0), optimizer=o,
+        activations=acts + a.head + lm.backward_saved + kept + out,
+        temporaries=lm.backward_transient + temps)]
+    for i in range(n - 1, -1, -1):  # block i's backward (i earlier blocks)
+        gathered = f.root + (f.blocks * (i + 1) // n if f.keep_all else f.block + (f.prefetched if i else 0))
+        done = f.head_fresh + (n - 1 - i) * f.block_grad_shard
+        before = per_layer * i + a.embed + kept + (out if i == n - 1 else 0)
+        out_b.append(Breakdown(weights=w + gathered, optimizer=o, gradients=done,
+                               activations=before + per_layer + a.recompute, temporaries=a.transient + temps))
+        out_b.append(Breakdown(weights=w + gathered, optimizer=o, gradients=done + layer_grads,
+                               activations=before, temporaries=temps))
+    out_b += [
+        Breakdown(  # a tied head: the embeddings' backward sums the two gradients of the shared weight
+            weights=w + f.root, optimizer=o, gradients=n * f.block_grad_shard + f.tied_sum,
+            activations=kept, temporaries=temps),
+        Breakdown(  # the root's flat gradient, every block's shard made
+            weights=w + f.root, optimizer=o, gradients=n * f.block_grad_shard + f.root_fresh + f.root_flat,
+            activations=kept, temporaries=temps),
+        Breakdown(  # its reduce-scatter (the root resharded): the output, then its cast
+            weights=w, optimizer=o, gradients=n * f.block_grad_shard + f.root_reduce,
+            activations=kept, temporaries=temps),
+    ]
+    return out_b
 
 
 def inference(arch: Arch, st: States, stage: Stage, w: Workload, ctx: Ctx, workspace: int,

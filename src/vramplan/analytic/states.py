@@ -26,6 +26,7 @@ from vramplan.precision import fsdp_cpu_offload, fsdp_shards_quantised
 from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
 
 from . import deepspeed as ds
+from . import fsdp1 as f1
 from .arch import Arch, Linear
 from .blocks import head_linear
 from .parallel import Stage, fsdp_padding, local, local_adapters, local_small, stage_groups
@@ -188,6 +189,9 @@ class States:
     reduce: tuple[int, int, int] = (0, 0, 0)
     """Pipeline × FSDP2, the end of the step (``perform_reduce_grad``): the gathered bytes still
     held, the gradients and the reduce-scatter input at its highest instant."""
+    fsdp1: f1.Fsdp1 | None = None
+    """FSDP1 (``engine=fsdp1``): its flat parameters' sizes (:mod:`.fsdp1`); the backward's instants
+    are FSDP1's own (``phases.training``)."""
 
 
 def _largest(lins: list[tuple[Linear, int]], w: Workload) -> int:
@@ -399,7 +403,7 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
     if fsdp2 and not pipelined and tr.full and w.quant is Quant.NONE and arch.head.tied and stage.embed \
             and stage.head and p.tp == 1:
         tied_embed_grads = 3 * embed * min(rg.weight, rg.compute)
-    return States(
+    states = States(
         params=params + adapters, trainable=trainable, weights=weights, gradients=gradients,
         optimizer=optimizer, gathered=gathered, gathered_block=gathered_block, gathered_end=gathered_end,
         # (FSDP2 CPU offload: each reduce-scattered shard is copied to the host and freed)
@@ -422,6 +426,45 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         gathered_root=gathered_root,
         forward_gather=forward_gather,
     )
+    if f1.applies(w):
+        return _fsdp1_states(states, arch, stage, w, rg, tr, lins, matrices, vectors)
+    return states
+
+
+def _fsdp1_states(st: States, arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable,
+                  lins: list[tuple[Linear, int]], matrices: list[tuple[int, int, int, bool, bool]],
+                  vectors: int) -> States:
+    """``st`` as FSDP1 holds it (:mod:`.fsdp1`; full training): flat parameters padded per unit, their gradient
+    shards in the parameters' dtype, one all-gather output per gathered unit, no autocast copies
+    (the gathered parameters are in ``param_dtype`` already)."""
+    n = w.parallel.shard_group
+    blocks = [sum(local(lin, w) for lin in g.linears) + local_small(g, w) for g, k in stage.groups for _ in range(k)]
+    embed = arch.embed_params if stage.embed else 0
+    head_mats = list(arch.head.linears) if stage.head else []
+    head = sum(local(lin, w) for lin in head_mats)
+    head_small = arch.head.small_params + arch.final_norm_params if stage.head else 0
+    root = embed + head + head_small + (arch.extra_params if stage.index == 0 else 0)
+    flat = sum(f1.padded(b, n) for b in blocks) + f1.padded(root, n)
+    tied = embed if arch.head.tied and stage.head else 0
+    sizes = f1.layout(w, blocks=blocks, root=root, head=head + head_small, tied=tied, weight_b=rg.grad,
+                      gather_b=min(rg.weight, rg.compute))
+    weights = flat * rg.weight // n
+    gradients = flat * rg.grad // n
+    optimizer = _optimizer_bytes(w, rg, flat, matrices, vectors) // n
+    gathered = sizes.root + (sizes.blocks if sizes.keep_all else sizes.block)
+    return _replace(
+        st, weights=weights, gradients=gradients, optimizer=optimizer, gathered=gathered,
+        gathered_block=0 if sizes.keep_all else sizes.block, gathered_end=sizes.root + sizes.block,
+        prefetched=0, forward_gather=0, casts_all=0, casts_layer=0, unsharded_grads=0, root_reduce=(0, 0),
+        root_reduce_out=(0, 0), tied_embed_grads=0,
+        opt_temp=_optimizer_temp(w, rg, flat // n, max(_largest(lins, w), embed, head)),
+        fsdp1=sizes)
+
+
+def _replace(st: States, **changes: object) -> States:
+    import dataclasses
+
+    return dataclasses.replace(st, **changes)  # type: ignore[arg-type]
 
 
 def _root_params(embed: int, head: int, head_small: int, extra: int, unit_pad: tuple[int, int, int]) -> int:

@@ -1,0 +1,91 @@
+"""The analytic method's FSDP1 formulas (``engine=fsdp1``, :mod:`vramplan.analytic.fsdp1`) against the trace.
+
+The trace runs torch's own ``FullyShardedDataParallel`` on the fake process group (``trace/layout.py``
+``_fsdp1``, checked against real gloo runs in ``tests/test_trace_gloo.py``): it is the truth here.
+For each workload this prints rank 0's analytic ÷ traced peak allocated bytes, per phase (forward,
+backward, optimizer) and for the step; it fails when a step's ratio is off by more than 2 %.
+
+Grid: a 4-layer Llama-like model at width 1024 (vocab 8192; the trace takes ~4 s a point) over dp
+2/4/8 × ZeRO-3/2 × backward prefetch pre/post/none × bf16-mixed/fp32 × checkpointing none/full
+(``--quick``: dp 2/4/8 at ZeRO-3, backward-pre, bf16-mixed, and each other knob once at dp 4), then
+Llama-3.2-1B's widths (all 16 layers, seq 1024) at a few points.
+
+Run: ``python bench/analytic_fsdp1.py [--quick] [--no-1b]`` (minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+from vramplan import estimate
+from vramplan.models.catalog import resolve
+from vramplan.models.normalize import spec_from_config
+from vramplan.models.spec import ModelSpec
+from vramplan.workload import Phase, Workload
+
+TOLERANCE = 0.02
+
+
+def tiny() -> ModelSpec:
+    """Llama-3.1-8B's layout at 4 layers, width 1024, vocab 8192."""
+    c = dict(resolve("llama-3.1-8b").config)
+    c.update(num_hidden_layers=4, hidden_size=1024, intermediate_size=2816, vocab_size=8192,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    return spec_from_config(c, name="tiny-llama-4x1024", source="bench")
+
+
+def grid(quick: bool) -> list[tuple[int, int, str, str, str]]:
+    """(dp, zero, prefetch, precision, checkpointing)."""
+    base = [(dp, 3, "backward-pre", "bf16-mixed", "none") for dp in (2, 4, 8)]
+    if quick:
+        return base + [(4, 2, "backward-pre", "bf16-mixed", "none"), (4, 3, "backward-post", "bf16-mixed", "none"),
+                       (4, 3, "none", "bf16-mixed", "none"), (4, 3, "backward-pre", "fp32", "none"),
+                       (4, 3, "backward-pre", "bf16-mixed", "full")]
+    full = list(itertools.product((2, 4, 8), (3, 2), ("backward-pre", "backward-post", "none"), ("bf16-mixed", "fp32"),
+                                  ("none", "full")))
+    return full
+
+
+def row(spec: ModelSpec, w: Workload) -> tuple[dict[Phase, tuple[int, int]], float, float]:
+    t0 = time.perf_counter()
+    tr = estimate(spec, w, method="trace", search_max_batch=False)
+    secs = time.perf_counter() - t0
+    an = estimate(spec, w, method="analytic", search_max_batch=False)
+    traced = {p.phase: p.allocated for p in tr.phases}
+    phases = {p.phase: (p.allocated, traced[p.phase]) for p in an.phases if p.phase in traced}
+    return phases, an.peak.allocated / tr.peak.allocated, secs
+
+
+def main(argv: list[str]) -> int:
+    quick, with_1b = "--quick" in argv, "--no-1b" not in argv
+    cases: list[tuple[ModelSpec, Workload]] = []
+    small = tiny()
+    for dp, zero, prefetch, precision, ckpt in grid(quick):
+        w = Workload(task="train", batch=1, seq=256, precision=precision, checkpointing=ckpt)
+        cases.append((small, w.replace(dp=dp, zero=zero, engine="fsdp1", fsdp1_prefetch=prefetch)))
+    if with_1b:
+        one_b = resolve("llama-3.2-1b")
+        for dp, zero, precision, ckpt in ((8, 3, "bf16-mixed", "none"), (8, 3, "bf16-mixed", "full"),
+                                          (4, 2, "bf16-mixed", "full"), (2, 3, "fp32", "full")):
+            w = Workload(task="train", batch=1, seq=1024, precision=precision, checkpointing=ckpt)
+            cases.append((one_b, w.replace(dp=dp, zero=zero, engine="fsdp1")))
+    print(f"{'model':18} {'dp':>2} {'zero':>4} {'prefetch':13} {'precision':10} {'ckpt':4} "
+          f"{'forward':>8} {'backward':>8} {'optimizer':>9} {'step':>7} {'trace s':>7}")
+    worst = 0.0
+    for spec, w in cases:
+        p = w.parallel
+        phases, step, secs = row(spec, w)
+        cells = [f"{phases[ph][0] / phases[ph][1]:.4f}" if ph in phases else "-"
+                 for ph in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)]
+        worst = max(worst, abs(step - 1))
+        print(f"{spec.name:18} {p.dp:>2} {p.zero:>4} {p.fsdp1_prefetch.value:13} {w.precision.value:10} "
+              f"{w.checkpointing.value:4} {cells[0]:>8} {cells[1]:>8} {cells[2]:>9} {step:7.4f} {secs:7.1f}",
+              flush=True)
+    print(f"worst step |analytic / trace - 1|: {worst:.4f} (tolerance {TOLERANCE})")
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
