@@ -25,7 +25,7 @@ from vramplan.workload import (
 
 from ..target import CUBLAS_WORKSPACE_PRE_HOPPER, RolloutEngine
 from . import decoder, kv
-from .activations import TokenShape, size, stage_acts
+from .activations import TokenShape, infer_layer, size, stage_acts
 from .arch import Arch
 from .blocks import Ctx, block_saved
 from .flops import step_flops
@@ -82,7 +82,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             f"`float8={w.float8}`: the analytic method does not model torchao's Float8Linear (its fp8 casts of "
             "inputs, weights and gradients, and what it saves for backward)",
             hint="use `method=trace` with torchao installed (auto traces catalog models)", field="float8")
-    if w.parallel.engine.value == "fsdp1" and w.parallel.dp > 1 and w.training:
+    if w.parallel.engine.value == "fsdp1" and w.parallel.dp > 1:
         from .fsdp1 import unsupported
 
         if missing := unsupported(w):
@@ -124,7 +124,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
                 host[stage.index] += ((HOST_ACTIVATIONS, stage.held(acts.host)),)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             receive = tokens * arch.hidden * rg.stream // (w.parallel.tp if w.parallel.sp else 1)
-            phases = training(st, acts, stage, w, ctx, workspace, cache, receive)
+            ws = infer_layer(stage, w, ctx, arch.hidden, tokens, seq) if st.fsdp1 is not None else 0
+            phases = training(st, acts, stage, w, ctx, workspace, cache, receive, ws)
             ends = phases
             phases = with_forward_start(st, workspace, phases)
         else:

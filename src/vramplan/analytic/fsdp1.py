@@ -4,43 +4,45 @@ What the trace wraps (:func:`vramplan.trace.layout._fsdp1`, as accelerate and HF
 unit per transformer block and the root (the embeddings, the final norm, the head),
 ``use_orig_params=True``, ``limit_all_gathers=True``, no forward prefetch, the workload's backward
 prefetch; under ``*-mixed`` ``MixedPrecision(param_dtype=reduce_dtype=<16-bit>)`` with autocast.
-Read from torch 2.13 ``torch/distributed/fsdp``:
+Read from torch 2.13 ``torch/distributed/fsdp`` (docs/research/fsdp1-analytic.md):
 
-* **flat parameters** (``_flat_param.py`` ``FlatParamHandle``): each unit's parameters are one
-  flat tensor in the parameters' dtype, sharded by ``_get_shard`` (``chunk(world_size)`` padded to
-  the first chunk's size): each rank holds ``ceil(numel / world)`` elements of every unit
-  (``use_orig_params`` aligns each parameter to 16 bytes; the dimensions here are multiples of 4).
-* **unshard** (``_flat_param.py`` ``unshard``/``_alloc_padded_unsharded_flat_param``): the unit's
+* **flat parameters** (``_flat_param.py``): each unit's parameters are one flat tensor in the
+  parameters' dtype; ``_get_shard`` (L1122; its padding L1114) chunks it over the world and pads
+  every shard to the first chunk's size: each rank holds ``ceil(numel / world)`` elements of every
+  unit (``use_orig_params`` also aligns each parameter to 16 bytes, ``_get_aligned_numel`` L2771:
+  the dimensions counted here are multiples of 4 elements).
+* **unshard** (``unshard`` L1359, ``_alloc_padded_unsharded_flat_param`` L1395): the unit's
   all-gather output ``_full_param_padded`` (the padded flat parameter in ``param_dtype``); the
   original parameters are views into it — one copy, where FSDP2 also copies out of its all-gather
-  buffer. Under MixedPrecision the 16-bit shard (``_mp_shard``) lives only around the all-gather.
-  ``_reshard`` frees the output's storage: FULL_SHARD after each non-root unit's forward
-  (``_runtime_utils.py`` ``_post_forward_reshard``: not the root), SHARD_GRAD_OP only after its
-  backward (``_should_free_in_backward``). ``limit_all_gathers`` bounds in-flight all-gathers on the
-  GPU's streams; a trace (and this model) frees a buffer at its reshard.
-* **backward prefetch** (``_runtime_utils.py`` ``_pre_backward_hook``/``_post_backward_reshard``,
-  ``_prefetch_handle``): BACKWARD_PRE unshards the next unit in backward order right after the
-  current one, so a block's backward holds its own parameters and the previous block's;
-  BACKWARD_POST prefetches after the current unit's reshard (one block at a time); none gathers in
-  each unit's own pre-backward. The root's pre-backward (before the loss's backward) prefetches the
-  last block under BACKWARD_PRE.
-* **gradients**: autograd makes each original parameter's gradient (``param_dtype``), and the
-  view's backward concatenates a unit's into its padded flat gradient (``param_dtype``); the
-  post-backward hook on the flat parameter's AccumulateGrad (``_post_backward_hook``) reshards,
-  reduce-scatters into a shard in ``reduce_dtype`` and casts it to the parameters' dtype
-  (``_cast_grad_to_param_dtype``): the sharded ``flat_param.grad`` the optimizer steps. The root's
-  gradients wait unsharded (the head's from the loss's backward on) until the embeddings' backward,
-  the last, completes its flat gradient.
-* **zero_grad** with ``use_orig_params`` only drops the original parameters' ``grad`` views: the
-  flat gradients live until the next forward's root pre-forward resets them
-  (``_reset_flat_param_grad_info_if_needed``, ``_runtime_utils.py`` ``_root_pre_forward``), so
-  the forward starts with every gradient shard of the previous step.
+  buffer. Under MixedPrecision the 16-bit shard (``_mp_shard``, ``_use_low_precision_shard``
+  L1342) lives only around the all-gather (``_free_low_precision_sharded_param`` L1533).
+  ``_reshard`` frees the output's storage: FULL_SHARD after each unit's forward but the root's
+  (``_runtime_utils.py`` ``_post_forward_reshard`` L486-L497), SHARD_GRAD_OP only after its
+  backward. ``limit_all_gathers`` bounds the all-gathers in flight on the GPU's streams; a trace
+  (and this model) frees a buffer at its reshard.
+* **backward prefetch** (``_runtime_utils.py``): BACKWARD_PRE unshards the next unit in backward
+  order right after the current one (``_pre_backward_hook`` L630, its prefetch L693), so a block's
+  backward holds its own parameters and the previous block's, and the root's pre-backward (before
+  the loss's backward) holds the last block's; BACKWARD_POST prefetches after the current unit's
+  reshard (``_post_backward_reshard`` L793-L807: one block at a time); none gathers in each unit's
+  own pre-backward.
+* **gradients**: autograd makes each original parameter's gradient (``param_dtype``) and the
+  views' backward concatenates a unit's into its padded flat gradient (``param_dtype``); the
+  post-backward hook on the flat parameter's AccumulateGrad (``_post_backward_hook`` L701)
+  reshards, reduce-scatters into a shard in ``reduce_dtype`` (``_reduce_grad`` L831) and casts it to
+  the parameters' dtype (``_cast_grad_to_param_dtype`` L1030): the sharded ``flat_param.grad``
+  the optimizer steps. The root's gradients wait unsharded (the head's from the loss's backward on)
+  until the embeddings' backward, the last, completes its flat gradient.
+* **zero_grad** with ``use_orig_params`` drops the original parameters' ``grad`` views only: the
+  flat gradients live until the next forward's ``_root_pre_forward`` resets them (L594,
+  ``_reset_flat_param_grad_info_if_needed``, ``_flat_param.py`` L2447): the forward starts with
+  every gradient shard of the previous step.
 """
 
 from __future__ import annotations
 
 from vramplan._dataclass import dataclass
-from vramplan.workload import Engine, Fsdp1Prefetch, Peft, Quant, Workload
+from vramplan.workload import Engine, Fsdp1Prefetch, Optimizer, Peft, Quant, Workload
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ def applies(w: Workload) -> bool:
 def unsupported(w: Workload) -> str:
     """What of ``w`` the FSDP1 formulas do not model ('' when they do)."""
     p = w.parallel
+    if not w.training:
+        return f"`task={w.task}` (FSDP1 is modelled for training)"
     if p.zero == 0:
         return "NO_SHARD (`zero=0`)"
     if p.offload_params:
@@ -102,6 +106,12 @@ def unsupported(w: Workload) -> str:
         # parameters then stay gathered past their backward, which is not modelled yet)
         return f"`peft={w.peft}` (peft's per-adapter units, frozen flat parameters)" if w.peft is not Peft.NONE \
             else f"`quant={w.quant}`"
+    if w.optimizer is Optimizer.ADAFACTOR:
+        # (the sharded original parameters are 1-D views into the flat shard, ``_use_sharded_views``:
+        # Adafactor factors no second moment there, and its step's temporaries are not read yet)
+        return "Adafactor (FSDP1's sharded parameters are 1-D views: nothing to factor)"
+    if w.rl:
+        return f"`objective={w.objective}` (its rollout, reference and generation under FSDP1's units)"
     if w.grad_accum > 1 or w.keep_grads or w.optimizer_in_backward:
         return "gradient accumulation, kept gradients or an optimizer in backward"
     return ""

@@ -47,10 +47,12 @@ def _with_buckets(st: States, grads: int) -> int:
 
 
 def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, workspace: int,
-             cache: int = 0, receive: int = 0) -> tuple[PhasePeak, ...]:
+             cache: int = 0, receive: int = 0, layer_ws: int = 0) -> tuple[PhasePeak, ...]:
     """``cache``: what HF's DynamicCache adds to the forward (dropped with the outputs unless
     the loop keeps them, ``keep_outputs``). ``receive``: one pipeline receive buffer (a
-    micro-batch's hidden states), kept ``stage.receives`` times per micro-batch of the step."""
+    micro-batch's hidden states), kept ``stage.receives`` times per micro-batch of the step.
+    ``layer_ws``: a no-grad forward's working set of one layer (FSDP1: the last block's forward
+    under full checkpointing, its parameters gathered)."""
     c = ctx.rg.compute
     classes = a.logits // a.positions if a.positions else 0
     # (the head weight as the loss reads it: under FSDP2's mixed precision the unsharded param_dtype
@@ -142,7 +144,8 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         start = Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer, temporaries=2 * workspace)
         # the last block's forward (FULL_SHARD: gathered until its post-forward), before the head and the loss
         last_block = Breakdown(weights=st.weights + st.fsdp1.root + st.fsdp1.block, optimizer=st.optimizer,
-                               activations=acts + a.mask, temporaries=2 * workspace)
+                               activations=acts + a.mask, temporaries=2 * workspace
+                               + (layer_ws if w.checkpointing is Checkpointing.FULL and a.checkpointed else 0))
         return (_peak(Phase.FORWARD, forward, start, *([last_block] if stage.layers else [])),
                 _peak(Phase.BACKWARD, *_fsdp1_backward(st, st.fsdp1, a, lm, stage, acts, kept, out, temps)),
                 _peak(Phase.OPTIMIZER, Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer,

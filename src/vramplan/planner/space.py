@@ -355,6 +355,8 @@ def _parallel_words(w: Workload, n: int) -> list[str]:
             kind = f"DeepSpeed ZeRO-{p.zero}"
         elif p.engine is Engine.FSDP:
             kind = "FSDP" if p.zero == 3 else "FSDP (no reshard)"
+        elif p.engine is Engine.FSDP1:
+            kind = f"FSDP1 {p.fsdp1_strategy}"
         else:
             kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[p.zero]
         words.append(f"{kind} ×{p.dp}")
