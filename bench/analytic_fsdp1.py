@@ -10,8 +10,8 @@ models); it fails when a ``peak`` ratio is off by more than 2 % (and prints the 
 
 Grid: a 4-layer Llama-like model at width 1024 (vocab 8192; the trace takes ~4 s a point) over dp
 2/4/8 × ZeRO-3/2 × backward prefetch pre/post/none × bf16-mixed/fp32 × checkpointing none/full
-(``--quick``: dp 2/4/8 at ZeRO-3, backward-pre, bf16-mixed, and each other knob once at dp 4), then
-Llama-3.2-1B's widths (all 16 layers, seq 1024) at a few points.
+(``--quick``: dp 2/4/8 at ZeRO-3, backward-pre, bf16-mixed, and each other knob once at dp 4), three
+with 2 accumulation steps (``accum``), then Llama-3.2-1B's widths (all 16 layers, seq 1024) at a few points.
 
 Run: ``python bench/analytic_fsdp1.py [--quick] [--no-1b]`` (~3 min on 2 cores; ``trace s`` is 0 where the
 result store already holds the trace: ``VRAMPLAN_NO_CACHE=1`` traces again).
@@ -74,13 +74,18 @@ def main(argv: list[str]) -> int:
     for dp, zero, prefetch, precision, ckpt in grid(quick):
         w = Workload(task="train", batch=1, seq=256, precision=precision, checkpointing=ckpt)
         cases.append((small, w.replace(dp=dp, zero=zero, engine="fsdp1", fsdp1_prefetch=prefetch)))
+    for dp, zero, prefetch, precision, ckpt in ((2, 3, "backward-pre", "bf16-mixed", "none"),
+                                                (4, 2, "backward-pre", "bf16-mixed", "full"),
+                                                (4, 3, "none", "fp32", "none")):
+        w = Workload(task="train", batch=1, seq=256, precision=precision, checkpointing=ckpt, grad_accum=2)
+        cases.append((small, w.replace(dp=dp, zero=zero, engine="fsdp1", fsdp1_prefetch=prefetch)))
     if with_1b:
         one_b = resolve("llama-3.2-1b")
         for dp, zero, precision, ckpt in ((8, 3, "bf16-mixed", "none"), (8, 3, "bf16-mixed", "full"),
                                           (4, 2, "bf16-mixed", "full"), (2, 3, "fp32", "full")):
             w = Workload(task="train", batch=1, seq=1024, precision=precision, checkpointing=ckpt)
             cases.append((one_b, w.replace(dp=dp, zero=zero, engine="fsdp1")))
-    print(f"{'model':18} {'dp':>2} {'zero':>4} {'prefetch':13} {'precision':10} {'ckpt':4} "
+    print(f"{'model':18} {'dp':>2} {'zero':>4} {'prefetch':13} {'precision':10} {'ckpt':4} {'accum':>5} "
           f"{'forward':>8} {'backward':>8} {'optimizer':>9} {'peak':>7} {'alloc':>7} {'trace s':>7}")
     worst = worst_phase = 0.0
     for spec, w in cases:
@@ -91,7 +96,7 @@ def main(argv: list[str]) -> int:
         worst = max(worst, abs(peak_ratio(phases) - 1))
         worst_phase = max([worst_phase, *(abs(a / t - 1) for a, t in phases.values())])
         print(f"{spec.name:18} {p.dp:>2} {p.zero:>4} {p.fsdp1_prefetch.value:13} {w.precision.value:10} "
-              f"{w.checkpointing.value:4} {cells[0]:>8} {cells[1]:>8} {cells[2]:>9} {peak_ratio(phases):7.4f} {step:7.4f} "
+              f"{w.checkpointing.value:4} {w.grad_accum:>5} {cells[0]:>8} {cells[1]:>8} {cells[2]:>9} {peak_ratio(phases):7.4f} {step:7.4f} "
               f"{secs:7.1f}",
               flush=True)
     print(f"worst peak |analytic / trace - 1|: {worst:.4f} (tolerance {TOLERANCE}); worst phase: {worst_phase:.4f}")

@@ -38,9 +38,12 @@ def _phases(w: Workload, method: str) -> dict[Phase, int]:
     ("bf16-mixed", 3, "backward-pre", "none", 2),
     ("bf16-mixed", 3, "backward-post", "full", 4),
     ("fp32", 2, "none", "none", 2),
+    ("bf16-mixed", 3, "backward-pre", "accum", 2),  # (2 micro-batches: every gradient shard kept through the step)
 ])
 def test_each_phase_matches_the_trace(precision: str, zero: int, prefetch: str, ckpt: str, dp: int) -> None:
-    w = Workload(task="train", batch=1, seq=256, precision=precision, checkpointing=ckpt).replace(
+    accum = 2 if ckpt == "accum" else 1
+    ckpt = "none" if ckpt == "accum" else ckpt
+    w = Workload(task="train", batch=1, seq=256, precision=precision, checkpointing=ckpt, grad_accum=accum).replace(
         dp=dp, zero=zero, engine="fsdp1", fsdp1_prefetch=prefetch)
     traced, analytic = _phases(w, "trace"), _phases(w, "analytic")
     assert set(analytic) == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
@@ -76,3 +79,15 @@ def test_lora_is_refused_by_name() -> None:
     w = Workload(task="train", batch=1, seq=256, peft="lora").replace(dp=2, zero=3, engine="fsdp1")
     with pytest.raises(WorkloadError, match="per-adapter units"):
         estimate(_spec(), w, method="analytic", search_max_batch=False)
+
+
+def test_the_planner_screens_fsdp1_candidates() -> None:
+    """`plan --engine fsdp1` screened no data-parallel FSDP1 candidate while the analytic method
+    refused FSDP1: Llama-3.1-8B's full training (157.6 GiB on one GPU) fits 8 H100s only sharded."""
+    from vramplan.planner.plan import plan
+
+    w = Workload(task="train", seq=2048, precision="bf16-mixed").replace(engine="fsdp1")
+    r = plan("llama-3.1-8b", w, gpu="h100", max_gpus=8, method="analytic", confirm=0)
+    sharded = [p for p in r.plans if p.workload.parallel.dp > 1]
+    assert sharded and all(p.workload.parallel.engine.value == "fsdp1" for p in sharded)
+    assert any("FSDP1 FULL_SHARD ×8" in p.label for p in sharded), [p.label for p in sharded]

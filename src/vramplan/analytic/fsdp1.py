@@ -112,8 +112,8 @@ def unsupported(w: Workload) -> str:
         return "Adafactor (FSDP1's sharded parameters are 1-D views: nothing to factor)"
     if w.rl:
         return f"`objective={w.objective}` (its rollout, reference and generation under FSDP1's units)"
-    if w.grad_accum > 1 or w.keep_grads or w.optimizer_in_backward:
-        return "gradient accumulation, kept gradients or an optimizer in backward"
+    if w.optimizer_in_backward:
+        return "an optimizer in backward"
     return ""
 
 

@@ -144,10 +144,10 @@ def training(st: States, a: StageActs, stage: Stage, w: Workload, ctx: Ctx, work
         start = Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer, temporaries=2 * workspace)
         # the last block's forward (FULL_SHARD: gathered until its post-forward), before the head and the loss
         last_block = Breakdown(weights=st.weights + st.fsdp1.root + st.fsdp1.block, optimizer=st.optimizer,
-                               activations=acts + a.mask, temporaries=2 * workspace
+                               gradients=fwd_held, activations=acts + a.mask, temporaries=2 * workspace
                                + (layer_ws if w.checkpointing is Checkpointing.FULL and a.checkpointed else 0))
         return (_peak(Phase.FORWARD, forward, start, *([last_block] if stage.layers else [])),
-                _peak(Phase.BACKWARD, *_fsdp1_backward(st, st.fsdp1, a, lm, stage, acts, kept, out, temps)),
+                _peak(Phase.BACKWARD, *_fsdp1_backward(st, st.fsdp1, a, lm, stage, acts, kept, out, temps, held)),
                 _peak(Phase.OPTIMIZER, Breakdown(weights=st.weights, gradients=st.gradients, optimizer=st.optimizer,
                                                  temporaries=st.opt_temp + 2 * workspace)))
     instants = [
@@ -295,22 +295,26 @@ def with_forward_start(st: States, workspace: int, phases: tuple[PhasePeak, ...]
 
 
 def _fsdp1_backward(st: States, f: Fsdp1, a: StageActs, lm: LossMemory, stage: Stage, acts: int, kept: int,
-                    out: int, temps: int) -> list[Breakdown]:
+                    out: int, temps: int, held: int = 0) -> list[Breakdown]:
     """FSDP1's backward instants (:mod:`.fsdp1`): the loss's; each block's twice — at its start (its
     activations whole, with its backward's working set) and when its original-parameter gradients
     are concatenated into its flat gradient (its activations freed); the root's at the end (the
     embeddings' gradient completes its flat gradient) and its reduce-scatter. Blocks are taken
-    alike (the largest), the ``i`` earlier ones keeping their saved activations."""
+    alike (the largest), the ``i`` earlier ones keeping their saved activations. ``held``: every
+    gradient shard, where a later micro-batch (or ``zero_grad(set_to_none=False)``) finds them: each
+    unit's post-backward adds its new shard into the kept one (``_saved_grad_shard``, torch 2.13
+    ``_runtime_utils.py`` L918-L926) and ``_root_pre_forward`` resets none (an original parameter's
+    ``grad`` is set)."""
     w, o, n = st.weights, st.optimizer, stage.layers
     layer_grads = f.block_fresh + f.block_flat
     per_layer = a.layers // max(1, n)
     out_b = [Breakdown(  # the loss's backward: the root gathered (the last block prefetched under BACKWARD_PRE)
         weights=w + f.root + ((f.blocks if f.keep_all else f.loss_prefetched) if n else 0), optimizer=o,
-        activations=acts + a.head + lm.backward_saved + kept + out,
+        gradients=held, activations=acts + a.head + lm.backward_saved + kept + out,
         temporaries=lm.backward_transient + temps)]
     for i in range(n - 1, -1, -1):  # block i's backward (i earlier blocks)
         gathered = f.root + (f.blocks * (i + 1) // n if f.keep_all else f.block + (f.prefetched if i else 0))
-        done = f.head_fresh + (n - 1 - i) * f.block_grad_shard
+        done = f.head_fresh + (held or (n - 1 - i) * f.block_grad_shard)
         before = per_layer * i + a.embed + kept + (out if i == n - 1 else 0)
         out_b.append(Breakdown(weights=w + gathered, optimizer=o, gradients=done,
                                activations=before + per_layer + a.recompute, temporaries=a.transient + temps))
@@ -318,13 +322,13 @@ def _fsdp1_backward(st: States, f: Fsdp1, a: StageActs, lm: LossMemory, stage: S
                                activations=before, temporaries=temps))
     out_b += [
         Breakdown(  # a tied head: the embeddings' backward sums the two gradients of the shared weight
-            weights=w + f.root, optimizer=o, gradients=n * f.block_grad_shard + f.tied_sum,
+            weights=w + f.root, optimizer=o, gradients=(held or n * f.block_grad_shard) + f.tied_sum,
             activations=kept, temporaries=temps),
         Breakdown(  # the root's flat gradient, every block's shard made
-            weights=w + f.root, optimizer=o, gradients=n * f.block_grad_shard + f.root_fresh + f.root_flat,
+            weights=w + f.root, optimizer=o, gradients=(held or n * f.block_grad_shard) + f.root_fresh + f.root_flat,
             activations=kept, temporaries=temps),
         Breakdown(  # its reduce-scatter (the root resharded): the output, then its cast
-            weights=w, optimizer=o, gradients=n * f.block_grad_shard + f.root_reduce,
+            weights=w, optimizer=o, gradients=(held or n * f.block_grad_shard) + f.root_reduce,
             activations=kept, temporaries=temps),
     ]
     return out_b
