@@ -124,8 +124,9 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
                 host[stage.index] += ((HOST_ACTIVATIONS, stage.held(acts.host)),)
             cache = kv.training_cache(stage, w, ctx, tokens) if spec.is_decoder else 0
             receive = tokens * arch.hidden * rg.stream // (w.parallel.tp if w.parallel.sp else 1)
-            ws = infer_layer(stage, w, ctx, arch.hidden, tokens, seq) if st.fsdp1 is not None else 0
-            phases = training(st, acts, stage, w, ctx, workspace, cache, receive, ws)
+            # (FSDP1: the last block's forward, gathered, under full checkpointing: a no-grad layer's working set)
+            layer_ws = infer_layer(stage, w, ctx, arch.hidden, tokens, seq) if st.fsdp1 is not None else 0
+            phases = training(st, acts, stage, w, ctx, workspace, cache, receive, layer_ws)
             ends = phases
             phases = with_forward_start(st, workspace, phases)
         else:

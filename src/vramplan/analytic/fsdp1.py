@@ -61,7 +61,6 @@ class Fsdp1:
     """What the loss's backward holds beyond the root (BACKWARD_PRE: the last block)."""
     block_grad_shard: int
     """One block's gradient shard, in the parameters' dtype."""
-    root_grad_shard: int
     head_fresh: int
     """The root's original-parameter gradients made before the blocks' backward (the final norm's
     and the head's, ``param_dtype``), waiting for the root's flat gradient."""
@@ -102,8 +101,8 @@ def unsupported(w: Workload) -> str:
     if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1:
         return "FSDP1 combined with tensor, pipeline, context or expert parallelism"
     if w.peft is not Peft.NONE or w.quant is not Quant.NONE:
-        # (peft's wrap policy makes each adapter its own unit; the frozen blocks' and the root's flat
-        # parameters then stay gathered past their backward, which is not modelled yet)
+        # (peft's wrap policy makes each adapter its own unit beside the frozen blocks and root: not
+        # modelled yet, docs/research/fsdp1-analytic.md)
         return f"`peft={w.peft}` (peft's per-adapter units, frozen flat parameters)" if w.peft is not Peft.NONE \
             else f"`quant={w.quant}`"
     if w.optimizer is Optimizer.ADAFACTOR:
@@ -142,7 +141,7 @@ def layout(w: Workload, *, blocks: list[int], root: int, head: int, tied: int, w
         root=padded(root, n) * gather_b, block=blk, blocks=sum(padded(b, n) for b in blocks) * gather_b,
         prefetched=blk if pre and not keep and len(blocks) > 1 else 0,
         loss_prefetched=blk if pre and not keep and blocks else 0,
-        block_grad_shard=padded(block, n) // n * weight_b, root_grad_shard=shard * weight_b,
+        block_grad_shard=padded(block, n) // n * weight_b,
         head_fresh=head * gather_b, root_fresh=root * gather_b, root_flat=padded(root, n) * gather_b,
         block_fresh=block * gather_b, block_flat=blk, tied_sum=(root + 2 * tied) * gather_b if tied else 0,
         root_reduce=padded(root, n) * gather_b + shard * gather_b + (shard * weight_b if gather_b != weight_b else 0),

@@ -19,6 +19,7 @@ optimizer state too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from vramplan._dataclass import dataclass
@@ -427,13 +428,12 @@ def stage_states(arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainabl
         forward_gather=forward_gather,
     )
     if f1.applies(w):
-        return _fsdp1_states(states, arch, stage, w, rg, tr, lins, matrices, vectors)
+        return _fsdp1_states(states, arch, stage, w, rg, lins, matrices, vectors)
     return states
 
 
-def _fsdp1_states(st: States, arch: Arch, stage: Stage, w: Workload, rg: Regime, tr: Trainable,
-                  lins: list[tuple[Linear, int]], matrices: list[tuple[int, int, int, bool, bool]],
-                  vectors: int) -> States:
+def _fsdp1_states(st: States, arch: Arch, stage: Stage, w: Workload, rg: Regime, lins: list[tuple[Linear, int]],
+                  matrices: list[tuple[int, int, int, bool, bool]], vectors: int) -> States:
     """``st`` as FSDP1 holds it (:mod:`.fsdp1`; full training): flat parameters padded per unit, their gradient
     shards in the parameters' dtype, one all-gather output per gathered unit, no autocast copies
     (the gathered parameters are in ``param_dtype`` already)."""
@@ -452,19 +452,13 @@ def _fsdp1_states(st: States, arch: Arch, stage: Stage, w: Workload, rg: Regime,
     gradients = flat * rg.grad // n
     optimizer = _optimizer_bytes(w, rg, flat, matrices, vectors) // n
     gathered = sizes.root + (sizes.blocks if sizes.keep_all else sizes.block)
-    return _replace(
+    return dataclasses.replace(
         st, weights=weights, gradients=gradients, optimizer=optimizer, gathered=gathered,
         gathered_block=0 if sizes.keep_all else sizes.block, gathered_end=sizes.root + sizes.block,
         prefetched=0, forward_gather=0, casts_all=0, casts_layer=0, unsharded_grads=0, root_reduce=(0, 0),
         root_reduce_out=(0, 0), tied_embed_grads=0,
         opt_temp=_optimizer_temp(w, rg, flat // n, max(_largest(lins, w), embed, head)),
         fsdp1=sizes)
-
-
-def _replace(st: States, **changes: object) -> States:
-    import dataclasses
-
-    return dataclasses.replace(st, **changes)  # type: ignore[arg-type]
 
 
 def _root_params(embed: int, head: int, head_small: int, extra: int, unit_pad: tuple[int, int, int]) -> int:
