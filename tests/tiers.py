@@ -133,6 +133,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_trace_reuse.py::test_a_borrowed_model_traces_as_a_fresh_build[mixtral]",
     "tests/test_trace_tensor_parallel.py::test_llama_tp8_states_equal_the_analytic_figures_exactly",
     "tests/test_trace_tensor_parallel.py::test_qwen2_5_0_5b_tp2_weights_equal_the_analytic_figures_to_the_byte",
+    "tests/test_trace_tp_compile.py::test_real_tp_with_compiled_blocks_fails_in_its_first_backward_and_runs_with_the_input_waited",
     "tests/test_trace_tp_fsdp.py::test_catalog_8b_tp8_ddp8_states_equal_analytic",
     "tests/test_trace_tp_fsdp.py::test_catalog_llama_tp_fsdp_states_equal_analytic[llama-3.1-70b-tp8-dp64-z2]",
     "tests/test_trace_tp_fsdp.py::test_catalog_llama_tp_fsdp_states_equal_analytic[llama-3.1-70b-tp8-dp64-z3]",

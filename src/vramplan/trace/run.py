@@ -795,6 +795,8 @@ def _prepare_quietly(model: nn.Module, batch: Batch, w: Workload, notes: list[st
             step_context = kernel_stand_ins
         features.to_trace_device(model)
         if mesh is not None and w.parallel.tp > 1 and not lora_tp:  # torchtitan's order: TP, then checkpointing
+            if w.compile and w.training:
+                raise tensor_parallel.compile_refusal()
             notes += tensor_parallel.apply_tensor_parallel(model, submesh(mesh, "tp"), sp=w.parallel.sp)
             if tensor_parallel.find_layout(model).head is not None:
                 step_context = tensor_parallel.loss_parallel if step_context is None else functools.partial(

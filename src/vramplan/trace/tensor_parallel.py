@@ -188,6 +188,36 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, *, sp: bool, stage: bool 
     return notes
 
 
+def compile_refusal() -> TraceError:
+    """Why a training step with this plan and compiled blocks is not traced: the real run of that
+    stack fails in its first backward (docs/research/fsdp-compile.md, "TP + compile").
+
+    The embeddings' ``RowwiseParallel`` redistributes its output with ``async_op=True``
+    (``_prepare_output_fn``, ``torch/distributed/tensor/parallel/style.py`` L292-L300 in torch
+    2.13.0 and 2.14.1), so ``to_local()`` hands the first block a view, made by
+    ``_ToTorchTensor``'s ``view_as``, of a funcol ``AsyncCollectiveTensor``: the view carries the
+    gradient, the collective's inner tensor does not. AOTAutograd replaces an
+    ``AsyncCollectiveTensor`` input by its ``trigger_wait()`` before it fakes the inputs
+    (``process_inputs``, ``torch/_functorch/_aot_autograd/frontend_utils.py`` L72-L77 in 2.13.0,
+    ``_resolve_input_async_collectives`` L178-L188 in 2.14.1), which is that inner tensor
+    (``_functional_collectives.py`` ``trigger_wait``); so the input is recorded as needing no
+    gradient (``collect_metadata_analysis.py``, ``requires_grad = ... f_arg.requires_grad``), the
+    compiled backward returns none for it, and DTensor's ``Redistribute`` backward is handed
+    autograd's plain zero tensor and fails (``'Tensor' object has no attribute
+    '_local_tensor'``). Verified on torch 2.13.0 and 2.14.1 on 2 gloo processes, with and
+    without sequence parallelism; cloning the first block's input (which waits it) lets the run
+    through (tests/test_trace_tp_compile.py)."""
+    import torch
+
+    return TraceError(
+        "tensor parallelism with compiled blocks is not traced: the real run fails in its first backward on torch "
+        f"{torch.__version__.split('+')[0]} (verified on 2.13.0 and 2.14.1): the embeddings' all-reduce "
+        "(reduce-scatter under sp) hands the first compiled block an AsyncCollectiveTensor view; AOTAutograd waits "
+        "it by taking the collective's inner tensor, which needs no gradient, so the compiled backward returns none "
+        "for it and DTensor's Redistribute backward fails ('Tensor' object has no attribute '_local_tensor')",
+        hint="trace it without `compile` (the eager TP step runs and is traced), or with tp=1")
+
+
 def _check_heads(model: nn.Module, tp: int) -> None:
     """``tp`` must divide the attention and key/value heads (each rank takes whole heads)."""
     cfg = getattr(model, "config", None)

@@ -2013,3 +2013,89 @@ def _fsdp_compile_worker(rank: int, world: int, spec: Any, batch: int, seq: int,
                                 "unique_graphs": counters["stats"]["unique_graphs"]}))
     finally:
         dist.destroy_process_group()
+
+
+def real_tp_compile_run(spec: Any, *, tp: int, batch: int, seq: int, sp: bool, backend: str = "inductor",
+                        wait_first_input: bool = False, iterations: int = 2,
+                        timeout: float = 600.0) -> list[dict[str, Any]]:
+    """A real CPU training run of the trace's tensor-parallel step with compiled blocks on ``tp``
+    gloo processes: the transformers model of ``spec`` (fp32, no KV cache) sharded by
+    :func:`.tensor_parallel.apply_tensor_parallel`, then each decoder layer compiled with
+    ``layer.compile(backend=backend, fullgraph=True)`` (torchtitan's order: TP, then compile),
+    the loss-parallel cross-entropy, AdamW ``foreach``; ``iterations`` steps.
+
+    ``wait_first_input``: the first layer's input is cloned (which waits the embeddings'
+    ``AsyncCollectiveTensor`` and hands the block a plain tensor), the one change that lets the
+    run through (:func:`.tensor_parallel.compile_refusal`). Per rank: ``ok``, ``error`` (the
+    exception's type and message), ``where`` (the innermost frame's file and function), the
+    steps done (``steps``), ``first_input`` (the type of the first layer's input) and Dynamo's
+    ``unique_graphs``. Only whether it runs is measured, no memory."""
+    args = (tp, spec, batch, seq, sp, backend, wait_first_input, iterations)
+    return _spawn_gloo(_tp_compile_worker, args, tp, timeout, "TP + compile run")
+
+
+def _tp_compile_worker(rank: int, tp: int, spec: Any, batch: int, seq: int, sp: bool, backend: str,
+                       wait_first_input: bool, iterations: int, tmp: str, env: dict[str, str]) -> None:
+    import contextlib
+    import json
+    import os
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    _init_gloo(rank, tp)
+    out: dict[str, Any] = {"ok": False, "steps": 0}
+    try:
+        from torch._dynamo.utils import counters
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..models.build import build_model, quiet
+        from .tensor_parallel import apply_tensor_parallel, full_length_masks, loss_parallel
+
+        torch.manual_seed(0)
+        with quiet():
+            model: Any = build_model(spec, task="train", device="cpu", dtype=torch.float32)
+        model.config.use_cache = False
+        apply_tensor_parallel(model, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), sp=sp)
+        model.train()
+        layers = model.model.layers
+        for layer in layers:
+            layer.compile(backend=backend, fullgraph=True)
+
+        class First(nn.Module):  # records (and optionally waits) the first compiled layer's input
+            def __init__(self, inner: nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+                out["first_input"] = type(hidden).__name__
+                return self.inner(hidden.clone() if wait_first_input else hidden, *args, **kwargs)
+
+        layers[0] = First(layers[0])
+        ids = torch.randint(0, spec.vocab, (batch, seq))
+        kw: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
+        step = contextlib.ExitStack()
+        step.enter_context(loss_parallel())
+        if sp:  # (as the trace runs SP: whole-sequence positions and masks, tensor_parallel.position_ids)
+            kw["position_ids"] = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+            step.enter_context(full_length_masks(seq))
+        with step:
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+            for _ in range(iterations):
+                model(**kw).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out["steps"] += 1
+        out["ok"] = True
+        out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    except Exception as e:  # the failure is the result
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        out.update(error=f"{type(e).__name__}: {e}", where=f"{frame.filename}:{frame.name}")
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+            f.write(json.dumps(out))
+        dist.destroy_process_group()
