@@ -214,7 +214,9 @@ def compile_refusal() -> TraceError:
         f"{torch.__version__.split('+')[0]} (verified on 2.13.0 and 2.14.1): the embeddings' all-reduce "
         "(reduce-scatter under sp) hands the first compiled block an AsyncCollectiveTensor view; AOTAutograd waits "
         "it by taking the collective's inner tensor, which needs no gradient, so the compiled backward returns none "
-        "for it and DTensor's Redistribute backward fails ('Tensor' object has no attribute '_local_tensor')",
+        "for it and DTensor's Redistribute backward fails ('Tensor' object has no attribute '_local_tensor'). This "
+        "is the plan traced (torch's `parallelize_module` styles); torchtitan 0.3.0's own sharding returns DTensors "
+        "to the blocks and was not checked",
         hint="trace it without `compile` (the eager TP step runs and is traced), or with tp=1")
 
 
