@@ -42,7 +42,7 @@ from ..workload import (
     Workload,
 )
 from . import sac
-from .quant import quantize_linears
+from .quant import quantize_linears, use_bnb_lora_forward
 from .quantkernels import quantize_format
 
 
@@ -201,12 +201,15 @@ def apply_quant(model: nn.Module, w: Workload, device: DeviceProfile = DEFAULT_P
     storage = (compute_dtype(w) if w.mixed else param_dtype(w)) if four_bit and fsdp_shards_quantised(w) else None
     n = quantize_linears(model, w.quant, compute, double_quant=double, storage_dtype=param_dtype(w),
                          quant_storage=storage)
+    wrapped = use_bnb_lora_forward(model) if four_bit else 0
     what = f"{w.quant}{' with double quantisation' if double else ''}"
     how = f", computing in {_name(compute)}" if four_bit else ""
     fsdp = (f"; under FSDP the packed weights are Params4bit parameters with bnb_4bit_quant_storage="
             f"{_name(storage)}, sharded, and the quant state (absmax, codes) stays whole on every rank") \
         if storage is not None else ""
-    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how}){fsdp}"]
+    lora = (f"; {wrapped} LoRA layers run peft's bitsandbytes forward (lora.bnb.Linear4bit: the base output cloned "
+            "before the adapter's is added)") if wrapped else ""
+    return [f"{n} linear layers stored as {what} (bitsandbytes-style storage emulated; LM head kept{how}){fsdp}{lora}"]
 
 
 FLOAT8_SM = (8, 9)

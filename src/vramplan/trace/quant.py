@@ -1,4 +1,4 @@
-"""Quantised linear layers, storage-faithful (bitsandbytes cannot run here).
+"""Quantised linear layers, storage-faithful (bitsandbytes does not run on the emulated GPU).
 
 :class:`QuantLinear` keeps what the real layer keeps on the GPU and allocates what its
 forward/backward allocate:
@@ -6,12 +6,19 @@ forward/backward allocate:
 - ``nf4`` / ``int4`` (bnb ``Linear4bit``): packed ``uint8[out·in/2, 1]``, fp32 ``absmax`` per
   64-element block and a 16-entry fp32 code; with double quantisation (QLoRA) ``absmax`` is
   ``uint8`` plus fp32 second-level absmax per 256 blocks, a 256-entry code and an offset.
-  ``Linear4bit.forward`` casts the input to the compute dtype; forward/backward dequantise
-  the whole weight (``MatMul4Bit``: ``F.linear(A, dequantize_4bit(B).to(A.dtype).t())``,
-  bitsandbytes ``autograd/_functions.py``) into a ``[out, in]`` temporary of the dtype the
-  model was loaded in (``quant_state.dtype``; double quantisation first dequantises the
-  absmax to fp32), cast to the compute dtype when that differs; a single-token inference
-  row uses the gemv kernel instead. Nothing but the packed weight is saved for backward.
+  ``Linear4bit.forward`` casts the input to the compute dtype. As bitsandbytes 0.50.2 runs it
+  (the version in requirements/quant.txt; files and lines below are of it): the forward calls
+  ``torch.ops.bitsandbytes.gemm_4bit`` (``autograd/_functions.py`` L324-345 under autograd,
+  L462-491 without), whose CUDA kernel (``backends/cuda/ops.py`` L904-945) runs a fused 4-bit
+  GEMM for up to 4 rows (``_GEMM_4BIT_CUSTOM_FLOOR_M``) — no dequantised weight — and otherwise
+  ``_dequant_linear_fallback``: the fp32 absmax and absmax + offset (double quantisation, two
+  fp32 ``[blocks]``) and the weight dequantised straight into the compute dtype, all live until
+  the product is made. Nothing but the packed weight is saved for backward, where
+  ``MatMul4Bit.backward`` (L384) dequantises the whole weight in the dtype the model was
+  loaded in (``quant_state.dtype``; double quantisation first dequantises the absmax to fp32,
+  ``functional.py`` L1053) and casts it to the gradient's dtype when that differs. peft wraps
+  the layer in ``lora.bnb.Linear4bit``, whose forward clones the base output (peft 0.21.2
+  ``tuners/lora/bnb.py`` L533): :func:`use_bnb_lora_forward`.
 - ``int8`` (bnb ``Linear8bitLt``, LLM.int8): ``int8[out, in]`` + fp32 row scales ``SCB[out]``.
   Forward: int8 activations ``[T, in]`` + fp32 row scales, an int32 ``[T, out]`` product,
   fp16 output. Backward (LoRA training): a dequantised weight temporary.
@@ -31,6 +38,11 @@ from ..workload import Quant
 
 BLOCK_4BIT = 64
 DQ_BLOCK = 256
+GEMM_4BIT_FUSED_ROWS = 4
+"""Rows up to which bitsandbytes' CUDA ``gemm_4bit`` always runs its fused kernel
+(``_GEMM_4BIT_CUSTOM_FLOOR_M``, bitsandbytes 0.50.2 ``backends/cuda/ops.py`` L921); above it a
+per-architecture heuristic (``_gemm_4bit_use_custom_cuda``, L584) picks the fused kernel for some shapes up to 1536 rows,
+which is not modelled: the trace dequantises there (an upper bound)."""
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -43,7 +55,7 @@ class _Dequant(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:  # type: ignore[override]
         ctx.layer = layer
-        return layer._forward_kernel(x, gemv=False)
+        return layer._forward_kernel(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -122,14 +134,25 @@ class QuantLinear(nn.Module):
             return out.to(dtype) if dtype != self.storage_dtype else out
         return _empty((self.out_features, self.in_features), dtype, w)
 
-    def _forward_kernel(self, x: torch.Tensor, gemv: bool) -> torch.Tensor:
+    def _gemm_4bit(self, x: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' ``gemm_4bit`` dequantise-then-linear fallback: the absmax (fp32, and
+        absmax + offset with double quantisation) and the weight dequantised straight into the
+        input's dtype, all live until the product is made."""
+        w = self.weight
+        blocks = self._buffer("absmax").numel()
+        absmax = [_empty((blocks,), torch.float32, w) for _ in range(2)] if self.double_quant else []
+        dq = _empty((self.out_features, self.in_features), x.dtype, w)
+        out = F.linear(x, dq)
+        del absmax, dq
+        return out
+
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         out_shape = (*x.shape[:-1], self.out_features)
         if self.kind in (Quant.NF4, Quant.INT4):
-            if rows == 1 and gemv:
-                return _empty(out_shape, x.dtype, x)  # gemv_4bit: no dequantised copy
-            w = self._dequantize(x.dtype)
-            return F.linear(x, w)
+            if rows <= GEMM_4BIT_FUSED_ROWS:
+                return _empty(out_shape, x.dtype, x)  # the fused 4-bit kernel: no dequantised copy
+            return self._gemm_4bit(x)
         if self.kind is Quant.INT8:
             ca = _empty(tuple(x.shape), torch.int8, x)
             sca = _empty((rows,), torch.float32, x)
@@ -149,7 +172,7 @@ class QuantLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             out = _Dequant.apply(x, self)
         else:
-            out = self._forward_kernel(x, gemv=True)
+            out = self._forward_kernel(x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(inp_dtype)
@@ -169,4 +192,47 @@ def quantize_linears(model: nn.Module, kind: Quant, compute_dtype: torch.dtype, 
                 setattr(mod, child_name, QuantLinear.from_linear(child, kind, compute_dtype, double_quant,
                                                                  storage_dtype, quant_storage))
                 count += 1
+    return count
+
+
+def _bnb_lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's ``lora.bnb.Linear4bit.forward`` (peft 0.21.2 ``tuners/lora/bnb.py`` L515-560) for
+    plain LoRA adapters: the base output cloned, the adapter's output cast to its dtype (out
+    of autocast), then added."""
+    if self.disable_adapters or self.merged or not self.active_adapters:
+        plain: Any = type(self).__mro__[1]  # peft's lora.Linear
+        return plain.forward(self, x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs).clone()
+    for name in self.active_adapters:
+        if name not in self.lora_A.keys():
+            continue
+        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        convert = not torch.is_autocast_enabled()
+        expected = result.dtype
+        if convert:
+            x = self._cast_input_dtype(x, lora_a.weight.dtype)
+        out = lora_b(lora_a(self.lora_dropout[name](x))) * self.scaling[name]
+        result = result + (out.to(expected) if convert else out)
+    return result
+
+
+_BNB_LORA: dict[type, type] = {}
+
+
+def use_bnb_lora_forward(model: nn.Module) -> int:
+    """Give every peft LoRA ``Linear`` over a 4-bit :class:`QuantLinear` the forward of peft's
+    bitsandbytes layer (what ``get_peft_model`` builds over a real ``bnb.nn.Linear4bit``);
+    returns the count. DoRA and other variants keep peft's plain forward."""
+    count = 0
+    for mod in model.modules():
+        base = getattr(mod, "base_layer", None)
+        if (not isinstance(base, QuantLinear) or base.kind not in (Quant.NF4, Quant.INT4)
+                or not hasattr(mod, "lora_A") or getattr(mod, "lora_variant", None)):
+            continue
+        cls = type(mod)
+        if cls not in _BNB_LORA.values():
+            if cls not in _BNB_LORA:
+                _BNB_LORA[cls] = type(f"Bnb4bit{cls.__name__}", (cls,), {"forward": _bnb_lora_forward})
+            mod.__class__ = _BNB_LORA[cls]
+        count += 1
     return count
