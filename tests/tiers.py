@@ -106,6 +106,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_trace_gloo.py::test_gloo_run_agrees_with_trace",
     "tests/test_trace_gloo.py::test_lora_under_tensor_parallelism_gloo_run_agrees_with_trace",
     "tests/test_trace_gloo.py::test_tensor_parallel_generation_gloo_run_agrees_with_trace",
+    "tests/test_trace_gloo.py::test_fsdp1_gloo_run_agrees_with_trace_by_phase",
     "tests/test_trace_memtracker.py::test_peak_matches_memtracker_within_one_percent[cnn]",
     "tests/test_trace_microsteps.py::test_a_catalog_model_writes_its_micro_steps_too",
     "tests/test_trace_microsteps.py::test_written_micro_steps_equal_traced_ones[grpo]",

@@ -430,8 +430,15 @@ def _fsdp1_on_meta(rec: Recorder) -> contextlib.ExitStack:
     - The padded unsharded flat parameters it all-gathers into (``_full_param_padded``, and
       under mixed precision the 16-bit ``_mp_shard`` and the full-precision
       ``_full_prec_full_param_padded``), made at lazy init, then freed and re-allocated by
-      storage resizes, are recorded as parameters (the report's weights), as FSDP2's are."""
+      storage resizes, are recorded as parameters (the report's weights), as FSDP2's are.
+    - At the end of backward ``_catch_all_reshard`` (``_runtime_utils.py``, called for every
+      unit by ``_post_backward_final_callback``) skips a unit it takes for resharded: its flat
+      parameter's data pointer equals its local shard's. On ``meta`` both pointers are 0, so a
+      unit no post-backward hook resharded (under LoRA the frozen root, whose inputs need no
+      gradient) kept its gathered parameters into the optimizer step where a GPU frees them
+      (:func:`_already_resharded`: the same test by storage and offset)."""
     import torch.distributed.fsdp._flat_param as flat
+    import torch.distributed.fsdp._runtime_utils as rt
 
     stack = contextlib.ExitStack()
     ptr = flat._data_ptr_allocated
@@ -465,12 +472,32 @@ def _fsdp1_on_meta(rec: Recorder) -> contextlib.ExitStack:
                 return views(self)
         return views(self)
 
-    for owner, name, value in ((flat, "_data_ptr_allocated", allocated),
+    catch_all = rt._catch_all_reshard
+
+    def _catch_all_reshard(state: Any) -> Any:
+        h = state._handle
+        if h is not None and on_meta(h.flat_param) and not _already_resharded(h):
+            rt._reshard(state, h, rt._should_free_in_backward(state, h))  # what a GPU's check leads to
+            return None
+        return catch_all(state)
+
+    for owner, name, value in ((flat, "_data_ptr_allocated", allocated), (rt, "_catch_all_reshard", _catch_all_reshard),
                                (flat.FlatParamHandle, "init_flat_param_attributes", init_flat_param_attributes),
                                (flat.FlatParamHandle, "_use_sharded_views", _use_sharded_views)):
         stack.callback(setattr, owner, name, getattr(owner, name))
         setattr(owner, name, value)
     return stack
+
+
+def _already_resharded(handle: Any) -> bool:
+    """``_catch_all_reshard``'s test that a unit is resharded, by storage identity (and offset)
+    where the data pointers of ``meta`` tensors are all 0: the flat parameter is its local shard,
+    and FSDP did not skip its sharded views."""
+    fp = handle.flat_param
+    shard = fp._local_shard
+    return (fp.untyped_storage()._cdata == shard.untyped_storage()._cdata
+            and fp.storage_offset() == shard.storage_offset()
+            and not handle._skipped_use_sharded_views)
 
 
 def _fsdp2_on_meta(rec: Recorder) -> Iterator[None]:

@@ -232,6 +232,8 @@ def _storage_peak_mode() -> Any:
             """Held while the count changes: a storage the process group's worker thread frees is
             counted off on that thread (its weak reference's callback), which must not interleave
             with the main thread's read-modify-write of :attr:`current`."""
+            self.phase_peaks: dict[str, int] = {}
+            """Each phase's peak (:meth:`phase`)."""
             self.redispatch_dtensors = False
             """(Kept for callers: every wrapper subclass is handed its ops.)"""
             self.skip_wrappers = False
@@ -273,6 +275,19 @@ def _storage_peak_mode() -> Any:
             with self.lock:
                 if self.live.pop(key, None) is not None:
                     self.current -= self.sizes.pop(key, 0)
+
+        @contextlib.contextmanager
+        def phase(self, name: str) -> Iterator[None]:
+            """Record the peak while inside in :attr:`phase_peaks` under ``name`` (the largest
+            over every entry; a phase's first level is the live bytes on entry)."""
+            with self.lock:
+                outer, self.peak = self.peak, self.current
+            try:
+                yield
+            finally:
+                with self.lock:
+                    self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.peak)
+                    self.peak = max(outer, self.peak)
 
         @contextlib.contextmanager
         def resizes(self) -> Iterator[None]:
@@ -412,6 +427,18 @@ def real_dist_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: st
     ``make_model`` / ``make_inputs`` must be picklable
     (module-level functions): each process calls them. Storage resizes (FSDP2 frees and
     re-allocates its unsharded parameters that way) are counted."""
+    return [r["peak"] for r in real_dist_phase_peaks(
+        make_model, make_inputs, world=world, layout=layout, iterations=iterations, lr=lr, bucket_cap_mb=bucket_cap_mb,
+        reshard_after_forward=reshard_after_forward, mixed=mixed, lora=lora, timeout=timeout)]
+
+
+def real_dist_phase_peaks(make_model: Any, make_inputs: Any, *, world: int, layout: str, iterations: int = 2,
+                          lr: float = 1e-4, bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True,
+                          mixed: bool = False, lora: tuple[str, ...] = (), timeout: float = 300.0) -> list[dict[str, int]]:
+    """:func:`real_dist_peaks` by phase: each rank's ``{"peak", "forward", "backward",
+    "optimizer"}`` storage peaks, the trace's phases (forward with the loss; backward, which
+    ends with FSDP's post-backward callback; the optimizer step with ``zero_grad``), each the
+    largest over the iterations."""
     args = (world, layout, make_model, make_inputs, iterations, lr, bucket_cap_mb, reshard_after_forward, mixed, lora)
     return _spawn_gloo(_dist_worker, args, world, timeout, "gloo run")
 
@@ -623,6 +650,7 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
                  bucket_cap_mb: float, reshard_after_forward: bool, mixed: bool, lora: tuple[str, ...], tmp: str,
                  env: dict[str, str]) -> None:
     import contextlib
+    import json
     import os
 
     import torch
@@ -696,16 +724,19 @@ def _dist_worker(rank: int, world: int, layout: str, make_model: Any, make_input
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=lr, foreach=True)
             for _ in range(iterations):
-                with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+                with tracker.phase("forward"), \
+                        torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
                     out = step_model(*batch[0], **batch[1])
                     loss = loss_of(out, batch, None)
                 del out
-                loss.backward()
+                with tracker.phase("backward"):
+                    loss.backward()
                 del loss
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                with tracker.phase("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
-            f.write(str(tracker.peak))
+            f.write(json.dumps({"peak": tracker.peak, **tracker.phase_peaks}))
     finally:
         dist.destroy_process_group()
 
