@@ -218,3 +218,24 @@ def test_torchtitan_schedule_vramplan_does_not_predict_is_one_line():
     text = "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"DualPipeV\"\n"
     with pytest.raises(PlanError, match="DualPipeV.*not one vramplan predicts"):
         read_layout("torchtitan", text, Workload(grad_accum=4))
+
+
+def test_the_accelerate_recipes_fsdp1_plan_emits_and_reads_back(template):
+    """`plan --recipe accelerate` predicts ZeRO-3 as accelerate's plugin runs it (FSDP1, no backward
+    prefetch); the accelerate file it writes reads back, on the same command line, to that workload."""
+    from vramplan import recipes
+    from vramplan.engine import resolve_gpu
+    from vramplan.planner.space import candidates
+
+    cmdline = recipes.apply("accelerate", seq=1024, precision="bf16-mixed")
+    gpu = resolve_gpu("h100")
+    assert gpu is not None
+    cands = candidates(cmdline, gpu, counts=[8])
+    engines = {(c.workload.parallel.zero, c.workload.parallel.framework.value) for c in cands}
+    assert {(0, "ddp"), (3, "fsdp1")} <= engines and (3, "fsdp") not in engines
+    w = next(c.workload for c in cands if c.workload.parallel.zero == 3 and not c.workload.parallel.offload_params)
+    p = dataclasses.replace(template, workload=w, num_gpus=8)
+    assert p.workload.parallel.fsdp1_prefetch.value == "none" and p.workload.recipe.value == "accelerate"
+    out = emit(p, "accelerate")
+    assert "fsdp_version: 1" in out.text and "NO_PREFETCH" in out.text
+    assert read_layout("accelerate", out.text, cmdline).workload == p.workload

@@ -306,3 +306,78 @@ def test_every_recipe_traces_llama(name: str, peft: str) -> None:
     assert r.method.value == "trace" and r.workload.recipe is Recipe(name)
     assert r.peak.allocated > r.breakdown.weights > 0
     assert tuple(recipes.notes(r.workload)) == tuple(n for n in r.notes if n in recipes.notes(r.workload))
+
+
+# --- accelerate's FSDP plugin: FSDP1 under ZeRO-3 for accelerate, HF Trainer and TRL ---------
+FSDP1_RECIPES = ("accelerate", "hf-trainer", "trl-sft", "trl-dpo")
+
+
+@pytest.mark.parametrize("name", FSDP1_RECIPES)
+def test_zero3_over_several_gpus_runs_fsdp1_as_the_plugin_defaults(name: str) -> None:
+    from vramplan.workload import Engine, Fsdp1Prefetch
+
+    w = recipes.apply(name, dp=8, zero=3)
+    assert (w.parallel.engine, w.parallel.fsdp1_prefetch, w.parallel.fsdp1_strategy) == (
+        Engine.FSDP1, Fsdp1Prefetch.NONE, "FULL_SHARD")
+    applied = dict(recipes.summary(w).applied)
+    assert applied["engine"] is Engine.FSDP1 and applied["fsdp1_prefetch"] is Fsdp1Prefetch.NONE
+    sources = {d.field: d.source for d in recipes.defaults(name, dp=8)}
+    assert "accelerate/blob/v1.14.0" in sources["engine"] and "FSDP_VERSION" in sources["engine"]
+    assert "BACKWARD_PREFETCH" in sources["fsdp1_prefetch"]
+    assert any("TRANSFORMER_BASED_WRAP" in n and "`engine=fsdp`" in n for n in recipes.notes(w))
+
+
+@pytest.mark.parametrize("name", FSDP1_RECIPES)
+def test_fsdp1_is_not_chosen_where_the_framework_would_not_run_it(name: str) -> None:
+    from vramplan.workload import Engine
+
+    # one GPU; DDP (zero 0); ZeRO-2 (`auto`: DeepSpeed's accounting); ZeRO-3 with the optimizer alone on the host
+    for kw in ({"dp": 1, "zero": 3}, {"dp": 8}, {"dp": 8, "zero": 2}, {"dp": 8, "zero": 3, "offload_optimizer": True}):
+        w = recipes.apply(name, **kw)
+        assert w.parallel.engine is Engine.AUTO and w.parallel.framework is not Engine.FSDP1, kw
+        assert not {"engine", "fsdp1_prefetch"} & {k for k, _ in recipes.summary(w).applied}, kw
+        assert not any("TRANSFORMER_BASED_WRAP" in n for n in recipes.notes(w)), kw
+    for other in ("plain", "deepspeed", "lightning"):  # recipes that do not go through accelerate's plugin
+        assert recipes.apply(other, dp=8, zero=3).parallel.framework is Engine.FSDP
+
+
+def test_fsdp2_stays_the_users_choice_and_the_report_says_so() -> None:
+    from vramplan.workload import Engine, Fsdp1Prefetch
+
+    w = recipes.apply("accelerate", dp=8, zero=3, engine="fsdp")
+    assert w.parallel.framework is Engine.FSDP and w.parallel.fsdp1_prefetch is Fsdp1Prefetch.BACKWARD_PRE
+    assert recipes.summary(w).overridden == (("engine", Engine.FSDP, Engine.FSDP1),)
+    assert any("FSDP2's (`fsdp_version: 2`)" in n and "`engine=fsdp1`" in n for n in recipes.notes(w))
+    # FSDP1's prefetch given: the engine still the recipe's
+    w = recipes.apply("hf-trainer", dp=8, zero=3, fsdp1_prefetch="backward-pre")
+    assert w.parallel.engine is Engine.FSDP1
+    assert recipes.summary(w).overridden == (("fsdp1_prefetch", Fsdp1Prefetch.BACKWARD_PRE, Fsdp1Prefetch.NONE),)
+    # SHARD_GRAD_OP chosen by name: the plugin's prefetch with it
+    assert recipes.apply("accelerate", dp=8, zero=2, engine="fsdp1").parallel.fsdp1_prefetch is Fsdp1Prefetch.NONE
+
+
+def test_the_recipes_fsdp1_is_the_estimate_of_fsdp1_without_prefetch() -> None:
+    """accelerate's other loop defaults are vramplan's: its estimate is plain `engine=fsdp1
+    fsdp1_prefetch=none` (the analytic FSDP1 formulas), and no longer FSDP2's."""
+    import vramplan
+
+    kw = dict(task="train", dp=8, zero=3, seq=2048, method="analytic", search_max_batch=False)
+    acc = vramplan.estimate("llama-3.1-8b", recipe="accelerate", **kw)
+    fsdp1 = vramplan.estimate("llama-3.1-8b", recipe="plain", engine="fsdp1", fsdp1_prefetch="none", **kw)
+    fsdp2 = vramplan.estimate("llama-3.1-8b", recipe="accelerate", engine="fsdp", **kw)
+    assert acc.peak.allocated == fsdp1.peak.allocated and acc.peak.reserved == fsdp1.peak.reserved
+    assert acc.peak.allocated != fsdp2.peak.allocated
+
+
+def test_planner_candidates_follow_the_recipes_engine() -> None:
+    from vramplan.workload import Engine, Fsdp1Prefetch, Parallel
+
+    w = recipes.apply("accelerate", dp=8, zero=3)  # FSDP1 taken from the recipe: each candidate its own engine
+    got = {z: recipes.layout_defaults(w, Parallel(dp=8, zero=z, engine=w.parallel.engine,
+                                                  fsdp1_prefetch=w.parallel.fsdp1_prefetch)) for z in (0, 2, 3)}
+    assert [got[z].framework for z in (0, 2, 3)] == [Engine.DDP, Engine.DEEPSPEED, Engine.FSDP1]
+    assert got[3].fsdp1_prefetch is Fsdp1Prefetch.NONE and got[0].fsdp1_prefetch is Fsdp1Prefetch.BACKWARD_PRE
+    given = recipes.apply("accelerate", dp=8, zero=3, engine="fsdp")  # the user's FSDP2 stays
+    assert recipes.layout_defaults(given, Parallel(dp=4, zero=3, engine="fsdp")).engine is Engine.FSDP
+    plain = recipes.apply("plain", dp=8, zero=3)
+    assert recipes.layout_defaults(plain, Parallel(dp=4, zero=3)).engine is Engine.AUTO

@@ -255,10 +255,12 @@ def inference_space(w: Workload, gpu: GPU, counts: list[int]) -> Iterator[Candid
 
 
 def _make(w: Workload, n: int, changes: dict[str, object], sharding: dict[str, object]) -> Iterator[Candidate]:
-    from vramplan.recipes import allows
+    from vramplan.recipes import allows, layout_defaults
 
     try:
         par = Parallel(**{**_parallel_fields(w.parallel), **sharding})  # type: ignore[arg-type]
+        if w.task is Task.TRAIN:  # the recipe's framework's engine (accelerate, Trainer, TRL: FSDP1 under ZeRO-3)
+            par = layout_defaults(w, par)
         if par.engine is Engine.AUTO and par.dp > 1 and w.task is Task.TRAIN:
             # a plan names the framework it runs on (what `emit` writes), and is predicted with its buffers
             par = dataclasses.replace(par, engine=par.framework)

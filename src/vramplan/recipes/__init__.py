@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import WorkloadError
-from ..workload import Parallel, Peft, Recipe, Task, Workload, as_enum
+from ..workload import Engine, Parallel, Peft, Recipe, Task, Workload, as_enum
 from ._model import TRL_ROLLOUT, Default, LoopSummary, RecipeSpec, Restriction, RolloutRules
 from .catalog import CATALOG
 
@@ -52,11 +52,14 @@ def apply(name: str | Recipe, /, **fields: Any) -> Workload:
     spec = get(name)
     if "parallel" in fields:
         raise WorkloadError("give the layout as flat fields such as `dp` and `zero`, not a Parallel value", field="dp")
-    recipe_defaults = {d.field: d.value for d in defaults(spec.name, peft=fields.get("peft", Peft.NONE),
-                                                           task=fields.get("task", Task.TRAIN),
-                                                           dp=fields.get("dp", 1))}
+    every = defaults(spec.name, peft=fields.get("peft", Peft.NONE), task=fields.get("task", Task.TRAIN),
+                     dp=fields.get("dp", 1))
+    recipe_defaults = {d.field: d.value for d in every if d.when is None}
     merged = {**recipe_defaults, **fields, "recipe": spec.name}
     par = {k: merged.pop(k) for k in list(merged) if k in _PARALLEL}
+    for d in every:  # the layout's own defaults (FSDP1 under ZeRO-3), in order, each on the layout so far
+        if d.when is not None and d.field not in fields and d.when(Parallel(**par)):
+            par[d.field] = recipe_defaults[d.field] = d.value
     try:
         w = Workload(**merged, parallel=Parallel(**par))
     except WorkloadError as e:
@@ -66,6 +69,24 @@ def apply(name: str | Recipe, /, **fields: Any) -> Workload:
         raise
     check(w)
     return w
+
+
+def layout_defaults(w: Workload, par: Parallel) -> Parallel:
+    """``par``, a layout for ``w`` (the planner's candidate), with ``w``'s recipe's layout defaults
+    (FSDP1 under ZeRO-3 for accelerate, Trainer and TRL) where its engine is left to ``auto``; a
+    layout default ``w`` took from its recipe is left to the candidate's layout, not kept."""
+    if not w.training:
+        return par
+    took = {d.field for d in defaults(w.recipe, peft=w.peft, task=w.task, dp=w.parallel.dp)
+            if d.when is not None and d.when(w.parallel) and _value(w, d.field) == d.value}
+    if took:
+        par = dataclasses.replace(par, **{f: _PARALLEL_DEFAULTS[f] for f in took})
+    if par.engine is not Engine.AUTO:
+        return par
+    for d in defaults(w.recipe, peft=w.peft, task=w.task, dp=par.dp):
+        if d.when is not None and d.when(par):
+            par = dataclasses.replace(par, **{d.field: d.value})
+    return par
 
 
 def _no_accumulation(name: Recipe) -> WorkloadError:
@@ -113,6 +134,8 @@ def summary(w: Workload) -> LoopSummary:
     overridden: list[tuple[str, Any, Any]] = []
     seen: set[str] = set()
     for d in defaults(w.recipe, peft=w.peft, task=w.task, dp=w.parallel.dp):
+        if d.when is not None and not d.when(w.parallel):
+            continue
         value = _value(w, d.field)
         seen.add(d.field)
         if value == d.value:
@@ -141,4 +164,4 @@ def _text(v: Any) -> str:
 
 __all__ = ["CATALOG", "LOOP_KNOBS", "TRL_ROLLOUT", "Default", "LoopSummary", "RecipeSpec", "Restriction",
            "RolloutRules", "allows", "apply",
-           "check", "defaults", "get", "is_default", "notes", "summary"]
+           "check", "defaults", "get", "is_default", "layout_defaults", "notes", "summary"]

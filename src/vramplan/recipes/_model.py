@@ -9,7 +9,7 @@ from typing import Any
 
 from vramplan._dataclass import dataclass
 
-from ..workload import Peft, Recipe, Workload
+from ..workload import Parallel, Peft, Recipe, Workload
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class Default:
     value: Any
     source: str
     """A link to the framework's source line (tag or commit in the URL), or a file and line with the version."""
+    when: Callable[[Parallel], bool] | None = None
+    """Applies only to layouts this accepts (None: always): the layout of the given knobs and the
+    unconditional defaults (the ``engine`` default under ZeRO-3, then ``fsdp1_prefetch`` under FSDP1)."""
 
 
 @dataclass(frozen=True)

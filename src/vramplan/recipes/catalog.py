@@ -16,9 +16,12 @@ from collections.abc import Callable
 
 from ..workload import (
     Checkpointing,
+    Engine,
+    Fsdp1Prefetch,
     Loss,
     Objective,
     OptimizerImpl,
+    Parallel,
     Peft,
     Precision,
     Recipe,
@@ -55,6 +58,33 @@ _HF_LOSS = (f"{_HF}/trainer.py#L2130-L2217 (`compute_loss`: the model's own loss
             "is returned, so the outputs are freed before `backward` at trainer.py#L2126)")
 
 
+# --- accelerate's FSDP plugin (what HF Trainer's `fsdp` and TRL run through) ----------------
+_ACC_PLUGIN = "https://github.com/huggingface/accelerate/blob/v1.14.0/src/accelerate/utils/dataclasses.py"
+# (read at v1.14.0; the same code 3 lines lower at main 16cb6eb, 1.15.0.dev0)
+
+
+def _fsdp_sharded(p: Parallel) -> bool:
+    """A ZeRO-3 layout over several ranks that FSDP runs (given `engine=fsdp`/`fsdp1`, or `auto`'s FSDP)."""
+    return p.dp > 1 and p.zero == 3 and (p.engine in (Engine.FSDP, Engine.FSDP1) or p.framework is Engine.FSDP)
+
+
+def _is_fsdp1(p: Parallel) -> bool:
+    return p.dp > 1 and p.framework is Engine.FSDP1
+
+
+def _accelerate_fsdp1(dp: int) -> tuple[Default, ...]:
+    """accelerate's ``FullyShardedDataParallelPlugin`` defaults (FSDP1 unless `fsdp_version: 2`): the engine
+    under ZeRO-3 over several GPUs, and its backward prefetch under FSDP1."""
+    if dp < 2:
+        return ()
+    return (
+        Default("engine", Engine.FSDP1, f"{_ACC_PLUGIN}#L1820-L1821 (`fsdp_version` None: FSDP_VERSION, default "
+                f"'1': FullyShardedDataParallel; #L1835-L1836 `sharding_strategy` FULL_SHARD)", _fsdp_sharded),
+        Default("fsdp1_prefetch", Fsdp1Prefetch.NONE, f"{_ACC_PLUGIN}#L1882-L1885 (`backward_prefetch` None: "
+                "FSDP_BACKWARD_PREFETCH unset, no prefetch)", _is_fsdp1),
+    )
+
+
 def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
     return (
         Default("optimizer", Opt.ADAMW, _HF_OPTIM),
@@ -68,6 +98,7 @@ def _hf_trainer(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("compile", False, f"{_HF}/training_args.py#L940 (`torch_compile` default False)"),
         Default("activation_offload", False, f"{_HF}/training_args.py#L916-L925 (offload only with "
                 "`activation_checkpointing_kwargs={'offload': True}`)"),
+        *_accelerate_fsdp1(dp),
     )
 
 
@@ -89,6 +120,7 @@ def _trl_sft(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("optimizer_in_backward", False, f"{_HF}/trainer.py#L1945-L1954 (Trainer's loop)"),
         Default("compile", False, f"{_HF}/training_args.py#L940"),
         Default("activation_offload", False, f"{_TRL}/trainer/sft_config.py#L291 (`activation_offloading` False)"),
+        *_accelerate_fsdp1(dp),
     )
 
 
@@ -307,15 +339,25 @@ def _accelerate(peft: Peft, dp: int) -> tuple[Default, ...]:
         Default("keep_grads", False, f"{_ACC}/optimizer.py#L112-L118 (`AcceleratedOptimizer.zero_grad`: "
                 "set_to_none None -> True)"),
         Default("compile", False, f"{_ACC}/accelerator.py#L255 (`dynamo_backend` defaults to 'no')"),
+        *_accelerate_fsdp1(dp),
     )
 
 
 def _accelerate_fsdp(w: Workload) -> tuple[str, ...]:
+    """What of accelerate's FSDP plugin (which Trainer and TRL run through) the estimate takes as given."""
     p = w.parallel
-    if p.dp > 1 and p.zero >= 2 and p.framework.value == "fsdp":
-        return (f"accelerate's FSDP plugin runs FSDP1 unless `fsdp_version: 2` is set ({_ACC}/utils/dataclasses.py: "
-                "FullyShardedDataParallelPlugin.__post_init__ reads FSDP_VERSION, default '1'); this estimate is "
-                "FSDP2's: `engine=fsdp1` for FSDP1",)
+    if p.dp < 2:
+        return ()
+    if p.framework is Engine.FSDP1:
+        return ("FSDP1 as an `accelerate config` FSDP file sets it up: one unit per decoder block and the root "
+                "(TRANSFORMER_BASED_WRAP; the bare plugin's default is NO_WRAP, one unit: "
+                f"{_ACC_PLUGIN}#L1899-L1900), `limit_all_gathers` True, `use_orig_params=True` (the plugin's default "
+                "False: the same bytes, the optimizer's states on the flat shards); `engine=fsdp` for FSDP2 "
+                "(`fsdp_version: 2`)",)
+    if p.zero >= 2 and p.framework is Engine.FSDP:
+        return (f"this estimate is FSDP2's (`fsdp_version: 2`); accelerate's FSDP plugin runs FSDP1 without it "
+                f"({_ACC_PLUGIN}#L1820-L1821, FSDP_VERSION default '1'): `engine=fsdp1`, this recipe's default "
+                "under `zero=3`",)
     return ()
 
 
@@ -455,7 +497,8 @@ def _trl(recipe: Recipe, trainer: str, summary: str, defaults: Callable[[Peft, i
         recipe, f"TRL {trainer} 1.16.0 on transformers 5.24.0", summary, defaults,
         (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
         lambda w: (_NOT_PRECISION.format(fw=recipe.value, p=w.precision)
-                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",))
+                   + " (TRL's `bf16` defaults to True: mixed bf16 when the model is loaded in fp32)",
+                   *_accelerate_fsdp(w)))
 
 
 _ORL_RESTRICTIONS = (
@@ -474,7 +517,7 @@ CATALOG: dict[Recipe, RecipeSpec] = {
         Recipe.HF_TRAINER, "Hugging Face transformers Trainer 5.24.0",
         "fused AdamW, no checkpointing, the model's full-vocabulary loss, gradients freed after the step",
         _hf_trainer, (_NO_OPT_IN_BWD, _NO_OP_SAC_TRAINER, _TRAINER_LOSS),
-        lambda w: (_NOT_PRECISION.format(fw="hf-trainer", p=w.precision),)),
+        lambda w: (_NOT_PRECISION.format(fw="hf-trainer", p=w.precision), *_accelerate_fsdp(w))),
     Recipe.TRL_SFT: _trl(Recipe.TRL_SFT, "SFTTrainer",
                          "gradient checkpointing on, a fused LM head that never materialises the logits, fused AdamW",
                          _trl_sft),
