@@ -231,8 +231,12 @@ def test_the_accelerate_recipes_fsdp1_plan_emits_and_reads_back(template):
     gpu = resolve_gpu("h100")
     assert gpu is not None
     cands = candidates(cmdline, gpu, counts=[8])
-    engines = {(c.workload.parallel.zero, c.workload.parallel.framework.value) for c in cands}
+    engines = {(c.workload.parallel.zero, c.workload.parallel.framework.value) for c in cands
+               if c.workload.parallel.world_size == c.workload.parallel.dp}
     assert {(0, "ddp"), (3, "fsdp1")} <= engines and (3, "fsdp") not in engines
+    # beside tensor / pipeline / context parallelism accelerate's FSDP is FSDP2 (ParallelismConfig)
+    assert all(c.workload.parallel.framework.value != "fsdp1" for c in cands
+               if c.workload.parallel.world_size > c.workload.parallel.dp)
     w = next(c.workload for c in cands if c.workload.parallel.zero == 3 and not c.workload.parallel.offload_params)
     p = dataclasses.replace(template, workload=w, num_gpus=8)
     assert p.workload.parallel.fsdp1_prefetch.value == "none" and p.workload.recipe.value == "accelerate"

@@ -332,11 +332,15 @@ def test_fsdp1_is_not_chosen_where_the_framework_would_not_run_it(name: str) -> 
     from vramplan.workload import Engine
 
     # one GPU; DDP (zero 0); ZeRO-2 (`auto`: DeepSpeed's accounting); ZeRO-3 with the optimizer alone on the host
-    for kw in ({"dp": 1, "zero": 3}, {"dp": 8}, {"dp": 8, "zero": 2}, {"dp": 8, "zero": 3, "offload_optimizer": True}):
+    # tensor / context parallelism: accelerate's ParallelismConfig runs FSDP2 only
+    for kw in ({"dp": 1, "zero": 3}, {"dp": 8}, {"dp": 8, "zero": 2}, {"dp": 8, "zero": 3, "offload_optimizer": True},
+               {"dp": 4, "zero": 3, "tp": 2}, {"dp": 4, "zero": 3, "cp": 2}):
         w = recipes.apply(name, **kw)
         assert w.parallel.engine is Engine.AUTO and w.parallel.framework is not Engine.FSDP1, kw
         assert not {"engine", "fsdp1_prefetch"} & {k for k, _ in recipes.summary(w).applied}, kw
         assert not any("TRANSFORMER_BASED_WRAP" in n for n in recipes.notes(w)), kw
+    tp = recipes.apply(name, dp=4, zero=3, tp=2)
+    assert tp.parallel.framework is Engine.FSDP and any("ParallelismConfig" in n for n in recipes.notes(tp))
     for other in ("plain", "deepspeed", "lightning"):  # recipes that do not go through accelerate's plugin
         assert recipes.apply(other, dp=8, zero=3).parallel.framework is Engine.FSDP
 

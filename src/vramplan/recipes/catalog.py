@@ -63,9 +63,20 @@ _ACC_PLUGIN = "https://github.com/huggingface/accelerate/blob/v1.14.0/src/accele
 # (read at v1.14.0; the same code 3 lines lower at main 16cb6eb, 1.15.0.dev0)
 
 
+_ACC_PARALLELISM = ("https://github.com/huggingface/accelerate/blob/v1.14.0/src/accelerate/parallelism_config.py"
+                    "#L379-L386 (`ParallelismConfig`, accelerate's tensor and context parallelism, with FSDP only "
+                    "under `fsdp_version: 2`)")
+
+
+def _model_parallel(p: Parallel) -> bool:
+    return p.tp * p.pp * p.cp * p.ep > 1
+
+
 def _fsdp_sharded(p: Parallel) -> bool:
-    """A ZeRO-3 layout over several ranks that FSDP runs (given `engine=fsdp`/`fsdp1`, or `auto`'s FSDP)."""
-    return p.dp > 1 and p.zero == 3 and (p.engine in (Engine.FSDP, Engine.FSDP1) or p.framework is Engine.FSDP)
+    """A ZeRO-3 layout over several ranks that FSDP runs (given `engine=fsdp`/`fsdp1`, or `auto`'s FSDP),
+    without tensor, pipeline, context or expert parallelism (accelerate's FSDP beside those is FSDP2)."""
+    return p.dp > 1 and p.zero == 3 and not _model_parallel(p) and (
+        p.engine in (Engine.FSDP, Engine.FSDP1) or p.framework is Engine.FSDP)
 
 
 def _is_fsdp1(p: Parallel) -> bool:
@@ -79,7 +90,8 @@ def _accelerate_fsdp1(dp: int) -> tuple[Default, ...]:
         return ()
     return (
         Default("engine", Engine.FSDP1, f"{_ACC_PLUGIN}#L1820-L1821 (`fsdp_version` None: FSDP_VERSION, default "
-                f"'1': FullyShardedDataParallel; #L1835-L1836 `sharding_strategy` FULL_SHARD)", _fsdp_sharded),
+                f"'1': FullyShardedDataParallel; #L1835-L1836 `sharding_strategy` FULL_SHARD; with tensor or context "
+                f"parallelism FSDP2: {_ACC_PARALLELISM})", _fsdp_sharded),
         Default("fsdp1_prefetch", Fsdp1Prefetch.NONE, f"{_ACC_PLUGIN}#L1882-L1885 (`backward_prefetch` None: "
                 "FSDP_BACKWARD_PREFETCH unset, no prefetch)", _is_fsdp1),
     )
@@ -354,6 +366,8 @@ def _accelerate_fsdp(w: Workload) -> tuple[str, ...]:
                 f"{_ACC_PLUGIN}#L1899-L1900), `limit_all_gathers` True, `use_orig_params=True` (the plugin's default "
                 "False: the same bytes, the optimizer's states on the flat shards); `engine=fsdp` for FSDP2 "
                 "(`fsdp_version: 2`)",)
+    if p.zero >= 2 and p.framework is Engine.FSDP and _model_parallel(p):
+        return (f"FSDP2, as accelerate runs FSDP beside tensor or context parallelism ({_ACC_PARALLELISM})",)
     if p.zero >= 2 and p.framework is Engine.FSDP:
         return (f"this estimate is FSDP2's (`fsdp_version: 2`); accelerate's FSDP plugin runs FSDP1 without it "
                 f"({_ACC_PLUGIN}#L1820-L1821, FSDP_VERSION default '1'): `engine=fsdp1`, this recipe's default "
