@@ -459,3 +459,54 @@ def test_colocated_vllm_workloads_are_checked() -> None:
         run_estimate("qwen2.5-0.5b", Workload(**base), method="analytic")
     notes = Workload(task="train", batch=8, rollout="vllm", vllm_sleep=True).setting_notes()
     assert any("`rollout` applies with `objective=grpo`" in n for n in notes)
+
+
+def _live_at_forward_end(log: Any) -> list[tuple[str, str, int]]:
+    """(module, op, bytes) of the activations live when the last iteration's backward starts."""
+    from vramplan.events import PHASES
+
+    last, backward = max(log.iteration), PHASES.index("backward")
+    k = next(i for i in range(len(log)) if log.iteration[i] == last and log.phase[i] == backward)
+    live: dict[int, tuple[str, str, int]] = {}
+    for i in range(k):
+        if log.action[i] == int(Action.ALLOC) and log.category[i] == int(Category.ACTIVATION):
+            live[log.id[i]] = (log.strings[log.module[i]], log.strings[log.op[i]], log.size[i])
+        elif log.action[i] == int(Action.FREE):
+            live.pop(log.id[i], None)
+    return list(live.values())
+
+
+@pytest.mark.parametrize("gpu", [None, "h100"], ids=["a100-class", "h100"])
+def test_the_training_step_saves_repeated_kv_and_the_padding_mask_as_the_trace_does(gpu: str | None) -> None:
+    """TRL pads GRPO's prompts, so the training forward passes a 4-D mask: transformers 5.24 then
+    repeats k and v to every head (``use_gqa_in_sdpa``), and SDPA's fused kernel (memory-efficient on
+    an A100-class GPU, cuDNN on an H100) saves them with the per-layer additive mask. The analytic
+    attention terms of one layer are the trace's attention storages at the end of the forward."""
+    from vramplan.analytic.blocks import Ctx, block_saved
+    from vramplan.analytic.estimate import build_arch, estimate
+    from vramplan.analytic.regime import regime, trainable
+    from vramplan.hardware.catalog import get_gpu
+    from vramplan.hardware.target import device_profile
+    from vramplan.workload import Attention
+
+    spec = _llama_1b_two_layers()
+    b, s = 4, 160
+    w = Workload(task="train", batch=b, seq=s, prompt=128, precision="bf16-mixed", objective="grpo", generations=4)
+    r = trace_workload(spec, w, **({"device": device_profile(get_gpu(gpu))} if gpu else {}))
+    live = _live_at_forward_end(r.events)
+    attn = sum(n for m, op, n in live if m == "model.layers.0.self_attn" and n > 64)  # (not the kernel's rng scalars)
+    assert not [x for x in live if x[0] in ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+                and x[1] == "aten.mm.default"]  # the kv-head k and v are not what the kernel saves
+    arch = build_arch(spec)
+    sft = w.replace(objective=Objective.SFT, loss="trl", generations=8)
+    rg, tr = regime(sft), trainable(arch, sft)
+    terms = block_saved(arch.groups[0], Ctx(rg, tr, Attention.SDPA, padded=True), arch.hidden)
+    modelled = sum(t.per_token * b * s + t.per_pair * b * s * s for t in terms if t.name.startswith("attn: "))
+    assert modelled == attn
+    unpadded = block_saved(arch.groups[0], Ctx(rg, tr, Attention.SDPA), arch.hidden)
+    assert sum(t.per_token * b * s + t.per_pair * b * s * s for t in unpadded if t.name.startswith("attn: ")) < attn
+    # and the analytic GRPO step carries them (Ctx.padded through grpo._grpo)
+    a = {p.phase: p.breakdown.activations for p in estimate(spec, w).phases}[Phase.FORWARD]
+    a_sft = {p.phase: p.breakdown.activations for p in estimate(spec, sft).phases}[Phase.FORWARD]
+    assert a - a_sft == 2 * (modelled - sum(t.per_token * b * s + t.per_pair * b * s * s for t in unpadded
+                                            if t.name.startswith("attn: ")))

@@ -72,6 +72,13 @@ class Ctx:
     ``[B, H, T, D]``-contiguous tensor, so the o_proj input (``transpose(1, 2).contiguous()``)
     is a copy of it, where a fused kernel's own output is laid out ``[B, T, H, D]`` and the
     copy is a view (docs/research/pipeline-fsdp.md, pipeline × context parallelism)."""
+    padded: bool = False
+    """A padding attention mask reaches SDPA (TRL's GRPO batches prompts of different lengths):
+    transformers 5.24 builds the 4-D mask and, with a mask, repeats k and v to every head
+    (``integrations/sdpa_attention.py`` ``use_gqa_in_sdpa``, L42-L51: GQA in SDPA only without a
+    mask; ``repeat_kv``, L19-L28 and L120-L127); SDPA converts the bool mask per call to an
+    additive mask in the compute dtype (``convert_boolean_attn_mask``), which the fused kernel
+    saves for its backward (docs/research/grpo-attention-mask.md)."""
 
 
 class Terms(list[Saved]):
@@ -185,6 +192,11 @@ def mha(t: Terms, g: LayerGroup, ctx: Ctx, in_b: int, h: int) -> None:
         t.add("attn: k, v repeated to all heads", 2 * c * a.q_dim)
         _eager_core(t, g, ctx)
         out_counted = False  # the output is transposed into a fresh tensor for o_proj
+    elif ctx.padded:
+        t.add("attn: q, k, v repeated to all heads (kernel inputs)", 3 * c * a.q_dim)
+        t.add("attn: additive padding mask [b, 1, s, s] (one per layer)", pair=c, shard="seq")
+        t.add("attn: output + fp32 logsumexp", c * a.q_dim + 4 * a.heads)
+        out_counted = not ctx.ring
     else:
         t.add("attn: q, k, v (kernel inputs)", c * (a.q_dim + 2 * a.kv_dim))
         t.add("attn: output + fp32 logsumexp", c * a.q_dim + 4 * a.heads)
@@ -350,7 +362,8 @@ def backward_transient(g: LayerGroup, ctx: Ctx) -> tuple[Terms, Terms]:
         at.add("attn backward: grads of probabilities/softmax (fp32)", pair=(c + 8) * a.heads)
     else:
         qk = a.heads * a.head_dim
-        at.add("attn backward: dq, dk, dv + fp32 dq accumulator", c * (qk + 2 * a.kv_heads * a.head_dim) + 4 * qk)
+        kv = qk if ctx.padded else a.kv_heads * a.head_dim  # (padded: the repeated k, v's gradients)
+        at.add("attn backward: dq, dk, dv + fp32 dq accumulator", c * (qk + 2 * kv) + 4 * qk)
     mt = Terms()
     if f.kind == "moe":
         per_expert = f.top_k / max(1, f.experts)

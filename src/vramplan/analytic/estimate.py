@@ -57,7 +57,8 @@ def build_arch(spec: ModelSpec) -> Arch:
 
 
 def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None,
-             rollout: RolloutEngine | None = None, value_head: bool = False) -> AnalyticEstimate:
+             rollout: RolloutEngine | None = None, value_head: bool = False,
+             padded: bool = False) -> AnalyticEstimate:
     """Per-rank peak allocated bytes of ``w`` on ``spec``, by phase and category.
 
     ``workspace_bytes``: the cuBLAS workspace the caching allocator holds (one per thread
@@ -66,6 +67,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
     ``rollout``: GRPO's colocated rollout engine (``DeviceProfile.rollout``), for ``rollout=vllm``.
     ``value_head``: the decoder with a scalar value head in place of its LM head (PPO's critic,
     :func:`.decoder.value_head`); an SFT step of it, whose loss reads one value per token.
+    ``padded``: the batch carries a padding attention mask (GRPO's training step, :mod:`.grpo`):
+    under SDPA each layer saves k and v repeated to every head and the additive mask (``Ctx.padded``).
     """
     if is_vlm(spec):
         from .vlm import estimate_vlm
@@ -104,7 +107,8 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
         arch = decoder.value_head(arch)
     rg, tr = regime(w), trainable(arch, w)
     check_ring_kernel(w, rg.compute, max(g.attn.head_dim for g in arch.groups))
-    ctx = Ctx(rg, tr, w.attention, training=w.training, ring=w.parallel.cp > 1)
+    ctx = Ctx(rg, tr, w.attention, training=w.training, ring=w.parallel.cp > 1,
+              padded=padded and w.attention is Attention.SDPA)
     workspace = CUBLAS_WORKSPACE if workspace_bytes is None else workspace_bytes
     if workspace < 0:
         raise WorkloadError(f"workspace bytes must be >= 0, got {workspace}")

@@ -70,7 +70,8 @@ def _with_value_models(spec: ModelSpec, w: Workload, workspace_bytes: int | None
     # the critic's own step (verl's ``compute_value_loss`` on the values: the loss of one output per token)
     crit_w = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.FULL, generations=8,
                        peft=Peft.NONE, reward_model=False)
-    full = estimate(spec, crit_w, workspace_bytes=workspace_bytes, value_head=True)
+    # (its update reads the window's padded prompts too: trace.ppo's critic passes their mask)
+    full = estimate(spec, crit_w, workspace_bytes=workspace_bytes, value_head=True, padded=True)
     fs = full.states
     # the reward model in 16 bits (trace.ppo.reward_dtype: verl and OpenRLHF load it in bf16), the critic's
     # shape, sharded as the critic's weights are
@@ -123,7 +124,8 @@ def _grpo(spec: ModelSpec, w: Workload, workspace_bytes: int | None,
           estimate: Callable[..., AnalyticEstimate], engine: RolloutEngine | None = None) -> AnalyticEstimate:
     w.check_reference_model()
     sft = w.replace(objective=Objective.SFT, reference=Reference.AUTO, loss=Loss.TRL, generations=8, reward_model=False)
-    train = estimate(spec, sft, workspace_bytes=workspace_bytes)
+    # TRL pads prompts of different lengths, so the training forwards pass a 4-D mask (Ctx.padded)
+    train = estimate(spec, sft, workspace_bytes=workspace_bytes, padded=True)
     ref_est = estimate(spec, sft.replace(peft=Peft.NONE), workspace_bytes=workspace_bytes) \
         if w.reference_source is Reference.MODEL else None
     ref = ref_est.states.weights if ref_est is not None else 0  # (its shard, under ZeRO-3)
