@@ -91,3 +91,18 @@ def test_the_planner_screens_fsdp1_candidates() -> None:
     sharded = [p for p in r.plans if p.workload.parallel.dp > 1]
     assert sharded and all(p.workload.parallel.engine.value == "fsdp1" for p in sharded)
     assert any("FSDP1 FULL_SHARD ×8" in p.label for p in sharded), [p.label for p in sharded]
+
+
+@pytest.mark.parametrize(("zero", "prefetch", "held", "said"), [
+    (3, "none", "for its forward and again for its backward", "no backward prefetch"),
+    (3, "backward-pre", "for its forward and again for its backward", "the next block gathered beside"),
+    (2, "backward-post", "from its forward to its backward", "backward-post prefetch"),
+])
+def test_the_note_says_fsdp1s_strategy_and_prefetch(zero: int, prefetch: str, held: str, said: str) -> None:
+    """The analytic note names FSDP1's strategy and the prefetch it was given (FSDP2's "plus the
+    prefetched next one" was printed for FSDP1 under `fsdp1_prefetch=none` too)."""
+    w = Workload(task="train", batch=1, seq=256).replace(dp=2, zero=zero, engine="fsdp1", fsdp1_prefetch=prefetch)
+    every = estimate(_spec(), w, method="analytic", search_max_batch=False).notes
+    notes = [n for n in every if n.startswith("FSDP1 ")]
+    assert len(notes) == 1 and held in notes[0] and said in notes[0], notes
+    assert "prefetched next one" not in " ".join(every)

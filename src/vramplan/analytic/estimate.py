@@ -92,7 +92,7 @@ def estimate(spec: ModelSpec, w: Workload, *, workspace_bytes: int | None = None
             raise WorkloadError(
                 f"`engine=fsdp1`: the analytic method's FSDP1 formulas (flat parameters per block and the root) do "
                 f"not model {missing}", hint="use `method=trace` (auto traces catalog models), which runs "
-                "FullyShardedDataParallel itself", field="engine")
+                "FullyShardedDataParallel itself, or `engine=fsdp` for FSDP2's figure", field="engine")
     if w.rl:
         from .grpo import estimate_grpo
 

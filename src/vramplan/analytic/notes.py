@@ -115,6 +115,13 @@ def _training(arch: Arch, w: Workload, rg: Regime, tr: Trainable) -> list[str]:
             out.append("FSDP2 ZeRO-3 (a unit per block and the root's): the root unit (embeddings, final norm, "
                        "head) is gathered in 16-bit through the forward and backward, beside the running block "
                        "and the next one's all-gather (prefetched).")
+        elif p.framework is Engine.FSDP1 and p.zero >= 2:
+            prefetch = {"none": "no backward prefetch", "backward-post": "backward-post prefetch",
+                        "backward-pre": "backward-pre prefetch: the next block gathered beside the running one"}
+            held = "for its forward and again for its backward" if p.zero == 3 else "from its forward to its backward"
+            out.append(f"FSDP1 {p.fsdp1_strategy} (a flat parameter per block and the root's, each padded to a "
+                       "multiple of the shard group): the root is gathered from its forward to the end of backward, "
+                       f"each block {held} ({prefetch[p.fsdp1_prefetch.value]}).")
         elif p.zero == 3:
             out.append("ZeRO-3 / FSDP: the largest unit (layer or embeddings) is gathered in 16-bit, "
                        "plus the prefetched next one.")
