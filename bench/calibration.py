@@ -44,6 +44,10 @@ sys.path.insert(0, str(ROOT / "src"))
 MiB = 2**20
 GPU = "v100-sxm2-16gb"
 TORCH = "1.10"  # a torch 1.x of 2022 (CUDA 11.x; no lazy module loading before 1.13): the doc names none
+BNB = "0.35.0"
+"""A bitsandbytes of 2022 for the Adam8bit rows (the doc names none): 0.32.0 (Aug 2022) to 0.35.x keep
+an fp32 absmax per 2,048-element block (optim/optimizer.py L411 at 0.35.0, ``n // 2048``), as every
+release before 0.44 does (today's 256-element blocks: 8x the absmax)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,8 @@ def predict(row: Row, *, torch110: bool = False) -> dict[str, object]:
     w = apply("hf-trainer", batch=row.batch, seq=SEQ, grad_accum=row.grad_accum, precision=row.precision,
               checkpointing=row.checkpointing, optimizer=row.optimizer, attention="eager",
               # 2022 code, see the module docstring
-              optimizer_impl="for-loop", keep_grads=True)
+              optimizer_impl="for-loop", keep_grads=True,
+              **({"bnb_version": BNB} if row.optimizer == "adamw-8bit" else {}))
     inputs = {"input_ids": torch.randint(100, 30000, (row.batch, SEQ)),
               "labels": torch.randint(0, 2, (row.batch,))}
     with extended_mask_2022(), softmax_keeps_input() if torch110 else contextlib.nullcontext():

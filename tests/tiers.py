@@ -27,6 +27,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_engine_store.py::test_a_nearby_sequence_length_is_written_from_four_stored_traces",
     "tests/test_engine_store.py::test_fit_and_plan_run_ahead_in_forked_processes_with_the_serial_answer",
     "tests/test_engine_store.py::test_no_cache_writes_nothing_and_cache_command_reports_and_clears",
+    "tests/test_bnb_adamw8bit.py::test_the_stand_in_holds_what_bitsandbytes_adamw8bit_holds",
     "tests/test_bnb_qlora.py::test_qlora_traces_as_bitsandbytes_runs_on_the_cpu",
     "tests/test_bnb_qlora.py::test_prepare_model_for_kbit_training_upcasts_what_is_not_quantised",
     "tests/test_float8_training.py::test_float8_recipes_trace_as_torchao_runs_on_the_cpu[tensorwise]",

@@ -240,6 +240,25 @@ class Phase(_StrEnum):
 
 
 LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+BNB_VERSION = "0.50.2"
+"""The newest bitsandbytes whose 8-bit optimizer storage was read (the default `bnb_version`)."""
+
+
+def bnb_optim_block(version: str) -> int:
+    """Elements per fp32 absmax of bitsandbytes' blockwise 8-bit optimizer states at ``version``:
+    2,048 up to 0.43.x (``optim/optimizer.py`` ``Optimizer2State.init_state``, 0.43.3 L458-462,
+    ``blocks = n // 2048``), 256 from 0.44.0 (L480-484, ``n // 256``; PR #1365 "Change 8bit
+    optimizer blocksize 2048->256"), still 256 at 0.50.1 (L524-529, ``blocksize = 256``)."""
+    parts = str(version).strip().split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise WorkloadError(f"`bnb_version` must be a bitsandbytes version such as 0.43.3, got {version!r}",
+                            hint=f"e.g. `bnb_version=0.43.3` for a run before 0.44, default {BNB_VERSION}",
+                            field="bnb_version") from None
+    return 2048 if (major, minor) < (0, 44) else 256
+
 ALL_LINEAR = "all-linear"
 
 E = TypeVar("E", bound=Enum)
@@ -617,6 +636,10 @@ class Workload:
     bnb_single_quant: bool = False
     """bitsandbytes 4-bit without double quantisation of the absmax constants (QLoRA uses
     double quantisation)."""
+    bnb_version: str = BNB_VERSION
+    """bitsandbytes version whose 8-bit AdamW state layout is modelled (`optimizer=adamw-8bit` /
+    paged-adamw-8bit): from 0.44 an fp32 absmax per 256-element block, before it per 2,048
+    (bitsandbytes PR #1365). Give the old version to reproduce a run of that time."""
     float8: Float8 = Float8.NONE
     """FP8 training: torchao's ``convert_to_float8_training`` with this recipe (its
     ``Float8Linear`` for each linear but the output head and those with a dimension not a
@@ -733,6 +756,7 @@ class Workload:
         if not isinstance(self.vllm_max_len, int) or isinstance(self.vllm_max_len, bool) or self.vllm_max_len < 0:
             raise WorkloadError(f"`vllm_max_len` must be 0 (the model's positions) or a number of tokens, got "
                                 f"{self.vllm_max_len!r}", field="vllm_max_len")
+        bnb_optim_block(self.bnb_version)  # validates the version
         if not (0.0 < self.checkpoint_fraction <= 1.0):
             raise WorkloadError(f"`checkpoint_fraction` must be in (0, 1], got {self.checkpoint_fraction!r}",
                                 field="checkpoint_fraction")
@@ -902,6 +926,10 @@ class Workload:
                 self.bnb_compute_dtype is not DtypeChoice.AUTO or self.bnb_single_quant):
             notes.append("`bnb_compute_dtype` and `bnb_single_quant` apply to 4-bit quantisation "
                          "(`quant=nf4`/`int4`, or qlora); ignored otherwise")
+        if set_("bnb_version", BNB_VERSION) and self.optimizer not in (Optimizer.ADAMW_8BIT,
+                                                                        Optimizer.PAGED_ADAMW_8BIT):
+            notes.append("`bnb_version` sets the state layout of `optimizer=adamw-8bit` / paged-adamw-8bit; "
+                         "ignored otherwise")
         if self.float8_fsdp_all_gather and (self.float8 is Float8.NONE or p.dp == 1):
             notes.append("`float8_fsdp_all_gather` applies to float8 training under FSDP; ignored otherwise")
         if p.pp == 1 and (p.pp_first_less != 1 or p.pp_last_less != 1):

@@ -15,6 +15,7 @@ from vramplan.workload import (
     Quant,
     Task,
     Workload,
+    bnb_optim_block,
 )
 
 from .arch import Arch
@@ -191,7 +192,8 @@ def _optimizer(w: Workload, rg: Regime) -> str:
                  "(cudaMallocManaged), outside PyTorch's allocator: not counted here (they take GPU memory while "
                  "resident and page out to CPU under pressure); absmax and small tensors' states are counted."
                  if o is Optimizer.PAGED_ADAMW_8BIT else "")
-        return "bitsandbytes 8-bit Adam: 2 B/param + fp32 absmax per 2048-block, 32-bit for tensors < 4096." + paged
+        return (f"bitsandbytes {w.bnb_version} 8-bit Adam: 2 B/param + fp32 absmax per "
+                f"{bnb_optim_block(w.bnb_version):,}-block, 32-bit for tensors < 4096." + paged)
     if o is Optimizer.ADAFACTOR:
         return "Adafactor (transformers defaults): factored fp32 second moment, no first moment."
     if o is Optimizer.LION:

@@ -10,8 +10,8 @@ embeddings, the output head, norms and biases stay 16-bit (bnb skips ``lm_head``
 - fp8: 1 B/param + an fp32 scale per output row.
 
 Optimizer states per trainable element: sgd 0; sgd-momentum, lion 1 state; adam/adamw 2;
-adamw-8bit (bitsandbytes) 2 × 1 B + an fp32 absmax per 2048-element block for tensors of
-at least 4096 elements (smaller ones keep 32-bit states); adafactor (transformers'
+adamw-8bit (bitsandbytes) 2 × 1 B + an fp32 absmax per block (256 elements from bitsandbytes
+0.44, 2,048 before: ``workload.bnb_optim_block``) for tensors of at least 4096 elements (smaller ones keep 32-bit states); adafactor (transformers'
 defaults: no first moment) factored fp32 row + column second moments per matrix, full fp32
 for vectors. Under DeepSpeed/FSDP mixed precision (ZeRO ≥ 1) the fp32 master weights are
 optimizer state too.
@@ -24,7 +24,15 @@ import math
 
 from vramplan._dataclass import dataclass
 from vramplan.precision import fsdp_cpu_offload, fsdp_shards_quantised
-from vramplan.workload import Engine, Optimizer, OptimizerImpl, Peft, Quant, Workload
+from vramplan.workload import (
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    Peft,
+    Quant,
+    Workload,
+    bnb_optim_block,
+)
 
 from . import deepspeed as ds
 from . import fsdp1 as f1
@@ -34,7 +42,6 @@ from .parallel import Stage, fsdp_padding, local, local_adapters, local_small, s
 from .regime import Regime, Trainable
 
 BNB_MIN_8BIT = 4096
-BNB_BLOCK = 2048
 BNB_PAGED_MIN = 100_000
 
 
@@ -606,13 +613,15 @@ def _optimizer_bytes(w: Workload, rg: Regime, trainable: int,
     # 1e5 elements live in CUDA unified memory, outside the caching allocator (bitsandbytes
     # optim/optimizer.py get_state_buffer); their absmax and smaller tensors' states do not
     paged = o is Optimizer.PAGED_ADAMW_8BIT
-    total = 8 * vectors
+    block = bnb_optim_block(w.bnb_version)
+    # the shared pair of 256-entry fp32 quantisation maps (name2qmap "dynamic", "udynamic")
+    total = 8 * vectors + (2 * 4 * 256 if any(d_in * d_out >= BNB_MIN_8BIT for d_in, d_out, *_ in matrices) else 0)
     for d_in, d_out, count, tp, expert in matrices:
         div = (p.tp if tp else 1) * (p.ep if expert else 1)
         elems = count * d_in * d_out // div
         per = d_in * d_out // div
         if d_in * d_out >= BNB_MIN_8BIT:
-            total += (0 if paged and per >= BNB_PAGED_MIN else 2 * elems) + 2 * 4 * math.ceil(elems / BNB_BLOCK)
+            total += (0 if paged and per >= BNB_PAGED_MIN else 2 * elems) + 2 * 4 * math.ceil(elems / block)
         else:
             total += 0 if paged and per >= BNB_PAGED_MIN else 8 * elems
     return master + total

@@ -20,7 +20,7 @@ from .catalog import CATALOG
 LOOP_KNOBS: tuple[str, ...] = (
     "optimizer_impl", "checkpoint_fraction", "checkpoint_every", "activation_offload", "keep_grads",
     "keep_outputs", "loss", "loss_chunks", "optimizer_in_backward", "compile", "peft_base_dtype",
-    "bnb_compute_dtype", "bnb_single_quant",
+    "bnb_compute_dtype", "bnb_single_quant", "bnb_version",
 )
 """Knobs of the loop that the report header lists when they differ from vramplan's default
 (task, shapes, precision, optimizer, checkpointing, PEFT and layout have their own words)."""

@@ -6,7 +6,8 @@
   skipped as in-place no-ops) or the for-loop, as the workload says.
 - Lion (not in ``torch.optim``): one momentum state, foreach update (lucidrains/lion-pytorch).
 - bitsandbytes 8-bit AdamW: emulated storage — parameters of at least 4,096 elements keep
-  two ``uint8`` states plus one fp32 ``absmax`` per 2,048-element block each; smaller ones
+  two ``uint8`` states plus one fp32 ``absmax`` per block each (256 elements from bitsandbytes
+  0.44, 2,048 before: ``workload.bnb_optim_block``, the workload's ``bnb_version``); smaller ones
   keep fp32 states; the update is one fused in-place kernel (no temporaries). The *paged*
   variant (bitsandbytes ``optim/optimizer.py`` ``get_state_buffer``) allocates the two
   state buffers of parameters of at least 100,000 elements with ``F.get_paged``
@@ -23,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..workload import Optimizer, OptimizerImpl, Workload
+from ..workload import Optimizer, OptimizerImpl, Workload, bnb_optim_block
 
-BNB_BLOCK = 2048
 BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN = 100_000
 """bitsandbytes pages a state buffer only for parameters of at least 1e5 elements."""
@@ -63,8 +63,10 @@ def make_optimizer(w: Workload, params: list[nn.Parameter]) -> tuple[Any, list[s
         return Lion(params, foreach=kw.get("foreach", True)), notes
     if opt in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
         paged = opt is Optimizer.PAGED_ADAMW_8BIT
-        o = AdamW8bit(params, paged=paged)
-        notes.append("8-bit AdamW emulated (bitsandbytes storage: uint8 states + fp32 absmax per 2048-block)")
+        block = bnb_optim_block(w.bnb_version)
+        o = AdamW8bit(params, paged=paged, block=block)
+        notes.append(f"8-bit AdamW emulated (bitsandbytes {w.bnb_version} storage: uint8 states + fp32 absmax "
+                     f"per {block:,}-block)")
         if paged:
             notes.append(f"paged optimizer states ({o.paged_bytes():,} B) live in CUDA unified memory "
                          "(cudaMallocManaged), outside the caching allocator: not in these figures; they take "
@@ -117,9 +119,14 @@ def _bnb_paged_bytes(n: int) -> int:
 class AdamW8bit(torch.optim.Optimizer):
     """Storage-faithful stand-in for ``bitsandbytes.optim.AdamW8bit`` / ``PagedAdamW8bit``."""
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, paged: bool = False) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, paged: bool = False,
+                 block: int = 256) -> None:
         super().__init__(params, {"lr": lr})
         self.paged = paged
+        self.block = block
+        self.qmaps: list[torch.Tensor] = []
+        """bitsandbytes' ``name2qmap["dynamic"]`` / ``["udynamic"]``: 256 fp32 codes each, moved to
+        the device at the first 8-bit state and shared by every parameter's ``qmap1``/``qmap2``."""
 
     def paged_bytes(self) -> int:
         return sum(_bnb_paged_bytes(p.numel()) for g in self.param_groups for p in g["params"])
@@ -133,17 +140,21 @@ class AdamW8bit(torch.optim.Optimizer):
                 st = self.state[p]
                 if "step" not in st:
                     st["step"] = 0
-                    self._init_state(st, p, paged=self.paged and p.numel() >= BNB_PAGED_MIN)
+                    if p.numel() >= BNB_MIN_8BIT_SIZE and not self.qmaps:
+                        self.qmaps = [torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(2)]
+                    self._init_state(st, p, self.block, paged=self.paged and p.numel() >= BNB_PAGED_MIN)
+                    if p.numel() >= BNB_MIN_8BIT_SIZE:
+                        st["qmap1"], st["qmap2"] = self.qmaps
                 st["step"] += 1
 
     @staticmethod
-    def _init_state(st: dict[str, Any], p: torch.Tensor, *, paged: bool = False) -> None:
+    def _init_state(st: dict[str, Any], p: torch.Tensor, block: int, *, paged: bool = False) -> None:
         n = p.numel()
         if n < BNB_MIN_8BIT_SIZE:
             st["state1"] = torch.zeros_like(p, dtype=torch.float32)
             st["state2"] = torch.zeros_like(p, dtype=torch.float32)
             return
-        blocks = -(-n // BNB_BLOCK)
+        blocks = -(-n // block)
         if not paged:  # paged buffers live in unified memory, outside the allocator
             st["state1"] = torch.zeros_like(p, dtype=torch.uint8)
             st["state2"] = torch.zeros_like(p, dtype=torch.uint8)
