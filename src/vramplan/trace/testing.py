@@ -1229,6 +1229,11 @@ def real_lora_pp_tp_outcomes(model_name: str, *, pp: int, tp: int, batch: int, s
         return _spawn_gloo(_lora_pp_tp_worker, args, pp * tp, timeout, "LoRA pipeline × tensor-parallel run")
 
 
+def _error_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (what the outcome runs report)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _lora_pp_tp_worker(rank: int, pp: int, tp: int, saved: str, vocab: int, batch: int, seq: int,
                        targets: tuple[str, ...], rank_r: int, tmp: str, env: dict[str, str]) -> None:
     import json
@@ -1248,16 +1253,13 @@ def _lora_pp_tp_worker(rank: int, pp: int, tp: int, saved: str, vocab: int, batc
 
         from ..models.build import quiet
 
-        def line(e: BaseException) -> str:
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
         out: dict[str, Any] = {"load": "", "loss": False, "backward": "", "adapters": 0, "with_grad": 0}
         with quiet():
             try:
                 model: Any = AutoModelForCausalLM.from_pretrained(
                     saved, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=pp, tp_size=tp))
             except Exception as e:
-                out["load"] = line(e)
+                out["load"] = _error_line(e)
                 with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
                     f.write(json.dumps(out))
                 return
@@ -1273,7 +1275,7 @@ def _lora_pp_tp_worker(rank: int, pp: int, tp: int, saved: str, vocab: int, batc
                     res.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
                 loss.backward()
             except Exception as e:
-                out["backward"] = line(e)
+                out["backward"] = _error_line(e)
         adapters = [p for p in model.parameters() if p.requires_grad]
         out["adapters"] = len(adapters)
         out["with_grad"] = sum(p.grad is not None for p in adapters)
@@ -1303,9 +1305,6 @@ def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, ba
 
         from ..models.build import quiet
 
-        def line(e: BaseException) -> str:
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
         out = {"accelerate": "", "transformers": ""}
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
         with quiet():
@@ -1313,7 +1312,7 @@ def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, ba
                 AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, tp_size=tp, tp_plan="auto",
                                                      device_mesh=mesh)
             except Exception as e:
-                out["accelerate"] = line(e)
+                out["accelerate"] = _error_line(e)
             try:
                 model: Any = AutoModelForCausalLM.from_pretrained(
                     saved, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=tp, fsdp_size=dp))
@@ -1323,7 +1322,7 @@ def _lora_tp_fsdp_worker(rank: int, dp: int, tp: int, saved: str, vocab: int, ba
                 ids = torch.randint(0, vocab, (batch, seq))
                 model(input_ids=ids, labels=ids).loss.backward()
             except Exception as e:
-                out["transformers"] = line(e)
+                out["transformers"] = _error_line(e)
         with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
             f.write(json.dumps(out))
     finally:
